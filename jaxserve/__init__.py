@@ -1,0 +1,3 @@
+"""jaxserve: an LLM serving engine on JAX/XLA."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""jaxserve.kernels_pallas: ragged paged attention kernels (Pallas) and their jnp reference."""

@@ -1,0 +1,5 @@
+"""jaxserve.models: functional Llama-family models and their checkpoint loaders.
+
+Kept import-light (no jax at package import) so the host-side pieces (config, tokenizer) load
+without an accelerator stack; import the submodules you need.
+"""

@@ -1,0 +1,200 @@
+"""HF-format checkpoints <-> `LlamaParams`.
+
+Data flow (load): directory -> `config.json` -> ModelConfig; `model.safetensors` or the shards
+named by `model.safetensors.index.json` -> {HF tensor name: numpy array} -> `params_from_hf`
+(checks every name and shape, transposes linears to [in, out], stacks layers) -> LlamaParams.
+The GGUF loader produces the same HF-named dict, so both formats share `params_from_hf`.
+Data flow (save): LlamaParams -> `hf_tensors_from_params` -> safetensors + config.json, a
+directory that transformers and vLLM load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import ConfigError, ModelConfig
+from .llama import LayerParams, LlamaParams, param_shapes
+from .safetensors_io import CheckpointError, read_safetensors, write_safetensors
+
+# LayerParams field -> (HF name inside `model.layers.{i}.`, is a linear weight to transpose)
+_LAYER_NAMES: dict[str, tuple[str, bool]] = {
+    "attn_norm": ("input_layernorm.weight", False),
+    "wq": ("self_attn.q_proj.weight", True),
+    "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True),
+    "wo": ("self_attn.o_proj.weight", True),
+    "bq": ("self_attn.q_proj.bias", False),
+    "bk": ("self_attn.k_proj.bias", False),
+    "bv": ("self_attn.v_proj.bias", False),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+    "mlp_norm": ("post_attention_layernorm.weight", False),
+    "w_gate": ("mlp.gate_proj.weight", True),
+    "w_up": ("mlp.up_proj.weight", True),
+    "w_down": ("mlp.down_proj.weight", True),
+}
+_FLOAT_DTYPES = {np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64),
+                 np.dtype(jnp.bfloat16)}
+# Tensors HF checkpoints may carry that the model does not use.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_hf_config(model_dir: pathlib.Path) -> ModelConfig:
+    path = model_dir / "config.json"
+    try:
+        d = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{model_dir}: no config.json (not an HF model directory)") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    cfg = ModelConfig.from_hf_dict(d, source=str(path))
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        # generation_config may add stop ids (e.g. Llama 3's <|eot_id|>) to config's eos.
+        g = json.loads(gen.read_text())
+        eos = g.get("eos_token_id")
+        extra = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        ids = tuple(dict.fromkeys([*cfg.eos_token_ids, *(int(x) for x in extra)]))
+        if ids != cfg.eos_token_ids:
+            cfg = dataclasses.replace(cfg, eos_token_ids=ids)
+    return cfg
+
+
+def read_hf_tensors(model_dir: pathlib.Path) -> dict[str, np.ndarray]:
+    """{name: array} from `model.safetensors` or an index of shards."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: malformed index ({e!r})") from None
+        tensors: dict[str, np.ndarray] = {}
+        for shard in sorted(set(weight_map.values())):
+            shard_path = model_dir / shard
+            if not shard_path.exists():
+                raise CheckpointError(f"{index}: shard {shard!r} is missing")
+            tensors.update(read_safetensors(shard_path))
+        missing = sorted(set(weight_map) - set(tensors))
+        if missing:
+            raise CheckpointError(f"{index}: tensors listed but not found in shards: {missing[:5]}")
+        return tensors
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"{model_dir}: no *.safetensors weights (pickled .bin checkpoints are not loaded: "
+            "they can execute code)")
+    tensors = {}
+    for f in files:
+        tensors.update(read_safetensors(f))
+    return tensors
+
+
+def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray],
+                   dtype: jnp.dtype = jnp.float32, source: str = "checkpoint") -> LlamaParams:
+    """Map HF-named tensors onto LlamaParams, checking names and shapes; arrays on device."""
+    shapes = param_shapes(cfg)
+    np_dtype = np.dtype(dtype)
+    used: set[str] = set()
+
+    def get(name: str, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
+        if name not in tensors:
+            raise CheckpointError(f"{source}: tensor {name!r} is missing")
+        a = tensors[name]
+        want = shape[::-1] if transpose else shape
+        if tuple(a.shape) != want:
+            raise CheckpointError(
+                f"{source}: tensor {name!r} has shape {list(a.shape)}, expected {list(want)} "
+                f"for this config")
+        if a.dtype not in _FLOAT_DTYPES:
+            raise CheckpointError(f"{source}: tensor {name!r} has non-float dtype {a.dtype}")
+        used.add(name)
+        a = a.T if transpose else a
+        return np.asarray(a, dtype=np_dtype)
+
+    layers: dict[str, jax.Array | None] = {}
+    for field, (suffix, transpose) in _LAYER_NAMES.items():
+        key = f"layers.{field}"
+        if key not in shapes:
+            layers[field] = None
+            continue
+        per_layer = shapes[key][1:]
+        stacked = np.stack([get(f"model.layers.{i}.{suffix}", per_layer, transpose)
+                            for i in range(cfg.num_layers)])
+        layers[field] = jnp.asarray(stacked)
+    embed = jnp.asarray(get("model.embed_tokens.weight", shapes["embed"], False))
+    final_norm = jnp.asarray(get("model.norm.weight", shapes["final_norm"], False))
+    lm_head = None
+    if "lm_head" in shapes:
+        lm_head = jnp.asarray(get("lm_head.weight", shapes["lm_head"], True))
+    else:
+        used.add("lm_head.weight")  # tied checkpoints sometimes still ship a copy
+    unexpected = sorted(n for n in tensors if n not in used and not n.endswith(_IGNORED_SUFFIXES))
+    if unexpected:
+        raise CheckpointError(
+            f"{source}: unexpected tensors for model_type={cfg.model_type!r}: {unexpected[:5]}"
+            f"{' ...' if len(unexpected) > 5 else ''}")
+    return LlamaParams(embed=embed, layers=LayerParams(**layers), final_norm=final_norm,
+                       lm_head=lm_head)
+
+
+def hf_tensors_from_params(cfg: ModelConfig, params: LlamaParams) -> dict[str, np.ndarray]:
+    """LlamaParams -> HF-named numpy tensors ([out, in] linears), in the params' dtype."""
+    out: dict[str, np.ndarray] = {
+        "model.embed_tokens.weight": np.asarray(params.embed),
+        "model.norm.weight": np.asarray(params.final_norm),
+    }
+    if params.lm_head is not None:
+        out["lm_head.weight"] = np.asarray(params.lm_head).T
+    for field, (suffix, transpose) in _LAYER_NAMES.items():
+        stacked = getattr(params.layers, field)
+        if stacked is None:
+            continue
+        host = np.asarray(stacked)
+        for i in range(cfg.num_layers):
+            out[f"model.layers.{i}.{suffix}"] = host[i].T if transpose else host[i]
+    return out
+
+
+def save_hf_dir(out_dir: pathlib.Path, cfg: ModelConfig, params: LlamaParams,
+                max_shard_bytes: int = 4 << 30) -> None:
+    """Write config.json + safetensors (sharded with an index above `max_shard_bytes`)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = hf_tensors_from_params(cfg, params)
+    dtype_name = {np.dtype(np.float32): "float32", np.dtype(jnp.bfloat16): "bfloat16",
+                  np.dtype(np.float16): "float16"}.get(params.embed.dtype, "float32")
+    (out_dir / "config.json").write_text(json.dumps(cfg.to_hf_dict(dtype_name), indent=2))
+    gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids)}
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    if len(shards) == 1:
+        write_safetensors(out_dir / "model.safetensors", shards[0], {"format": "pt"})
+        return
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(out_dir / fname, shard, {"format": "pt"})
+        weight_map.update({n: fname for n in shard})
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+             "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+__all__ = ["ConfigError", "CheckpointError", "read_hf_config", "read_hf_tensors",
+           "params_from_hf", "hf_tensors_from_params", "save_hf_dir"]

@@ -1,0 +1,1 @@
+"""jaxserve.server: the gRPC front end."""
