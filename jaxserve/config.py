@@ -1,0 +1,84 @@
+"""Frozen configuration built once at the edge (CLI / API) and passed down.
+
+This is the only module (with `cli.py`) that reads environment variables. Later issues extend
+the tree with cache, scheduler and engine sections; every section is a frozen dataclass whose
+`__post_init__` validates its own fields and raises ValueError naming the bad one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from typing import Mapping
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Where the weights come from. `path` None selects the bundled SmolLM2-135M-Instruct."""
+
+    path: str | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {DTYPES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """Process-wide JAX settings applied once by `apply_runtime`."""
+
+    # JAX persistent compilation cache: a second start skips XLA compiles. None disables it.
+    compilation_cache_dir: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "RuntimeConfig":
+        env = os.environ if env is None else env
+        value = env.get("JAXSERVE_COMPILATION_CACHE_DIR")
+        if value is None:
+            value = str(pathlib.Path.home() / ".cache" / "jaxserve" / "xla")
+        return cls(compilation_cache_dir=value or None)
+
+
+def apply_runtime(cfg: RuntimeConfig) -> None:
+    """Configure JAX from `cfg`; call once at program start, before the first compile."""
+    import jax
+
+    if cfg.compilation_cache_dir:
+        pathlib.Path(cfg.compilation_cache_dir).mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
+        # Cache even quick compiles: on a CPU host every step function is worth keeping.
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching policy knobs (the TTFT / ITL / throughput trade-off)."""
+
+    max_num_seqs: int = 64  # sequences in one step
+    max_num_batched_tokens: int = 512  # tokens (decodes + prefill chunks) in one step
+    max_model_len: int = 2048  # prompt + generated tokens of one sequence
+    page_size: int = 16  # tokens per KV page
+    num_pages: int = 1024  # KV pages incl. the trash page 0 (derived from a memory budget)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.num_pages < 2:
+            raise ValueError(f"num_pages={self.num_pages} must be >= 2 (page 0 is reserved)")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Every running sequence must be able to decode in one step.
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                f"max_num_seqs={self.max_num_seqs}")
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
