@@ -82,3 +82,48 @@ class SchedulerConfig:
     @property
     def max_pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.page_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything a user chooses for one engine; derived sizes (pages, buckets) come later."""
+
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    dtype: str = "float32"
+    kv_cache_dtype: str | None = None  # None: same as dtype
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: min(model's max_position_embeddings, 4096)
+    page_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for KV pages; None: a fraction of free memory
+    kv_cache_memory_fraction: float = 0.8
+    enable_prefix_caching: bool = True
+    attention_impl: str = "auto"  # auto | reference | pallas_tpu | pallas_gpu
+    token_buckets: tuple[int, ...] | None = None  # None: powers of two up to the budget
+    seq_buckets: tuple[int, ...] | None = None  # None: powers of two up to max_num_seqs
+    seed: int = 0  # seeds drawn for requests that give none
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {DTYPES}")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; "
+                             f"choose one of {DTYPES}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r} must be positive bytes")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction={self.kv_cache_memory_fraction} must be "
+                             "in (0, 1]")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                             f"max_num_seqs={self.max_num_seqs}")
+        for name in ("token_buckets", "seq_buckets"):
+            b = getattr(self, name)
+            if b is not None and (not b or list(b) != sorted(set(b)) or b[0] < 1):
+                raise ValueError(f"{name}={b!r} must be strictly increasing positive integers")

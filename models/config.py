@@ -120,10 +120,11 @@ class ModelConfig:
                 f"{source}: model_type={model_type!r} (architectures={d.get('architectures')!r}) "
                 f"is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        hidden = int(req("hidden_size"))  # type: ignore[arg-type]
-        num_heads = int(req("num_attention_heads"))  # type: ignore[arg-type]
-        num_kv_heads = int(d.get("num_key_value_heads") or num_heads)  # type: ignore[arg-type]
-        head_dim = d.get("head_dim") or hidden // num_heads
+        hidden = _num(req("hidden_size"), "hidden_size", source)
+        num_heads = _num(req("num_attention_heads"), "num_attention_heads", source)
+        num_kv_heads = _num(d.get("num_key_value_heads") or num_heads, "num_key_value_heads",
+                            source)
+        head_dim = d.get("head_dim") or hidden // max(num_heads, 1)
         if model_type == "qwen3":
             attention_bias = bool(d.get("attention_bias", False))
         elif model_type == "qwen2":
@@ -166,6 +167,9 @@ class ModelConfig:
             )
         except ConfigError as e:
             raise ConfigError(f"{source}: {e}") from None
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{source}: a field has a value of the wrong type ({e}); "
+                              "numeric fields must be numbers") from None
 
     def to_hf_dict(self, torch_dtype: str = "float32") -> dict[str, object]:
         """An HF `config.json` dict that transformers and vLLM load."""
@@ -206,6 +210,12 @@ class ModelConfig:
                 )
             d["rope_scaling"] = rs
         return d
+
+
+def _num(x: object, name: str, source: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or int(x) != x:
+        raise ConfigError(f"{source}: field {name!r}={x!r} must be an integer")
+    return int(x)
 
 
 def _opt_int(x: object) -> int | None:

