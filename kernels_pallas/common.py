@@ -1,0 +1,173 @@
+"""Shared contract of the attention kernels: step metadata, KV page layout, input checks, KV writes.
+
+Data flow of one engine step (per layer)::
+
+    k_new, v_new [T, Hkv, D] --write_kv(slot_mapping)--> kv_pages (updated in place if donated)
+    q [T, Hq, D] + kv_pages + AttentionMetadata --ragged_paged_attention--> out [T, Hq, D]
+
+KV page layout (all implementations): ``kv_pages`` is ``[num_pages, 2 * Hkv, page_size, D]``;
+K of kv head ``h`` sits at index ``2h`` of axis 1 and V at ``2h + 1``. The head axis comes
+before the token axis (unlike the ``[num_pages, page_size, 2 * Hkv, D]`` sketch in the issue)
+because then one (page, kv head) pair is a contiguous ``[2, page_size, D]`` slab: the TPU
+kernel DMAs ``[2 * heads_per_block, page_size, D]`` per page without strided de-interleaving
+and the GPU kernel's TMA copies are dense ``[page_size, D]`` boxes. A token's K/V is then
+scattered over 2 * Hkv rows of a page, which costs the (small, T-sized) write nothing extra.
+Page 0 is the trash page: padding tokens write there and unused block-table entries point
+there; no live sequence may own it.
+
+Head dims other than the kernels' (multiples of 64 on GPU) go through padding: allocate the
+pages with ``padded_head_dim(D)``; ``write_kv`` zero-pads K/V and the attention zero-pads q
+and slices the output, which leaves q.k and p.v unchanged (pass ``sm_scale`` for the true D).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Finite "minus infinity" for masked logits: exp(MASK_VALUE - m) underflows to 0 while
+# MASK_VALUE - MASK_VALUE stays 0, so no NaN appears for rows that see no key (padding rows).
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+TRASH_PAGE = 0
+_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-step metadata; every shape is fixed by the step's bucket (T tokens, S sequences).
+
+    slot_mapping: i32[T]  flat slot ``page * page_size + offset`` of each token's new K/V;
+        padding tokens map to slots of the trash page 0.
+    block_tables: i32[S, max_pages_per_seq]  page ids per sequence (unused entries 0).
+    kv_lens: i32[S]  context + new tokens (0 for padding sequences).
+    cu_q_lens: i32[S + 1]  offsets of each sequence's queries in the flat token axis.
+    num_seqs: i32[1]  number of live sequences; sequences at and beyond it are padding.
+    """
+
+    slot_mapping: jax.Array
+    block_tables: jax.Array
+    kv_lens: jax.Array
+    cu_q_lens: jax.Array
+    num_seqs: jax.Array
+
+
+def kv_pages_shape(num_pages: int, page_size: int, num_kv_heads: int,
+                   head_dim: int) -> tuple[int, int, int, int]:
+    """Shape of one layer's KV page array in the layout all implementations read."""
+    return (num_pages, 2 * num_kv_heads, page_size, head_dim)
+
+
+def padded_head_dim(head_dim: int, multiple: int = 64) -> int:
+    """Head dim to allocate pages with so every kernel accepts it (GPU needs multiples of 64)."""
+    return -(-head_dim // multiple) * multiple
+
+
+def init_kv_pages(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                  dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
+    """Zero-filled pages (zeros keep the trash page finite for every reader)."""
+    return jnp.zeros(kv_pages_shape(num_pages, page_size, num_kv_heads, head_dim), dtype)
+
+
+def _check_int_vector(name: str, x: jax.Array, shape: tuple[int, ...]) -> None:
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got shape {tuple(x.shape)}")
+    if x.dtype != jnp.int32:
+        raise ValueError(f"{name} must be int32, got dtype {x.dtype}")
+
+
+def check_kv_pages(kv_pages: jax.Array) -> tuple[int, int, int, int]:
+    """Validate the page array; returns (num_pages, num_kv_heads, page_size, head_dim)."""
+    if kv_pages.ndim != 4 or kv_pages.shape[1] % 2:
+        raise ValueError(
+            "kv_pages must be [num_pages, 2 * num_kv_heads, page_size, head_dim], got shape "
+            f"{tuple(kv_pages.shape)}")
+    if jnp.dtype(kv_pages.dtype) not in _FLOAT_DTYPES:
+        raise ValueError(f"kv_pages dtype must be float32/bfloat16/float16, got {kv_pages.dtype}")
+    num_pages, two_hkv, page_size, head_dim = kv_pages.shape
+    if num_pages < 2:
+        raise ValueError(f"kv_pages needs the trash page 0 plus live pages, got shape "
+                         f"{tuple(kv_pages.shape)}")
+    return num_pages, two_hkv // 2, page_size, head_dim
+
+
+def check_metadata(md: AttentionMetadata, num_tokens: int) -> tuple[int, int]:
+    """Validate metadata shapes/dtypes against T; returns (S, max_pages_per_seq)."""
+    if md.block_tables.ndim != 2:
+        raise ValueError("block_tables must be [S, max_pages_per_seq], got shape "
+                         f"{tuple(md.block_tables.shape)}")
+    num_seqs_max, max_pages = md.block_tables.shape
+    _check_int_vector("block_tables", md.block_tables, (num_seqs_max, max_pages))
+    _check_int_vector("slot_mapping", md.slot_mapping, (num_tokens,))
+    _check_int_vector("kv_lens", md.kv_lens, (num_seqs_max,))
+    _check_int_vector("cu_q_lens", md.cu_q_lens, (num_seqs_max + 1,))
+    _check_int_vector("num_seqs", md.num_seqs, (1,))
+    return num_seqs_max, max_pages
+
+
+def check_attention_inputs(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata, *,
+                           sm_scale: float, sliding_window: int | None,
+                           soft_cap: float | None) -> None:
+    """Trace-time checks shared by every implementation; raise ValueError naming the culprit."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
+    if jnp.dtype(q.dtype) not in _FLOAT_DTYPES:
+        raise ValueError(f"q dtype must be float32/bfloat16/float16, got {q.dtype}")
+    _, num_kv_heads, _, head_dim = check_kv_pages(kv_pages)
+    num_tokens, num_q_heads, q_head_dim = q.shape
+    if num_tokens < 1:
+        raise ValueError(f"q must hold at least one token, got shape {tuple(q.shape)}")
+    if q.dtype != kv_pages.dtype:
+        raise ValueError(f"q dtype {q.dtype} differs from kv_pages dtype {kv_pages.dtype}")
+    if q_head_dim > head_dim:
+        raise ValueError(f"q head_dim {q_head_dim} (shape {tuple(q.shape)}) exceeds the pages' "
+                         f"head_dim {head_dim} (shape {tuple(kv_pages.shape)})")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"q heads {num_q_heads} (shape {tuple(q.shape)}) are not a multiple of "
+                         f"kv heads {num_kv_heads} (kv_pages shape {tuple(kv_pages.shape)})")
+    check_metadata(md, num_tokens)
+    if not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool):
+        raise ValueError(f"sm_scale must be a Python float, got {sm_scale!r}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if soft_cap is not None and (not isinstance(soft_cap, (int, float)) or soft_cap <= 0):
+        raise ValueError(f"soft_cap must be a positive float or None, got {soft_cap!r}")
+
+
+def pad_head_dim(x: jax.Array, head_dim: int) -> jax.Array:
+    """Zero-pad the last axis to head_dim (zeros leave dot products unchanged)."""
+    if x.shape[-1] == head_dim:
+        return x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, head_dim - x.shape[-1])])
+
+
+def write_kv(kv_pages: jax.Array, k_new: jax.Array, v_new: jax.Array,
+             slot_mapping: jax.Array) -> jax.Array:
+    """Scatter the step's new K/V [T, Hkv, D] into their slots; exact (no arithmetic).
+
+    One XLA scatter writes each token's 2 * Hkv rows; under jit with ``kv_pages`` donated XLA
+    updates the buffer in place, so the cost is O(T * Hkv * D) whatever the cache size.
+    Padding tokens must map to trash-page slots; out-of-range slots are dropped, never wrapped.
+    """
+    _, num_kv_heads, page_size, head_dim = check_kv_pages(kv_pages)
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+        if x.ndim != 3 or x.shape[1] != num_kv_heads or x.shape[2] > head_dim:
+            raise ValueError(f"{name} must be [T, {num_kv_heads}, <= {head_dim}] to match kv_pages "
+                             f"shape {tuple(kv_pages.shape)}, got shape {tuple(x.shape)}")
+        if x.dtype != kv_pages.dtype:
+            raise ValueError(f"{name} dtype {x.dtype} differs from kv_pages dtype {kv_pages.dtype}")
+    if k_new.shape != v_new.shape:
+        raise ValueError(f"k_new shape {tuple(k_new.shape)} differs from v_new shape "
+                         f"{tuple(v_new.shape)}")
+    _check_int_vector("slot_mapping", slot_mapping, (k_new.shape[0],))
+    # [T, Hkv, 2, D] -> [T, 2*Hkv, D]: K of head h lands on row 2h, V on 2h + 1.
+    kv = jnp.stack([pad_head_dim(k_new, head_dim), pad_head_dim(v_new, head_dim)], axis=2)
+    kv = kv.reshape(k_new.shape[0], 2 * num_kv_heads, head_dim)
+    # Negative slots would wrap around under numpy indexing rules: send them out of range.
+    page = jnp.where(slot_mapping < 0, kv_pages.shape[0], slot_mapping // page_size)
+    offset = slot_mapping % page_size
+    rows = jnp.arange(2 * num_kv_heads, dtype=jnp.int32)
+    return kv_pages.at[page[:, None], rows[None, :], offset[:, None]].set(kv, mode="drop")

@@ -1,0 +1,74 @@
+"""The one entry point the engine calls: pick an implementation, run it.
+
+``select_impl`` maps a config value ('auto' or an implementation name) and the platform to
+'reference' | 'pallas_tpu' | 'pallas_gpu'. 'auto' gives the TPU kernel on TPU, the Mosaic GPU
+kernel on NVIDIA GPUs of compute capability >= 9.0 (it needs TMA and WGMMA), and the jnp
+reference everywhere else (CPU, older or non-NVIDIA GPUs). ``ragged_paged_attention``
+validates at trace time and dispatches; every implementation reads the same page layout
+(common.py) and returns [T, Hq, D] in q's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from .common import AttentionMetadata
+from .reference import ragged_paged_attention_reference
+
+IMPLEMENTATIONS = ("reference", "pallas_tpu", "pallas_gpu")
+
+
+def _gpu_kernel_supported() -> bool:
+    """Mosaic GPU targets Hopper+ (sm_90): TMA and WGMMA. ROCm devices have no such backend."""
+    try:
+        dev = jax.devices("gpu")[0]
+    except RuntimeError:
+        return False
+    if "rocm" in str(getattr(dev.client, "platform_version", "")).lower():
+        return False
+    try:
+        return float(getattr(dev, "compute_capability", "0")) >= 9.0
+    except ValueError:
+        return False
+
+
+def select_impl(name: str = "auto", platform: str | None = None) -> str:
+    """'auto' -> kernel for the platform ('tpu', 'gpu'/'cuda', else reference); names pass."""
+    if name in IMPLEMENTATIONS:
+        return name
+    if name != "auto":
+        raise ValueError(f"unknown attention impl {name!r}; expected 'auto' or one of "
+                         f"{IMPLEMENTATIONS}")
+    if platform is None:
+        platform = jax.default_backend()
+        if platform == "gpu" and not _gpu_kernel_supported():
+            return "reference"
+    if platform == "tpu":
+        return "pallas_tpu"
+    if platform in ("gpu", "cuda"):
+        return "pallas_gpu"
+    return "reference"
+
+
+def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata, *,
+                           sm_scale: float, sliding_window: int | None = None,
+                           soft_cap: float | None = None, impl: str = "auto",
+                           interpret: Any = False, **tuning: int) -> jax.Array:
+    """Causal ragged paged attention: out [T, Hq, D] for q [T, Hq, D].
+
+    Reads kv_pages [num_pages, 2 * Hkv, page_size, D] (after ``write_kv`` stored this step's
+    K/V). ``interpret`` runs a Pallas kernel on CPU (True, or the backend's InterpretParams);
+    ``tuning`` forwards block-size knobs to the chosen implementation.
+    """
+    chosen = select_impl(impl)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, **tuning)
+    if chosen == "reference":
+        return ragged_paged_attention_reference(q, kv_pages, md, **kwargs)
+    # Kernel modules load on first use: a host only imports the Pallas backend it runs.
+    if chosen == "pallas_tpu":
+        from .tpu import ragged_paged_attention_tpu
+        return ragged_paged_attention_tpu(q, kv_pages, md, interpret=interpret, **kwargs)
+    from .gpu import ragged_paged_attention_gpu
+    return ragged_paged_attention_gpu(q, kv_pages, md, interpret=interpret, **kwargs)
