@@ -1,3 +1,35 @@
-"""jaxserve: an LLM serving engine on JAX/XLA."""
+"""jaxserve: an LLM serving engine on JAX/XLA.
+
+`from jaxserve import LLM, SamplingParams, Engine`. The heavy (jax) parts load on first use so
+that the host-side modules (scheduler, allocator, request, detokenizer) import without jax.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .sampling_params import SamplingParams
 
 __version__ = "0.1.0"
+__all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "build_engine"]
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
+    from .engine import Engine
+    from .llm import LLM, build_engine
+
+
+def __getattr__(name: str) -> object:
+    if name in ("LLM", "build_engine"):
+        from . import llm
+
+        return getattr(llm, name)
+    if name == "Engine":
+        from .engine import Engine
+
+        return Engine
+    if name == "EngineConfig":
+        from .config import EngineConfig
+
+        return EngineConfig
+    raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Sequence
 
-from .config import DTYPES, ModelSource, RuntimeConfig, apply_runtime
+from .config import DTYPES, EngineConfig, ModelSource, RuntimeConfig, apply_runtime
 
 log = logging.getLogger("jaxserve")
 
@@ -39,8 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature; 0 = greedy (default)")
     g.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
+    g.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest; -1: all")
     g.add_argument("--chat", action="store_true",
                    help="wrap PROMPT as a user message with the model's chat template")
+    g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context limit (default: the model's, capped at 4096)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="prefill chunk size per step (default 512)")
 
     c = sub.add_parser("convert", help="convert a checkpoint to Orbax or HF format",
                        description="Convert SRC (HF dir, GGUF, or jaxserve checkpoint) to DST.")
@@ -55,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .models import generate, loading
+    from .llm import build_engine
+    from .models import loading
+    from .sampling_params import SamplingParams
 
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens={args.max_tokens} must be >= 1")
@@ -65,18 +74,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
     log.info("loaded %s (%s) in %.1fs", model.source, model.format, time.perf_counter() - t0)
     tok = model.tokenizer
     if args.chat:
-        prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}],
-                                             add_generation_prompt=True, tokenize=True)
+        prompt: str | list[int] = tok.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True)
     else:
-        prompt_ids = tok.encode(args.prompt, add_special_tokens=True)
+        prompt = args.prompt
+    # One prompt: a one-sequence engine that compiles only the buckets this prompt touches
+    # (a full warmup would compile every bucket for a single request).
+    config = EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=1,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_model_len=args.max_model_len, seed=args.seed)
+    engine = build_engine(config, model, warmup=False)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            seed=args.seed, top_p=args.top_p, top_k=args.top_k)
+    engine.add_request("cli", prompt, params)
     t1 = time.perf_counter()
-    out = generate.generate(model.params, model.config, [prompt_ids], args.max_tokens,
-                            temperature=args.temperature, seed=args.seed,
-                            stop_token_ids=model.config.eos_token_ids)[0]
-    log.info("generated %d tokens in %.1fs", len(out), time.perf_counter() - t1)
-    if out and out[-1] in model.config.eos_token_ids:
-        out = out[:-1]
-    print(tok.decode(out, skip_special_tokens=True))
+    text = ""
+    n = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            c = out.outputs[0]
+            n = len(c.token_ids)
+            if args.stream and c.delta_text:
+                print(c.delta_text, end="", flush=True)
+            text = c.text
+    log.info("generated %d tokens in %.1fs", n, time.perf_counter() - t1)
+    print("" if args.stream else text)
     return 0
 
 

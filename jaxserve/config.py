@@ -100,7 +100,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_impl: str = "auto"  # auto | reference | pallas_tpu | pallas_gpu
     token_buckets: tuple[int, ...] | None = None  # None: powers of two up to the budget
-    seq_buckets: tuple[int, ...] | None = None  # None: powers of two up to max_num_seqs
+    # None: one per token bucket, min(tokens, max_num_seqs); else every (tokens, seqs) pair
+    seq_buckets: tuple[int, ...] | None = None
     seed: int = 0  # seeds drawn for requests that give none
 
     def __post_init__(self) -> None:

@@ -68,6 +68,7 @@ class Request:
     group_id: str | None = None  # the user's request id when n > 1
     sample_index: int = 0  # which of the n samples this is
     max_tokens: int = 1  # resolved from sampling_params and max_model_len
+    seed: int = 0  # effective sampling seed (drawn by the engine when the caller gave none)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_computed_tokens: int = 0

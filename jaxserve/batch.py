@@ -1,0 +1,170 @@
+"""SchedulerOutput -> StepBatch: flat ragged numpy arrays padded to a (token, seq) bucket.
+
+Plain numpy (no jax); `model_runner` is the only place these cross to the device. Layout, in
+vLLM's vocabulary, for the T_b padded tokens of the S_b padded sequences of one step:
+  token_ids, positions   i32[T_b]  the new tokens, sequence after sequence
+  slot_mapping           i32[T_b]  page * page_size + offset where each new token's K/V goes;
+                                    padding tokens write into the trash page 0
+  block_tables           i32[S_b, max_pages_per_seq]  each sequence's pages (0-padded)
+  kv_lens                i32[S_b]  context + new tokens (0 for padding sequences)
+  cu_q_lens              i32[S_b + 1]  query offsets (padding sequences have length 0)
+  num_seqs               i32[1]
+  logits_indices         i32[S_b]  which token's logits each sequence samples from
+plus the per-row sampling arrays (see `jaxserve.sampler.SamplingTensors`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from .scheduler import SchedulerOutput
+
+_MASK64 = (1 << 64) - 1
+
+
+def bucket_for(num_tokens: int, num_seqs: int,
+               buckets: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """Smallest compiled (tokens, seqs) bucket holding the step (buckets sorted by tokens)."""
+    i = bisect.bisect_left(buckets, (num_tokens, 0))
+    for t, s in buckets[i:]:
+        if s >= num_seqs:
+            return t, s
+    raise ValueError(f"a step of {num_tokens} tokens in {num_seqs} sequences exceeds every "
+                     f"compiled bucket (largest {buckets[-1]})")
+
+
+def default_buckets(limit: int, smallest: int) -> tuple[int, ...]:
+    """Powers of two from `smallest` up to `limit`, with `limit` itself as the last bucket."""
+    out = []
+    b = smallest
+    while b < limit:
+        out.append(b)
+        b *= 2
+    out.append(limit)
+    return tuple(out)
+
+
+def rng_key_data(seed: int, counter: int) -> tuple[int, int]:
+    """u32x2 threefry key data for draw number `counter` of a request seeded `seed`.
+
+    A splitmix64 finaliser over (seed, counter): depends on nothing else, so a seeded request
+    draws the same numbers whatever shares its batch, step after step.
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + counter * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return z >> 32, z & 0xFFFFFFFF
+
+
+@dataclasses.dataclass
+class StepBatch:
+    token_ids: np.ndarray  # i32[T_b]
+    positions: np.ndarray  # i32[T_b]
+    slot_mapping: np.ndarray  # i32[T_b]
+    block_tables: np.ndarray  # i32[S_b, max_pages_per_seq]
+    kv_lens: np.ndarray  # i32[S_b]
+    cu_q_lens: np.ndarray  # i32[S_b + 1]
+    num_seqs: np.ndarray  # i32[1]
+    logits_indices: np.ndarray  # i32[S_b]
+    temperature: np.ndarray  # f32[S_b]
+    top_k: np.ndarray  # i32[S_b]
+    top_p: np.ndarray  # f32[S_b]
+    min_p: np.ndarray  # f32[S_b]
+    rng_key: np.ndarray  # u32[S_b, 2]
+    repetition_penalty: np.ndarray  # f32[S_b]
+    presence_penalty: np.ndarray  # f32[S_b]
+    frequency_penalty: np.ndarray  # f32[S_b]
+    history: np.ndarray  # i32[S_b, P] (P = 0 when no row uses penalties)
+    history_is_output: np.ndarray  # bool[S_b, P]
+
+    @property
+    def bucket(self) -> tuple[int, int, bool]:
+        """(T_b, S_b, penalties) — the compiled step this batch runs on."""
+        return len(self.token_ids), len(self.kv_lens), self.history.shape[1] > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+    # (tokens, seqs) pairs compiled at warmup, sorted; by default one sequence bucket per
+    # token bucket, min(tokens, max_num_seqs): a step cannot hold more sequences than tokens.
+    buckets: tuple[tuple[int, int], ...]
+    page_size: int
+    max_pages_per_seq: int
+    vocab_size: int
+    history_len: int  # P when penalties are on (max_model_len)
+
+
+def build_batch(out: SchedulerOutput, shape: BatchShape) -> StepBatch:
+    """Pack one scheduled step; rows follow `out.seqs` order."""
+    T, S = bucket_for(out.num_tokens, out.num_seqs, shape.buckets)
+    ps = shape.page_size
+    token_ids = np.zeros(T, np.int32)
+    positions = np.zeros(T, np.int32)
+    slot_mapping = np.zeros(T, np.int32)  # padding -> trash page 0, offset 0
+    block_tables = np.zeros((S, shape.max_pages_per_seq), np.int32)
+    kv_lens = np.zeros(S, np.int32)
+    cu_q_lens = np.zeros(S + 1, np.int32)
+    temperature = np.zeros(S, np.float32)
+    top_k = np.full(S, shape.vocab_size, np.int32)
+    top_p = np.ones(S, np.float32)
+    min_p = np.zeros(S, np.float32)
+    rng_key = np.zeros((S, 2), np.uint32)
+    rep = np.ones(S, np.float32)
+    presence = np.zeros(S, np.float32)
+    frequency = np.zeros(S, np.float32)
+    penalised: list[int] = []
+
+    t = 0
+    for row, seq in enumerate(out.seqs):
+        req = seq.request
+        n = seq.num_new_tokens
+        start = seq.start
+        end = start + n
+        pages = req.pages
+        if n == 1:
+            token_ids[t] = req.all_token_ids[start]
+            positions[t] = start
+            slot_mapping[t] = pages[start // ps] * ps + start % ps
+        else:
+            pos = np.arange(start, end, dtype=np.int32)
+            token_ids[t:t + n] = req.all_token_ids[start:end]
+            positions[t:t + n] = pos
+            slot_mapping[t:t + n] = np.asarray(pages, np.int32)[pos // ps] * ps + pos % ps
+        block_tables[row, : len(pages)] = pages
+        kv_lens[row] = end
+        t += n
+        cu_q_lens[row + 1] = t
+        sp = req.sampling_params
+        temperature[row] = sp.temperature
+        if sp.top_k > 0:
+            top_k[row] = sp.top_k
+        top_p[row] = sp.top_p
+        min_p[row] = sp.min_p
+        rng_key[row] = rng_key_data(req.seed, req.num_output_tokens)
+        if sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty:
+            rep[row] = sp.repetition_penalty
+            presence[row] = sp.presence_penalty
+            frequency[row] = sp.frequency_penalty
+            penalised.append(row)
+    num = out.num_seqs
+    cu_q_lens[num + 1:] = t
+    logits_indices = np.maximum(cu_q_lens[1:] - 1, 0).astype(np.int32)
+
+    P = shape.history_len if penalised else 0
+    history = np.full((S, P), -1, np.int32)
+    is_output = np.zeros((S, P), bool)
+    for row in penalised:
+        req = out.seqs[row].request
+        ids = req.all_token_ids[-P:]
+        history[row, : len(ids)] = ids
+        n_out = min(req.num_output_tokens, len(ids))
+        is_output[row, len(ids) - n_out: len(ids)] = True
+    return StepBatch(token_ids, positions, slot_mapping, block_tables, kv_lens, cu_q_lens,
+                     np.array([num], np.int32), logits_indices, temperature, top_k, top_p,
+                     min_p, rng_key, rep, presence, frequency, history, is_output)
+

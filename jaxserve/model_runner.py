@@ -1,0 +1,151 @@
+"""The host/device boundary: owns params and KV pages on device, runs one compiled step.
+
+Data flow: StepBatch (numpy, from `batch.py`) -> one `jax.device_put` of the whole
+`StepInputs` pytree -> `forward_step` (module-level, jitted once per (tokens, seqs) bucket,
+KV pages donated so XLA updates them in place) -> logits f32[S, V] stay on device ->
+`sample_step` (jitted once per seqs bucket and penalties on/off) -> one `jax.device_get` of
+the sampled ids and logprobs -> StepResult (numpy). Nothing else in the engine touches jax
+arrays. The sampler is its own executable so that the penalties variant multiplies only the
+(cheap) sampler compiles, not the model's.
+
+`warmup()` compiles every bucket up front (with a progress bar); after it the compile guard
+is armed and any further compile is counted (and is a bug).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from tqdm.auto import tqdm
+
+from .batch import BatchShape, StepBatch
+from .compile_guard import CompileGuard
+from .kernels_pallas import AttentionMetadata
+from .models.config import ModelConfig
+from .models.llama import LlamaParams
+from .models.paged import kv_cache_shape, paged_forward
+from .sampler import MAX_LOGPROBS, SampleOutput, SamplingTensors, sample
+
+log = logging.getLogger(__name__)
+
+
+@struct.dataclass
+class StepInputs:
+    token_ids: jax.Array  # i32[T]
+    positions: jax.Array  # i32[T]
+    md: AttentionMetadata
+    logits_indices: jax.Array  # i32[S]
+    sampling: SamplingTensors
+
+
+@dataclasses.dataclass
+class StepResult:
+    tokens: np.ndarray  # i32[S_b]
+    logprob: np.ndarray  # f32[S_b]
+    top_ids: np.ndarray  # i32[S_b, MAX_LOGPROBS]
+    top_logprobs: np.ndarray  # f32[S_b, MAX_LOGPROBS]
+
+
+class Runner(Protocol):
+    """What the engine needs from a model runner (real below; fakes in tests/benchmarks)."""
+
+    def warmup(self, progress: bool = True) -> None: ...
+
+    def execute(self, batch: StepBatch) -> StepResult: ...
+
+    @property
+    def compiles_after_warmup(self) -> int: ...
+
+
+def forward_step(params: LlamaParams, kv_pages: jax.Array, inputs: StepInputs, cfg: ModelConfig,
+                 attn_impl: str) -> tuple[jax.Array, jax.Array]:
+    """-> (updated kv_pages, f32[S, vocab] logits of each sequence's sampling position)."""
+    logits, kv_pages = paged_forward(params, kv_pages, inputs.token_ids, inputs.positions,
+                                     inputs.md, inputs.logits_indices, cfg, attn_impl)
+    return kv_pages, logits
+
+
+_forward_jit = jax.jit(forward_step, static_argnames=("cfg", "attn_impl"),
+                       donate_argnames=("kv_pages",))
+_sample_jit = jax.jit(sample, static_argnames=("apply_penalty",))
+
+
+def to_step_inputs(b: StepBatch) -> StepInputs:
+    md = AttentionMetadata(slot_mapping=b.slot_mapping, block_tables=b.block_tables,
+                           kv_lens=b.kv_lens, cu_q_lens=b.cu_q_lens, num_seqs=b.num_seqs)
+    st = SamplingTensors(temperature=b.temperature, top_k=b.top_k, top_p=b.top_p,
+                         min_p=b.min_p, rng_key=b.rng_key, repetition_penalty=b.repetition_penalty,
+                         presence_penalty=b.presence_penalty,
+                         frequency_penalty=b.frequency_penalty, history=b.history,
+                         history_is_output=b.history_is_output)
+    return StepInputs(token_ids=b.token_ids, positions=b.positions, md=md,
+                      logits_indices=b.logits_indices, sampling=st)
+
+
+def empty_batch(shape: BatchShape, num_tokens: int, num_seqs: int, penalties: bool) -> StepBatch:
+    """An all-padding batch of one bucket (no live sequence): what warmup compiles with."""
+    P = shape.history_len if penalties else 0
+    S = num_seqs
+    i32 = np.int32
+    return StepBatch(
+        token_ids=np.zeros(num_tokens, i32), positions=np.zeros(num_tokens, i32),
+        slot_mapping=np.zeros(num_tokens, i32),
+        block_tables=np.zeros((S, shape.max_pages_per_seq), i32), kv_lens=np.zeros(S, i32),
+        cu_q_lens=np.zeros(S + 1, i32), num_seqs=np.zeros(1, i32),
+        logits_indices=np.zeros(S, i32), temperature=np.zeros(S, np.float32),
+        top_k=np.full(S, shape.vocab_size, i32), top_p=np.ones(S, np.float32),
+        min_p=np.zeros(S, np.float32), rng_key=np.zeros((S, 2), np.uint32),
+        repetition_penalty=np.ones(S, np.float32), presence_penalty=np.zeros(S, np.float32),
+        frequency_penalty=np.zeros(S, np.float32), history=np.full((S, P), -1, i32),
+        history_is_output=np.zeros((S, P), bool))
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, params: LlamaParams, shape: BatchShape,
+                 num_pages: int, kv_dtype: jnp.dtype, attn_impl: str = "reference",
+                 kv_head_dim: int | None = None):
+        if MAX_LOGPROBS > model_cfg.vocab_size:
+            raise ValueError(f"vocab_size={model_cfg.vocab_size} < MAX_LOGPROBS={MAX_LOGPROBS}")
+        self.model_cfg = model_cfg
+        self.params = params
+        self.shape = shape
+        self.attn_impl = attn_impl
+        self.kv_pages = jnp.zeros(kv_cache_shape(model_cfg, num_pages, shape.page_size,
+                                                 kv_head_dim), kv_dtype)
+        self.guard = CompileGuard()
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        return self.guard.compiles_after_warmup
+
+    def buckets(self) -> list[tuple[int, int, bool]]:
+        """(tokens, seqs, penalties) shapes that warmup runs: every forward bucket, and the
+        penalties sampler variant once per distinct seqs bucket."""
+        plain = [(t, s, False) for t, s in self.shape.buckets]
+        largest_t = {s: t for t, s in self.shape.buckets}
+        return plain + [(largest_t[s], s, True) for s in sorted(largest_t)]
+
+    def warmup(self, progress: bool = True) -> None:
+        for t, s, p in tqdm(self.buckets(), desc="compiling step buckets", disable=not progress,
+                            unit="bucket"):
+            self.execute(empty_batch(self.shape, t, s, p))
+        jax.block_until_ready(self.kv_pages)
+        self.guard.arm()
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        inputs = jax.device_put(to_step_inputs(batch))
+        self.kv_pages, logits = _forward_jit(self.params, self.kv_pages, inputs,
+                                             cfg=self.model_cfg, attn_impl=self.attn_impl)
+        out = _sample_jit(logits, inputs.sampling, apply_penalty=batch.history.shape[1] > 0)
+        tokens, logprob, top_ids, top_lps = jax.device_get(
+            (out.tokens, out.logprob, out.top_ids, out.top_logprobs))
+        return StepResult(tokens, logprob, top_ids, top_lps)
+
+    def close(self) -> None:
+        self.guard.close()

@@ -1,0 +1,62 @@
+"""The engine's model step over paged KV: one ragged batch of new tokens -> logits to sample.
+
+Data flow: token_ids i32[T] (prefill chunks and decode tokens of S sequences end to end) ->
+embed -> for each layer (a `lax.scan` over the stacked params, the whole KV array in the carry
+so XLA updates it in place): q/k/v + RoPE at each token's position -> `write_kv` scatters the
+new K/V into their slots -> ragged paged attention reads each sequence's pages through its
+block table -> ... -> final norm -> logits only at `logits_indices` (one row per sequence).
+
+KV layout: f[L, num_pages, 2 * Hkv, page_size, D_pages] (`kernels_pallas` per-layer layout
+with a leading layer axis); page 0 is the trash page padding tokens write into.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..kernels_pallas import AttentionMetadata, kv_pages_shape, ragged_paged_attention, write_kv
+from .config import ModelConfig
+from .llama import LayerParams, LlamaParams, decoder_layer, embed, lm_logits
+
+
+def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int,
+                   head_dim: int | None = None) -> tuple[int, ...]:
+    """Shape of the stacked KV pages; `head_dim` may be padded for a kernel's alignment."""
+    return (cfg.num_layers, *kv_pages_shape(num_pages, page_size, cfg.num_kv_heads,
+                                            head_dim or cfg.head_dim))
+
+
+def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: jnp.dtype,
+                      head_dim: int | None = None) -> int:
+    per_layer = 2 * cfg.num_kv_heads * page_size * (head_dim or cfg.head_dim)
+    return cfg.num_layers * per_layer * jnp.dtype(dtype).itemsize
+
+
+def paged_forward(params: LlamaParams, kv_pages: jax.Array, token_ids: jax.Array,
+                  positions: jax.Array, md: AttentionMetadata, logits_indices: jax.Array,
+                  cfg: ModelConfig, attn_impl: str = "reference") -> tuple[jax.Array, jax.Array]:
+    """-> (f32[S, vocab] logits at `logits_indices`, updated kv_pages). Pure; jit it."""
+    scale = cfg.head_dim ** -0.5
+    window = cfg.sliding_window
+
+    def layer(carry: tuple[jax.Array, jax.Array],
+              xs: tuple[LayerParams, jax.Array]) -> tuple[tuple[jax.Array, jax.Array], None]:
+        x, kv = carry
+        lp, i = xs
+
+        def attn(q: jax.Array, k: jax.Array, v: jax.Array,
+                 kv_all: jax.Array) -> tuple[jax.Array, jax.Array]:
+            pages = write_kv(kv_all[i], k.astype(kv_all.dtype), v.astype(kv_all.dtype),
+                             md.slot_mapping)
+            out = ragged_paged_attention(q.astype(kv_all.dtype), pages, md, sm_scale=scale,
+                                         sliding_window=window, impl=attn_impl)
+            return out.astype(q.dtype), jax.lax.dynamic_update_index_in_dim(kv_all, pages, i, 0)
+
+        x, kv = decoder_layer(cfg, lp, x, positions, attn, kv)
+        return (x, kv), None
+
+    x = embed(params, token_ids)
+    idx = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, kv_pages), _ = jax.lax.scan(layer, (x, kv_pages), (params.layers, idx))
+    return lm_logits(cfg, params, x[logits_indices]), kv_pages

@@ -1,0 +1,69 @@
+"""Tiny random-weight models wrapped as LoadedModels, and engines over them, for engine tests."""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hf_models import save_tiny_tokenizer
+from jaxserve.config import EngineConfig
+from jaxserve.engine import Engine
+from jaxserve.llm import build_engine
+from jaxserve.models import llama
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.loading import LoadedModel
+from jaxserve.models.tokenizer import Tokenizer
+
+VOCAB = 211
+
+
+def tiny_model_config(**overrides: object) -> ModelConfig:
+    base = dict(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5,
+                rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False,
+                attention_bias=False, qk_norm=False, bos_token_id=1, eos_token_ids=(2,))
+    base.update(overrides)
+    return ModelConfig(**base)  # type: ignore[arg-type]
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_tokenizer() -> Tokenizer:
+    d = pathlib.Path(tempfile.mkdtemp(prefix="jaxserve-tok-"))
+    save_tiny_tokenizer(d, VOCAB)
+    return Tokenizer.from_hf_dir(d)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(seed: int = 0, **overrides: object) -> LoadedModel:
+    cfg = tiny_model_config(**overrides)
+    # Large init scale: sharp distributions, so greedy argmaxes are far from ties.
+    params = llama.init_random_params(cfg, jax.random.key(seed), jnp.float32, scale=0.5)
+    return LoadedModel(config=cfg, params=params, tokenizer=tiny_tokenizer(),
+                       source=pathlib.Path("tiny"), format="hf")
+
+
+def tiny_engine(model: LoadedModel | None = None, warmup: bool = True,
+                **cfg: object) -> Engine:
+    base = dict(max_num_seqs=8, max_num_batched_tokens=64, page_size=8,
+                kv_cache_memory=None, max_model_len=256, attention_impl="reference")
+    base.update(cfg)
+    return build_engine(EngineConfig(**base), model or tiny_model(), warmup=warmup,  # type: ignore[arg-type]
+                        progress=False)
+
+
+def rollout(model: LoadedModel, prompt: list[int], n: int) -> list[int]:
+    """Oracle: greedy decoding with the plain full-sequence forward (no cache, no pages)."""
+    seq = list(prompt)
+    T = 1 << (len(prompt) + n - 1).bit_length()  # one compile per power of two
+    for _ in range(n):
+        tokens = np.zeros((1, T), np.int32)
+        tokens[0, : len(seq)] = seq
+        logits = llama.forward_jit(model.params, tokens, np.array([len(seq)], np.int32),
+                                   cfg=model.config)
+        seq.append(int(np.argmax(np.asarray(logits[0, len(seq) - 1]))))
+    return seq[len(prompt):]
