@@ -81,6 +81,7 @@ class StepBatch:
     frequency_penalty: np.ndarray  # f32[S_b]
     history: np.ndarray  # i32[S_b, P] (P = 0 when no row uses penalties)
     history_is_output: np.ndarray  # bool[S_b, P]
+    want_logprobs: np.ndarray  # bool[S_b]
 
     @property
     def bucket(self) -> tuple[int, int, bool]:
@@ -117,6 +118,7 @@ def build_batch(out: SchedulerOutput, shape: BatchShape) -> StepBatch:
     rep = np.ones(S, np.float32)
     presence = np.zeros(S, np.float32)
     frequency = np.zeros(S, np.float32)
+    want_logprobs = np.zeros(S, bool)
     penalised: list[int] = []
 
     t = 0
@@ -146,6 +148,7 @@ def build_batch(out: SchedulerOutput, shape: BatchShape) -> StepBatch:
         top_p[row] = sp.top_p
         min_p[row] = sp.min_p
         rng_key[row] = rng_key_data(req.seed, req.num_output_tokens)
+        want_logprobs[row] = sp.logprobs is not None
         if sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty:
             rep[row] = sp.repetition_penalty
             presence[row] = sp.presence_penalty
@@ -166,5 +169,6 @@ def build_batch(out: SchedulerOutput, shape: BatchShape) -> StepBatch:
         is_output[row, len(ids) - n_out: len(ids)] = True
     return StepBatch(token_ids, positions, slot_mapping, block_tables, kv_lens, cu_q_lens,
                      np.array([num], np.int32), logits_indices, temperature, top_k, top_p,
-                     min_p, rng_key, rep, presence, frequency, history, is_output)
+                     min_p, rng_key, rep, presence, frequency, history, is_output,
+                     want_logprobs)
 

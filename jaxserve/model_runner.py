@@ -83,7 +83,7 @@ def to_step_inputs(b: StepBatch) -> StepInputs:
                          min_p=b.min_p, rng_key=b.rng_key, repetition_penalty=b.repetition_penalty,
                          presence_penalty=b.presence_penalty,
                          frequency_penalty=b.frequency_penalty, history=b.history,
-                         history_is_output=b.history_is_output)
+                         history_is_output=b.history_is_output, want_logprobs=b.want_logprobs)
     return StepInputs(token_ids=b.token_ids, positions=b.positions, md=md,
                       logits_indices=b.logits_indices, sampling=st)
 
@@ -103,7 +103,7 @@ def empty_batch(shape: BatchShape, num_tokens: int, num_seqs: int, penalties: bo
         min_p=np.zeros(S, np.float32), rng_key=np.zeros((S, 2), np.uint32),
         repetition_penalty=np.ones(S, np.float32), presence_penalty=np.zeros(S, np.float32),
         frequency_penalty=np.zeros(S, np.float32), history=np.full((S, P), -1, i32),
-        history_is_output=np.zeros((S, P), bool))
+        history_is_output=np.zeros((S, P), bool), want_logprobs=np.zeros(S, bool))
 
 
 class ModelRunner:

@@ -35,6 +35,7 @@ class SamplingTensors:
     frequency_penalty: jax.Array  # f32[S]
     history: jax.Array  # i32[S, P] prompt + output token ids, -1 padded (P = 0: no penalties)
     history_is_output: jax.Array  # bool[S, P] True where history holds a generated token
+    want_logprobs: jax.Array  # bool[S] the row asked for logprobs
 
 
 @struct.dataclass
@@ -88,23 +89,47 @@ def filter_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     thresh = jax.lax.cond(needs_sort, cutoff,
                           lambda x: jnp.full((x.shape[0], 1), -jnp.inf, x.dtype), scaled)
     out = jnp.where(scaled >= thresh, scaled, -jnp.inf)
-    probs = jax.nn.softmax(scaled, axis=-1)
-    pmax = jnp.max(probs, axis=-1, keepdims=True)
-    return jnp.where(probs >= st.min_p[:, None] * pmax, out, -jnp.inf)
+
+    def min_p_filter(x: jax.Array) -> jax.Array:
+        # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p) (no softmax needed).
+        floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(st.min_p[:, None])
+        return jnp.where(scaled >= floor, x, -jnp.inf)
+
+    return jax.lax.cond(jnp.any(st.min_p > 0), min_p_filter, lambda x: x, out)
 
 
 def sample(logits: jax.Array, st: SamplingTensors, apply_penalty: bool) -> SampleOutput:
-    """Draw one token per row. logits: f32[S, V]. `apply_penalty` is static."""
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    """Draw one token per row. logits: f32[S, V]. `apply_penalty` is static.
+
+    Work no row asked for is skipped at run time (lax.cond): no random draw when every row
+    is greedy, no logprob top-k when no row wants logprobs.
+    """
+    raw = logits
     if apply_penalty:
         logits = apply_penalties(logits, st)
-    filtered = filter_logits(logits, st)
-    keys = jax.vmap(jax.random.wrap_key_data)(st.rng_key)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
-    drawn = jnp.argmax(filtered + gumbel, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1)
-    tokens = jnp.where(st.temperature > 0, drawn, greedy).astype(jnp.int32)
-    top_lp, top_ids = jax.lax.top_k(raw_logprobs, MAX_LOGPROBS)
-    chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    return SampleOutput(tokens=tokens, logprob=chosen, top_ids=top_ids.astype(jnp.int32),
-                        top_logprobs=top_lp)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampling = st.temperature > 0
+
+    def draw(_: None) -> jax.Array:
+        filtered = filter_logits(logits, st)
+        keys = jax.vmap(jax.random.wrap_key_data)(st.rng_key)
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
+        return jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)
+
+    drawn = jax.lax.cond(jnp.any(sampling), draw, lambda _: greedy, None)
+    tokens = jnp.where(sampling, drawn, greedy)
+
+    def logprobs(_: None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        lp = jax.nn.log_softmax(raw, axis=-1)
+        top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+        chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+        return chosen, top_ids.astype(jnp.int32), top_lp
+
+    def no_logprobs(_: None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        S = raw.shape[0]
+        return (jnp.zeros((S,), jnp.float32), jnp.zeros((S, MAX_LOGPROBS), jnp.int32),
+                jnp.zeros((S, MAX_LOGPROBS), jnp.float32))
+
+    chosen, top_ids, top_lp = jax.lax.cond(jnp.any(st.want_logprobs), logprobs, no_logprobs,
+                                           None)
+    return SampleOutput(tokens=tokens, logprob=chosen, top_ids=top_ids, top_logprobs=top_lp)

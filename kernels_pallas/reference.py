@@ -2,19 +2,17 @@
 
 Data flow: ``plan_tiles`` cuts the live sequences' queries into tiles of ``tile_tokens``
 tokens that never straddle sequences; ``gather_q_tiles`` packs each tile as
-``[Hkv, rows = tile_tokens * G, D]``. For each tile we gather the owning sequence's pages
-through its block-table row into dense ``K, V [Hkv, max_kv, D]`` (max_kv = max_pages_per_seq
-* page_size), compute masked softmax attention in float32 and scatter rows back to
-``[T, Hq, D]``.
+``[Hkv, rows = tile_tokens * G, D]``. Then one loop over KV blocks of ``block_pages`` pages,
+for every tile at once: gather the block's pages of each tile's sequence through its
+block-table row, compute masked float32 logits and fold them into a float32 online softmax
+(running max, denominator, accumulator). Rows go back to ``[T, Hq, D]`` at the end.
 
-Cost: per tile, ``Hkv * max_kv * D`` gathered K/V elements and ``rows * Hkv * max_kv``
-float32 logits, so a call moves ``O(NT * Hkv * max_kv * D)`` bytes and does
-``O(NT * tile_tokens * Hq * max_kv * D)`` flops, NT <= T / tile_tokens + S.
-Decode (tile_tokens = 1) is then exactly "each sequence reads its pages once"; prefill pays
-``T * max_kv`` logits like any dense attention. Tiles run through ``lax.map`` in batches sized
-to keep the gathered K/V and the logits near ``_BATCH_BYTES``, so memory stays bounded
-whatever the bucket. Keys past a tile's causal end are masked and their V rows zeroed, so
-NaN/garbage in unused or trash pages cannot leak into live rows.
+Cost: the loop runs from the smallest first block to the largest last block any tile needs
+(a traced bound, so no recompile), so a step reads ``NT * Hkv * max(kv_len) * D`` K/V
+elements: proportional to the longest *live* context of the step, not to the block table's
+width (max_model_len). Logits memory per iteration is ``NT * Hkv * rows * block`` float32.
+Keys outside a tile's causal / window range are masked and their V rows zeroed, so NaN or
+garbage in unused or trash pages cannot leak into live rows.
 """
 
 from __future__ import annotations
@@ -28,42 +26,62 @@ from .common import (MASK_VALUE, AttentionMetadata, check_attention_inputs, pad_
 from .tiling import (F_KV_HI, F_KV_LO, F_POS0, F_SEQ, default_tile_tokens, gather_q_tiles,
                      plan_tiles, scatter_out_tiles, tile_rows)
 
-# Working-set target per lax.map batch (gathered K/V plus f32 logits), bytes.
-_BATCH_BYTES = 64 << 20
+# Keys per loop iteration: big enough to amortise the loop, small enough for cache.
+_BLOCK_TOKENS = 128
 # Reference tiles stay small: a long prefill chunk becomes many tiles, bounding logits memory.
 _MAX_TILE_TOKENS = 64
 
 
-def _tile_attention(q_tile: jax.Array, info: jax.Array, kv_pages: jax.Array,
-                    block_tables: jax.Array, *, group: int, sm_scale: float,
-                    sliding_window: int | None, soft_cap: float | None) -> jax.Array:
-    """One tile: q_tile [Hkv, rows, D] against its sequence's pages -> [Hkv, rows, D] f32."""
-    num_kv_heads, rows, head_dim = q_tile.shape
-    pages = kv_pages[block_tables[info[F_SEQ]]]                  # [P, 2Hkv, ps, D]
-    kv = pages.transpose(1, 0, 2, 3).reshape(2 * num_kv_heads, -1, head_dim)
-    k, v = kv[0::2], kv[1::2]                                     # [Hkv, max_kv, D]
-    max_kv = k.shape[1]
-    kpos = jnp.arange(max_kv, dtype=jnp.int32)
-    qpos = info[F_POS0] + jnp.arange(rows, dtype=jnp.int32) // group
-    mask = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < info[F_KV_HI])
-    if sliding_window is not None:
-        mask &= kpos[None, :] >= jnp.maximum(info[F_KV_LO], qpos[:, None] - sliding_window + 1)
-    # Zero V beyond the causal end: p == 0 there, but 0 * NaN would still poison the sum.
-    v = jnp.where((kpos < info[F_KV_HI])[None, :, None], v, jnp.zeros((), v.dtype))
-    # HIGHEST: on GPU/TPU the default f32 matmul precision is TF32/bf16; the reference must
-    # stay exact wherever it runs (on CPU this costs nothing).
-    s = jnp.einsum("hrd,hkd->hrk", q_tile, k, preferred_element_type=jnp.float32,
-                   precision=jax.lax.Precision.HIGHEST) * sm_scale
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
-    s = jnp.where(mask[None], s, MASK_VALUE)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.where(mask[None], jnp.exp(s - m), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    # p stays float32 (the reference should be the most exact implementation).
-    out = jnp.einsum("hrk,hkd->hrd", p, v.astype(jnp.float32),
-                     precision=jax.lax.Precision.HIGHEST)
-    return out / jnp.where(denom == 0.0, 1.0, denom)
+def _blocked_attention(q_tiles: jax.Array, info: jax.Array, kv_pages: jax.Array,
+                       block_tables: jax.Array, *, group: int, block_pages: int, sm_scale: float,
+                       sliding_window: int | None, soft_cap: float | None) -> jax.Array:
+    """q_tiles [NT, Hkv, rows, D] -> [NT, Hkv, rows, D] f32, online softmax over KV blocks."""
+    num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
+    page_size = kv_pages.shape[2]
+    block = block_pages * page_size
+    max_pages = block_tables.shape[1]
+    # Pad the block table so every block's page slice is in range (extra entries: page 0).
+    n_blocks_max = -(-max_pages // block_pages)
+    tables = jnp.pad(block_tables, ((0, 0), (0, n_blocks_max * block_pages - max_pages)))
+    tile_tables = tables[info[:, F_SEQ]]                                  # [NT, n_blk * bp]
+    qpos = info[:, F_POS0, None] + jnp.arange(rows, dtype=jnp.int32)[None, :] // group
+    kv_hi, kv_lo = info[:, F_KV_HI], info[:, F_KV_LO]
+    live = kv_hi > 0
+    first = jnp.min(jnp.where(live, kv_lo // block, n_blocks_max))
+    last = jnp.max(jnp.where(live, -(-kv_hi // block), 0))
+    qf = q_tiles.astype(jnp.float32)
+
+    def body(j: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        m, l, acc = carry
+        ids = jax.lax.dynamic_slice_in_dim(tile_tables, j * block_pages, block_pages, axis=1)
+        pages = kv_pages[ids]                                   # [NT, bp, 2Hkv, ps, D]
+        kv = pages.transpose(0, 2, 1, 3, 4).reshape(num_tiles, 2 * num_kv_heads, block,
+                                                    head_dim)
+        k, v = kv[:, 0::2].astype(jnp.float32), kv[:, 1::2].astype(jnp.float32)
+        kpos = j * block + jnp.arange(block, dtype=jnp.int32)
+        ok_k = (kpos[None, :] < kv_hi[:, None]) & (kpos[None, :] >= kv_lo[:, None])  # [NT, blk]
+        mask = ok_k[:, None, :] & (kpos[None, None, :] <= qpos[:, :, None])          # [NT,r,blk]
+        if sliding_window is not None:
+            mask &= kpos[None, None, :] > qpos[:, :, None] - sliding_window
+        # Zero V outside the range: p == 0 there, but 0 * NaN would still poison the sum.
+        v = jnp.where(ok_k[:, None, :, None], v, 0.0)
+        s = jnp.einsum("thrd,thkd->thrk", qf, k) * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = jnp.where(mask[:, None], s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+        p = jnp.where(mask[:, None], jnp.exp(s - m_new), 0.0)
+        corr = jnp.exp(m - m_new)
+        l = l * corr + jnp.sum(p, axis=-1, keepdims=True)
+        acc = acc * corr + jnp.einsum("thrk,thkd->thrd", p, v)
+        return m_new, l, acc
+
+    init = (jnp.full((num_tiles, num_kv_heads, rows, 1), MASK_VALUE, jnp.float32),
+            jnp.zeros((num_tiles, num_kv_heads, rows, 1), jnp.float32),
+            jnp.zeros((num_tiles, num_kv_heads, rows, head_dim), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(first, last, body, init)
+    return acc / jnp.where(l == 0.0, 1.0, l)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
@@ -88,16 +106,10 @@ def ragged_paged_attention_reference(q: jax.Array, kv_pages: jax.Array, md: Atte
     q_tiles = gather_q_tiles(pad_head_dim(q, head_dim), plan, num_kv_heads, rows)
     q_tiles = q_tiles.transpose(1, 0, 2, 3)                      # [NT, Hkv, rows, D]
 
-    max_kv = max_pages * page_size
-    itemsize = jnp.dtype(kv_pages.dtype).itemsize
-    # Gathered K/V plus ~3 float32 [Hkv, rows, max_kv] temporaries (logits, mask, p).
-    per_tile = (2 * num_kv_heads * max_kv * head_dim * itemsize
-                + 3 * num_kv_heads * rows * max_kv * 4)
-    batch = max(1, min(plan.max_tiles, _BATCH_BYTES // max(per_tile, 1)))
-    fn = functools.partial(_tile_attention, kv_pages=kv_pages, block_tables=md.block_tables,
-                           group=group, sm_scale=sm_scale, sliding_window=sliding_window,
-                           soft_cap=soft_cap)
-    out_tiles = jax.lax.map(lambda args: fn(*args), (q_tiles, plan.info), batch_size=batch)
+    block_pages = max(1, min(max_pages, _BLOCK_TOKENS // page_size))
+    out_tiles = _blocked_attention(q_tiles, plan.info, kv_pages, md.block_tables, group=group,
+                                   block_pages=block_pages, sm_scale=sm_scale,
+                                   sliding_window=sliding_window, soft_cap=soft_cap)
     out_tiles = out_tiles.astype(q.dtype).transpose(1, 0, 2, 3)  # [Hkv, NT, rows, D]
     out = scatter_out_tiles(out_tiles, plan, num_q_heads)
     return out[..., :q_head_dim]

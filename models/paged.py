@@ -7,10 +7,16 @@ new K/V into their slots -> ragged paged attention reads each sequence's pages t
 block table -> ... -> final norm -> logits only at `logits_indices` (one row per sequence).
 
 KV layout: f[L, num_pages, 2 * Hkv, page_size, D_pages] (`kernels_pallas` per-layer layout
-with a leading layer axis); page 0 is the trash page padding tokens write into.
+with a leading layer axis); page 0 of each layer is the trash page padding tokens write into.
+Layer i is never sliced out (a slice would copy the layer's pages every step): the array is
+viewed as L * num_pages pages (a free reshape) and layer i's block tables and slots are
+offset by i * num_pages pages, so the scatter and the attention's page reads touch only the
+pages they need, in place.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +45,7 @@ def paged_forward(params: LlamaParams, kv_pages: jax.Array, token_ids: jax.Array
     """-> (f32[S, vocab] logits at `logits_indices`, updated kv_pages). Pure; jit it."""
     scale = cfg.head_dim ** -0.5
     window = cfg.sliding_window
+    num_layers, num_pages, _, page_size, _ = kv_pages.shape
 
     def layer(carry: tuple[jax.Array, jax.Array],
               xs: tuple[LayerParams, jax.Array]) -> tuple[tuple[jax.Array, jax.Array], None]:
@@ -47,11 +54,15 @@ def paged_forward(params: LlamaParams, kv_pages: jax.Array, token_ids: jax.Array
 
         def attn(q: jax.Array, k: jax.Array, v: jax.Array,
                  kv_all: jax.Array) -> tuple[jax.Array, jax.Array]:
-            pages = write_kv(kv_all[i], k.astype(kv_all.dtype), v.astype(kv_all.dtype),
-                             md.slot_mapping)
-            out = ragged_paged_attention(q.astype(kv_all.dtype), pages, md, sm_scale=scale,
+            flat = kv_all.reshape(num_layers * num_pages, *kv_all.shape[2:])
+            base = i * num_pages
+            layer_md = dataclasses.replace(md, block_tables=md.block_tables + base,
+                                           slot_mapping=md.slot_mapping + base * page_size)
+            flat = write_kv(flat, k.astype(flat.dtype), v.astype(flat.dtype),
+                            layer_md.slot_mapping)
+            out = ragged_paged_attention(q.astype(flat.dtype), flat, layer_md, sm_scale=scale,
                                          sliding_window=window, impl=attn_impl)
-            return out.astype(q.dtype), jax.lax.dynamic_update_index_in_dim(kv_all, pages, i, 0)
+            return out.astype(q.dtype), flat.reshape(kv_all.shape)
 
         x, kv = decoder_layer(cfg, lp, x, positions, attn, kv)
         return (x, kv), None
