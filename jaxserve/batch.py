@@ -48,17 +48,21 @@ def default_buckets(limit: int, smallest: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def rng_key_data(seed: int, counter: int) -> tuple[int, int]:
-    """u32x2 threefry key data for draw number `counter` of a request seeded `seed`.
+def rng_key_data(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """u32[N, 2] threefry key data for draw number `counters[i]` of a request seeded
+    `seeds[i]` (both u64[N]).
 
     A splitmix64 finaliser over (seed, counter): depends on nothing else, so a seeded request
-    draws the same numbers whatever shares its batch, step after step.
+    draws the same numbers whatever shares its batch, step after step. uint64 arithmetic
+    wraps modulo 2**64, exactly as the finaliser wants.
     """
-    z = (seed * 0x9E3779B97F4A7C15 + counter * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    z ^= z >> 31
-    return z >> 32, z & 0xFFFFFFFF
+    with np.errstate(over="ignore"):
+        z = seeds * np.uint64(0x9E3779B97F4A7C15) + counters * np.uint64(0xBF58476D1CE4E5B9) \
+            + np.uint64(0x94D049BB133111EB)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return np.stack([(z >> np.uint64(32)).astype(np.uint32), z.astype(np.uint32)], axis=1)
 
 
 @dataclasses.dataclass
@@ -101,62 +105,74 @@ class BatchShape:
 
 
 def build_batch(out: SchedulerOutput, shape: BatchShape) -> StepBatch:
-    """Pack one scheduled step; rows follow `out.seqs` order."""
+    """Pack one scheduled step; rows follow `out.seqs` order.
+
+    Per-row Python work is kept to list appends; the arrays are built with a few vectorised
+    numpy calls (this runs every step, for hundreds of sequences).
+    """
     T, S = bucket_for(out.num_tokens, out.num_seqs, shape.buckets)
     ps = shape.page_size
-    token_ids = np.zeros(T, np.int32)
-    positions = np.zeros(T, np.int32)
-    slot_mapping = np.zeros(T, np.int32)  # padding -> trash page 0, offset 0
+    num = out.num_seqs
+    tok: list[int] = []
+    pos: list[int] = []
+    slot: list[int] = []
+    q_lens: list[int] = []
+    kv_lens_l: list[int] = []
+    rows: list[tuple] = []
+    seeds: list[int] = []
+    counters: list[int] = []
     block_tables = np.zeros((S, shape.max_pages_per_seq), np.int32)
-    kv_lens = np.zeros(S, np.int32)
-    cu_q_lens = np.zeros(S + 1, np.int32)
-    temperature = np.zeros(S, np.float32)
-    top_k = np.full(S, shape.vocab_size, np.int32)
-    top_p = np.ones(S, np.float32)
-    min_p = np.zeros(S, np.float32)
-    rng_key = np.zeros((S, 2), np.uint32)
-    rep = np.ones(S, np.float32)
-    presence = np.zeros(S, np.float32)
-    frequency = np.zeros(S, np.float32)
-    want_logprobs = np.zeros(S, bool)
     penalised: list[int] = []
-
-    t = 0
+    tok_append, pos_append, slot_append = tok.append, pos.append, slot.append
     for row, seq in enumerate(out.seqs):
         req = seq.request
         n = seq.num_new_tokens
         start = seq.start
-        end = start + n
         pages = req.pages
         if n == 1:
-            token_ids[t] = req.all_token_ids[start]
-            positions[t] = start
-            slot_mapping[t] = pages[start // ps] * ps + start % ps
+            tok_append(req.all_token_ids[start])
+            pos_append(start)
+            slot_append(pages[start // ps] * ps + start % ps)
         else:
-            pos = np.arange(start, end, dtype=np.int32)
-            token_ids[t:t + n] = req.all_token_ids[start:end]
-            positions[t:t + n] = pos
-            slot_mapping[t:t + n] = np.asarray(pages, np.int32)[pos // ps] * ps + pos % ps
+            p = np.arange(start, start + n)
+            tok.extend(req.all_token_ids[start:start + n])
+            pos.extend(p.tolist())
+            slot.extend((np.asarray(pages)[p // ps] * ps + p % ps).tolist())
         block_tables[row, : len(pages)] = pages
-        kv_lens[row] = end
-        t += n
-        cu_q_lens[row + 1] = t
+        q_lens.append(n)
+        kv_lens_l.append(start + n)
         sp = req.sampling_params
-        temperature[row] = sp.temperature
-        if sp.top_k > 0:
-            top_k[row] = sp.top_k
-        top_p[row] = sp.top_p
-        min_p[row] = sp.min_p
-        rng_key[row] = rng_key_data(req.seed, req.num_output_tokens)
-        want_logprobs[row] = sp.logprobs is not None
-        if sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty:
-            rep[row] = sp.repetition_penalty
-            presence[row] = sp.presence_penalty
-            frequency[row] = sp.frequency_penalty
+        rows.append(sp.row)
+        seeds.append(req.seed)
+        counters.append(len(req.output_token_ids))
+        if sp.uses_penalties:
             penalised.append(row)
-    num = out.num_seqs
+    t = len(tok)
+    token_ids = np.zeros(T, np.int32)
+    positions = np.zeros(T, np.int32)
+    slot_mapping = np.zeros(T, np.int32)  # padding -> trash page 0, offset 0
+    token_ids[:t] = tok
+    positions[:t] = pos
+    slot_mapping[:t] = slot
+    kv_lens = np.zeros(S, np.int32)
+    kv_lens[:num] = kv_lens_l
+    cu_q_lens = np.zeros(S + 1, np.int32)
+    cu_q_lens[1:num + 1] = np.cumsum(q_lens)
     cu_q_lens[num + 1:] = t
     logits_indices = np.maximum(cu_q_lens[1:] - 1, 0).astype(np.int32)
+
+    # Padding rows: greedy, no filtering, no penalties.
+    table = np.zeros((S, 8), np.float64)
+    table[:, 1] = -1
+    table[:, 2] = 1.0
+    table[:, 4] = 1.0
+    if num:
+        table[:num] = rows
+    top_k = table[:, 1].astype(np.int32)
+    top_k[top_k <= 0] = shape.vocab_size
+    rng_key = np.zeros((S, 2), np.uint32)
+    if num:
+        rng_key[:num] = rng_key_data(np.array(seeds, np.uint64), np.array(counters, np.uint64))
 
     P = shape.history_len if penalised else 0
     history = np.full((S, P), -1, np.int32)
@@ -167,8 +183,12 @@ def build_batch(out: SchedulerOutput, shape: BatchShape) -> StepBatch:
         history[row, : len(ids)] = ids
         n_out = min(req.num_output_tokens, len(ids))
         is_output[row, len(ids) - n_out: len(ids)] = True
+    f32 = np.float32
     return StepBatch(token_ids, positions, slot_mapping, block_tables, kv_lens, cu_q_lens,
-                     np.array([num], np.int32), logits_indices, temperature, top_k, top_p,
-                     min_p, rng_key, rep, presence, frequency, history, is_output,
-                     want_logprobs)
-
+                     np.array([num], np.int32), logits_indices,
+                     temperature=table[:, 0].astype(f32), top_k=top_k,
+                     top_p=table[:, 2].astype(f32), min_p=table[:, 3].astype(f32),
+                     rng_key=rng_key, repetition_penalty=table[:, 4].astype(f32),
+                     presence_penalty=table[:, 5].astype(f32),
+                     frequency_penalty=table[:, 6].astype(f32), history=history,
+                     history_is_output=is_output, want_logprobs=table[:, 7] > 0)

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 from .batch import build_batch
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .model_runner import Runner, StepResult
+from .runner_types import Runner, StepResult
 from .models.tokenizer import Tokenizer
 from .outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from .request import FinishReason, Request

@@ -14,9 +14,7 @@ is armed and any further compile is counted (and is a bug).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +28,8 @@ from .kernels_pallas import AttentionMetadata
 from .models.config import ModelConfig
 from .models.llama import LlamaParams
 from .models.paged import kv_cache_shape, paged_forward
-from .sampler import MAX_LOGPROBS, SampleOutput, SamplingTensors, sample
+from .runner_types import MAX_LOGPROBS, StepResult
+from .sampler import SamplingTensors, sample
 
 log = logging.getLogger(__name__)
 
@@ -42,25 +41,6 @@ class StepInputs:
     md: AttentionMetadata
     logits_indices: jax.Array  # i32[S]
     sampling: SamplingTensors
-
-
-@dataclasses.dataclass
-class StepResult:
-    tokens: np.ndarray  # i32[S_b]
-    logprob: np.ndarray  # f32[S_b]
-    top_ids: np.ndarray  # i32[S_b, MAX_LOGPROBS]
-    top_logprobs: np.ndarray  # f32[S_b, MAX_LOGPROBS]
-
-
-class Runner(Protocol):
-    """What the engine needs from a model runner (real below; fakes in tests/benchmarks)."""
-
-    def warmup(self, progress: bool = True) -> None: ...
-
-    def execute(self, batch: StepBatch) -> StepResult: ...
-
-    @property
-    def compiles_after_warmup(self) -> int: ...
 
 
 def forward_step(params: LlamaParams, kv_pages: jax.Array, inputs: StepInputs, cfg: ModelConfig,

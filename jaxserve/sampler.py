@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-MAX_LOGPROBS = 20
+from .runner_types import MAX_LOGPROBS
 
 
 @struct.dataclass

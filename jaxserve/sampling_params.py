@@ -8,6 +8,7 @@ device side these become per-row arrays (`jaxserve.sampler`), never static argum
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -90,6 +91,19 @@ class SamplingParams:
             _finite(name, value)
             if not -2 <= value <= 2:
                 raise ValueError(f"{name}={value} must be in [-2, 2]")
+
+    @functools.cached_property
+    def row(self) -> tuple[float, int, float, float, float, float, float, bool]:
+        """This request's row of the per-step sampling arrays (built once, reused each step):
+        (temperature, top_k (-1 = all), top_p, min_p, repetition, presence, frequency,
+        wants logprobs)."""
+        return (self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty,
+                self.presence_penalty, self.frequency_penalty, self.logprobs is not None)
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
     @property
     def greedy(self) -> bool:

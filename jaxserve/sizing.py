@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-
-import jax
+from typing import TYPE_CHECKING
 
 from .batch import BatchShape, default_buckets
 from .config import EngineConfig, SchedulerConfig
 from .models.config import ModelConfig
+
+if TYPE_CHECKING:
+    import jax
 
 DEFAULT_MAX_MODEL_LEN_CAP = 4096
 
@@ -31,7 +33,7 @@ class EnginePlan:
     kv_budget_bytes: int
 
 
-def free_device_memory(device: jax.Device) -> int | None:
+def free_device_memory(device: "jax.Device") -> int | None:
     """Bytes the device can still allocate, or None when it does not say (CPU)."""
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if not stats or "bytes_limit" not in stats:
