@@ -103,6 +103,9 @@ class EngineConfig:
     # None: one per token bucket, min(tokens, max_num_seqs); else every (tokens, seqs) pair
     seq_buckets: tuple[int, ...] | None = None
     seed: int = 0  # seeds drawn for requests that give none
+    # JAX persistent compilation cache (process-wide; applied by build_engine). None: leave
+    # JAX's setting as it is (the CLI sets it from JAXSERVE_COMPILATION_CACHE_DIR).
+    compilation_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

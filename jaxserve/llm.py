@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from .config import EngineConfig
+from .config import EngineConfig, RuntimeConfig, apply_runtime
 from .engine import Engine
 from .kernels_pallas import padded_head_dim, select_impl
 from .model_runner import ModelRunner
@@ -34,6 +34,8 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 def build_engine(config: EngineConfig, model: LoadedModel | None = None,
                  warmup: bool = True, progress: bool = True) -> Engine:
     """Load (unless given), size, place and compile: a ready-to-step Engine."""
+    if config.compilation_cache_dir:
+        apply_runtime(RuntimeConfig(compilation_cache_dir=config.compilation_cache_dir))
     model = model or load_model(config.model, config.dtype)
     device = jax.local_devices()[0]
     attn_impl = select_impl(config.attention_impl)

@@ -40,7 +40,6 @@ class StepInputs:
     positions: jax.Array  # i32[T]
     md: AttentionMetadata
     logits_indices: jax.Array  # i32[S]
-    sampling: SamplingTensors
 
 
 def forward_step(params: LlamaParams, kv_pages: jax.Array, inputs: StepInputs, cfg: ModelConfig,
@@ -56,7 +55,10 @@ _forward_jit = jax.jit(forward_step, static_argnames=("cfg", "attn_impl"),
 _sample_jit = jax.jit(sample, static_argnames=("apply_penalty",))
 
 
-def to_step_inputs(b: StepBatch) -> StepInputs:
+def to_step_inputs(b: StepBatch) -> tuple[StepInputs, SamplingTensors]:
+    """The batch as the two device pytrees: the forward's inputs and the sampler's (kept
+    apart so the penalties history, which only the sampler reads, never changes the
+    forward's input shapes)."""
     md = AttentionMetadata(slot_mapping=b.slot_mapping, block_tables=b.block_tables,
                            kv_lens=b.kv_lens, cu_q_lens=b.cu_q_lens, num_seqs=b.num_seqs)
     st = SamplingTensors(temperature=b.temperature, top_k=b.top_k, top_p=b.top_p,
@@ -65,7 +67,7 @@ def to_step_inputs(b: StepBatch) -> StepInputs:
                          frequency_penalty=b.frequency_penalty, history=b.history,
                          history_is_output=b.history_is_output, want_logprobs=b.want_logprobs)
     return StepInputs(token_ids=b.token_ids, positions=b.positions, md=md,
-                      logits_indices=b.logits_indices, sampling=st)
+                      logits_indices=b.logits_indices), st
 
 
 def empty_batch(shape: BatchShape, num_tokens: int, num_seqs: int, penalties: bool) -> StepBatch:
@@ -119,10 +121,10 @@ class ModelRunner:
         self.guard.arm()
 
     def execute(self, batch: StepBatch) -> StepResult:
-        inputs = jax.device_put(to_step_inputs(batch))
+        inputs, sampling = jax.device_put(to_step_inputs(batch))
         self.kv_pages, logits = _forward_jit(self.params, self.kv_pages, inputs,
                                              cfg=self.model_cfg, attn_impl=self.attn_impl)
-        out = _sample_jit(logits, inputs.sampling, apply_penalty=batch.history.shape[1] > 0)
+        out = _sample_jit(logits, sampling, apply_penalty=batch.history.shape[1] > 0)
         tokens, logprob, top_ids, top_lps = jax.device_get(
             (out.tokens, out.logprob, out.top_ids, out.top_logprobs))
         return StepResult(tokens, logprob, top_ids, top_lps)

@@ -73,7 +73,10 @@ def plan_engine(cfg: EngineConfig, model: ModelConfig, kv_itemsize: int,
                             max_num_batched_tokens=cfg.max_num_batched_tokens,
                             max_model_len=max_model_len, page_size=ps, num_pages=usable + 1,
                             enable_prefix_caching=cfg.enable_prefix_caching)
-    token_buckets = cfg.token_buckets or default_buckets(cfg.max_num_batched_tokens, 16)
+    # Smallest bucket: 16 tokens (decode batches pad to it), or fewer when fewer sequences
+    # can ever run, so a single-stream decode is not padded to 16 tokens of compute.
+    token_buckets = cfg.token_buckets or default_buckets(cfg.max_num_batched_tokens,
+                                                         min(16, cfg.max_num_seqs))
     if token_buckets[-1] < cfg.max_num_batched_tokens:
         raise ValueError(f"token_buckets end at {token_buckets[-1]} < max_num_batched_tokens="
                          f"{cfg.max_num_batched_tokens}")

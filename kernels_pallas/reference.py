@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from .common import (MASK_VALUE, AttentionMetadata, check_attention_inputs, pad_head_dim)
-from .tiling import (F_KV_HI, F_KV_LO, F_POS0, F_SEQ, default_tile_tokens, gather_q_tiles,
+from .tiling import (F_KV_HI, F_KV_LO, F_NQ, F_POS0, F_SEQ, gather_q_tiles, max_num_tiles,
                      plan_tiles, scatter_out_tiles, tile_rows)
 
 # Keys per loop iteration: big enough to amortise the loop, small enough for cache.
@@ -98,18 +98,46 @@ def ragged_paged_attention_reference(q: jax.Array, kv_pages: jax.Array, md: Atte
     num_kv_heads = two_hkv // 2
     group = num_q_heads // num_kv_heads
     num_seqs_max, max_pages = md.block_tables.shape
-    if tile_tokens is None:
-        tile_tokens = default_tile_tokens(num_tokens, num_seqs_max, _MAX_TILE_TOKENS)
-    plan = plan_tiles(md, num_tokens, tile_tokens=tile_tokens, block_kv=page_size,
-                      sliding_window=sliding_window)
-    rows = tile_rows(tile_tokens, group)
-    q_tiles = gather_q_tiles(pad_head_dim(q, head_dim), plan, num_kv_heads, rows)
-    q_tiles = q_tiles.transpose(1, 0, 2, 3)                      # [NT, Hkv, rows, D]
-
     block_pages = max(1, min(max_pages, _BLOCK_TOKENS // page_size))
-    out_tiles = _blocked_attention(q_tiles, plan.info, kv_pages, md.block_tables, group=group,
-                                   block_pages=block_pages, sm_scale=sm_scale,
-                                   sliding_window=sliding_window, soft_cap=soft_cap)
-    out_tiles = out_tiles.astype(q.dtype).transpose(1, 0, 2, 3)  # [Hkv, NT, rows, D]
-    out = scatter_out_tiles(out_tiles, plan, num_q_heads)
+    q = pad_head_dim(q, head_dim)
+    attend = functools.partial(_blocked_attention, kv_pages=kv_pages,
+                               block_tables=md.block_tables, group=group,
+                               block_pages=block_pages, sm_scale=sm_scale,
+                               sliding_window=sliding_window, soft_cap=soft_cap)
+    starts, ends = md.cu_q_lens[:-1], md.cu_q_lens[1:]
+    live = jnp.arange(num_seqs_max) < md.num_seqs[0]
+    is_decode = live & (ends - starts == 1)
+
+    # Decode sequences: one 1-token tile each (rows = G), all in one vectorised pass whose KV
+    # loop stops at the longest decode context.
+    plan_d = plan_tiles(md, num_tokens, tile_tokens=1, block_kv=page_size,
+                        sliding_window=sliding_window, seq_mask=is_decode,
+                        max_tiles=min(num_tokens, num_seqs_max))
+    rows_d = tile_rows(1, group)
+    q_d = gather_q_tiles(q, plan_d, num_kv_heads, rows_d).transpose(1, 0, 2, 3)
+    out_d = attend(q_d, plan_d.info).astype(q.dtype).transpose(1, 0, 2, 3)
+    out = scatter_out_tiles(out_d, plan_d, num_q_heads)
+
+    # Prefill chunks: tiles of `tile_tokens`, one at a time (lax.map), each looping over its
+    # own KV blocks only; empty tiles are skipped, so padding costs nothing.
+    if tile_tokens is None:
+        tile_tokens = min(_MAX_TILE_TOKENS, num_tokens)
+    n_prefill_max = min(num_seqs_max, num_tokens // 2)
+    if n_prefill_max > 0:
+        plan_p = plan_tiles(md, num_tokens, tile_tokens=tile_tokens, block_kv=page_size,
+                            sliding_window=sliding_window, seq_mask=live & ~is_decode,
+                            max_tiles=max_num_tiles(num_tokens, n_prefill_max, tile_tokens))
+        rows_p = tile_rows(tile_tokens, group)
+        q_p = gather_q_tiles(q, plan_p, num_kv_heads, rows_p).transpose(1, 0, 2, 3)
+
+        def one_tile(args: tuple[jax.Array, jax.Array]) -> jax.Array:
+            q_tile, info = args
+            return jax.lax.cond(
+                info[F_NQ] > 0,
+                lambda: attend(q_tile[None], info[None])[0],
+                lambda: jnp.zeros(q_tile.shape, jnp.float32))
+
+        out_p = jax.lax.map(one_tile, (q_p, plan_p.info))
+        out_p = out_p.astype(q.dtype).transpose(1, 0, 2, 3)
+        out = out + scatter_out_tiles(out_p, plan_p, num_q_heads)
     return out[..., :q_head_dim]

@@ -75,10 +75,15 @@ def default_tile_tokens(num_tokens: int, num_seqs: int, max_tokens: int) -> int:
 
 
 def plan_tiles(md: AttentionMetadata, num_tokens: int, *, tile_tokens: int, block_kv: int,
-               sliding_window: int | None) -> TilePlan:
-    """Cut the live sequences' queries into tiles; jit-friendly (static shapes only)."""
+               sliding_window: int | None, seq_mask: jax.Array | None = None,
+               max_tiles: int | None = None) -> TilePlan:
+    """Cut the live sequences' queries into tiles; jit-friendly (static shapes only).
+
+    `seq_mask` (bool[S]) restricts the plan to some sequences (the others' tokens come out
+    as padding); `max_tiles` lowers the static tile bound when the caller knows better.
+    """
     num_seqs_max = md.kv_lens.shape[0]
-    n_tiles_max = max_num_tiles(num_tokens, num_seqs_max, tile_tokens)
+    n_tiles_max = max_tiles or max_num_tiles(num_tokens, num_seqs_max, tile_tokens)
     live = jnp.arange(num_seqs_max, dtype=jnp.int32) < md.num_seqs[0]
     starts = md.cu_q_lens[:-1]
     total_tokens = md.cu_q_lens[md.num_seqs[0]]
@@ -86,6 +91,8 @@ def plan_tiles(md: AttentionMetadata, num_tokens: int, *, tile_tokens: int, bloc
     ends = jnp.where(live, md.cu_q_lens[1:], total_tokens)
     starts = jnp.where(live, starts, total_tokens)
     q_lens = jnp.maximum(ends - starts, 0)
+    if seq_mask is not None:
+        q_lens = jnp.where(seq_mask, q_lens, 0)
     tiles_per_seq = -(-q_lens // tile_tokens)
     tile_end = jnp.cumsum(tiles_per_seq)
     tile_begin = tile_end - tiles_per_seq
@@ -113,6 +120,8 @@ def plan_tiles(md: AttentionMetadata, num_tokens: int, *, tile_tokens: int, bloc
     tok_seq = jnp.searchsorted(ends, tok, side="right").astype(jnp.int32)
     tok_valid = tok_seq < md.num_seqs[0]
     tok_seq = jnp.minimum(tok_seq, num_seqs_max - 1)
+    if seq_mask is not None:
+        tok_valid &= seq_mask[tok_seq]
     tok_local = jnp.maximum(tok - starts[tok_seq], 0)
     tok_tile = jnp.clip(tile_begin[tok_seq] + tok_local // tile_tokens, 0, n_tiles_max - 1)
     return TilePlan(info=info.astype(jnp.int32), num_tiles=num_tiles.astype(jnp.int32),

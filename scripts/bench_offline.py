@@ -134,7 +134,7 @@ def bench_decode(llm, batch_sizes: list[int], ctx: int) -> list[dict]:
             eng.step()
         out = eng.scheduler.schedule()
         assert out.num_seqs == bs and out.num_tokens == bs, (out.num_seqs, out.num_tokens)
-        inputs = jax.device_put(to_step_inputs(build_batch(out, eng.plan.batch_shape)))
+        inputs, _ = jax.device_put(to_step_inputs(build_batch(out, eng.plan.batch_shape)))
         r = eng.runner
         times = []
         for _ in range(5):
