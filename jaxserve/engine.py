@@ -61,6 +61,8 @@ class Engine:
         self._vocab = plan.batch_shape.vocab_size
         self.num_steps = 0
         self.last_step_tokens = 0
+        # Groups with news for the next step's outputs besides this step's tokens (aborts).
+        self._touched: dict[str, _Group] = {}
 
     # ----------------------------------------------------------------------- intake
     def add_request(self, request_id: str, prompt: str | Sequence[int],
@@ -118,6 +120,7 @@ class Engine:
         if group is None:
             return False
         self.scheduler.abort([s.request_id for s in group.seqs])
+        self._touched[request_id] = group  # its final ABORT output comes from the next step
         return True
 
     def has_unfinished(self) -> bool:
@@ -131,7 +134,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler iteration; outputs for every request with news."""
         out = self.scheduler.schedule()
-        touched: dict[str, _Group] = {}
+        touched = self._touched
+        self._touched = {}
         if out.seqs:
             result = self.runner.execute(build_batch(out, self.plan.batch_shape))
             sampled = [int(result.tokens[i]) if s.samples else None
@@ -140,13 +144,10 @@ class Engine:
             rows = {id(s.request): i for i, s in enumerate(out.seqs)}
             for req in progressed:
                 self._on_token(req, result, rows[id(req)])
+                gid = req.group_id or req.request_id
+                touched[gid] = self._groups[gid]
             self.num_steps += 1
             self.last_step_tokens = out.num_tokens
-        for group in self._groups.values():
-            if any(s.is_finished for s in group.seqs) or any(
-                    len(s.output_token_ids) > sent for s, sent in zip(group.seqs,
-                                                                      group.sent_tokens)):
-                touched[group.request_id] = group
         outputs = [self._make_output(g) for g in touched.values()]
         for g in touched.values():
             if g.done_reported:
