@@ -1,9 +1,9 @@
-"""`jaxserve` command line: generate | convert.
+"""`jaxserve` command line: generate | convert | serve | client.
 
 Data flow: argv -> argparse -> frozen config (`jaxserve.config`) -> the command function, which
 loads the model through `jaxserve.models.loading` and prints to stdout. Diagnostics go to
 stderr; a user error (bad path, bad flag value, malformed checkpoint) exits 2 with one clear
-line instead of a traceback.
+line instead of a traceback. `serve` and `client` live in `jaxserve.server.cli`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 from typing import Sequence
 
 from .config import DTYPES, EngineConfig, ModelSource, RuntimeConfig, apply_runtime
+from .server import cli as server_cli
 
 log = logging.getLogger("jaxserve")
 
@@ -58,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokenizer.json that transformers and vLLM load (default orbax)")
     c.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype of saved weights")
     c.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+
+    server_cli.add_serve_parser(sub)
+    server_cli.add_client_parser(sub)
     return p
 
 
@@ -118,7 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     apply_runtime(RuntimeConfig.from_env())
-    commands = {"generate": cmd_generate, "convert": cmd_convert}
+    commands = {"generate": cmd_generate, "convert": cmd_convert,
+                "serve": server_cli.cmd_serve, "client": server_cli.cmd_client}
     try:
         return commands[args.command](args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:

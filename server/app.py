@@ -1,0 +1,193 @@
+"""The gRPC server's lifecycle: listen, warm up, serve, drain, stop.
+
+Data flow:
+  `start()`   grpc.aio server with the Generation servicer, the standard health service
+              (NOT_SERVING for now), reflection, the API-key interceptor when keys are set,
+              bounded message sizes; binds host:port (TLS when configured) and starts.
+  `load()`    runs the engine factory (model load + XLA warmup) on a daemon thread while the
+              event loop keeps answering health checks -> AsyncEngine (its own step thread)
+              with the Prometheus observer -> servicer attached -> health SERVING -> the one
+              "ready" log line with the address.
+  `shutdown()` health NOT_SERVING, new calls refused with UNAVAILABLE, in-flight calls get
+              `shutdown_grace` seconds to finish, the rest are aborted (each stream ends with
+              a Finished(ABORT) message), then the server, engine thread and metrics stop.
+`serve()` strings these together and turns SIGTERM / SIGINT into `shutdown()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import pathlib
+import signal
+import threading
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.metrics import EngineMetrics, MetricsHttpServer
+
+from . import stubs
+from .auth import ApiKeyInterceptor
+from .config import ServerConfig
+from .servicer import SERVICE_NAME, GenerationServicer, ServedModel
+
+log = logging.getLogger(__name__)
+EngineFactory = Callable[[], ServedModel]
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_HEALTH_NAMES = ("", SERVICE_NAME)
+
+
+def _call_in_thread(fn: EngineFactory) -> "asyncio.Future[ServedModel]":
+    """Run `fn` on a daemon thread (a stuck warmup must not keep the process alive)."""
+    future: concurrent.futures.Future[ServedModel] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="jaxserve-load", daemon=True).start()
+    return asyncio.wrap_future(future)
+
+
+class GrpcServer:
+    def __init__(self, cfg: ServerConfig, factory: EngineFactory):
+        self.cfg = cfg
+        self._factory = factory
+        self.servicer = GenerationServicer(cfg.tokenizer_threads, cfg.stream_interval)
+        self.health = health.aio.HealthServicer()
+        self.engine: AsyncEngine | None = None
+        self.metrics: EngineMetrics | None = None
+        self._metrics_http: MetricsHttpServer | None = None
+        self._server: grpc.aio.Server | None = None
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.cfg.host}:{self.port}"
+
+    async def start(self) -> int:
+        """Bind and start answering (health NOT_SERVING until `load()`); returns the port."""
+        cfg = self.cfg
+        interceptors = [ApiKeyInterceptor(cfg.api_keys)] if cfg.api_keys else []
+        server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            # A second server on a busy port must fail, not silently share it.
+            ("grpc.so_reuseport", 0),
+        ])
+        for name in _HEALTH_NAMES:
+            await self.health.set(name, _NOT_SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        stubs.load().grpc.add_GenerationServicer_to_server(self.servicer, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), server)
+        bind = cfg.address
+        try:
+            if cfg.tls_cert and cfg.tls_key:
+                creds = grpc.ssl_server_credentials([(pathlib.Path(cfg.tls_key).read_bytes(),
+                                                      pathlib.Path(cfg.tls_cert).read_bytes())])
+                port = server.add_secure_port(bind, creds)
+            else:
+                port = server.add_insecure_port(bind)
+        except RuntimeError as e:  # grpc's "Failed to bind"
+            raise OSError(f"cannot listen on {bind}: {e}") from None
+        if port == 0:  # older grpc versions report a failed bind this way
+            raise OSError(f"cannot listen on {bind} (address in use or not available)")
+        await server.start()
+        self._server, self.port = server, port
+        log.info("listening address=%s tls=%s auth=%s state=NOT_SERVING", self.address,
+                 bool(cfg.tls_cert), bool(cfg.api_keys))
+        return port
+
+    async def load(self) -> None:
+        """Build the engine off the event loop, start its thread, then report SERVING."""
+        served = await _call_in_thread(self._factory)
+        cfg = self.cfg
+        self.metrics = EngineMetrics(served.name, served.engine.config.max_num_batched_tokens)
+        loop = asyncio.get_running_loop()
+
+        def on_failure(error: BaseException) -> None:
+            # Called on the engine thread: hop onto the event loop to flip health.
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._set_health(
+                _NOT_SERVING)))
+
+        self.engine = AsyncEngine(served.engine, cfg.max_waiting, observers=[self.metrics],
+                                  on_failure=on_failure)
+        self.engine.start()
+        self.servicer.attach(self.engine, served)
+        if cfg.metrics_port is not None:
+            self._metrics_http = MetricsHttpServer(self.metrics.registry, cfg.host,
+                                                   cfg.metrics_port)
+            self.metrics_port = self._metrics_http.port
+        await self._set_health(_SERVING)
+        metrics = f" metrics=http://{cfg.host}:{self.metrics_port}/metrics" \
+            if self.metrics_port is not None else ""
+        log.info("ready: serving %s on %s%s", served.name, self.address, metrics)
+
+    async def _set_health(self, status: int) -> None:
+        for name in _HEALTH_NAMES:
+            await self.health.set(name, status)
+
+    async def shutdown(self, grace: float | None = None) -> None:
+        """Drain: NOT_SERVING, refuse new calls, let in-flight calls finish for `grace`
+        seconds (default: the config's), abort the rest, stop everything."""
+        grace = self.cfg.shutdown_grace if grace is None else grace
+        await self.health.enter_graceful_shutdown()
+        self.servicer.start_draining()
+        started = self._server is not None
+        if started:
+            log.info("draining in_flight=%d grace_s=%.1f", self.servicer.num_active, grace)
+        if not await self.servicer.wait_idle(grace) and self.engine is not None:
+            self.engine.abort_all()
+            log.info("grace period over; aborted in_flight=%d", self.servicer.num_active)
+            # Each aborted stream still sends its Finished(ABORT) message.
+            await self.servicer.wait_idle(10.0)
+        if self._server is not None:
+            await self._server.stop(1.0)
+        if self.engine is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.stop, 30.0)
+        if self._metrics_http is not None:
+            self._metrics_http.close()
+        self.servicer.close()
+        if started:
+            log.info("stopped address=%s", self.address)
+
+
+async def serve(cfg: ServerConfig, factory: EngineFactory,
+                stop: asyncio.Event | None = None) -> None:
+    """Run a server until `stop` is set or the process gets SIGTERM / SIGINT, then drain."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    installed = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass  # not the main thread (embedded use): the caller sets `stop` itself
+    server = GrpcServer(cfg, factory)
+    try:
+        await server.start()
+        loading = asyncio.ensure_future(server.load())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if loading.done():
+            loading.result()  # a failed load raises here
+            await stopping
+        else:
+            loading.cancel()
+            log.info("stop requested during warmup")
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        await server.shutdown()

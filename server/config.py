@@ -1,0 +1,62 @@
+"""ServerConfig: the network-facing knobs of `jaxserve serve`, validated once at the edge.
+
+Built by the CLI (flags; API keys also from `JAXSERVE_API_KEY` there, never read here) or by
+code embedding a server, and passed to `jaxserve.server.app.GrpcServer`. The engine's own
+knobs stay in `jaxserve.config.EngineConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+DEFAULT_PORT = 50051
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # gRPC's own receive default
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"  # loopback only unless the operator opens it
+    port: int = DEFAULT_PORT  # 0: pick a free port (the ready line tells which)
+    metrics_port: int | None = None  # None: no /metrics endpoint; 0: a free port
+    max_waiting: int | None = 256  # sequences waiting to be scheduled; None: unbounded
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    tls_cert: str | None = None  # PEM certificate chain file
+    tls_key: str | None = None  # PEM private key file
+    shutdown_grace: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    tokenizer_threads: int = 2  # workers that tokenize prompts off the event loop
+    # Tokens per streamed chunk after the first (1: every token as it comes); larger values
+    # send fewer messages, cutting per-token host overhead at the cost of coarser streaming.
+    stream_interval: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= 65535):
+                raise ValueError(f"{name}={value!r} must be a port number in [0, 65535]")
+        if self.max_waiting is not None and self.max_waiting < 1:
+            raise ValueError(f"max_waiting={self.max_waiting} must be >= 1")
+        if any(not k for k in self.api_keys):
+            raise ValueError("api_keys must not contain an empty key")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        for name in ("tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path is not None and not pathlib.Path(path).is_file():
+                raise ValueError(f"{name}={path!r} is not a readable file")
+        if not self.shutdown_grace >= 0:
+            raise ValueError(f"shutdown_grace={self.shutdown_grace} must be >= 0 seconds")
+        if not 1024 <= self.max_message_bytes <= 1 << 30:
+            raise ValueError(f"max_message_bytes={self.max_message_bytes} must be in "
+                             "[1024, 2**30]")
+        if not 1 <= self.stream_interval <= 1024:
+            raise ValueError(f"stream_interval={self.stream_interval} must be in [1, 1024]")
+        if not 1 <= self.tokenizer_threads <= 64:
+            raise ValueError(f"tokenizer_threads={self.tokenizer_threads} must be in [1, 64]")
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") \
+            else self.host
+        return f"{host}:{self.port}"

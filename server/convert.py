@@ -1,0 +1,250 @@
+"""Protobuf <-> engine types, and every check a request passes before it reaches the engine.
+
+Data flow of a Generate call:
+  GenerateRequest -> `parse_request` (sampling fields -> SamplingParams, whose ValueErrors
+  name the field and range; the input oneof -> `PromptInput`, chat roles checked) ->
+  `tokenize` (on a worker thread: text or chat template -> token ids) -> `check_prompt`
+  (vocabulary, max_model_len, max_tokens) -> the engine -> RequestOutputs ->
+  `ResponseBuilder` -> GenerateResponse messages (Chunk deltas per sample, then one Finished
+  per sample with its usage and timing).
+
+Every error raised here is an `InvalidRequest` (a ValueError): the servicer answers it with
+INVALID_ARGUMENT and the message as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from typing import Any, Sequence
+
+from jaxserve.models.tokenizer import Tokenizer
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.request import FinishReason, RequestMetrics
+from jaxserve.sampling_params import SamplingParams
+
+from . import stubs
+
+pb2 = stubs.load().pb2
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_REQUEST_ID_LEN = 256
+# Allowed ranges of the float fields, for the non-finite case that SamplingParams reports
+# without one.
+_FLOAT_RANGES = {"temperature": ">= 0 (0 = greedy)", "top_p": "in (0, 1]", "min_p": "in [0, 1]",
+                 "repetition_penalty": "> 0", "presence_penalty": "in [-2, 2]",
+                 "frequency_penalty": "in [-2, 2]"}
+_OPTIONAL = ("temperature", "top_p", "min_p", "top_k", "seed", "logprobs",
+             "repetition_penalty", "presence_penalty", "frequency_penalty",
+             "skip_special_tokens")
+_REASONS = {FinishReason.STOP: pb2.STOP, FinishReason.LENGTH: pb2.LENGTH,
+            FinishReason.EOS: pb2.EOS, FinishReason.STOP_STRING: pb2.STOP_STRING,
+            FinishReason.ABORT: pb2.ABORT}
+
+
+class InvalidRequest(ValueError):
+    """A request field is invalid; the message names it and its allowed range."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptInput:
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    chat: tuple[dict[str, str], ...] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+
+
+# --------------------------------------------------------------------------- requests
+def sampling_from_proto(sp: Any) -> SamplingParams:
+    """SamplingParams from the proto message; unset optional fields keep their defaults."""
+    kwargs: dict[str, object] = {}
+    for name in _OPTIONAL:
+        if sp.HasField(name):
+            value = getattr(sp, name)
+            if name in _FLOAT_RANGES and not math.isfinite(value):
+                raise InvalidRequest(f"sampling.{name}={value} must be a finite number "
+                                     f"{_FLOAT_RANGES[name]}")
+            kwargs[name] = value
+    # Unset max_tokens: generate up to max_model_len (the server's natural default).
+    kwargs["max_tokens"] = sp.max_tokens if sp.HasField("max_tokens") else None
+    kwargs.update(min_tokens=sp.min_tokens, stop=tuple(sp.stop),
+                  stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+                  include_stop_str_in_output=sp.include_stop_str_in_output,
+                  n=sp.n if sp.n != 0 else 1)
+    try:
+        return SamplingParams(**kwargs)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise InvalidRequest(f"sampling.{e}") from None
+
+
+def chat_from_proto(chat: Any, field: str = "chat") -> tuple[dict[str, str], ...]:
+    if not chat.messages:
+        raise InvalidRequest(f"{field}.messages must not be empty")
+    out = []
+    for i, m in enumerate(chat.messages):
+        if m.role not in CHAT_ROLES:
+            raise InvalidRequest(f"{field}.messages[{i}].role={m.role!r} must be one of "
+                                 f"{', '.join(CHAT_ROLES)}")
+        out.append({"role": m.role, "content": m.content})
+    return tuple(out)
+
+
+def input_from_proto(msg: Any, text_field: str) -> PromptInput:
+    """The `input` oneof of a GenerateRequest (`prompt`) or TokenizeRequest (`text`)."""
+    kind = msg.WhichOneof("input")
+    if kind is None:
+        options = f"{text_field}, token_ids or chat" if text_field == "prompt" else \
+            f"{text_field} or chat"
+        raise InvalidRequest(f"input is missing: set one of {options}")
+    if kind == text_field:
+        text = getattr(msg, text_field)
+        if not text:
+            raise InvalidRequest(f"{text_field} must not be empty")
+        return PromptInput(text=text)
+    if kind == "token_ids":
+        if not msg.token_ids.ids:
+            raise InvalidRequest("token_ids.ids must not be empty")
+        return PromptInput(token_ids=tuple(msg.token_ids.ids))
+    gen = msg.chat.add_generation_prompt if msg.chat.HasField("add_generation_prompt") else True
+    return PromptInput(chat=chat_from_proto(msg.chat), add_generation_prompt=gen)
+
+
+def parse_request(req: Any) -> tuple[PromptInput, SamplingParams]:
+    if len(req.request_id) > MAX_REQUEST_ID_LEN:
+        raise InvalidRequest(f"request_id is {len(req.request_id)} characters long; at most "
+                             f"{MAX_REQUEST_ID_LEN}")
+    return input_from_proto(req, "prompt"), sampling_from_proto(req.sampling)
+
+
+def tokenize(inp: PromptInput, tokenizer: Tokenizer) -> list[int]:
+    """Token ids of the input exactly as the offline API computes them (blocking: run it on
+    a worker thread)."""
+    if inp.token_ids is not None:
+        return list(inp.token_ids)
+    if inp.text is not None:
+        return tokenizer.encode(inp.text, add_special_tokens=inp.add_special_tokens)
+    assert inp.chat is not None
+    try:
+        return list(tokenizer.apply_chat_template([dict(m) for m in inp.chat],
+                                                  inp.add_generation_prompt, tokenize=True))
+    except ValueError as e:  # ChatTemplateError and message-shape errors
+        raise InvalidRequest(f"chat: {e}") from None
+
+
+def check_prompt(ids: Sequence[int], params: SamplingParams, vocab_size: int,
+                 max_model_len: int) -> None:
+    """The length and vocabulary limits of the model (the KV fit is the engine's check)."""
+    if not ids:
+        raise InvalidRequest("prompt tokenizes to no tokens")
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise InvalidRequest(f"token_ids.ids[{i}]={t} is outside the vocabulary "
+                                 f"[0, {vocab_size})")
+    n = len(ids)
+    if n >= max_model_len:
+        raise InvalidRequest(f"prompt has {n} tokens; max_model_len={max_model_len} allows at "
+                             f"most {max_model_len - 1} prompt tokens")
+    if params.max_tokens is not None and n + params.max_tokens > max_model_len:
+        raise InvalidRequest(
+            f"sampling.max_tokens={params.max_tokens} is over the limit: prompt ({n} tokens) + "
+            f"max_tokens must be <= max_model_len={max_model_len}, so max_tokens must be in "
+            f"[1, {max_model_len - n}]")
+
+
+# --------------------------------------------------------------------------- responses
+def timing_to_proto(m: RequestMetrics | None) -> Any:
+    """Where one sample's time went; a phase that never happened (e.g. no token before an
+    abort) is 0, and an unscheduled request spent all its time queued."""
+    if m is None:
+        return pb2.Timing()
+    end = m.finished_time if m.finished_time is not None else m.arrival_time
+    sched = m.first_scheduled_time
+    first, last = m.first_token_time, m.last_token_time
+    return pb2.Timing(
+        queue_s=(sched if sched is not None else end) - m.arrival_time,
+        ttft_s=first - m.arrival_time if first is not None else 0.0,
+        prefill_s=first - sched if first is not None and sched is not None else 0.0,
+        decode_s=last - first if first is not None and last is not None else 0.0,
+        e2e_s=end - m.arrival_time,
+        mean_itl_s=statistics.fmean(m.inter_token_latencies) if m.inter_token_latencies
+        else 0.0,
+        num_preemptions=m.num_preemptions)
+
+
+def _logprobs_to_proto(entries: Sequence[dict[int, float]]) -> list[Any]:
+    out = []
+    for entry in entries:
+        items = list(entry.items())  # the sampled token first, then the top-N
+        tid, lp = items[0]
+        out.append(pb2.TokenLogprob(token_id=tid, logprob=lp, top=[
+            pb2.TopLogprob(token_id=t, logprob=v) for t, v in items[1:]]))
+    return out
+
+
+@dataclasses.dataclass
+class _Pending:
+    """One sample's deltas not yet sent."""
+
+    ids: list[int] = dataclasses.field(default_factory=list)
+    texts: list[str] = dataclasses.field(default_factory=list)
+    logprobs: list[Any] = dataclasses.field(default_factory=list)
+    sent_first: bool = False
+
+
+class ResponseBuilder:
+    """One request's RequestOutputs -> GenerateResponses.
+
+    Outputs handed over together are coalesced. With `stream_interval` k > 1, a sample's
+    chunk is held until it carries k tokens (the first token and the end always go out at
+    once): fewer messages, less host overhead per token, coarser streaming.
+    """
+
+    def __init__(self, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval={stream_interval} must be >= 1")
+        self._interval = stream_interval
+        self._pending: dict[int, _Pending] = {}
+        self._finished: set[int] = set()
+
+    def responses(self, outs: Sequence[RequestOutput]) -> list[Any]:
+        done: dict[int, CompletionOutput] = {}
+        touched: set[int] = set()
+        for out in outs:
+            for c in out.outputs:
+                if c.index in self._finished:
+                    continue  # a finished sample reappears in its group's later outputs
+                p = self._pending.setdefault(c.index, _Pending())
+                p.ids.extend(c.delta_token_ids)
+                p.texts.append(c.delta_text)
+                p.logprobs.extend(_logprobs_to_proto(c.delta_logprobs))
+                touched.add(c.index)
+                if c.finish_reason is not None:
+                    done[c.index] = c
+                    self._finished.add(c.index)
+        responses = []
+        for index in sorted(touched):
+            p = self._pending[index]
+            c = done.get(index)
+            if c is None and p.sent_first and len(p.ids) < self._interval:
+                continue  # hold until the interval fills
+            text = "".join(p.texts)
+            if p.ids or text:
+                responses.append(pb2.GenerateResponse(chunk=pb2.Chunk(
+                    index=index, token_ids=p.ids, text=text, logprobs=p.logprobs)))
+                p.sent_first = True
+            self._pending[index] = _Pending(sent_first=p.sent_first)
+            if c is not None:
+                responses.append(self._finished_message(index, c, outs[-1]))
+        return responses
+
+    @staticmethod
+    def _finished_message(index: int, c: CompletionOutput, out: RequestOutput) -> Any:
+        m = c.metrics
+        usage = pb2.Usage(prompt_tokens=len(out.prompt_token_ids),
+                          completion_tokens=len(c.token_ids),
+                          cached_prompt_tokens=m.num_cached_tokens if m else 0)
+        reason = _REASONS[c.finish_reason]  # type: ignore[index]
+        return pb2.GenerateResponse(finished=pb2.Finished(
+            index=index, reason=reason, usage=usage, timing=timing_to_proto(m)))
