@@ -50,15 +50,18 @@ def _blocked_attention(q_tiles: jax.Array, info: jax.Array, kv_pages: jax.Array,
     first = jnp.min(jnp.where(live, kv_lo // block, n_blocks_max))
     last = jnp.max(jnp.where(live, -(-kv_hi // block), 0))
     qf = q_tiles.astype(jnp.float32)
+    flat = kv_pages.reshape(-1, page_size, head_dim)  # [num_pages * 2Hkv, ps, D], free
+    heads = jnp.arange(num_kv_heads, dtype=jnp.int32)
 
     def body(j: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]
              ) -> tuple[jax.Array, jax.Array, jax.Array]:
         m, l, acc = carry
         ids = jax.lax.dynamic_slice_in_dim(tile_tables, j * block_pages, block_pages, axis=1)
-        pages = kv_pages[ids]                                   # [NT, bp, 2Hkv, ps, D]
-        kv = pages.transpose(0, 2, 1, 3, 4).reshape(num_tiles, 2 * num_kv_heads, block,
-                                                    head_dim)
-        k, v = kv[:, 0::2].astype(jnp.float32), kv[:, 1::2].astype(jnp.float32)
+        # Gather K and V straight into [NT, Hkv, pages, ps, D] (rows 2h / 2h+1 of each page):
+        # the dots read them as they land, with no transpose or strided-slice copies.
+        rows_k = ids[:, None, :] * (2 * num_kv_heads) + 2 * heads[None, :, None]
+        k = flat[rows_k].reshape(num_tiles, num_kv_heads, block, head_dim).astype(jnp.float32)
+        v = flat[rows_k + 1].reshape(num_tiles, num_kv_heads, block, head_dim).astype(jnp.float32)
         kpos = j * block + jnp.arange(block, dtype=jnp.int32)
         ok_k = (kpos[None, :] < kv_hi[:, None]) & (kpos[None, :] >= kv_lo[:, None])  # [NT, blk]
         mask = ok_k[:, None, :] & (kpos[None, None, :] <= qpos[:, :, None])          # [NT,r,blk]
@@ -137,7 +140,12 @@ def ragged_paged_attention_reference(q: jax.Array, kv_pages: jax.Array, md: Atte
                 lambda: attend(q_tile[None], info[None])[0],
                 lambda: jnp.zeros(q_tile.shape, jnp.float32))
 
-        out_p = jax.lax.map(one_tile, (q_p, plan_p.info))
-        out_p = out_p.astype(q.dtype).transpose(1, 0, 2, 3)
-        out = out + scatter_out_tiles(out_p, plan_p, num_q_heads)
+        def prefill_pass() -> jax.Array:
+            out_p = jax.lax.map(one_tile, (q_p, plan_p.info))
+            out_p = out_p.astype(q.dtype).transpose(1, 0, 2, 3)
+            return scatter_out_tiles(out_p, plan_p, num_q_heads)
+
+        # A pure decode step skips the (sequential) prefill pass altogether.
+        out = out + jax.lax.cond(plan_p.num_tiles > 0, prefill_pass,
+                                 lambda: jnp.zeros(out.shape, out.dtype))
     return out[..., :q_head_dim]
