@@ -23,6 +23,7 @@ and slices the output, which leaves q.k and p.v unchanged (pass ``sm_scale`` for
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -108,10 +109,26 @@ def check_metadata(md: AttentionMetadata, num_tokens: int) -> tuple[int, int]:
     return num_seqs_max, max_pages
 
 
+class AttentionGeometry(NamedTuple):
+    """Static sizes of one attention call, derived once from the checked inputs."""
+
+    num_tokens: int
+    num_q_heads: int
+    q_head_dim: int
+    num_kv_heads: int
+    page_size: int
+    head_dim: int  # of the pages (>= q_head_dim)
+    group: int  # query heads per kv head
+    num_seqs_max: int
+    max_pages: int
+
+
 def check_attention_inputs(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata, *,
                            sm_scale: float, sliding_window: int | None,
-                           soft_cap: float | None) -> None:
-    """Trace-time checks shared by every implementation; raise ValueError naming the culprit."""
+                           soft_cap: float | None) -> AttentionGeometry:
+    """Trace-time checks shared by every implementation; raise ValueError naming the culprit.
+
+    Returns the call's static sizes so each implementation derives them the same way."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
     if jnp.dtype(q.dtype) not in _FLOAT_DTYPES:
@@ -135,6 +152,10 @@ def check_attention_inputs(q: jax.Array, kv_pages: jax.Array, md: AttentionMetad
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
     if soft_cap is not None and (not isinstance(soft_cap, (int, float)) or soft_cap <= 0):
         raise ValueError(f"soft_cap must be a positive float or None, got {soft_cap!r}")
+    _, _, page_size, _ = kv_pages.shape
+    num_seqs_max, max_pages = md.block_tables.shape
+    return AttentionGeometry(num_tokens, num_q_heads, q_head_dim, num_kv_heads, page_size,
+                             head_dim, num_q_heads // num_kv_heads, num_seqs_max, max_pages)
 
 
 def pad_head_dim(x: jax.Array, head_dim: int) -> jax.Array:

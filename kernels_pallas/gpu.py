@@ -201,13 +201,9 @@ def ragged_paged_attention_gpu(q: jax.Array, kv_pages: jax.Array, md: AttentionM
                                block_kv: int | None = None, num_stages: int | None = None,
                                tile_tokens: int | None = None) -> jax.Array:
     """out [T, Hq, Dq]. ``interpret``: True or a ``InterpretGPUParams`` runs on CPU."""
-    check_attention_inputs(q, kv_pages, md, sm_scale=sm_scale, sliding_window=sliding_window,
-                           soft_cap=soft_cap)
-    num_tokens, num_q_heads, q_head_dim = q.shape
-    _, two_hkv, page_size, head_dim = kv_pages.shape
-    num_kv_heads = two_hkv // 2
-    group = num_q_heads // num_kv_heads
-    num_seqs_max, max_pages = md.block_tables.shape
+    (num_tokens, num_q_heads, q_head_dim, num_kv_heads, page_size, head_dim, group,
+     num_seqs_max, max_pages) = check_attention_inputs(
+        q, kv_pages, md, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if group > _ROWS:
         raise ValueError(f"q shape {tuple(q.shape)}: {group} query heads per kv head exceed the "
                          f"{_ROWS}-row WGMMA tile")

@@ -94,13 +94,9 @@ def ragged_paged_attention_reference(q: jax.Array, kv_pages: jax.Array, md: Atte
                                      soft_cap: float | None = None,
                                      tile_tokens: int | None = None) -> jax.Array:
     """out [T, Hq, Dq] of causal ragged paged attention (see module docstring)."""
-    check_attention_inputs(q, kv_pages, md, sm_scale=sm_scale, sliding_window=sliding_window,
-                           soft_cap=soft_cap)
-    num_tokens, num_q_heads, q_head_dim = q.shape
-    _, two_hkv, page_size, head_dim = kv_pages.shape
-    num_kv_heads = two_hkv // 2
-    group = num_q_heads // num_kv_heads
-    num_seqs_max, max_pages = md.block_tables.shape
+    (num_tokens, num_q_heads, q_head_dim, num_kv_heads, page_size, head_dim, group,
+     num_seqs_max, max_pages) = check_attention_inputs(
+        q, kv_pages, md, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     block_pages = max(1, min(max_pages, _BLOCK_TOKENS // page_size))
     q = pad_head_dim(q, head_dim)
     attend = functools.partial(_blocked_attention, kv_pages=kv_pages,

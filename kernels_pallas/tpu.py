@@ -161,13 +161,9 @@ def ragged_paged_attention_tpu(q: jax.Array, kv_pages: jax.Array, md: AttentionM
                                kv_heads_per_block: int | None = None,
                                vmem_limit_bytes: int | None = None) -> jax.Array:
     """out [T, Hq, Dq]; tuning knobs default to sizes that suit v5e/v6e (untuned guesses)."""
-    check_attention_inputs(q, kv_pages, md, sm_scale=sm_scale, sliding_window=sliding_window,
-                           soft_cap=soft_cap)
-    num_tokens, num_q_heads, q_head_dim = q.shape
-    _, two_hkv, page_size, head_dim = kv_pages.shape
-    num_kv_heads = two_hkv // 2
-    group = num_q_heads // num_kv_heads
-    num_seqs_max, max_pages = md.block_tables.shape
+    (num_tokens, num_q_heads, q_head_dim, num_kv_heads, page_size, head_dim, group,
+     num_seqs_max, max_pages) = check_attention_inputs(
+        q, kv_pages, md, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     pages_per_block = pages_per_block or max(1, min(max_pages, 256 // page_size))
     hb = kv_heads_per_block or _divisor_at_most(num_kv_heads, 8)
     if num_kv_heads % hb:
