@@ -1,4 +1,4 @@
-"""`jaxserve` command line: generate | convert | serve | client.
+"""`jaxserve` command line: generate | convert | serve | client | batch.
 
 Data flow: argv -> argparse -> frozen config (`jaxserve.config`) -> the command function, which
 loads the model through `jaxserve.models.loading` and prints to stdout. Diagnostics go to
@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Sequence
 
+from . import batch_job
 from .config import DTYPES, EngineConfig, ModelSource, RuntimeConfig, apply_runtime
 from .server import cli as server_cli
 
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     server_cli.add_serve_parser(sub)
     server_cli.add_client_parser(sub)
+    batch_job.add_batch_parser(sub)
     return p
 
 
@@ -123,7 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         stream=sys.stderr)
     apply_runtime(RuntimeConfig.from_env())
     commands = {"generate": cmd_generate, "convert": cmd_convert,
-                "serve": server_cli.cmd_serve, "client": server_cli.cmd_client}
+                "serve": server_cli.cmd_serve, "client": server_cli.cmd_client,
+                "batch": batch_job.cmd_batch}
     try:
         return commands[args.command](args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
