@@ -1,4 +1,4 @@
-"""`jaxserve` command line: generate | convert | serve | client | batch.
+"""`jaxserve` command line: generate | convert | serve | client | batch | bench | tune.
 
 Data flow: argv -> argparse -> frozen config (`jaxserve.config`) -> the command function, which
 loads the model through `jaxserve.models.loading` and prints to stdout. Diagnostics go to
@@ -15,6 +15,7 @@ import time
 from typing import Sequence
 
 from . import batch_job
+from .bench import cli as bench_cli
 from .config import DTYPES, EngineConfig, ModelSource, RuntimeConfig, apply_runtime
 from .server import cli as server_cli
 
@@ -64,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     server_cli.add_serve_parser(sub)
     server_cli.add_client_parser(sub)
     batch_job.add_batch_parser(sub)
+    bench_cli.add_bench_parser(sub)
+    bench_cli.add_tune_parser(sub)
     return p
 
 
@@ -126,7 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     apply_runtime(RuntimeConfig.from_env())
     commands = {"generate": cmd_generate, "convert": cmd_convert,
                 "serve": server_cli.cmd_serve, "client": server_cli.cmd_client,
-                "batch": batch_job.cmd_batch}
+                "batch": batch_job.cmd_batch, "bench": bench_cli.cmd_bench,
+                "tune": bench_cli.cmd_tune}
     try:
         return commands[args.command](args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:

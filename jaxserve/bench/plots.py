@@ -1,0 +1,123 @@
+"""PNG plots of benchmark results (matplotlib, headless Agg backend).
+
+Data flow: the JSON-able result documents that `jaxserve bench` / `tune` write (each with
+`points`: label, summary, raw TTFT / ITL samples) -> `plot_sweep` (output tokens/s vs p99
+TTFT and p99 ITL across a sweep, one line per document, so several targets compare on one
+figure) and `plot_cdfs` (TTFT and ITL CDFs, one line per point). matplotlib is optional
+(`pip install jaxserve[bench]`): without it the functions say so and return no paths.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+from typing import Any, Sequence
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        log.warning("matplotlib is not installed (pip install 'jaxserve[bench]'): no plots")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_sweep(docs: Sequence[dict], path: str | pathlib.Path) -> list[pathlib.Path]:
+    """Output tokens/s (x) against p99 TTFT and p99 ITL (y, log) for each document's points."""
+    plt = _pyplot()
+    if plt is None:
+        return []
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for doc in docs:
+        pts = doc["points"]
+        x = [p["summary"]["output_throughput"] for p in pts]
+        name = doc.get("name") or doc.get("target", "")
+        for ax, key in zip(axes, ("ttft_ms", "itl_ms")):
+            y = [p["summary"][key]["p99"] for p in pts]
+            ax.plot(x, y, marker="o", label=name)
+            for xi, yi, p in zip(x, y, pts):
+                ax.annotate(p["label"].split("=")[-1], (xi, yi), textcoords="offset points",
+                            xytext=(4, 4), fontsize=8)
+    for ax, title in zip(axes, ("p99 time to first token", "p99 inter-token latency")):
+        ax.set_xlabel("output tokens/s")
+        ax.set_ylabel(f"{title.split()[0]} {title.split(' ', 1)[1]} (ms)")
+        ax.set_yscale("log")
+        ax.set_title(f"{title} vs throughput (labels: load)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return [out]
+
+
+def plot_cdfs(docs: Sequence[dict], path: str | pathlib.Path) -> list[pathlib.Path]:
+    """Empirical CDFs of TTFT and ITL, one line per (document, point)."""
+    plt = _pyplot()
+    if plt is None:
+        return []
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for doc in docs:
+        name = doc.get("name") or doc.get("target", "")
+        for p in doc["points"]:
+            for ax, key in zip(axes, ("ttft_s", "itl_s")):
+                v = np.sort(np.asarray(p["samples"][key], dtype=np.float64)) * 1e3
+                if v.size:
+                    ax.plot(v, np.arange(1, v.size + 1) / v.size,
+                            label=f"{name} {p['label']}".strip())
+    for ax, title in zip(axes, ("time to first token", "inter-token latency")):
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{title} (ms)")
+        ax.set_ylabel("fraction of samples")
+        ax.set_title(f"CDF of {title}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return [out]
+
+
+def plot_grid(rows: Sequence[dict], path: str | pathlib.Path, ttft_slo_s: float,
+              itl_slo_s: float) -> list[pathlib.Path]:
+    """The tuner's grid: p99 ITL vs output tokens/s per point, SLO lines, feasible marked."""
+    plt = _pyplot()
+    if plt is None:
+        return []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        s = r["summary"]
+        if s is None:
+            continue
+        ok = r["meets_slo"]
+        ax.scatter(s["output_throughput"], s["itl_ms"]["p99"], marker="o" if ok else "x",
+                   color="tab:green" if ok else "tab:red")
+        ax.annotate(f"{r['max_num_batched_tokens']}/{r['max_num_seqs']}",
+                    (s["output_throughput"], s["itl_ms"]["p99"]), textcoords="offset points",
+                    xytext=(4, 4), fontsize=8)
+    ax.axhline(itl_slo_s * 1e3, color="gray", linestyle="--", label="ITL p99 target")
+    ax.set_xlabel("output tokens/s")
+    ax.set_ylabel("p99 inter-token latency (ms)")
+    ax.set_yscale("log")
+    ax.set_title(f"tuner grid (labels: batched tokens/max seqs; green: TTFT p99 <= "
+                 f"{ttft_slo_s:g}s and ITL p99 <= {itl_slo_s:g}s)", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return [out]

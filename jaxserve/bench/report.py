@@ -1,0 +1,210 @@
+"""Benchmark figures: per-request timings in, percentiles, throughput and goodput out.
+
+Data flow: the load generator fills one `RequestRecord` per request (client-side clock:
+`time.perf_counter` at send, at every streamed event that carries tokens, at the end) ->
+`summarize(records, duration, slo)` -> a `Summary` (plain dict-able dataclass: JSON for
+machines) -> `format_table` (text for people).
+
+Definitions (the same as vLLM's `bench serve`, so figures compare):
+- TTFT: send -> first event with a token.
+- ITL: the gap between consecutive token-carrying events of one request (all requests' gaps
+  pooled); a server that streams k tokens per event shows one gap per event.
+- TPOT: (last token time - first token time) / (output tokens - 1), per request.
+- E2E: send -> end of the stream.
+- Goodput: completed requests per second whose TTFT <= the TTFT SLO and whose own 99th
+  percentile ITL <= the ITL SLO (the gaps a user of that stream felt).
+Throughput is over the measured window: first send to last completion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Iterable, Sequence
+
+import numpy as np
+
+PERCENTILES = (50, 90, 95, 99)
+METRICS = ("ttft", "itl", "tpot", "e2e")
+
+
+@dataclasses.dataclass
+class RequestRecord:
+    """One request's client-side timeline; the target adapter fills it as events arrive."""
+
+    kind: str = "default"
+    start: float = 0.0
+    end: float | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)  # per token event
+    prompt_tokens: int = 0
+    output_tokens: int = 0  # from the server's usage when it reports one, else counted
+    error: str | None = None
+
+    def begin(self) -> None:
+        self.start = time.perf_counter()
+
+    def on_tokens(self, n: int) -> None:
+        if n > 0:
+            self.token_times.append(time.perf_counter())
+            self.output_tokens += n
+
+    def finish(self) -> None:
+        self.end = time.perf_counter()
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.end is not None and bool(self.token_times)
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.start
+
+    @property
+    def itls(self) -> np.ndarray:
+        return np.diff(np.asarray(self.token_times))
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (self.output_tokens - 1)
+
+    @property
+    def e2e(self) -> float:
+        assert self.end is not None
+        return self.end - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class Slo:
+    ttft_s: float | None = None
+    itl_s: float | None = None
+
+    def met_by(self, r: RequestRecord) -> bool:
+        if self.ttft_s is not None and r.ttft > self.ttft_s:
+            return False
+        gaps = r.itls
+        if self.itl_s is not None and gaps.size and np.percentile(gaps, 99) > self.itl_s:
+            return False
+        return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Dist:
+    """Milliseconds."""
+
+    mean: float
+    p50: float
+    p90: float
+    p95: float
+    p99: float
+    max: float
+    count: int
+
+    @staticmethod
+    def of(values_s: Iterable[float]) -> "Dist":
+        v = np.asarray(list(values_s), dtype=np.float64) * 1e3
+        if v.size == 0:
+            nan = math.nan
+            return Dist(nan, nan, nan, nan, nan, nan, 0)
+        p = np.percentile(v, PERCENTILES)
+        return Dist(float(v.mean()), *(float(x) for x in p), float(v.max()), int(v.size))
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    completed: int
+    failed: int
+    incomplete: int  # cut off by the time bound
+    duration_s: float
+    request_throughput: float  # completed requests / s
+    output_throughput: float  # output tokens / s
+    total_throughput: float  # (prompt + output) tokens / s
+    prompt_tokens: int
+    output_tokens: int
+    ttft_ms: Dist
+    itl_ms: Dist
+    tpot_ms: Dist
+    e2e_ms: Dist
+    goodput: float | None  # requests / s meeting the SLO; None without an SLO
+    slo: Slo
+    errors: tuple[str, ...]  # the first few distinct error messages
+
+    def to_dict(self) -> dict:
+        """JSON-ready: NaN (no samples) becomes None."""
+        return _no_nan(dataclasses.asdict(self))
+
+
+def _no_nan(x: object) -> object:
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _no_nan(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_no_nan(v) for v in x]
+    return x
+
+
+def summarize(records: Sequence[RequestRecord], duration_s: float,
+              slo: Slo = Slo()) -> Summary:
+    ok = [r for r in records if r.ok]
+    failed = [r for r in records if r.error is not None]
+    incomplete = len(records) - len(ok) - len(failed)
+    dur = max(duration_s, 1e-9)
+    out_tok = sum(r.output_tokens for r in ok)
+    in_tok = sum(r.prompt_tokens for r in ok)
+    itls = np.concatenate([r.itls for r in ok]) if ok else np.zeros(0)
+    tpots = [t for t in (r.tpot for r in ok) if t is not None]
+    has_slo = slo.ttft_s is not None or slo.itl_s is not None
+    good = sum(slo.met_by(r) for r in ok) / dur if has_slo else None
+    errors = tuple(dict.fromkeys(r.error for r in failed if r.error))[:5]
+    return Summary(len(ok), len(failed), incomplete, duration_s, len(ok) / dur, out_tok / dur,
+                   (in_tok + out_tok) / dur, in_tok, out_tok, Dist.of(r.ttft for r in ok),
+                   Dist.of(itls.tolist()), Dist.of(tpots), Dist.of(r.e2e for r in ok), good,
+                   slo, errors)
+
+
+def by_kind(records: Sequence[RequestRecord], duration_s: float,
+            slo: Slo = Slo()) -> dict[str, Summary]:
+    kinds = sorted({r.kind for r in records})
+    return {k: summarize([r for r in records if r.kind == k], duration_s, slo) for k in kinds}
+
+
+def _fmt(x: float | None, digits: int = 1) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:.{digits}f}"
+
+
+_HEAD = ("run", "ok", "fail", "req/s", "out tok/s", "tot tok/s", "goodput", "TTFT p50",
+         "TTFT p90", "TTFT p99", "ITL p50", "ITL p90", "ITL p99", "TPOT p50", "TPOT p99",
+         "E2E p50", "E2E p99")
+
+
+def _cells(name: str, s: Summary) -> list[str]:
+    return [name, str(s.completed), str(s.failed + s.incomplete),
+            _fmt(s.request_throughput, 2), _fmt(s.output_throughput), _fmt(s.total_throughput),
+            _fmt(s.goodput, 2), _fmt(s.ttft_ms.p50, 0), _fmt(s.ttft_ms.p90, 0),
+            _fmt(s.ttft_ms.p99, 0), _fmt(s.itl_ms.p50, 0), _fmt(s.itl_ms.p90, 0),
+            _fmt(s.itl_ms.p99, 0), _fmt(s.tpot_ms.p50, 0), _fmt(s.tpot_ms.p99, 0),
+            _fmt(s.e2e_ms.p50, 0), _fmt(s.e2e_ms.p99, 0)]
+
+
+def format_table(rows: Sequence[tuple[str, Summary]], title: str = "") -> str:
+    """One line per run: throughput, goodput, then percentiles of each latency (ms)."""
+    lines = [_cells(name, s) for name, s in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in lines]) for i, h in enumerate(_HEAD)]
+    out = [title] if title else []
+    out.append("  ".join(h.rjust(w) for h, w in zip(_HEAD, widths)))
+    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in lines]
+    out.append("(latencies in ms; fail = failed + cut off by the time bound; goodput: req/s "
+               "meeting the TTFT and ITL SLOs)")
+    return "\n".join(out)
+
+
+def to_markdown(rows: Sequence[tuple[str, Summary]]) -> str:
+    """The same table as GitHub markdown (for BENCHMARKS.md)."""
+    md = ["| " + " | ".join(_HEAD) + " |", "|" + "---|" * len(_HEAD)]
+    md += ["| " + " | ".join(_cells(name, s)) + " |" for name, s in rows]
+    return "\n".join(md)
