@@ -133,8 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "tune": bench_cli.cmd_tune}
     try:
         return commands[args.command](args)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        # Bad user input (flags, paths, malformed checkpoints): one line, no traceback.
+    except (ValueError, FileNotFoundError, FileExistsError, ConnectionError) as e:
+        # Bad user input (flags, paths, malformed checkpoints, an unreachable benchmark
+        # target): one line, no traceback.
         print(f"jaxserve {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -263,3 +263,66 @@ def test_chunked_prefill_scenario_runs_both_budgets() -> None:
     assert "chat ITL p99" in table(doc["points"])
     with pytest.raises(ValueError, match="small_budget"):
         ChunkedPrefillSpec(long_len=100, small_budget=100)
+
+
+# ----------------------------------------------------------------------------- command line
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> str:  # noqa: ANN001
+    from hf_models import save_tiny_tokenizer
+    from engine_fixtures import VOCAB
+    from jaxserve.models.hf_loader import save_hf_dir
+
+    d = tmp_path_factory.mktemp("tiny-hf")
+    model = tiny_model()
+    save_hf_dir(d, model.config, model.params)
+    save_tiny_tokenizer(d, VOCAB)
+    return str(d)
+
+
+ENGINE_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--page-size", "8",
+                "--max-model-len", "128", "--attention-impl", "reference"]
+
+
+def test_cli_bench_against_a_server_then_compare(tmp_path, tiny_checkpoint, capsys) -> None:  # noqa: ANN001
+    from jaxserve.cli import main
+    from jaxserve.server.background import BackgroundServer
+    from jaxserve.server.config import ServerConfig
+    from jaxserve.server.servicer import ServedModel
+    from engine_fixtures import tiny_engine
+
+    with BackgroundServer(ServerConfig(port=0), lambda: ServedModel(
+            tiny_engine(**{"max_num_seqs": 4, "max_num_batched_tokens": 32}), "tiny",
+            "hf")) as srv:
+        rc = main(["bench", "--target", f"grpc://{srv.target}", "--name", "tiny",
+                   "--concurrency", "1,2", "--num-requests", "3,4", "--input-len", "fixed:9",
+                   "--output-len", "fixed:3", "--output-json", str(tmp_path / "a.json")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "concurrency=1" in out and "concurrency=2" in out
+    doc = json.loads((tmp_path / "a.json").read_text())
+    assert [p["summary"]["completed"] for p in doc["points"]] == [3, 4]
+    assert doc["points"][1]["summary"]["prompt_tokens"] == 36
+
+    rc = main(["bench", "--compare", str(tmp_path / "a.json"), str(tmp_path / "a.json"),
+               "--plot-prefix", str(tmp_path / "cmp")])
+    assert rc == 0 and (tmp_path / "cmp_sweep.png").exists()
+    assert main(["bench", "--target", "grpc://127.0.0.1:1", "--concurrency", "1",
+                 "--num-requests", "1,2"]) == 2  # 2 counts for 1 point: a usage error
+    assert main(["bench", "--target", "grpc://127.0.0.1:1", "--concurrency", "1"]) == 2
+    assert "GetModelInfo failed: UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_cli_tune_end_to_end(tmp_path, tiny_checkpoint, capsys) -> None:  # noqa: ANN001
+    from jaxserve.cli import main
+
+    rc = main(["tune", "--model", tiny_checkpoint, *ENGINE_FLAGS, "--ttft-p99", "100",
+               "--itl-p99", "100", "--grid-batched-tokens", "16,32", "--grid-max-seqs", "4",
+               "--concurrency", "4", "--num-requests", "4", "--input-len", "uniform:4-20",
+               "--output-len", "fixed:3", "--output-json", str(tmp_path / "t.json"),
+               "--plot-prefix", str(tmp_path / "t")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert len(doc["rows"]) == 2 and doc["best"] is not None
+    assert f"--max-num-batched-tokens {doc['best']['max_num_batched_tokens']}" in out
+    assert (tmp_path / "t_grid.png").exists()

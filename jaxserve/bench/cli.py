@@ -60,8 +60,9 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
     w.add_argument("--vocab-size", type=int, default=None,
                    help="draw token ids below this (default: the server's vocabulary; 32000 "
                         "for HTTP targets, which do not say)")
-    w.add_argument("--num-requests", type=int, default=64,
-                   help="measured requests per load point (default 64)")
+    w.add_argument("--num-requests", type=parse_int_list, default=(64,),
+                   help="measured requests per load point: one value, or one per point of "
+                        "the sweep, e.g. 8,32,64 (default 64)")
     w.add_argument("--warmup", type=int, default=2,
                    help="requests sent first and excluded from the figures (default 2)")
     w.add_argument("--workload-seed", dest="seed", type=int, default=0,
@@ -89,6 +90,15 @@ def workload_spec(args: argparse.Namespace) -> Any:
                         output_len=args.output_len, long_fraction=args.long_fraction,
                         long_input_len=args.long_input_len, prefix_len=args.prefix_len,
                         dataset=args.dataset, vocab_size=args.vocab_size or 32000)
+
+
+def num_requests(args: argparse.Namespace, num_points: int) -> tuple[int, ...]:
+    n = tuple(args.num_requests)
+    if len(n) == 1:
+        return n * num_points
+    if len(n) != num_points:
+        raise ValueError(f"--num-requests has {len(n)} values for {num_points} load points")
+    return n
 
 
 def load_specs(args: argparse.Namespace, default_concurrency: tuple[int, ...]) -> list[Any]:
@@ -155,7 +165,7 @@ def add_tune_parser(sub: Any) -> None:
                         "listed as not run")
     add_workload_flags(t)
     add_engine_flags(t)
-    t.set_defaults(num_requests=48)
+    t.set_defaults(num_requests=(48,))
 
 
 async def _bench(args: argparse.Namespace) -> dict:
@@ -177,11 +187,13 @@ async def _bench(args: argparse.Namespace) -> dict:
                                   max_duration_s=args.max_duration)
         return await run_chunked_prefill(_engine_config(args), _load(args), spec)
     loads = load_specs(args, (1, 4, 16, 64))
+    counts = num_requests(args, len(loads))
     if args.target:
         target = open_target(args.target, args.model_name, args.api_key)
         await target.open()
         try:
-            return await run_sweep(target, workload, loads, args.num_requests, args.seed, slo,
+            return await run_sweep(target, workload, loads, counts,
+                                   args.seed, slo,
                                    name=args.name)
         finally:
             await target.close()
@@ -192,7 +204,8 @@ async def _bench(args: argparse.Namespace) -> dict:
         target = GrpcTarget(address)
         await target.open()
         try:
-            return await run_sweep(target, workload, loads, args.num_requests, args.seed, slo,
+            return await run_sweep(target, workload, loads, counts,
+                                   args.seed, slo,
                                    name=args.name or "jaxserve (in-process)")
         finally:
             await target.close()
@@ -247,7 +260,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     spec = TuneSpec(ttft_p99_s=args.ttft_p99, itl_p99_s=args.itl_p99,
                     batched_tokens=args.grid_batched_tokens, max_seqs=args.grid_max_seqs,
-                    num_requests=args.num_requests, max_time_s=args.max_time)
+                    num_requests=args.num_requests[0], max_time_s=args.max_time)
     loads = load_specs(args, (16,))
     if len(loads) != 1:
         raise ValueError("tune runs one load: give one --concurrency or one --request-rate")

@@ -66,20 +66,25 @@ def fit_workload(spec: WorkloadSpec, target: Target) -> WorkloadSpec:
 
 
 async def run_sweep(target: Target, workload: WorkloadSpec, loads: Sequence[LoadSpec],
-                    num_requests: int, seed: int = 0, slo: Slo = Slo(),
+                    num_requests: int | Sequence[int], seed: int = 0, slo: Slo = Slo(),
                     progress: bool = True, name: str = "") -> dict:
-    """Run each load on `num_requests` measured requests (+ each load's warmup)."""
+    """Run each load on its number of measured requests (+ its warmup); `num_requests` is
+    one count for every load or one per load."""
     workload = fit_workload(workload, target)
+    counts = [num_requests] * len(loads) if isinstance(num_requests, int) else \
+        list(num_requests)
+    if len(counts) != len(loads):
+        raise ValueError(f"{len(counts)} request counts for {len(loads)} loads")
     points = []
-    for spec in loads:
-        reqs = build_requests(workload, num_requests + spec.warmup, seed)
+    for spec, count in zip(loads, counts):
+        reqs = build_requests(workload, count + spec.warmup, seed)
         result = await run_load(target, reqs, spec, progress)
         points.append(point_doc(result, slo))
         if progress:
             print(format_table([(points[-1]["label"], summary_of(points[-1]))]).splitlines()[1],
                   file=sys.stderr)
     return {"name": name or target.name, "target": target.name, "model": target.model,
-            "workload": workload.describe(), "num_requests": num_requests, "seed": seed,
+            "workload": workload.describe(), "num_requests": counts, "seed": seed,
             "points": points, "machine": machine_facts(), "command": sys.argv}
 
 
