@@ -3,14 +3,17 @@
 Data flow:
   `start()`   grpc.aio server with the Generation servicer, the standard health service
               (NOT_SERVING for now), reflection, the API-key interceptor when keys are set,
-              bounded message sizes; binds host:port (TLS when configured) and starts.
+              bounded message sizes; binds host:port (TLS when configured) and starts;
+              with `http_port` set, also the OpenAI-compatible HTTP front
+              (`openai_http.OpenAIHttpFront`, same loop, same host) on that port.
   `load()`    runs the engine factory (model load + XLA warmup) on a daemon thread while the
               event loop keeps answering health checks -> AsyncEngine (its own step thread)
-              with the Prometheus observer -> servicer attached -> health SERVING -> the one
-              "ready" log line with the address.
-  `shutdown()` health NOT_SERVING, new calls refused with UNAVAILABLE, in-flight calls get
-              `shutdown_grace` seconds to finish, the rest are aborted (each stream ends with
-              a Finished(ABORT) message), then the server, engine thread and metrics stop.
+              with the Prometheus observer -> servicer (and HTTP front) attached -> health
+              SERVING -> the one "ready" log line with the addresses.
+  `shutdown()` health NOT_SERVING, new calls refused with UNAVAILABLE (HTTP: 503), in-flight
+              calls of both fronts get `shutdown_grace` seconds to finish, the rest are
+              aborted (each stream ends with a Finished(ABORT) message / an "abort"
+              finish_reason), then the servers, engine thread and metrics stop.
 `serve()` strings these together and turns SIGTERM / SIGINT into `shutdown()`.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import pathlib
 import signal
@@ -34,6 +38,7 @@ from jaxserve.metrics import EngineMetrics, MetricsHttpServer
 from . import stubs
 from .auth import ApiKeyInterceptor
 from .config import ServerConfig
+from .openai_http import OpenAIHttpFront
 from .servicer import SERVICE_NAME, GenerationServicer, ServedModel
 
 log = logging.getLogger(__name__)
@@ -48,10 +53,15 @@ def _call_in_thread(fn: EngineFactory) -> "asyncio.Future[ServedModel]":
     future: concurrent.futures.Future[ServedModel] = concurrent.futures.Future()
 
     def run() -> None:
+        # A stop during warmup cancels the future: what comes later has nowhere to go.
         try:
-            future.set_result(fn())
+            value = fn()
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-            future.set_exception(e)
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                future.set_exception(e)
+            return
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            future.set_result(value)
 
     threading.Thread(target=run, name="jaxserve-load", daemon=True).start()
     return asyncio.wrap_future(future)
@@ -69,6 +79,9 @@ class GrpcServer:
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.http: OpenAIHttpFront | None = None if cfg.http_port is None else OpenAIHttpFront(
+            cfg.api_keys, cfg.tokenizer_threads, cfg.max_message_bytes)
+        self.http_port: int | None = None
 
     @property
     def address(self) -> str:
@@ -105,9 +118,16 @@ class GrpcServer:
             raise OSError(f"cannot listen on {bind} (address in use or not available)")
         await server.start()
         self._server, self.port = server, port
-        log.info("listening address=%s tls=%s auth=%s state=NOT_SERVING", self.address,
-                 bool(cfg.tls_cert), bool(cfg.api_keys))
+        if self.http is not None:
+            self.http_port = await self.http.start(cfg.host, cfg.http_port or 0)
+        log.info("listening address=%s%s tls=%s auth=%s state=NOT_SERVING", self.address,
+                 self._http_suffix(), bool(cfg.tls_cert), bool(cfg.api_keys))
         return port
+
+    def _http_suffix(self) -> str:
+        if self.http_port is None:
+            return ""
+        return f" http=http://{self.cfg.address_for(self.http_port)}"
 
     async def load(self) -> None:
         """Build the engine off the event loop, start its thread, then report SERVING."""
@@ -125,6 +145,8 @@ class GrpcServer:
                                   on_failure=on_failure)
         self.engine.start()
         self.servicer.attach(self.engine, served)
+        if self.http is not None:
+            self.http.attach(self.engine, served)
         if cfg.metrics_port is not None:
             self._metrics_http = MetricsHttpServer(self.metrics.registry, cfg.host,
                                                    cfg.metrics_port)
@@ -132,7 +154,18 @@ class GrpcServer:
         await self._set_health(_SERVING)
         metrics = f" metrics=http://{cfg.host}:{self.metrics_port}/metrics" \
             if self.metrics_port is not None else ""
-        log.info("ready: serving %s on %s%s", served.name, self.address, metrics)
+        log.info("ready: serving %s on %s%s%s", served.name, self.address, self._http_suffix(),
+                 metrics)
+
+    def _num_active(self) -> int:
+        return self.servicer.num_active + (self.http.num_active if self.http else 0)
+
+    async def _wait_idle(self, timeout: float) -> bool:
+        """Wait until neither front has a call in flight; False when `timeout` passed."""
+        waits = [self.servicer.wait_idle(timeout)]
+        if self.http is not None:
+            waits.append(self.http.wait_idle(timeout))
+        return all(await asyncio.gather(*waits))
 
     async def _set_health(self, status: int) -> None:
         for name in _HEALTH_NAMES:
@@ -144,16 +177,20 @@ class GrpcServer:
         grace = self.cfg.shutdown_grace if grace is None else grace
         await self.health.enter_graceful_shutdown()
         self.servicer.start_draining()
+        if self.http is not None:
+            self.http.start_draining()
         started = self._server is not None
         if started:
-            log.info("draining in_flight=%d grace_s=%.1f", self.servicer.num_active, grace)
-        if not await self.servicer.wait_idle(grace) and self.engine is not None:
+            log.info("draining in_flight=%d grace_s=%.1f", self._num_active(), grace)
+        if not await self._wait_idle(grace) and self.engine is not None:
             self.engine.abort_all()
-            log.info("grace period over; aborted in_flight=%d", self.servicer.num_active)
+            log.info("grace period over; aborted in_flight=%d", self._num_active())
             # Each aborted stream still sends its Finished(ABORT) message.
-            await self.servicer.wait_idle(10.0)
+            await self._wait_idle(10.0)
         if self._server is not None:
             await self._server.stop(1.0)
+        if self.http is not None:
+            await self.http.stop()
         if self.engine is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.engine.stop, 30.0)
         if self._metrics_http is not None:

@@ -104,9 +104,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def add_serve_parser(sub: Any) -> None:
-    s = sub.add_parser("serve", help="serve a model over gRPC",
+    s = sub.add_parser("serve", help="serve a model over gRPC (and optionally HTTP)",
                        description="Serve a model over gRPC (jaxserve.v1.Generation, health, "
-                                   "reflection) with optional Prometheus metrics.")
+                                   "reflection) with optional Prometheus metrics and an "
+                                   "optional OpenAI-compatible HTTP API (--http-port).")
     add_engine_flags(s)
     n = s.add_argument_group("server")
     n.add_argument("--host", default="127.0.0.1",
@@ -115,6 +116,10 @@ def add_serve_parser(sub: Any) -> None:
                    help=f"gRPC port; 0 picks a free one (default {DEFAULT_PORT})")
     n.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics on this port (same host); default: off")
+    n.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, "
+                        "/v1/models, /health) on this port (same host, same engine); "
+                        "0 picks a free one; default: off")
     n.add_argument("--max-waiting", type=int, default=256,
                    help="sequences allowed to wait for a slot; beyond it calls get "
                         "RESOURCE_EXHAUSTED; 0: unbounded (default 256)")
@@ -169,6 +174,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_cfg = engine_config_from_args(args)
     server_cfg = ServerConfig(
         host=args.host, port=args.port, metrics_port=args.metrics_port,
+        http_port=args.http_port,
         max_waiting=args.max_waiting or None, api_keys=_api_keys(args), tls_cert=args.tls_cert,
         tls_key=args.tls_key, shutdown_grace=args.shutdown_grace,
         max_message_bytes=args.max_message_bytes, tokenizer_threads=args.tokenizer_threads,

@@ -19,6 +19,7 @@ class ServerConfig:
     host: str = "127.0.0.1"  # loopback only unless the operator opens it
     port: int = DEFAULT_PORT  # 0: pick a free port (the ready line tells which)
     metrics_port: int | None = None  # None: no /metrics endpoint; 0: a free port
+    http_port: int | None = None  # None: no OpenAI-compatible HTTP front; 0: a free port
     max_waiting: int | None = 256  # sequences waiting to be scheduled; None: unbounded
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     tls_cert: str | None = None  # PEM certificate chain file
@@ -31,7 +32,7 @@ class ServerConfig:
     stream_interval: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "http_port"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= 65535):
                 raise ValueError(f"{name}={value!r} must be a port number in [0, 65535]")
@@ -57,6 +58,10 @@ class ServerConfig:
 
     @property
     def address(self) -> str:
+        return self.address_for(self.port)
+
+    def address_for(self, port: int | None) -> str:
+        """host:port on this config's host (IPv6 hosts bracketed)."""
         host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") \
             else self.host
-        return f"{host}:{self.port}"
+        return f"{host}:{port}"
