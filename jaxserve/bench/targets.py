@@ -159,6 +159,10 @@ class OpenAITarget:
                 ValueError) as e:
             rec.error = f"{type(e).__name__}: {e}"
 
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
 
 def open_target(url: str, model: str | None = None, api_key: str | None = None,
                 temperature: float = 0.0, timeout: float | None = None) -> Target:
