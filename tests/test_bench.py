@@ -326,3 +326,44 @@ def test_cli_tune_end_to_end(tmp_path, tiny_checkpoint, capsys) -> None:  # noqa
     assert len(doc["rows"]) == 2 and doc["best"] is not None
     assert f"--max-num-batched-tokens {doc['best']['max_num_batched_tokens']}" in out
     assert (tmp_path / "t_grid.png").exists()
+
+
+def test_openai_http_target_against_jaxserve_http_front() -> None:
+    """The same client over OpenAI HTTP: jaxserve's own front, so usage can be checked."""
+    from jaxserve.server.background import BackgroundServer
+    from jaxserve.server.config import ServerConfig
+    from jaxserve.server.servicer import ServedModel
+    from engine_fixtures import tiny_engine
+
+    async def refused(port: int) -> RequestRecord:  # ids beyond the vocabulary: a 400
+        bad = OpenAITarget(f"http://127.0.0.1:{port}")
+        await bad.open()
+        rec = RequestRecord()
+        await bad.send(BenchRequest((5000,), 2), rec)
+        await bad.close()
+        return rec
+
+    # An OpenAI server does not say its vocabulary: the user gives it (--vocab-size).
+    wl = WorkloadSpec(input_len=LengthDist("uniform", 3, 20), output_len=LengthDist("fixed", 4),
+                      vocab_size=211)
+    with BackgroundServer(ServerConfig(port=0, http_port=0), lambda: ServedModel(
+            tiny_engine(max_num_seqs=4, max_num_batched_tokens=32), "tiny", "hf")) as srv:
+        target = OpenAITarget(f"http://127.0.0.1:{srv.server.http_port}/v1")
+
+        async def main() -> dict:
+            await target.open()
+            try:
+                return await run_sweep(target, wl, [LoadSpec(concurrency=3, warmup=1)], 5,
+                                       progress=False)
+            finally:
+                await target.close()
+
+        doc = asyncio.run(main())
+        rec = asyncio.run(refused(srv.server.http_port))
+    assert rec.error is not None and rec.error.startswith("HTTP 400") and not rec.ok
+    assert target.model == "tiny"
+    s = doc["points"][0]["summary"]
+    assert (s["completed"], s["failed"]) == (5, 0) and s["output_tokens"] == 20
+    assert s["prompt_tokens"] == sum(r.prompt_len for r in build_requests(wl, 6)[1:])
+    assert len(doc["points"][0]["samples"]["itl_s"]) == 15  # one SSE event per token
+
