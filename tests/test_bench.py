@@ -203,8 +203,9 @@ def test_sweep_against_a_real_server_writes_json_and_plots(tmp_path) -> None:  #
                 await target.close()
 
     doc = asyncio.run(main())
-    expected = build_requests(dataclasses.replace(wl, vocab_size=211, max_prompt_len=256), 7)[1:]
-    for point in doc["points"]:
+    fitted = dataclasses.replace(wl, vocab_size=211, max_prompt_len=256)
+    for i, point in enumerate(doc["points"]):
+        expected = build_requests(fitted, 7, seed=i)[1:]  # point i draws with seed + i
         s = point["summary"]
         assert (s["completed"], s["failed"], s["incomplete"]) == (6, 0, 0)
         assert s["output_tokens"] == 30 and s["goodput"] == s["request_throughput"]

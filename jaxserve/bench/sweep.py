@@ -1,7 +1,9 @@
 """A load sweep against one target, and the result document that every bench tool writes.
 
 Data flow: an open `Target` + a WorkloadSpec + LoadSpecs (e.g. concurrency 1, 4, 16, 64) ->
-for each load: the same requests (same seed; vocabulary from the server when it says) ->
+for load i: requests drawn with seed + i (fresh prompts per point, so a point never hits the
+prefix cache that an earlier point filled; the same prompts for every target given the same
+seed; vocabulary from the server when it says) ->
 `load.run_load` -> `report.summarize` (overall and per request kind) -> a point dict with the
 summary and the raw TTFT / ITL samples (for CDF plots) -> one document:
   {"target", "model", "workload", "points": [...], "machine": {...}}
@@ -76,8 +78,8 @@ async def run_sweep(target: Target, workload: WorkloadSpec, loads: Sequence[Load
     if len(counts) != len(loads):
         raise ValueError(f"{len(counts)} request counts for {len(loads)} loads")
     points = []
-    for spec, count in zip(loads, counts):
-        reqs = build_requests(workload, count + spec.warmup, seed)
+    for i, (spec, count) in enumerate(zip(loads, counts)):
+        reqs = build_requests(workload, count + spec.warmup, seed + i)
         result = await run_load(target, reqs, spec, progress)
         points.append(point_doc(result, slo))
         if progress:
