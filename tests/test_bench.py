@@ -327,6 +327,10 @@ def test_cli_tune_end_to_end(tmp_path, tiny_checkpoint, capsys) -> None:  # noqa
     assert len(doc["rows"]) == 2 and doc["best"] is not None
     assert f"--max-num-batched-tokens {doc['best']['max_num_batched_tokens']}" in out
     assert (tmp_path / "t_grid.png").exists()
+    # the saved grid judged against an impossible target: no rerun, no setting
+    rc = main(["tune", "--ttft-p99", "1e-9", "--itl-p99", "1", "--from-json",
+               str(tmp_path / "t.json")])
+    assert rc == 0 and "no setting met" in capsys.readouterr().out
 
 
 def test_openai_http_target_against_jaxserve_http_front() -> None:

@@ -163,6 +163,9 @@ def add_tune_parser(sub: Any) -> None:
     t.add_argument("--max-time", type=float, default=1800.0,
                    help="seconds for the whole tune (default 1800); points not reached are "
                         "listed as not run")
+    t.add_argument("--from-json", default=None, metavar="JSON",
+                   help="no run: judge a saved tune document (--output-json of an earlier "
+                        "tune) against these SLO targets")
     add_workload_flags(t)
     add_engine_flags(t)
     t.set_defaults(num_requests=(48,))
@@ -256,16 +259,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from . import plots
-    from .tune import TuneSpec, table, tune, verdict
+    from .tune import TuneSpec, repick, table, tune, verdict
 
     spec = TuneSpec(ttft_p99_s=args.ttft_p99, itl_p99_s=args.itl_p99,
                     batched_tokens=args.grid_batched_tokens, max_seqs=args.grid_max_seqs,
                     num_requests=args.num_requests[0], max_time_s=args.max_time)
-    loads = load_specs(args, (16,))
-    if len(loads) != 1:
-        raise ValueError("tune runs one load: give one --concurrency or one --request-rate")
-    doc = asyncio.run(tune(_engine_config(args), _load(args), workload_spec(args), loads[0],
-                           spec))
+    if args.from_json:
+        doc = repick(json.loads(pathlib.Path(args.from_json).read_text()), spec)
+    else:
+        loads = load_specs(args, (16,))
+        if len(loads) != 1:
+            raise ValueError("tune runs one load: give one --concurrency or one "
+                             "--request-rate")
+        doc = asyncio.run(tune(_engine_config(args), _load(args), workload_spec(args),
+                               loads[0], spec))
     print(f"tune: workload={doc['workload']} load={doc['load']} "
           f"(elapsed {doc['elapsed_s']:.0f} s)\n{table(doc['rows'])}\n{verdict(doc)}")
     if args.output_json:

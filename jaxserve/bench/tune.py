@@ -97,7 +97,7 @@ async def tune(base: EngineConfig, model: LoadedModel, workload: WorkloadSpec, l
         if progress:
             s = point["summary"]
             print(f"[tune]   -> {s['output_throughput']:.1f} tok/s, TTFT p99 "
-                  f"{s['ttft_ms']['p99']} ms, ITL p99 {s['itl_ms']['p99']} ms, "
+                  f"{_ms(s['ttft_ms']['p99'])} ms, ITL p99 {_ms(s['itl_ms']['p99'])} ms, "
                   f"{'meets' if row['meets_slo'] else 'misses'} the SLO",
                   file=sys.stderr, flush=True)
     feasible = [r for r in rows if r["meets_slo"]]
@@ -107,6 +107,17 @@ async def tune(base: EngineConfig, model: LoadedModel, workload: WorkloadSpec, l
             "slo": {"ttft_p99_s": spec.ttft_p99_s, "itl_p99_s": spec.itl_p99_s},
             "rows": rows, "best": best, "elapsed_s": time.perf_counter() - t_start,
             "machine": machine_facts()}
+
+
+def repick(doc: dict, spec: TuneSpec) -> dict:
+    """A saved tune document judged against other SLO targets (no rerun): the measured
+    points do not depend on the targets, only which of them meet them."""
+    rows = [dict(r, meets_slo=r["summary"] is not None and meets(r["summary"], spec))
+            for r in doc["rows"]]
+    feasible = [r for r in rows if r["meets_slo"]]
+    best = max(feasible, key=lambda r: r["summary"]["output_throughput"]) if feasible else None
+    return dict(doc, rows=rows, best=best,
+                slo={"ttft_p99_s": spec.ttft_p99_s, "itl_p99_s": spec.itl_p99_s})
 
 
 def _ms(v: float | None) -> str:
