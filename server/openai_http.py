@@ -44,6 +44,7 @@ from jaxserve.sampling_params import SamplingParams
 
 from . import convert
 from .auth import ApiKeyInterceptor
+from .inflight import InFlight
 from .servicer import ServedModel
 
 log = logging.getLogger(__name__)
@@ -227,10 +228,7 @@ class OpenAIHttpFront:
             tokenizer_threads, thread_name_prefix="jaxserve-http-tokenize")
         self._engine: AsyncEngine | None = None
         self._served: ServedModel | None = None
-        self._draining = False
-        self._active = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._calls = InFlight()
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
@@ -264,19 +262,15 @@ class OpenAIHttpFront:
         self._engine, self._served = engine, served
 
     def start_draining(self) -> None:
-        self._draining = True
+        self._calls.draining = True
 
     @property
     def num_active(self) -> int:
-        return self._active
+        return self._calls.active
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no completion is in flight; False when `timeout` passed first."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
+        return await self._calls.wait_idle(timeout)
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -304,7 +298,7 @@ class OpenAIHttpFront:
 
     def _ready(self) -> tuple[AsyncEngine, ServedModel]:
         engine, served = self._engine, self._served
-        if self._draining:
+        if self._calls.draining:
             raise _unavailable("the server is shutting down")
         if engine is None or served is None:
             raise _unavailable("the model is loading; retry when /health answers 200")
@@ -343,8 +337,7 @@ class OpenAIHttpFront:
         except (ValueError, UnicodeDecodeError):
             raise bad_request("the request body is not valid JSON") from None
         req = parse_completion(body)
-        self._active += 1
-        self._idle.clear()
+        self._calls.enter()
         stream: RequestStream | None = None
         try:
             plan = served.engine.plan
@@ -376,9 +369,7 @@ class OpenAIHttpFront:
         finally:
             if stream is not None:
                 stream.abort()  # no-op once finished; disconnects and failed writes land here
-            self._active -= 1
-            if self._active == 0:
-                self._idle.set()
+            self._calls.exit()
 
     @staticmethod
     def _decoder(served: ServedModel) -> Callable[[int], str]:

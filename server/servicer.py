@@ -30,6 +30,7 @@ from jaxserve.engine import Engine
 from jaxserve.sampling_params import MAX_LOGPROBS, MAX_N
 
 from . import convert, stubs
+from .inflight import InFlight
 
 log = logging.getLogger(__name__)
 _stubs = stubs.load()
@@ -67,10 +68,7 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
         self._engine: AsyncEngine | None = None
         self._served: ServedModel | None = None
         self._info: Any = None
-        self._draining = False
-        self._active = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._calls = InFlight()
 
     # ----------------------------------------------------------------------- lifecycle
     def attach(self, engine: AsyncEngine, served: ServedModel) -> None:
@@ -81,27 +79,21 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
 
     def start_draining(self) -> None:
         """Refuse every new call with UNAVAILABLE; calls in flight carry on."""
-        self._draining = True
+        self._calls.draining = True
 
     @property
     def num_active(self) -> int:
-        return self._active
+        return self._calls.active
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no Generate call is in flight; False when `timeout` passed first."""
-        if self._idle.is_set():
-            return True
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
+        return await self._calls.wait_idle(timeout)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def _admit(self, context: grpc.aio.ServicerContext) -> tuple[AsyncEngine, ServedModel]:
-        if self._draining:
+        if self._calls.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         engine, served = self._engine, self._served
         if engine is None or served is None:
@@ -129,8 +121,7 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
         if not rid:
             rid = f"req-{uuid.uuid4().hex}"
             await context.send_initial_metadata((("x-request-id", rid),))
-        self._active += 1
-        self._idle.clear()
+        self._calls.enter()
         stream = None
         try:
             try:
@@ -166,9 +157,7 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
         finally:
             if stream is not None:
                 stream.abort()  # no-op once finished; cancel / disconnect / deadline land here
-            self._active -= 1
-            if self._active == 0:
-                self._idle.set()
+            self._calls.exit()
 
     async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         _, served = await self._admit(context)

@@ -30,6 +30,28 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: str | pathlib.Path) -> list[pathlib.Path]:
+    fig.tight_layout()
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return [out]
+
+
+def _style(ax: Any, xlabel: str, ylabel: str, title: str, log_x: bool = False,
+           log_y: bool = False, legend_size: int = 8) -> None:
+    if log_x:
+        ax.set_xscale("log")
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=legend_size)
+
+
 def plot_sweep(docs: Sequence[dict], path: str | pathlib.Path) -> list[pathlib.Path]:
     """Output tokens/s (x) against p99 TTFT and p99 ITL (y, log) for each document's points."""
     plt = _pyplot()
@@ -47,18 +69,9 @@ def plot_sweep(docs: Sequence[dict], path: str | pathlib.Path) -> list[pathlib.P
                 ax.annotate(p["label"].split("=")[-1], (xi, yi), textcoords="offset points",
                             xytext=(4, 4), fontsize=8)
     for ax, title in zip(axes, ("p99 time to first token", "p99 inter-token latency")):
-        ax.set_xlabel("output tokens/s")
-        ax.set_ylabel(f"{title.split()[0]} {title.split(' ', 1)[1]} (ms)")
-        ax.set_yscale("log")
-        ax.set_title(f"{title} vs throughput (labels: load)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = pathlib.Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return [out]
+        _style(ax, "output tokens/s", f"{title} (ms)", f"{title} vs throughput (labels: load)",
+               log_y=True)
+    return _save(plt, fig, path)
 
 
 def plot_cdfs(docs: Sequence[dict], path: str | pathlib.Path) -> list[pathlib.Path]:
@@ -76,18 +89,9 @@ def plot_cdfs(docs: Sequence[dict], path: str | pathlib.Path) -> list[pathlib.Pa
                     ax.plot(v, np.arange(1, v.size + 1) / v.size,
                             label=f"{name} {p['label']}".strip())
     for ax, title in zip(axes, ("time to first token", "inter-token latency")):
-        ax.set_xscale("log")
-        ax.set_xlabel(f"{title} (ms)")
-        ax.set_ylabel("fraction of samples")
-        ax.set_title(f"CDF of {title}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    out = pathlib.Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return [out]
+        _style(ax, f"{title} (ms)", "fraction of samples", f"CDF of {title}", log_x=True,
+               legend_size=7)
+    return _save(plt, fig, path)
 
 
 def plot_grid(rows: Sequence[dict], path: str | pathlib.Path, ttft_slo_s: float,
@@ -108,16 +112,8 @@ def plot_grid(rows: Sequence[dict], path: str | pathlib.Path, ttft_slo_s: float,
                     (s["output_throughput"], s["itl_ms"]["p99"]), textcoords="offset points",
                     xytext=(4, 4), fontsize=8)
     ax.axhline(itl_slo_s * 1e3, color="gray", linestyle="--", label="ITL p99 target")
-    ax.set_xlabel("output tokens/s")
-    ax.set_ylabel("p99 inter-token latency (ms)")
-    ax.set_yscale("log")
-    ax.set_title(f"tuner grid (labels: batched tokens/max seqs; green: TTFT p99 <= "
-                 f"{ttft_slo_s:g}s and ITL p99 <= {itl_slo_s:g}s)", fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = pathlib.Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return [out]
+    _style(ax, "output tokens/s", "p99 inter-token latency (ms)",
+           f"tuner grid (labels: batched tokens/max seqs; green: TTFT p99 <= {ttft_slo_s:g}s "
+           f"and ITL p99 <= {itl_slo_s:g}s)", log_y=True)
+    ax.title.set_fontsize(9)
+    return _save(plt, fig, path)
