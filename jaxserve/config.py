@@ -106,8 +106,14 @@ class EngineConfig:
     # JAX persistent compilation cache (process-wide; applied by build_engine). None: leave
     # JAX's setting as it is (the CLI sets it from JAXSERVE_COMPILATION_CACHE_DIR).
     compilation_cache_dir: str | None = None
+    # Devices one engine's step is split over (weights by head / MLP column / vocabulary, KV
+    # pages by KV head; see jaxserve.sharding). 1: a single device.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size={tp!r} must be a positive integer")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {DTYPES}")
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPES:

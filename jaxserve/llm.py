@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
+from . import sharding
 from .config import EngineConfig, RuntimeConfig, apply_runtime
 from .engine import Engine
 from .kernels_pallas import padded_head_dim, select_impl
@@ -38,18 +39,26 @@ def build_engine(config: EngineConfig, model: LoadedModel | None = None,
         apply_runtime(RuntimeConfig(compilation_cache_dir=config.compilation_cache_dir))
     model = model or load_model(config.model, config.dtype)
     device = jax.local_devices()[0]
+    mesh, run_cfg, params = None, model.config, model.params
+    if config.tensor_parallel_size > 1:
+        mesh = sharding.make_tp_mesh(config.tensor_parallel_size)
+        run_cfg = sharding.tp_model_config(model.config, config.tensor_parallel_size)
+        params = sharding.shard_params(model.params, model.config, mesh)
     attn_impl = select_impl(config.attention_impl)
     kv_dtype = _DTYPES[config.kv_cache_dtype or config.dtype]
     # Pallas kernels want lane-aligned head dims; the jnp reference takes any.
     kv_head_dim = None if attn_impl == "reference" else padded_head_dim(model.config.head_dim)
     free = free_device_memory(device)
-    plan = plan_engine(config, model.config, jnp.dtype(kv_dtype).itemsize,
+    # Under tensor parallelism the KV budget is still one device's free memory for all the
+    # pages: conservative (each device holds 1 / tp of them, or 1 / num_kv_heads when KV
+    # heads are replicated), and right on CPU where the virtual devices share host memory.
+    plan = plan_engine(config, run_cfg, jnp.dtype(kv_dtype).itemsize,
                        free if free is not None else available_host_memory(), kv_head_dim)
     log.info("KV cache: %d pages of %d tokens (%.1f MiB), attention=%s",
              plan.scheduler.num_pages - 1, plan.scheduler.page_size,
              plan.kv_budget_bytes / 2**20, attn_impl)
-    runner = ModelRunner(model.config, model.params, plan.batch_shape, plan.scheduler.num_pages,
-                         kv_dtype, attn_impl, kv_head_dim)
+    runner = ModelRunner(run_cfg, params, plan.batch_shape, plan.scheduler.num_pages,
+                         kv_dtype, attn_impl, kv_head_dim, mesh)
     if warmup:
         runner.warmup(progress)
     return Engine(config, plan, runner, model.tokenizer, model.config.eos_token_ids)

@@ -22,6 +22,9 @@ import numpy as np
 from flax import struct
 from tqdm.auto import tqdm
 
+from jax.sharding import Mesh
+
+from . import sharding
 from .batch import BatchShape, StepBatch
 from .compile_guard import CompileGuard
 from .kernels_pallas import AttentionMetadata
@@ -43,14 +46,14 @@ class StepInputs:
 
 
 def forward_step(params: LlamaParams, kv_pages: jax.Array, inputs: StepInputs, cfg: ModelConfig,
-                 attn_impl: str) -> tuple[jax.Array, jax.Array]:
+                 attn_impl: str, mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
     """-> (updated kv_pages, f32[S, vocab] logits of each sequence's sampling position)."""
     logits, kv_pages = paged_forward(params, kv_pages, inputs.token_ids, inputs.positions,
-                                     inputs.md, inputs.logits_indices, cfg, attn_impl)
+                                     inputs.md, inputs.logits_indices, cfg, attn_impl, mesh)
     return kv_pages, logits
 
 
-_forward_jit = jax.jit(forward_step, static_argnames=("cfg", "attn_impl"),
+_forward_jit = jax.jit(forward_step, static_argnames=("cfg", "attn_impl", "mesh"),
                        donate_argnames=("kv_pages",))
 _sample_jit = jax.jit(sample, static_argnames=("apply_penalty",))
 
@@ -91,15 +94,25 @@ def empty_batch(shape: BatchShape, num_tokens: int, num_seqs: int, penalties: bo
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, params: LlamaParams, shape: BatchShape,
                  num_pages: int, kv_dtype: jnp.dtype, attn_impl: str = "reference",
-                 kv_head_dim: int | None = None):
+                 kv_head_dim: int | None = None, mesh: Mesh | None = None):
+        """`mesh`: tensor parallel over its "model" axis; `model_cfg` and `params` are then
+        the sharded model's (`sharding.tp_model_config`, `sharding.shard_params`)."""
         if MAX_LOGPROBS > model_cfg.vocab_size:
             raise ValueError(f"vocab_size={model_cfg.vocab_size} < MAX_LOGPROBS={MAX_LOGPROBS}")
         self.model_cfg = model_cfg
         self.params = params
         self.shape = shape
         self.attn_impl = attn_impl
-        self.kv_pages = jnp.zeros(kv_cache_shape(model_cfg, num_pages, shape.page_size,
-                                                 kv_head_dim), kv_dtype)
+        self.mesh = mesh
+        kv_shape = kv_cache_shape(model_cfg, num_pages, shape.page_size, kv_head_dim)
+        if mesh is None:
+            self.kv_pages = jnp.zeros(kv_shape, kv_dtype)
+            self._inputs_sharding = None
+        else:
+            # Created sharded: no device ever holds the whole KV array.
+            self.kv_pages = jax.jit(lambda: jnp.zeros(kv_shape, kv_dtype),
+                                    out_shardings=sharding.kv_sharding(mesh))()
+            self._inputs_sharding = sharding.replicated(mesh)
         self.guard = CompileGuard()
 
     @property
@@ -121,9 +134,12 @@ class ModelRunner:
         self.guard.arm()
 
     def execute(self, batch: StepBatch) -> StepResult:
-        inputs, sampling = jax.device_put(to_step_inputs(batch))
+        # Replicated on the mesh under tensor parallelism, the same at warmup and serving, so
+        # the compiled step's input shardings never change (no recompile).
+        inputs, sampling = jax.device_put(to_step_inputs(batch), self._inputs_sharding)
         self.kv_pages, logits = _forward_jit(self.params, self.kv_pages, inputs,
-                                             cfg=self.model_cfg, attn_impl=self.attn_impl)
+                                             cfg=self.model_cfg, attn_impl=self.attn_impl,
+                                             mesh=self.mesh)
         out = _sample_jit(logits, sampling, apply_penalty=batch.history.shape[1] > 0)
         tokens, logprob, top_ids, top_lps = jax.device_get(
             (out.tokens, out.logprob, out.top_ids, out.top_logprobs))

@@ -23,9 +23,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as PS
+
 from ..kernels_pallas import AttentionMetadata, kv_pages_shape, ragged_paged_attention, write_kv
 from .config import ModelConfig
 from .llama import LayerParams, LlamaParams, decoder_layer, embed, lm_logits
+
+
+MODEL_AXIS = "model"  # the tensor-parallel mesh axis (jaxserve.sharding)
 
 
 def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int,
@@ -44,8 +50,14 @@ def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: jnp.dtype,
 
 def paged_forward(params: LlamaParams, kv_pages: jax.Array, token_ids: jax.Array,
                   positions: jax.Array, md: AttentionMetadata, logits_indices: jax.Array,
-                  cfg: ModelConfig, attn_impl: str = "reference") -> tuple[jax.Array, jax.Array]:
-    """-> (f32[S, vocab] logits at `logits_indices`, updated kv_pages). Pure; jit it."""
+                  cfg: ModelConfig, attn_impl: str = "reference",
+                  mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
+    """-> (f32[S, vocab] logits at `logits_indices`, updated kv_pages). Pure; jit it.
+
+    With a `mesh` (tensor parallel, axis "model"; see `jaxserve.sharding`), the KV write and
+    the attention run under `jax.shard_map`: each device on its own query / KV heads and its
+    slice of the KV pages, with the metadata replicated; XLA partitions the rest.
+    """
     scale = cfg.head_dim ** -0.5
     window = cfg.sliding_window
     total_pages, _, page_size, _ = kv_pages.shape
@@ -59,16 +71,29 @@ def paged_forward(params: LlamaParams, kv_pages: jax.Array, token_ids: jax.Array
         x, kv = carry
         lp, i = xs
 
-        def attn(q: jax.Array, k: jax.Array, v: jax.Array,
-                 flat: jax.Array) -> tuple[jax.Array, jax.Array]:
-            base = i * num_pages
-            layer_md = dataclasses.replace(md, block_tables=md.block_tables + base,
-                                           slot_mapping=md.slot_mapping + base * page_size)
+        def attend(q: jax.Array, k: jax.Array, v: jax.Array, flat: jax.Array,
+                   layer_md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
             flat = write_kv(flat, k.astype(flat.dtype), v.astype(flat.dtype),
                             layer_md.slot_mapping)
             out = ragged_paged_attention(q.astype(flat.dtype), flat, layer_md, sm_scale=scale,
                                          sliding_window=window, impl=attn_impl)
             return out.astype(q.dtype), flat
+
+        def attn(q: jax.Array, k: jax.Array, v: jax.Array,
+                 flat: jax.Array) -> tuple[jax.Array, jax.Array]:
+            base = i * num_pages
+            layer_md = dataclasses.replace(md, block_tables=md.block_tables + base,
+                                           slot_mapping=md.slot_mapping + base * page_size)
+            if mesh is None:
+                return attend(q, k, v, flat, layer_md)
+            heads = PS(None, MODEL_AXIS, None)  # [T, H, D] split by head
+            return jax.shard_map(attend, mesh=mesh,
+                                 in_specs=(heads, heads, heads, PS(None, MODEL_AXIS, None, None),
+                                           PS()),
+                                 out_specs=(heads, PS(None, MODEL_AXIS, None, None)),
+                                 # The attention's loops start from replicated zeros and
+                                 # end per-shard; each shard is independent, nothing to check.
+                                 check_vma=False)(q, k, v, flat, layer_md)
 
         x, kv = decoder_layer(cfg, lp, x, positions, attn, kv)
         return (x, kv), None
