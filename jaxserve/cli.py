@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context limit (default: the model's, capped at 4096)")
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="prefill chunk size per step (default 512)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many local devices (default 1)")
 
     c = sub.add_parser("convert", help="convert a checkpoint to Orbax or HF format",
                        description="Convert SRC (HF dir, GGUF, or jaxserve checkpoint) to DST.")
@@ -91,7 +93,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # (a full warmup would compile every bucket for a single request).
     config = EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=1,
                           max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_model_len=args.max_model_len, seed=args.seed)
+                          max_model_len=args.max_model_len, seed=args.seed,
+                          tensor_parallel_size=args.tensor_parallel_size)
     engine = build_engine(config, model, warmup=False)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             seed=args.seed, top_p=args.top_p, top_k=args.top_k)

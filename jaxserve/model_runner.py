@@ -107,12 +107,12 @@ class ModelRunner:
         kv_shape = kv_cache_shape(model_cfg, num_pages, shape.page_size, kv_head_dim)
         if mesh is None:
             self.kv_pages = jnp.zeros(kv_shape, kv_dtype)
-            self._inputs_sharding = None
+            self.inputs_sharding = None
         else:
             # Created sharded: no device ever holds the whole KV array.
             self.kv_pages = jax.jit(lambda: jnp.zeros(kv_shape, kv_dtype),
                                     out_shardings=sharding.kv_sharding(mesh))()
-            self._inputs_sharding = sharding.replicated(mesh)
+            self.inputs_sharding = sharding.replicated(mesh)
         self.guard = CompileGuard()
 
     @property
@@ -136,7 +136,7 @@ class ModelRunner:
     def execute(self, batch: StepBatch) -> StepResult:
         # Replicated on the mesh under tensor parallelism, the same at warmup and serving, so
         # the compiled step's input shardings never change (no recompile).
-        inputs, sampling = jax.device_put(to_step_inputs(batch), self._inputs_sharding)
+        inputs, sampling = jax.device_put(to_step_inputs(batch), self.inputs_sharding)
         self.kv_pages, logits = _forward_jit(self.params, self.kv_pages, inputs,
                                              cfg=self.model_cfg, attn_impl=self.attn_impl,
                                              mesh=self.mesh)

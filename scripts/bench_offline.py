@@ -9,9 +9,13 @@ Sections (each can be skipped):
             jaxserve with continuous batching, jaxserve with static batches of 8 (continuous
             batching off: a batch runs until its longest member ends), and HF transformers
             `generate` with the same static batches.
+  collectives  with --tensor-parallel-size N: the collectives in the compiled decode step
+            (all-reduce, all-gather, ...), counted in XLA's optimized HLO.
 Writes every figure to --json and prints tables. Numbers on a CPU are not GPU numbers.
 
     python scripts/bench_offline.py --json bench_offline.json
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/bench_offline.py \
+        --tensor-parallel-size 4 --sections decode,collectives --json bench_tp4.json
 """
 
 from __future__ import annotations
@@ -134,13 +138,14 @@ def bench_decode(llm, batch_sizes: list[int], ctx: int) -> list[dict]:
             eng.step()
         out = eng.scheduler.schedule()
         assert out.num_seqs == bs and out.num_tokens == bs, (out.num_seqs, out.num_tokens)
-        inputs, _ = jax.device_put(to_step_inputs(build_batch(out, eng.plan.batch_shape)))
         r = eng.runner
+        inputs, _ = jax.device_put(to_step_inputs(build_batch(out, eng.plan.batch_shape)),
+                                   r.inputs_sharding)
         times = []
         for _ in range(5):
             t = time.perf_counter()
             r.kv_pages, logits = _forward_jit(r.params, r.kv_pages, inputs, cfg=cfg,
-                                              attn_impl=r.attn_impl)
+                                              attn_impl=r.attn_impl, mesh=r.mesh)
             logits.block_until_ready()
             times.append(time.perf_counter() - t)
         eng.scheduler.update(out, [None] * out.num_seqs)  # nothing sampled: recompute-safe
@@ -155,6 +160,30 @@ def bench_decode(llm, batch_sizes: list[int], ctx: int) -> list[dict]:
                      "bandwidth_floor_ms": 1e3 * (params_bytes + kv_bytes) / (bw * 1e9),
                      "compute_floor_ms": 1e3 * flops / (gflops * 1e9)})
     return [{"measured_bandwidth_gbs": bw, "measured_matmul_gflops": gflops}] + rows
+
+
+# ----------------------------------------------------------------------------- collectives
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+
+
+def count_collectives(llm) -> dict:  # noqa: ANN001
+    """Collective ops in the compiled forward of the smallest (decode) bucket."""
+    import re
+
+    import jax
+
+    from jaxserve.model_runner import _forward_jit, empty_batch, to_step_inputs
+
+    r = llm.engine.runner
+    t, s_ = r.shape.buckets[0]
+    inputs, _ = jax.device_put(to_step_inputs(empty_batch(r.shape, t, s_, False)),
+                               r.inputs_sharding)
+    hlo = _forward_jit.lower(r.params, r.kv_pages, inputs, cfg=r.model_cfg,
+                             attn_impl=r.attn_impl, mesh=r.mesh).compile().as_text()
+    counts = {op: len(re.findall(rf"\b{op}(?:-start)?\(", hlo)) for op in _COLLECTIVES}
+    # The layer loop's body holds one copy of each per-layer collective.
+    return {"bucket": [t, s_], "num_devices": 1 if r.mesh is None else r.mesh.size,
+            "counts_in_hlo": counts}
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -218,6 +247,9 @@ def main() -> int:
     ap.add_argument("--host-seqs", type=int, default=256)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-static", action="store_true")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="split each step over N devices (set XLA_FLAGS="
+                         "--xla_force_host_platform_device_count=N on a CPU)")
     args = ap.parse_args()
     sections = set(args.sections.split(","))
     report: dict = {"machine": {"platform": platform.platform(), "python": sys.version.split()[0]}}
@@ -229,14 +261,15 @@ def main() -> int:
               f"schedule + batch build median {h['schedule_and_build_ms_median']:.3f} ms "
               f"(p90 {h['schedule_and_build_ms_p90']:.3f}); update median "
               f"{h['update_ms_median']:.3f} ms; total {h['total_host_ms_median']:.3f} ms")
-    if sections & {"decode", "e2e"}:
+    if sections & {"decode", "e2e", "collectives"}:
         from jaxserve import LLM
 
         in_r = tuple(int(x) for x in args.input_len.split(","))
         out_r = tuple(int(x) for x in args.output_len.split(","))
         llm = LLM(max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_model_len=in_r[1] + out_r[1])
+                  max_model_len=in_r[1] + out_r[1],
+                  tensor_parallel_size=args.tensor_parallel_size)
         import jax
         report["machine"]["jax"] = jax.__version__
         report["machine"]["device"] = str(jax.devices()[0])
@@ -249,6 +282,12 @@ def main() -> int:
             for r in rows[1:]:
                 print(f"{r['num_seqs']:>5} {r['step_ms']:>9.1f} {r['bandwidth_floor_ms']:>9.1f} "
                       f"{r['compute_floor_ms']:>10.1f}")
+        report["machine"]["tensor_parallel_size"] = args.tensor_parallel_size
+        if "collectives" in sections:
+            report["collectives"] = c = count_collectives(llm)
+            print(f"compiled decode step {tuple(c['bucket'])} over {c['num_devices']} device(s): "
+                  + ", ".join(f"{k} x{v}" for k, v in c["counts_in_hlo"].items() if v)
+                  + " (the layer loop body holds one copy of each per-layer collective)")
         if "e2e" in sections:
             prompts, outs = workload(args.num_prompts, 0, 49152, in_r, out_r)
             e2e = {"workload": {"num_prompts": len(prompts), "input_tokens": sum(map(len, prompts)),
