@@ -5,7 +5,8 @@ jax starts. Checked, for a model whose KV heads divide every TP size (8), one wh
 replicated) and one with a vocabulary no TP size divides (211: replicated embeddings):
 greedy tokens identical to TP 1; top-5 logprobs within 1e-5 relative (max|diff| / max|ref|
 per step, as the logits parity tests measure); no compile after warmup;
-per-device parameter and KV bytes exactly the sharded share.
+per-device parameter and KV bytes exactly the sharded share; and the gRPC server over a TP 4
+engine streams the TP 1 tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ L, HIDDEN = 2, 64  # tp_worker's tiny models
 
 
 @pytest.fixture(scope="module")
-def rows() -> list[dict]:
+def worker() -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get(
                    "PYTHONPATH", "")]))
@@ -32,6 +33,17 @@ def rows() -> list[dict]:
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def rows(worker: dict) -> list[dict]:
+    return worker["offline"]
+
+
+def test_grpc_server_over_a_tp4_engine(worker: dict) -> None:
+    """Served through gRPC with TP 4 (KV heads replicated): the offline TP 1 tokens."""
+    base = _by(worker["offline"], 2, 1)["outputs"]
+    assert worker["grpc_tp4"] == {rid: o["tokens"] for rid, o in base.items()}
 
 
 def _by(rows: list[dict], kv_heads: int, tp: int) -> dict:

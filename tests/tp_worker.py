@@ -48,8 +48,23 @@ def run(heads: int, kv_heads: int, tp: int, vocab: int) -> dict:
             "num_pages": eng.plan.scheduler.num_pages}
 
 
+def serve_grpc(tp: int) -> dict:
+    """The gRPC server over a TP engine: greedy streams of the same prompts."""
+    from jaxserve.client import Client
+    from jaxserve.server.background import BackgroundServer
+    from jaxserve.server.config import ServerConfig
+    from jaxserve.server.servicer import ServedModel
+
+    model = tiny_model(num_heads=8, num_kv_heads=2, head_dim=8, hidden_size=64,
+                       intermediate_size=128, vocab_size=256)
+    factory = lambda: ServedModel(tiny_engine(model, tensor_parallel_size=tp), "tiny", "hf")  # noqa: E731
+    with BackgroundServer(ServerConfig(port=0), factory) as srv, Client(srv.target) as client:
+        params = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+        return {f"r{i}": client.generate(p, params)[0].token_ids for i, p in enumerate(PROMPTS)}
+
+
 if __name__ == "__main__":
     assert jax.device_count() == 8, jax.devices()
     rows = [run(h, kv, tp, vocab) for h, kv, vocab in ((8, 8, 256), (8, 2, 256), (8, 4, 211))
             for tp in (1, 2, 4, 8)]
-    json.dump(rows, sys.stdout)
+    json.dump({"offline": rows, "grpc_tp4": serve_grpc(4)}, sys.stdout)
