@@ -38,6 +38,7 @@ from jaxserve.metrics import EngineMetrics, MetricsHttpServer
 from . import stubs
 from .auth import ApiKeyInterceptor
 from .config import ServerConfig
+from .inflight import InFlight
 from .openai_http import OpenAIHttpFront
 from .servicer import SERVICE_NAME, GenerationServicer, ServedModel
 
@@ -157,15 +158,15 @@ class GrpcServer:
         log.info("ready: serving %s on %s%s%s", served.name, self.address, self._http_suffix(),
                  metrics)
 
+    def _fronts(self) -> list[InFlight]:
+        return [self.servicer.calls] + ([self.http.calls] if self.http is not None else [])
+
     def _num_active(self) -> int:
-        return self.servicer.num_active + (self.http.num_active if self.http else 0)
+        return sum(c.active for c in self._fronts())
 
     async def _wait_idle(self, timeout: float) -> bool:
         """Wait until neither front has a call in flight; False when `timeout` passed."""
-        waits = [self.servicer.wait_idle(timeout)]
-        if self.http is not None:
-            waits.append(self.http.wait_idle(timeout))
-        return all(await asyncio.gather(*waits))
+        return all(await asyncio.gather(*(c.wait_idle(timeout) for c in self._fronts())))
 
     async def _set_health(self, status: int) -> None:
         for name in _HEALTH_NAMES:
@@ -176,9 +177,8 @@ class GrpcServer:
         seconds (default: the config's), abort the rest, stop everything."""
         grace = self.cfg.shutdown_grace if grace is None else grace
         await self.health.enter_graceful_shutdown()
-        self.servicer.start_draining()
-        if self.http is not None:
-            self.http.start_draining()
+        for calls in self._fronts():
+            calls.draining = True  # each front now refuses new calls
         started = self._server is not None
         if started:
             log.info("draining in_flight=%d grace_s=%.1f", self._num_active(), grace)

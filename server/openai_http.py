@@ -228,7 +228,7 @@ class OpenAIHttpFront:
             tokenizer_threads, thread_name_prefix="jaxserve-http-tokenize")
         self._engine: AsyncEngine | None = None
         self._served: ServedModel | None = None
-        self._calls = InFlight()
+        self.calls = InFlight()  # in flight / draining: read by the server's drain
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
@@ -261,17 +261,6 @@ class OpenAIHttpFront:
     def attach(self, engine: AsyncEngine, served: ServedModel) -> None:
         self._engine, self._served = engine, served
 
-    def start_draining(self) -> None:
-        self._calls.draining = True
-
-    @property
-    def num_active(self) -> int:
-        return self._calls.active
-
-    async def wait_idle(self, timeout: float) -> bool:
-        """Wait until no completion is in flight; False when `timeout` passed first."""
-        return await self._calls.wait_idle(timeout)
-
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
@@ -298,7 +287,7 @@ class OpenAIHttpFront:
 
     def _ready(self) -> tuple[AsyncEngine, ServedModel]:
         engine, served = self._engine, self._served
-        if self._calls.draining:
+        if self.calls.draining:
             raise _unavailable("the server is shutting down")
         if engine is None or served is None:
             raise _unavailable("the model is loading; retry when /health answers 200")
@@ -337,7 +326,7 @@ class OpenAIHttpFront:
         except (ValueError, UnicodeDecodeError):
             raise bad_request("the request body is not valid JSON") from None
         req = parse_completion(body)
-        self._calls.enter()
+        self.calls.enter()
         stream: RequestStream | None = None
         try:
             plan = served.engine.plan
@@ -369,7 +358,7 @@ class OpenAIHttpFront:
         finally:
             if stream is not None:
                 stream.abort()  # no-op once finished; disconnects and failed writes land here
-            self._calls.exit()
+            self.calls.exit()
 
     @staticmethod
     def _decoder(served: ServedModel) -> Callable[[int], str]:

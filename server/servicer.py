@@ -68,7 +68,7 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
         self._engine: AsyncEngine | None = None
         self._served: ServedModel | None = None
         self._info: Any = None
-        self._calls = InFlight()
+        self.calls = InFlight()  # in flight / draining: read by the server's drain
 
     # ----------------------------------------------------------------------- lifecycle
     def attach(self, engine: AsyncEngine, served: ServedModel) -> None:
@@ -77,23 +77,11 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
         self._served = served
         self._engine = engine
 
-    def start_draining(self) -> None:
-        """Refuse every new call with UNAVAILABLE; calls in flight carry on."""
-        self._calls.draining = True
-
-    @property
-    def num_active(self) -> int:
-        return self._calls.active
-
-    async def wait_idle(self, timeout: float) -> bool:
-        """Wait until no Generate call is in flight; False when `timeout` passed first."""
-        return await self._calls.wait_idle(timeout)
-
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def _admit(self, context: grpc.aio.ServicerContext) -> tuple[AsyncEngine, ServedModel]:
-        if self._calls.draining:
+        if self.calls.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         engine, served = self._engine, self._served
         if engine is None or served is None:
@@ -121,7 +109,7 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
         if not rid:
             rid = f"req-{uuid.uuid4().hex}"
             await context.send_initial_metadata((("x-request-id", rid),))
-        self._calls.enter()
+        self.calls.enter()
         stream = None
         try:
             try:
@@ -157,7 +145,7 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
         finally:
             if stream is not None:
                 stream.abort()  # no-op once finished; cancel / disconnect / deadline land here
-            self._calls.exit()
+            self.calls.exit()
 
     async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         _, served = await self._admit(context)

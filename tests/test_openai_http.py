@@ -371,7 +371,7 @@ def test_queue_full_and_engine_stopped_statuses() -> None:
             port = await front.start("127.0.0.1", 0)
             front.attach(Refusing(exc), ServedModel(types.SimpleNamespace(plan=plan), "fake"))
             out.append(await post(f"http://127.0.0.1:{port}", {"prompt": [5, 6]}))
-            front.start_draining()
+            front.calls.draining = True
             out.append(await post(f"http://127.0.0.1:{port}", {"prompt": [5, 6]}))
             await front.stop()
         return out
