@@ -117,6 +117,16 @@ class _Base:
         return {"metadata": self._metadata,
                 "timeout": self.timeout if timeout is None else timeout}
 
+    def stream(self, prompt: str | Sequence[int] | None = None,
+               params: SamplingParams | Mapping[str, Any] | None = None, *,
+               messages: Sequence[Mapping[str, str]] | None = None, request_id: str = "",
+               priority: int = 0, timeout: float | None = None) -> Any:
+        """The Generate call (sync: iterate it; asyncio: `async for msg in call`); either
+        way `call.cancel()` aborts the request. `self.stub` is the subclass's."""
+        req = build_request(prompt, params, messages=messages, request_id=request_id,
+                            priority=priority)
+        return self.stub.Generate(req, **self._kw(timeout))
+
 
 class Client(_Base):
     """Blocking client. `stream()` returns the call: iterate it, or `.cancel()` it."""
@@ -129,14 +139,6 @@ class Client(_Base):
         self.channel = grpc.secure_channel(target, creds, options) if creds else \
             grpc.insecure_channel(target, options)
         self.stub = _stubs.grpc.GenerationStub(self.channel)
-
-    def stream(self, prompt: str | Sequence[int] | None = None,
-               params: SamplingParams | Mapping[str, Any] | None = None, *,
-               messages: Sequence[Mapping[str, str]] | None = None, request_id: str = "",
-               priority: int = 0, timeout: float | None = None) -> Any:
-        req = build_request(prompt, params, messages=messages, request_id=request_id,
-                            priority=priority)
-        return self.stub.Generate(req, **self._kw(timeout))
 
     def generate(self, prompt: str | Sequence[int] | None = None,
                  params: SamplingParams | Mapping[str, Any] | None = None,
@@ -173,15 +175,6 @@ class AsyncClient(_Base):
         self.channel = grpc.aio.secure_channel(target, creds, options) if creds else \
             grpc.aio.insecure_channel(target, options)
         self.stub = _stubs.grpc.GenerationStub(self.channel)
-
-    def stream(self, prompt: str | Sequence[int] | None = None,
-               params: SamplingParams | Mapping[str, Any] | None = None, *,
-               messages: Sequence[Mapping[str, str]] | None = None, request_id: str = "",
-               priority: int = 0, timeout: float | None = None) -> Any:
-        """The call: `async for msg in call`, or `call.cancel()`."""
-        req = build_request(prompt, params, messages=messages, request_id=request_id,
-                            priority=priority)
-        return self.stub.Generate(req, **self._kw(timeout))
 
     async def generate(self, prompt: str | Sequence[int] | None = None,
                        params: SamplingParams | Mapping[str, Any] | None = None,

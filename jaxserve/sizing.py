@@ -74,9 +74,10 @@ def plan_engine(cfg: EngineConfig, model: ModelConfig, kv_itemsize: int,
                             max_model_len=max_model_len, page_size=ps, num_pages=usable + 1,
                             enable_prefix_caching=cfg.enable_prefix_caching)
     # Smallest bucket: 1 token. A decode step of a few streams pads to the next power of two;
-    # padding costs real compute and attention work on CPU and GPU (engine decode step of the
-    # bundled model on a 2-core CPU, 1 live sequence: 89 ms padded to (16, 16), 47.5 ms to
-    # (4, 4), 29.6 ms at (1, 1)), for four more compiled buckets than starting at 16.
+    # padding costs real compute and attention work on CPU and GPU (bundled model, 2-core CPU,
+    # compiled decode step of 1 sequence at context 256: 75-117 ms with the smallest bucket
+    # at 16, 31.8 ms at 1; scripts/bench_offline.py --sections decode), for four more compiled
+    # buckets than starting at 16.
     token_buckets = cfg.token_buckets or default_buckets(cfg.max_num_batched_tokens, 1)
     if token_buckets[-1] < cfg.max_num_batched_tokens:
         raise ValueError(f"token_buckets end at {token_buckets[-1]} < max_num_batched_tokens="

@@ -192,15 +192,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _factory(cfg: EngineConfig, progress: bool) -> Any:
     def build() -> Any:
-        from jaxserve.llm import build_engine
         from jaxserve.models.loading import load_model
 
-        from .servicer import ServedModel
+        from .servicer import build_served
 
-        model = load_model(cfg.model, cfg.dtype)
-        name = cfg.model or f"bundled:{model.source.name}"
-        engine = build_engine(cfg, model, warmup=True, progress=progress)
-        return ServedModel(engine=engine, name=name, format=model.format)
+        return build_served(cfg, load_model(cfg.model, cfg.dtype), progress)
 
     return build
 

@@ -26,7 +26,9 @@ from typing import Any, AsyncIterator
 import grpc
 
 from jaxserve.async_engine import AsyncEngine, EngineStopped, QueueFull
+from jaxserve.config import EngineConfig
 from jaxserve.engine import Engine
+from jaxserve.models.loading import LoadedModel
 from jaxserve.sampling_params import MAX_LOGPROBS, MAX_N
 
 from . import convert, stubs
@@ -45,6 +47,19 @@ class ServedModel:
     engine: Engine
     name: str  # the --model value or "bundled"; also the metrics' model_name label
     format: str = ""  # gguf | hf | orbax, when known
+
+
+def model_name(config: EngineConfig, model: LoadedModel) -> str:
+    """What callers see as the model: the --model value, or "bundled:<file>"."""
+    return config.model or f"bundled:{model.source.name}"
+
+
+def build_served(config: EngineConfig, model: LoadedModel, progress: bool) -> ServedModel:
+    """Size, place and warm up an engine over a loaded model, ready to attach."""
+    from jaxserve.llm import build_engine
+
+    engine = build_engine(config, model, warmup=True, progress=progress)
+    return ServedModel(engine=engine, name=model_name(config, model), format=model.format)
 
 
 def model_info(served: ServedModel) -> Any:

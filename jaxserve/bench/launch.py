@@ -22,17 +22,12 @@ from jaxserve.models.loading import LoadedModel
 async def local_server(config: EngineConfig, model: LoadedModel,
                        progress: bool = False) -> AsyncIterator[str]:
     """`async with local_server(cfg, model) as address:` -> "127.0.0.1:PORT", ready."""
-    from jaxserve.llm import build_engine
     from jaxserve.server.app import GrpcServer
     from jaxserve.server.config import ServerConfig
-    from jaxserve.server.servicer import ServedModel
+    from jaxserve.server.servicer import build_served
 
-    def factory() -> ServedModel:
-        engine = build_engine(config, model, warmup=True, progress=progress)
-        return ServedModel(engine=engine, name=config.model or f"bundled:{model.source.name}",
-                           format=model.format)
-
-    server = GrpcServer(ServerConfig(port=0, max_waiting=None), factory)
+    server = GrpcServer(ServerConfig(port=0, max_waiting=None),
+                        lambda: build_served(config, model, progress))
     try:
         await server.start()
         await server.load()

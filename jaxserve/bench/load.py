@@ -62,9 +62,11 @@ class LoadResult:
     duration_s: float  # first send -> last completion (or the time bound)
 
 
-async def _closed(target: Target, reqs: Sequence[BenchRequest], concurrency: int,
-                  records: list[RequestRecord], bar: tqdm | None,
-                  stop: asyncio.Event | None = None) -> None:
+async def run_closed(target: Target, reqs: Sequence[BenchRequest], concurrency: int,
+                     records: list[RequestRecord], bar: tqdm | None,
+                     stop: asyncio.Event | None = None) -> None:
+    """`concurrency` workers send `reqs` in order, each its next one when the last ended,
+    until they run out or `stop` is set; one record per sent request lands in `records`."""
     queue = list(reversed(reqs))
 
     async def worker() -> None:
@@ -123,13 +125,13 @@ async def run_load(target: Target, reqs: Sequence[BenchRequest], spec: LoadSpec,
         raise ValueError(f"{len(reqs)} requests leave none to measure after warmup="
                          f"{spec.warmup}")
     if warm:
-        await _closed(target, warm, min(4, spec.concurrency or 4), [], None)
+        await run_closed(target, warm, min(4, spec.concurrency or 4), [], None)
     records: list[RequestRecord] = []
     with tqdm(total=len(measured), desc=spec.label, unit="req", disable=not progress,
               leave=False) as bar:
         t0 = time.perf_counter()
         if spec.concurrency is not None:
-            job = _closed(target, measured, spec.concurrency, records, bar)
+            job = run_closed(target, measured, spec.concurrency, records, bar)
         else:
             job = _open(target, measured, float(spec.rate), records, bar, spec.seed)
         try:

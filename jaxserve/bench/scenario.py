@@ -22,9 +22,10 @@ import time
 
 from jaxserve.config import EngineConfig
 from jaxserve.models.loading import LoadedModel
+from jaxserve.server.servicer import model_name
 
 from .launch import local_server
-from .load import LoadResult, LoadSpec, _closed, run_scheduled
+from .load import LoadResult, LoadSpec, run_closed, run_scheduled
 from .report import RequestRecord, Slo
 from .sweep import machine_facts, point_doc
 from .targets import GrpcTarget
@@ -71,7 +72,7 @@ async def _run_one(address: str, spec: ChunkedPrefillSpec, vocab: int,
                                                 spec.seed, chat_out=spec.chat_out,
                                                 long_out=spec.long_out)
         # Warm the connection and the decode path; not measured.
-        await _closed(target, chats[:2], 2, [], None)
+        await run_closed(target, chats[:2], 2, [], None)
         records: list[RequestRecord] = []
         stop = asyncio.Event()
         t0 = time.perf_counter()
@@ -82,8 +83,9 @@ async def _run_one(address: str, spec: ChunkedPrefillSpec, vocab: int,
             await asyncio.sleep(spec.tail_s)
             stop.set()
 
-        job = asyncio.gather(_closed(target, chats[2:], spec.chat_concurrency, records, None,
-                                     stop), longs_then_stop())
+        job = asyncio.gather(
+            run_closed(target, chats[2:], spec.chat_concurrency, records, None, stop),
+            longs_then_stop())
         try:
             await asyncio.wait_for(job, spec.max_duration_s)
         except asyncio.TimeoutError:
@@ -111,7 +113,7 @@ async def run_chunked_prefill(base: EngineConfig, model: LoadedModel,
         if progress:
             print(table([points[-1]]).splitlines()[1], flush=True)
     return {"name": "chunked-prefill", "target": "in-process jaxserve", "model":
-            base.model or f"bundled:{model.source.name}",
+            model_name(base, model),
             "workload": f"{spec.chat_concurrency} streaming chats (32-256 in, {spec.chat_out} "
                         f"out) + {spec.num_long} prompts of {spec.long_len} tokens",
             "spec": dataclasses.asdict(spec), "points": points, "machine": machine_facts()}

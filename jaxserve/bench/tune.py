@@ -20,6 +20,7 @@ from typing import Sequence
 
 from jaxserve.config import EngineConfig
 from jaxserve.models.loading import LoadedModel
+from jaxserve.server.servicer import model_name
 
 from .launch import local_server
 from .load import LoadSpec, run_load
@@ -102,7 +103,7 @@ async def tune(base: EngineConfig, model: LoadedModel, workload: WorkloadSpec, l
                   file=sys.stderr, flush=True)
     feasible = [r for r in rows if r["meets_slo"]]
     best = max(feasible, key=lambda r: r["summary"]["output_throughput"]) if feasible else None
-    return {"name": "tune", "model": base.model or f"bundled:{model.source.name}",
+    return {"name": "tune", "model": model_name(base, model),
             "workload": workload.describe(), "load": load.label,
             "slo": {"ttft_p99_s": spec.ttft_p99_s, "itl_p99_s": spec.itl_p99_s},
             "rows": rows, "best": best, "elapsed_s": time.perf_counter() - t_start,
