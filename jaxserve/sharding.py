@@ -2,11 +2,14 @@
 lives on which device, for XLA's SPMD partitioner to compile one program for all of them.
 
 Data flow: `tensor_parallel_size` (EngineConfig) -> `make_tp_mesh` (a 1-D Mesh, axis
-"model") -> `tp_layout(model_cfg, tp)` decides whether KV heads must be replicated ->
-`shard_params` (replicates KV heads if needed, then `device_put`s every array onto its
-NamedSharding) -> the runner places the KV pages with `kv_sharding` and every step's inputs
-replicated; `paged_forward(..., mesh=mesh)` runs attention under `jax.shard_map`, each device on
-its own heads, and the rest of the step is partitioned by XLA from these shardings.
+"model") -> `kv_head_replication(model_cfg, tp)` decides whether KV heads must be replicated ->
+`shard_params` (`models/placement.py`: KV heads replicated as lazy views if needed, then every
+leaf placed with `jax.make_array_from_callback`, each device reading only its own slice of a
+host source or of a jax array, so no device holds a full split leaf; `load_model(path, dtype,
+mesh)` loads straight through the same placement) -> the runner places the KV pages with
+`kv_sharding` and every step's inputs replicated; `paged_forward(..., mesh=mesh)` runs
+attention under `jax.shard_map`, each device on its own heads, and the rest of the step is
+partitioned by XLA from these shardings.
 
 Layout (Megatron style, per layer):
   wq / wk / wv (and their biases): columns split by head over "model";
@@ -28,13 +31,16 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .models.config import ModelConfig
-from .models.llama import LayerParams, LlamaParams
+from .models.llama import LlamaParams
 from .models.paged import MODEL_AXIS
+from .models.placement import kv_head_replication, param_shardings, place_params
+
+__all__ = ["make_tp_mesh", "kv_head_replication", "tp_model_config", "shard_params",
+           "param_shardings", "kv_sharding", "replicated"]
 
 
 def make_tp_mesh(tp: int, devices: list | None = None) -> Mesh:
@@ -46,65 +52,19 @@ def make_tp_mesh(tp: int, devices: list | None = None) -> Mesh:
     return Mesh(np.array(devices[:tp]), (MODEL_AXIS,))
 
 
-def kv_head_replication(cfg: ModelConfig, tp: int) -> int:
-    """How many copies of each KV head tp devices need (1: none)."""
-    if cfg.num_heads % tp:
-        raise ValueError(f"tensor_parallel_size={tp} must divide num_heads={cfg.num_heads}")
-    if cfg.num_kv_heads % tp == 0:
-        return 1
-    if tp % cfg.num_kv_heads:
-        raise ValueError(f"tensor_parallel_size={tp} and num_kv_heads={cfg.num_kv_heads}: one "
-                         "must divide the other")
-    return tp // cfg.num_kv_heads
-
-
 def tp_model_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     """The config the sharded model runs with (KV heads replicated where needed)."""
     rep = kv_head_replication(cfg, tp)
     return cfg if rep == 1 else dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * rep)
 
 
-def _repeat_heads(w: jax.Array | None, num_heads: int, rep: int) -> jax.Array | None:
-    """[..., Hkv * D] -> [..., Hkv * rep * D], each head's block repeated `rep` times."""
-    if w is None or rep == 1:
-        return w
-    lead, width = w.shape[:-1], w.shape[-1]
-    heads = w.reshape(*lead, num_heads, width // num_heads)
-    return jnp.repeat(heads, rep, axis=-2).reshape(*lead, width * rep)
-
-
-def _specs(params: LlamaParams, tp: int) -> LlamaParams:
-    col = P(None, None, MODEL_AXIS)   # [L, in, out]: split outputs
-    row = P(None, MODEL_AXIS, None)   # [L, in, out]: split inputs
-    vec = P(None, MODEL_AXIS)         # [L, out] biases of split outputs
-    rep = P()
-    lp = params.layers
-    layers = LayerParams(
-        attn_norm=rep, wq=col, wk=col, wv=col, wo=row, mlp_norm=rep, w_gate=col, w_up=col,
-        w_down=row, bq=None if lp.bq is None else vec, bk=None if lp.bk is None else vec,
-        bv=None if lp.bv is None else vec, q_norm=None if lp.q_norm is None else rep,
-        k_norm=None if lp.k_norm is None else rep)
-    # A vocabulary that tp does not divide (only toy ones) stays replicated.
-    by_vocab = params.embed.shape[0] % tp == 0
-    return LlamaParams(embed=P(MODEL_AXIS, None) if by_vocab else rep, layers=layers,
-                       final_norm=rep, lm_head=None if params.lm_head is None else (
-                           P(None, MODEL_AXIS) if by_vocab else rep))
-
-
 def shard_params(params: LlamaParams, cfg: ModelConfig, mesh: Mesh) -> LlamaParams:
-    """Replicate KV heads if tp needs it, then place every array on its sharding."""
-    tp = mesh.shape[MODEL_AXIS]
-    rep = kv_head_replication(cfg, tp)
-    if rep > 1:
-        lp = params.layers
-        params = dataclasses.replace(params, layers=dataclasses.replace(
-            lp, wk=_repeat_heads(lp.wk, cfg.num_kv_heads, rep),
-            wv=_repeat_heads(lp.wv, cfg.num_kv_heads, rep),
-            bk=_repeat_heads(lp.bk, cfg.num_kv_heads, rep),
-            bv=_repeat_heads(lp.bv, cfg.num_kv_heads, rep)))
-    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), _specs(params, tp),
-                             is_leaf=lambda x: isinstance(x, P))
-    return jax.device_put(params, shardings)
+    """Replicate KV heads if tp needs it, then place every leaf on its sharding.
+
+    Leaves may be host sources (numpy, memmaps, lazy checkpoint views) or jax arrays; each
+    device receives only its slice. Params already placed on this mesh come back unchanged.
+    """
+    return place_params(params, cfg, mesh)
 
 
 def kv_sharding(mesh: Mesh) -> NamedSharding:

@@ -6,9 +6,13 @@ Data flow:
   -> `read_gguf_metadata` (plain python metadata: the tokenizer reads vocab/merges from here)
   -> `read_gguf`: metadata `{arch}.*` keys -> HF `config.json`-shaped dict, validated by
      `ModelConfig.from_hf_dict`; tensor table -> HF names, shapes checked against that config
-     before any data is touched; then per tensor: raw bytes -> `gguf.quants.dequantize` ->
-     numpy shape (GGUF lists dims innermost-first, numpy outermost-first, so dims are reversed)
-     -> llama q/k rows un-permuted -> float32 `GGUFCheckpoint.tensors`.
+     before any data is touched (`open_gguf`, reading no weights) -> per tensor a lazy
+     `GGUFTensor` (numpy shape: GGUF lists dims innermost-first, numpy outermost-first, so dims
+     are reversed; llama q/k rows un-permuted on read) that dequantizes only the boxes asked
+     of it -> `hf_loader.host_params_from_hf` -> `load_model` reads leaves whole, or each
+     device's slice (`placement.place_params`): the host then dequantizes per device only
+     that device's rows (and the quant blocks covering its columns) of each tensor.
+  -> `read_gguf`: every tensor dequantized whole -> float32 `GGUFCheckpoint.tensors`.
 No jax here: the engine converts these numpy arrays to device arrays itself.
 """
 
@@ -22,13 +26,14 @@ import struct
 from typing import Mapping, NamedTuple
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from .config import ModelConfig
+from .gguf_tensor import GGUFTensor, TensorInfo
 # One error type for every checkpoint format (a ValueError naming the file and key/tensor).
 from .safetensors_io import CheckpointError
 
-__all__ = ["CheckpointError", "GGUFCheckpoint", "read_gguf", "read_gguf_metadata"]
+__all__ = ["CheckpointError", "GGUFCheckpoint", "LazyGGUF", "open_gguf", "read_gguf",
+           "read_gguf_metadata"]
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)  # v1 used 32-bit counts; llama.cpp itself dropped it
@@ -69,16 +74,9 @@ class GGUFCheckpoint:
     tensor_types: dict[str, str]  # HF name -> GGUF storage type name ("Q4_1", "F32", ...)
 
 
-class _TensorInfo(NamedTuple):
-    name: str
-    shape: tuple[int, ...]  # numpy order (outermost first)
-    ggml_type: int  # raw id; validated only when the tensor is read
-    offset: int  # relative to the data section
-
-
 class _Header(NamedTuple):
     metadata: dict[str, object]
-    tensors: tuple[_TensorInfo, ...]
+    tensors: tuple[TensorInfo, ...]
     data_start: int
 
 
@@ -158,7 +156,7 @@ def _parse_header(buf: mmap.mmap | bytes, path: str) -> _Header:
         dims = struct.unpack_from(f"<{n_dims}Q", buf, cur.need(8 * n_dims, f"dims of {name!r}"))
         ggml_type = int(cur.scalar(4, f"type of tensor {name!r}"))  # type: ignore[call-overload]
         offset = int(cur.scalar(10, f"offset of tensor {name!r}"))  # type: ignore[call-overload]
-        tensors.append(_TensorInfo(name, tuple(int(d) for d in reversed(dims)), ggml_type, offset))
+        tensors.append(TensorInfo(name, tuple(int(d) for d in reversed(dims)), ggml_type, offset))
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if not isinstance(alignment, int) or alignment <= 0:
         raise CheckpointError(f"{path}: metadata 'general.alignment'={alignment!r} is invalid")
@@ -325,89 +323,85 @@ def _expected_shapes(c: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[st
     return shapes, required
 
 
-def _read_tensor(buf: mmap.mmap, info: _TensorInfo, data_start: int, path: str) -> np.ndarray:
-    try:
-        qtype = GGMLQuantizationType(info.ggml_type)
-    except ValueError:
-        raise CheckpointError(f"{path}: tensor {info.name!r} has unknown GGML type id "
-                              f"{info.ggml_type}") from None
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    inner = info.shape[-1]
-    if inner % block:
-        raise CheckpointError(f"{path}: tensor {info.name!r} ({qtype.name}) has inner dim {inner} "
-                              f"not divisible by its block size {block}")
-    rows = math.prod(info.shape[:-1])
-    row_bytes = inner // block * type_size
-    start = data_start + info.offset
-    if start + rows * row_bytes > len(buf):
-        raise CheckpointError(f"{path}: data of tensor {info.name!r} ends at byte "
-                              f"{start + rows * row_bytes} past the end of the file ({len(buf)} "
-                              "bytes): the file is truncated")
-    raw = np.frombuffer(buf, dtype=np.uint8, count=rows * row_bytes, offset=start)
-    try:
-        out = quants.dequantize(raw.reshape(rows, row_bytes), qtype)
-    except NotImplementedError:
-        raise CheckpointError(f"{path}: tensor {info.name!r} has GGML type {qtype.name}, which "
-                              "cannot be dequantized (unsupported by gguf.quants)") from None
-    # F32 comes back as a view of the mapped file: copy so the arrays outlive the mapping.
-    out = np.array(out, dtype=np.float32, copy=np.shares_memory(out, raw))
-    return out.reshape(info.shape)
+@dataclasses.dataclass(frozen=True)
+class LazyGGUF:
+    """An opened GGUF: HF config dict + lazy float32 tensors in HF names and HF layout.
 
+    The tensors dequantize only the boxes asked of them (`models/gguf_tensor.py`); they keep
+    the file mapped while they live.
+    """
 
-def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row order: per head it interleaves the two RoPE halves
-    (row j*2+t in GGUF is row t*half+j in HF); we regroup them back into halves."""
-    half = w.shape[0] // n_head // 2
-    return np.ascontiguousarray(
-        w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+    source: str
+    hf_config: dict
+    tensors: dict[str, GGUFTensor]
+    tensor_types: dict[str, str]  # HF name -> GGUF storage type name ("Q4_1", "F32", ...)
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
     """Read and dequantize a llama/qwen2/qwen3 GGUF into HF names, HF layout, float32."""
+    lazy = open_gguf(path)
+    try:
+        tensors = {hf: t[...] for hf, t in lazy.tensors.items()}
+        return GGUFCheckpoint(lazy.source, lazy.hf_config, tensors, lazy.tensor_types)
+    finally:
+        buf = next(iter(lazy.tensors.values())).buf if lazy.tensors else None
+        del lazy
+        if buf is not None:
+            _close(buf)
+
+
+def open_gguf(path: str | os.PathLike) -> LazyGGUF:
+    """Open a llama/qwen2/qwen3 GGUF: config and tensor table checked, no weights read.
+
+    Only `rope_freqs` (needed for the config) is dequantized here.
+    """
     spath, buf = _open(path)
     try:
-        header = _parse_header(buf, spath)
-        by_name: dict[str, _TensorInfo] = {}
-        for t in header.tensors:
-            if t.name in by_name:
-                raise CheckpointError(f"{spath}: tensor {t.name!r} appears twice")
-            by_name[t.name] = t
-        hf_config = _hf_config(header.metadata, set(by_name), spath)
-        if "vocab_size" not in hf_config and "token_embd.weight" in by_name:
-            hf_config["vocab_size"] = by_name["token_embd.weight"].shape[0]
-        rope_freqs = by_name.pop(_ROPE_FREQS, None)
-        if rope_freqs is not None:
-            freqs = _read_tensor(buf, rope_freqs, header.data_start, spath)
-            hf_config["rope_scaling"] = _llama3_rope_scaling(freqs.ravel(), hf_config, spath)
-        config = ModelConfig.from_hf_dict(hf_config, source=spath)  # ConfigError names the field
-        if config.num_layers * 9 > len(by_name):  # bound the work before planning per layer
-            raise CheckpointError(f"{spath}: {header.metadata['general.architecture']}.block_count="
-                                  f"{config.num_layers} but the file holds only {len(by_name)} tensors")
-        shapes, required = _expected_shapes(config)
-        plan: dict[str, _TensorInfo] = {}
-        for name, info in by_name.items():
-            hf = _hf_name(name, config.num_layers, spath)
-            if hf not in shapes:
-                raise CheckpointError(f"{spath}: tensor {name!r} ({hf}) is not used by a "
-                                      f"{config.model_type} model with this config")
-            if info.shape != shapes[hf]:
-                raise CheckpointError(
-                    f"{spath}: tensor {name!r} ({hf}) has shape {list(info.shape)} but the "
-                    f"config implies {list(shapes[hf])}")
-            plan[hf] = info
-        missing = sorted(required - plan.keys())
-        if missing:
-            raise CheckpointError(f"{spath}: {len(missing)} required tensor(s) missing, e.g. "
-                                  f"{', '.join(missing[:5])}")
-        permute = header.metadata["general.architecture"] in _PERMUTED_ARCHS
-        tensors: dict[str, np.ndarray] = {}
-        types: dict[str, str] = {}
-        for hf, info in plan.items():
-            w = _read_tensor(buf, info, header.data_start, spath)
-            if permute and (".q_proj." in hf or ".k_proj." in hf):
-                w = _unpermute_rows(w, config.num_heads if ".q_proj." in hf else config.num_kv_heads)
-            tensors[hf] = w
-            types[hf] = GGMLQuantizationType(info.ggml_type).name
-        return GGUFCheckpoint(spath, hf_config, tensors, types)
-    finally:
+        return _open_tensors(buf, spath)
+    except BaseException:
         _close(buf)
+        raise
+
+
+def _open_tensors(buf: mmap.mmap, spath: str) -> LazyGGUF:
+    header = _parse_header(buf, spath)
+    by_name: dict[str, TensorInfo] = {}
+    for t in header.tensors:
+        if t.name in by_name:
+            raise CheckpointError(f"{spath}: tensor {t.name!r} appears twice")
+        by_name[t.name] = t
+    hf_config = _hf_config(header.metadata, set(by_name), spath)
+    if "vocab_size" not in hf_config and "token_embd.weight" in by_name:
+        hf_config["vocab_size"] = by_name["token_embd.weight"].shape[0]
+    rope_freqs = by_name.pop(_ROPE_FREQS, None)
+    if rope_freqs is not None:
+        freqs = GGUFTensor(buf, rope_freqs, header.data_start, spath)[...]
+        hf_config["rope_scaling"] = _llama3_rope_scaling(freqs.ravel(), hf_config, spath)
+    config = ModelConfig.from_hf_dict(hf_config, source=spath)  # ConfigError names the field
+    if config.num_layers * 9 > len(by_name):  # bound the work before planning per layer
+        raise CheckpointError(f"{spath}: {header.metadata['general.architecture']}.block_count="
+                              f"{config.num_layers} but the file holds only {len(by_name)} tensors")
+    shapes, required = _expected_shapes(config)
+    plan: dict[str, TensorInfo] = {}
+    for name, info in by_name.items():
+        hf = _hf_name(name, config.num_layers, spath)
+        if hf not in shapes:
+            raise CheckpointError(f"{spath}: tensor {name!r} ({hf}) is not used by a "
+                                  f"{config.model_type} model with this config")
+        if info.shape != shapes[hf]:
+            raise CheckpointError(
+                f"{spath}: tensor {name!r} ({hf}) has shape {list(info.shape)} but the "
+                f"config implies {list(shapes[hf])}")
+        plan[hf] = info
+    missing = sorted(required - plan.keys())
+    if missing:
+        raise CheckpointError(f"{spath}: {len(missing)} required tensor(s) missing, e.g. "
+                              f"{', '.join(missing[:5])}")
+    permute = header.metadata["general.architecture"] in _PERMUTED_ARCHS
+    tensors: dict[str, GGUFTensor] = {}
+    for hf, info in plan.items():
+        heads = None
+        if permute and (".q_proj." in hf or ".k_proj." in hf):
+            heads = config.num_heads if ".q_proj." in hf else config.num_kv_heads
+        tensors[hf] = GGUFTensor(buf, info, header.data_start, spath, heads)
+    return LazyGGUF(spath, hf_config, tensors, {hf: t.type_name for hf, t in tensors.items()})

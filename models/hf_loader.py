@@ -1,9 +1,14 @@
 """HF-format checkpoints <-> `LlamaParams`.
 
 Data flow (load): directory -> `config.json` -> ModelConfig; `model.safetensors` or the shards
-named by `model.safetensors.index.json` -> {HF tensor name: numpy array} -> `params_from_hf`
-(checks every name and shape, transposes linears to [in, out], stacks layers) -> LlamaParams.
-The GGUF loader produces the same HF-named dict, so both formats share `params_from_hf`.
+named by `model.safetensors.index.json` -> {HF tensor name: read-only memmap} ->
+`host_params_from_hf` (checks every name, shape and dtype; reads nothing) -> LlamaParams of
+`LazyLeaf`s that transpose linears to [in, out], stack layers and cast only the boxes asked of
+them. Then either `params_from_hf` reads each leaf whole onto the default device (the host holds
+one stacked leaf at a time), or `placement.place_params` reads each device's slice from the
+memmaps (the host holds one leaf's slices at a time; pages the OS maps in are the file cache).
+The GGUF loader offers the same HF-named mapping (lazy dequantizing tensors), so both formats
+share this path.
 Data flow (save): LlamaParams -> `hf_tensors_from_params` -> safetensors + config.json, a
 directory that transformers and vLLM load.
 """
@@ -20,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ConfigError, ModelConfig
+from .host_arrays import HostArray, LazyLeaf, read_all
 from .llama import LayerParams, LlamaParams, param_shapes
 from .safetensors_io import CheckpointError, read_safetensors, write_safetensors
 
@@ -98,14 +104,27 @@ def read_hf_tensors(model_dir: pathlib.Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray],
+def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, HostArray],
                    dtype: jnp.dtype = jnp.float32, source: str = "checkpoint") -> LlamaParams:
     """Map HF-named tensors onto LlamaParams, checking names and shapes; arrays on device."""
+    host = host_params_from_hf(cfg, tensors, dtype, source)
+    return jax.tree.map(lambda leaf: jnp.asarray(read_all(leaf)), host)
+
+
+def host_params_from_hf(cfg: ModelConfig, tensors: Mapping[str, HostArray],
+                        dtype: jnp.dtype = jnp.float32,
+                        source: str = "checkpoint") -> LlamaParams:
+    """LlamaParams of `LazyLeaf`s over HF-named tensors; names, shapes and dtypes checked now.
+
+    No data is read here: each leaf reads (transposing, stacking and casting) only the boxes
+    later asked of it, so over memory-mapped safetensors a per-device placement touches only
+    that device's rows/columns of each layer's tensor.
+    """
     shapes = param_shapes(cfg)
     np_dtype = np.dtype(dtype)
     used: set[str] = set()
 
-    def get(name: str, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
+    def get(name: str, shape: tuple[int, ...], transpose: bool) -> HostArray:
         if name not in tensors:
             raise CheckpointError(f"{source}: tensor {name!r} is missing")
         a = tensors[name]
@@ -114,27 +133,31 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray],
             raise CheckpointError(
                 f"{source}: tensor {name!r} has shape {list(a.shape)}, expected {list(want)} "
                 f"for this config")
-        if a.dtype not in _FLOAT_DTYPES:
+        if np.dtype(a.dtype) not in _FLOAT_DTYPES:
             raise CheckpointError(f"{source}: tensor {name!r} has non-float dtype {a.dtype}")
         used.add(name)
-        a = a.T if transpose else a
-        return np.asarray(a, dtype=np_dtype)
+        return a
 
-    layers: dict[str, jax.Array | None] = {}
+    def single(field: str, name: str, transpose: bool) -> LazyLeaf:
+        shape = shapes[field]
+        return LazyLeaf(name, [get(name, shape, transpose)], shape, np_dtype, transpose, False)
+
+    layers: dict[str, LazyLeaf | None] = {}
     for field, (suffix, transpose) in _LAYER_NAMES.items():
         key = f"layers.{field}"
         if key not in shapes:
             layers[field] = None
             continue
         per_layer = shapes[key][1:]
-        stacked = np.stack([get(f"model.layers.{i}.{suffix}", per_layer, transpose)
-                            for i in range(cfg.num_layers)])
-        layers[field] = jnp.asarray(stacked)
-    embed = jnp.asarray(get("model.embed_tokens.weight", shapes["embed"], False))
-    final_norm = jnp.asarray(get("model.norm.weight", shapes["final_norm"], False))
+        parts = [get(f"model.layers.{i}.{suffix}", per_layer, transpose)
+                 for i in range(cfg.num_layers)]
+        layers[field] = LazyLeaf(f"model.layers.*.{suffix}", parts, shapes[key], np_dtype,
+                                 transpose, True)
+    embed = single("embed", "model.embed_tokens.weight", False)
+    final_norm = single("final_norm", "model.norm.weight", False)
     lm_head = None
     if "lm_head" in shapes:
-        lm_head = jnp.asarray(get("lm_head.weight", shapes["lm_head"], True))
+        lm_head = single("lm_head", "lm_head.weight", True)
     else:
         used.add("lm_head.weight")  # tied checkpoints sometimes still ship a copy
     unexpected = sorted(n for n in tensors if n not in used and not n.endswith(_IGNORED_SUFFIXES))
@@ -197,4 +220,4 @@ def save_hf_dir(out_dir: pathlib.Path, cfg: ModelConfig, params: LlamaParams,
 
 
 __all__ = ["ConfigError", "CheckpointError", "read_hf_config", "read_hf_tensors",
-           "params_from_hf", "hf_tensors_from_params", "save_hf_dir"]
+           "params_from_hf", "host_params_from_hf", "hf_tensors_from_params", "save_hf_dir"]

@@ -1,11 +1,27 @@
 """One entry point from a user's `--model` value to (config, params, tokenizer), and back.
 
 Data flow: PATH (or None for the bundled SmolLM2 GGUF) -> `detect_format` -> one of
-  gguf:  `read_gguf` -> HF-named tensors + HF-shaped config -> `params_from_hf`
-  hf:    config.json + safetensors -> `params_from_hf`
+  gguf:  `open_gguf` -> HF-shaped config + lazy HF-named tensors -> `host_params_from_hf`
+  hf:    config.json + memory-mapped safetensors -> `host_params_from_hf`
   orbax: jaxserve.json marker + config.json + `params/` -> `orbax_io.restore_params`
-and the tokenizer from the same place. `convert` writes either an Orbax checkpoint directory
-(loaded directly by jaxserve) or a standard HF directory (transformers, vLLM).
+and the tokenizer from the same place. The first two give LlamaParams of lazy host leaves; then
+  no mesh: each leaf read whole onto the first device (the host holds one leaf at a time;
+           GGUF tensors are dequantized one at a time);
+  mesh:    `placement.place_params`: per leaf, each addressable device's slice is read from the
+           host source and copied to that device only (safetensors: just those rows/columns of
+           each layer from the memmap; GGUF: just those rows, and the quant blocks covering
+           those columns, dequantized); no device holds a full split leaf, the host holds at
+           most one leaf's slices at a time, and each process of a multi-host run reads only
+           its own devices' slices.
+  Orbax with a mesh: `ocp.load` restores every leaf onto its own NamedSharding (each device
+           reads its part). When tp exceeds num_kv_heads, K/V projections are saved
+           unreplicated, so those few leaves are restored whole onto the first local device
+           and each device's repeated head is sliced from that copy, which is then dropped.
+With a mesh the params come back in the tensor-parallel layout (`sharding.tp_model_config`:
+KV heads replicated when needed) while `LoadedModel.config` stays the checkpoint's;
+`sharding.shard_params` leaves such params as they are.
+`convert` writes either an Orbax checkpoint directory (loaded directly by jaxserve) or a
+standard HF directory (transformers, vLLM).
 """
 
 from __future__ import annotations
@@ -16,14 +32,19 @@ import pathlib
 import shutil
 from typing import Literal
 
+import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, SingleDeviceSharding
 
 from .bundled import bundled_model_path
 from .config import ModelConfig
-from .gguf_loader import read_gguf
-from .hf_loader import params_from_hf, read_hf_config, read_hf_tensors, save_hf_dir
+from .gguf_loader import open_gguf
+from .hf_loader import host_params_from_hf, read_hf_config, read_hf_tensors, save_hf_dir
+from .host_arrays import read_all
 from .llama import LlamaParams
 from .orbax_io import restore_params, save_params
+from .paged import MODEL_AXIS
+from .placement import kv_head_replication, param_shardings, place_params
 from .safetensors_io import CheckpointError
 from .tokenizer import Tokenizer
 
@@ -70,27 +91,56 @@ def detect_format(path: pathlib.Path) -> Format:
     raise CheckpointError(f"{path}: no such file or directory")
 
 
-def load_model(path: str | pathlib.Path | None = None, dtype: str = "float32") -> LoadedModel:
-    """Load weights and tokenizer from PATH (None: the bundled SmolLM2-135M-Instruct)."""
+def load_model(path: str | pathlib.Path | None = None, dtype: str = "float32",
+               mesh: Mesh | None = None) -> LoadedModel:
+    """Load weights and tokenizer from PATH (None: the bundled SmolLM2-135M-Instruct).
+
+    mesh: a tensor-parallel mesh (axis "model"); the params come back placed on their
+    shardings, each device having read only its own slice (see the module docstring).
+    """
     jdtype = parse_dtype(dtype)
     path = resolve_model_path(path)
     fmt = detect_format(path)
     if fmt == "gguf":
         gguf_file = path if path.is_file() else sorted(path.glob("*.gguf"))[0]
-        ckpt = read_gguf(gguf_file)
+        ckpt = open_gguf(gguf_file)
         cfg = ModelConfig.from_hf_dict(ckpt.hf_config, source=str(gguf_file))
         tokenizer = Tokenizer.from_gguf(gguf_file)
         cfg = _with_tokenizer_eos(cfg, tokenizer)
-        params = params_from_hf(cfg, ckpt.tensors, jdtype, source=str(gguf_file))
+        host = host_params_from_hf(cfg, ckpt.tensors, jdtype, source=str(gguf_file))
+        params = _place(host, cfg, mesh)
     elif fmt == "hf":
         cfg = read_hf_config(path)
-        params = params_from_hf(cfg, read_hf_tensors(path), jdtype, source=str(path))
+        host = host_params_from_hf(cfg, read_hf_tensors(path), jdtype, source=str(path))
+        params = _place(host, cfg, mesh)
         tokenizer = Tokenizer.from_hf_dir(path)
     else:
         cfg = read_hf_config(path)
-        params = restore_params(path / "params", cfg, jdtype)
+        params = _restore(path / "params", cfg, jdtype, mesh)
         tokenizer = Tokenizer.from_hf_dir(path)
     return LoadedModel(config=cfg, params=params, tokenizer=tokenizer, source=path, format=fmt)
+
+
+def _place(host: LlamaParams, cfg: ModelConfig, mesh: Mesh | None) -> LlamaParams:
+    if mesh is None:
+        return jax.tree.map(lambda leaf: jnp.asarray(read_all(leaf)), host)
+    return place_params(host, cfg, mesh)
+
+
+def _restore(path: pathlib.Path, cfg: ModelConfig, dtype: jnp.dtype,
+             mesh: Mesh | None) -> LlamaParams:
+    if mesh is None:
+        return restore_params(path, cfg, dtype)
+    shardings = param_shardings(cfg, mesh)
+    if kv_head_replication(cfg, mesh.shape[MODEL_AXIS]) > 1:
+        # The saved K/V leaves hold each head once; the mesh wants some heads on several
+        # devices, which no sharding of the saved array expresses: restore them whole on one
+        # local device, and let placement cut each device's repeated head from that copy.
+        first = SingleDeviceSharding(jax.local_devices()[0])
+        kv = {f: first for f in ("wk", "wv", "bk", "bv") if getattr(shardings.layers, f)}
+        shardings = dataclasses.replace(
+            shardings, layers=dataclasses.replace(shardings.layers, **kv))
+    return place_params(restore_params(path, cfg, dtype, shardings), cfg, mesh)
 
 
 def _with_tokenizer_eos(cfg: ModelConfig, tokenizer: Tokenizer) -> ModelConfig:

@@ -1,10 +1,15 @@
 """Orbax checkpoints of the params pytree (current `orbax.checkpoint.v1` API).
 
 Data flow (save): LlamaParams -> `ocp.save(DIR/params)`. Data flow (restore): the config gives
-`abstract_params` (shapes, dtype) -> each leaf gets its target sharding -> `ocp.load` places
-every array directly where it belongs, so a restore never materialises the whole model on a
-host first. The surrounding jaxserve checkpoint directory (config.json, tokenizer files, the
-`jaxserve.json` marker) is written by `models/loading.py`.
+`abstract_params` (shapes, dtype) -> each leaf gets its target sharding (one for all, or one per
+leaf: the tensor-parallel `placement.param_shardings`) -> `ocp.load` reads for each device only
+the part of the array its sharding puts there, so a sharded restore never materialises a split
+leaf whole on one device (under multi-process, each process reads its own devices' parts).
+The saved arrays are unreplicated: when tensor parallelism replicates KV heads, `loading`
+restores the K/V projections onto one local device and `placement` slices each device's
+repeated head from there (see `models/loading.py`). The surrounding jaxserve checkpoint
+directory (config.json, tokenizer files, the `jaxserve.json` marker) is written by
+`models/loading.py`.
 """
 
 from __future__ import annotations
@@ -25,8 +30,12 @@ def save_params(path: pathlib.Path, params: LlamaParams, overwrite: bool = False
 
 
 def restore_params(path: pathlib.Path, cfg: ModelConfig, dtype: jnp.dtype,
-                   sharding: jax.sharding.Sharding | None = None) -> LlamaParams:
-    """Restore onto `sharding` (default: the first local device), cast to `dtype`."""
+                   sharding: jax.sharding.Sharding | LlamaParams | None = None) -> LlamaParams:
+    """Restore onto `sharding`, cast to `dtype`.
+
+    `sharding`: one Sharding for every leaf, a LlamaParams of one Sharding per leaf (e.g.
+    `placement.param_shardings`), or None for the first local device.
+    """
     if not path.is_dir():
         raise CheckpointError(f"{path}: no Orbax params directory")
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -42,10 +51,15 @@ def restore_params(path: pathlib.Path, cfg: ModelConfig, dtype: jnp.dtype,
                 f"{path}: tensor {name} has shape {list(have[name].shape)}, expected "
                 f"{list(leaf.shape)} for this config")
     # Restore in the saved dtype, then cast: orbax casts too, but this keeps it explicit.
+    if isinstance(sharding, LlamaParams):
+        shardings = sharding
+    else:
+        shardings = jax.tree.map(lambda _: sharding, target)
     restore_target = jax.tree.map(
-        lambda t, s: jax.ShapeDtypeStruct(t.shape, s.dtype, sharding=sharding), target,
-        _like(target, have))
+        lambda t, s, sh: jax.ShapeDtypeStruct(t.shape, s.dtype, sharding=sh), target,
+        _like(target, have), shardings)
     params = ocp.load(path, restore_target)
+    # An elementwise cast keeps each array's sharding: per device, no gather.
     return jax.tree.map(lambda a: a.astype(dtype), params)
 
 

@@ -1,0 +1,129 @@
+"""Placing a params pytree on a tensor-parallel mesh, one device slice at a time.
+
+Data flow: params whose leaves are host sources (numpy arrays, memmaps, the lazy views of
+`models/host_arrays.py`) or jax arrays -> `with_replicated_kv_heads` (when tp exceeds the KV
+heads, K/V projections become `RepeatedHeads` views: nothing is copied) -> `param_shardings`
+(one NamedSharding per leaf, from `param_specs`) -> `place_leaf` per leaf:
+`jax.make_array_from_callback(shape, sharding, lambda box: leaf[box])`. JAX calls back once per
+*addressable* device with that device's box (once in all for a replicated leaf), so each device
+receives only its own slice, no device ever holds a full split leaf, and under multi-process
+`jax.distributed` each process reads only the slices of its own devices.
+
+Host memory: the callbacks of one leaf run before that leaf is copied, so the host peak is this
+process's slices of one leaf (the whole leaf for a replicated one), not the model.
+
+The layout itself (Megatron style; the mesh axis is `paged.MODEL_AXIS`):
+  wq / wk / wv (and biases), w_gate / w_up: columns (outputs) split;
+  wo / w_down: rows (inputs) split, so each block ends in one all-reduce;
+  embed [vocab, hidden] / lm_head [hidden, vocab]: split by vocabulary, replicated when tp does
+  not divide it; norms: replicated. KV heads: replicated tp / num_kv_heads times when tp is a
+  multiple of num_kv_heads, so each device holds exactly one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .config import ModelConfig
+from .host_arrays import RepeatedHeads
+from .llama import LayerParams, LlamaParams
+from .paged import MODEL_AXIS
+from .safetensors_io import CheckpointError
+
+_KV_FIELDS = ("wk", "wv", "bk", "bv")
+
+
+def kv_head_replication(cfg: ModelConfig, tp: int) -> int:
+    """How many copies of each KV head tp devices need (1: none)."""
+    if cfg.num_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide num_heads={cfg.num_heads}")
+    if cfg.num_kv_heads % tp == 0:
+        return 1
+    if tp % cfg.num_kv_heads:
+        raise ValueError(f"tensor_parallel_size={tp} and num_kv_heads={cfg.num_kv_heads}: one "
+                         "must divide the other")
+    return tp // cfg.num_kv_heads
+
+
+def param_specs(cfg: ModelConfig, tp: int) -> LlamaParams:
+    """A LlamaParams of PartitionSpecs (None where the config has no such leaf)."""
+    col = P(None, None, MODEL_AXIS)   # [L, in, out]: split outputs
+    row = P(None, MODEL_AXIS, None)   # [L, in, out]: split inputs
+    vec = P(None, MODEL_AXIS)         # [L, out] biases of split outputs
+    rep = P()
+    bias = vec if cfg.attention_bias else None
+    norm = rep if cfg.qk_norm else None
+    layers = LayerParams(
+        attn_norm=rep, wq=col, wk=col, wv=col, wo=row, mlp_norm=rep, w_gate=col, w_up=col,
+        w_down=row, bq=bias, bk=bias, bv=bias, q_norm=norm, k_norm=norm)
+    # A vocabulary that tp does not divide (only toy ones) stays replicated.
+    by_vocab = cfg.vocab_size % tp == 0
+    lm_head = None if cfg.tie_word_embeddings else (P(None, MODEL_AXIS) if by_vocab else rep)
+    return LlamaParams(embed=P(MODEL_AXIS, None) if by_vocab else rep, layers=layers,
+                       final_norm=rep, lm_head=lm_head)
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh) -> LlamaParams:
+    """A LlamaParams of the NamedSharding each leaf is placed on."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec),
+                        param_specs(cfg, mesh.shape[MODEL_AXIS]),
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def with_replicated_kv_heads(params: LlamaParams, cfg: ModelConfig, tp: int) -> LlamaParams:
+    """K/V projections (and biases) as views with each head repeated for tp devices.
+
+    Leaves that already have the replicated width (params placed by an earlier call) are kept,
+    so placing placed params again is a no-op.
+    """
+    rep = kv_head_replication(cfg, tp)
+    if rep == 1:
+        return params
+    lp = params.layers
+    views = {}
+    for field in _KV_FIELDS:
+        leaf = getattr(lp, field)
+        if leaf is None or leaf.shape[-1] == cfg.kv_size * rep:
+            continue
+        if leaf.shape[-1] != cfg.kv_size:
+            raise ValueError(f"layers.{field} has last axis {leaf.shape[-1]}; expected "
+                             f"{cfg.kv_size} (num_kv_heads={cfg.num_kv_heads} x head_dim)")
+        views[field] = RepeatedHeads(leaf, cfg.num_kv_heads, rep)
+    return dataclasses.replace(params, layers=dataclasses.replace(lp, **views))
+
+
+def place_leaf(leaf: object, sharding: NamedSharding, name: str = "leaf") -> jax.Array:
+    """One leaf onto `sharding`, each addressable device reading only its own box."""
+    if isinstance(leaf, jax.Array):
+        if leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
+            return leaf  # already where it belongs (e.g. an Orbax restore onto its sharding)
+        if not leaf.is_fully_addressable:  # another process holds parts: let XLA reshard
+            return jax.device_put(leaf, sharding)
+    shape = tuple(leaf.shape)  # type: ignore[attr-defined]
+
+    def read(box: tuple[slice, ...]) -> object:
+        return leaf[box]  # type: ignore[index]
+
+    try:
+        return jax.make_array_from_callback(shape, sharding, read,
+                                            dtype=leaf.dtype)  # type: ignore[attr-defined]
+    except CheckpointError:
+        raise  # already names the file and tensor
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"cannot place {name} {shape} on {sharding.spec}: {e}") from e
+
+
+def place_params(params: LlamaParams, cfg: ModelConfig, mesh: Mesh) -> LlamaParams:
+    """Every leaf of `params` (host sources or jax arrays) onto its tensor-parallel sharding."""
+    params = with_replicated_kv_heads(params, cfg, mesh.shape[MODEL_AXIS])
+    shardings = param_shardings(cfg, mesh)
+    named = jax.tree_util.tree_flatten_with_path(params)[0]
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    targets = treedef.flatten_up_to(shardings)
+    placed = [place_leaf(leaf, target, jax.tree_util.keystr(path))
+              for (path, leaf), target in zip(named, targets)]
+    assert len(placed) == len(leaves)
+    return jax.tree_util.tree_unflatten(treedef, placed)
