@@ -192,6 +192,11 @@ class AsyncEngine:
         with self._cond:
             return self._queued_seqs + self._waiting_seqs
 
+    def holds(self, request_id: str) -> bool:
+        """Whether `request_id` is in flight here (submitted and not yet finished)."""
+        with self._cond:
+            return request_id in self._in_flight
+
     # ----------------------------------------------------------------------- callers
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                priority: int = 0, arrival_time: float | None = None) -> RequestStream:

@@ -155,7 +155,7 @@ class _Progress:
 
 def run_batch(engine: Any, in_path: pathlib.Path, out_path: pathlib.Path,
               options: BatchOptions | None = None) -> BatchSummary:
-    """Run every line of IN through `engine` (a `jaxserve.engine.Engine`), appending results to
+    """Run every line of IN through `engine` (an Engine or a ReplicaPool), appending results to
     OUT in input order; resumes from what OUT already holds. Returns the counts."""
     opts = options or BatchOptions()
     t0 = time.perf_counter()
@@ -163,7 +163,8 @@ def run_batch(engine: Any, in_path: pathlib.Path, out_path: pathlib.Path,
     summary = BatchSummary()
     seen: collections.Counter[str] = collections.Counter()  # id -> lines with it so far
     inflight: dict[str, tuple[int, Any, SamplingParams]] = {}  # engine id -> line, id, params
-    low_water = engine.config.max_num_seqs
+    # Keep every replica's batch full (data parallel: each replica runs max_num_seqs).
+    low_water = engine.config.max_num_seqs * engine.config.data_parallel_size
     lines = read_lines(in_path)
     last_line = 0  # last line read
     live_tokens = 0
@@ -314,12 +315,13 @@ def cmd_batch(args: argparse.Namespace) -> int:
                            fsync_interval=args.fsync_interval, progress=not args.no_progress)
     config = server_cli.engine_config_from_args(args)
 
-    from .llm import build_engine
+    from .llm import build_offline_engine
     from .models.loading import load_model
 
     t0 = time.perf_counter()
     model = load_model(config.model, config.dtype)
-    engine = build_engine(config, model, warmup=True, progress=options.progress)
+    # --data-parallel-size N: a ReplicaPool, which takes the same calls as one Engine.
+    engine = build_offline_engine(config, model, warmup=True, progress=options.progress)
     log.info("loaded and compiled %s in %.1fs", model.source, time.perf_counter() - t0)
     summary = run_batch(engine, in_path, out_path, options)
     print(summary.format(), file=sys.stderr)

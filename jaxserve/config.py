@@ -56,6 +56,39 @@ def apply_runtime(cfg: RuntimeConfig) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Several processes (hosts) running one engine: `jax.distributed` settings.
+
+    Process 0 runs the scheduler and the fronts; every process runs the same compiled step
+    over the devices of all of them (jaxserve.multihost). `coordinator` None: one process.
+    """
+
+    coordinator: str | None = None  # host:port of process 0's coordination service
+    num_processes: int = 1
+    process_id: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_processes, int) or self.num_processes < 1:
+            raise ValueError(f"num_processes={self.num_processes!r} must be >= 1")
+        if not isinstance(self.process_id, int) or not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"process_id={self.process_id!r} must be in [0, num_processes="
+                             f"{self.num_processes})")
+        if self.num_processes > 1:
+            host, _, port = (self.coordinator or "").rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"coordinator={self.coordinator!r} must be host:port (the "
+                                 "address process 0 listens on) when num_processes > 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_processes > 1
+
+    @property
+    def is_leader(self) -> bool:
+        return self.process_id == 0
+
+
+@dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous-batching policy knobs (the TTFT / ITL / throughput trade-off)."""
 
@@ -109,11 +142,16 @@ class EngineConfig:
     # Devices one engine's step is split over (weights by head / MLP column / vocabulary, KV
     # pages by KV head; see jaxserve.sharding). 1: a single device.
     tensor_parallel_size: int = 1
+    # Independent engine replicas (each its own scheduler, KV pages and tensor_parallel_size
+    # devices) behind one server; requests go to the least loaded replica, or to one that
+    # holds their prompt's prefix (jaxserve.router). Needs data x tensor devices.
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        tp = self.tensor_parallel_size
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise ValueError(f"tensor_parallel_size={tp!r} must be a positive integer")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}={v!r} must be a positive integer")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {DTYPES}")
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPES:

@@ -30,6 +30,9 @@ class ArithmeticRunner:
     def warmup(self, progress: bool = True) -> None:
         return None
 
+    def close(self) -> None:
+        return None
+
     def execute(self, batch: StepBatch) -> StepResult:
         last = np.maximum(batch.cu_q_lens[1:] - 1, 0)
         tokens = (batch.token_ids[last].astype(np.int64) * 31 + batch.positions[last] * 7 + 1) \

@@ -41,22 +41,23 @@ def _token_buckets(max_tokens: int) -> tuple[int, ...]:
     return tuple(e for e in edges if e < max_tokens) + (max_tokens,)
 
 
-class EngineMetrics:
-    """The metric families of one engine; feed it with `on_step` from the loop thread."""
+class MetricFamilies:
+    """Every metric family, registered once in one registry. Labelled by model_name, and
+    under data parallelism also by `engine` (the replica index), as vLLM labels its engines."""
 
-    def __init__(self, model_name: str, max_num_batched_tokens: int,
-                 registry: CollectorRegistry | None = None):
-        self.registry = registry or CollectorRegistry()
-        r, name = self.registry, model_name
+    def __init__(self, registry: CollectorRegistry, max_num_batched_tokens: int,
+                 per_engine: bool = False):
+        self.registry = r = registry
+        self.labels = labels = _LABELS + (("engine",) if per_engine else ())
 
         def gauge(n: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + n, doc, _LABELS, registry=r).labels(name)
+            return Gauge(PREFIX + n, doc, labels, registry=r)
 
         def counter(n: str, doc: str) -> Counter:
-            return Counter(PREFIX + n, doc, _LABELS, registry=r).labels(name)
+            return Counter(PREFIX + n, doc, labels, registry=r)
 
         def hist(n: str, doc: str, buckets: Sequence[float]) -> Histogram:
-            return Histogram(PREFIX + n, doc, _LABELS, buckets=buckets, registry=r).labels(name)
+            return Histogram(PREFIX + n, doc, labels, buckets=buckets, registry=r)
 
         self.running = gauge("num_requests_running", "Sequences in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
@@ -69,9 +70,8 @@ class EngineMetrics:
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        self._success = Counter(PREFIX + "request_success", "Finished samples by reason.",
-                                (*_LABELS, "finished_reason"), registry=r)
-        self._model = name
+        self.success = Counter(PREFIX + "request_success", "Finished samples by reason.",
+                               (*labels, "finished_reason"), registry=r)
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Gap between consecutive tokens.",
                         ITL_BUCKETS)
@@ -82,6 +82,37 @@ class EngineMetrics:
                           LATENCY_BUCKETS)
         self.iteration_tokens = hist("iteration_tokens_total", "Tokens computed per step.",
                                      _token_buckets(max_num_batched_tokens))
+
+
+class EngineMetrics:
+    """The metrics of one engine; feed it with `on_step` from that engine's loop thread."""
+
+    def __init__(self, model_name: str, max_num_batched_tokens: int,
+                 registry: CollectorRegistry | None = None,
+                 families: MetricFamilies | None = None, engine: int | None = None):
+        """`families`/`engine`: one replica's view of families shared by all replicas."""
+        fam = families or MetricFamilies(registry or CollectorRegistry(), max_num_batched_tokens)
+        self.registry = fam.registry
+        values = (model_name,) if engine is None else (model_name, str(engine))
+        if len(values) != len(fam.labels):
+            raise ValueError(f"engine={engine!r} does not fit the families' labels {fam.labels}")
+        self._values = values
+        self.running = fam.running.labels(*values)
+        self.waiting = fam.waiting.labels(*values)
+        self.kv_usage = fam.kv_usage.labels(*values)
+        self.compiles = fam.compiles.labels(*values)
+        self.preemptions = fam.preemptions.labels(*values)
+        self.prefix_queries = fam.prefix_queries.labels(*values)
+        self.prefix_hits = fam.prefix_hits.labels(*values)
+        self.prompt_tokens = fam.prompt_tokens.labels(*values)
+        self.generation_tokens = fam.generation_tokens.labels(*values)
+        self._success = fam.success
+        self.ttft = fam.ttft.labels(*values)
+        self.itl = fam.itl.labels(*values)
+        self.tpot = fam.tpot.labels(*values)
+        self.e2e = fam.e2e.labels(*values)
+        self.queue = fam.queue.labels(*values)
+        self.iteration_tokens = fam.iteration_tokens.labels(*values)
         # Loop-thread state: last seen engine totals and per-sample ITL cursors.
         self._last_preemptions = 0
         self._last_queries = 0
@@ -89,8 +120,17 @@ class EngineMetrics:
         self._last_step = 0
         self._itl_seen: dict[tuple[str, int], int] = {}
 
+    @classmethod
+    def for_replicas(cls, model_name: str, max_num_batched_tokens: int, num_replicas: int,
+                     registry: CollectorRegistry | None = None) -> list["EngineMetrics"]:
+        """One view per data-parallel replica over one registry (label engine="0", ...)."""
+        fam = MetricFamilies(registry or CollectorRegistry(), max_num_batched_tokens,
+                             per_engine=True)
+        return [cls(model_name, max_num_batched_tokens, families=fam, engine=i)
+                for i in range(num_replicas)]
+
     def success(self, reason: FinishReason) -> Counter:
-        return self._success.labels(self._model, reason.value)
+        return self._success.labels(*self._values, reason.value)
 
     # ----------------------------------------------------------------------- feed
     def on_step(self, engine: Engine, outputs: Sequence[RequestOutput], stepped: bool) -> None:

@@ -126,11 +126,17 @@ class ModelRunner:
         largest_t = {s: t for t, s in self.shape.buckets}
         return plain + [(largest_t[s], s, True) for s in sorted(largest_t)]
 
-    def warmup(self, progress: bool = True) -> None:
+    def warmup(self, progress: bool = True, arm: bool = True) -> None:
+        """Compile every bucket; then (unless `arm` is False: the caller arms once every
+        engine of the process has compiled) count any later compile."""
         for t, s, p in tqdm(self.buckets(), desc="compiling step buckets", disable=not progress,
                             unit="bucket"):
             self.execute(empty_batch(self.shape, t, s, p))
         jax.block_until_ready(self.kv_pages)
+        if arm:
+            self.arm()
+
+    def arm(self) -> None:
         self.guard.arm()
 
     def execute(self, batch: StepBatch) -> StepResult:

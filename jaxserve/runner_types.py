@@ -31,3 +31,6 @@ class Runner(Protocol):
 
     @property
     def compiles_after_warmup(self) -> int: ...
+
+    def close(self) -> None:
+        """Release what the runner holds (multi-host: stop the other processes)."""

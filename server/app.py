@@ -33,7 +33,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxserve.async_engine import AsyncEngine
+from jaxserve.data_parallel import DataParallelEngine, ServingEngine
 from jaxserve.metrics import EngineMetrics, MetricsHttpServer
+from jaxserve.router import make_router
 
 from . import stubs
 from .auth import ApiKeyInterceptor
@@ -74,7 +76,7 @@ class GrpcServer:
         self._factory = factory
         self.servicer = GenerationServicer(cfg.tokenizer_threads, cfg.stream_interval)
         self.health = health.aio.HealthServicer()
-        self.engine: AsyncEngine | None = None
+        self.engine: ServingEngine | None = None
         self.metrics: EngineMetrics | None = None
         self._metrics_http: MetricsHttpServer | None = None
         self._server: grpc.aio.Server | None = None
@@ -134,7 +136,11 @@ class GrpcServer:
         """Build the engine off the event loop, start its thread, then report SERVING."""
         served = await _call_in_thread(self._factory)
         cfg = self.cfg
-        self.metrics = EngineMetrics(served.name, served.engine.config.max_num_batched_tokens)
+        engines = served.engines
+        max_tokens = served.engine.config.max_num_batched_tokens
+        metrics = ([EngineMetrics(served.name, max_tokens)] if len(engines) == 1 else
+                   EngineMetrics.for_replicas(served.name, max_tokens, len(engines)))
+        self.metrics = metrics[0]  # its registry holds every replica's series
         loop = asyncio.get_running_loop()
 
         def on_failure(error: BaseException) -> None:
@@ -142,8 +148,10 @@ class GrpcServer:
             loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._set_health(
                 _NOT_SERVING)))
 
-        self.engine = AsyncEngine(served.engine, cfg.max_waiting, observers=[self.metrics],
-                                  on_failure=on_failure)
+        replicas = [AsyncEngine(e, cfg.max_waiting, observers=[m], on_failure=on_failure)
+                    for e, m in zip(engines, metrics)]
+        self.engine = replicas[0] if len(replicas) == 1 else DataParallelEngine(
+            replicas, make_router(engines))
         self.engine.start()
         self.servicer.attach(self.engine, served)
         if self.http is not None:

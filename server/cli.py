@@ -23,7 +23,7 @@ import re
 import sys
 from typing import Any
 
-from jaxserve.config import DTYPES, EngineConfig
+from jaxserve.config import DTYPES, DistributedConfig, EngineConfig
 
 from .config import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PORT, ServerConfig
 
@@ -47,6 +47,10 @@ _ENGINE_HELP = {
     "token_buckets": "comma-separated step token buckets (default: powers of two)",
     "seq_buckets": "comma-separated sequence buckets (default: one per token bucket)",
     "seed": "seed of the seeds drawn for requests that give none",
+    "tensor_parallel_size": "devices one engine's step is split over (weights by head, MLP "
+                            "column and vocabulary; KV pages by KV head)",
+    "data_parallel_size": "independent engine replicas, each on its own tensor-parallel "
+                          "devices; requests go to the least loaded or prefix-holding one",
     "compilation_cache_dir": "JAX persistent compilation cache directory (default: "
                              "$JAXSERVE_COMPILATION_CACHE_DIR or ~/.cache/jaxserve/xla)",
 }
@@ -138,6 +142,15 @@ def add_serve_parser(sub: Any) -> None:
     n.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed chunk after the first (default 1: every token); "
                         "larger values cut per-token overhead, streaming more coarsely")
+    d = s.add_argument_group("several hosts (jax.distributed; see README)")
+    d.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="process 0's address for jax.distributed; every process passes the "
+                        "same value")
+    d.add_argument("--num-processes", type=int, default=1,
+                   help="processes (hosts) in the job (default 1)")
+    d.add_argument("--process-id", type=int, default=0,
+                   help="this process's index; 0 runs the scheduler and the servers, the "
+                        "others run its steps on their devices (default 0)")
 
 
 def add_client_parser(sub: Any) -> None:
@@ -172,6 +185,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
     engine_cfg = engine_config_from_args(args)
+    dist = DistributedConfig(coordinator=args.coordinator, num_processes=args.num_processes,
+                             process_id=args.process_id)
+    # The lifecycle lines (listening, ready, draining, stopped) show even when quiet.
+    log.setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    if dist.enabled:
+        from jaxserve import multihost
+
+        multihost.initialize(dist)  # before anything else touches a JAX backend
+        if not dist.is_leader:
+            return _follow(engine_cfg, dist)
     server_cfg = ServerConfig(
         host=args.host, port=args.port, metrics_port=args.metrics_port,
         http_port=args.http_port,
@@ -179,24 +202,47 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_key=args.tls_key, shutdown_grace=args.shutdown_grace,
         max_message_bytes=args.max_message_bytes, tokenizer_threads=args.tokenizer_threads,
         stream_interval=args.stream_interval)
-    # The lifecycle lines (listening, ready, draining, stopped) show even when quiet.
-    log.setLevel(logging.DEBUG if args.verbose else logging.INFO)
     from .app import serve
 
+    built: list[Any] = []  # the ServedModel, to release its runners after serving
+    build = _factory(engine_cfg, progress=args.verbose)
+
+    def factory() -> Any:
+        built.append(build())
+        return built[-1]
+
     try:
-        asyncio.run(serve(server_cfg, _factory(engine_cfg, progress=args.verbose)))
+        asyncio.run(serve(server_cfg, factory))
     except OSError as e:  # bind failures, unreadable TLS files
         raise ValueError(str(e)) from e
+    finally:
+        # Multi-host: this tells the other processes to stop (LeaderRunner.close).
+        for served in built:
+            for engine in served.engines:
+                engine.runner.close()
+    return 0
+
+
+def _follow(cfg: EngineConfig, dist: DistributedConfig) -> int:
+    """A process > 0: build the same runner as process 0, run its steps until it stops."""
+    from jaxserve import multihost
+    from jaxserve.llm import build_follower
+
+    log.info("process %d of %d: following %s", dist.process_id, dist.num_processes,
+             dist.coordinator)
+    runner = build_follower(cfg)
+    steps = multihost.follow(runner)
+    log.info("process %d: the leader stopped; ran steps=%d compiles_after_warmup=%d",
+             dist.process_id, steps, runner.compiles_after_warmup)
     return 0
 
 
 def _factory(cfg: EngineConfig, progress: bool) -> Any:
     def build() -> Any:
-        from jaxserve.models.loading import load_model
-
         from .servicer import build_served
 
-        return build_served(cfg, load_model(cfg.model, cfg.dtype), progress)
+        # No model passed: the engine loads it straight onto its devices' shardings.
+        return build_served(cfg, None, progress)
 
     return build
 

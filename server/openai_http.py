@@ -37,7 +37,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from jaxserve.async_engine import AsyncEngine, EngineStopped, QueueFull, RequestStream
+from jaxserve.async_engine import EngineStopped, QueueFull, RequestStream
+from jaxserve.data_parallel import ServingEngine
 from jaxserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from jaxserve.request import FinishReason
 from jaxserve.sampling_params import SamplingParams
@@ -226,7 +227,7 @@ class OpenAIHttpFront:
         self._auth = ApiKeyInterceptor(api_keys) if api_keys else None
         self._pool = concurrent.futures.ThreadPoolExecutor(
             tokenizer_threads, thread_name_prefix="jaxserve-http-tokenize")
-        self._engine: AsyncEngine | None = None
+        self._engine: ServingEngine | None = None
         self._served: ServedModel | None = None
         self.calls = InFlight()  # in flight / draining: read by the server's drain
         self._runner: web.AppRunner | None = None
@@ -258,7 +259,7 @@ class OpenAIHttpFront:
         self.port = int(runner.addresses[0][1])
         return self.port
 
-    def attach(self, engine: AsyncEngine, served: ServedModel) -> None:
+    def attach(self, engine: ServingEngine, served: ServedModel) -> None:
         self._engine, self._served = engine, served
 
     async def stop(self) -> None:
@@ -285,7 +286,7 @@ class OpenAIHttpFront:
                 raise
             return ApiError(e.status, e.reason, None, "invalid_request_error").response()
 
-    def _ready(self) -> tuple[AsyncEngine, ServedModel]:
+    def _ready(self) -> tuple[ServingEngine, ServedModel]:
         engine, served = self._engine, self._served
         if self.calls.draining:
             raise _unavailable("the server is shutting down")

@@ -25,10 +25,11 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from jaxserve.async_engine import AsyncEngine, EngineStopped, QueueFull
+from jaxserve.async_engine import EngineStopped, QueueFull
+from jaxserve.data_parallel import ServingEngine
 from jaxserve.config import EngineConfig
 from jaxserve.engine import Engine
-from jaxserve.models.loading import LoadedModel
+from jaxserve.models.loading import LoadedModel, detect_format, resolve_model_path
 from jaxserve.sampling_params import MAX_LOGPROBS, MAX_N
 
 from . import convert, stubs
@@ -44,22 +45,31 @@ SERVICE_NAME = pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 class ServedModel:
     """A ready engine and how to describe it to callers."""
 
-    engine: Engine
+    engine: Engine  # the (first) engine: config, plan and tokenizer are the same on all
     name: str  # the --model value or "bundled"; also the metrics' model_name label
     format: str = ""  # gguf | hf | orbax, when known
+    replicas: tuple[Engine, ...] = ()  # data parallel: every replica (engine is the first)
+
+    @property
+    def engines(self) -> tuple[Engine, ...]:
+        return self.replicas or (self.engine,)
 
 
-def model_name(config: EngineConfig, model: LoadedModel) -> str:
+def model_name(config: EngineConfig, model: LoadedModel | None = None) -> str:
     """What callers see as the model: the --model value, or "bundled:<file>"."""
-    return config.model or f"bundled:{model.source.name}"
+    source = model.source if model is not None else resolve_model_path(config.model)
+    return config.model or f"bundled:{source.name}"
 
 
-def build_served(config: EngineConfig, model: LoadedModel, progress: bool) -> ServedModel:
-    """Size, place and warm up an engine over a loaded model, ready to attach."""
-    from jaxserve.llm import build_engine
+def build_served(config: EngineConfig, model: LoadedModel | None, progress: bool) -> ServedModel:
+    """Size, place and warm up an engine (data parallel: one per replica), ready to attach.
+    `model` None: each engine loads config.model straight onto its own devices."""
+    from jaxserve.llm import build_engines
 
-    engine = build_engine(config, model, warmup=True, progress=progress)
-    return ServedModel(engine=engine, name=model_name(config, model), format=model.format)
+    engines = build_engines(config, model, warmup=True, progress=progress)
+    fmt = model.format if model is not None else detect_format(resolve_model_path(config.model))
+    return ServedModel(engine=engines[0], name=model_name(config, model), format=fmt,
+                       replicas=tuple(engines) if len(engines) > 1 else ())
 
 
 def model_info(served: ServedModel) -> Any:
@@ -80,13 +90,13 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
         self._stream_interval = stream_interval
         self._pool = concurrent.futures.ThreadPoolExecutor(
             tokenizer_threads, thread_name_prefix="jaxserve-tokenize")
-        self._engine: AsyncEngine | None = None
+        self._engine: ServingEngine | None = None
         self._served: ServedModel | None = None
         self._info: Any = None
         self.calls = InFlight()  # in flight / draining: read by the server's drain
 
     # ----------------------------------------------------------------------- lifecycle
-    def attach(self, engine: AsyncEngine, served: ServedModel) -> None:
+    def attach(self, engine: ServingEngine, served: ServedModel) -> None:
         """Start serving calls on `engine` (after warmup)."""
         self._info = model_info(served)
         self._served = served
@@ -95,7 +105,7 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _admit(self, context: grpc.aio.ServicerContext) -> tuple[AsyncEngine, ServedModel]:
+    async def _admit(self, context: grpc.aio.ServicerContext) -> tuple[ServingEngine, ServedModel]:
         if self.calls.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         engine, served = self._engine, self._served

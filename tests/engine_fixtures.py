@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import functools
+import json
+import os
 import pathlib
+import subprocess
+import sys
 import tempfile
 
 import jax
@@ -67,3 +71,17 @@ def rollout(model: LoadedModel, prompt: list[int], n: int) -> list[int]:
                                    cfg=model.config)
         seq.append(int(np.argmax(np.asarray(logits[0, len(seq) - 1]))))
     return seq[len(prompt):]
+
+
+def run_device_worker(script: str, num_devices: int = 8) -> dict:
+    """Run tests/SCRIPT in a subprocess with `num_devices` virtual CPU devices (the count is
+    fixed when jax starts, so multi-device engines cannot run in the test process) and return
+    the JSON document it prints."""
+    here = pathlib.Path(__file__).parent
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",
+               JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(here), os.environ.get(
+                   "PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, str(here / script)], env=env, cwd=here.parent,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)

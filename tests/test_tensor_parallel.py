@@ -11,28 +11,16 @@ engine streams the TP 1 tokens.
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
-HERE = pathlib.Path(__file__).parent
+from engine_fixtures import run_device_worker
 L, HIDDEN = 2, 64  # tp_worker's tiny models
 
 
 @pytest.fixture(scope="module")
 def worker() -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get(
-                   "PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, str(HERE / "tp_worker.py")], env=env, cwd=HERE.parent,
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout)
+    return run_device_worker("tp_worker.py")
 
 
 @pytest.fixture(scope="module")

@@ -18,27 +18,35 @@ from jaxserve.sampling_params import SamplingParams
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 70))]
 
 
-def shard_bytes(tree) -> tuple[int, int]:  # noqa: ANN001
+def shard_bytes(tree, device=None) -> tuple[int, int]:  # noqa: ANN001
+    """(bytes on `device` (default: the first), bytes of the whole arrays)."""
     leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "addressable_shards")]
-    dev0 = jax.devices()[0]
+    dev0 = device or jax.devices()[0]
     per = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == dev0)
     return per, sum(x.nbytes for x in leaves)
+
+
+def greedy_outputs(engine, prompts: list[list[int]]) -> dict:  # noqa: ANN001
+    """{request id: greedy tokens and top-5 logprobs} of each prompt, 8 tokens each, from an
+    Engine or a ReplicaPool."""
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    outs: dict = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                c = o.outputs[0]
+                outs[o.request_id] = {"tokens": list(c.token_ids), "logprobs": [
+                    {str(k): float(v) for k, v in lp.items()} for lp in c.logprobs]}
+    return outs
 
 
 def run(heads: int, kv_heads: int, tp: int, vocab: int) -> dict:
     model = tiny_model(num_heads=heads, num_kv_heads=kv_heads, head_dim=8, hidden_size=64,
                        intermediate_size=128, vocab_size=vocab)
     eng = tiny_engine(model, tensor_parallel_size=tp)
-    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
-    for i, p in enumerate(PROMPTS):
-        eng.add_request(f"r{i}", p, params)
-    outs: dict = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.finished:
-                c = o.outputs[0]
-                outs[o.request_id] = {"tokens": list(c.token_ids), "logprobs": [
-                    {str(k): float(v) for k, v in lp.items()} for lp in c.logprobs]}
+    outs = greedy_outputs(eng, PROMPTS)
     p_dev, p_all = shard_bytes(eng.runner.params)
     kv_dev, kv_all = shard_bytes(eng.runner.kv_pages)
     return {"heads": heads, "kv_heads": kv_heads, "tp": tp, "outputs": outs,

@@ -1,0 +1,171 @@
+"""Several hosts, one engine: process 0 schedules, every process runs the same compiled step.
+
+JAX on several hosts is multi-controller SPMD: each process runs the same program over the
+global mesh and feeds it the same inputs, and XLA's collectives (NCCL / ICI / gloo on CPU)
+join the devices. jaxserve keeps everything host-side on process 0 (scheduler, allocator,
+detokenizer, gRPC / HTTP fronts) and makes the other processes mirror its device calls:
+
+  process 0: Engine.step -> StepBatch -> LeaderRunner.execute:
+               broadcast header i32[4] = (STEP, T_b, S_b, P)  -- which bucket
+               broadcast the forward arrays of that bucket     -- token ids, block tables, ...
+               broadcast the sampling arrays (S_b, P)         -- temperature, seeds, history
+               ModelRunner.execute(batch)                      -- the compiled step
+  process i: follow(runner): receive the header; STEP -> receive the arrays (shapes from the
+             header) -> the same ModelRunner.execute; ARM -> arm the compile guard (warmup
+             done); STOP -> return.
+
+Broadcasts use `jax.experimental.multihost_utils.broadcast_one_to_all` (a psum over all
+devices, compiled once per shape: the header's is fixed, the arrays' are the warmup buckets,
+so serving compiles nothing). The forward and sampling arrays travel separately because their
+shapes vary independently (tokens x seqs; seqs x penalty history). Every process builds the
+same engine (same config, model, mesh of all processes' devices, and a KV page count agreed
+as the minimum over processes: `agree_min`), so the step's shapes and shardings match.
+
+While process 0 has no work the others wait inside the header broadcast; when process 0 ends
+it broadcasts STOP. If process 0 dies, JAX's coordination service stops the others (missed
+heartbeats), so no follower outlives its leader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from tqdm.auto import tqdm
+
+from .batch import StepBatch
+from .config import DistributedConfig
+from .model_runner import ModelRunner, empty_batch
+from .runner_types import StepResult
+
+log = logging.getLogger(__name__)
+
+STEP, ARM, STOP = 1, 2, 3
+_FORWARD = ("token_ids", "positions", "slot_mapping", "block_tables", "kv_lens", "cu_q_lens",
+            "num_seqs", "logits_indices")
+_SAMPLING = tuple(f.name for f in dataclasses.fields(StepBatch) if f.name not in _FORWARD)
+
+
+def initialize(cfg: DistributedConfig) -> None:
+    """`jax.distributed.initialize` for this process (before any other JAX call)."""
+    if not cfg.enabled:
+        return
+    log.info("joining %s as process %d of %d", cfg.coordinator, cfg.process_id,
+             cfg.num_processes)
+    jax.distributed.initialize(coordinator_address=cfg.coordinator,
+                               num_processes=cfg.num_processes, process_id=cfg.process_id)
+    if jax.process_count() != cfg.num_processes:
+        raise RuntimeError(f"jax.distributed reports {jax.process_count()} processes, "
+                           f"expected num_processes={cfg.num_processes}")
+
+
+def agree_min(value: int) -> int:
+    """The smallest `value` over all processes (each passes its own)."""
+    if jax.process_count() == 1:
+        return value
+    return int(np.min(multihost_utils.process_allgather(np.array([value], np.int64))))
+
+
+def _broadcast(arrays: list[np.ndarray], is_source: bool) -> list[np.ndarray]:
+    # bool does not survive a psum: ship it as uint8.
+    wire = [a.astype(np.uint8) if a.dtype == np.bool_ else a for a in arrays]
+    out = multihost_utils.broadcast_one_to_all(wire, is_source=is_source)
+    return [np.asarray(o).astype(np.bool_) if a.dtype == np.bool_ else np.asarray(o)
+            for a, o in zip(arrays, out)]
+
+
+def _header(op: int, batch: StepBatch | None, is_source: bool) -> np.ndarray:
+    h = np.zeros(4, np.int32)
+    if batch is not None:
+        h[:] = (op, len(batch.token_ids), len(batch.kv_lens), batch.history.shape[1])
+    else:
+        h[0] = op
+    return _broadcast([h], is_source)[0]
+
+
+def _send_batch(batch: StepBatch) -> None:
+    _header(STEP, batch, True)
+    _broadcast([getattr(batch, n) for n in _FORWARD], True)
+    _broadcast([getattr(batch, n) for n in _SAMPLING], True)
+
+
+def _receive_batch(runner: ModelRunner, num_tokens: int, num_seqs: int,
+                   history_len: int) -> StepBatch:
+    """The leader's batch of this bucket (an empty batch of the same shapes is the mold)."""
+    mold = empty_batch(runner.shape, num_tokens, num_seqs, history_len > 0)
+    if mold.history.shape[1] != history_len:
+        raise RuntimeError(f"the leader's penalty history length {history_len} differs from "
+                           f"this process's {mold.history.shape[1]}: engines built differently")
+    fwd = _broadcast([getattr(mold, n) for n in _FORWARD], False)
+    smp = _broadcast([getattr(mold, n) for n in _SAMPLING], False)
+    return dataclasses.replace(mold, **dict(zip(_FORWARD, fwd)), **dict(zip(_SAMPLING, smp)))
+
+
+class LeaderRunner:
+    """Process 0's runner: every call is announced to the followers, then run here."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self._stopped = False
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        return self.runner.compiles_after_warmup
+
+    # Read by the engine's builders and by tests, as on a ModelRunner.
+    @property
+    def shape(self):  # noqa: ANN201 - BatchShape
+        return self.runner.shape
+
+    @property
+    def params(self):  # noqa: ANN201 - LlamaParams
+        return self.runner.params
+
+    @property
+    def kv_pages(self) -> jax.Array:
+        return self.runner.kv_pages
+
+    def warmup(self, progress: bool = True, arm: bool = True) -> None:
+        # Through `execute`, so the followers compile every bucket (and every broadcast) too.
+        for t, s, p in tqdm(self.runner.buckets(), desc="compiling step buckets",
+                            disable=not progress, unit="bucket"):
+            self.execute(empty_batch(self.runner.shape, t, s, p))
+        jax.block_until_ready(self.runner.kv_pages)
+        if arm:
+            self.arm()
+
+    def arm(self) -> None:
+        _header(ARM, None, True)
+        self.runner.arm()
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        _send_batch(batch)
+        return self.runner.execute(batch)
+
+    def close(self) -> None:
+        """Release the followers (they return from `follow`); idempotent."""
+        if not self._stopped:
+            self._stopped = True
+            _header(STOP, None, True)
+        self.runner.close()
+
+
+def follow(runner: ModelRunner) -> int:
+    """Mirror the leader's device calls until it says STOP; returns the steps run."""
+    steps = 0
+    while True:
+        op, t, s, p = (int(x) for x in _header(0, None, False))
+        if op == STEP:
+            runner.execute(_receive_batch(runner, t, s, p))
+            steps += 1
+        elif op == ARM:
+            runner.arm()
+        elif op == STOP:
+            log.info("leader stopped after %d steps", steps)
+            runner.close()
+            return steps
+        else:
+            raise RuntimeError(f"unknown operation {op} from the leader")

@@ -1,0 +1,93 @@
+"""Which data-parallel replica a new request goes to: the least loaded, unless another holds
+its prompt's prefix in cache and is not much busier.
+
+Data flow: a request's prompt token ids -> `hash_pages` (the same chained page digests the
+replicas' allocators cache prefixes under) -> for each replica, the longest run of those
+digests the router has sent it before -> `choose(loads, token_ids)` -> a replica index, whose
+record then takes the prompt's digests (least recently routed forgotten first, bounded by that
+replica's page count, so the record approximates what its prefix cache can still hold).
+
+The record is the router's own: it never reads a replica's allocator, which belongs to that
+replica's engine thread. It can be wrong when a replica evicted a prefix early; the cost is a
+recomputed prefix, never a wrong answer.
+
+Policy: with `m` the most matched pages of any replica and `b` such a replica (the least
+loaded among ties), `b` is chosen when `m > 0` and `load[b] <= min(load) + slack`; otherwise
+the least loaded replica (ties rotate, so a burst of equal loads spreads). Loads are requests
+in flight. Plain Python: importable and testable without jax.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING, Sequence
+
+from .block_allocator import hash_pages
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class ReplicaRouter:
+    def __init__(self, num_replicas: int, page_size: int, capacity_pages: int,
+                 prefix_aware: bool = True, slack: int = 4):
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas={num_replicas} must be >= 1")
+        if slack < 0:
+            raise ValueError(f"slack={slack} must be >= 0")
+        self.num_replicas = num_replicas
+        self.page_size = page_size
+        self.capacity_pages = capacity_pages
+        self.prefix_aware = prefix_aware
+        self.slack = slack
+        self._records: list[collections.OrderedDict[bytes, None]] = [
+            collections.OrderedDict() for _ in range(num_replicas)]
+        self._next = 0  # where the search for the least loaded starts (rotates on ties)
+        self.prefix_routed = 0  # requests sent to a replica for its cached prefix
+
+    def choose(self, loads: Sequence[int], token_ids: Sequence[int] | None) -> int:
+        """The replica for a request with this prompt (None: text, routed by load only)."""
+        if len(loads) != self.num_replicas:
+            raise ValueError(f"got {len(loads)} loads for {self.num_replicas} replicas")
+        order = [(self._next + k) % self.num_replicas for k in range(self.num_replicas)]
+        least = min(order, key=lambda i: loads[i])
+        self._next = (least + 1) % self.num_replicas
+        hashes = (hash_pages(list(token_ids), self.page_size)
+                  if self.prefix_aware and token_ids is not None else [])
+        chosen = least
+        if hashes:
+            matched = [self._matched(i, hashes) for i in range(self.num_replicas)]
+            best = max(order, key=lambda i: (matched[i], -loads[i]))
+            if matched[best] > 0 and loads[best] <= loads[least] + self.slack:
+                chosen = best
+                self.prefix_routed += best != least
+            self._record(chosen, hashes)
+        return chosen
+
+    def _matched(self, replica: int, hashes: list[bytes]) -> int:
+        record = self._records[replica]
+        n = 0
+        for h in hashes:
+            if h not in record:
+                break
+            n += 1
+        return n
+
+    def _record(self, replica: int, hashes: list[bytes]) -> None:
+        record = self._records[replica]
+        for h in hashes:
+            record[h] = None
+            record.move_to_end(h)
+        while len(record) > self.capacity_pages:
+            record.popitem(last=False)
+
+
+def make_router(engines: Sequence["Engine"]) -> ReplicaRouter:
+    """The router over these replicas, sized from the first one's plan (all are alike)."""
+    e = engines[0]
+    # Slack: a replica holding a prompt's prefix may run a quarter of a full batch more
+    # requests than the least loaded before load wins: recomputing a prefix costs less than
+    # queueing behind a full replica.
+    return ReplicaRouter(len(engines), e.plan.scheduler.page_size, e.plan.scheduler.num_pages - 1,
+                         prefix_aware=e.config.enable_prefix_caching,
+                         slack=max(1, e.config.max_num_seqs // 4))

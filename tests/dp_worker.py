@@ -1,0 +1,114 @@
+"""Runs in a subprocess with 8 virtual CPU devices (XLA_FLAGS set by the caller): data-parallel
+replicas, offline and behind the gRPC server, printed as one JSON document for
+tests/test_data_parallel.py.
+
+Offline: for two tiny models (KV heads dividing TP 2, and KV heads 2 < TP 4), DP 2 x TP 2 and
+DP 2 x TP 1 engines (`build_offline_engine` -> ReplicaPool) against TP 1: greedy tokens and
+top-5 logprobs of more prompts than one replica's share, compiles after warmup per replica,
+the devices and per-device bytes of each replica, and how many requests each replica served.
+Served: a DP 2 x TP 2 gRPC server (metrics on) answers the same prompts; which replica served
+what comes from the metrics' `engine` label.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.request
+
+import jax
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine_fixtures import tiny_engine, tiny_model  # noqa: E402 - run with tests/ on the path
+from jaxserve.config import EngineConfig
+from jaxserve.llm import build_offline_engine
+from jaxserve.models import llama
+from tp_worker import greedy_outputs, shard_bytes
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 70)), [3, 1, 4, 1, 5, 9, 2, 6],
+           list(range(100, 140)), [42]]
+BASE = dict(max_num_seqs=8, max_num_batched_tokens=64, page_size=8, max_model_len=256,
+            attention_impl="reference")
+MODELS = {"kv_divides": dict(num_heads=8, num_kv_heads=8), "kv_replicated":
+          dict(num_heads=8, num_kv_heads=2)}
+
+
+def model_of(name: str):  # noqa: ANN201 - LoadedModel
+    return tiny_model(**MODELS[name], head_dim=8, hidden_size=64, intermediate_size=128,
+                      vocab_size=256)
+
+
+def full_logits(params, cfg) -> np.ndarray:  # noqa: ANN001
+    """Logits of every prompt position with the plain full-sequence forward: under sharded
+    params XLA partitions it as the engine's step is, so this compares the logits themselves
+    (the engine reports only the top logprobs)."""
+    T = max(len(p) for p in PROMPTS)
+    tokens = np.zeros((len(PROMPTS), T), np.int32)
+    for i, p in enumerate(PROMPTS):
+        tokens[i, :len(p)] = p
+    lens = np.array([len(p) for p in PROMPTS], np.int32)
+    out = np.asarray(llama.forward_jit(params, tokens, lens, cfg=cfg))
+    mask = np.arange(T)[None, :] < lens[:, None]
+    return out[mask]
+
+
+def run(name: str, dp: int, tp: int) -> dict:
+    model = model_of(name)
+    if dp == 1 and tp == 1:
+        return {"model": name, "dp": 1, "tp": 1, "outputs": greedy_outputs(tiny_engine(model), PROMPTS)}
+    pool = build_offline_engine(EngineConfig(**BASE, data_parallel_size=dp,
+                                             tensor_parallel_size=tp), model, progress=False)
+    outputs = greedy_outputs(pool, PROMPTS)
+    # Read before the logits check below, whose forward compiles (the guard is process-wide).
+    compiles = [e.runner.compiles_after_warmup for e in pool.engines]
+    replicas = []
+    for e, compiled in zip(pool.engines, compiles):
+        first = e.runner.mesh.devices.flat[0]
+        p_dev, p_all = shard_bytes(e.runner.params, first)
+        kv_dev, kv_all = shard_bytes(e.runner.kv_pages, first)
+        ref = full_logits(model.params, model.config)  # TP 1, on device 0
+        got = full_logits(e.runner.params, e.runner.model_cfg)
+        replicas.append({
+            "logits_rel_err": float(np.abs(got - ref).max() / np.abs(ref).max()),
+            "devices": [d.id for d in e.runner.mesh.devices.flat],
+            "kv_devices": sorted(d.id for d in e.runner.kv_pages.devices()),
+            "param_devices": sorted({d.id for x in jax.tree.leaves(e.runner.params)
+                                     for d in x.devices()}),
+            "compiles_after_warmup": compiled,
+            "steps": e.num_steps, "num_pages": e.plan.scheduler.num_pages,
+            "param_bytes_first_device": p_dev, "param_bytes_total": p_all,
+            "kv_bytes_first_device": kv_dev, "kv_bytes_total": kv_all})
+    return {"model": name, "dp": dp, "tp": tp, "outputs": outputs, "replicas": replicas}
+
+
+def serve_grpc(dp: int, tp: int) -> dict:
+    """A DP x TP gRPC server: the tokens it streams, and each replica's generated tokens."""
+    from jaxserve.client import Client
+    from jaxserve.server.background import BackgroundServer
+    from jaxserve.server.config import ServerConfig
+    from jaxserve.server.servicer import build_served
+
+    model = model_of("kv_replicated")
+    cfg = EngineConfig(**BASE, data_parallel_size=dp, tensor_parallel_size=tp)
+    factory = lambda: build_served(cfg, model, progress=False)  # noqa: E731
+    params = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+    with BackgroundServer(ServerConfig(port=0, metrics_port=0), factory) as srv, \
+            Client(srv.target) as client:
+        tokens = {f"r{i}": client.generate(p, params)[0].token_ids for i, p in enumerate(PROMPTS)}
+        url = f"http://127.0.0.1:{srv.server.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        compiles = [r.engine.runner.compiles_after_warmup for r in srv.server.engine.replicas]
+    per_engine = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "jaxserve:generation_tokens_total":
+                per_engine[s.labels["engine"]] = s.value
+    return {"tokens": tokens, "generation_tokens_by_engine": per_engine,
+            "compiles_after_warmup": compiles}
+
+
+if __name__ == "__main__":
+    assert jax.device_count() == 8, jax.devices()
+    rows = [run(name, dp, tp) for name in MODELS for dp, tp in ((1, 1), (2, 2), (2, 1))]
+    json.dump({"offline": rows, "grpc_dp2_tp2": serve_grpc(2, 2)}, sys.stdout)

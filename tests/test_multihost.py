@@ -1,0 +1,169 @@
+"""Multi-host serving with two real processes on localhost (jax.distributed over gloo, CPU).
+
+`jaxserve serve --coordinator ... --num-processes 2 --process-id I` is started twice, each
+process with 2 virtual CPU devices, tensor parallel 4 over all of them (KV heads 2: each
+replicated twice). Process 0 schedules and serves gRPC; process 1 runs the same compiled steps
+on its devices. Checked against the plain full-sequence rollout of the same weights (no pages,
+no sharding): the greedy tokens streamed; that neither process compiled after warmup; that
+process 1 really ran the steps; and that it exits 0 when process 0 drains on SIGTERM.
+
+In-process (one process, where a broadcast is the identity): the leader's runner gives the
+plain runner's results, and every StepBatch field travels in exactly one broadcast.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from engine_fixtures import rollout, tiny_model
+from hf_models import save_tiny_tokenizer
+from jaxserve.client import Client
+from jaxserve.config import DistributedConfig
+from jaxserve.models.hf_loader import save_hf_dir
+from jaxserve.sampling_params import SamplingParams
+
+VOCAB = 211
+START_DEADLINE_S = 600.0
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 70))]
+SERVE_FLAGS = ("--tensor-parallel-size", "4", "--attention-impl", "reference",
+               "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--page-size", "8",
+               "--max-model-len", "256", "--kv-cache-memory", "1MiB")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Process:
+    """One `jaxserve serve` process of the job; its stderr lines are collected."""
+
+    def __init__(self, cmd: list[str], env: dict):
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                     text=True, env=env)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.put(line)
+
+    def wait_line(self, pattern: str) -> re.Match:
+        deadline = time.monotonic() + START_DEADLINE_S
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no line matching {pattern!r}; stderr:\n" +
+                                     "".join(self.log)) from None
+            self.log.append(line)
+            m = re.search(pattern, line)
+            if m:
+                return m
+
+    def wait_exit(self, timeout: float = 120.0) -> int:
+        rc = self.proc.wait(timeout)
+        self._reader.join(10.0)  # stderr is at EOF: the reader hands over the last lines
+        while not self.lines.empty():
+            self.log.append(self.lines.get())
+        return rc
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    d = tmp_path_factory.mktemp("tiny-mh")
+    model = tiny_model(num_heads=8, num_kv_heads=2, head_dim=8, hidden_size=64,
+                       intermediate_size=128, vocab_size=VOCAB)
+    save_hf_dir(d, model.config, model.params)
+    save_tiny_tokenizer(d, VOCAB)
+    return d
+
+
+def test_two_processes_serve_tp4_and_stop_together(model_dir: pathlib.Path) -> None:
+    coordinator, port = free_port(), free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "JAXSERVE_COMPILATION_CACHE_DIR": ""}
+    procs = [Process([sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
+                      "--port", str(port), "--metrics-port", "0", *SERVE_FLAGS,
+                      "--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2",
+                      "--process-id", str(i)], env) for i in range(2)]
+    try:
+        ready = procs[0].wait_line(r"ready: serving .* on (\S+:\d+) metrics=(\S+)")
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        with Client(ready.group(1)) as client:
+            got = [client.generate(p, params)[0].token_ids for p in PROMPTS]
+        metrics = urllib.request.urlopen(ready.group(2), timeout=10).read().decode()
+        procs[0].proc.send_signal(signal.SIGTERM)
+        rc0 = procs[0].wait_exit()
+        follower = procs[1].wait_line(r"ran steps=(\d+) compiles_after_warmup=(\d+)")
+        rc1 = procs[1].wait_exit()
+    finally:
+        for p in procs:
+            p.proc.kill()
+    model = tiny_model(num_heads=8, num_kv_heads=2, head_dim=8, hidden_size=64,
+                       intermediate_size=128, vocab_size=VOCAB)
+    assert got == [rollout(model, p, 8) for p in PROMPTS]
+    assert rc0 == 0, "".join(procs[0].log)
+    assert rc1 == 0, "".join(procs[1].log)
+    # Process 1 ran warmup (every bucket) and then the served steps; it compiled nothing since.
+    assert int(follower.group(1)) > 3 * 8
+    assert int(follower.group(2)) == 0
+    assert re.search(r"^jaxserve:compiles_after_warmup\{[^}]*\} 0\.0$", metrics, re.M), metrics
+
+
+def test_distributed_config_is_checked() -> None:
+    assert not DistributedConfig().enabled
+    with pytest.raises(ValueError, match="process_id=2"):
+        DistributedConfig("h:1", num_processes=2, process_id=2)
+    with pytest.raises(ValueError, match="coordinator=None"):
+        DistributedConfig(None, num_processes=2)
+    with pytest.raises(ValueError, match="coordinator='host'"):
+        DistributedConfig("host", num_processes=2, process_id=1)
+
+
+def test_follower_flags_need_a_coordinator() -> None:
+    out = subprocess.run([sys.executable, "-m", "jaxserve.cli", "serve", "--num-processes", "2",
+                          "--process-id", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "coordinator=None must be host:port" in out.stderr
+
+
+def test_leader_runner_sends_every_field_and_returns_the_runner_results() -> None:
+    import dataclasses
+
+    from engine_fixtures import tiny_engine
+    from jaxserve import multihost
+    from jaxserve.batch import StepBatch
+
+    want = rollout(tiny_model(), [5, 6, 7, 8], 6)  # first: the guard counts every compile
+    fields = [f.name for f in dataclasses.fields(StepBatch)]
+    assert sorted(multihost._FORWARD + multihost._SAMPLING) == sorted(fields)  # noqa: SLF001
+    plain = tiny_engine(tiny_model())
+    lead = tiny_engine(tiny_model())
+    lead.runner = multihost.LeaderRunner(lead.runner)
+    outs = []
+    for eng in (plain, lead):
+        eng.add_request("a", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=6,
+                                                           ignore_eos=True))
+        while eng.has_unfinished():
+            for o in eng.step():
+                final = o
+        outs.append(list(final.outputs[0].token_ids))
+    assert outs[0] == outs[1] == want
+    assert lead.runner.compiles_after_warmup == 0
