@@ -157,6 +157,7 @@ def bench_decode(llm, batch_sizes: list[int], ctx: int) -> list[dict]:
         flops = 2 * bs * (non_embed / r.params.embed.dtype.itemsize + cfg.vocab_size *
                           cfg.hidden_size)
         rows.append({"num_seqs": bs, "context": ctx, "step_ms": 1e3 * min(times),
+                     "decode_tok_s": bs / min(times),
                      "bandwidth_floor_ms": 1e3 * (params_bytes + kv_bytes) / (bw * 1e9),
                      "compute_floor_ms": 1e3 * flops / (gflops * 1e9)})
     return [{"measured_bandwidth_gbs": bw, "measured_matmul_gflops": gflops}] + rows
@@ -278,10 +279,10 @@ def main() -> int:
             report["decode"] = rows
             print(f"measured: {rows[0]['measured_bandwidth_gbs']:.1f} GB/s copy, "
                   f"{rows[0]['measured_matmul_gflops']:.1f} GFLOP/s f32 matmul")
-            print(f"{'seqs':>5} {'step ms':>9} {'bw floor':>9} {'flop floor':>10}")
+            print(f"{'seqs':>5} {'step ms':>9} {'tok/s':>8} {'bw floor':>9} {'flop floor':>10}")
             for r in rows[1:]:
-                print(f"{r['num_seqs']:>5} {r['step_ms']:>9.1f} {r['bandwidth_floor_ms']:>9.1f} "
-                      f"{r['compute_floor_ms']:>10.1f}")
+                print(f"{r['num_seqs']:>5} {r['step_ms']:>9.1f} {r['decode_tok_s']:>8.1f} "
+                      f"{r['bandwidth_floor_ms']:>9.1f} {r['compute_floor_ms']:>10.1f}")
         report["machine"]["tensor_parallel_size"] = args.tensor_parallel_size
         if "collectives" in sections:
             report["collectives"] = c = count_collectives(llm)
