@@ -2,10 +2,12 @@
 replicas, offline and behind the gRPC server, printed as one JSON document for
 tests/test_data_parallel.py.
 
-Offline: for two tiny models (KV heads dividing TP 2, and KV heads 2 < TP 4), DP 2 x TP 2 and
-DP 2 x TP 1 engines (`build_offline_engine` -> ReplicaPool) against TP 1: greedy tokens and
-top-5 logprobs of more prompts than one replica's share, compiles after warmup per replica,
-the devices and per-device bytes of each replica, and how many requests each replica served.
+Offline: for two tiny models (8 KV heads, dividing TP 2; 1 KV head, which TP 2 replicates),
+DP 2 x TP 2 and DP 2 x TP 1 engines (`build_offline_engine` -> ReplicaPool) against TP 1:
+greedy tokens and top-5 logprobs of more prompts than one replica's share, the logits of the
+full-sequence forward on each replica's params, compiles after warmup per replica, the devices
+and per-device bytes of each replica, and how many steps each replica ran. `LLM(model=DIR,
+data_parallel_size=2, tensor_parallel_size=2)` loads each replica from a saved checkpoint.
 Served: a DP 2 x TP 2 gRPC server (metrics on) answers the same prompts; which replica served
 what comes from the metrics' `engine` label.
 """
@@ -13,6 +15,7 @@ what comes from the metrics' `engine` label.
 from __future__ import annotations
 
 import json
+import pathlib
 import sys
 import urllib.request
 
@@ -24,6 +27,7 @@ from engine_fixtures import tiny_engine, tiny_model  # noqa: E402 - run with tes
 from jaxserve.config import EngineConfig
 from jaxserve.llm import build_offline_engine
 from jaxserve.models import llama
+from jaxserve.sampling_params import SamplingParams
 from tp_worker import greedy_outputs, shard_bytes
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 70)), [3, 1, 4, 1, 5, 9, 2, 6],
@@ -31,7 +35,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 70)), [3, 1, 4, 1, 
 BASE = dict(max_num_seqs=8, max_num_batched_tokens=64, page_size=8, max_model_len=256,
             attention_impl="reference")
 MODELS = {"kv_divides": dict(num_heads=8, num_kv_heads=8), "kv_replicated":
-          dict(num_heads=8, num_kv_heads=2)}
+          dict(num_heads=8, num_kv_heads=1)}
 
 
 def model_of(name: str):  # noqa: ANN201 - LoadedModel
@@ -82,6 +86,28 @@ def run(name: str, dp: int, tp: int) -> dict:
     return {"model": name, "dp": dp, "tp": tp, "outputs": outputs, "replicas": replicas}
 
 
+def offline_llm_from_dir(dp: int, tp: int) -> dict:
+    """`LLM(model=DIR, data_parallel_size=dp, ...)`: each replica loads the saved checkpoint
+    straight onto its own devices (no model passed in)."""
+    import tempfile
+
+    from hf_models import save_tiny_tokenizer
+    from jaxserve.llm import LLM
+    from jaxserve.models.hf_loader import save_hf_dir
+
+    model = model_of("kv_replicated")
+    with tempfile.TemporaryDirectory() as d:
+        save_hf_dir(pathlib.Path(d), model.config, model.params)
+        save_tiny_tokenizer(pathlib.Path(d), 256)
+        llm = LLM(model=d, **BASE, data_parallel_size=dp, tensor_parallel_size=tp)
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8,
+                                                    ignore_eos=True), use_tqdm=False)
+    return {"tokens": {f"r{i}": list(o.outputs[0].token_ids) for i, o in enumerate(outs)},
+            "replica_devices": [[d.id for d in e.runner.mesh.devices.flat]
+                                for e in llm.engine.engines],
+            "compiles_after_warmup": [e.runner.compiles_after_warmup for e in llm.engine.engines]}
+
+
 def serve_grpc(dp: int, tp: int) -> dict:
     """A DP x TP gRPC server: the tokens it streams, and each replica's generated tokens."""
     from jaxserve.client import Client
@@ -111,4 +137,5 @@ def serve_grpc(dp: int, tp: int) -> dict:
 if __name__ == "__main__":
     assert jax.device_count() == 8, jax.devices()
     rows = [run(name, dp, tp) for name in MODELS for dp, tp in ((1, 1), (2, 2), (2, 1))]
-    json.dump({"offline": rows, "grpc_dp2_tp2": serve_grpc(2, 2)}, sys.stdout)
+    json.dump({"offline": rows, "llm_dir_dp2_tp2": offline_llm_from_dir(2, 2),
+               "grpc_dp2_tp2": serve_grpc(2, 2)}, sys.stdout)

@@ -226,3 +226,13 @@ def test_grpc_server_over_dp2_tp2(worker: dict) -> None:
     # One after another, with equal loads the router alternates: both replicas served.
     assert served["generation_tokens_by_engine"] == {"0": 24.0, "1": 24.0}
     assert served["compiles_after_warmup"] == [0, 0]
+
+
+def test_llm_loads_each_replica_from_a_checkpoint(worker: dict) -> None:
+    """LLM(model=DIR, data_parallel_size=2, tensor_parallel_size=2): every replica reads the
+    checkpoint onto its own devices and generates the TP 1 tokens."""
+    got = worker["llm_dir_dp2_tp2"]
+    base = _row(worker, "kv_replicated", 1, 1)["outputs"]
+    assert got["tokens"] == {rid: o["tokens"] for rid, o in base.items()}
+    assert got["replica_devices"] == [[0, 1], [2, 3]]
+    assert got["compiles_after_warmup"] == [0, 0]
