@@ -32,6 +32,10 @@ error records included: a line that failed validation fails again the same way. 
 removes the error records from OUT first, so those lines run again. A partial last line left
 by a crash is cut off and redone. On resume the new records are appended after the old ones.
 
+Several hosts (a model split over the chips of several hosts): run the same command on each
+with --coordinator / --num-processes / --process-id; process 0 reads IN and writes OUT, the
+others only run its steps on their devices (`jaxserve.multihost`).
+
 Exit status: 0 when the job ran (even with error lines); 2 for unusable arguments.
 """
 
@@ -287,6 +291,7 @@ def add_batch_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds between fsyncs of OUT (default 5; always at the end)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     server_cli.add_engine_flags(p)
+    server_cli.add_distributed_flags(p)
 
 
 def add_batch_parser(sub: Any) -> None:
@@ -298,6 +303,11 @@ def add_batch_parser(sub: Any) -> None:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
+    config = server_cli.engine_config_from_args(args)
+    if args.process_id > 0:
+        # Another host of a several-host job: it only runs process 0's steps; IN and OUT are
+        # process 0's business (its host's files).
+        return server_cli.join_or_follow(args, config) or 0  # ValueError if misconfigured
     in_path = pathlib.Path(args.input)
     out_path = pathlib.Path(args.output)
     if not in_path.is_file():
@@ -313,17 +323,20 @@ def cmd_batch(args: argparse.Namespace) -> int:
                                   ("temperature", args.temperature)) if v is not None}
     options = BatchOptions(window=args.window, defaults=defaults, retry_errors=args.retry_errors,
                            fsync_interval=args.fsync_interval, progress=not args.no_progress)
-    config = server_cli.engine_config_from_args(args)
+    server_cli.join_or_follow(args, config)  # process 0 of several: join the job
 
     from .llm import build_offline_engine
-    from .models.loading import load_model
 
     t0 = time.perf_counter()
-    model = load_model(config.model, config.dtype)
+    # The engine loads the model itself, straight onto its devices' shardings.
     # --data-parallel-size N: a ReplicaPool, which takes the same calls as one Engine.
-    engine = build_offline_engine(config, model, warmup=True, progress=options.progress)
-    log.info("loaded and compiled %s in %.1fs", model.source, time.perf_counter() - t0)
-    summary = run_batch(engine, in_path, out_path, options)
+    engine = build_offline_engine(config, None, warmup=True, progress=options.progress)
+    log.info("loaded and compiled %s in %.1fs", config.model or "the bundled model",
+             time.perf_counter() - t0)
+    try:
+        summary = run_batch(engine, in_path, out_path, options)
+    finally:
+        engine.close()  # several hosts: the other processes stop following
     print(summary.format(), file=sys.stderr)
     return 0
 

@@ -126,6 +126,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._groups)
 
+    def close(self) -> None:
+        """Release the runner (multi-host: the other processes stop following)."""
+        self.runner.close()
+
     @property
     def num_requests(self) -> int:
         return len(self._groups)

@@ -96,3 +96,5 @@ class ReplicaPool:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        for e in self.engines:
+            e.close()

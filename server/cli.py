@@ -142,15 +142,42 @@ def add_serve_parser(sub: Any) -> None:
     n.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed chunk after the first (default 1: every token); "
                         "larger values cut per-token overhead, streaming more coarsely")
-    d = s.add_argument_group("several hosts (jax.distributed; see README)")
+    add_distributed_flags(s)
+
+
+def add_distributed_flags(p: argparse.ArgumentParser) -> None:
+    d = p.add_argument_group("several hosts (jax.distributed; see README)")
     d.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="process 0's address for jax.distributed; every process passes the "
                         "same value")
     d.add_argument("--num-processes", type=int, default=1,
                    help="processes (hosts) in the job (default 1)")
     d.add_argument("--process-id", type=int, default=0,
-                   help="this process's index; 0 runs the scheduler and the servers, the "
-                        "others run its steps on their devices (default 0)")
+                   help="this process's index; 0 runs the scheduler (and any server or "
+                        "output), the others run its steps on their devices (default 0)")
+
+
+def join_or_follow(args: argparse.Namespace, cfg: EngineConfig) -> int | None:
+    """With --num-processes > 1: join the jax.distributed job (before anything else touches a
+    JAX backend); on a process > 0, build the same runner as process 0 and run its steps until
+    it stops, returning the exit code. None: carry on (process 0, or a single process)."""
+    dist = DistributedConfig(coordinator=args.coordinator, num_processes=args.num_processes,
+                             process_id=args.process_id)
+    if not dist.enabled:
+        return None
+    from jaxserve import multihost
+    from jaxserve.llm import build_follower
+
+    multihost.initialize(dist)
+    if dist.is_leader:
+        return None
+    log.info("process %d of %d: following %s", dist.process_id, dist.num_processes,
+             dist.coordinator)
+    runner = build_follower(cfg)
+    steps = multihost.follow(runner)
+    log.info("process %d: the leader stopped; ran steps=%d compiles_after_warmup=%d",
+             dist.process_id, steps, runner.compiles_after_warmup)
+    return 0
 
 
 def add_client_parser(sub: Any) -> None:
@@ -185,16 +212,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
     engine_cfg = engine_config_from_args(args)
-    dist = DistributedConfig(coordinator=args.coordinator, num_processes=args.num_processes,
-                             process_id=args.process_id)
     # The lifecycle lines (listening, ready, draining, stopped) show even when quiet.
     log.setLevel(logging.DEBUG if args.verbose else logging.INFO)
-    if dist.enabled:
-        from jaxserve import multihost
-
-        multihost.initialize(dist)  # before anything else touches a JAX backend
-        if not dist.is_leader:
-            return _follow(engine_cfg, dist)
+    rc = join_or_follow(args, engine_cfg)
+    if rc is not None:
+        return rc
     server_cfg = ServerConfig(
         host=args.host, port=args.port, metrics_port=args.metrics_port,
         http_port=args.http_port,
@@ -219,21 +241,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # Multi-host: this tells the other processes to stop (LeaderRunner.close).
         for served in built:
             for engine in served.engines:
-                engine.runner.close()
-    return 0
-
-
-def _follow(cfg: EngineConfig, dist: DistributedConfig) -> int:
-    """A process > 0: build the same runner as process 0, run its steps until it stops."""
-    from jaxserve import multihost
-    from jaxserve.llm import build_follower
-
-    log.info("process %d of %d: following %s", dist.process_id, dist.num_processes,
-             dist.coordinator)
-    runner = build_follower(cfg)
-    steps = multihost.follow(runner)
-    log.info("process %d: the leader stopped; ran steps=%d compiles_after_warmup=%d",
-             dist.process_id, steps, runner.compiles_after_warmup)
+                engine.close()
     return 0
 
 

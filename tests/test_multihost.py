@@ -13,6 +13,7 @@ plain runner's results, and every StepBatch field travels in exactly one broadca
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import queue
@@ -125,6 +126,35 @@ def test_two_processes_serve_tp4_and_stop_together(model_dir: pathlib.Path) -> N
     assert int(follower.group(1)) > 3 * 8
     assert int(follower.group(2)) == 0
     assert re.search(r"^jaxserve:compiles_after_warmup\{[^}]*\} 0\.0$", metrics, re.M), metrics
+
+
+def test_two_processes_run_a_batch_job(model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """`jaxserve batch` over the same two-process TP 4 job: process 0 writes OUT."""
+    from jaxserve.models.tokenizer import Tokenizer
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p, "max_tokens": 8,
+                                       "temperature": 0.0, "ignore_eos": True}) + "\n"
+                           for i, p in enumerate(PROMPTS)))
+    coordinator = free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "JAXSERVE_COMPILATION_CACHE_DIR": ""}
+    procs = [Process([sys.executable, "-m", "jaxserve.cli", "batch", str(src), str(out),
+                      "--model", str(model_dir), "--no-progress", *SERVE_FLAGS,
+                      "--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2",
+                      "--process-id", str(i)], env) for i in range(2)]
+    try:
+        rcs = [p.wait_exit(START_DEADLINE_S) for p in procs]
+    finally:
+        for p in procs:
+            p.proc.kill()
+    assert rcs == [0, 0], "".join(procs[0].log + procs[1].log)
+    model = tiny_model(num_heads=8, num_kv_heads=2, head_dim=8, hidden_size=64,
+                       intermediate_size=128, vocab_size=VOCAB)
+    tok = Tokenizer.from_hf_dir(model_dir)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in records] == ["q0", "q1", "q2"]
+    assert [r["text"] for r in records] == [tok.decode(rollout(model, p, 8)) for p in PROMPTS]
 
 
 def test_distributed_config_is_checked() -> None:
