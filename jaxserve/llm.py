@@ -168,6 +168,16 @@ class LLM:
         self.engine = build_offline_engine(self.config)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Release the engine (several hosts: the other processes stop following)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def tokenizer(self):  # noqa: ANN201 - jaxserve.models.tokenizer.Tokenizer
         return self.engine.tokenizer

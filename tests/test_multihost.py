@@ -157,6 +157,29 @@ def test_two_processes_run_a_batch_job(model_dir: pathlib.Path, tmp_path: pathli
     assert [r["text"] for r in records] == [tok.decode(rollout(model, p, 8)) for p in PROMPTS]
 
 
+def test_two_processes_offline_llm(model_dir: pathlib.Path) -> None:
+    """The README's Python recipe: LLM on process 0, multihost.follow on process 1."""
+    coordinator = free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(
+               [str(pathlib.Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    script = pathlib.Path(__file__).parent / "multihost_llm_worker.py"
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), f"127.0.0.1:{coordinator}",
+                               str(model_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=START_DEADLINE_S) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    model = tiny_model(num_heads=8, num_kv_heads=2, head_dim=8, hidden_size=64,
+                       intermediate_size=128, vocab_size=VOCAB)
+    # The last stdout line: gloo prints its connection lines to stdout too.
+    assert json.loads(outs[0][0].splitlines()[-1]) == [rollout(model, p, 8) for p in PROMPTS]
+    assert json.loads(outs[1][0].splitlines()[-1])["steps"] > len(PROMPTS)
+
+
 def test_distributed_config_is_checked() -> None:
     assert not DistributedConfig().enabled
     with pytest.raises(ValueError, match="process_id=2"):
