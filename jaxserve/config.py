@@ -146,6 +146,9 @@ class EngineConfig:
     # devices) behind one server; requests go to the least loaded replica, or to one that
     # holds their prompt's prefix (jaxserve.router). Needs data x tensor devices.
     data_parallel_size: int = 1
+    # Several hosts: seconds without a step after which process 0 tells the others it is
+    # alive (they wait inside a collective, which gloo abandons after 30 minutes).
+    multihost_keepalive_s: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -165,6 +168,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r} must be positive bytes")
+        if not self.multihost_keepalive_s > 0:
+            raise ValueError(f"multihost_keepalive_s={self.multihost_keepalive_s!r} must be > 0")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction={self.kv_cache_memory_fraction} must be "
                              "in (0, 1]")

@@ -59,7 +59,7 @@ def build_engine(config: EngineConfig, model: LoadedModel | None = None,
                          "runs the engine; the others run multihost.follow(build_follower())")
     model, plan, runner = _build_runner(config, model, devices, memory_share)
     if jax.process_count() > 1:
-        runner = LeaderRunner(runner)
+        runner = LeaderRunner(runner, config.multihost_keepalive_s)
     if warmup:
         runner.warmup(progress)
     return Engine(config, plan, runner, model.tokenizer, model.config.eos_token_ids)

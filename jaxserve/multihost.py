@@ -21,8 +21,9 @@ shapes vary independently (tokens x seqs; seqs x penalty history). Every process
 same engine (same config, model, mesh of all processes' devices, and a KV page count agreed
 as the minimum over processes: `agree_min`), so the step's shapes and shardings match.
 
-While process 0 has no work the others wait inside the header broadcast; when process 0 ends
-it broadcasts STOP. If process 0 dies, JAX's coordination service stops the others (missed
+While process 0 has no work the others wait inside the header broadcast, and process 0
+announces a KEEPALIVE every `keepalive_s` idle seconds (gloo gives up on a collective after 30
+minutes); when process 0 ends it broadcasts STOP. If process 0 dies, JAX's coordination service stops the others (missed
 heartbeats), so no follower outlives its leader.
 """
 
@@ -30,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+import time
 
 import jax
 import numpy as np
@@ -43,7 +46,7 @@ from .runner_types import StepResult
 
 log = logging.getLogger(__name__)
 
-STEP, ARM, STOP = 1, 2, 3
+STEP, ARM, STOP, KEEPALIVE = 1, 2, 3, 4
 _FORWARD = ("token_ids", "positions", "slot_mapping", "block_tables", "kv_lens", "cu_q_lens",
             "num_seqs", "logits_indices")
 _SAMPLING = tuple(f.name for f in dataclasses.fields(StepBatch) if f.name not in _FORWARD)
@@ -104,12 +107,33 @@ def _receive_batch(runner: ModelRunner, num_tokens: int, num_seqs: int,
     return dataclasses.replace(mold, **dict(zip(_FORWARD, fwd)), **dict(zip(_SAMPLING, smp)))
 
 
-class LeaderRunner:
-    """Process 0's runner: every call is announced to the followers, then run here."""
+@dataclasses.dataclass
+class FollowStats:
+    steps: int = 0  # steps run (warmup buckets included)
+    keepalives: int = 0  # idle announcements received
 
-    def __init__(self, runner: ModelRunner):
+
+class LeaderRunner:
+    """Process 0's runner: every call is announced to the followers, then run here.
+
+    While no step runs for `keepalive_s` seconds a KEEPALIVE is announced: the followers wait
+    inside a collective, which gloo (CPU) abandons after 30 minutes. One lock orders every
+    announcement and step, so the processes always see the same sequence of collectives.
+    """
+
+    def __init__(self, runner: ModelRunner, keepalive_s: float = 60.0):
+        if keepalive_s <= 0:
+            raise ValueError(f"keepalive_s={keepalive_s} must be > 0")
         self.runner = runner
+        self.keepalive_s = keepalive_s
+        self.keepalives = 0
+        self._lock = threading.Lock()
+        self._last = time.monotonic()
         self._stopped = False
+        self._closing = threading.Event()
+        self._keeper = threading.Thread(target=self._keep_alive, name="jaxserve-keepalive",
+                                        daemon=True)
+        self._keeper.start()
 
     @property
     def compiles_after_warmup(self) -> int:
@@ -138,34 +162,53 @@ class LeaderRunner:
             self.arm()
 
     def arm(self) -> None:
-        _header(ARM, None, True)
-        self.runner.arm()
+        with self._lock:
+            _header(ARM, None, True)
+            self.runner.arm()
+            self._last = time.monotonic()
 
     def execute(self, batch: StepBatch) -> StepResult:
-        _send_batch(batch)
-        return self.runner.execute(batch)
+        with self._lock:
+            _send_batch(batch)
+            result = self.runner.execute(batch)
+            self._last = time.monotonic()
+            return result
 
     def close(self) -> None:
         """Release the followers (they return from `follow`); idempotent."""
-        if not self._stopped:
-            self._stopped = True
-            _header(STOP, None, True)
+        self._closing.set()
+        self._keeper.join()
+        with self._lock:
+            if not self._stopped:
+                self._stopped = True
+                _header(STOP, None, True)
         self.runner.close()
 
+    def _keep_alive(self) -> None:
+        while not self._closing.wait(self.keepalive_s / 4):
+            with self._lock:
+                if self._stopped or time.monotonic() - self._last < self.keepalive_s:
+                    continue
+                _header(KEEPALIVE, None, True)
+                self.keepalives += 1
+                self._last = time.monotonic()
 
-def follow(runner: ModelRunner) -> int:
-    """Mirror the leader's device calls until it says STOP; returns the steps run."""
-    steps = 0
+
+def follow(runner: ModelRunner) -> FollowStats:
+    """Mirror the leader's device calls until it says STOP."""
+    stats = FollowStats()
     while True:
         op, t, s, p = (int(x) for x in _header(0, None, False))
         if op == STEP:
             runner.execute(_receive_batch(runner, t, s, p))
-            steps += 1
+            stats.steps += 1
+        elif op == KEEPALIVE:
+            stats.keepalives += 1
         elif op == ARM:
             runner.arm()
         elif op == STOP:
-            log.info("leader stopped after %d steps", steps)
+            log.info("leader stopped after %d steps", stats.steps)
             runner.close()
-            return steps
+            return stats
         else:
             raise RuntimeError(f"unknown operation {op} from the leader")

@@ -49,6 +49,8 @@ _ENGINE_HELP = {
     "seed": "seed of the seeds drawn for requests that give none",
     "tensor_parallel_size": "devices one engine's step is split over (weights by head, MLP "
                             "column and vocabulary; KV pages by KV head)",
+    "multihost_keepalive_s": "several hosts: idle seconds after which process 0 tells the "
+                             "others it is alive",
     "data_parallel_size": "independent engine replicas, each on its own tensor-parallel "
                           "devices; requests go to the least loaded or prefix-holding one",
     "compilation_cache_dir": "JAX persistent compilation cache directory (default: "
@@ -174,9 +176,10 @@ def join_or_follow(args: argparse.Namespace, cfg: EngineConfig) -> int | None:
     log.info("process %d of %d: following %s", dist.process_id, dist.num_processes,
              dist.coordinator)
     runner = build_follower(cfg)
-    steps = multihost.follow(runner)
-    log.info("process %d: the leader stopped; ran steps=%d compiles_after_warmup=%d",
-             dist.process_id, steps, runner.compiles_after_warmup)
+    stats = multihost.follow(runner)
+    log.info("process %d: the leader stopped; ran steps=%d keepalives=%d "
+             "compiles_after_warmup=%d", dist.process_id, stats.steps, stats.keepalives,
+             runner.compiles_after_warmup)
     return 0
 
 

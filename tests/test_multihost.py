@@ -55,7 +55,7 @@ class Process:
     def __init__(self, cmd: list[str], env: dict):
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                      text=True, env=env)
-        self.lines: queue.Queue[str] = queue.Queue()
+        self.lines: queue.Queue[str | None] = queue.Queue()  # None: stderr closed
         self.log: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -64,6 +64,7 @@ class Process:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
             self.lines.put(line)
+        self.lines.put(None)
 
     def wait_line(self, pattern: str) -> re.Match:
         deadline = time.monotonic() + START_DEADLINE_S
@@ -71,8 +72,10 @@ class Process:
             try:
                 line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
+                line = None
+            if line is None:  # timed out, or the process exited without the line
                 raise AssertionError(f"no line matching {pattern!r}; stderr:\n" +
-                                     "".join(self.log)) from None
+                                     "".join(self.log))
             self.log.append(line)
             m = re.search(pattern, line)
             if m:
@@ -82,7 +85,9 @@ class Process:
         rc = self.proc.wait(timeout)
         self._reader.join(10.0)  # stderr is at EOF: the reader hands over the last lines
         while not self.lines.empty():
-            self.log.append(self.lines.get())
+            line = self.lines.get()
+            if line is not None:
+                self.log.append(line)
         return rc
 
 
@@ -112,7 +117,8 @@ def test_two_processes_serve_tp4_and_stop_together(model_dir: pathlib.Path) -> N
         metrics = urllib.request.urlopen(ready.group(2), timeout=10).read().decode()
         procs[0].proc.send_signal(signal.SIGTERM)
         rc0 = procs[0].wait_exit()
-        follower = procs[1].wait_line(r"ran steps=(\d+) compiles_after_warmup=(\d+)")
+        follower = procs[1].wait_line(
+            r"ran steps=(\d+) keepalives=\d+ compiles_after_warmup=(\d+)")
         rc1 = procs[1].wait_exit()
     finally:
         for p in procs:
@@ -158,7 +164,8 @@ def test_two_processes_run_a_batch_job(model_dir: pathlib.Path, tmp_path: pathli
 
 
 def test_two_processes_offline_llm(model_dir: pathlib.Path) -> None:
-    """The README's Python recipe: LLM on process 0, multihost.follow on process 1."""
+    """The README's Python recipe: LLM on process 0, multihost.follow on process 1, with an
+    idle spell in between that process 0 bridges with keepalives."""
     coordinator = free_port()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(
@@ -176,8 +183,11 @@ def test_two_processes_offline_llm(model_dir: pathlib.Path) -> None:
     model = tiny_model(num_heads=8, num_kv_heads=2, head_dim=8, hidden_size=64,
                        intermediate_size=128, vocab_size=VOCAB)
     # The last stdout line: gloo prints its connection lines to stdout too.
-    assert json.loads(outs[0][0].splitlines()[-1]) == [rollout(model, p, 8) for p in PROMPTS]
-    assert json.loads(outs[1][0].splitlines()[-1])["steps"] > len(PROMPTS)
+    lead, follower = (json.loads(o[0].splitlines()[-1]) for o in outs)
+    assert lead["tokens"] == [rollout(model, p, 8) for p in PROMPTS]
+    assert follower["steps"] > len(PROMPTS)
+    # Idle between the two generate calls: every keepalive reached the follower.
+    assert lead["keepalives"] >= 3 and follower["keepalives"] == lead["keepalives"]
 
 
 def test_distributed_config_is_checked() -> None:
@@ -220,3 +230,4 @@ def test_leader_runner_sends_every_field_and_returns_the_runner_results() -> Non
         outs.append(list(final.outputs[0].token_ids))
     assert outs[0] == outs[1] == want
     assert lead.runner.compiles_after_warmup == 0
+    lead.close()
