@@ -23,8 +23,9 @@ as the minimum over processes: `agree_min`), so the step's shapes and shardings 
 
 While process 0 has no work the others wait inside the header broadcast, and process 0
 announces a KEEPALIVE every `keepalive_s` idle seconds (gloo gives up on a collective after 30
-minutes); when process 0 ends it broadcasts STOP. If process 0 dies, JAX's coordination service stops the others (missed
-heartbeats), so no follower outlives its leader.
+minutes); when process 0 ends it broadcasts STOP. If any process dies, the next collective
+fails at once and JAX's coordination service ends the others after the missed heartbeats, so
+no process outlives the job.
 """
 
 from __future__ import annotations

@@ -60,7 +60,8 @@ def full_logits(params, cfg) -> np.ndarray:  # noqa: ANN001
 def run(name: str, dp: int, tp: int) -> dict:
     model = model_of(name)
     if dp == 1 and tp == 1:
-        return {"model": name, "dp": 1, "tp": 1, "outputs": greedy_outputs(tiny_engine(model), PROMPTS)}
+        return {"model": name, "dp": 1, "tp": 1,
+                "outputs": greedy_outputs(tiny_engine(model), PROMPTS)}
     pool = build_offline_engine(EngineConfig(**BASE, data_parallel_size=dp,
                                              tensor_parallel_size=tp), model, progress=False)
     outputs = greedy_outputs(pool, PROMPTS)
