@@ -14,6 +14,7 @@ the others before it reaches the caller.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Protocol, Sequence
 
 from .async_engine import AsyncEngine, QueueFull, RequestStream
@@ -50,7 +51,7 @@ class ServingEngine(Protocol):
 class DataParallelEngine:
     """Routes requests over `replicas` (each started, stopped and failing on its own)."""
 
-    def __init__(self, replicas: Sequence[AsyncEngine], router: ReplicaRouter):
+    def __init__(self, replicas: Sequence[AsyncEngine], router: ReplicaRouter) -> None:
         if len(replicas) != router.num_replicas:
             raise ValueError(f"{len(replicas)} replicas but the router has "
                              f"{router.num_replicas}")
@@ -69,9 +70,11 @@ class DataParallelEngine:
             r.request_stop()
 
     def stop(self, timeout: float | None = 30.0) -> None:
-        self.request_stop()  # all replicas wind down together, then each is joined
+        """All replicas wind down together; `timeout` bounds the whole wait."""
+        self.request_stop()
+        deadline = None if timeout is None else time.monotonic() + timeout
         for r in self.replicas:
-            r.stop(timeout)
+            r.stop(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     @property
     def error(self) -> BaseException | None:
@@ -94,27 +97,31 @@ class DataParallelEngine:
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                priority: int = 0, arrival_time: float | None = None) -> RequestStream:
         """Route, then `AsyncEngine.submit` on that replica (same errors)."""
+        # Hashing a long prompt takes a while: not under the lock.
+        hashes = self._router.page_hashes(None if isinstance(prompt, str) else prompt)
         with self._lock:
             self._forget_finished()
             if any(r.holds(request_id) for r in self.replicas):
                 raise ValueError(f"request_id={request_id!r} is already in flight; "
                                  "request ids must be unique among in-flight requests")
             loads = [r.num_in_flight for r in self.replicas]
-            first = self._router.choose(loads, None if isinstance(prompt, str) else prompt)
+            route = self._router.choose(loads, hashes)
             # The chosen replica first, then the others by load: one full queue is not a
             # reason to refuse while another replica has room.
-            others = sorted((i for i in range(len(loads)) if i != first), key=lambda i: loads[i])
+            others = sorted((i for i in range(len(loads)) if i != route.replica),
+                            key=lambda i: loads[i])
             error: QueueFull | None = None
-            for i in (first, *others):
+            for i in (route.replica, *others):
                 try:
                     stream = self.replicas[i].submit(request_id, prompt, params, priority,
                                                      arrival_time)
                 except QueueFull as e:
                     error = e
                     continue
+                self._router.record(route, i)
                 self._owner[request_id] = self.replicas[i]
                 return stream
-            assert error is not None
+            assert error is not None  # the loop ran at least once
             raise error
 
     def abort(self, request_id: str) -> None:

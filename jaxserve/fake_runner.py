@@ -27,7 +27,10 @@ class ArithmeticRunner:
     def compiles_after_warmup(self) -> int:
         return 0
 
-    def warmup(self, progress: bool = True) -> None:
+    def warmup(self, progress: bool = True, arm: bool = True) -> None:
+        return None
+
+    def arm(self) -> None:
         return None
 
     def close(self) -> None:

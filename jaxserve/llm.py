@@ -11,12 +11,14 @@ Data parallel (`data_parallel_size` > 1): `build_engines` builds one such engine
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from . import sharding
@@ -25,6 +27,8 @@ from .engine import Engine
 from .kernels_pallas import padded_head_dim, select_impl
 from .model_runner import ModelRunner
 from .multihost import LeaderRunner, agree_min
+from .models.config import ModelConfig
+from .models.llama import LlamaParams
 from .models.loading import LoadedModel, load_model
 from .models.paged import MODEL_AXIS
 from .outputs import RequestOutput
@@ -41,78 +45,37 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 
 
 def build_engine(config: EngineConfig, model: LoadedModel | None = None,
-                 warmup: bool = True, progress: bool = True,
-                 devices: Sequence[jax.Device] | None = None,
-                 memory_share: float = 1.0) -> Engine:
+                 warmup: bool = True, progress: bool = True) -> Engine:
     """Load (unless given), size, place and compile: a ready-to-step Engine.
-
-    `devices`: the tensor_parallel_size devices this engine runs on (a data-parallel replica's
-    row of the mesh); None: the first ones. `memory_share`: the fraction of free host
-    memory this engine may size its KV pages from when the devices do not report their own
-    (CPU, where data-parallel replicas share one host's memory).
 
     Under `jax.distributed` (several processes) this runs on process 0 only, and its runner
     announces every step to the other processes, which run `build_follower` + `follow`.
     """
     if jax.process_index() != 0:
-        raise ValueError(f"build_engine on process {jax.process_index()}: only process 0 "
-                         "runs the engine; the others run multihost.follow(build_follower())")
-    model, plan, runner = _build_runner(config, model, devices, memory_share)
+        raise ValueError(f"build_engine on process {jax.process_index()} of "
+                         f"{jax.process_count()}: only process 0 runs the engine; the others "
+                         "run multihost.follow(build_follower(config))")
+    placed = _place(config, model, None)
+    # Several processes must build the very same step: they size from the smallest budget.
+    plan, runner = _make_runner(config, placed, agree_min(_free_memory(placed.device)))
     if jax.process_count() > 1:
         runner = LeaderRunner(runner, config.multihost_keepalive_s)
+    engine = Engine(config, plan, runner, placed.model.tokenizer,
+                    placed.model.config.eos_token_ids)
     if warmup:
-        runner.warmup(progress)
-    return Engine(config, plan, runner, model.tokenizer, model.config.eos_token_ids)
+        _warm_up([engine], progress)
+    return engine
 
 
 def build_follower(config: EngineConfig) -> ModelRunner:
     """A process > 0's share of a multi-host engine: the same runner process 0 builds (same
     mesh, shapes and KV pages), driven by `multihost.follow`."""
     if jax.process_count() == 1 or jax.process_index() == 0:
-        raise ValueError("build_follower is for processes > 0 of a jax.distributed job")
-    return _build_runner(config, None, None, 1.0)[2]
-
-
-def _build_runner(config: EngineConfig, model: LoadedModel | None,
-                  devices: Sequence[jax.Device] | None,
-                  memory_share: float) -> tuple[LoadedModel, EnginePlan, ModelRunner]:
-    if config.compilation_cache_dir:
-        apply_runtime(RuntimeConfig(compilation_cache_dir=config.compilation_cache_dir))
-    tp = config.tensor_parallel_size
-    if jax.process_count() > 1 and (config.data_parallel_size > 1 or devices is not None):
-        raise ValueError(f"data_parallel_size={config.data_parallel_size}: data parallelism "
-                         "is per host; across hosts run one server per replica")
-    device = devices[0] if devices is not None else jax.local_devices()[0]
-    mesh = None
-    if tp > 1 or devices is not None:
-        mesh = sharding.make_tp_mesh(tp, None if devices is None else list(devices))
-    # A model not given loads straight into its shardings (each device reads only its own
-    # slice of the checkpoint); shard_params then hands those params back unchanged.
-    model = model or load_model(config.model, config.dtype, mesh=mesh)
-    run_cfg, params = model.config, model.params
-    if mesh is not None:
-        run_cfg = sharding.tp_model_config(model.config, tp)
-        params = sharding.shard_params(model.params, model.config, mesh)
-    attn_impl = select_impl(config.attention_impl)
-    kv_dtype = _DTYPES[config.kv_cache_dtype or config.dtype]
-    # Pallas kernels want lane-aligned head dims; the jnp reference takes any.
-    kv_head_dim = None if attn_impl == "reference" else padded_head_dim(model.config.head_dim)
-    free = free_device_memory(device)
-    # Under tensor parallelism the KV budget is still one device's free memory for all the
-    # pages: conservative (each device holds 1 / tp of them, or 1 / num_kv_heads when KV
-    # heads are replicated), and right on CPU where the virtual devices share host memory.
-    if free is None:
-        free = int(available_host_memory() * memory_share)
-    # Several processes must build the very same step: they size from the smallest budget.
-    plan = plan_engine(config, run_cfg, jnp.dtype(kv_dtype).itemsize, agree_min(free),
-                       kv_head_dim)
-    log.info("KV cache: %d pages of %d tokens (%.1f MiB), attention=%s, devices=%s",
-             plan.scheduler.num_pages - 1, plan.scheduler.page_size,
-             plan.kv_budget_bytes / 2**20, attn_impl,
-             [d.id for d in (mesh.devices.flat if mesh is not None else [device])])
-    runner = ModelRunner(run_cfg, params, plan.batch_shape, plan.scheduler.num_pages,
-                         kv_dtype, attn_impl, kv_head_dim, mesh)
-    return model, plan, runner
+        raise ValueError(f"build_follower on process {jax.process_index()} of "
+                         f"{jax.process_count()}: it is for processes > 0 of a "
+                         "jax.distributed job")
+    placed = _place(config, None, None)
+    return _make_runner(config, placed, agree_min(_free_memory(placed.device)))[1]
 
 
 def build_engines(config: EngineConfig, model: LoadedModel | None = None,
@@ -120,25 +83,111 @@ def build_engines(config: EngineConfig, model: LoadedModel | None = None,
     """`data_parallel_size` independent engines, replica i on row i of a (data, model) mesh
     of the local devices; each has its own scheduler, KV pages and compiled step.
 
-    Every replica compiles before any compile guard is armed: replicas run on different
-    devices, so each compiles its own executables, and a guard armed early would count the
-    next replica's warmup as serving compiles.
+    Every replica's weights are placed before free memory is measured, and all replicas size
+    their KV pages from the same (smallest) figure, so they hold equal page counts. Every
+    replica compiles before any compile guard is armed: replicas run on different devices, so
+    each compiles its own executables, and a guard armed early would count the next
+    replica's warmup as serving compiles.
     """
     dp = config.data_parallel_size
     if dp == 1:
         return [build_engine(config, model, warmup, progress)]
+    if jax.process_count() > 1:
+        raise ValueError(f"data_parallel_size={dp} over {jax.process_count()} processes: data "
+                         "parallelism is per host; across hosts run one job per replica")
     # Given no model, each replica loads the checkpoint straight onto its own devices (a
     # memory-mapped re-read per replica) rather than staging one copy on device 0.
-    rows = replica_device_rows(dp, config.tensor_parallel_size)
-    engines = [build_engine(config, model, warmup=False, progress=progress, devices=row,
-                            memory_share=1.0 / dp) for row in rows]
+    placed = [_place(config, model, row)
+              for row in replica_device_rows(dp, config.tensor_parallel_size)]
+    reported = [free_device_memory(p.device) for p in placed]
+    # Devices that report their memory each hold one replica; CPU replicas share the host's.
+    free = (min(r for r in reported if r is not None) if None not in reported
+            else available_host_memory() // dp)
+    engines = []
+    for p in placed:
+        plan, runner = _make_runner(config, p, free)
+        engines.append(Engine(config, plan, runner, p.model.tokenizer,
+                              p.model.config.eos_token_ids))
     if warmup:
+        _warm_up(engines, progress)
+    return engines
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placed:
+    """A model's weights on one engine's devices."""
+
+    model: LoadedModel
+    run_cfg: ModelConfig  # KV heads replicated where tensor parallelism needs it
+    params: LlamaParams
+    mesh: Mesh | None
+    device: jax.Device  # where free memory is read
+
+
+def _place(config: EngineConfig, model: LoadedModel | None,
+           devices: Sequence[jax.Device] | None) -> _Placed:
+    """Load (unless given) and place the weights on `devices` (None: the first tp devices of
+    all processes, or the first local device)."""
+    if config.compilation_cache_dir:
+        apply_runtime(RuntimeConfig(compilation_cache_dir=config.compilation_cache_dir))
+    tp = config.tensor_parallel_size
+    if jax.process_count() > 1 and tp != jax.device_count():
+        # A mesh of some processes' devices would leave the others following a step they
+        # have no part in.
+        raise ValueError(f"tensor_parallel_size={tp}: over {jax.process_count()} processes "
+                         f"the step must span all {jax.device_count()} devices")
+    mesh = None
+    if tp > 1 or devices is not None:
+        mesh = sharding.make_tp_mesh(tp, None if devices is None else list(devices))
+    # A model not given loads straight into its shardings (each device reads only its own
+    # slice of the checkpoint); shard_params then hands those params back unchanged.
+    model = model or load_model(config.model, config.dtype, mesh=mesh)
+    if mesh is None:
+        return _Placed(model, model.config, model.params, None, jax.local_devices()[0])
+    return _Placed(model, sharding.tp_model_config(model.config, tp),
+                   sharding.shard_params(model.params, model.config, mesh), mesh,
+                   next(d for d in mesh.devices.flat if d.process_index == jax.process_index()))
+
+
+def _free_memory(device: jax.Device) -> int:
+    # Under tensor parallelism the KV budget is still one device's free memory for all the
+    # pages: conservative (each device holds 1 / tp of them, or 1 / num_kv_heads when KV
+    # heads are replicated), and right on CPU where the virtual devices share host memory.
+    free = free_device_memory(device)
+    return available_host_memory() if free is None else free
+
+
+def _make_runner(config: EngineConfig, placed: _Placed,
+                 free: int) -> tuple[EnginePlan, ModelRunner]:
+    attn_impl = select_impl(config.attention_impl)
+    kv_dtype = _DTYPES[config.kv_cache_dtype or config.dtype]
+    # Pallas kernels want lane-aligned head dims; the jnp reference takes any.
+    kv_head_dim = None if attn_impl == "reference" else padded_head_dim(
+        placed.model.config.head_dim)
+    plan = plan_engine(config, placed.run_cfg, jnp.dtype(kv_dtype).itemsize, free, kv_head_dim)
+    devices = placed.mesh.devices.flat if placed.mesh is not None else [placed.device]
+    log.info("KV cache: %d pages of %d tokens (%.1f MiB), attention=%s, devices=%s",
+             plan.scheduler.num_pages - 1, plan.scheduler.page_size,
+             plan.kv_budget_bytes / 2**20, attn_impl, [d.id for d in devices])
+    runner = ModelRunner(placed.run_cfg, placed.params, plan.batch_shape,
+                         plan.scheduler.num_pages, kv_dtype, attn_impl, kv_head_dim, placed.mesh)
+    return plan, runner
+
+
+def _warm_up(engines: list[Engine], progress: bool) -> None:
+    """Compile every engine's buckets, then arm every compile guard; on failure release the
+    runners (several hosts: the other processes stop following)."""
+    try:
         for i, eng in enumerate(engines):
-            log.info("compiling data-parallel replica %d/%d", i + 1, dp)
+            if len(engines) > 1:
+                log.info("compiling data-parallel replica %d/%d", i + 1, len(engines))
             eng.runner.warmup(progress, arm=False)
         for eng in engines:
             eng.runner.arm()
-    return engines
+    except BaseException:
+        for eng in engines:
+            eng.close()
+        raise
 
 
 def build_offline_engine(config: EngineConfig, model: LoadedModel | None = None,

@@ -50,7 +50,9 @@ log = logging.getLogger(__name__)
 STEP, ARM, STOP, KEEPALIVE = 1, 2, 3, 4
 _FORWARD = ("token_ids", "positions", "slot_mapping", "block_tables", "kv_lens", "cu_q_lens",
             "num_seqs", "logits_indices")
-_SAMPLING = tuple(f.name for f in dataclasses.fields(StepBatch) if f.name not in _FORWARD)
+_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "rng_key", "repetition_penalty",
+             "presence_penalty", "frequency_penalty", "history", "history_is_output",
+             "want_logprobs")
 
 
 def initialize(cfg: DistributedConfig) -> None:
@@ -122,7 +124,7 @@ class LeaderRunner:
     announcement and step, so the processes always see the same sequence of collectives.
     """
 
-    def __init__(self, runner: ModelRunner, keepalive_s: float = 60.0):
+    def __init__(self, runner: ModelRunner, keepalive_s: float = 60.0) -> None:
         if keepalive_s <= 0:
             raise ValueError(f"keepalive_s={keepalive_s} must be > 0")
         self.runner = runner
@@ -131,6 +133,7 @@ class LeaderRunner:
         self._lock = threading.Lock()
         self._last = time.monotonic()
         self._stopped = False
+        self._broken = False  # a step failed after it was announced
         self._closing = threading.Event()
         self._keeper = threading.Thread(target=self._keep_alive, name="jaxserve-keepalive",
                                         daemon=True)
@@ -164,33 +167,54 @@ class LeaderRunner:
 
     def arm(self) -> None:
         with self._lock:
+            self._check()
             _header(ARM, None, True)
             self.runner.arm()
             self._last = time.monotonic()
 
     def execute(self, batch: StepBatch) -> StepResult:
         with self._lock:
-            _send_batch(batch)
-            result = self.runner.execute(batch)
+            self._check()
+            try:
+                _send_batch(batch)
+                result = self.runner.execute(batch)
+            except BaseException:
+                # The followers may be inside this step's collectives: announcing anything
+                # more would hang both sides. The job is over; JAX's coordination service
+                # ends the others once this process exits.
+                self._broken = True
+                raise
             self._last = time.monotonic()
             return result
 
     def close(self) -> None:
-        """Release the followers (they return from `follow`); idempotent."""
+        """Release the followers (they return from `follow`); idempotent. After a failed
+        step nothing is announced (see `execute`)."""
         self._closing.set()
         self._keeper.join()
         with self._lock:
-            if not self._stopped:
-                self._stopped = True
+            if not self._stopped and not self._broken:
                 _header(STOP, None, True)
+            self._stopped = True
         self.runner.close()
+
+    def _check(self) -> None:
+        if self._broken or self._stopped:
+            raise RuntimeError("the multi-host job is "
+                               + ("broken by a failed step" if self._broken else "stopped"))
 
     def _keep_alive(self) -> None:
         while not self._closing.wait(self.keepalive_s / 4):
             with self._lock:
-                if self._stopped or time.monotonic() - self._last < self.keepalive_s:
+                if self._stopped or self._broken or \
+                        time.monotonic() - self._last < self.keepalive_s:
                     continue
-                _header(KEEPALIVE, None, True)
+                try:
+                    _header(KEEPALIVE, None, True)
+                except Exception:  # noqa: BLE001 - a process died; the next step reports it
+                    log.exception("keepalive to the other processes failed")
+                    self._broken = True
+                    return
                 self.keepalives += 1
                 self._last = time.monotonic()
 

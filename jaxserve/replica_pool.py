@@ -26,7 +26,7 @@ from .sampling_params import SamplingParams
 class ReplicaPool:
     """The Engine calls the offline API and batch jobs make, over several replicas."""
 
-    def __init__(self, engines: Sequence[Engine], router: ReplicaRouter):
+    def __init__(self, engines: Sequence[Engine], router: ReplicaRouter) -> None:
         if len(engines) != router.num_replicas:
             raise ValueError(f"{len(engines)} engines but the router has {router.num_replicas}")
         self.engines = tuple(engines)
@@ -68,14 +68,15 @@ class ReplicaPool:
                     arrival_time: float | None = None) -> None:
         if request_id in self._owner:
             raise ValueError(f"request_id={request_id!r} is already in flight")
-        ids: Sequence[int] | None = None
-        if self._router.prefix_aware:
-            ids = (self.tokenizer.encode(prompt, add_special_tokens=True)
-                   if isinstance(prompt, str) and prompt else prompt)
+        ids: Sequence[int] | None = prompt if not isinstance(prompt, str) else None
+        if self._router.prefix_aware and isinstance(prompt, str) and prompt:
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         loads = [e.num_requests for e in self.engines]
-        engine = self.engines[self._router.choose(loads, ids)]
+        route = self._router.choose(loads, self._router.page_hashes(ids))
+        engine = self.engines[route.replica]
         engine.add_request(request_id, prompt, params, priority=priority,
-                           arrival_time=arrival_time)
+                           arrival_time=arrival_time)  # ValueError: nothing was recorded
+        self._router.record(route, route.replica)
         self._owner[request_id] = engine
 
     def abort(self, request_id: str) -> bool:
@@ -88,7 +89,11 @@ class ReplicaPool:
         if len(busy) == 1:
             outputs = busy[0].step()
         else:
-            outputs = [o for f in [self._pool.submit(e.step) for e in busy] for o in f.result()]
+            futures = [self._pool.submit(e.step) for e in busy]
+            # Every replica's step ends before this returns or raises: no engine is left
+            # running on the pool's threads while the caller touches it again.
+            concurrent.futures.wait(futures)
+            outputs = [o for f in futures for o in f.result()]
         for out in outputs:
             if out.finished:
                 self._owner.pop(out.request_id, None)

@@ -25,7 +25,11 @@ class StepResult:
 
 
 class Runner(Protocol):
-    def warmup(self, progress: bool = True) -> None: ...
+    def warmup(self, progress: bool = True, arm: bool = True) -> None:
+        """Compile every bucket; then count later compiles (unless `arm` is False)."""
+
+    def arm(self) -> None:
+        """Warmup is over (for every engine of the process): count compiles from now on."""
 
     def execute(self, batch: StepBatch) -> StepResult: ...
 

@@ -44,7 +44,8 @@ __all__ = ["make_tp_mesh", "kv_head_replication", "tp_model_config", "shard_para
 
 
 def make_tp_mesh(tp: int, devices: list | None = None) -> Mesh:
-    """A 1-D mesh of the first `tp` devices (local ones by default), axis "model"."""
+    """A 1-D mesh of the first `tp` of `devices` (default: `jax.devices()`, every process's
+    devices in a multi-process job), axis "model"."""
     devices = list(devices if devices is not None else jax.devices())
     if tp < 1 or tp > len(devices):
         raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices; {len(devices)} "

@@ -132,7 +132,14 @@ def _restore(path: pathlib.Path, cfg: ModelConfig, dtype: jnp.dtype,
     if mesh is None:
         return restore_params(path, cfg, dtype)
     shardings = param_shardings(cfg, mesh)
-    if kv_head_replication(cfg, mesh.shape[MODEL_AXIS]) > 1:
+    rep = kv_head_replication(cfg, mesh.shape[MODEL_AXIS])
+    if rep > 1 and jax.process_count() > 1:
+        raise CheckpointError(
+            f"{path}: an Orbax checkpoint with num_kv_heads={cfg.num_kv_heads} at "
+            f"tensor_parallel_size={mesh.shape[MODEL_AXIS]} replicates KV heads, which this "
+            f"loader does only within one process ({jax.process_count()} here); load the "
+            "HF (safetensors) or GGUF form of the model instead (`jaxserve convert --format hf`)")
+    if rep > 1:
         # The saved K/V leaves hold each head once; the mesh wants some heads on several
         # devices, which no sharding of the saved array expresses: restore them whole on one
         # local device, and let placement cut each device's repeated head from that copy.

@@ -27,6 +27,7 @@ from engine_fixtures import tiny_engine, tiny_model  # noqa: E402 - run with tes
 from jaxserve.config import EngineConfig
 from jaxserve.llm import build_offline_engine
 from jaxserve.models import llama
+from jaxserve.sizing import available_host_memory
 from jaxserve.sampling_params import SamplingParams
 from tp_worker import greedy_outputs, shard_bytes
 
@@ -62,7 +63,13 @@ def run(name: str, dp: int, tp: int) -> dict:
     if dp == 1 and tp == 1:
         return {"model": name, "dp": 1, "tp": 1,
                 "outputs": greedy_outputs(tiny_engine(model), PROMPTS)}
-    pool = build_offline_engine(EngineConfig(**BASE, data_parallel_size=dp,
+    # DP x TP 1 sizes its KV pages from a sliver of host memory (below what the sequences
+    # could use): the replicas must still agree on one page count.
+    extra = {}
+    if tp == 1:  # about 100 pages: KV bytes per page are 2 layers x K,V x Hkv x 8 x 8 x 4
+        page_bytes = 2 * 2 * MODELS[name]["num_kv_heads"] * 8 * 8 * 4
+        extra = {"kv_cache_memory_fraction": 100 * page_bytes / (available_host_memory() // dp)}
+    pool = build_offline_engine(EngineConfig(**BASE, **extra, data_parallel_size=dp,
                                              tensor_parallel_size=tp), model, progress=False)
     outputs = greedy_outputs(pool, PROMPTS)
     # Read before the logits check below, whose forward compiles (the guard is process-wide).

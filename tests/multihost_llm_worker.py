@@ -33,7 +33,7 @@ if __name__ == "__main__":
             while llm.engine.runner.keepalives < 3 and time.monotonic() < deadline:
                 time.sleep(0.05)
             outs = first + llm.generate(PROMPTS[1:], params, use_tqdm=False)
-            keepalives = llm.engine.runner.keepalives
+        keepalives = llm.engine.runner.keepalives  # after close: no keepalive can follow
         print(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
                           "keepalives": keepalives}))
     else:

@@ -30,35 +30,42 @@ VOCAB = 211  # engine_fixtures.VOCAB, which fake_engine's plan uses
 
 
 # ------------------------------------------------------------------------- router policy
+def pick(r: ReplicaRouter, loads: list[int], ids: list[int] | None) -> int:
+    """Route a request and record it where it was routed (what the facades do)."""
+    route = r.choose(loads, r.page_hashes(ids))
+    r.record(route, route.replica)
+    return route.replica
+
+
 def test_least_loaded_and_ties_rotate() -> None:
     r = ReplicaRouter(3, page_size=4, capacity_pages=100)
-    assert r.choose([2, 0, 1], None) == 1
-    assert r.choose([5, 5, 1], [1, 2, 3]) == 2
+    assert pick(r, [2, 0, 1], None) == 1
+    assert pick(r, [5, 5, 1], [1, 2, 3]) == 2
     # Equal loads: successive picks spread instead of piling on replica 0.
-    assert [r.choose([0, 0, 0], None) for _ in range(3)] == [0, 1, 2]
+    assert [pick(r, [0, 0, 0], None) for _ in range(3)] == [0, 1, 2]
 
 
 def test_prefix_affinity_within_slack() -> None:
     r = ReplicaRouter(2, page_size=4, capacity_pages=100, slack=2)
     system = list(range(100, 112))  # three full pages shared by every prompt below
-    assert r.choose([0, 0], system + [1]) == 0
+    assert pick(r, [0, 0], system + [1]) == 0
     # Replica 0 holds the prefix: it wins while it is at most `slack` requests busier ...
-    assert r.choose([2, 0], system + [2]) == 0
+    assert pick(r, [2, 0], system + [2]) == 0
     assert r.prefix_routed == 1
     # ... and load wins beyond that; the prefix is then recorded on replica 1 too.
-    assert r.choose([3, 0], system + [3]) == 1
-    assert r.choose([3, 1], system + [4]) == 1  # both match: the less loaded
+    assert pick(r, [3, 0], system + [3]) == 1
+    assert pick(r, [3, 1], system + [4]) == 1  # both match: the less loaded
     # A prompt shorter than one page has no full page to match: load only.
-    assert r.choose([0, 1], [7, 7]) == 0
+    assert pick(r, [0, 1], [7, 7]) == 0
 
 
 def test_longest_match_wins_and_records_are_bounded() -> None:
     r = ReplicaRouter(2, page_size=2, capacity_pages=3, slack=0)
-    assert r.choose([0, 0], [1, 2, 3, 4]) == 0
-    assert r.choose([1, 0], [1, 2, 9, 9, 5, 6]) == 1  # slack 0: load beats a 1-page match
-    assert r.choose([0, 0], [1, 2, 9, 9, 8, 8]) == 1  # 2 pages matched on 1, 1 page on 0
+    assert pick(r, [0, 0], [1, 2, 3, 4]) == 0
+    assert pick(r, [1, 0], [1, 2, 9, 9, 5, 6]) == 1  # slack 0: load beats a 1-page match
+    assert pick(r, [0, 0], [1, 2, 9, 9, 8, 8]) == 1  # 2 pages matched on 1, 1 page on 0
     # Replica 1 remembers 3 pages at most: two new ones push out the oldest.
-    assert r.choose([5, 0], [5, 5, 6, 6]) == 1
+    assert pick(r, [5, 0], [5, 5, 6, 6]) == 1
     assert r._matched(1, hash_pages([1, 2, 9, 9], 2)) == 0  # noqa: SLF001 - forgotten
     assert r._matched(0, hash_pages([1, 2, 3, 4], 2)) == 2  # noqa: SLF001 - kept
 
@@ -66,15 +73,39 @@ def test_longest_match_wins_and_records_are_bounded() -> None:
 @pytest.mark.parametrize("aware", [True, False])
 def test_no_prefix_routing_when_caching_is_off(aware: bool) -> None:
     r = ReplicaRouter(2, page_size=2, capacity_pages=8, prefix_aware=aware, slack=10)
-    assert r.choose([0, 0], [1, 2, 3, 4]) == 0
-    assert r.choose([1, 0], [1, 2, 3, 4]) == (0 if aware else 1)
+    assert pick(r, [0, 0], [1, 2, 3, 4]) == 0
+    assert pick(r, [1, 0], [1, 2, 3, 4]) == (0 if aware else 1)
+
+
+def test_a_route_is_recorded_only_where_the_request_went() -> None:
+    r = ReplicaRouter(2, page_size=2, capacity_pages=8, slack=4)
+    first = r.choose([0, 0], r.page_hashes([1, 2, 3, 4]))
+    assert first.replica == 0 and not first.by_prefix
+    r.record(first, 1)  # replica 0 was full: replica 1 took it
+    again = r.choose([0, 1], r.page_hashes([1, 2, 3, 4, 5]))
+    assert again.replica == 1 and again.by_prefix  # past the idle replica 0, for its prefix
+    r.record(again, 0)  # but replica 1 was full: not counted as routed by prefix
+    assert r.prefix_routed == 0
+    assert r._matched(0, again.hashes) == 2  # noqa: SLF001 - replica 0 took the pages
+
+
+def test_ids_that_are_not_token_ids_route_by_load() -> None:
+    """Hashing must not crash on them: the engine refuses them, naming the bad id."""
+    r = ReplicaRouter(2, page_size=2, capacity_pages=8)
+    assert r.page_hashes([2**70, 1, 2, 3]) == ()
+    assert r.page_hashes(None) == ()
+    engines = [fake_engine(), fake_engine()]
+    pool = ReplicaPool(engines, make_router(engines))
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[0\]=1180591620717411303424"):
+        pool.add_request("bad", [2**70] + [1] * 20, SamplingParams(max_tokens=2))
+    assert not pool.has_unfinished()
 
 
 def test_router_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="num_replicas=0"):
         ReplicaRouter(0, 4, 8)
     with pytest.raises(ValueError, match="got 1 loads for 2 replicas"):
-        ReplicaRouter(2, 4, 8).choose([0], None)
+        ReplicaRouter(2, 4, 8).choose([0])
     with pytest.raises(ValueError, match="data_parallel_size=0"):
         EngineConfig(data_parallel_size=0)
 
@@ -217,6 +248,8 @@ def test_each_replica_lives_on_its_own_devices(worker: dict, model: str, dp: int
         assert r["kv_bytes_first_device"] * tp == r["kv_bytes_total"]
         assert r["param_bytes_first_device"] < r["param_bytes_total"] or tp == 1
     assert len({r["num_pages"] for r in reps}) == 1
+    if tp == 1:  # sized from memory, not capped by what the sequences can use
+        assert reps[0]["num_pages"] < 8 * 256 // 8 + 1
 
 
 def test_grpc_server_over_dp2_tp2(worker: dict) -> None:

@@ -216,7 +216,10 @@ def test_leader_runner_sends_every_field_and_returns_the_runner_results() -> Non
 
     want = rollout(tiny_model(), [5, 6, 7, 8], 6)  # first: the guard counts every compile
     fields = [f.name for f in dataclasses.fields(StepBatch)]
-    assert sorted(multihost._FORWARD + multihost._SAMPLING) == sorted(fields)  # noqa: SLF001
+    # Each field travels in exactly one of the two broadcasts (a new StepBatch field must be
+    # added to one of them, or the followers would run with its default).
+    sent = multihost._FORWARD + multihost._SAMPLING  # noqa: SLF001
+    assert sorted(sent) == sorted(fields) and len(set(sent)) == len(sent)
     plain = tiny_engine(tiny_model())
     lead = tiny_engine(tiny_model())
     lead.runner = multihost.LeaderRunner(lead.runner)

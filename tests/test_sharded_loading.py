@@ -13,32 +13,21 @@ engine over a GGUF loaded onto its mesh generates the TP 1 greedy tokens.
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from engine_fixtures import run_device_worker
 from jaxserve.models import gguf_tensor
 from jaxserve.models.gguf_loader import open_gguf, read_gguf
 from jaxserve.models.host_arrays import LazyLeaf, RepeatedHeads
 
-HERE = pathlib.Path(__file__).parent
-
 
 @pytest.fixture(scope="module")
 def worker() -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get(
-                   "PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, str(HERE / "sharded_load_worker.py")], env=env,
-                         cwd=HERE.parent, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout)
+    return run_device_worker("sharded_load_worker.py")
 
 
 @pytest.fixture(scope="module")
