@@ -15,7 +15,7 @@ Writes every figure to --json and prints tables. Numbers on a CPU are not GPU nu
 
     python scripts/bench_offline.py --json bench_offline.json
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/bench_offline.py \
-        --tensor-parallel-size 4 --sections decode,collectives --json bench_tp4.json
+        --tensor-parallel-size 3 --sections decode,collectives --json bench_tp3.json
 """
 
 from __future__ import annotations
