@@ -57,8 +57,7 @@ class DataParallelEngine:
                              f"{router.num_replicas}")
         self.replicas = tuple(replicas)
         self._router = router
-        self._lock = threading.Lock()  # the router's record and `_owner`
-        self._owner: dict[str, AsyncEngine] = {}  # request id -> replica (for abort)
+        self._lock = threading.Lock()  # the router's record; one admission at a time
 
     # ----------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -100,7 +99,6 @@ class DataParallelEngine:
         # Hashing a long prompt takes a while: not under the lock.
         hashes = self._router.page_hashes(None if isinstance(prompt, str) else prompt)
         with self._lock:
-            self._forget_finished()
             if any(r.holds(request_id) for r in self.replicas):
                 raise ValueError(f"request_id={request_id!r} is already in flight; "
                                  "request ids must be unique among in-flight requests")
@@ -119,23 +117,15 @@ class DataParallelEngine:
                     error = e
                     continue
                 self._router.record(route, i)
-                self._owner[request_id] = self.replicas[i]
                 return stream
             assert error is not None  # the loop ran at least once
             raise error
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            owner = self._owner.get(request_id)
-        for r in (owner,) if owner is not None else self.replicas:
-            r.abort(request_id)
+        for r in self.replicas:
+            if r.holds(request_id):
+                r.abort(request_id)
 
     def abort_all(self) -> None:
         for r in self.replicas:
             r.abort_all()
-
-    def _forget_finished(self) -> None:
-        """Drop owners of requests their replica no longer holds (under the lock), once
-        the map has grown well past what is in flight."""
-        if len(self._owner) > 2 * self.num_in_flight + 64:
-            self._owner = {rid: r for rid, r in self._owner.items() if r.holds(rid)}

@@ -27,7 +27,7 @@ class ArithmeticRunner:
     def compiles_after_warmup(self) -> int:
         return 0
 
-    def warmup(self, progress: bool = True, arm: bool = True) -> None:
+    def warmup(self, progress: bool = True) -> None:
         return None
 
     def arm(self) -> None:

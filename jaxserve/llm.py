@@ -56,8 +56,7 @@ def build_engine(config: EngineConfig, model: LoadedModel | None = None,
                          f"{jax.process_count()}: only process 0 runs the engine; the others "
                          "run multihost.follow(build_follower(config))")
     placed = _place(config, model, None)
-    # Several processes must build the very same step: they size from the smallest budget.
-    plan, runner = _make_runner(config, placed, agree_min(_free_memory(placed.device)))
+    plan, runner = _make_runner(config, placed, _kv_budget([placed]))
     if jax.process_count() > 1:
         runner = LeaderRunner(runner, config.multihost_keepalive_s)
     engine = Engine(config, plan, runner, placed.model.tokenizer,
@@ -75,7 +74,7 @@ def build_follower(config: EngineConfig) -> ModelRunner:
                          f"{jax.process_count()}: it is for processes > 0 of a "
                          "jax.distributed job")
     placed = _place(config, None, None)
-    return _make_runner(config, placed, agree_min(_free_memory(placed.device)))[1]
+    return _make_runner(config, placed, _kv_budget([placed]))[1]
 
 
 def build_engines(config: EngineConfig, model: LoadedModel | None = None,
@@ -99,10 +98,7 @@ def build_engines(config: EngineConfig, model: LoadedModel | None = None,
     # memory-mapped re-read per replica) rather than staging one copy on device 0.
     placed = [_place(config, model, row)
               for row in replica_device_rows(dp, config.tensor_parallel_size)]
-    reported = [free_device_memory(p.device) for p in placed]
-    # Devices that report their memory each hold one replica; CPU replicas share the host's.
-    free = (min(r for r in reported if r is not None) if None not in reported
-            else available_host_memory() // dp)
+    free = _kv_budget(placed)
     engines = []
     for p in placed:
         plan, runner = _make_runner(config, p, free)
@@ -149,12 +145,21 @@ def _place(config: EngineConfig, model: LoadedModel | None,
                    next(d for d in mesh.devices.flat if d.process_index == jax.process_index()))
 
 
-def _free_memory(device: jax.Device) -> int:
-    # Under tensor parallelism the KV budget is still one device's free memory for all the
-    # pages: conservative (each device holds 1 / tp of them, or 1 / num_kv_heads when KV
-    # heads are replicated), and right on CPU where the virtual devices share host memory.
-    free = free_device_memory(device)
-    return available_host_memory() if free is None else free
+def _kv_budget(placed: list[_Placed]) -> int:
+    """The free memory every engine of `placed` sizes its KV pages from: one figure, read
+    after all their weights are placed, so equal engines get equal page counts.
+
+    Devices that report their memory hold one engine each: the smallest of them. Devices that
+    do not (CPU) share the host's memory between the engines. Under tensor parallelism the
+    budget is still one device's free memory for all the pages: conservative (each device
+    holds 1 / tp of them, or 1 / num_kv_heads when KV heads are replicated), and right on CPU
+    where the virtual devices share host memory. Several processes must build the very same
+    step, so they agree on the smallest budget of any of them.
+    """
+    reported = [free_device_memory(p.device) for p in placed]
+    if None in reported:
+        return agree_min(available_host_memory() // len(placed))
+    return agree_min(min(r for r in reported if r is not None))
 
 
 def _make_runner(config: EngineConfig, placed: _Placed,
@@ -181,7 +186,7 @@ def _warm_up(engines: list[Engine], progress: bool) -> None:
         for i, eng in enumerate(engines):
             if len(engines) > 1:
                 log.info("compiling data-parallel replica %d/%d", i + 1, len(engines))
-            eng.runner.warmup(progress, arm=False)
+            eng.runner.warmup(progress)
         for eng in engines:
             eng.runner.arm()
     except BaseException:

@@ -8,13 +8,14 @@ the sampled ids and logprobs -> StepResult (numpy). Nothing else in the engine t
 arrays. The sampler is its own executable so that the penalties variant multiplies only the
 (cheap) sampler compiles, not the model's.
 
-`warmup()` compiles every bucket up front (with a progress bar); after it the compile guard
-is armed and any further compile is counted (and is a bug).
+`warmup()` compiles every bucket up front (with a progress bar); `arm()` then arms the compile
+guard, and any further compile is counted (and is a bug).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +106,16 @@ def place_inputs(tree: tuple[StepInputs, SamplingTensors],
         x.shape, sharding, lambda index: x[index]), tree)
 
 
+def compile_buckets(runner: "ModelRunner", execute: Callable[[StepBatch], StepResult],
+                    progress: bool) -> None:
+    """Run an all-padding batch of every bucket of `runner` through `execute` (the runner's
+    own, or one that first announces the step to other processes)."""
+    for t, s, p in tqdm(runner.buckets(), desc="compiling step buckets", disable=not progress,
+                        unit="bucket"):
+        execute(empty_batch(runner.shape, t, s, p))
+    jax.block_until_ready(runner.kv_pages)
+
+
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, params: LlamaParams, shape: BatchShape,
                  num_pages: int, kv_dtype: jnp.dtype, attn_impl: str = "reference",
@@ -140,15 +151,10 @@ class ModelRunner:
         largest_t = {s: t for t, s in self.shape.buckets}
         return plain + [(largest_t[s], s, True) for s in sorted(largest_t)]
 
-    def warmup(self, progress: bool = True, arm: bool = True) -> None:
-        """Compile every bucket; then (unless `arm` is False: the caller arms once every
-        engine of the process has compiled) count any later compile."""
-        for t, s, p in tqdm(self.buckets(), desc="compiling step buckets", disable=not progress,
-                            unit="bucket"):
-            self.execute(empty_batch(self.shape, t, s, p))
-        jax.block_until_ready(self.kv_pages)
-        if arm:
-            self.arm()
+    def warmup(self, progress: bool = True) -> None:
+        """Compile every bucket. The caller then calls `arm()`, once every engine of the
+        process has compiled (the compile guard counts the whole process's compiles)."""
+        compile_buckets(self, self.execute, progress)
 
     def arm(self) -> None:
         self.guard.arm()

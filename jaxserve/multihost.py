@@ -38,11 +38,10 @@ import time
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from tqdm.auto import tqdm
 
 from .batch import StepBatch
 from .config import DistributedConfig
-from .model_runner import ModelRunner, empty_batch
+from .model_runner import ModelRunner, compile_buckets, empty_batch
 from .runner_types import StepResult
 
 log = logging.getLogger(__name__)
@@ -143,27 +142,9 @@ class LeaderRunner:
     def compiles_after_warmup(self) -> int:
         return self.runner.compiles_after_warmup
 
-    # Read by the engine's builders and by tests, as on a ModelRunner.
-    @property
-    def shape(self):  # noqa: ANN201 - BatchShape
-        return self.runner.shape
-
-    @property
-    def params(self):  # noqa: ANN201 - LlamaParams
-        return self.runner.params
-
-    @property
-    def kv_pages(self) -> jax.Array:
-        return self.runner.kv_pages
-
-    def warmup(self, progress: bool = True, arm: bool = True) -> None:
+    def warmup(self, progress: bool = True) -> None:
         # Through `execute`, so the followers compile every bucket (and every broadcast) too.
-        for t, s, p in tqdm(self.runner.buckets(), desc="compiling step buckets",
-                            disable=not progress, unit="bucket"):
-            self.execute(empty_batch(self.runner.shape, t, s, p))
-        jax.block_until_ready(self.runner.kv_pages)
-        if arm:
-            self.arm()
+        compile_buckets(self.runner, self.execute, progress)
 
     def arm(self) -> None:
         with self._lock:

@@ -25,8 +25,8 @@ class StepResult:
 
 
 class Runner(Protocol):
-    def warmup(self, progress: bool = True, arm: bool = True) -> None:
-        """Compile every bucket; then count later compiles (unless `arm` is False)."""
+    def warmup(self, progress: bool = True) -> None:
+        """Compile every bucket (compiles are counted only after `arm`)."""
 
     def arm(self) -> None:
         """Warmup is over (for every engine of the process): count compiles from now on."""

@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .models.config import ModelConfig
 from .models.llama import LlamaParams
-from .models.paged import MODEL_AXIS
+from .models.paged import KV_PAGES_SPEC, MODEL_AXIS
 from .models.placement import kv_head_replication, param_shardings, place_params
 
 __all__ = ["make_tp_mesh", "kv_head_replication", "tp_model_config", "shard_params",
@@ -70,7 +70,7 @@ def shard_params(params: LlamaParams, cfg: ModelConfig, mesh: Mesh) -> LlamaPara
 
 def kv_sharding(mesh: Mesh) -> NamedSharding:
     """KV pages [L * num_pages, 2 * Hkv, page_size, D] split by KV head."""
-    return NamedSharding(mesh, P(None, MODEL_AXIS, None, None))
+    return NamedSharding(mesh, KV_PAGES_SPEC)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -32,6 +32,8 @@ from .llama import LayerParams, LlamaParams, decoder_layer, embed, lm_logits
 
 
 MODEL_AXIS = "model"  # the tensor-parallel mesh axis (jaxserve.sharding)
+# KV pages [L * num_pages, 2 * Hkv, page_size, D] split by KV head over MODEL_AXIS.
+KV_PAGES_SPEC = PS(None, MODEL_AXIS, None, None)
 
 
 def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int,
@@ -88,9 +90,8 @@ def paged_forward(params: LlamaParams, kv_pages: jax.Array, token_ids: jax.Array
                 return attend(q, k, v, flat, layer_md)
             heads = PS(None, MODEL_AXIS, None)  # [T, H, D] split by head
             return jax.shard_map(attend, mesh=mesh,
-                                 in_specs=(heads, heads, heads, PS(None, MODEL_AXIS, None, None),
-                                           PS()),
-                                 out_specs=(heads, PS(None, MODEL_AXIS, None, None)),
+                                 in_specs=(heads, heads, heads, KV_PAGES_SPEC, PS()),
+                                 out_specs=(heads, KV_PAGES_SPEC),
                                  # The attention's loops start from replicated zeros and
                                  # end per-shard; each shard is independent, nothing to check.
                                  check_vma=False)(q, k, v, flat, layer_md)
