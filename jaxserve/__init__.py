@@ -8,28 +8,28 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .sampling_params import SamplingParams
+from jaxserve.engine.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "build_engine"]
 
 if TYPE_CHECKING:
-    from .config import EngineConfig
-    from .engine import Engine
-    from .llm import LLM, build_engine
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.engine import Engine
+    from jaxserve.llm import LLM, build_engine
 
 
 def __getattr__(name: str) -> object:
     if name in ("LLM", "build_engine"):
-        from . import llm
+        from jaxserve import llm
 
         return getattr(llm, name)
     if name == "Engine":
-        from .engine import Engine
+        from jaxserve.engine.engine import Engine
 
         return Engine
     if name == "EngineConfig":
-        from .config import EngineConfig
+        from jaxserve.config import EngineConfig
 
         return EngineConfig
     raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

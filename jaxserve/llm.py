@@ -21,21 +21,22 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from . import sharding
-from .config import EngineConfig, RuntimeConfig, apply_runtime
-from .engine import Engine
-from .kernels_pallas import padded_head_dim, select_impl
-from .model_runner import ModelRunner
-from .multihost import LeaderRunner, agree_min
-from .models.config import ModelConfig
-from .models.llama import LlamaParams
-from .models.loading import LoadedModel, load_model
-from .models.paged import MODEL_AXIS
-from .outputs import RequestOutput
-from .replica_pool import ReplicaPool
-from .router import make_router
-from .sampling_params import SamplingParams
-from .sizing import EnginePlan, available_host_memory, free_device_memory, plan_engine
+from jaxserve.config import EngineConfig, RuntimeConfig, apply_runtime
+from jaxserve.device.model_runner import ModelRunner
+from jaxserve.device.multihost import LeaderRunner, agree_min
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.sizing import (EnginePlan, available_host_memory, free_device_memory,
+                                    plan_engine)
+from jaxserve.kernels_pallas import padded_head_dim, select_impl
+from jaxserve.models import placement
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.llama import LlamaParams
+from jaxserve.models.loading import LoadedModel, load_model
+from jaxserve.models.paged import MODEL_AXIS
+from jaxserve.serving.replica_pool import ReplicaPool
+from jaxserve.serving.router import make_router
 
 log = logging.getLogger(__name__)
 
@@ -134,14 +135,14 @@ def _place(config: EngineConfig, model: LoadedModel | None,
                          f"the step must span all {jax.device_count()} devices")
     mesh = None
     if tp > 1 or devices is not None:
-        mesh = sharding.make_tp_mesh(tp, None if devices is None else list(devices))
+        mesh = placement.make_tp_mesh(tp, None if devices is None else list(devices))
     # A model not given loads straight into its shardings (each device reads only its own
     # slice of the checkpoint); shard_params then hands those params back unchanged.
     model = model or load_model(config.model, config.dtype, mesh=mesh)
     if mesh is None:
         return _Placed(model, model.config, model.params, None, jax.local_devices()[0])
-    return _Placed(model, sharding.tp_model_config(model.config, tp),
-                   sharding.shard_params(model.params, model.config, mesh), mesh,
+    return _Placed(model, placement.tp_model_config(model.config, tp),
+                   placement.place_params(model.params, model.config, mesh), mesh,
                    next(d for d in mesh.devices.flat if d.process_index == jax.process_index()))
 
 

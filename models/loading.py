@@ -17,9 +17,9 @@ and the tokenizer from the same place. The first two give LlamaParams of lazy ho
            reads its part). When tp exceeds num_kv_heads, K/V projections are saved
            unreplicated, so those few leaves are restored whole onto the first local device
            and each device's repeated head is sliced from that copy, which is then dropped.
-With a mesh the params come back in the tensor-parallel layout (`sharding.tp_model_config`:
+With a mesh the params come back in the tensor-parallel layout (`placement.tp_model_config`:
 KV heads replicated when needed) while `LoadedModel.config` stays the checkpoint's;
-`sharding.shard_params` leaves such params as they are.
+`placement.place_params` leaves such params as they are.
 `convert` writes either an Orbax checkpoint directory (loaded directly by jaxserve) or a
 standard HF directory (transformers, vLLM).
 """

@@ -1,23 +1,34 @@
-"""Placing a params pytree on a tensor-parallel mesh, one device slice at a time.
+"""Tensor parallelism: where each weight and the KV pages live on a JAX device mesh, and
+placing a params pytree there one device slice at a time.
 
-Data flow: params whose leaves are host sources (numpy arrays, memmaps, the lazy views of
-`models/host_arrays.py`) or jax arrays -> `with_replicated_kv_heads` (when tp exceeds the KV
-heads, K/V projections become `RepeatedHeads` views: nothing is copied) -> `param_shardings`
-(one NamedSharding per leaf, from `param_specs`) -> `place_leaf` per leaf:
-`jax.make_array_from_callback(shape, sharding, lambda box: leaf[box])`. JAX calls back once per
-*addressable* device with that device's box (once in all for a replicated leaf), so each device
-receives only its own slice, no device ever holds a full split leaf, and under multi-process
-`jax.distributed` each process reads only the slices of its own devices.
+Data flow: `tensor_parallel_size` -> `make_tp_mesh` (a 1-D Mesh, axis "model") ->
+`kv_head_replication(cfg, tp)` decides whether KV heads must be replicated (`tp_model_config`
+is the config the sharded model runs with) -> `place_params`: params whose leaves are host
+sources (numpy arrays, memmaps, the lazy views of `host_arrays.py`) or jax arrays ->
+`with_replicated_kv_heads` (K/V projections become `RepeatedHeads` views: nothing is copied)
+-> `param_shardings` (one NamedSharding per leaf, from `param_specs`) -> `place_leaf` per
+leaf: `jax.make_array_from_callback(shape, sharding, lambda box: leaf[box])`. JAX calls back
+once per *addressable* device with that device's box, so each device receives only its own
+slice, no device ever holds a full split leaf, and under multi-process `jax.distributed` each
+process reads only the slices of its own devices. `load_model(path, dtype, mesh)` loads
+through the same placement. The runner then creates the KV pages on `kv_sharding` and places
+every step's inputs `replicated`; `paged_forward(..., mesh=mesh)` runs attention under
+`jax.shard_map`, and XLA partitions the rest of the step from these shardings.
 
 Host memory: the callbacks of one leaf run before that leaf is copied, so the host peak is this
 process's slices of one leaf (the whole leaf for a replicated one), not the model.
 
-The layout itself (Megatron style; the mesh axis is `paged.MODEL_AXIS`):
+The layout (Megatron style; the mesh axis is `paged.MODEL_AXIS`):
   wq / wk / wv (and biases), w_gate / w_up: columns (outputs) split;
   wo / w_down: rows (inputs) split, so each block ends in one all-reduce;
   embed [vocab, hidden] / lm_head [hidden, vocab]: split by vocabulary, replicated when tp does
-  not divide it; norms: replicated. KV heads: replicated tp / num_kv_heads times when tp is a
-  multiple of num_kv_heads, so each device holds exactly one.
+  not divide it; norms (and q/k norms): replicated;
+  KV pages [L * num_pages, 2 * Hkv, page_size, D]: split on the 2 * Hkv axis, so each device
+  holds the pages of its own KV heads (rows 2h / 2h + 1 stay together).
+KV heads that tp does not divide: when tp is a multiple of num_kv_heads, each KV head is
+replicated tp / num_kv_heads times (every device holds exactly one, shared by its query heads,
+as in vLLM); per-device KV bytes are then 1 / num_kv_heads of one copy instead of 1 / tp.
+num_heads must divide by tp.
 """
 
 from __future__ import annotations
@@ -25,12 +36,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import ModelConfig
 from .host_arrays import RepeatedHeads
 from .llama import LayerParams, LlamaParams
-from .paged import MODEL_AXIS
+from .paged import KV_PAGES_SPEC, MODEL_AXIS
 from .safetensors_io import CheckpointError
 
 _KV_FIELDS = ("wk", "wv", "bk", "bv")
@@ -127,3 +139,28 @@ def place_params(params: LlamaParams, cfg: ModelConfig, mesh: Mesh) -> LlamaPara
               for (path, leaf), target in zip(named, targets)]
     assert len(placed) == len(leaves)
     return jax.tree_util.tree_unflatten(treedef, placed)
+
+
+def make_tp_mesh(tp: int, devices: list | None = None) -> Mesh:
+    """A 1-D mesh of the first `tp` of `devices` (default: `jax.devices()`, every process's
+    devices in a multi-process job), axis "model"."""
+    devices = list(devices if devices is not None else jax.devices())
+    if tp < 1 or tp > len(devices):
+        raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices; {len(devices)} "
+                         f"available ({devices[0].platform if devices else 'none'})")
+    return Mesh(np.array(devices[:tp]), (MODEL_AXIS,))
+
+
+def tp_model_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The config the sharded model runs with (KV heads replicated where needed)."""
+    rep = kv_head_replication(cfg, tp)
+    return cfg if rep == 1 else dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * rep)
+
+
+def kv_sharding(mesh: Mesh) -> NamedSharding:
+    """KV pages [L * num_pages, 2 * Hkv, page_size, D] split by KV head."""
+    return NamedSharding(mesh, KV_PAGES_SPEC)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())

@@ -104,7 +104,7 @@ async def _grpc_workload(client, prompts: list[list[int]], outs: list[int]  # no
 
 async def run_grpc(target: str, prompts: list[list[int]], outs: list[int]
                    ) -> tuple[dict, list]:
-    from jaxserve.client import AsyncClient
+    from jaxserve.server.client import AsyncClient
 
     # One channel for warmup and measurement: connection setup is not per-request cost.
     async with AsyncClient(target) as client:
@@ -185,6 +185,7 @@ def main() -> int:
         sys.path.insert(0, str(ROOT / "tests"))
         from engine_fixtures import VOCAB, tiny_model
         from hf_models import save_tiny_tokenizer
+
         from jaxserve.models.hf_loader import save_hf_dir
 
         tmp = tempfile.TemporaryDirectory(prefix="jaxserve-bench-")

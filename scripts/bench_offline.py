@@ -42,12 +42,12 @@ def workload(n: int, seed: int, vocab: int, in_range: tuple[int, int],
 
 # ----------------------------------------------------------------------------- host overhead
 def bench_host(num_seqs: int, steps: int) -> dict:
-    from jaxserve.batch import BatchShape, build_batch
     from jaxserve.config import SchedulerConfig
-    from jaxserve.fake_runner import ArithmeticRunner
-    from jaxserve.request import Request
-    from jaxserve.sampling_params import SamplingParams
-    from jaxserve.scheduler import Scheduler
+    from jaxserve.engine.batch import BatchShape, build_batch
+    from jaxserve.engine.fake_runner import ArithmeticRunner
+    from jaxserve.engine.request import Request
+    from jaxserve.engine.sampling_params import SamplingParams
+    from jaxserve.engine.scheduler import Scheduler
 
     cfg = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=max(512, num_seqs),
                           max_model_len=2048, page_size=16, num_pages=num_seqs * 128 + 1)
@@ -114,9 +114,9 @@ def measure_matmul_gflops() -> float:
 def bench_decode(llm, batch_sizes: list[int], ctx: int) -> list[dict]:
     import jax
 
-    from jaxserve.batch import build_batch
-    from jaxserve.model_runner import _forward_jit, to_step_inputs
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.device.model_runner import _forward_jit, to_step_inputs
+    from jaxserve.engine.batch import build_batch
+    from jaxserve.engine.sampling_params import SamplingParams
 
     eng = llm.engine
     cfg = eng.runner.model_cfg
@@ -173,7 +173,7 @@ def count_collectives(llm) -> dict:  # noqa: ANN001
 
     import jax
 
-    from jaxserve.model_runner import _forward_jit, empty_batch, to_step_inputs
+    from jaxserve.device.model_runner import _forward_jit, empty_batch, to_step_inputs
 
     r = llm.engine.runner
     t, s_ = r.shape.buckets[0]
@@ -189,7 +189,7 @@ def count_collectives(llm) -> dict:  # noqa: ANN001
 
 # ----------------------------------------------------------------------------- end to end
 def run_jaxserve(llm, prompts, outs, static_batch: int | None) -> dict:
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.engine.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outs]
     t = time.perf_counter()

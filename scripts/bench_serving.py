@@ -8,7 +8,7 @@
 
 import sys
 
-from jaxserve.cli import main
+from jaxserve.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", *sys.argv[1:]]))

@@ -32,17 +32,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.data_parallel import DataParallelEngine, ServingEngine
-from jaxserve.metrics import EngineMetrics, MetricsHttpServer
-from jaxserve.router import make_router
-
-from . import stubs
-from .auth import ApiKeyInterceptor
-from .config import ServerConfig
-from .inflight import InFlight
-from .openai_http import OpenAIHttpFront
-from .servicer import SERVICE_NAME, GenerationServicer, ServedModel
+from jaxserve.server import stubs
+from jaxserve.server.auth import ApiKeyInterceptor
+from jaxserve.server.config import ServerConfig
+from jaxserve.server.inflight import InFlight
+from jaxserve.server.openai_http import OpenAIHttpFront
+from jaxserve.server.servicer import SERVICE_NAME, GenerationServicer, ServedModel
+from jaxserve.serving.async_engine import AsyncEngine
+from jaxserve.serving.async_replica_pool import DataParallelEngine, ServingEngine
+from jaxserve.serving.metrics import EngineMetrics, MetricsHttpServer
+from jaxserve.serving.router import make_router
 
 log = logging.getLogger(__name__)
 EngineFactory = Callable[[], ServedModel]

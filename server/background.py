@@ -13,8 +13,8 @@ import concurrent.futures
 import threading
 from typing import Any
 
-from .app import EngineFactory, GrpcServer
-from .config import ServerConfig
+from jaxserve.server.app import EngineFactory, GrpcServer
+from jaxserve.server.config import ServerConfig
 
 
 class BackgroundServer:

@@ -19,12 +19,11 @@ import math
 import statistics
 from typing import Any, Sequence
 
+from jaxserve.engine.outputs import CompletionOutput, RequestOutput
+from jaxserve.engine.request import FinishReason, RequestMetrics
+from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.models.tokenizer import Tokenizer
-from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.request import FinishReason, RequestMetrics
-from jaxserve.sampling_params import SamplingParams
-
-from . import stubs
+from jaxserve.server import stubs
 
 pb2 = stubs.load().pb2
 

@@ -37,16 +37,15 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from jaxserve.async_engine import EngineStopped, QueueFull, RequestStream
-from jaxserve.data_parallel import ServingEngine
-from jaxserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from jaxserve.request import FinishReason
-from jaxserve.sampling_params import SamplingParams
-
-from . import convert
-from .auth import ApiKeyInterceptor
-from .inflight import InFlight
-from .servicer import ServedModel
+from jaxserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from jaxserve.engine.request import FinishReason
+from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.server import convert
+from jaxserve.server.auth import ApiKeyInterceptor
+from jaxserve.server.inflight import InFlight
+from jaxserve.server.servicer import ServedModel
+from jaxserve.serving.async_engine import EngineStopped, QueueFull, RequestStream
+from jaxserve.serving.async_replica_pool import ServingEngine
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health",)  # probes send no key

@@ -25,15 +25,14 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from jaxserve.async_engine import EngineStopped, QueueFull
-from jaxserve.data_parallel import ServingEngine
 from jaxserve.config import EngineConfig
-from jaxserve.engine import Engine
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.sampling_params import MAX_LOGPROBS, MAX_N
 from jaxserve.models.loading import LoadedModel, detect_format, resolve_model_path
-from jaxserve.sampling_params import MAX_LOGPROBS, MAX_N
-
-from . import convert, stubs
-from .inflight import InFlight
+from jaxserve.server import convert, stubs
+from jaxserve.server.inflight import InFlight
+from jaxserve.serving.async_engine import EngineStopped, QueueFull
+from jaxserve.serving.async_replica_pool import ServingEngine
 
 log = logging.getLogger(__name__)
 _stubs = stubs.load()

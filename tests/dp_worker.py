@@ -21,15 +21,15 @@ import urllib.request
 
 import jax
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
-
 from engine_fixtures import tiny_engine, tiny_model  # noqa: E402 - run with tests/ on the path
+from prometheus_client.parser import text_string_to_metric_families
+from tp_worker import greedy_outputs, shard_bytes
+
 from jaxserve.config import EngineConfig
+from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.sizing import available_host_memory
 from jaxserve.llm import build_offline_engine
 from jaxserve.models import llama
-from jaxserve.sizing import available_host_memory
-from jaxserve.sampling_params import SamplingParams
-from tp_worker import greedy_outputs, shard_bytes
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 70)), [3, 1, 4, 1, 5, 9, 2, 6],
            list(range(100, 140)), [42]]
@@ -100,6 +100,7 @@ def offline_llm_from_dir(dp: int, tp: int) -> dict:
     import tempfile
 
     from hf_models import save_tiny_tokenizer
+
     from jaxserve.llm import LLM
     from jaxserve.models.hf_loader import save_hf_dir
 
@@ -118,8 +119,8 @@ def offline_llm_from_dir(dp: int, tp: int) -> dict:
 
 def serve_grpc(dp: int, tp: int) -> dict:
     """A DP x TP gRPC server: the tokens it streams, and each replica's generated tokens."""
-    from jaxserve.client import Client
     from jaxserve.server.background import BackgroundServer
+    from jaxserve.server.client import Client
     from jaxserve.server.config import ServerConfig
     from jaxserve.server.servicer import build_served
 

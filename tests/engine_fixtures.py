@@ -13,10 +13,10 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from hf_models import save_tiny_tokenizer
+
 from jaxserve.config import EngineConfig
-from jaxserve.engine import Engine
+from jaxserve.engine.engine import Engine
 from jaxserve.llm import build_engine
 from jaxserve.models import llama
 from jaxserve.models.config import ModelConfig

@@ -12,8 +12,9 @@ import json
 import sys
 import time
 
-from jaxserve import LLM, EngineConfig, SamplingParams, multihost
+from jaxserve import LLM, EngineConfig, SamplingParams
 from jaxserve.config import DistributedConfig
+from jaxserve.device import multihost
 from jaxserve.llm import build_follower
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 70))]

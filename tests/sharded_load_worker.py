@@ -20,15 +20,14 @@ import tempfile
 import gguf
 import jax
 import numpy as np
-
 from engine_fixtures import tiny_engine, tiny_model  # noqa: E402 - run with tests/ on the path
 from hf_models import save_tiny_tokenizer
-from jaxserve import sharding
-from jaxserve.models import loading
+
+from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.models import loading, placement
 from jaxserve.models.gguf_loader import LazyGGUF
 from jaxserve.models.hf_loader import hf_tensors_from_params, save_hf_dir
 from jaxserve.models.loading import LoadedModel
-from jaxserve.sampling_params import SamplingParams
 
 MODELS = {  # heads 8 / KV heads 2: TP 4 replicates each KV head twice
     "llama_bias": dict(num_heads=8, num_kv_heads=2, head_dim=8, hidden_size=64,
@@ -143,11 +142,11 @@ def device_bytes(params: object) -> list[int]:
 
 
 def check(name: str, fmt: str, path: pathlib.Path, tp: int) -> dict:
-    mesh = sharding.make_tp_mesh(tp)
+    mesh = placement.make_tp_mesh(tp)
     log: list = []
     got = recorded_load(path, mesh, log)
     ref_model = loading.load_model(path)
-    ref = sharding.shard_params(ref_model.params, ref_model.config, mesh)
+    ref = placement.place_params(ref_model.params, ref_model.config, mesh)
     mismatched = []
     for (kp, a), b in zip(jax.tree_util.tree_leaves_with_path(got.params), jax.tree.leaves(ref)):
         same = (a.shape == b.shape and a.dtype == b.dtype
@@ -155,7 +154,7 @@ def check(name: str, fmt: str, path: pathlib.Path, tp: int) -> dict:
                 and np.array_equal(np.asarray(a), np.asarray(b)))
         if not same:
             mismatched.append(jax.tree_util.keystr(kp))
-    again = sharding.shard_params(got.params, got.config, mesh)  # what build_engine then does
+    again = placement.place_params(got.params, got.config, mesh)  # what build_engine then does
     idempotent = all(a is b for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(got.params)))
     return {"model": name, "format": fmt, "tp": tp, "mismatched": mismatched,
             "idempotent": idempotent,
@@ -182,7 +181,7 @@ def greedy_tokens(model: LoadedModel, tp: int) -> list[int]:
 def engine_over_sharded_load(path: pathlib.Path, tp: int) -> dict:
     """An engine over a model loaded straight onto its TP mesh generates the TP 1 tokens."""
     return {"tp1": greedy_tokens(loading.load_model(path), 1),
-            "sharded_load": greedy_tokens(loading.load_model(path, mesh=sharding.make_tp_mesh(tp)),
+            "sharded_load": greedy_tokens(loading.load_model(path, mesh=placement.make_tp_mesh(tp)),
                                           tp)}
 
 

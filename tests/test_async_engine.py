@@ -9,15 +9,15 @@ import threading
 import time
 
 import pytest
-
 from engine_fixtures import VOCAB, tiny_model_config, tiny_tokenizer
+
 from jaxserve import SamplingParams
-from jaxserve.async_engine import AsyncEngine, EngineStopped, QueueFull
 from jaxserve.config import EngineConfig
-from jaxserve.engine import Engine
-from jaxserve.fake_runner import ArithmeticRunner
-from jaxserve.request import FinishReason
-from jaxserve.sizing import plan_engine
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.fake_runner import ArithmeticRunner
+from jaxserve.engine.request import FinishReason
+from jaxserve.engine.sizing import plan_engine
+from jaxserve.serving.async_engine import AsyncEngine, EngineStopped, QueueFull
 
 DEADLINE_S = 20.0
 

@@ -9,18 +9,20 @@ import pathlib
 from typing import Any
 
 import pytest
-
-from engine_fixtures import VOCAB, rollout, tiny_engine, tiny_model, tiny_model_config, \
-    tiny_tokenizer
+from engine_fixtures import (VOCAB, rollout, tiny_engine, tiny_model, tiny_model_config,
+                             tiny_tokenizer)
 from hf_models import save_tiny_tokenizer
+
 from jaxserve import SamplingParams, cli
-from jaxserve.batch_io import (LineError, LineRequest, OrderedSink, ResultWriter, parse_line,
-                               recover_output)
-from jaxserve.batch_job import BatchOptions, main as batch_main, run_batch
+from jaxserve.cli.batch_io import (LineError, LineRequest, OrderedSink, ResultWriter, parse_line,
+                                   recover_output)
+from jaxserve.cli.batch_job import BatchOptions
+from jaxserve.cli.batch_job import main as batch_main
+from jaxserve.cli.batch_job import run_batch
 from jaxserve.config import EngineConfig
-from jaxserve.engine import Engine
-from jaxserve.fake_runner import ArithmeticRunner
-from jaxserve.sizing import plan_engine
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.fake_runner import ArithmeticRunner
+from jaxserve.engine.sizing import plan_engine
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -14,18 +14,18 @@ import math
 
 import numpy as np
 import pytest
-
 from engine_fixtures import tiny_model
-from jaxserve.bench import plots
-from jaxserve.bench.launch import local_server
-from jaxserve.bench.load import LoadSpec, run_load
-from jaxserve.bench.report import RequestRecord, Slo, summarize
-from jaxserve.bench.scenario import ChunkedPrefillSpec, run_chunked_prefill, table
-from jaxserve.bench.sweep import run_sweep, table_of, write_outputs
-from jaxserve.bench.targets import GrpcTarget, open_target, OpenAITarget
-from jaxserve.bench.tune import TuneSpec, meets, tune, verdict
-from jaxserve.bench.workload import (TOKEN_LOW, BenchRequest, LengthDist, WorkloadSpec,
-                                     build_requests, parse_length_dist)
+
+from jaxserve.cli.bench import plots
+from jaxserve.cli.bench.launch import local_server
+from jaxserve.cli.bench.load import LoadSpec, run_load
+from jaxserve.cli.bench.report import RequestRecord, Slo, summarize
+from jaxserve.cli.bench.scenario import ChunkedPrefillSpec, run_chunked_prefill, table
+from jaxserve.cli.bench.sweep import run_sweep, table_of, write_outputs
+from jaxserve.cli.bench.targets import GrpcTarget, OpenAITarget, open_target
+from jaxserve.cli.bench.tune import TuneSpec, meets, tune, verdict
+from jaxserve.cli.bench.workload import (TOKEN_LOW, BenchRequest, LengthDist, WorkloadSpec,
+                                         build_requests, parse_length_dist)
 from jaxserve.config import EngineConfig
 
 TINY = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, page_size=8, max_model_len=256,
@@ -269,8 +269,9 @@ def test_chunked_prefill_scenario_runs_both_budgets() -> None:
 # ----------------------------------------------------------------------------- command line
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> str:  # noqa: ANN001
-    from hf_models import save_tiny_tokenizer
     from engine_fixtures import VOCAB
+    from hf_models import save_tiny_tokenizer
+
     from jaxserve.models.hf_loader import save_hf_dir
 
     d = tmp_path_factory.mktemp("tiny-hf")
@@ -285,11 +286,12 @@ ENGINE_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--page
 
 
 def test_cli_bench_against_a_server_then_compare(tmp_path, tiny_checkpoint, capsys) -> None:  # noqa: ANN001
-    from jaxserve.cli import main
+    from engine_fixtures import tiny_engine
+
+    from jaxserve.cli.main import main
     from jaxserve.server.background import BackgroundServer
     from jaxserve.server.config import ServerConfig
     from jaxserve.server.servicer import ServedModel
-    from engine_fixtures import tiny_engine
 
     with BackgroundServer(ServerConfig(port=0), lambda: ServedModel(
             tiny_engine(**{"max_num_seqs": 4, "max_num_batched_tokens": 32}), "tiny",
@@ -314,7 +316,7 @@ def test_cli_bench_against_a_server_then_compare(tmp_path, tiny_checkpoint, caps
 
 
 def test_cli_tune_end_to_end(tmp_path, tiny_checkpoint, capsys) -> None:  # noqa: ANN001
-    from jaxserve.cli import main
+    from jaxserve.cli.main import main
 
     rc = main(["tune", "--model", tiny_checkpoint, *ENGINE_FLAGS, "--ttft-p99", "100",
                "--itl-p99", "100", "--grid-batched-tokens", "16,32", "--grid-max-seqs", "4",
@@ -335,10 +337,11 @@ def test_cli_tune_end_to_end(tmp_path, tiny_checkpoint, capsys) -> None:  # noqa
 
 def test_openai_http_target_against_jaxserve_http_front() -> None:
     """The same client over OpenAI HTTP: jaxserve's own front, so usage can be checked."""
+    from engine_fixtures import tiny_engine
+
     from jaxserve.server.background import BackgroundServer
     from jaxserve.server.config import ServerConfig
     from jaxserve.server.servicer import ServedModel
-    from engine_fixtures import tiny_engine
 
     async def refused(port: int) -> RequestRecord:  # ids beyond the vocabulary: a 400
         bad = OpenAITarget(f"http://127.0.0.1:{port}")

@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from hf_models import build_hf_model, save_tiny_tokenizer  # noqa: E402
+
 from jaxserve import cli  # noqa: E402
 from jaxserve.models import hf_loader, llama, loading  # noqa: E402
 from jaxserve.models.config import ConfigError  # noqa: E402

@@ -15,17 +15,18 @@ import asyncio
 
 import numpy as np
 import pytest
-
-from jaxserve.async_engine import AsyncEngine, QueueFull
-from jaxserve.block_allocator import hash_pages
-from jaxserve.config import EngineConfig
-from jaxserve.data_parallel import DataParallelEngine
-from jaxserve.fake_runner import arithmetic_next_token
-from jaxserve.replica_pool import ReplicaPool
-from jaxserve.router import ReplicaRouter, make_router
-from jaxserve.sampling_params import SamplingParams
 from engine_fixtures import run_device_worker
 from test_async_engine import GatedRunner, fake_engine
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.block_allocator import hash_pages
+from jaxserve.engine.fake_runner import arithmetic_next_token
+from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.serving.async_engine import AsyncEngine, QueueFull
+from jaxserve.serving.async_replica_pool import DataParallelEngine
+from jaxserve.serving.replica_pool import ReplicaPool
+from jaxserve.serving.router import ReplicaRouter, make_router
+
 VOCAB = 211  # engine_fixtures.VOCAB, which fake_engine's plan uses
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.models.bundled import bundled_model_path
 from jaxserve.models.tokenizer import Tokenizer
-from jaxserve.sampling_params import SamplingParams
 
 TEXTS = ["héllo wörld 😀👍🏽 世界 안녕하세요", "def f(x):\n\treturn x**2  # ok", "🇫🇷 flag, ZWJ 👨‍👩‍👧", "plain"]
 

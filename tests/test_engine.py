@@ -10,10 +10,10 @@ import functools
 
 import numpy as np
 import pytest
-
 from engine_fixtures import rollout, tiny_engine, tiny_model
+
 from jaxserve import SamplingParams
-from jaxserve.request import FinishReason
+from jaxserve.engine.request import FinishReason
 
 MODEL = tiny_model()
 

@@ -14,7 +14,6 @@ import sys
 import threading
 
 import aiohttp
-
 from hf_models import build_hf_model, save_tiny_tokenizer
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "hf_static_server.py"

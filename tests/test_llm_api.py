@@ -10,9 +10,10 @@ pytest.importorskip("transformers")
 
 from engine_fixtures import rollout  # noqa: E402
 from hf_models import build_hf_model, save_tiny_tokenizer  # noqa: E402
+
 from jaxserve import LLM, SamplingParams  # noqa: E402
+from jaxserve.engine.request import FinishReason
 from jaxserve.models.loading import load_model  # noqa: E402
-from jaxserve.request import FinishReason  # noqa: E402
 
 
 @pytest.fixture(scope="module")

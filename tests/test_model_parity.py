@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import jax.numpy as jnp  # noqa: E402
-
 from hf_models import ARCHS, build_hf_model  # noqa: E402
+
 from jaxserve.models import hf_loader, llama  # noqa: E402
 
 LENGTHS = [13, 7, 1, 10]

@@ -27,13 +27,13 @@ import time
 import urllib.request
 
 import pytest
-
 from engine_fixtures import rollout, tiny_model
 from hf_models import save_tiny_tokenizer
-from jaxserve.client import Client
+
 from jaxserve.config import DistributedConfig
+from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.models.hf_loader import save_hf_dir
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.client import Client
 
 VOCAB = 211
 START_DEADLINE_S = 600.0
@@ -211,8 +211,9 @@ def test_leader_runner_sends_every_field_and_returns_the_runner_results() -> Non
     import dataclasses
 
     from engine_fixtures import tiny_engine
-    from jaxserve import multihost
-    from jaxserve.batch import StepBatch
+
+    from jaxserve.device import multihost
+    from jaxserve.engine.batch import StepBatch
 
     want = rollout(tiny_model(), [5, 6, 7, 8], 6)  # first: the guard counts every compile
     fields = [f.name for f in dataclasses.fields(StepBatch)]

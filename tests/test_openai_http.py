@@ -15,15 +15,15 @@ from typing import Any
 
 import aiohttp
 import pytest
+from engine_fixtures import rollout, tiny_engine, tiny_model
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_fixtures import rollout, tiny_engine, tiny_model
 from jaxserve import SamplingParams
-from jaxserve.async_engine import EngineStopped, QueueFull
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.openai_http import OpenAIHttpFront
 from jaxserve.server.servicer import ServedModel
+from jaxserve.serving.async_engine import EngineStopped, QueueFull
 
 CONFIG = dict(max_num_seqs=8, max_num_batched_tokens=64, page_size=8, max_model_len=512)
 DEADLINE_S = 30.0

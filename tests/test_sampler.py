@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve import sampler
+from jaxserve.device import sampler
 
 V = 64
 

@@ -11,11 +11,11 @@ import random
 
 import pytest
 
-from jaxserve.block_allocator import BlockAllocator, NoFreePages, hash_pages
 from jaxserve.config import SchedulerConfig
-from jaxserve.request import FinishReason, Request, RequestStatus
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler, SchedulerOutput
+from jaxserve.engine.block_allocator import BlockAllocator, NoFreePages, hash_pages
+from jaxserve.engine.request import FinishReason, Request, RequestStatus
+from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 
 VOCAB = 1000
 EOS = 999

@@ -10,15 +10,15 @@ import urllib.request
 
 import grpc
 import pytest
+from engine_fixtures import tiny_engine
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from google.protobuf import descriptor_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_fixtures import tiny_engine
 from jaxserve import SamplingParams
-from jaxserve.client import AsyncClient, Client, fold
 from jaxserve.server.background import BackgroundServer
+from jaxserve.server.client import AsyncClient, Client, fold
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.servicer import ServedModel
 

@@ -20,17 +20,17 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from engine_fixtures import VOCAB, tiny_engine, tiny_model
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hf_models import save_tiny_tokenizer
+from test_async_engine import FailingRunner, GatedRunner, fake_engine
+
 from jaxserve import SamplingParams
-from jaxserve.client import Client, pb2
 from jaxserve.models.hf_loader import save_hf_dir
 from jaxserve.server.background import BackgroundServer
+from jaxserve.server.client import Client, pb2
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.servicer import ServedModel
-from test_async_engine import FailingRunner, GatedRunner, fake_engine
 
 DEADLINE_S = 30.0
 START_DEADLINE_S = 180.0  # a cold subprocess imports jax and compiles its buckets

@@ -14,14 +14,14 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_async_engine import GatedRunner, fake_engine
 
 from jaxserve import SamplingParams
-from jaxserve.client import AsyncClient, Client, pb2
 from jaxserve.server import stubs
 from jaxserve.server.background import BackgroundServer
+from jaxserve.server.client import AsyncClient, Client, pb2
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.servicer import ServedModel
-from test_async_engine import GatedRunner, fake_engine
 
 DEADLINE_S = 20.0
 KV_PAGES = 12  # 96 tokens of KV: less than one max_model_len (128) sequence

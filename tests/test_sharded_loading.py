@@ -18,8 +18,8 @@ import pathlib
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from engine_fixtures import run_device_worker
+
 from jaxserve.models import gguf_tensor
 from jaxserve.models.gguf_loader import open_gguf, read_gguf
 from jaxserve.models.host_arrays import LazyLeaf, RepeatedHeads

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from engine_fixtures import run_device_worker
+
 L, HIDDEN = 2, 64  # tp_worker's tiny models
 
 

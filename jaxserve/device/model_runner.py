@@ -1,0 +1,174 @@
+"""The host/device boundary: owns params and KV pages on device, runs one compiled step.
+
+Data flow: StepBatch (numpy, from `batch.py`) -> one `jax.device_put` of the whole
+`StepInputs` pytree -> `forward_step` (module-level, jitted once per (tokens, seqs) bucket,
+KV pages donated so XLA updates them in place) -> logits f32[S, V] stay on device ->
+`sample_step` (jitted once per seqs bucket and penalties on/off) -> one `jax.device_get` of
+the sampled ids and logprobs -> StepResult (numpy). Nothing else in the engine touches jax
+arrays. The sampler is its own executable so that the penalties variant multiplies only the
+(cheap) sampler compiles, not the model's.
+
+`warmup()` compiles every bucket up front (with a progress bar); `arm()` then arms the compile
+guard, and any further compile is counted (and is a bug).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import Mesh, NamedSharding
+from tqdm.auto import tqdm
+
+from jaxserve.device.compile_guard import CompileGuard
+from jaxserve.device.sampler import SamplingTensors, sample
+from jaxserve.engine.batch import BatchShape, StepBatch
+from jaxserve.engine.runner import MAX_LOGPROBS, StepResult
+from jaxserve.kernels_pallas import AttentionMetadata
+from jaxserve.models import placement
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.llama import LlamaParams
+from jaxserve.models.paged import kv_cache_shape, paged_forward
+
+log = logging.getLogger(__name__)
+
+
+@struct.dataclass
+class StepInputs:
+    token_ids: jax.Array  # i32[T]
+    positions: jax.Array  # i32[T]
+    md: AttentionMetadata
+    logits_indices: jax.Array  # i32[S]
+
+
+def forward_step(params: LlamaParams, kv_pages: jax.Array, inputs: StepInputs, cfg: ModelConfig,
+                 attn_impl: str, mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
+    """-> (updated kv_pages, f32[S, vocab] logits of each sequence's sampling position)."""
+    logits, kv_pages = paged_forward(params, kv_pages, inputs.token_ids, inputs.positions,
+                                     inputs.md, inputs.logits_indices, cfg, attn_impl, mesh)
+    return kv_pages, logits
+
+
+_forward_jit = jax.jit(forward_step, static_argnames=("cfg", "attn_impl", "mesh"),
+                       donate_argnames=("kv_pages",))
+_sample_jit = jax.jit(sample, static_argnames=("apply_penalty",))
+
+
+def to_step_inputs(b: StepBatch) -> tuple[StepInputs, SamplingTensors]:
+    """The batch as the two device pytrees: the forward's inputs and the sampler's (kept
+    apart so the penalties history, which only the sampler reads, never changes the
+    forward's input shapes)."""
+    md = AttentionMetadata(slot_mapping=b.slot_mapping, block_tables=b.block_tables,
+                           kv_lens=b.kv_lens, cu_q_lens=b.cu_q_lens, num_seqs=b.num_seqs)
+    st = SamplingTensors(temperature=b.temperature, top_k=b.top_k, top_p=b.top_p,
+                         min_p=b.min_p, rng_key=b.rng_key, repetition_penalty=b.repetition_penalty,
+                         presence_penalty=b.presence_penalty,
+                         frequency_penalty=b.frequency_penalty, history=b.history,
+                         history_is_output=b.history_is_output, want_logprobs=b.want_logprobs)
+    return StepInputs(token_ids=b.token_ids, positions=b.positions, md=md,
+                      logits_indices=b.logits_indices), st
+
+
+def empty_batch(shape: BatchShape, num_tokens: int, num_seqs: int, penalties: bool) -> StepBatch:
+    """An all-padding batch of one bucket (no live sequence): what warmup compiles with."""
+    P = shape.history_len if penalties else 0
+    S = num_seqs
+    i32 = np.int32
+    return StepBatch(
+        token_ids=np.zeros(num_tokens, i32), positions=np.zeros(num_tokens, i32),
+        slot_mapping=np.zeros(num_tokens, i32),
+        block_tables=np.zeros((S, shape.max_pages_per_seq), i32), kv_lens=np.zeros(S, i32),
+        cu_q_lens=np.zeros(S + 1, i32), num_seqs=np.zeros(1, i32),
+        logits_indices=np.zeros(S, i32), temperature=np.zeros(S, np.float32),
+        top_k=np.full(S, shape.vocab_size, i32), top_p=np.ones(S, np.float32),
+        min_p=np.zeros(S, np.float32), rng_key=np.zeros((S, 2), np.uint32),
+        repetition_penalty=np.ones(S, np.float32), presence_penalty=np.zeros(S, np.float32),
+        frequency_penalty=np.zeros(S, np.float32), history=np.full((S, P), -1, i32),
+        history_is_output=np.zeros((S, P), bool), want_logprobs=np.zeros(S, bool))
+
+
+def place_inputs(tree: tuple[StepInputs, SamplingTensors],
+                 sharding: NamedSharding | None) -> tuple[StepInputs, SamplingTensors]:
+    """The step's numpy inputs on device (replicated over the mesh when there is one).
+
+    Over several processes each process builds its own copies from its (identical) numpy
+    arrays: `jax.device_put` would first compare every leaf across processes, one blocking
+    cross-host round trip per array per step.
+    """
+    if sharding is None or sharding.is_fully_addressable:
+        return jax.device_put(tree, sharding)
+    return jax.tree.map(lambda x: jax.make_array_from_callback(
+        x.shape, sharding, lambda index: x[index]), tree)
+
+
+def compile_buckets(runner: "ModelRunner", execute: Callable[[StepBatch], StepResult],
+                    progress: bool) -> None:
+    """Run an all-padding batch of every bucket of `runner` through `execute` (the runner's
+    own, or one that first announces the step to other processes)."""
+    for t, s, p in tqdm(runner.buckets(), desc="compiling step buckets", disable=not progress,
+                        unit="bucket"):
+        execute(empty_batch(runner.shape, t, s, p))
+    jax.block_until_ready(runner.kv_pages)
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, params: LlamaParams, shape: BatchShape,
+                 num_pages: int, kv_dtype: jnp.dtype, attn_impl: str = "reference",
+                 kv_head_dim: int | None = None, mesh: Mesh | None = None):
+        """`mesh`: tensor parallel over its "model" axis; `model_cfg` and `params` are then
+        the sharded model's (`placement.tp_model_config`, `placement.place_params`)."""
+        if MAX_LOGPROBS > model_cfg.vocab_size:
+            raise ValueError(f"vocab_size={model_cfg.vocab_size} < MAX_LOGPROBS={MAX_LOGPROBS}")
+        self.model_cfg = model_cfg
+        self.params = params
+        self.shape = shape
+        self.attn_impl = attn_impl
+        self.mesh = mesh
+        kv_shape = kv_cache_shape(model_cfg, num_pages, shape.page_size, kv_head_dim)
+        if mesh is None:
+            self.kv_pages = jnp.zeros(kv_shape, kv_dtype)
+            self.inputs_sharding = None
+        else:
+            # Created sharded: no device ever holds the whole KV array.
+            self.kv_pages = jax.jit(lambda: jnp.zeros(kv_shape, kv_dtype),
+                                    out_shardings=placement.kv_sharding(mesh))()
+            self.inputs_sharding = placement.replicated(mesh)
+        self.guard = CompileGuard()
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        return self.guard.compiles_after_warmup
+
+    def buckets(self) -> list[tuple[int, int, bool]]:
+        """(tokens, seqs, penalties) shapes that warmup runs: every forward bucket, and the
+        penalties sampler variant once per distinct seqs bucket."""
+        plain = [(t, s, False) for t, s in self.shape.buckets]
+        largest_t = {s: t for t, s in self.shape.buckets}
+        return plain + [(largest_t[s], s, True) for s in sorted(largest_t)]
+
+    def warmup(self, progress: bool = True) -> None:
+        """Compile every bucket. The caller then calls `arm()`, once every engine of the
+        process has compiled (the compile guard counts the whole process's compiles)."""
+        compile_buckets(self, self.execute, progress)
+
+    def arm(self) -> None:
+        self.guard.arm()
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        # Replicated on the mesh under tensor parallelism, the same at warmup and serving, so
+        # the compiled step's input shardings never change (no recompile).
+        inputs, sampling = place_inputs(to_step_inputs(batch), self.inputs_sharding)
+        self.kv_pages, logits = _forward_jit(self.params, self.kv_pages, inputs,
+                                             cfg=self.model_cfg, attn_impl=self.attn_impl,
+                                             mesh=self.mesh)
+        out = _sample_jit(logits, sampling, apply_penalty=batch.history.shape[1] > 0)
+        tokens, logprob, top_ids, top_lps = jax.device_get(
+            (out.tokens, out.logprob, out.top_ids, out.top_logprobs))
+        return StepResult(tokens, logprob, top_ids, top_lps)
+
+    def close(self) -> None:
+        self.guard.close()

@@ -1,0 +1,220 @@
+"""Several hosts, one engine: process 0 schedules, every process runs the same compiled step.
+
+JAX on several hosts is multi-controller SPMD: each process runs the same program over the
+global mesh and feeds it the same inputs, and XLA's collectives (NCCL / ICI / gloo on CPU)
+join the devices. jaxserve keeps everything host-side on process 0 (scheduler, allocator,
+detokenizer, gRPC / HTTP fronts) and makes the other processes mirror its device calls:
+
+  process 0: Engine.step -> StepBatch -> LeaderRunner.execute:
+               broadcast header i32[4] = (STEP, T_b, S_b, P)  -- which bucket
+               broadcast the forward arrays of that bucket     -- token ids, block tables, ...
+               broadcast the sampling arrays (S_b, P)         -- temperature, seeds, history
+               ModelRunner.execute(batch)                      -- the compiled step
+  process i: follow(runner): receive the header; STEP -> receive the arrays (shapes from the
+             header) -> the same ModelRunner.execute; ARM -> arm the compile guard (warmup
+             done); STOP -> return.
+
+Broadcasts use `jax.experimental.multihost_utils.broadcast_one_to_all` (a psum over all
+devices, compiled once per shape: the header's is fixed, the arrays' are the warmup buckets,
+so serving compiles nothing). The forward and sampling arrays travel separately because their
+shapes vary independently (tokens x seqs; seqs x penalty history). Every process builds the
+same engine (same config, model, mesh of all processes' devices, and a KV page count agreed
+as the minimum over processes: `agree_min`), so the step's shapes and shardings match.
+
+While process 0 has no work the others wait inside the header broadcast, and process 0
+announces a KEEPALIVE every `keepalive_s` idle seconds (gloo gives up on a collective after 30
+minutes); when process 0 ends it broadcasts STOP. If any process dies, the next collective
+fails at once and JAX's coordination service ends the others after the missed heartbeats, so
+no process outlives the job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxserve.config import DistributedConfig
+from jaxserve.device.model_runner import ModelRunner, compile_buckets, empty_batch
+from jaxserve.engine.batch import StepBatch
+from jaxserve.engine.runner import StepResult
+
+log = logging.getLogger(__name__)
+
+STEP, ARM, STOP, KEEPALIVE = 1, 2, 3, 4
+_FORWARD = ("token_ids", "positions", "slot_mapping", "block_tables", "kv_lens", "cu_q_lens",
+            "num_seqs", "logits_indices")
+_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "rng_key", "repetition_penalty",
+             "presence_penalty", "frequency_penalty", "history", "history_is_output",
+             "want_logprobs")
+
+
+def initialize(cfg: DistributedConfig) -> None:
+    """`jax.distributed.initialize` for this process (before any other JAX call)."""
+    if not cfg.enabled:
+        return
+    log.info("joining %s as process %d of %d", cfg.coordinator, cfg.process_id,
+             cfg.num_processes)
+    jax.distributed.initialize(coordinator_address=cfg.coordinator,
+                               num_processes=cfg.num_processes, process_id=cfg.process_id)
+    if jax.process_count() != cfg.num_processes:
+        raise RuntimeError(f"jax.distributed reports {jax.process_count()} processes, "
+                           f"expected num_processes={cfg.num_processes}")
+
+
+def agree_min(value: int) -> int:
+    """The smallest `value` over all processes (each passes its own)."""
+    if jax.process_count() == 1:
+        return value
+    return int(np.min(multihost_utils.process_allgather(np.array([value], np.int64))))
+
+
+def _broadcast(arrays: list[np.ndarray], is_source: bool) -> list[np.ndarray]:
+    # bool does not survive a psum: ship it as uint8.
+    wire = [a.astype(np.uint8) if a.dtype == np.bool_ else a for a in arrays]
+    out = multihost_utils.broadcast_one_to_all(wire, is_source=is_source)
+    return [np.asarray(o).astype(np.bool_) if a.dtype == np.bool_ else np.asarray(o)
+            for a, o in zip(arrays, out)]
+
+
+def _header(op: int, batch: StepBatch | None, is_source: bool) -> np.ndarray:
+    h = np.zeros(4, np.int32)
+    if batch is not None:
+        h[:] = (op, len(batch.token_ids), len(batch.kv_lens), batch.history.shape[1])
+    else:
+        h[0] = op
+    return _broadcast([h], is_source)[0]
+
+
+def _send_batch(batch: StepBatch) -> None:
+    _header(STEP, batch, True)
+    _broadcast([getattr(batch, n) for n in _FORWARD], True)
+    _broadcast([getattr(batch, n) for n in _SAMPLING], True)
+
+
+def _receive_batch(runner: ModelRunner, num_tokens: int, num_seqs: int,
+                   history_len: int) -> StepBatch:
+    """The leader's batch of this bucket (an empty batch of the same shapes is the mold)."""
+    mold = empty_batch(runner.shape, num_tokens, num_seqs, history_len > 0)
+    if mold.history.shape[1] != history_len:
+        raise RuntimeError(f"the leader's penalty history length {history_len} differs from "
+                           f"this process's {mold.history.shape[1]}: engines built differently")
+    fwd = _broadcast([getattr(mold, n) for n in _FORWARD], False)
+    smp = _broadcast([getattr(mold, n) for n in _SAMPLING], False)
+    return dataclasses.replace(mold, **dict(zip(_FORWARD, fwd)), **dict(zip(_SAMPLING, smp)))
+
+
+@dataclasses.dataclass
+class FollowStats:
+    steps: int = 0  # steps run (warmup buckets included)
+    keepalives: int = 0  # idle announcements received
+
+
+class LeaderRunner:
+    """Process 0's runner: every call is announced to the followers, then run here.
+
+    While no step runs for `keepalive_s` seconds a KEEPALIVE is announced: the followers wait
+    inside a collective, which gloo (CPU) abandons after 30 minutes. One lock orders every
+    announcement and step, so the processes always see the same sequence of collectives.
+    """
+
+    def __init__(self, runner: ModelRunner, keepalive_s: float = 60.0) -> None:
+        if keepalive_s <= 0:
+            raise ValueError(f"keepalive_s={keepalive_s} must be > 0")
+        self.runner = runner
+        self.keepalive_s = keepalive_s
+        self.keepalives = 0
+        self._lock = threading.Lock()
+        self._last = time.monotonic()
+        self._stopped = False
+        self._broken = False  # a step failed after it was announced
+        self._closing = threading.Event()
+        self._keeper = threading.Thread(target=self._keep_alive, name="jaxserve-keepalive",
+                                        daemon=True)
+        self._keeper.start()
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        return self.runner.compiles_after_warmup
+
+    def warmup(self, progress: bool = True) -> None:
+        # Through `execute`, so the followers compile every bucket (and every broadcast) too.
+        compile_buckets(self.runner, self.execute, progress)
+
+    def arm(self) -> None:
+        with self._lock:
+            self._check()
+            _header(ARM, None, True)
+            self.runner.arm()
+            self._last = time.monotonic()
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        with self._lock:
+            self._check()
+            try:
+                _send_batch(batch)
+                result = self.runner.execute(batch)
+            except BaseException:
+                # The followers may be inside this step's collectives: announcing anything
+                # more would hang both sides. The job is over; JAX's coordination service
+                # ends the others once this process exits.
+                self._broken = True
+                raise
+            self._last = time.monotonic()
+            return result
+
+    def close(self) -> None:
+        """Release the followers (they return from `follow`); idempotent. After a failed
+        step nothing is announced (see `execute`)."""
+        self._closing.set()
+        self._keeper.join()
+        with self._lock:
+            if not self._stopped and not self._broken:
+                _header(STOP, None, True)
+            self._stopped = True
+        self.runner.close()
+
+    def _check(self) -> None:
+        if self._broken or self._stopped:
+            raise RuntimeError("the multi-host job is "
+                               + ("broken by a failed step" if self._broken else "stopped"))
+
+    def _keep_alive(self) -> None:
+        while not self._closing.wait(self.keepalive_s / 4):
+            with self._lock:
+                if self._stopped or self._broken or \
+                        time.monotonic() - self._last < self.keepalive_s:
+                    continue
+                try:
+                    _header(KEEPALIVE, None, True)
+                except Exception:  # noqa: BLE001 - a process died; the next step reports it
+                    log.exception("keepalive to the other processes failed")
+                    self._broken = True
+                    return
+                self.keepalives += 1
+                self._last = time.monotonic()
+
+
+def follow(runner: ModelRunner) -> FollowStats:
+    """Mirror the leader's device calls until it says STOP."""
+    stats = FollowStats()
+    while True:
+        op, t, s, p = (int(x) for x in _header(0, None, False))
+        if op == STEP:
+            runner.execute(_receive_batch(runner, t, s, p))
+            stats.steps += 1
+        elif op == KEEPALIVE:
+            stats.keepalives += 1
+        elif op == ARM:
+            runner.arm()
+        elif op == STOP:
+            log.info("leader stopped after %d steps", stats.steps)
+            runner.close()
+            return stats
+        else:
+            raise RuntimeError(f"unknown operation {op} from the leader")

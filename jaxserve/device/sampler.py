@@ -1,0 +1,135 @@
+"""Sampling on device: a pure function of (logits, per-row sampling arrays) -> tokens, logprobs.
+
+Data flow inside the compiled step: f32[S, V] logits of the rows that sample ->
+`apply_penalties` (repetition / presence / frequency, from each row's token history) ->
+`filter_logits` (temperature, then top-k, top-p and min-p as -inf masks) -> Gumbel-max draw
+with a per-row key (the request's seed folded with its output length, so a seeded request
+draws the same tokens whatever shares its batch) -> greedy rows take the argmax of the
+penalised logits instead. Logprobs are of the raw model distribution (log_softmax of the
+unprocessed logits, as vLLM reports them): the sampled token's and the top `MAX_LOGPROBS`.
+
+Every knob is a per-row array, so a new value never recompiles. Whether penalties are applied
+at all is a static flag of the step (the history array is only sent when a row needs it).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxserve.engine.runner import MAX_LOGPROBS
+
+
+@struct.dataclass
+class SamplingTensors:
+    """Per-row sampling arrays; S is the step's sequence bucket."""
+
+    temperature: jax.Array  # f32[S]; 0 = greedy
+    top_k: jax.Array  # i32[S]; >= vocab disables
+    top_p: jax.Array  # f32[S]; 1 disables
+    min_p: jax.Array  # f32[S]; 0 disables
+    rng_key: jax.Array  # u32[S, 2] raw threefry key data, already folded with the step index
+    repetition_penalty: jax.Array  # f32[S]; 1 disables
+    presence_penalty: jax.Array  # f32[S]
+    frequency_penalty: jax.Array  # f32[S]
+    history: jax.Array  # i32[S, P] prompt + output token ids, -1 padded (P = 0: no penalties)
+    history_is_output: jax.Array  # bool[S, P] True where history holds a generated token
+    want_logprobs: jax.Array  # bool[S] the row asked for logprobs
+
+
+@struct.dataclass
+class SampleOutput:
+    tokens: jax.Array  # i32[S]
+    logprob: jax.Array  # f32[S] logprob of the sampled token
+    top_ids: jax.Array  # i32[S, MAX_LOGPROBS]
+    top_logprobs: jax.Array  # f32[S, MAX_LOGPROBS]
+
+
+def apply_penalties(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """vLLM/HF semantics: repetition over prompt+output; presence/frequency over output."""
+    S, V = logits.shape
+    if st.history.shape[1] == 0:
+        return logits
+    rows = jnp.arange(S)[:, None]
+    valid = st.history >= 0
+    ids = jnp.where(valid, st.history, 0)
+    seen = jnp.zeros((S, V), bool).at[rows, ids].max(valid)
+    out_counts = jnp.zeros((S, V), jnp.float32).at[rows, ids].add(
+        (valid & st.history_is_output).astype(jnp.float32))
+    rep = st.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - st.frequency_penalty[:, None] * out_counts
+    return logits - st.presence_penalty[:, None] * (out_counts > 0)
+
+
+def filter_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """Temperature-scaled logits with everything outside top-k / top-p / min-p set to -inf.
+
+    Ties at the top-k / top-p boundary are kept (a value equal to the cut-off stays), so the
+    result does not depend on sort order.
+    """
+    V = logits.shape[-1]
+    t = jnp.where(st.temperature > 0, st.temperature, 1.0)[:, None]
+    scaled = logits / t
+    needs_sort = jnp.any((st.top_k < V) | (st.top_p < 1.0))
+
+    def cutoff(x: jax.Array) -> jax.Array:
+        desc = -jnp.sort(-x, axis=-1)  # f32[S, V] descending
+        k = jnp.clip(st.top_k, 1, V)
+        kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
+        probs = jax.nn.softmax(desc, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each position
+        # Smallest set whose mass reaches top_p: keep positions whose preceding mass < top_p.
+        keep = before < st.top_p[:, None]
+        last = jnp.maximum(jnp.sum(keep, axis=-1) - 1, 0)
+        pth = jnp.take_along_axis(desc, last[:, None], axis=-1)
+        return jnp.maximum(kth, pth)  # f32[S, 1]: keep x >= cutoff
+
+    thresh = jax.lax.cond(needs_sort, cutoff,
+                          lambda x: jnp.full((x.shape[0], 1), -jnp.inf, x.dtype), scaled)
+    out = jnp.where(scaled >= thresh, scaled, -jnp.inf)
+
+    def min_p_filter(x: jax.Array) -> jax.Array:
+        # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p) (no softmax needed).
+        floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(st.min_p[:, None])
+        return jnp.where(scaled >= floor, x, -jnp.inf)
+
+    return jax.lax.cond(jnp.any(st.min_p > 0), min_p_filter, lambda x: x, out)
+
+
+def sample(logits: jax.Array, st: SamplingTensors, apply_penalty: bool) -> SampleOutput:
+    """Draw one token per row. logits: f32[S, V]. `apply_penalty` is static.
+
+    Work no row asked for is skipped at run time (lax.cond): no random draw when every row
+    is greedy, no logprob top-k when no row wants logprobs.
+    """
+    raw = logits
+    if apply_penalty:
+        logits = apply_penalties(logits, st)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampling = st.temperature > 0
+
+    def draw(_: None) -> jax.Array:
+        filtered = filter_logits(logits, st)
+        keys = jax.vmap(jax.random.wrap_key_data)(st.rng_key)
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
+        return jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)
+
+    drawn = jax.lax.cond(jnp.any(sampling), draw, lambda _: greedy, None)
+    tokens = jnp.where(sampling, drawn, greedy)
+
+    def logprobs(_: None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        lp = jax.nn.log_softmax(raw, axis=-1)
+        top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+        chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+        return chosen, top_ids.astype(jnp.int32), top_lp
+
+    def no_logprobs(_: None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        S = raw.shape[0]
+        return (jnp.zeros((S,), jnp.float32), jnp.zeros((S, MAX_LOGPROBS), jnp.int32),
+                jnp.zeros((S, MAX_LOGPROBS), jnp.float32))
+
+    chosen, top_ids, top_lp = jax.lax.cond(jnp.any(st.want_logprobs), logprobs, no_logprobs,
+                                           None)
+    return SampleOutput(tokens=tokens, logprob=chosen, top_ids=top_ids, top_logprobs=top_lp)

@@ -1,0 +1,10 @@
+"""jaxserve.engine: the host side of the engine, plain Python and numpy (no jax).
+
+Data flow of one step (`engine.Engine.step`): `scheduler.Scheduler.schedule` (which requests
+run, how many tokens each, pages from `block_allocator`) -> `batch.build_batch` (flat ragged
+numpy arrays padded to a compiled bucket) -> a `runner.Runner` (the device one lives in
+`jaxserve.device`; `fake_runner.ArithmeticRunner` here for tests) -> `Scheduler.update`
+(tokens appended, stop rules, pages freed) -> `detokenizer` -> `outputs.RequestOutput`.
+`sampling_params` is the one registry of per-request sampling fields; `sizing` derives pages
+and buckets from the config.
+"""

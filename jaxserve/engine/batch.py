@@ -1,0 +1,194 @@
+"""SchedulerOutput -> StepBatch: flat ragged numpy arrays padded to a (token, seq) bucket.
+
+Plain numpy (no jax); `model_runner` is the only place these cross to the device. Layout, in
+vLLM's vocabulary, for the T_b padded tokens of the S_b padded sequences of one step:
+  token_ids, positions   i32[T_b]  the new tokens, sequence after sequence
+  slot_mapping           i32[T_b]  page * page_size + offset where each new token's K/V goes;
+                                    padding tokens write into the trash page 0
+  block_tables           i32[S_b, max_pages_per_seq]  each sequence's pages (0-padded)
+  kv_lens                i32[S_b]  context + new tokens (0 for padding sequences)
+  cu_q_lens              i32[S_b + 1]  query offsets (padding sequences have length 0)
+  num_seqs               i32[1]
+  logits_indices         i32[S_b]  which token's logits each sequence samples from
+plus the per-row sampling arrays (see `jaxserve.sampler.SamplingTensors`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from jaxserve.engine.scheduler import SchedulerOutput
+
+_MASK64 = (1 << 64) - 1
+
+
+def bucket_for(num_tokens: int, num_seqs: int,
+               buckets: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """Smallest compiled (tokens, seqs) bucket holding the step (buckets sorted by tokens)."""
+    i = bisect.bisect_left(buckets, (num_tokens, 0))
+    for t, s in buckets[i:]:
+        if s >= num_seqs:
+            return t, s
+    raise ValueError(f"a step of {num_tokens} tokens in {num_seqs} sequences exceeds every "
+                     f"compiled bucket (largest {buckets[-1]})")
+
+
+def default_buckets(limit: int, smallest: int) -> tuple[int, ...]:
+    """Powers of two from `smallest` up to `limit`, with `limit` itself as the last bucket."""
+    out = []
+    b = smallest
+    while b < limit:
+        out.append(b)
+        b *= 2
+    out.append(limit)
+    return tuple(out)
+
+
+def rng_key_data(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """u32[N, 2] threefry key data for draw number `counters[i]` of a request seeded
+    `seeds[i]` (both u64[N]).
+
+    A splitmix64 finaliser over (seed, counter): depends on nothing else, so a seeded request
+    draws the same numbers whatever shares its batch, step after step. uint64 arithmetic
+    wraps modulo 2**64, exactly as the finaliser wants.
+    """
+    with np.errstate(over="ignore"):
+        z = seeds * np.uint64(0x9E3779B97F4A7C15) + counters * np.uint64(0xBF58476D1CE4E5B9) \
+            + np.uint64(0x94D049BB133111EB)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return np.stack([(z >> np.uint64(32)).astype(np.uint32), z.astype(np.uint32)], axis=1)
+
+
+@dataclasses.dataclass
+class StepBatch:
+    token_ids: np.ndarray  # i32[T_b]
+    positions: np.ndarray  # i32[T_b]
+    slot_mapping: np.ndarray  # i32[T_b]
+    block_tables: np.ndarray  # i32[S_b, max_pages_per_seq]
+    kv_lens: np.ndarray  # i32[S_b]
+    cu_q_lens: np.ndarray  # i32[S_b + 1]
+    num_seqs: np.ndarray  # i32[1]
+    logits_indices: np.ndarray  # i32[S_b]
+    temperature: np.ndarray  # f32[S_b]
+    top_k: np.ndarray  # i32[S_b]
+    top_p: np.ndarray  # f32[S_b]
+    min_p: np.ndarray  # f32[S_b]
+    rng_key: np.ndarray  # u32[S_b, 2]
+    repetition_penalty: np.ndarray  # f32[S_b]
+    presence_penalty: np.ndarray  # f32[S_b]
+    frequency_penalty: np.ndarray  # f32[S_b]
+    history: np.ndarray  # i32[S_b, P] (P = 0 when no row uses penalties)
+    history_is_output: np.ndarray  # bool[S_b, P]
+    want_logprobs: np.ndarray  # bool[S_b]
+
+    @property
+    def bucket(self) -> tuple[int, int, bool]:
+        """(T_b, S_b, penalties) — the compiled step this batch runs on."""
+        return len(self.token_ids), len(self.kv_lens), self.history.shape[1] > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+    # (tokens, seqs) pairs compiled at warmup, sorted; by default one sequence bucket per
+    # token bucket, min(tokens, max_num_seqs): a step cannot hold more sequences than tokens.
+    buckets: tuple[tuple[int, int], ...]
+    page_size: int
+    max_pages_per_seq: int
+    vocab_size: int
+    history_len: int  # P when penalties are on (max_model_len)
+
+
+def build_batch(out: SchedulerOutput, shape: BatchShape) -> StepBatch:
+    """Pack one scheduled step; rows follow `out.seqs` order.
+
+    Per-row Python work is kept to list appends; the arrays are built with a few vectorised
+    numpy calls (this runs every step, for hundreds of sequences).
+    """
+    T, S = bucket_for(out.num_tokens, out.num_seqs, shape.buckets)
+    ps = shape.page_size
+    num = out.num_seqs
+    tok: list[int] = []
+    pos: list[int] = []
+    slot: list[int] = []
+    q_lens: list[int] = []
+    kv_lens_l: list[int] = []
+    rows: list[tuple] = []
+    seeds: list[int] = []
+    counters: list[int] = []
+    block_tables = np.zeros((S, shape.max_pages_per_seq), np.int32)
+    penalised: list[int] = []
+    tok_append, pos_append, slot_append = tok.append, pos.append, slot.append
+    for row, seq in enumerate(out.seqs):
+        req = seq.request
+        n = seq.num_new_tokens
+        start = seq.start
+        pages = req.pages
+        if n == 1:
+            tok_append(req.all_token_ids[start])
+            pos_append(start)
+            slot_append(pages[start // ps] * ps + start % ps)
+        else:
+            p = np.arange(start, start + n)
+            tok.extend(req.all_token_ids[start:start + n])
+            pos.extend(p.tolist())
+            slot.extend((np.asarray(pages)[p // ps] * ps + p % ps).tolist())
+        block_tables[row, : len(pages)] = pages
+        q_lens.append(n)
+        kv_lens_l.append(start + n)
+        sp = req.sampling_params
+        rows.append(sp.row)
+        seeds.append(req.seed)
+        counters.append(len(req.output_token_ids))
+        if sp.uses_penalties:
+            penalised.append(row)
+    t = len(tok)
+    token_ids = np.zeros(T, np.int32)
+    positions = np.zeros(T, np.int32)
+    slot_mapping = np.zeros(T, np.int32)  # padding -> trash page 0, offset 0
+    token_ids[:t] = tok
+    positions[:t] = pos
+    slot_mapping[:t] = slot
+    kv_lens = np.zeros(S, np.int32)
+    kv_lens[:num] = kv_lens_l
+    cu_q_lens = np.zeros(S + 1, np.int32)
+    cu_q_lens[1:num + 1] = np.cumsum(q_lens)
+    cu_q_lens[num + 1:] = t
+    logits_indices = np.maximum(cu_q_lens[1:] - 1, 0).astype(np.int32)
+
+    # Padding rows: greedy, no filtering, no penalties.
+    table = np.zeros((S, 8), np.float64)
+    table[:, 1] = -1
+    table[:, 2] = 1.0
+    table[:, 4] = 1.0
+    if num:
+        table[:num] = rows
+    top_k = table[:, 1].astype(np.int32)
+    top_k[top_k <= 0] = shape.vocab_size
+    rng_key = np.zeros((S, 2), np.uint32)
+    if num:
+        rng_key[:num] = rng_key_data(np.array(seeds, np.uint64), np.array(counters, np.uint64))
+
+    P = shape.history_len if penalised else 0
+    history = np.full((S, P), -1, np.int32)
+    is_output = np.zeros((S, P), bool)
+    for row in penalised:
+        req = out.seqs[row].request
+        ids = req.all_token_ids[-P:]
+        history[row, : len(ids)] = ids
+        n_out = min(req.num_output_tokens, len(ids))
+        is_output[row, len(ids) - n_out: len(ids)] = True
+    f32 = np.float32
+    return StepBatch(token_ids, positions, slot_mapping, block_tables, kv_lens, cu_q_lens,
+                     np.array([num], np.int32), logits_indices,
+                     temperature=table[:, 0].astype(f32), top_k=top_k,
+                     top_p=table[:, 2].astype(f32), min_p=table[:, 3].astype(f32),
+                     rng_key=rng_key, repetition_penalty=table[:, 4].astype(f32),
+                     presence_penalty=table[:, 5].astype(f32),
+                     frequency_penalty=table[:, 6].astype(f32), history=history,
+                     history_is_output=is_output, want_logprobs=table[:, 7] > 0)

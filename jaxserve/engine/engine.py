@@ -1,0 +1,203 @@
+"""The synchronous engine: add_request / abort / step. No threads; the caller drives steps.
+
+Data flow of `step()`:
+  scheduler.schedule() -> batch.build_batch() (numpy, bucketed) -> runner.execute() (one
+  compiled device step, one device->host copy) -> scheduler.update() (tokens appended, token
+  stop rules, pages freed) -> per sequence: logprobs recorded, incremental detokenization and
+  stop strings -> RequestOutputs (deltas for streaming, final ones with finish reasons).
+
+The engine owns the requests' host-side extras (prompt text, detokenizers, n-sample groups);
+the scheduler owns their KV state; the runner owns everything on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from typing import Callable, Sequence
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.batch import build_batch
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from jaxserve.engine.request import FinishReason, Request
+from jaxserve.engine.runner import Runner, StepResult
+from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.sizing import EnginePlan
+from jaxserve.models.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(eq=False)
+class _Group:
+    """One user request: its n sample sequences and what has been reported for each."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Request]
+    detoks: list[IncrementalDetokenizer]
+    sent_tokens: list[int]  # tokens already reported per sample
+    sent_logprobs: list[int]
+    cumulative_logprob: list[float]
+    done_reported: bool = False
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, plan: EnginePlan, runner: Runner,
+                 tokenizer: Tokenizer, eos_token_ids: Sequence[int],
+                 clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.plan = plan
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.clock = clock
+        self.scheduler = Scheduler(plan.scheduler, clock)
+        self._groups: dict[str, _Group] = {}
+        self._seed_rng = random.Random(config.seed)
+        self._vocab = plan.batch_shape.vocab_size
+        self.num_steps = 0
+        self.last_step_tokens = 0
+        # Groups with news for the next step's outputs besides this step's tokens (aborts).
+        self._touched: dict[str, _Group] = {}
+
+    # ----------------------------------------------------------------------- intake
+    def add_request(self, request_id: str, prompt: str | Sequence[int],
+                    params: SamplingParams | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request; ValueError (naming the field) for anything that cannot run."""
+        params = params or SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if request_id in self._groups:
+            raise ValueError(f"request_id={request_id!r} is already in flight")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority={priority!r} must be an integer")
+        text, ids = self._tokenize(prompt)
+        limit = self.plan.scheduler.max_model_len
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
+        if max_tokens < 1:
+            raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room to generate "
+                             f"within max_model_len={limit}")
+        self.scheduler.check_fits(len(ids), max_tokens)
+        now = self.clock() if arrival_time is None else arrival_time
+        base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        seqs = []
+        for i in range(params.n):
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            seqs.append(Request(seq_id, list(ids), params, self.eos_token_ids, now,
+                                priority=priority, group_id=request_id, sample_index=i,
+                                max_tokens=max_tokens,
+                                seed=(base_seed + i) % (1 << 64)))
+        for i, seq in enumerate(seqs):
+            self.scheduler.add_request(seq, fork_of=seqs[0] if i else None)
+        backend = self.tokenizer.backend
+        self._groups[request_id] = _Group(
+            request_id, text, list(ids), params, seqs,
+            [IncrementalDetokenizer(backend, params) for _ in seqs],
+            [0] * params.n, [0] * params.n, [0.0] * params.n)
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._vocab:
+                raise ValueError(f"prompt_token_ids[{i}]={t!r} is outside the vocabulary "
+                                 f"[0, {self._vocab})")
+        return None, ids
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request at any moment; its final output (ABORT) comes from the next step."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return False
+        self.scheduler.abort([s.request_id for s in group.seqs])
+        self._touched[request_id] = group  # its final ABORT output comes from the next step
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._groups)
+
+    def close(self) -> None:
+        """Release the runner (multi-host: the other processes stop following)."""
+        self.runner.close()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._groups)
+
+    # ----------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler iteration; outputs for every request with news."""
+        out = self.scheduler.schedule()
+        touched = self._touched
+        self._touched = {}
+        if out.seqs:
+            result = self.runner.execute(build_batch(out, self.plan.batch_shape))
+            sampled = [int(result.tokens[i]) if s.samples else None
+                       for i, s in enumerate(out.seqs)]
+            progressed = self.scheduler.update(out, sampled)
+            rows = {id(s.request): i for i, s in enumerate(out.seqs)}
+            for req in progressed:
+                self._on_token(req, result, rows[id(req)])
+                gid = req.group_id or req.request_id
+                touched[gid] = self._groups[gid]
+            self.num_steps += 1
+            self.last_step_tokens = out.num_tokens
+        outputs = [self._make_output(g) for g in touched.values()]
+        for g in touched.values():
+            if g.done_reported:
+                del self._groups[g.request_id]
+        return outputs
+
+    def _on_token(self, req: Request, result: StepResult, row: int) -> None:
+        group = self._groups[req.group_id or req.request_id]
+        k = req.sampling_params.logprobs
+        if k is not None:
+            entry: TokenLogprobs = {int(req.output_token_ids[-1]): float(result.logprob[row])}
+            for tid, lp in zip(result.top_ids[row][:k], result.top_logprobs[row][:k]):
+                entry.setdefault(int(tid), float(lp))
+            req.output_logprobs.append((float(result.logprob[row]), list(entry.items())))
+        detok = group.detoks[req.sample_index]
+        token = req.output_token_ids[-1]
+        if req.is_finished and req.finish_reason in (FinishReason.EOS, FinishReason.STOP):
+            return  # the stop token's own text is never shown
+        if detok.add_token(token):
+            self.scheduler.finish(req, FinishReason.STOP_STRING)
+
+    def _make_output(self, g: _Group) -> RequestOutput:
+        completions = []
+        for i, (seq, detok) in enumerate(zip(g.seqs, g.detoks)):
+            new_ids = seq.output_token_ids[g.sent_tokens[i]:]
+            g.sent_tokens[i] = len(seq.output_token_ids)
+            # A finished sequence flushes what was held back for a possible stop string.
+            delta_text = detok.finish() if seq.is_finished else detok.pop_delta()
+            delta_lp: list[TokenLogprobs] = []
+            if g.params.logprobs is not None:
+                new = seq.output_logprobs[g.sent_logprobs[i]:]
+                g.sent_logprobs[i] = len(seq.output_logprobs)
+                delta_lp = [dict(items) for _, items in new]
+                g.cumulative_logprob[i] += sum(lp for lp, _ in new)
+            completions.append(CompletionOutput(
+                index=i, text=detok.text, token_ids=list(seq.output_token_ids),
+                cumulative_logprob=g.cumulative_logprob[i] if g.params.logprobs is not None
+                else None,
+                logprobs=[dict(items) for _, items in seq.output_logprobs]
+                if g.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason, delta_text=delta_text,
+                delta_token_ids=new_ids, delta_logprobs=delta_lp, metrics=seq.metrics))
+        finished = all(s.is_finished for s in g.seqs)
+        g.done_reported = finished
+        first = g.seqs[0].metrics
+        return RequestOutput(request_id=g.request_id, prompt=g.prompt,
+                             prompt_token_ids=g.prompt_token_ids, outputs=completions,
+                             finished=finished, metrics=first,
+                             num_cached_tokens=first.num_cached_tokens)

@@ -1,0 +1,47 @@
+"""A model runner without a model: arithmetic outputs, for scheduler-level tests and benchmarks.
+
+Implements the `model_runner.Runner` protocol on numpy alone (no jax): each sequence's next
+token is a function of the token it just fed and that token's position, so a test can
+predict every output and a benchmark can time the host side (schedule + batch build) with
+no device work in the way.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxserve.engine.batch import StepBatch
+from jaxserve.engine.runner import MAX_LOGPROBS, StepResult
+
+
+def arithmetic_next_token(last_token: int, position: int, vocab_size: int) -> int:
+    return (last_token * 31 + position * 7 + 1) % vocab_size
+
+
+class ArithmeticRunner:
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.steps = 0
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        return 0
+
+    def warmup(self, progress: bool = True) -> None:
+        return None
+
+    def arm(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        last = np.maximum(batch.cu_q_lens[1:] - 1, 0)
+        tokens = (batch.token_ids[last].astype(np.int64) * 31 + batch.positions[last] * 7 + 1) \
+            % self.vocab_size
+        S = len(batch.kv_lens)
+        self.steps += 1
+        return StepResult(tokens=tokens.astype(np.int32), logprob=np.zeros(S, np.float32),
+                          top_ids=np.zeros((S, MAX_LOGPROBS), np.int32),
+                          top_logprobs=np.zeros((S, MAX_LOGPROBS), np.float32))

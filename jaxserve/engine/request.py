@@ -1,0 +1,109 @@
+"""Request state machine and the outputs handed back to callers.
+
+Plain Python (no jax). One `Request` is one sequence the scheduler runs; `n` parallel samples
+of one prompt are `n` Requests that share a `group_id` (child 0 prefills the prompt; the others
+fork its full prompt pages, see `scheduler.py`).
+
+State: WAITING -> RUNNING -> FINISHED, with RUNNING -> WAITING on preemption (its pages are
+freed and its tokens recomputed later). `num_computed_tokens` counts the tokens whose K/V are
+in pages; `all_token_ids` = prompt + generated tokens; the next step computes
+`all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from jaxserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # a stop_token_id was generated
+    LENGTH = "length"  # max_tokens (or max_model_len) reached
+    EOS = "eos"  # the model's end-of-sequence token
+    STOP_STRING = "stop_string"  # a stop string appeared in the text
+    ABORT = "abort"  # aborted by the caller, a disconnect, or shutdown
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Wall-clock times (time.monotonic) of one sequence's life; None until they happen."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache / a fork
+    # Gaps between consecutive generated tokens (seconds), for ITL percentiles.
+    inter_token_latencies: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    arrival_time: float
+    priority: int = 0
+    group_id: str | None = None  # the user's request id when n > 1
+    sample_index: int = 0  # which of the n samples this is
+    max_tokens: int = 1  # resolved from sampling_params and max_model_len
+    seed: int = 0  # effective sampling seed (drawn by the engine when the caller gave none)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_computed_tokens: int = 0
+    pages: list[int] = dataclasses.field(default_factory=list)
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of full pages
+    num_registered_pages: int = 0  # pages already entered into the prefix cache
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    all_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # Top-N logprobs per generated token: [(token_logprob, [(id, logprob), ...]), ...]
+    output_logprobs: list[tuple[float, list[tuple[int, float]]]] = dataclasses.field(
+        default_factory=list)
+    metrics: RequestMetrics = dataclasses.field(default_factory=lambda: RequestMetrics(0.0))
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+        if self.metrics.arrival_time == 0.0:
+            self.metrics.arrival_time = self.arrival_time
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,340 @@
+"""Continuous-batching scheduler: which sequences run this step, and how many tokens each.
+
+Plain Python (no jax). Data flow per step:
+  `schedule()` -> SchedulerOutput (decodes first, then prefill chunks, under the step's token
+  budget `max_num_batched_tokens` and `max_num_seqs`; pages allocated as KV grows; preemption
+  when pages run out) -> the engine builds the device batch and runs it -> `update(output,
+  sampled)` appends sampled tokens, advances `num_computed_tokens`, registers full pages in the
+  prefix cache, applies token stop rules and frees the pages of finished sequences.
+
+Policy:
+- Running sequences are served in (priority, arrival) order, decodes before prefill chunks, so
+  a long prompt never stalls the streams already generating; a prompt is spread over steps in
+  chunks of whatever budget is left.
+- Waiting sequences are admitted in (priority, arrival) order while budget, seats and pages
+  allow; a waiting sequence may preempt running ones of strictly lower priority for pages.
+- Out of pages: the lowest-priority, most recently arrived running sequence is preempted: its
+  pages are freed and it goes back to the front of its priority level; it recomputes its tokens
+  later (mostly from the prefix cache when that is on).
+- `n` > 1 samples: child 0 prefills the prompt; the other children wait until it is computed,
+  then share its full prompt pages (ref counts) and compute only the partial last page.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import time
+from typing import Callable, Iterable, Sequence
+
+from jaxserve.config import SchedulerConfig
+from jaxserve.engine.block_allocator import BlockAllocator, hash_pages
+from jaxserve.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    request: Request
+    start: int  # position of the first new token (= num_computed_tokens before the step)
+    num_new_tokens: int
+    samples: bool  # this chunk reaches the end of the sequence: sample its next token
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq]  # batch row order: decodes first, then prefill chunks
+    num_tokens: int
+    preempted: list[Request]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, clock: Callable[[], float] = time.monotonic):
+        self.cfg = cfg
+        self.clock = clock
+        self.allocator = BlockAllocator(cfg.num_pages, cfg.page_size, cfg.enable_prefix_caching)
+        self.running: list[Request] = []
+        self._waiting: list[tuple[int, int, Request]] = []  # heap of (priority, order, req)
+        self._num_waiting = 0
+        self._order = itertools.count()
+        self._front = itertools.count(-1, -1)
+        self._arrival_order: dict[str, int] = {}
+        self._fork_children: dict[str, list[Request]] = {}  # child 0 id -> children waiting
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------------- intake
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ValueError when a sequence could never run to completion."""
+        total = num_prompt_tokens + max_tokens
+        if total > self.cfg.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+                f"exceeds max_model_len={self.cfg.max_model_len}")
+        pages = -(-total // self.cfg.page_size)
+        if pages > self.allocator.num_usable_pages:
+            raise ValueError(
+                f"prompt + max_tokens = {total} tokens need {pages} KV pages but the cache "
+                f"holds only {self.allocator.num_usable_pages}; lower max_tokens or give the "
+                "KV cache more memory")
+
+    def add_request(self, req: Request, fork_of: Request | None = None) -> None:
+        """Queue `req`; `fork_of` (child 0 of its group) delays it to share that prompt."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id={req.request_id!r} is already in flight")
+        self.check_fits(req.num_prompt_tokens, req.max_tokens)
+        self.requests[req.request_id] = req
+        self._arrival_order[req.request_id] = next(self._order)
+        if fork_of is not None and not fork_of.is_finished and \
+                fork_of.num_computed_tokens < fork_of.num_prompt_tokens:
+            self._fork_children.setdefault(fork_of.request_id, []).append(req)
+            return
+        self._push_waiting(req, front=False)
+
+    def _push_waiting(self, req: Request, front: bool) -> None:
+        order = next(self._front) if front else self._arrival_order[req.request_id]
+        heapq.heappush(self._waiting, (req.priority, order, req))
+        self._num_waiting += 1
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting + sum(len(c) for c in self._fork_children.values())
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ----------------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = self.cfg.max_num_batched_tokens
+        now = self.clock()
+        decodes: list[ScheduledSeq] = []
+        prefills: list[ScheduledSeq] = []
+        preempted: list[Request] = []
+        self.running.sort(key=self._rank)
+        # Decodes (exactly one token left to compute) first, then running prefill chunks.
+        order = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        order += [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in order:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._reserve(req, req.num_computed_tokens + n, preempted, may_self=True):
+                continue
+            seq = ScheduledSeq(req, req.num_computed_tokens, n,
+                               samples=req.num_computed_tokens + n == req.num_tokens)
+            (decodes if n == 1 and seq.samples else prefills).append(seq)
+            budget -= n
+
+        while self._waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            _, _, req = self._waiting[0]
+            if req.status is not RequestStatus.WAITING:  # aborted while waiting
+                heapq.heappop(self._waiting)
+                continue
+            if req in preempted:
+                break  # pages are contended: nothing behind it runs this step either
+            if not req.pages:
+                self._match_prefix(req)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._reserve(req, req.num_computed_tokens + n, preempted, may_self=False):
+                break
+            heapq.heappop(self._waiting)
+            self._num_waiting -= 1
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            prefills.append(ScheduledSeq(req, req.num_computed_tokens, n,
+                                         samples=req.num_computed_tokens + n == req.num_tokens))
+            budget -= n
+        # A sequence scheduled early in this step may have been preempted by a later one.
+        gone = {id(r) for r in preempted}
+        seqs = [s for s in decodes + prefills if id(s.request) not in gone]
+        return SchedulerOutput(seqs=seqs, num_tokens=sum(s.num_new_tokens for s in seqs),
+                               preempted=preempted)
+
+    def _rank(self, req: Request) -> tuple[int, int]:
+        return req.priority, self._arrival_order[req.request_id]
+
+    def _reserve(self, req: Request, num_tokens: int, preempted: list[Request],
+                 may_self: bool) -> bool:
+        """Ensure `req` holds pages for `num_tokens`, preempting lower-ranked running seqs.
+
+        A running `req` may preempt any running sequence ranked after it, or itself last
+        (may_self); a waiting one only sequences of strictly lower priority.
+        """
+        need = -(-num_tokens // self.cfg.page_size) - len(req.pages)
+        while need > self.allocator.num_free_pages:
+            victim = self.running[-1] if self.running else None
+            if victim is None or victim is req:
+                if may_self and victim is req:
+                    self._preempt(req, preempted)
+                elif not may_self:
+                    self._undo_prefix_match(req)
+                return False
+            if not may_self and victim.priority <= req.priority:
+                self._undo_prefix_match(req)
+                return False
+            self._preempt(victim, preempted)
+        if need > 0:
+            req.pages.extend(self.allocator.allocate(need))
+        return True
+
+    def _preempt(self, req: Request, preempted: list[Request]) -> None:
+        self.running.remove(req)
+        self.allocator.free(req.pages)
+        req.pages = []
+        req.num_computed_tokens = 0
+        req.num_registered_pages = 0
+        req.status = RequestStatus.WAITING
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        preempted.append(req)
+        self._push_waiting(req, front=True)
+
+    # ----------------------------------------------------------------------- prefix cache
+    def _full_page_hashes(self, req: Request, num_tokens: int) -> list[bytes]:
+        """Chained hashes of the full pages among the first `num_tokens` tokens (memoised)."""
+        ps = self.cfg.page_size
+        have = len(req.page_hashes)
+        want = num_tokens // ps
+        if want > have:
+            parent = req.page_hashes[-1] if have else b""
+            req.page_hashes.extend(hash_pages(req.all_token_ids[have * ps: want * ps], ps, parent))
+        return req.page_hashes[:want]
+
+    def _match_prefix(self, req: Request) -> None:
+        if not self.cfg.enable_prefix_caching:
+            return
+        # At least one token must be computed to produce logits.
+        hashes = self._full_page_hashes(req, req.num_tokens - 1)
+        pages = self.allocator.match_prefix(hashes)
+        req.pages = pages
+        req.num_computed_tokens = len(pages) * self.cfg.page_size
+        req.num_registered_pages = len(pages)
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.num_cached_tokens = req.num_computed_tokens
+
+    def _undo_prefix_match(self, req: Request) -> None:
+        if req.pages and req.num_computed_tokens == req.num_registered_pages * self.cfg.page_size:
+            # Matched pages only (nothing computed yet): give the references back.
+            self.allocator.free(req.pages)
+            req.pages = []
+            req.num_computed_tokens = 0
+            req.num_registered_pages = 0
+
+    def _register_pages(self, req: Request) -> None:
+        if not self.cfg.enable_prefix_caching:
+            return
+        full = req.num_computed_tokens // self.cfg.page_size
+        if full <= req.num_registered_pages:
+            return
+        hashes = self._full_page_hashes(req, full * self.cfg.page_size)
+        for i in range(req.num_registered_pages, full):
+            self.allocator.register(req.pages[i], hashes[i])
+        req.num_registered_pages = full
+
+    # ----------------------------------------------------------------------- update
+    def update(self, out: SchedulerOutput, sampled: Sequence[int | None]) -> list[Request]:
+        """Apply one step's results; `sampled[i]` is the token of `out.seqs[i]` (None if the
+        chunk did not sample). Returns the requests that got a new token this step."""
+        now = self.clock()
+        progressed: list[Request] = []
+        for seq, token in zip(out.seqs, sampled):
+            req = seq.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens = seq.start + seq.num_new_tokens
+            self._register_pages(req)
+            if req.num_computed_tokens >= req.num_prompt_tokens and \
+                    req.request_id in self._fork_children:
+                self._release_forks(req)
+            if not seq.samples or token is None:
+                continue
+            req.append_token(int(token))
+            m = req.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            else:
+                m.inter_token_latencies.append(now - (m.last_token_time or now))
+            m.last_token_time = now
+            progressed.append(req)
+            reason = self._token_stop(req, int(token))
+            if reason is not None:
+                self.finish(req, reason)
+        return progressed
+
+    def _token_stop(self, req: Request, token: int) -> FinishReason | None:
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                return FinishReason.EOS
+            if token in sp.stop_token_ids:
+                return FinishReason.STOP
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.cfg.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _release_forks(self, parent: Request) -> None:
+        """Children of `parent` share its full prompt pages and compute the rest themselves."""
+        children = self._fork_children.pop(parent.request_id)
+        ps = self.cfg.page_size
+        shared = parent.pages[: (parent.num_prompt_tokens - 1) // ps] \
+            if parent.status is RequestStatus.RUNNING else []
+        for child in children:
+            if child.status is not RequestStatus.WAITING:
+                continue
+            if shared:
+                self.allocator.share(shared)
+                child.pages = list(shared)
+                child.num_computed_tokens = len(shared) * ps
+                child.num_registered_pages = len(shared)
+                child.metrics.num_cached_tokens = child.num_computed_tokens
+            self._push_waiting(child, front=False)
+
+    # ----------------------------------------------------------------------- finish / abort
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        if req.status is RequestStatus.FINISHED:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self._num_waiting -= self._drop_from_waiting(req)
+        if req.pages:
+            self.allocator.free(req.pages)
+            req.pages = []
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.metrics.finished_time = self.clock()
+        self.requests.pop(req.request_id, None)
+        self._arrival_order.pop(req.request_id, None)
+        children = self._fork_children.get(req.request_id)
+        if children:
+            self._release_forks(req)
+
+    def _drop_from_waiting(self, req: Request) -> int:
+        for children in self._fork_children.values():
+            if req in children:
+                children.remove(req)
+                return 0
+        # Lazy deletion: the heap entry is skipped when it reaches the top.
+        return 1
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        """Finish the named requests with ABORT, freeing every page they held."""
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self.finish(req, FinishReason.ABORT)
+                aborted.append(req)
+        return aborted

@@ -1,0 +1,96 @@
+"""Derive the engine's sizes from its config, the model and the device: pages, buckets, shapes.
+
+Plain Python. `plan_engine` is a pure function of its inputs (the caller measures free memory
+and passes it in), so every derived size is a return value that tests can check.
+
+KV budget: `kv_cache_memory` bytes if given; else `kv_cache_memory_fraction` of the free
+device memory after the weights (on a CPU host, of the available RAM), never more than
+`max_num_seqs` sequences of `max_model_len` tokens need. Pages = budget // bytes per page,
+plus the trash page 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TYPE_CHECKING
+
+from jaxserve.config import EngineConfig, SchedulerConfig
+from jaxserve.engine.batch import BatchShape, default_buckets
+from jaxserve.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    import jax
+
+DEFAULT_MAX_MODEL_LEN_CAP = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class EnginePlan:
+    scheduler: SchedulerConfig
+    batch_shape: BatchShape
+    kv_bytes_per_page: int
+    kv_budget_bytes: int
+
+
+def free_device_memory(device: "jax.Device") -> int | None:
+    """Bytes the device can still allocate, or None when it does not say (CPU)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def available_host_memory() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 4 << 30
+
+
+def plan_engine(cfg: EngineConfig, model: ModelConfig, kv_itemsize: int,
+                free_memory: int, kv_head_dim: int | None = None) -> EnginePlan:
+    max_model_len = cfg.max_model_len or min(model.max_position_embeddings,
+                                             DEFAULT_MAX_MODEL_LEN_CAP)
+    if max_model_len > model.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                         f"max_position_embeddings={model.max_position_embeddings}")
+    ps = cfg.page_size
+    head_dim = kv_head_dim or model.head_dim
+    per_page = model.num_layers * 2 * model.num_kv_heads * ps * head_dim * kv_itemsize
+    pages_per_seq = -(-max_model_len // ps)
+    wanted = cfg.max_num_seqs * pages_per_seq
+    if cfg.kv_cache_memory is not None:
+        budget = cfg.kv_cache_memory
+    else:
+        budget = min(int(free_memory * cfg.kv_cache_memory_fraction), wanted * per_page)
+    usable = budget // per_page
+    if usable < 1:
+        raise ValueError(
+            f"the KV cache budget of {budget} bytes holds no page of {per_page} bytes; "
+            "raise kv_cache_memory (or kv_cache_memory_fraction)")
+    sched = SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
+                            max_num_batched_tokens=cfg.max_num_batched_tokens,
+                            max_model_len=max_model_len, page_size=ps, num_pages=usable + 1,
+                            enable_prefix_caching=cfg.enable_prefix_caching)
+    # Smallest bucket: 1 token. A decode step of a few streams pads to the next power of two;
+    # padding costs real compute and attention work on CPU and GPU (bundled model, 2-core CPU,
+    # compiled decode step of 1 sequence at context 256: 75-117 ms with the smallest bucket
+    # at 16, 31.8 ms at 1; scripts/bench_offline.py --sections decode), for four more compiled
+    # buckets than starting at 16.
+    token_buckets = cfg.token_buckets or default_buckets(cfg.max_num_batched_tokens, 1)
+    if token_buckets[-1] < cfg.max_num_batched_tokens:
+        raise ValueError(f"token_buckets end at {token_buckets[-1]} < max_num_batched_tokens="
+                         f"{cfg.max_num_batched_tokens}")
+    if cfg.seq_buckets is None:
+        pairs = sorted({(t, min(t, cfg.max_num_seqs)) for t in token_buckets})
+    else:
+        if cfg.seq_buckets[-1] < cfg.max_num_seqs:
+            raise ValueError(f"seq_buckets end at {cfg.seq_buckets[-1]} < max_num_seqs="
+                             f"{cfg.max_num_seqs}")
+        pairs = sorted((t, s) for t in token_buckets for s in cfg.seq_buckets if s <= t)
+    shape = BatchShape(buckets=tuple(pairs),
+                       page_size=ps, max_pages_per_seq=pages_per_seq,
+                       vocab_size=model.vocab_size, history_len=max_model_len)
+    return EnginePlan(scheduler=sched, batch_shape=shape, kv_bytes_per_page=per_page,
+                      kv_budget_bytes=usable * per_page)

@@ -1,0 +1,359 @@
+"""AsyncEngine: the synchronous Engine driven by one thread, streamed to asyncio callers.
+
+Data flow:
+  caller (any asyncio loop) -> `submit()` checks duplicates and the waiting bound, appends an
+  `_Add` command to a lock-guarded list and wakes the loop thread -> the loop thread (the only
+  thread that ever touches the Engine) drains the commands (add_request / abort) each
+  iteration, runs `engine.step()`, and hands each RequestOutput to its request's
+  `asyncio.Queue` with one `loop.call_soon_threadsafe` per asyncio loop per step ->
+  `RequestStream` (an async iterator) yields them; leaving it early aborts the request.
+  When nothing is in flight the loop thread sleeps on a condition variable (no busy spin).
+
+Admission errors come back through the same queue: a ValueError from `Engine.add_request`
+(naming the field) is raised by the stream's first `__anext__`. `QueueFull` is raised by
+`submit()` itself, at once, when more than `max_waiting` sequences would be waiting.
+
+Tokenization is the caller's job (pass token ids) so that it runs on the caller's threads, not
+between steps; the Engine detokenizes incrementally inside `step()`.
+
+Observers (e.g. `jaxserve.metrics.EngineMetrics`) are called on the loop thread after every
+iteration with the engine and that iteration's outputs; their errors are logged, never fatal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable, Protocol, Sequence
+
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """Too many sequences are waiting; the caller should retry later (RESOURCE_EXHAUSTED)."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine is not accepting requests: not started, shutting down, or failed."""
+
+
+class StepObserver(Protocol):
+    def on_step(self, engine: Engine, outputs: Sequence[RequestOutput], stepped: bool) -> None:
+        """Called on the loop thread after each iteration (`stepped`: a model step ran)."""
+
+
+_Item = RequestOutput | BaseException
+
+
+@dataclasses.dataclass(eq=False)
+class _Sink:
+    """Where one request's outputs go: a queue owned by one asyncio loop."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[_Item]
+    # Set by the loop thread before the final output is handed over (and before the id may
+    # be reused): a late abort from the consumer must not hit a new request with this id.
+    finished: bool = False
+
+
+@dataclasses.dataclass(eq=False)
+class _Add:
+    sink: _Sink
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+
+
+@dataclasses.dataclass(eq=False)
+class _Abort:
+    request_id: str  # "" aborts every request in flight
+
+
+def _deliver(items: list[tuple[asyncio.Queue[_Item], _Item]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+class RequestStream:
+    """Async iterator over one request's RequestOutputs; ends after the finished one."""
+
+    def __init__(self, engine: "AsyncEngine", sink: _Sink):
+        self._engine = engine
+        self._sink = sink
+        self.done = False
+
+    @property
+    def request_id(self) -> str:
+        return self._sink.request_id
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.done:
+            raise StopAsyncIteration
+        item = await self._sink.queue.get()
+        if isinstance(item, BaseException):
+            self.done = True
+            raise item
+        if item.finished:
+            self.done = True
+        return item
+
+    def drain_ready(self) -> list[RequestOutput]:
+        """Outputs already queued (non-blocking), so a slow consumer can coalesce them."""
+        items: list[RequestOutput] = []
+        while not self.done and not self._sink.queue.empty():
+            item = self._sink.queue.get_nowait()
+            if isinstance(item, BaseException):
+                self._sink.queue.put_nowait(item)  # raised by the next __anext__
+                break
+            items.append(item)
+            self.done = item.finished
+        return items
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished (idempotent, any thread)."""
+        if not self.done:
+            self.done = True
+            if not self._sink.finished:
+                self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Owns one thread that alone drives `engine`; see the module docstring."""
+
+    def __init__(self, engine: Engine, max_waiting: int | None = None,
+                 observers: Sequence[StepObserver] = (),
+                 on_failure: Callable[[BaseException], None] | None = None):
+        if max_waiting is not None and max_waiting < 1:
+            raise ValueError(f"max_waiting={max_waiting} must be >= 1 (or None: unbounded)")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._observers = tuple(observers)
+        self._on_failure = on_failure
+        self._cond = threading.Condition()
+        # Guarded by _cond: the command list and the admission bookkeeping.
+        self._commands: list[_Add | _Abort] = []
+        self._in_flight: set[str] = set()
+        self._queued_seqs = 0  # sequences submitted but not yet added to the engine
+        self._waiting_seqs = 0  # the scheduler's waiting count as of the last iteration
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        # Loop-thread only: the sinks of requests the engine holds.
+        self._sinks: dict[str, _Sink] = {}
+
+    # ----------------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine.start() called twice")
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    def request_stop(self) -> None:
+        """Begin stopping without waiting: no new requests; the loop thread aborts what is in
+        flight after its current step."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Abort everything in flight (each stream gets its final ABORT output), then end
+        the loop thread."""
+        self.request_stop()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("engine thread did not stop within %.1fs", timeout or 0.0)
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._cond:
+            return len(self._in_flight)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences not yet running (submitted or waiting in the scheduler)."""
+        with self._cond:
+            return self._queued_seqs + self._waiting_seqs
+
+    def holds(self, request_id: str) -> bool:
+        """Whether `request_id` is in flight here (submitted and not yet finished)."""
+        with self._cond:
+            return request_id in self._in_flight
+
+    # ----------------------------------------------------------------------- callers
+    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+               priority: int = 0, arrival_time: float | None = None) -> RequestStream:
+        """Queue a request from inside a running asyncio loop; returns its stream.
+
+        Raises ValueError (duplicate id), QueueFull or EngineStopped at once; the engine's own
+        validation errors are raised by the stream's first `__anext__`.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id={request_id!r} must be a non-empty string")
+        loop = asyncio.get_running_loop()
+        sink = _Sink(request_id, loop, asyncio.Queue())
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        with self._cond:
+            if self._error is not None:
+                raise EngineStopped(f"the engine loop failed: {self._error!r}")
+            if self._stopping or self._thread is None:
+                raise EngineStopped("the engine is not running (shutting down or not started)")
+            if request_id in self._in_flight:
+                raise ValueError(f"request_id={request_id!r} is already in flight; "
+                                 "request ids must be unique among in-flight requests")
+            waiting = self._queued_seqs + self._waiting_seqs
+            # A request larger than the whole bound still runs when nothing is waiting.
+            if self.max_waiting is not None and waiting and waiting + params.n > self.max_waiting:
+                raise QueueFull(f"{waiting} sequences are waiting (max_waiting="
+                                f"{self.max_waiting}); retry later")
+            self._in_flight.add(request_id)
+            self._queued_seqs += params.n
+            self._commands.append(_Add(sink, prompt, params, priority, arrival))
+            self._cond.notify()
+        return RequestStream(self, sink)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (any thread); its pages are freed by the next loop iteration."""
+        with self._cond:
+            self._commands.append(_Abort(request_id))
+            self._cond.notify()
+
+    def abort_all(self) -> None:
+        self.abort("")
+
+    # ----------------------------------------------------------------------- loop thread
+    def _run(self) -> None:
+        busy = False
+        try:
+            while True:
+                with self._cond:
+                    while not self._commands and not busy and not self._stopping:
+                        self._cond.wait()
+                    commands, self._commands = self._commands, []
+                    stopping = self._stopping
+                if stopping:
+                    self._shutdown(commands)
+                    return
+                self._apply(commands)
+                stepped = self.engine.has_unfinished()
+                outputs = self.engine.step() if stepped else []
+                # Observers first: once a caller sees its final output, metrics include it.
+                self._notify_observers(outputs, stepped)
+                self._dispatch(outputs)
+                busy = self.engine.has_unfinished()
+                with self._cond:
+                    self._waiting_seqs = self.engine.scheduler.num_waiting
+        except BaseException as e:  # noqa: BLE001 - any failure must reach every caller
+            log.exception("engine loop failed; failing every in-flight request")
+            self._fail(e)
+
+    def _apply(self, commands: list[_Add | _Abort]) -> None:
+        added = 0
+        rejected: list[str] = []
+        for cmd in commands:
+            if isinstance(cmd, _Abort):
+                ids = [cmd.request_id] if cmd.request_id else list(self._sinks)
+                for rid in ids:
+                    self.engine.abort(rid)
+                continue
+            added += cmd.params.n
+            rid = cmd.sink.request_id
+            try:
+                self.engine.add_request(rid, cmd.prompt, cmd.params, priority=cmd.priority,
+                                        arrival_time=cmd.arrival_time)
+            except Exception as e:  # noqa: BLE001 - ValueError: bad input; others: reported
+                rejected.append(rid)
+                cmd.sink.finished = True
+                self._send(cmd.sink, e)
+                continue
+            self._sinks[rid] = cmd.sink
+        with self._cond:
+            self._queued_seqs -= added
+            self._in_flight.difference_update(rejected)
+            self._waiting_seqs = self.engine.scheduler.num_waiting
+
+    def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], _Item]]] = \
+            collections.defaultdict(list)
+        finished: list[str] = []
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+                sink.finished = True
+                finished.append(out.request_id)
+            batches[sink.loop].append((sink.queue, out))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:
+                pass  # that loop is closed: nobody is left to read these outputs
+        if finished:
+            with self._cond:
+                self._in_flight.difference_update(finished)
+
+    def _send(self, sink: _Sink, item: _Item) -> None:
+        try:
+            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
+        except RuntimeError:
+            pass  # loop closed
+
+    def _notify_observers(self, outputs: Sequence[RequestOutput], stepped: bool) -> None:
+        for obs in self._observers:
+            try:
+                obs.on_step(self.engine, outputs, stepped)
+            except Exception:  # noqa: BLE001 - metrics must never stop serving
+                log.exception("step observer %r failed", obs)
+
+    def _shutdown(self, commands: list[_Add | _Abort]) -> None:
+        """Refuse queued adds, abort what runs, step until the engine has delivered every
+        request's final (ABORT) output and freed its pages."""
+        for cmd in commands:
+            if isinstance(cmd, _Add):
+                self._send(cmd.sink, EngineStopped("the engine is shutting down"))
+        with self._cond:
+            self._queued_seqs = 0
+            for cmd in commands:
+                if isinstance(cmd, _Add):
+                    self._in_flight.discard(cmd.sink.request_id)
+        for rid in list(self._sinks):
+            self.engine.abort(rid)
+        steps = 0
+        while self.engine.has_unfinished() and steps < 1000:
+            outputs = self.engine.step()
+            self._notify_observers(outputs, True)
+            self._dispatch(outputs)
+            steps += 1
+
+    def _fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
+            sinks = list(self._sinks.values())
+            sinks += [c.sink for c in self._commands if isinstance(c, _Add)]
+            self._commands = []
+            self._in_flight.clear()
+        self._sinks.clear()
+        failure = EngineStopped(f"the engine loop failed: {error!r}")
+        for sink in sinks:
+            self._send(sink, failure)
+        if self._on_failure is not None:
+            self._on_failure(error)

@@ -1,0 +1,205 @@
+"""Prometheus metrics of a serving engine, under vLLM-compatible names with a `jaxserve:` prefix.
+
+Data flow: `AsyncEngine`'s loop thread calls `EngineMetrics.on_step(engine, outputs, stepped)`
+after every iteration -> gauges are set from the scheduler (running / waiting / KV usage /
+compiles after warmup), counters advance by the deltas of the engine's own cumulative counts
+(preemptions, prefix-cache lookups), per-request figures come from the RequestOutputs
+(prompt tokens when a request first reports, generated tokens and inter-token gaps as they
+stream, TTFT / queue / e2e / time per output token and the finish reason when a sample
+finishes) -> a per-server `CollectorRegistry` (never the process-global one, so several
+servers or tests can coexist) -> `serve_http()` exposes it at `/metrics`.
+
+Prefix-cache queries and hits are counted in tokens (full pages x page size), as vLLM does.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import start_http_server
+
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.outputs import CompletionOutput, RequestOutput
+from jaxserve.engine.request import FinishReason
+
+PREFIX = "jaxserve:"
+# Bucket edges follow vLLM's, so dashboards built for it read these unchanged.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_LABELS = ("model_name",)
+_COUNTED = -1  # a sample whose finish has been counted
+
+
+def _token_buckets(max_tokens: int) -> tuple[int, ...]:
+    edges = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+    return tuple(e for e in edges if e < max_tokens) + (max_tokens,)
+
+
+class MetricFamilies:
+    """Every metric family, registered once in one registry. Labelled by model_name, and
+    under data parallelism also by `engine` (the replica index), as vLLM labels its engines."""
+
+    def __init__(self, registry: CollectorRegistry, max_num_batched_tokens: int,
+                 per_engine: bool = False):
+        self.registry = r = registry
+        self.labels = labels = _LABELS + (("engine",) if per_engine else ())
+
+        def gauge(n: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + n, doc, labels, registry=r)
+
+        def counter(n: str, doc: str) -> Counter:
+            return Counter(PREFIX + n, doc, labels, registry=r)
+
+        def hist(n: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(PREFIX + n, doc, labels, buckets=buckets, registry=r)
+
+        self.running = gauge("num_requests_running", "Sequences in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV pages held (1 = full).")
+        self.compiles = gauge("compiles_after_warmup",
+                              "XLA compiles after warmup (should stay 0).")
+        self.preemptions = counter("num_preemptions", "Cumulative preemptions.")
+        self.prefix_queries = counter("prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.success = Counter(PREFIX + "request_success", "Finished samples by reason.",
+                               (*labels, "finished_reason"), registry=r)
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Gap between consecutive tokens.",
+                        ITL_BUCKETS)
+        self.tpot = hist("time_per_output_token_seconds",
+                         "Per sample: (last token - first token) / (tokens - 1).", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.",
+                          LATENCY_BUCKETS)
+        self.iteration_tokens = hist("iteration_tokens_total", "Tokens computed per step.",
+                                     _token_buckets(max_num_batched_tokens))
+
+
+class EngineMetrics:
+    """The metrics of one engine; feed it with `on_step` from that engine's loop thread."""
+
+    def __init__(self, model_name: str, max_num_batched_tokens: int,
+                 registry: CollectorRegistry | None = None,
+                 families: MetricFamilies | None = None, engine: int | None = None):
+        """`families`/`engine`: one replica's view of families shared by all replicas."""
+        fam = families or MetricFamilies(registry or CollectorRegistry(), max_num_batched_tokens)
+        self.registry = fam.registry
+        values = (model_name,) if engine is None else (model_name, str(engine))
+        if len(values) != len(fam.labels):
+            raise ValueError(f"engine={engine!r} does not fit the families' labels {fam.labels}")
+        self._values = values
+        self.running = fam.running.labels(*values)
+        self.waiting = fam.waiting.labels(*values)
+        self.kv_usage = fam.kv_usage.labels(*values)
+        self.compiles = fam.compiles.labels(*values)
+        self.preemptions = fam.preemptions.labels(*values)
+        self.prefix_queries = fam.prefix_queries.labels(*values)
+        self.prefix_hits = fam.prefix_hits.labels(*values)
+        self.prompt_tokens = fam.prompt_tokens.labels(*values)
+        self.generation_tokens = fam.generation_tokens.labels(*values)
+        self._success = fam.success
+        self.ttft = fam.ttft.labels(*values)
+        self.itl = fam.itl.labels(*values)
+        self.tpot = fam.tpot.labels(*values)
+        self.e2e = fam.e2e.labels(*values)
+        self.queue = fam.queue.labels(*values)
+        self.iteration_tokens = fam.iteration_tokens.labels(*values)
+        # Loop-thread state: last seen engine totals and per-sample ITL cursors.
+        self._last_preemptions = 0
+        self._last_queries = 0
+        self._last_hits = 0
+        self._last_step = 0
+        self._itl_seen: dict[tuple[str, int], int] = {}
+
+    @classmethod
+    def for_replicas(cls, model_name: str, max_num_batched_tokens: int, num_replicas: int,
+                     registry: CollectorRegistry | None = None) -> list["EngineMetrics"]:
+        """One view per data-parallel replica over one registry (label engine="0", ...)."""
+        fam = MetricFamilies(registry or CollectorRegistry(), max_num_batched_tokens,
+                             per_engine=True)
+        return [cls(model_name, max_num_batched_tokens, families=fam, engine=i)
+                for i in range(num_replicas)]
+
+    def success(self, reason: FinishReason) -> Counter:
+        return self._success.labels(*self._values, reason.value)
+
+    # ----------------------------------------------------------------------- feed
+    def on_step(self, engine: Engine, outputs: Sequence[RequestOutput], stepped: bool) -> None:
+        sched = engine.scheduler
+        alloc = sched.allocator
+        self.running.set(sched.num_running)
+        self.waiting.set(sched.num_waiting)
+        self.kv_usage.set(alloc.usage)
+        self.compiles.set(engine.runner.compiles_after_warmup)
+        self.preemptions.inc(sched.num_preemptions - self._last_preemptions)
+        self._last_preemptions = sched.num_preemptions
+        page = alloc.page_size
+        self.prefix_queries.inc((alloc.prefix_queries - self._last_queries) * page)
+        self.prefix_hits.inc((alloc.prefix_hits - self._last_hits) * page)
+        self._last_queries, self._last_hits = alloc.prefix_queries, alloc.prefix_hits
+        if stepped and engine.num_steps > self._last_step:
+            self.iteration_tokens.observe(engine.last_step_tokens)
+            self._last_step = engine.num_steps
+        for out in outputs:
+            for c in out.outputs:
+                self._on_completion(out, c)
+            if out.finished:
+                for c in out.outputs:
+                    self._itl_seen.pop((out.request_id, c.index), None)
+
+    def _on_completion(self, out: RequestOutput, c: CompletionOutput) -> None:
+        key = (out.request_id, c.index)
+        seen = self._itl_seen.get(key)
+        if seen == _COUNTED:
+            return  # a finished sample reappears in its group's later outputs
+        if seen is None:
+            seen = 0
+            if c.index == 0:
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(len(c.delta_token_ids))
+        m = c.metrics
+        if m is not None:
+            for gap in m.inter_token_latencies[seen:]:
+                self.itl.observe(gap)
+            seen = len(m.inter_token_latencies)
+        if c.finish_reason is None:
+            self._itl_seen[key] = seen
+            return
+        self._itl_seen[key] = _COUNTED
+        self.success(c.finish_reason).inc()
+        if m is None:
+            return
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        if m.queue_time is not None:
+            self.queue.observe(m.queue_time)
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.first_token_time is not None and m.last_token_time is not None and \
+                len(c.token_ids) > 1:
+            self.tpot.observe((m.last_token_time - m.first_token_time) / (len(c.token_ids) - 1))
+
+
+class MetricsHttpServer:
+    """`/metrics` over HTTP for one registry, in a daemon thread; `close()` stops it."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int):
+        self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.port: int = self._httpd.server_address[1]
+        self._closed = threading.Event()
+
+    def close(self) -> None:
+        if not self._closed.is_set():
+            self._closed.set()
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._thread.join(5.0)

@@ -1,0 +1,105 @@
+"""Data-parallel replicas as one synchronous engine, for the offline API and batch jobs.
+
+Data flow: `add_request` -> `ReplicaRouter.choose` (loads: each replica's unfinished requests;
+the prompt's token ids for prefix affinity) -> that replica's `Engine.add_request`.
+`step()` steps every replica that has work, concurrently on a thread pool (JAX releases the
+GIL while a device runs, so the replicas' devices work at the same time), and returns their
+outputs together. Replicas advance in lockstep here: the server instead drives each replica
+with its own loop thread (`data_parallel.DataParallelEngine`), so one replica's long prefill
+never delays another's stream.
+
+Each Engine is still touched by one thread at a time: `step()` joins every replica's step
+before it returns, and callers add and abort between steps.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Sequence
+
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.serving.router import ReplicaRouter
+
+
+class ReplicaPool:
+    """The Engine calls the offline API and batch jobs make, over several replicas."""
+
+    def __init__(self, engines: Sequence[Engine], router: ReplicaRouter) -> None:
+        if len(engines) != router.num_replicas:
+            raise ValueError(f"{len(engines)} engines but the router has {router.num_replicas}")
+        self.engines = tuple(engines)
+        self._router = router
+        self._owner: dict[str, Engine] = {}  # unfinished request id -> its replica
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            len(engines), thread_name_prefix="jaxserve-replica")
+
+    # What callers read off an Engine: identical on every replica.
+    @property
+    def config(self):  # noqa: ANN201 - EngineConfig
+        return self.engines[0].config
+
+    @property
+    def plan(self):  # noqa: ANN201 - EnginePlan
+        return self.engines[0].plan
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - Tokenizer
+        return self.engines[0].tokenizer
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.engines[0].eos_token_ids
+
+    @property
+    def num_requests(self) -> int:
+        return sum(e.num_requests for e in self.engines)
+
+    @property
+    def prefix_routed(self) -> int:
+        return self._router.prefix_routed
+
+    def has_unfinished(self) -> bool:
+        return any(e.has_unfinished() for e in self.engines)
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int],
+                    params: SamplingParams | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self._owner:
+            raise ValueError(f"request_id={request_id!r} is already in flight")
+        ids: Sequence[int] | None = prompt if not isinstance(prompt, str) else None
+        if self._router.prefix_aware and isinstance(prompt, str) and prompt:
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        loads = [e.num_requests for e in self.engines]
+        route = self._router.choose(loads, self._router.page_hashes(ids))
+        engine = self.engines[route.replica]
+        engine.add_request(request_id, prompt, params, priority=priority,
+                           arrival_time=arrival_time)  # ValueError: nothing was recorded
+        self._router.record(route, route.replica)
+        self._owner[request_id] = engine
+
+    def abort(self, request_id: str) -> bool:
+        engine = self._owner.get(request_id)
+        return engine is not None and engine.abort(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        """One step of every replica with work (concurrently); their outputs together."""
+        busy = [e for e in self.engines if e.has_unfinished()]
+        if len(busy) == 1:
+            outputs = busy[0].step()
+        else:
+            futures = [self._pool.submit(e.step) for e in busy]
+            # Every replica's step ends before this returns or raises: no engine is left
+            # running on the pool's threads while the caller touches it again.
+            concurrent.futures.wait(futures)
+            outputs = [o for f in futures for o in f.result()]
+        for out in outputs:
+            if out.finished:
+                self._owner.pop(out.request_id, None)
+        return outputs
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for e in self.engines:
+            e.close()

@@ -1,0 +1,224 @@
+"""A small Python client for the jaxserve gRPC server: sync (`Client`) and asyncio (`AsyncClient`).
+
+Data flow: prompt text / token ids / chat messages + SamplingParams (the offline API's class,
+validated locally) -> `build_request` -> GenerateRequest -> `Generation.Generate` over a
+channel (TLS when `root_certificates` or `tls=True`; the API key as `authorization: Bearer`
+metadata) -> GenerateResponse stream: `stream()` yields the messages as they arrive,
+`generate()` folds them into one `Completion` per sample.
+
+    from jaxserve.client import Client
+    from jaxserve import SamplingParams
+    with Client("127.0.0.1:50051") as c:
+        for msg in c.stream("Hello", SamplingParams(max_tokens=32)):
+            if msg.HasField("chunk"):
+                print(msg.chunk.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
+
+import grpc
+
+from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.server import stubs
+
+_stubs = stubs.load()
+pb2 = _stubs.pb2
+DEFAULT_TARGET = "127.0.0.1:50051"
+_REASONS = {v.number: v.name for v in pb2.FinishReason.DESCRIPTOR.values}
+
+
+@dataclasses.dataclass
+class Completion:
+    """One sample of a finished request, folded from its stream."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[Any] = dataclasses.field(default_factory=list)  # TokenLogprob messages
+    finish_reason: str | None = None  # STOP | LENGTH | EOS | STOP_STRING | ABORT
+    usage: Any = None  # Usage message
+    timing: Any = None  # Timing message
+
+
+def sampling_to_proto(params: SamplingParams) -> Any:
+    """The proto form of `params`: the server rebuilds an equal SamplingParams."""
+    sp = pb2.SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, min_p=params.min_p,
+        top_k=params.top_k, min_tokens=params.min_tokens, stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        skip_special_tokens=params.skip_special_tokens, n=params.n)
+    if params.seed is not None:
+        sp.seed = params.seed
+    if params.max_tokens is not None:  # unset: up to max_model_len, as None means offline
+        sp.max_tokens = params.max_tokens
+    if params.logprobs is not None:
+        sp.logprobs = params.logprobs
+    return sp
+
+
+def build_request(prompt: str | Sequence[int] | None = None,
+                  params: SamplingParams | Mapping[str, Any] | None = None, *,
+                  messages: Sequence[Mapping[str, str]] | None = None, request_id: str = "",
+                  priority: int = 0) -> Any:
+    """A GenerateRequest from text, token ids or chat `messages` (exactly one of them)."""
+    if (prompt is None) == (messages is None):
+        raise ValueError("pass exactly one of prompt (text or token ids) and messages")
+    if params is None:
+        params = SamplingParams()
+    elif not isinstance(params, SamplingParams):
+        params = SamplingParams(**params)
+    req = pb2.GenerateRequest(request_id=request_id, sampling=sampling_to_proto(params),
+                              priority=priority)
+    if messages is not None:
+        req.chat.messages.extend(pb2.ChatMessage(role=m["role"], content=m["content"])
+                                 for m in messages)
+    elif isinstance(prompt, str):
+        req.prompt = prompt
+    else:
+        req.token_ids.ids.extend(int(t) for t in prompt)  # type: ignore[union-attr]
+    return req
+
+
+def fold(responses: Sequence[Any] | Iterator[Any]) -> list[Completion]:
+    """Fold a GenerateResponse stream into one Completion per sample, by index."""
+    by_index: dict[int, Completion] = {}
+    for msg in responses:
+        if msg.HasField("chunk"):
+            c = by_index.setdefault(msg.chunk.index, Completion(msg.chunk.index))
+            c.text += msg.chunk.text
+            c.token_ids.extend(msg.chunk.token_ids)
+            c.logprobs.extend(msg.chunk.logprobs)
+        else:
+            f = msg.finished
+            c = by_index.setdefault(f.index, Completion(f.index))
+            c.finish_reason = _REASONS.get(f.reason, str(f.reason))
+            c.usage, c.timing = f.usage, f.timing
+    return [by_index[i] for i in sorted(by_index)]
+
+
+def _credentials(root_certificates: bytes | None, tls: bool) -> grpc.ChannelCredentials | None:
+    if root_certificates is None and not tls:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=root_certificates)
+
+
+class _Base:
+    def __init__(self, api_key: str | None, timeout: float | None):
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self.timeout = timeout
+
+    def _kw(self, timeout: float | None) -> dict[str, Any]:
+        return {"metadata": self._metadata,
+                "timeout": self.timeout if timeout is None else timeout}
+
+    def stream(self, prompt: str | Sequence[int] | None = None,
+               params: SamplingParams | Mapping[str, Any] | None = None, *,
+               messages: Sequence[Mapping[str, str]] | None = None, request_id: str = "",
+               priority: int = 0, timeout: float | None = None) -> Any:
+        """The Generate call (sync: iterate it; asyncio: `async for msg in call`); either
+        way `call.cancel()` aborts the request. `self.stub` is the subclass's."""
+        req = build_request(prompt, params, messages=messages, request_id=request_id,
+                            priority=priority)
+        return self.stub.Generate(req, **self._kw(timeout))
+
+
+class Client(_Base):
+    """Blocking client. `stream()` returns the call: iterate it, or `.cancel()` it."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, api_key: str | None = None,
+                 root_certificates: bytes | None = None, tls: bool = False,
+                 timeout: float | None = None, options: Sequence[tuple[str, Any]] = ()):
+        super().__init__(api_key, timeout)
+        creds = _credentials(root_certificates, tls)
+        self.channel = grpc.secure_channel(target, creds, options) if creds else \
+            grpc.insecure_channel(target, options)
+        self.stub = _stubs.grpc.GenerationStub(self.channel)
+
+    def generate(self, prompt: str | Sequence[int] | None = None,
+                 params: SamplingParams | Mapping[str, Any] | None = None,
+                 **kw: Any) -> list[Completion]:
+        return fold(self.stream(prompt, params, **kw))
+
+    def tokenize(self, text: str | None = None, *,
+                 messages: Sequence[Mapping[str, str]] | None = None,
+                 add_special_tokens: bool | None = None) -> list[int]:
+        return list(self.stub.Tokenize(_tokenize_request(text, messages, add_special_tokens),
+                                       **self._kw(None)).token_ids)
+
+    def model_info(self) -> Any:
+        return self.stub.GetModelInfo(pb2.ModelInfoRequest(), **self._kw(None))
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient(_Base):
+    """asyncio client; create and use it inside one running event loop."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, api_key: str | None = None,
+                 root_certificates: bytes | None = None, tls: bool = False,
+                 timeout: float | None = None, options: Sequence[tuple[str, Any]] = ()):
+        super().__init__(api_key, timeout)
+        creds = _credentials(root_certificates, tls)
+        self.channel = grpc.aio.secure_channel(target, creds, options) if creds else \
+            grpc.aio.insecure_channel(target, options)
+        self.stub = _stubs.grpc.GenerationStub(self.channel)
+
+    async def generate(self, prompt: str | Sequence[int] | None = None,
+                       params: SamplingParams | Mapping[str, Any] | None = None,
+                       **kw: Any) -> list[Completion]:
+        return fold([msg async for msg in self.stream(prompt, params, **kw)])
+
+    async def iter_text(self, prompt: str | Sequence[int] | None = None,
+                        params: SamplingParams | Mapping[str, Any] | None = None,
+                        **kw: Any) -> AsyncIterator[str]:
+        """Sample 0's text deltas as they arrive."""
+        async for msg in self.stream(prompt, params, **kw):
+            if msg.HasField("chunk") and msg.chunk.index == 0 and msg.chunk.text:
+                yield msg.chunk.text
+
+    async def tokenize(self, text: str | None = None, *,
+                       messages: Sequence[Mapping[str, str]] | None = None,
+                       add_special_tokens: bool | None = None) -> list[int]:
+        resp = await self.stub.Tokenize(_tokenize_request(text, messages, add_special_tokens),
+                                        **self._kw(None))
+        return list(resp.token_ids)
+
+    async def model_info(self) -> Any:
+        return await self.stub.GetModelInfo(pb2.ModelInfoRequest(), **self._kw(None))
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def _tokenize_request(text: str | None, messages: Sequence[Mapping[str, str]] | None,
+                      add_special_tokens: bool | None) -> Any:
+    if (text is None) == (messages is None):
+        raise ValueError("pass exactly one of text and messages")
+    req = pb2.TokenizeRequest()
+    if text is not None:
+        req.text = text
+    else:
+        req.chat.messages.extend(pb2.ChatMessage(role=m["role"], content=m["content"])
+                                 for m in messages or ())
+    if add_special_tokens is not None:
+        req.add_special_tokens = add_special_tokens
+    return req
