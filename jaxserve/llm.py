@@ -1,218 +1,24 @@
 """Offline API shaped like vLLM's: `LLM(model=...).generate(prompts, SamplingParams(...))`.
 
-Data flow: keyword arguments -> EngineConfig (validated) -> `build_engine` loads the model,
-derives pages and buckets from free memory (`sizing.plan_engine`), creates the ModelRunner
-(KV pages on device) and compiles every bucket -> `generate` adds every prompt to the Engine
-and steps it until all are finished, returning RequestOutputs in input order.
-
-Data parallel (`data_parallel_size` > 1): `build_engines` builds one such engine per row of a
-(data, model) mesh of the local devices and `generate` drives them as a `ReplicaPool`.
+Data flow: keyword arguments -> EngineConfig (validated) -> `serving.build` (load, size,
+place, compile: one Engine, or a ReplicaPool over `data_parallel_size` of them) -> `generate`
+adds every prompt to the engine and steps it until all are finished, returning RequestOutputs
+in input order.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import logging
 from typing import Sequence
 
-import jax
-import jax.numpy as jnp
-from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from jaxserve.config import EngineConfig, RuntimeConfig, apply_runtime
-from jaxserve.device.model_runner import ModelRunner
-from jaxserve.device.multihost import LeaderRunner, agree_min
-from jaxserve.engine.engine import Engine
+from jaxserve.config import EngineConfig
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.engine.sizing import (EnginePlan, available_host_memory, free_device_memory,
-                                    plan_engine)
-from jaxserve.kernels_pallas import padded_head_dim, select_impl
-from jaxserve.models import placement
-from jaxserve.models.config import ModelConfig
-from jaxserve.models.llama import LlamaParams
-from jaxserve.models.loading import LoadedModel, load_model
-from jaxserve.models.paged import MODEL_AXIS
-from jaxserve.serving.replica_pool import ReplicaPool
-from jaxserve.serving.router import make_router
-
-log = logging.getLogger(__name__)
+from jaxserve.serving.build import build_engine, build_offline_engine
 
 Prompt = str | Sequence[int]
-DATA_AXIS = "data"  # replicas; each row of the mesh is one replica's "model" axis
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-def build_engine(config: EngineConfig, model: LoadedModel | None = None,
-                 warmup: bool = True, progress: bool = True) -> Engine:
-    """Load (unless given), size, place and compile: a ready-to-step Engine.
-
-    Under `jax.distributed` (several processes) this runs on process 0 only, and its runner
-    announces every step to the other processes, which run `build_follower` + `follow`.
-    """
-    if jax.process_index() != 0:
-        raise ValueError(f"build_engine on process {jax.process_index()} of "
-                         f"{jax.process_count()}: only process 0 runs the engine; the others "
-                         "run multihost.follow(build_follower(config))")
-    placed = _place(config, model, None)
-    plan, runner = _make_runner(config, placed, _kv_budget([placed]))
-    if jax.process_count() > 1:
-        runner = LeaderRunner(runner, config.multihost_keepalive_s)
-    engine = Engine(config, plan, runner, placed.model.tokenizer,
-                    placed.model.config.eos_token_ids)
-    if warmup:
-        _warm_up([engine], progress)
-    return engine
-
-
-def build_follower(config: EngineConfig) -> ModelRunner:
-    """A process > 0's share of a multi-host engine: the same runner process 0 builds (same
-    mesh, shapes and KV pages), driven by `multihost.follow`."""
-    if jax.process_count() == 1 or jax.process_index() == 0:
-        raise ValueError(f"build_follower on process {jax.process_index()} of "
-                         f"{jax.process_count()}: it is for processes > 0 of a "
-                         "jax.distributed job")
-    placed = _place(config, None, None)
-    return _make_runner(config, placed, _kv_budget([placed]))[1]
-
-
-def build_engines(config: EngineConfig, model: LoadedModel | None = None,
-                  warmup: bool = True, progress: bool = True) -> list[Engine]:
-    """`data_parallel_size` independent engines, replica i on row i of a (data, model) mesh
-    of the local devices; each has its own scheduler, KV pages and compiled step.
-
-    Every replica's weights are placed before free memory is measured, and all replicas size
-    their KV pages from the same (smallest) figure, so they hold equal page counts. Every
-    replica compiles before any compile guard is armed: replicas run on different devices, so
-    each compiles its own executables, and a guard armed early would count the next
-    replica's warmup as serving compiles.
-    """
-    dp = config.data_parallel_size
-    if dp == 1:
-        return [build_engine(config, model, warmup, progress)]
-    if jax.process_count() > 1:
-        raise ValueError(f"data_parallel_size={dp} over {jax.process_count()} processes: data "
-                         "parallelism is per host; across hosts run one job per replica")
-    # Given no model, each replica loads the checkpoint straight onto its own devices (a
-    # memory-mapped re-read per replica) rather than staging one copy on device 0.
-    placed = [_place(config, model, row)
-              for row in replica_device_rows(dp, config.tensor_parallel_size)]
-    free = _kv_budget(placed)
-    engines = []
-    for p in placed:
-        plan, runner = _make_runner(config, p, free)
-        engines.append(Engine(config, plan, runner, p.model.tokenizer,
-                              p.model.config.eos_token_ids))
-    if warmup:
-        _warm_up(engines, progress)
-    return engines
-
-
-@dataclasses.dataclass(frozen=True)
-class _Placed:
-    """A model's weights on one engine's devices."""
-
-    model: LoadedModel
-    run_cfg: ModelConfig  # KV heads replicated where tensor parallelism needs it
-    params: LlamaParams
-    mesh: Mesh | None
-    device: jax.Device  # where free memory is read
-
-
-def _place(config: EngineConfig, model: LoadedModel | None,
-           devices: Sequence[jax.Device] | None) -> _Placed:
-    """Load (unless given) and place the weights on `devices` (None: the first tp devices of
-    all processes, or the first local device)."""
-    if config.compilation_cache_dir:
-        apply_runtime(RuntimeConfig(compilation_cache_dir=config.compilation_cache_dir))
-    tp = config.tensor_parallel_size
-    if jax.process_count() > 1 and tp != jax.device_count():
-        # A mesh of some processes' devices would leave the others following a step they
-        # have no part in.
-        raise ValueError(f"tensor_parallel_size={tp}: over {jax.process_count()} processes "
-                         f"the step must span all {jax.device_count()} devices")
-    mesh = None
-    if tp > 1 or devices is not None:
-        mesh = placement.make_tp_mesh(tp, None if devices is None else list(devices))
-    # A model not given loads straight into its shardings (each device reads only its own
-    # slice of the checkpoint); shard_params then hands those params back unchanged.
-    model = model or load_model(config.model, config.dtype, mesh=mesh)
-    if mesh is None:
-        return _Placed(model, model.config, model.params, None, jax.local_devices()[0])
-    return _Placed(model, placement.tp_model_config(model.config, tp),
-                   placement.place_params(model.params, model.config, mesh), mesh,
-                   next(d for d in mesh.devices.flat if d.process_index == jax.process_index()))
-
-
-def _kv_budget(placed: list[_Placed]) -> int:
-    """The free memory every engine of `placed` sizes its KV pages from: one figure, read
-    after all their weights are placed, so equal engines get equal page counts.
-
-    Devices that report their memory hold one engine each: the smallest of them. Devices that
-    do not (CPU) share the host's memory between the engines. Under tensor parallelism the
-    budget is still one device's free memory for all the pages: conservative (each device
-    holds 1 / tp of them, or 1 / num_kv_heads when KV heads are replicated), and right on CPU
-    where the virtual devices share host memory. Several processes must build the very same
-    step, so they agree on the smallest budget of any of them.
-    """
-    reported = [free_device_memory(p.device) for p in placed]
-    if None in reported:
-        return agree_min(available_host_memory() // len(placed))
-    return agree_min(min(r for r in reported if r is not None))
-
-
-def _make_runner(config: EngineConfig, placed: _Placed,
-                 free: int) -> tuple[EnginePlan, ModelRunner]:
-    attn_impl = select_impl(config.attention_impl)
-    kv_dtype = _DTYPES[config.kv_cache_dtype or config.dtype]
-    # Pallas kernels want lane-aligned head dims; the jnp reference takes any.
-    kv_head_dim = None if attn_impl == "reference" else padded_head_dim(
-        placed.model.config.head_dim)
-    plan = plan_engine(config, placed.run_cfg, jnp.dtype(kv_dtype).itemsize, free, kv_head_dim)
-    devices = placed.mesh.devices.flat if placed.mesh is not None else [placed.device]
-    log.info("KV cache: %d pages of %d tokens (%.1f MiB), attention=%s, devices=%s",
-             plan.scheduler.num_pages - 1, plan.scheduler.page_size,
-             plan.kv_budget_bytes / 2**20, attn_impl, [d.id for d in devices])
-    runner = ModelRunner(placed.run_cfg, placed.params, plan.batch_shape,
-                         plan.scheduler.num_pages, kv_dtype, attn_impl, kv_head_dim, placed.mesh)
-    return plan, runner
-
-
-def _warm_up(engines: list[Engine], progress: bool) -> None:
-    """Compile every engine's buckets, then arm every compile guard; on failure release the
-    runners (several hosts: the other processes stop following)."""
-    try:
-        for i, eng in enumerate(engines):
-            if len(engines) > 1:
-                log.info("compiling data-parallel replica %d/%d", i + 1, len(engines))
-            eng.runner.warmup(progress)
-        for eng in engines:
-            eng.runner.arm()
-    except BaseException:
-        for eng in engines:
-            eng.close()
-        raise
-
-
-def build_offline_engine(config: EngineConfig, model: LoadedModel | None = None,
-                         warmup: bool = True, progress: bool = True) -> Engine | ReplicaPool:
-    """One Engine, or a ReplicaPool over `data_parallel_size` of them (same calls)."""
-    engines = build_engines(config, model, warmup, progress)
-    return engines[0] if len(engines) == 1 else ReplicaPool(engines, make_router(engines))
-
-
-def replica_device_rows(dp: int, tp: int) -> list[list[jax.Device]]:
-    """The rows of the (data, model) mesh: the devices of each data-parallel replica."""
-    devices = jax.local_devices()
-    if dp * tp > len(devices):
-        raise ValueError(f"data_parallel_size={dp} x tensor_parallel_size={tp} needs {dp * tp} "
-                         f"devices; {len(devices)} local {devices[0].platform} device(s)")
-    # make_mesh orders the devices by the interconnect's topology where it has one (TPU),
-    # so each replica's tensor-parallel group sits on neighbouring chips.
-    mesh = jax.make_mesh((dp, tp), (DATA_AXIS, MODEL_AXIS), devices=devices[:dp * tp])
-    return [list(row) for row in mesh.devices]
 
 
 class LLM:
@@ -291,4 +97,4 @@ class LLM:
         return [final[i] for i in ids]
 
 
-__all__ = ["LLM", "SamplingParams", "build_engine", "build_engines", "build_offline_engine"]
+__all__ = ["LLM", "SamplingParams", "build_engine"]

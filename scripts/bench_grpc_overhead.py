@@ -176,8 +176,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from jaxserve.config import EngineConfig, RuntimeConfig, apply_runtime
-    from jaxserve.llm import build_engine
     from jaxserve.models.loading import load_model
+    from jaxserve.serving.build import build_engine
 
     apply_runtime(RuntimeConfig.from_env())
     tmp = None

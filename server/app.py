@@ -37,9 +37,10 @@ from jaxserve.server.auth import ApiKeyInterceptor
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.inflight import InFlight
 from jaxserve.server.openai_http import OpenAIHttpFront
-from jaxserve.server.servicer import SERVICE_NAME, GenerationServicer, ServedModel
+from jaxserve.server.servicer import SERVICE_NAME, GenerationServicer
 from jaxserve.serving.async_engine import AsyncEngine
 from jaxserve.serving.async_replica_pool import DataParallelEngine, ServingEngine
+from jaxserve.serving.build import ServedModel
 from jaxserve.serving.metrics import EngineMetrics, MetricsHttpServer
 from jaxserve.serving.router import make_router
 

@@ -1,10 +1,9 @@
-"""Protobuf <-> engine types, and every check a request passes before it reaches the engine.
+"""Protobuf <-> engine types: the gRPC wire format mapped, nothing validated beyond its shape.
 
 Data flow of a Generate call:
   GenerateRequest -> `parse_request` (sampling fields -> SamplingParams, whose ValueErrors
-  name the field and range; the input oneof -> `PromptInput`, chat roles checked) ->
-  `tokenize` (on a worker thread: text or chat template -> token ids) -> `check_prompt`
-  (vocabulary, max_model_len, max_tokens) -> the engine -> RequestOutputs ->
+  name the field and range; the input oneof -> `admission.PromptInput`) -> admission
+  (`jaxserve.serving.admission`: tokenize, prompt checks) -> the engine -> RequestOutputs ->
   `ResponseBuilder` -> GenerateResponse messages (Chunk deltas per sample, then one Finished
   per sample with its usage and timing).
 
@@ -22,12 +21,11 @@ from typing import Any, Sequence
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
 from jaxserve.engine.request import FinishReason, RequestMetrics
 from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.models.tokenizer import Tokenizer
 from jaxserve.server import stubs
+from jaxserve.serving.admission import CHAT_ROLES, InvalidRequest, PromptInput
 
 pb2 = stubs.load().pb2
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_REQUEST_ID_LEN = 256
 # Allowed ranges of the float fields, for the non-finite case that SamplingParams reports
 # without one.
@@ -40,19 +38,6 @@ _OPTIONAL = ("temperature", "top_p", "min_p", "top_k", "seed", "logprobs",
 _REASONS = {FinishReason.STOP: pb2.STOP, FinishReason.LENGTH: pb2.LENGTH,
             FinishReason.EOS: pb2.EOS, FinishReason.STOP_STRING: pb2.STOP_STRING,
             FinishReason.ABORT: pb2.ABORT}
-
-
-class InvalidRequest(ValueError):
-    """A request field is invalid; the message names it and its allowed range."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptInput:
-    text: str | None = None
-    token_ids: tuple[int, ...] | None = None
-    chat: tuple[dict[str, str], ...] | None = None
-    add_generation_prompt: bool = True
-    add_special_tokens: bool = True
 
 
 # --------------------------------------------------------------------------- requests
@@ -115,41 +100,6 @@ def parse_request(req: Any) -> tuple[PromptInput, SamplingParams]:
         raise InvalidRequest(f"request_id is {len(req.request_id)} characters long; at most "
                              f"{MAX_REQUEST_ID_LEN}")
     return input_from_proto(req, "prompt"), sampling_from_proto(req.sampling)
-
-
-def tokenize(inp: PromptInput, tokenizer: Tokenizer) -> list[int]:
-    """Token ids of the input exactly as the offline API computes them (blocking: run it on
-    a worker thread)."""
-    if inp.token_ids is not None:
-        return list(inp.token_ids)
-    if inp.text is not None:
-        return tokenizer.encode(inp.text, add_special_tokens=inp.add_special_tokens)
-    assert inp.chat is not None
-    try:
-        return list(tokenizer.apply_chat_template([dict(m) for m in inp.chat],
-                                                  inp.add_generation_prompt, tokenize=True))
-    except ValueError as e:  # ChatTemplateError and message-shape errors
-        raise InvalidRequest(f"chat: {e}") from None
-
-
-def check_prompt(ids: Sequence[int], params: SamplingParams, vocab_size: int,
-                 max_model_len: int) -> None:
-    """The length and vocabulary limits of the model (the KV fit is the engine's check)."""
-    if not ids:
-        raise InvalidRequest("prompt tokenizes to no tokens")
-    for i, t in enumerate(ids):
-        if not 0 <= t < vocab_size:
-            raise InvalidRequest(f"token_ids.ids[{i}]={t} is outside the vocabulary "
-                                 f"[0, {vocab_size})")
-    n = len(ids)
-    if n >= max_model_len:
-        raise InvalidRequest(f"prompt has {n} tokens; max_model_len={max_model_len} allows at "
-                             f"most {max_model_len - 1} prompt tokens")
-    if params.max_tokens is not None and n + params.max_tokens > max_model_len:
-        raise InvalidRequest(
-            f"sampling.max_tokens={params.max_tokens} is over the limit: prompt ({n} tokens) + "
-            f"max_tokens must be <= max_model_len={max_model_len}, so max_tokens must be in "
-            f"[1, {max_model_len - n}]")
 
 
 # --------------------------------------------------------------------------- responses

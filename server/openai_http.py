@@ -8,7 +8,7 @@ Data flow of `POST /v1/completions`:
   -> admission (503 while the model warms up, the server drains, or the engine failed)
   -> JSON body -> `parse_completion` (prompt: text, token ids, or a list of one of those;
   every sampling field -> `SamplingParams`, whose ValueError names the field -> 400)
-  -> tokenization on a small thread pool (never on the event loop) -> `convert.check_prompt`
+  -> tokenization on a small thread pool (never on the event loop) -> `admission.check_prompt`
   (vocabulary, max_model_len; 400 naming the field) -> `AsyncEngine.submit` (QueueFull -> 429,
   EngineStopped -> 503) -> the stream's first RequestOutput (the engine's own refusal, e.g.
   a prompt that can never fit the KV cache -> 400) -> either
@@ -40,12 +40,12 @@ from aiohttp import web
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from jaxserve.engine.request import FinishReason
 from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.server import convert
 from jaxserve.server.auth import ApiKeyInterceptor
 from jaxserve.server.inflight import InFlight
-from jaxserve.server.servicer import ServedModel
+from jaxserve.serving import admission
 from jaxserve.serving.async_engine import EngineStopped, QueueFull, RequestStream
 from jaxserve.serving.async_replica_pool import ServingEngine
+from jaxserve.serving.build import ServedModel
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health",)  # probes send no key
@@ -101,7 +101,7 @@ def _http_message(error: ValueError) -> str:
 # --------------------------------------------------------------------------- requests
 @dataclasses.dataclass(frozen=True)
 class CompletionRequest:
-    prompt: convert.PromptInput
+    prompt: admission.PromptInput
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
@@ -111,7 +111,7 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def parse_prompt(prompt: object) -> convert.PromptInput:
+def parse_prompt(prompt: object) -> admission.PromptInput:
     """A string, a list of token ids, or a list holding exactly one of those."""
     if prompt is None:
         raise bad_request("prompt is required: a string or a list of token ids", "prompt")
@@ -120,10 +120,10 @@ def parse_prompt(prompt: object) -> convert.PromptInput:
     if isinstance(prompt, (str, list)) and not prompt:
         raise bad_request("prompt must not be empty", "prompt")
     if isinstance(prompt, str):
-        return convert.PromptInput(text=prompt)
+        return admission.PromptInput(text=prompt)
     if isinstance(prompt, list):
         if all(_is_int(t) for t in prompt):
-            return convert.PromptInput(token_ids=tuple(prompt))
+            return admission.PromptInput(token_ids=tuple(prompt))
         if all(isinstance(p, (str, list)) for p in prompt):
             raise bad_request(f"prompt holds a batch of {len(prompt)} prompts; this server "
                               "takes one prompt per request", "prompt")
@@ -295,11 +295,11 @@ class OpenAIHttpFront:
             raise _unavailable(f"the engine failed: {engine.error!r}")
         return engine, served
 
-    async def _tokenize(self, inp: convert.PromptInput, served: ServedModel) -> list[int]:
+    async def _tokenize(self, inp: admission.PromptInput, served: ServedModel) -> list[int]:
         if inp.token_ids is not None:
             return list(inp.token_ids)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, convert.tokenize, inp,
+        return await loop.run_in_executor(self._pool, admission.tokenize, inp,
                                           served.engine.tokenizer)
 
     # ----------------------------------------------------------------------- endpoints
@@ -332,7 +332,7 @@ class OpenAIHttpFront:
             plan = served.engine.plan
             try:
                 ids = await self._tokenize(req.prompt, served)
-                convert.check_prompt(ids, req.params, plan.batch_shape.vocab_size,
+                admission.check_prompt(ids, req.params, plan.batch_shape.vocab_size,
                                      plan.scheduler.max_model_len)
             except ValueError as e:
                 raise bad_request(_http_message(e), _field_of(e, "prompt")) from None

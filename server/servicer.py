@@ -2,7 +2,7 @@
 
 Data flow of Generate: admission (refused with UNAVAILABLE while the model warms up or the
 server drains) -> `convert.parse_request` -> tokenization on a small thread pool (never on the
-event loop nor the engine thread) -> `convert.check_prompt` -> `AsyncEngine.submit` (QueueFull
+event loop nor the engine thread) -> `admission.check_prompt` -> `AsyncEngine.submit` (QueueFull
 -> RESOURCE_EXHAUSTED at once) -> for each RequestOutput the stream yields (plus any already
 queued behind it, coalesced) -> `ResponseBuilder` -> GenerateResponse messages. However the
 call ends (finished, client cancel, disconnect, deadline: grpc.aio cancels the handler), the
@@ -25,50 +25,18 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from jaxserve.config import EngineConfig
-from jaxserve.engine.engine import Engine
 from jaxserve.engine.sampling_params import MAX_LOGPROBS, MAX_N
-from jaxserve.models.loading import LoadedModel, detect_format, resolve_model_path
 from jaxserve.server import convert, stubs
 from jaxserve.server.inflight import InFlight
+from jaxserve.serving import admission
 from jaxserve.serving.async_engine import EngineStopped, QueueFull
 from jaxserve.serving.async_replica_pool import ServingEngine
+from jaxserve.serving.build import ServedModel
 
 log = logging.getLogger(__name__)
 _stubs = stubs.load()
 pb2 = _stubs.pb2
 SERVICE_NAME = pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-
-
-@dataclasses.dataclass(frozen=True)
-class ServedModel:
-    """A ready engine and how to describe it to callers."""
-
-    engine: Engine  # the (first) engine: config, plan and tokenizer are the same on all
-    name: str  # the --model value or "bundled"; also the metrics' model_name label
-    format: str = ""  # gguf | hf | orbax, when known
-    replicas: tuple[Engine, ...] = ()  # data parallel: every replica (engine is the first)
-
-    @property
-    def engines(self) -> tuple[Engine, ...]:
-        return self.replicas or (self.engine,)
-
-
-def model_name(config: EngineConfig, model: LoadedModel | None = None) -> str:
-    """What callers see as the model: the --model value, or "bundled:<file>"."""
-    source = model.source if model is not None else resolve_model_path(config.model)
-    return config.model or f"bundled:{source.name}"
-
-
-def build_served(config: EngineConfig, model: LoadedModel | None, progress: bool) -> ServedModel:
-    """Size, place and warm up an engine (data parallel: one per replica), ready to attach.
-    `model` None: each engine loads config.model straight onto its own devices."""
-    from jaxserve.llm import build_engines
-
-    engines = build_engines(config, model, warmup=True, progress=progress)
-    fmt = model.format if model is not None else detect_format(resolve_model_path(config.model))
-    return ServedModel(engine=engines[0], name=model_name(config, model), format=fmt,
-                       replicas=tuple(engines) if len(engines) > 1 else ())
 
 
 def model_info(served: ServedModel) -> Any:
@@ -80,7 +48,7 @@ def model_info(served: ServedModel) -> Any:
         num_kv_pages=eng.plan.scheduler.num_pages - 1, max_num_seqs=eng.config.max_num_seqs,
         max_num_batched_tokens=eng.config.max_num_batched_tokens,
         eos_token_ids=list(eng.eos_token_ids), dtype=eng.config.dtype,
-        max_logprobs=MAX_LOGPROBS, max_n=MAX_N, chat_roles=list(convert.CHAT_ROLES),
+        max_logprobs=MAX_LOGPROBS, max_n=MAX_N, chat_roles=list(admission.CHAT_ROLES),
         has_chat_template=bool(getattr(tok, "chat_template", None)))
 
 
@@ -117,11 +85,11 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
                                 f"the engine failed: {engine.error!r}")
         return engine, served
 
-    async def _tokenize(self, inp: convert.PromptInput, served: ServedModel) -> list[int]:
+    async def _tokenize(self, inp: admission.PromptInput, served: ServedModel) -> list[int]:
         if inp.token_ids is not None:
             return list(inp.token_ids)  # nothing to tokenize: skip the thread hop
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, convert.tokenize, inp,
+        return await loop.run_in_executor(self._pool, admission.tokenize, inp,
                                           served.engine.tokenizer)
 
     # ----------------------------------------------------------------------- RPCs
@@ -140,7 +108,7 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
                 inp, params = convert.parse_request(request)
                 ids = await self._tokenize(inp, served)
                 plan = served.engine.plan
-                convert.check_prompt(ids, params, plan.batch_shape.vocab_size,
+                admission.check_prompt(ids, params, plan.batch_shape.vocab_size,
                                      plan.scheduler.max_model_len)
                 stream = engine.submit(rid, ids, params, request.priority, arrival)
             except QueueFull as e:

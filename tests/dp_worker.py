@@ -28,8 +28,8 @@ from tp_worker import greedy_outputs, shard_bytes
 from jaxserve.config import EngineConfig
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.sizing import available_host_memory
-from jaxserve.llm import build_offline_engine
 from jaxserve.models import llama
+from jaxserve.serving.build import build_offline_engine
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 70)), [3, 1, 4, 1, 5, 9, 2, 6],
            list(range(100, 140)), [42]]
@@ -122,7 +122,7 @@ def serve_grpc(dp: int, tp: int) -> dict:
     from jaxserve.server.background import BackgroundServer
     from jaxserve.server.client import Client
     from jaxserve.server.config import ServerConfig
-    from jaxserve.server.servicer import build_served
+    from jaxserve.serving.build import build_served
 
     model = model_of("kv_replicated")
     cfg = EngineConfig(**BASE, data_parallel_size=dp, tensor_parallel_size=tp)

@@ -17,11 +17,11 @@ from hf_models import save_tiny_tokenizer
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import Engine
-from jaxserve.llm import build_engine
 from jaxserve.models import llama
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loading import LoadedModel
 from jaxserve.models.tokenizer import Tokenizer
+from jaxserve.serving.build import build_engine
 
 VOCAB = 211
 

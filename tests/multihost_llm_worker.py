@@ -15,7 +15,7 @@ import time
 from jaxserve import LLM, EngineConfig, SamplingParams
 from jaxserve.config import DistributedConfig
 from jaxserve.device import multihost
-from jaxserve.llm import build_follower
+from jaxserve.serving.build import build_follower
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 70))]
 ENGINE = dict(tensor_parallel_size=4, attention_impl="reference", max_num_seqs=8,

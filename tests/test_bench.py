@@ -291,7 +291,7 @@ def test_cli_bench_against_a_server_then_compare(tmp_path, tiny_checkpoint, caps
     from jaxserve.cli.main import main
     from jaxserve.server.background import BackgroundServer
     from jaxserve.server.config import ServerConfig
-    from jaxserve.server.servicer import ServedModel
+    from jaxserve.serving.build import ServedModel
 
     with BackgroundServer(ServerConfig(port=0), lambda: ServedModel(
             tiny_engine(**{"max_num_seqs": 4, "max_num_batched_tokens": 32}), "tiny",
@@ -341,7 +341,7 @@ def test_openai_http_target_against_jaxserve_http_front() -> None:
 
     from jaxserve.server.background import BackgroundServer
     from jaxserve.server.config import ServerConfig
-    from jaxserve.server.servicer import ServedModel
+    from jaxserve.serving.build import ServedModel
 
     async def refused(port: int) -> RequestRecord:  # ids beyond the vocabulary: a 400
         bad = OpenAITarget(f"http://127.0.0.1:{port}")

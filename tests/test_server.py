@@ -20,7 +20,7 @@ from jaxserve import SamplingParams
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.client import AsyncClient, Client, fold
 from jaxserve.server.config import ServerConfig
-from jaxserve.server.servicer import ServedModel
+from jaxserve.serving.build import ServedModel
 
 CONFIG = dict(max_num_seqs=8, max_num_batched_tokens=64, page_size=8, max_model_len=512)
 DEADLINE_S = 30.0

@@ -61,7 +61,7 @@ def serve_grpc(tp: int) -> dict:
     from jaxserve.server.background import BackgroundServer
     from jaxserve.server.client import Client
     from jaxserve.server.config import ServerConfig
-    from jaxserve.server.servicer import ServedModel
+    from jaxserve.serving.build import ServedModel
 
     model = tiny_model(num_heads=8, num_kv_heads=2, head_dim=8, hidden_size=64,
                        intermediate_size=128, vocab_size=256)

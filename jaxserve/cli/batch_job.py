@@ -50,7 +50,7 @@ import sys
 import time
 from typing import Any, Sequence
 
-from jaxserve.cli import serve as server_cli
+from jaxserve.cli import flags
 from jaxserve.cli.batch_io import (LineError, LineRequest, OrderedSink, ResultWriter, ResumeState,
                                    count_lines, id_key, parse_line, read_lines, recover_output)
 from jaxserve.engine.outputs import RequestOutput
@@ -290,8 +290,8 @@ def add_batch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fsync-interval", type=float, default=5.0,
                    help="seconds between fsyncs of OUT (default 5; always at the end)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    server_cli.add_engine_flags(p)
-    server_cli.add_distributed_flags(p)
+    flags.add_engine_flags(p)
+    flags.add_distributed_flags(p)
 
 
 def add_batch_parser(sub: Any) -> None:
@@ -303,11 +303,11 @@ def add_batch_parser(sub: Any) -> None:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    config = server_cli.engine_config_from_args(args)
+    config = flags.engine_config_from_args(args)
     if args.process_id > 0:
         # Another host of a several-host job: it only runs process 0's steps; IN and OUT are
         # process 0's business (its host's files).
-        return server_cli.join_or_follow(args, config) or 0  # ValueError if misconfigured
+        return flags.join_or_follow(args, config) or 0  # ValueError if misconfigured
     in_path = pathlib.Path(args.input)
     out_path = pathlib.Path(args.output)
     if not in_path.is_file():
@@ -323,9 +323,9 @@ def cmd_batch(args: argparse.Namespace) -> int:
                                   ("temperature", args.temperature)) if v is not None}
     options = BatchOptions(window=args.window, defaults=defaults, retry_errors=args.retry_errors,
                            fsync_interval=args.fsync_interval, progress=not args.no_progress)
-    server_cli.join_or_follow(args, config)  # process 0 of several: join the job
+    flags.join_or_follow(args, config)  # process 0 of several: join the job
 
-    from jaxserve.llm import build_offline_engine
+    from jaxserve.serving.build import build_offline_engine
 
     t0 = time.perf_counter()
     # The engine loads the model itself, straight onto its devices' shardings.

@@ -74,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from jaxserve.engine.sampling_params import SamplingParams
-    from jaxserve.llm import build_engine
     from jaxserve.models import loading
+    from jaxserve.serving.build import build_engine
 
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens={args.max_tokens} must be >= 1")

@@ -33,7 +33,7 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def add_workload_flags(p: argparse.ArgumentParser) -> None:
     from jaxserve.cli.bench.workload import WORKLOADS, parse_length_dist
-    from jaxserve.cli.serve import parse_int_list
+    from jaxserve.cli.flags import parse_int_list
 
     def dist(text: str) -> Any:
         try:
@@ -113,7 +113,7 @@ def load_specs(args: argparse.Namespace, default_concurrency: tuple[int, ...]) -
 
 
 def add_bench_parser(sub: Any) -> None:
-    from jaxserve.cli.serve import add_engine_flags
+    from jaxserve.cli.flags import add_engine_flags
 
     b = sub.add_parser(
         "bench", help="measure TTFT / ITL / TPOT / throughput under load",
@@ -146,7 +146,7 @@ def add_bench_parser(sub: Any) -> None:
 
 
 def add_tune_parser(sub: Any) -> None:
-    from jaxserve.cli.serve import add_engine_flags, parse_int_list
+    from jaxserve.cli.flags import add_engine_flags, parse_int_list
 
     t = sub.add_parser(
         "tune", help="pick max_num_batched_tokens / max_num_seqs from p99 SLOs",
@@ -214,7 +214,7 @@ async def _bench(args: argparse.Namespace) -> dict:
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    from jaxserve.cli.serve import engine_config_from_args
+    from jaxserve.cli.flags import engine_config_from_args
 
     return engine_config_from_args(args)
 

@@ -1,0 +1,134 @@
+"""Flags shared by the `jaxserve` subcommands, generated from the config dataclasses.
+
+`add_engine_flags` adds one flag per EngineConfig field (a new engine option becomes a flag by
+itself) and `engine_config_from_args` reads them back into a validated EngineConfig;
+`add_distributed_flags` + `join_or_follow` make any subcommand a multi-host job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import re
+from typing import Any
+
+from jaxserve.config import DTYPES, DistributedConfig, EngineConfig
+
+# The serve command raises this logger to INFO: the follower lines show like the lifecycle ones.
+log = logging.getLogger("jaxserve.server")
+
+_ENGINE_HELP = {
+    "model": "model to serve: an HF directory, a GGUF file or a jaxserve checkpoint; "
+             "default: the bundled SmolLM2-135M-Instruct",
+    "dtype": "parameter dtype",
+    "kv_cache_dtype": "KV cache dtype (default: --dtype)",
+    "max_num_seqs": "sequences in one step",
+    "max_num_batched_tokens": "tokens (decodes + prefill chunks) in one step",
+    "max_model_len": "prompt + generated tokens of one sequence (default: the model's, "
+                     "capped at 4096)",
+    "page_size": "tokens per KV page",
+    "kv_cache_memory": "bytes for KV pages, e.g. 2GiB (default: a fraction of free memory)",
+    "kv_cache_memory_fraction": "fraction of free memory for KV pages when --kv-cache-memory "
+                                "is not given",
+    "enable_prefix_caching": "reuse KV pages of shared prompt prefixes",
+    "attention_impl": "auto | reference | pallas_tpu | pallas_gpu",
+    "token_buckets": "comma-separated step token buckets (default: powers of two)",
+    "seq_buckets": "comma-separated sequence buckets (default: one per token bucket)",
+    "seed": "seed of the seeds drawn for requests that give none",
+    "tensor_parallel_size": "devices one engine's step is split over (weights by head, MLP "
+                            "column and vocabulary; KV pages by KV head)",
+    "multihost_keepalive_s": "several hosts: idle seconds after which process 0 tells the "
+                             "others it is alive",
+    "data_parallel_size": "independent engine replicas, each on its own tensor-parallel "
+                          "devices; requests go to the least loaded or prefix-holding one",
+    "compilation_cache_dir": "JAX persistent compilation cache directory (default: "
+                             "$JAXSERVE_COMPILATION_CACHE_DIR or ~/.cache/jaxserve/xla)",
+}
+_CHOICES = {"dtype": DTYPES, "kv_cache_dtype": DTYPES}
+_UNITS = {"": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 1073741824, 512MiB, 2GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers")
+
+
+def _engine_flag_type(field: dataclasses.Field) -> Any:
+    kind = str(field.type)
+    if field.name == "kv_cache_memory":
+        return parse_bytes
+    if kind.startswith("tuple"):
+        return parse_int_list
+    if kind.startswith("int"):
+        return int
+    if kind.startswith("float"):
+        return float
+    return str
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine (every EngineConfig field)")
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_ = _ENGINE_HELP.get(f.name, f.name.replace("_", " "))
+        if str(f.type) == "bool":
+            g.add_argument(flag, dest=f"engine_{f.name}", action=argparse.BooleanOptionalAction,
+                           default=f.default, help=help_)
+            continue
+        shown = "" if f.default is None or "default" in help_ else f" (default: {f.default})"
+        g.add_argument(flag, dest=f"engine_{f.name}", type=_engine_flag_type(f),
+                       default=f.default, choices=_CHOICES.get(f.name),
+                       metavar=None if f.name in _CHOICES else f.name.upper(),
+                       help=help_ + shown)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f"engine_{f.name}")
+                           for f in dataclasses.fields(EngineConfig)})
+
+
+def add_distributed_flags(p: argparse.ArgumentParser) -> None:
+    d = p.add_argument_group("several hosts (jax.distributed; see README)")
+    d.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="process 0's address for jax.distributed; every process passes the "
+                        "same value")
+    d.add_argument("--num-processes", type=int, default=1,
+                   help="processes (hosts) in the job (default 1)")
+    d.add_argument("--process-id", type=int, default=0,
+                   help="this process's index; 0 runs the scheduler (and any server or "
+                        "output), the others run its steps on their devices (default 0)")
+
+
+def join_or_follow(args: argparse.Namespace, cfg: EngineConfig) -> int | None:
+    """With --num-processes > 1: join the jax.distributed job (before anything else touches a
+    JAX backend); on a process > 0, build the same runner as process 0 and run its steps until
+    it stops, returning the exit code. None: carry on (process 0, or a single process)."""
+    dist = DistributedConfig(coordinator=args.coordinator, num_processes=args.num_processes,
+                             process_id=args.process_id)
+    if not dist.enabled:
+        return None
+    from jaxserve.device import multihost
+    from jaxserve.serving.build import build_follower
+
+    multihost.initialize(dist)
+    if dist.is_leader:
+        return None
+    log.info("process %d of %d: following %s", dist.process_id, dist.num_processes,
+             dist.coordinator)
+    runner = build_follower(cfg)
+    stats = multihost.follow(runner)
+    log.info("process %d: the leader stopped; ran steps=%d keepalives=%d "
+             "compiles_after_warmup=%d", dist.process_id, stats.steps, stats.keepalives,
+             runner.compiles_after_warmup)
+    return 0
