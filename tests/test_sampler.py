@@ -19,9 +19,9 @@ def tensors(S: int, **kw: object) -> sampler.SamplingTensors:
         rng_key=np.stack([np.zeros(S, np.uint32), np.arange(S, dtype=np.uint32)], 1),
         repetition_penalty=np.ones(S, np.float32), presence_penalty=np.zeros(S, np.float32),
         frequency_penalty=np.zeros(S, np.float32), history=np.zeros((S, 0), np.int32),
-        history_is_output=np.zeros((S, 0), bool), want_logprobs=np.ones(S, bool))
+        history_is_output=np.zeros((S, 0), bool), logprobs=np.zeros(S, np.float32))
     base.update(kw)
-    return sampler.SamplingTensors(**{k: jnp.asarray(v) for k, v in base.items()})
+    return sampler.SamplingTensors.of(**{k: jnp.asarray(v) for k, v in base.items()})
 
 
 # ------------------------------------------------------------------ numpy definitions (oracle)

@@ -26,8 +26,9 @@ from tqdm.auto import tqdm
 
 from jaxserve.device.compile_guard import CompileGuard
 from jaxserve.device.sampler import SamplingTensors, sample
-from jaxserve.engine.batch import BatchShape, StepBatch
-from jaxserve.engine.runner import MAX_LOGPROBS, StepResult
+from jaxserve.engine.batch import BatchShape, StepBatch, pad_rows
+from jaxserve.engine.runner import StepResult
+from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.kernels_pallas import AttentionMetadata
 from jaxserve.models import placement
 from jaxserve.models.config import ModelConfig
@@ -64,11 +65,8 @@ def to_step_inputs(b: StepBatch) -> tuple[StepInputs, SamplingTensors]:
     forward's input shapes)."""
     md = AttentionMetadata(slot_mapping=b.slot_mapping, block_tables=b.block_tables,
                            kv_lens=b.kv_lens, cu_q_lens=b.cu_q_lens, num_seqs=b.num_seqs)
-    st = SamplingTensors(temperature=b.temperature, top_k=b.top_k, top_p=b.top_p,
-                         min_p=b.min_p, rng_key=b.rng_key, repetition_penalty=b.repetition_penalty,
-                         presence_penalty=b.presence_penalty,
-                         frequency_penalty=b.frequency_penalty, history=b.history,
-                         history_is_output=b.history_is_output, want_logprobs=b.want_logprobs)
+    st = SamplingTensors(knobs=b.sampling, rng_key=b.rng_key, history=b.history,
+                         history_is_output=b.history_is_output)
     return StepInputs(token_ids=b.token_ids, positions=b.positions, md=md,
                       logits_indices=b.logits_indices), st
 
@@ -83,12 +81,9 @@ def empty_batch(shape: BatchShape, num_tokens: int, num_seqs: int, penalties: bo
         slot_mapping=np.zeros(num_tokens, i32),
         block_tables=np.zeros((S, shape.max_pages_per_seq), i32), kv_lens=np.zeros(S, i32),
         cu_q_lens=np.zeros(S + 1, i32), num_seqs=np.zeros(1, i32),
-        logits_indices=np.zeros(S, i32), temperature=np.zeros(S, np.float32),
-        top_k=np.full(S, shape.vocab_size, i32), top_p=np.ones(S, np.float32),
-        min_p=np.zeros(S, np.float32), rng_key=np.zeros((S, 2), np.uint32),
-        repetition_penalty=np.ones(S, np.float32), presence_penalty=np.zeros(S, np.float32),
-        frequency_penalty=np.zeros(S, np.float32), history=np.full((S, P), -1, i32),
-        history_is_output=np.zeros((S, P), bool), want_logprobs=np.zeros(S, bool))
+        logits_indices=np.zeros(S, i32), sampling=pad_rows(S),
+        rng_key=np.zeros((S, 2), np.uint32), history=np.full((S, P), -1, i32),
+        history_is_output=np.zeros((S, P), bool))
 
 
 def place_inputs(tree: tuple[StepInputs, SamplingTensors],

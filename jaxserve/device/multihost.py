@@ -8,7 +8,7 @@ detokenizer, gRPC / HTTP fronts) and makes the other processes mirror its device
   process 0: Engine.step -> StepBatch -> LeaderRunner.execute:
                broadcast header i32[4] = (STEP, T_b, S_b, P)  -- which bucket
                broadcast the forward arrays of that bucket     -- token ids, block tables, ...
-               broadcast the sampling arrays (S_b, P)         -- temperature, seeds, history
+               broadcast the sampling arrays (S_b, P)         -- knob matrix, keys, history
                ModelRunner.execute(batch)                      -- the compiled step
   process i: follow(runner): receive the header; STEP -> receive the arrays (shapes from the
              header) -> the same ModelRunner.execute; ARM -> arm the compile guard (warmup
@@ -47,11 +47,11 @@ from jaxserve.engine.runner import StepResult
 log = logging.getLogger(__name__)
 
 STEP, ARM, STOP, KEEPALIVE = 1, 2, 3, 4
+# Each StepBatch field travels in exactly one of the two broadcasts: the forward's inputs
+# (shapes from tokens x seqs) and every other field, the sampler's (seqs x penalty history).
 _FORWARD = ("token_ids", "positions", "slot_mapping", "block_tables", "kv_lens", "cu_q_lens",
             "num_seqs", "logits_indices")
-_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "rng_key", "repetition_penalty",
-             "presence_penalty", "frequency_penalty", "history", "history_is_output",
-             "want_logprobs")
+_SAMPLING = tuple(f.name for f in dataclasses.fields(StepBatch) if f.name not in _FORWARD)
 
 
 def initialize(cfg: DistributedConfig) -> None:

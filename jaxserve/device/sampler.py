@@ -18,24 +18,36 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxserve.engine.runner import MAX_LOGPROBS
+from jaxserve.engine.sampling_params import DEVICE_COLUMN, MAX_LOGPROBS, PAD_ROW
 
 
 @struct.dataclass
 class SamplingTensors:
-    """Per-row sampling arrays; S is the step's sequence bucket."""
+    """Per-row sampling inputs; S is the step's sequence bucket."""
 
-    temperature: jax.Array  # f32[S]; 0 = greedy
-    top_k: jax.Array  # i32[S]; >= vocab disables
-    top_p: jax.Array  # f32[S]; 1 disables
-    min_p: jax.Array  # f32[S]; 0 disables
+    knobs: jax.Array  # f32[S, K] one column per device field (sampling_params.DEVICE_FIELDS)
     rng_key: jax.Array  # u32[S, 2] raw threefry key data, already folded with the step index
-    repetition_penalty: jax.Array  # f32[S]; 1 disables
-    presence_penalty: jax.Array  # f32[S]
-    frequency_penalty: jax.Array  # f32[S]
     history: jax.Array  # i32[S, P] prompt + output token ids, -1 padded (P = 0: no penalties)
     history_is_output: jax.Array  # bool[S, P] True where history holds a generated token
-    want_logprobs: jax.Array  # bool[S] the row asked for logprobs
+
+    def knob(self, name: str) -> jax.Array:
+        """f32[S]: the column of sampling field `name` (resolved at trace time). Columns:
+        temperature (0 = greedy), top_k (<= 0 or >= vocab: off), top_p (1: off), min_p (0: off),
+        logprobs (>= 0: the row wants logprobs), repetition_penalty (1: off),
+        presence_penalty and frequency_penalty (0: off)."""
+        return self.knobs[:, DEVICE_COLUMN[name]]
+
+    @classmethod
+    def of(cls, rng_key: jax.Array, history: jax.Array, history_is_output: jax.Array,
+           **columns: jax.Array) -> "SamplingTensors":
+        """From named f32[S] columns; a column not given is the padding value (off)."""
+        S = rng_key.shape[0]
+        knobs = jnp.stack([jnp.asarray(columns.pop(name), jnp.float32) if name in columns
+                           else jnp.full((S,), pad, jnp.float32)
+                           for name, pad in zip(DEVICE_COLUMN, PAD_ROW)], axis=1)
+        if columns:
+            raise TypeError(f"unknown sampling columns {sorted(columns)}")
+        return cls(knobs, rng_key, history, history_is_output)
 
 
 @struct.dataclass
@@ -57,10 +69,10 @@ def apply_penalties(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     seen = jnp.zeros((S, V), bool).at[rows, ids].max(valid)
     out_counts = jnp.zeros((S, V), jnp.float32).at[rows, ids].add(
         (valid & st.history_is_output).astype(jnp.float32))
-    rep = st.repetition_penalty[:, None]
+    rep = st.knob("repetition_penalty")[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    logits = logits - st.frequency_penalty[:, None] * out_counts
-    return logits - st.presence_penalty[:, None] * (out_counts > 0)
+    logits = logits - st.knob("frequency_penalty")[:, None] * out_counts
+    return logits - st.knob("presence_penalty")[:, None] * (out_counts > 0)
 
 
 def filter_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
@@ -70,18 +82,20 @@ def filter_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     result does not depend on sort order.
     """
     V = logits.shape[-1]
-    t = jnp.where(st.temperature > 0, st.temperature, 1.0)[:, None]
+    temperature, top_p, min_p = st.knob("temperature"), st.knob("top_p"), st.knob("min_p")
+    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
     scaled = logits / t
-    needs_sort = jnp.any((st.top_k < V) | (st.top_p < 1.0))
+    top_k = st.knob("top_k")  # f32, exact for integers < 2**24; <= 0: the whole vocabulary
+    k = jnp.where((top_k <= 0) | (top_k >= V), V, top_k).astype(jnp.int32)  # i32[S] in [1, V]
+    needs_sort = jnp.any((k < V) | (top_p < 1.0))
 
     def cutoff(x: jax.Array) -> jax.Array:
         desc = -jnp.sort(-x, axis=-1)  # f32[S, V] descending
-        k = jnp.clip(st.top_k, 1, V)
         kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
         probs = jax.nn.softmax(desc, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each position
         # Smallest set whose mass reaches top_p: keep positions whose preceding mass < top_p.
-        keep = before < st.top_p[:, None]
+        keep = before < top_p[:, None]
         last = jnp.maximum(jnp.sum(keep, axis=-1) - 1, 0)
         pth = jnp.take_along_axis(desc, last[:, None], axis=-1)
         return jnp.maximum(kth, pth)  # f32[S, 1]: keep x >= cutoff
@@ -92,10 +106,10 @@ def filter_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
 
     def min_p_filter(x: jax.Array) -> jax.Array:
         # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p) (no softmax needed).
-        floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(st.min_p[:, None])
+        floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(min_p[:, None])
         return jnp.where(scaled >= floor, x, -jnp.inf)
 
-    return jax.lax.cond(jnp.any(st.min_p > 0), min_p_filter, lambda x: x, out)
+    return jax.lax.cond(jnp.any(min_p > 0), min_p_filter, lambda x: x, out)
 
 
 def sample(logits: jax.Array, st: SamplingTensors, apply_penalty: bool) -> SampleOutput:
@@ -108,7 +122,7 @@ def sample(logits: jax.Array, st: SamplingTensors, apply_penalty: bool) -> Sampl
     if apply_penalty:
         logits = apply_penalties(logits, st)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    sampling = st.temperature > 0
+    sampling = st.knob("temperature") > 0
 
     def draw(_: None) -> jax.Array:
         filtered = filter_logits(logits, st)
@@ -130,6 +144,6 @@ def sample(logits: jax.Array, st: SamplingTensors, apply_penalty: bool) -> Sampl
         return (jnp.zeros((S,), jnp.float32), jnp.zeros((S, MAX_LOGPROBS), jnp.int32),
                 jnp.zeros((S, MAX_LOGPROBS), jnp.float32))
 
-    chosen, top_ids, top_lp = jax.lax.cond(jnp.any(st.want_logprobs), logprobs, no_logprobs,
+    chosen, top_ids, top_lp = jax.lax.cond(jnp.any(st.knob("logprobs") >= 0), logprobs, no_logprobs,
                                            None)
     return SampleOutput(tokens=tokens, logprob=chosen, top_ids=top_ids, top_logprobs=top_lp)

@@ -10,7 +10,11 @@ vLLM's vocabulary, for the T_b padded tokens of the S_b padded sequences of one 
   cu_q_lens              i32[S_b + 1]  query offsets (padding sequences have length 0)
   num_seqs               i32[1]
   logits_indices         i32[S_b]  which token's logits each sequence samples from
-plus the per-row sampling arrays (see `jaxserve.sampler.SamplingTensors`).
+  sampling               f32[S_b, K]  one row per sequence, one column per device sampling
+                                    field (`sampling_params.DEVICE_FIELDS`); padding rows are
+                                    `sampling_params.PAD_ROW` (greedy, nothing filtered)
+  rng_key, history, history_is_output  derived per-row sampler inputs (see
+                                    `jaxserve.device.sampler.SamplingTensors`)
 """
 
 from __future__ import annotations
@@ -21,9 +25,8 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxserve.engine.sampling_params import PAD_ROW
 from jaxserve.engine.scheduler import SchedulerOutput
-
-_MASK64 = (1 << 64) - 1
 
 
 def bucket_for(num_tokens: int, num_seqs: int,
@@ -75,17 +78,10 @@ class StepBatch:
     cu_q_lens: np.ndarray  # i32[S_b + 1]
     num_seqs: np.ndarray  # i32[1]
     logits_indices: np.ndarray  # i32[S_b]
-    temperature: np.ndarray  # f32[S_b]
-    top_k: np.ndarray  # i32[S_b]
-    top_p: np.ndarray  # f32[S_b]
-    min_p: np.ndarray  # f32[S_b]
+    sampling: np.ndarray  # f32[S_b, K] columns: sampling_params.DEVICE_FIELDS
     rng_key: np.ndarray  # u32[S_b, 2]
-    repetition_penalty: np.ndarray  # f32[S_b]
-    presence_penalty: np.ndarray  # f32[S_b]
-    frequency_penalty: np.ndarray  # f32[S_b]
     history: np.ndarray  # i32[S_b, P] (P = 0 when no row uses penalties)
     history_is_output: np.ndarray  # bool[S_b, P]
-    want_logprobs: np.ndarray  # bool[S_b]
 
     @property
     def bucket(self) -> tuple[int, int, bool]:
@@ -161,15 +157,9 @@ def build_batch(out: SchedulerOutput, shape: BatchShape) -> StepBatch:
     cu_q_lens[num + 1:] = t
     logits_indices = np.maximum(cu_q_lens[1:] - 1, 0).astype(np.int32)
 
-    # Padding rows: greedy, no filtering, no penalties.
-    table = np.zeros((S, 8), np.float64)
-    table[:, 1] = -1
-    table[:, 2] = 1.0
-    table[:, 4] = 1.0
+    sampling = pad_rows(S)
     if num:
-        table[:num] = rows
-    top_k = table[:, 1].astype(np.int32)
-    top_k[top_k <= 0] = shape.vocab_size
+        sampling[:num] = rows
     rng_key = np.zeros((S, 2), np.uint32)
     if num:
         rng_key[:num] = rng_key_data(np.array(seeds, np.uint64), np.array(counters, np.uint64))
@@ -183,12 +173,12 @@ def build_batch(out: SchedulerOutput, shape: BatchShape) -> StepBatch:
         history[row, : len(ids)] = ids
         n_out = min(req.num_output_tokens, len(ids))
         is_output[row, len(ids) - n_out: len(ids)] = True
-    f32 = np.float32
     return StepBatch(token_ids, positions, slot_mapping, block_tables, kv_lens, cu_q_lens,
-                     np.array([num], np.int32), logits_indices,
-                     temperature=table[:, 0].astype(f32), top_k=top_k,
-                     top_p=table[:, 2].astype(f32), min_p=table[:, 3].astype(f32),
-                     rng_key=rng_key, repetition_penalty=table[:, 4].astype(f32),
-                     presence_penalty=table[:, 5].astype(f32),
-                     frequency_penalty=table[:, 6].astype(f32), history=history,
-                     history_is_output=is_output, want_logprobs=table[:, 7] > 0)
+                     np.array([num], np.int32), logits_indices, sampling=sampling,
+                     rng_key=rng_key, history=history, history_is_output=is_output)
+
+
+def pad_rows(num_seqs: int) -> np.ndarray:
+    """f32[num_seqs, K]: padding rows of the sampling matrix (greedy, no filter, no penalty,
+    no logprobs)."""
+    return np.tile(np.asarray(PAD_ROW, np.float32), (num_seqs, 1))

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from jaxserve.engine.batch import StepBatch
-from jaxserve.engine.runner import MAX_LOGPROBS, StepResult
+from jaxserve.engine.runner import StepResult
+from jaxserve.engine.sampling_params import MAX_LOGPROBS
 
 
 def arithmetic_next_token(last_token: int, position: int, vocab_size: int) -> int:

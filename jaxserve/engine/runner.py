@@ -13,14 +13,12 @@ import numpy as np
 
 from jaxserve.engine.batch import StepBatch
 
-MAX_LOGPROBS = 20  # top-N logprobs computed per sampled token
-
 
 @dataclasses.dataclass
 class StepResult:
     tokens: np.ndarray  # i32[S_b]
     logprob: np.ndarray  # f32[S_b]
-    top_ids: np.ndarray  # i32[S_b, MAX_LOGPROBS]
+    top_ids: np.ndarray  # i32[S_b, MAX_LOGPROBS] (sampling_params.MAX_LOGPROBS)
     top_logprobs: np.ndarray  # f32[S_b, MAX_LOGPROBS]
 
 

@@ -1,8 +1,20 @@
 """SamplingParams: the per-request generation knobs, validated once where they enter.
 
-Plain Python (no jax). Every bad value raises ValueError naming the field and the allowed
-range, so the offline API raises it and the gRPC server maps it to INVALID_ARGUMENT. On the
-device side these become per-row arrays (`jaxserve.sampler`), never static arguments.
+Plain Python (no jax). This module is the one registry of sampling fields: each field is
+declared once below, with `knob(default, rule=..., help=..., device=...)`, and everything
+else is derived from that declaration:
+  - validation (`Rule`: the allowed values and the text error messages state them in);
+  - the gRPC mapping (`server/convert.sampling_from_proto`, `server/client.sampling_to_proto`:
+    proto field names equal these names);
+  - the HTTP body parsing (`server/openai_http.parse_completion`: type checks from the
+    declared type);
+  - the CLI flags (`jaxserve.cli.flags.add_sampling_flags`) and the batch job's line keys;
+  - for fields with `device=Column(pad=...)`: one column of the step's f32[S, K] sampling
+    matrix (`DEVICE_FIELDS` gives the column order, `PAD_ROW` the padding / warmup row, which
+    must sample greedily with every filter and penalty off), and so the multi-host broadcast.
+Every bad value raises ValueError naming the field and the allowed range, so the offline API
+raises it and the servers map it to INVALID_ARGUMENT / 400. Checks across fields
+(min_tokens <= max_tokens) are explicit code in `_validate`.
 """
 
 from __future__ import annotations
@@ -10,115 +22,228 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Sequence
+import typing
+from typing import Any, Callable, Sequence
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # top-N logprobs computed per sampled token (the sampler's static width)
 MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 
 
+# ----------------------------------------------------------------------------- declarations
+class Rule:
+    """The allowed values of one field. `text` states them as error messages do."""
+
+    text: str
+
+    def check(self, name: str, value: Any) -> None:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class IntIn(Rule):
+    lo: int
+    hi: int
+
+    @property
+    def text(self) -> str:  # type: ignore[override]
+        return f"an integer in [{self.lo}, {self.hi}]"
+
+    def check(self, name: str, value: Any) -> None:
+        if not _is_int(value) or not self.lo <= value <= self.hi:
+            raise ValueError(f"{name}={value!r} must be {self.text}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Finite(Rule):
+    """A finite number satisfying `ok`; a non-finite value gets its own message first."""
+
+    text: str  # e.g. "in (0, 1]"
+    ok: Callable[[float], bool]
+
+    def check(self, name: str, value: Any) -> None:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or \
+                not math.isfinite(value):
+            raise ValueError(f"{name}={value!r} must be a finite number")
+        if not self.ok(value):
+            raise ValueError(f"{name}={value} must be {self.text}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK(Rule):
+    text: str = "-1 (disabled) or >= 1"
+
+    def check(self, name: str, value: Any) -> None:
+        if not _is_int(value) or value < -1 or value == 0:
+            raise ValueError(f"{name}={value} must be {self.text}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StopStrings(Rule):
+    text: str = "a string or a list of strings"
+
+    def check(self, name: str, value: Any) -> None:
+        if len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"{name} has {len(value)} strings; at most {MAX_STOP_STRINGS}")
+        for i, s in enumerate(value):
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"{name}[{i}]={s!r} must be a non-empty string")
+            if len(s) > MAX_STOP_STRING_LEN:
+                raise ValueError(
+                    f"{name}[{i}] is {len(s)} characters long; at most {MAX_STOP_STRING_LEN}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenIds(Rule):
+    text: str = "a list of token ids"
+
+    def check(self, name: str, value: Any) -> None:
+        for i, t in enumerate(value):
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"{name}[{i}]={t!r} must be a non-negative integer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """A field the sampler reads: one column of the f32[S, K] sampling matrix."""
+
+    pad: float  # the value of padding rows (and the warmup batch): must be a no-op
+    none: float | None = None  # stored when the field is None
+    penalty: bool = False  # a value other than `pad` needs the token history (penalties)
+
+    def encode(self, value: Any) -> float:
+        return self.none if value is None else float(value)  # type: ignore[return-value]
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """One sampling field's declaration (in the dataclass field's metadata)."""
+
+    rule: Rule | None
+    help: str
+    device: Column | None
+
+
+def knob(default: Any, *, help: str, rule: Rule | None = None,
+         device: Column | None = None) -> Any:
+    """A SamplingParams field with its registry entry."""
+    return dataclasses.field(default=default, metadata={"knob": Knob(rule, help, device)})
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingField:
+    """A registry entry as the derived places use it."""
+
+    name: str
+    default: Any
+    type: type  # int, float, bool, str or tuple
+    item: type | None  # element type of a tuple field
+    optional: bool  # None is allowed (and skips the rule)
+    rule: Rule | None
+    help: str
+    device: Column | None
+
+
+# ----------------------------------------------------------------------------- the fields
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1: whole vocabulary
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int | None = 16  # None: up to max_model_len
-    min_tokens: int = 0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None  # top-N logprobs for each generated token
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    n: int = knob(1, rule=IntIn(1, MAX_N), help="samples per prompt")
+    temperature: float = knob(1.0, rule=Finite(">= 0 (0 = greedy)", lambda v: v >= 0),
+                              help="sampling temperature; 0 = greedy",
+                              device=Column(pad=0.0))
+    top_p: float = knob(1.0, rule=Finite("in (0, 1]", lambda v: 0 < v <= 1),
+                        help="nucleus sampling mass", device=Column(pad=1.0))
+    top_k: int = knob(-1, rule=TopK(), help="sample among the k likeliest; -1: all",
+                      device=Column(pad=-1.0))  # the sampler reads <= 0 as the whole vocabulary
+    min_p: float = knob(0.0, rule=Finite("in [0, 1]", lambda v: 0 <= v <= 1),
+                        help="drop tokens below min_p times the top token's probability",
+                        device=Column(pad=0.0))
+    seed: int | None = knob(None, rule=IntIn(0, 2**64 - 1),
+                            help="random seed of the request; unset: drawn by the engine")
+    max_tokens: int | None = knob(16, rule=IntIn(1, 2**31 - 1),
+                                  help="new tokens at most")  # None: up to max_model_len
+    min_tokens: int = knob(0, rule=IntIn(0, 2**31 - 1),
+                           help="new tokens before EOS / stop ids may end the output")
+    stop: tuple[str, ...] = knob((), rule=StopStrings(), help="stop string")
+    stop_token_ids: tuple[int, ...] = knob((), rule=TokenIds(), help="stop token id")
+    ignore_eos: bool = knob(False, help="keep generating after EOS")
+    logprobs: int | None = knob(None, rule=IntIn(0, MAX_LOGPROBS),
+                                help="top-N logprobs for each generated token",
+                                device=Column(pad=-1.0, none=-1.0))  # >= 0: wants logprobs
+    repetition_penalty: float = knob(1.0, rule=Finite("> 0", lambda v: v > 0),
+                                     help="divide seen tokens' positive logits by this",
+                                     device=Column(pad=1.0, penalty=True))
+    presence_penalty: float = knob(0.0, rule=Finite("in [-2, 2]", lambda v: -2 <= v <= 2),
+                                   help="subtract this from generated tokens' logits",
+                                   device=Column(pad=0.0, penalty=True))
+    frequency_penalty: float = knob(0.0, rule=Finite("in [-2, 2]", lambda v: -2 <= v <= 2),
+                                    help="subtract this times the count of each generated "
+                                         "token", device=Column(pad=0.0, penalty=True))
+    include_stop_str_in_output: bool = knob(False, help="keep a matched stop string in the text")
+    skip_special_tokens: bool = knob(True, help="leave special tokens out of the text")
 
     def __post_init__(self) -> None:
         # Accept lists / a single string from callers; store tuples (frozen, hashable).
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif not isinstance(self.stop, tuple):
-            object.__setattr__(self, "stop", tuple(self.stop))
-        if not isinstance(self.stop_token_ids, tuple):
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for f in _SEQUENCES:
+            value = getattr(self, f.name)
+            if isinstance(value, str) and f.item is str:
+                object.__setattr__(self, f.name, (value,))
+            elif not isinstance(value, tuple):
+                object.__setattr__(self, f.name, tuple(value))
         self._validate()
 
     def _validate(self) -> None:
-        _int_in("n", self.n, 1, MAX_N)
-        _finite("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
-        _finite("top_p", self.top_p)
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (
-                self.top_k < -1 or self.top_k == 0):
-            raise ValueError(f"top_k={self.top_k} must be -1 (disabled) or >= 1")
-        _finite("min_p", self.min_p)
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
-        if self.seed is not None:
-            _int_in("seed", self.seed, 0, 2**64 - 1)
-        if self.max_tokens is not None:
-            _int_in("max_tokens", self.max_tokens, 1, 2**31 - 1)
-        _int_in("min_tokens", self.min_tokens, 0, 2**31 - 1)
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS}")
-        for i, s in enumerate(self.stop):
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop[{i}]={s!r} must be a non-empty string")
-            if len(s) > MAX_STOP_STRING_LEN:
+        for f in FIELDS:
+            value = getattr(self, f.name)
+            if f.rule is not None and not (value is None and f.optional):
+                f.rule.check(f.name, value)
+            if f.name == "min_tokens" and self.max_tokens is not None and \
+                    self.min_tokens > self.max_tokens:  # checked here: as before, in this order
                 raise ValueError(
-                    f"stop[{i}] is {len(s)} characters long; at most {MAX_STOP_STRING_LEN}")
-        for i, t in enumerate(self.stop_token_ids):
-            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-                raise ValueError(f"stop_token_ids[{i}]={t!r} must be a non-negative integer")
-        if self.logprobs is not None:
-            _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
-        _finite("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _finite(name, value)
-            if not -2 <= value <= 2:
-                raise ValueError(f"{name}={value} must be in [-2, 2]")
+                    f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
 
     @functools.cached_property
-    def row(self) -> tuple[float, int, float, float, float, float, float, bool]:
-        """This request's row of the per-step sampling arrays (built once, reused each step):
-        (temperature, top_k (-1 = all), top_p, min_p, repetition, presence, frequency,
-        wants logprobs)."""
-        return (self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty,
-                self.presence_penalty, self.frequency_penalty, self.logprobs is not None)
+    def row(self) -> tuple[float, ...]:
+        """This request's row of the step's sampling matrix, in `DEVICE_FIELDS` order (built
+        once, reused each step)."""
+        return tuple(f.device.encode(getattr(self, f.name)) for f in DEVICE)  # type: ignore
 
-    @property
+    @functools.cached_property
     def uses_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Whether the sampler needs this request's token history."""
+        return any(getattr(self, f.name) != f.device.pad for f in DEVICE  # type: ignore
+                   if f.device.penalty)  # type: ignore[union-attr]
 
     def with_stop_ids(self, extra: Sequence[int]) -> "SamplingParams":
         return dataclasses.replace(self, stop_token_ids=tuple(dict.fromkeys(
             [*self.stop_token_ids, *extra])))
 
 
-def _finite(name: str, value: object) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise ValueError(f"{name}={value!r} must be a finite number")
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _int_in(name: str, value: object, lo: int, hi: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-        raise ValueError(f"{name}={value!r} must be an integer in [{lo}, {hi}]")
+def _registry() -> tuple[SamplingField, ...]:
+    hints = typing.get_type_hints(SamplingParams)
+    out = []
+    for f in dataclasses.fields(SamplingParams):
+        args = typing.get_args(hints[f.name])
+        optional = type(None) in args
+        base = next(a for a in args if a is not type(None)) if optional else hints[f.name]
+        item = None
+        if typing.get_origin(base) is tuple:
+            base, item = tuple, typing.get_args(base)[0]
+        k: Knob = f.metadata["knob"]
+        out.append(SamplingField(f.name, f.default, base, item, optional, k.rule, k.help,
+                                 k.device))
+    return tuple(out)
+
+
+FIELDS: tuple[SamplingField, ...] = _registry()  # every field, in declaration order
+BY_NAME: dict[str, SamplingField] = {f.name: f for f in FIELDS}
+_SEQUENCES = tuple(f for f in FIELDS if f.type is tuple)
+DEVICE: tuple[SamplingField, ...] = tuple(f for f in FIELDS if f.device is not None)
+DEVICE_FIELDS: tuple[str, ...] = tuple(f.name for f in DEVICE)  # sampling matrix columns
+DEVICE_COLUMN: dict[str, int] = {name: i for i, name in enumerate(DEVICE_FIELDS)}
+PAD_ROW: tuple[float, ...] = tuple(f.device.pad for f in DEVICE)  # type: ignore[union-attr]
