@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 import grpc
 
+from jaxserve.engine.sampling_params import FIELDS as SAMPLING_FIELDS
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.server import stubs
 
@@ -44,21 +45,18 @@ class Completion:
 
 
 def sampling_to_proto(params: SamplingParams) -> Any:
-    """The proto form of `params`: the server rebuilds an equal SamplingParams."""
-    sp = pb2.SamplingParams(
-        temperature=params.temperature, top_p=params.top_p, min_p=params.min_p,
-        top_k=params.top_k, min_tokens=params.min_tokens, stop=list(params.stop),
-        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-        include_stop_str_in_output=params.include_stop_str_in_output,
-        skip_special_tokens=params.skip_special_tokens, n=params.n)
-    if params.seed is not None:
-        sp.seed = params.seed
-    if params.max_tokens is not None:  # unset: up to max_model_len, as None means offline
-        sp.max_tokens = params.max_tokens
-    if params.logprobs is not None:
-        sp.logprobs = params.logprobs
+    """The proto form of `params` (every registry field under its own name): the server
+    rebuilds an equal SamplingParams. None stays unset (max_tokens: up to max_model_len, as
+    None means offline; seed: the server draws one)."""
+    sp = pb2.SamplingParams()
+    for f in SAMPLING_FIELDS:
+        value = getattr(params, f.name)
+        if value is None:
+            continue
+        if f.type is tuple:
+            getattr(sp, f.name).extend(value)
+        else:
+            setattr(sp, f.name, value)
     return sp
 
 

@@ -20,43 +20,60 @@ from typing import Any, Sequence
 
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
 from jaxserve.engine.request import FinishReason, RequestMetrics
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.sampling_params import FIELDS as SAMPLING_FIELDS
+from jaxserve.engine.sampling_params import Finite, SamplingField, SamplingParams
 from jaxserve.server import stubs
 from jaxserve.serving.admission import CHAT_ROLES, InvalidRequest, PromptInput
 
 pb2 = stubs.load().pb2
 
 MAX_REQUEST_ID_LEN = 256
-# Allowed ranges of the float fields, for the non-finite case that SamplingParams reports
-# without one.
-_FLOAT_RANGES = {"temperature": ">= 0 (0 = greedy)", "top_p": "in (0, 1]", "min_p": "in [0, 1]",
-                 "repetition_penalty": "> 0", "presence_penalty": "in [-2, 2]",
-                 "frequency_penalty": "in [-2, 2]"}
-_OPTIONAL = ("temperature", "top_p", "min_p", "top_k", "seed", "logprobs",
-             "repetition_penalty", "presence_penalty", "frequency_penalty",
-             "skip_special_tokens")
+# The gRPC front's defaults where they differ from SamplingParams': unset max_tokens generates
+# up to max_model_len (HTTP's default is OpenAI's 16).
+_UNSET_DEFAULTS: dict[str, object] = {"max_tokens": None}
 _REASONS = {FinishReason.STOP: pb2.STOP, FinishReason.LENGTH: pb2.LENGTH,
             FinishReason.EOS: pb2.EOS, FinishReason.STOP_STRING: pb2.STOP_STRING,
             FinishReason.ABORT: pb2.ABORT}
 
 
 # --------------------------------------------------------------------------- requests
+def _proto_fields() -> tuple[tuple[SamplingField, bool, bool, object], ...]:
+    """(field, has presence, repeated, zero value) of every registry field, from the proto
+    descriptor (its field names are SamplingParams')."""
+    by_name = pb2.SamplingParams.DESCRIPTOR.fields_by_name
+    return tuple((f, by_name[f.name].has_presence, _is_repeated(by_name[f.name]),
+                  by_name[f.name].default_value) for f in SAMPLING_FIELDS)
+
+
+def _is_repeated(d: Any) -> bool:
+    repeated = getattr(d, "is_repeated", None)
+    return repeated if repeated is not None else d.label == d.LABEL_REPEATED
+
+
+_PROTO_FIELDS = _proto_fields()
+
+
 def sampling_from_proto(sp: Any) -> SamplingParams:
-    """SamplingParams from the proto message; unset optional fields keep their defaults."""
-    kwargs: dict[str, object] = {}
-    for name in _OPTIONAL:
-        if sp.HasField(name):
-            value = getattr(sp, name)
-            if name in _FLOAT_RANGES and not math.isfinite(value):
-                raise InvalidRequest(f"sampling.{name}={value} must be a finite number "
-                                     f"{_FLOAT_RANGES[name]}")
-            kwargs[name] = value
-    # Unset max_tokens: generate up to max_model_len (the server's natural default).
-    kwargs["max_tokens"] = sp.max_tokens if sp.HasField("max_tokens") else None
-    kwargs.update(min_tokens=sp.min_tokens, stop=tuple(sp.stop),
-                  stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
-                  include_stop_str_in_output=sp.include_stop_str_in_output,
-                  n=sp.n if sp.n != 0 else 1)
+    """SamplingParams from the proto message, one registry field at a time. Unset means the
+    default (`_UNSET_DEFAULTS`, else SamplingParams'): a field with presence not set, a plain
+    scalar at its zero value (n = 0 means 1), an empty repeated field."""
+    kwargs: dict[str, object] = dict(_UNSET_DEFAULTS)
+    for f, presence, repeated, zero in _PROTO_FIELDS:
+        if repeated:
+            value: Any = tuple(getattr(sp, f.name))
+            if not value:
+                continue
+        elif presence and not sp.HasField(f.name):
+            continue
+        else:
+            value = getattr(sp, f.name)
+            if not presence and value == zero:
+                continue
+        if isinstance(f.rule, Finite) and not math.isfinite(value):
+            # SamplingParams reports a non-finite value without the range: add it.
+            raise InvalidRequest(f"sampling.{f.name}={value} must be a finite number "
+                                 f"{f.rule.text}")
+        kwargs[f.name] = value
     try:
         return SamplingParams(**kwargs)  # type: ignore[arg-type]
     except ValueError as e:

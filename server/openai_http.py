@@ -39,7 +39,8 @@ from aiohttp import web
 
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from jaxserve.engine.request import FinishReason
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.sampling_params import FIELDS as SAMPLING_FIELDS
+from jaxserve.engine.sampling_params import SamplingField, SamplingParams
 from jaxserve.server.auth import ApiKeyInterceptor
 from jaxserve.server.inflight import InFlight
 from jaxserve.serving import admission
@@ -53,13 +54,11 @@ FINISH_REASONS = {FinishReason.EOS: "stop", FinishReason.STOP: "stop",
                   FinishReason.STOP_STRING: "stop", FinishReason.LENGTH: "length",
                   FinishReason.ABORT: "abort"}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; null: up to max_model_len
-# Body fields passed to SamplingParams as they are (after type checks); None means unset.
-_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens",
-                    "stop", "stop_token_ids", "ignore_eos", "logprobs", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "include_stop_str_in_output",
-                    "skip_special_tokens")
-_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "stream",
-                "echo")
+# Body fields passed to SamplingParams as they are (after the type checks their declared
+# types call for: booleans, lists); None means unset. max_tokens has this front's default.
+_SAMPLING_FIELDS = tuple(f for f in SAMPLING_FIELDS if f.name != "max_tokens")
+_LIST_FIELDS = tuple(f for f in SAMPLING_FIELDS if f.type is tuple)
+_BOOL_FIELDS = tuple(f.name for f in SAMPLING_FIELDS if f.type is bool) + ("stream", "echo")
 _FIELD = re.compile(r"^(?:sampling\.)?([a-z_]+)")
 _JSON_SEPARATORS = (",", ":")
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -111,6 +110,15 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _list_value(field: SamplingField, value: object) -> bool:
+    """Whether `value` suits a tuple field: a list (of strings, for a string field, which also
+    takes one string); SamplingParams checks the items."""
+    if field.item is str:
+        return isinstance(value, str) or (
+            isinstance(value, list) and all(isinstance(v, str) for v in value))
+    return isinstance(value, list)
+
+
 def parse_prompt(prompt: object) -> admission.PromptInput:
     """A string, a list of token ids, or a list holding exactly one of those."""
     if prompt is None:
@@ -158,16 +166,13 @@ def parse_completion(body: object) -> CompletionRequest:
                               "stream_options")
         include_usage = bool(options.get("include_usage", False))
     prompt = parse_prompt(body.get("prompt"))
-    kwargs: dict[str, Any] = {name: body[name] for name in _SAMPLING_FIELDS
-                              if body.get(name) is not None}
+    kwargs: dict[str, Any] = {f.name: body[f.name] for f in _SAMPLING_FIELDS
+                              if body.get(f.name) is not None}
     kwargs["max_tokens"] = body.get("max_tokens", DEFAULT_MAX_TOKENS)
-    stop = kwargs.get("stop")
-    if stop is not None and not isinstance(stop, str) and not (
-            isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise bad_request("stop must be a string or a list of strings", "stop")
-    ids = kwargs.get("stop_token_ids")
-    if ids is not None and not isinstance(ids, list):
-        raise bad_request("stop_token_ids must be a list of token ids", "stop_token_ids")
+    for f in _LIST_FIELDS:
+        if f.name in kwargs and not _list_value(f, kwargs[f.name]):
+            text = f.rule.text if f.rule is not None else "a list"
+            raise bad_request(f"{f.name} must be {text}", f.name)
     if kwargs.get("top_k") == 0 and _is_int(kwargs["top_k"]):
         kwargs["top_k"] = -1  # vLLM accepts 0 for "disabled" as well
     try:
