@@ -4,8 +4,9 @@ Input: one JSON object per line:
     {"id": "q1", "prompt": "text" | [token ids], ...sampling}   or
     {"id": "q2", "messages": [{"role": "user", "content": "..."}], ...sampling}
 where sampling keys are `jaxserve.SamplingParams` fields ("max_tokens": 64, "temperature": 0.7,
-"stop": [...], "n": 2, ...). --max-tokens / --temperature apply where a line gives none; keys
-absent from both take SamplingParams' defaults. Blank lines are ignored.
+"stop": [...], "n": 2, ...). The sampling flags (--max-tokens, --temperature, ...; one per
+field but "seed", as --seed is the engine's) apply where a line gives none; keys absent from
+both take SamplingParams' defaults. Blank lines are ignored.
 
 Output: one line per input line, in input order:
     {"id", "text", "prompt_tokens", "completion_tokens", "finish_reason", "cached_prompt_tokens"}
@@ -277,11 +278,6 @@ def add_batch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("output", metavar="OUT",
                    help="output JSONL (appended to; ids already in it are skipped: resume)")
     g = p.add_argument_group("batch")
-    g.add_argument("--max-tokens", type=int, default=None,
-                   help="max_tokens for lines that give none (default: SamplingParams', 16)")
-    g.add_argument("--temperature", type=float, default=None,
-                   help="temperature for lines that give none (default: SamplingParams', 1.0; "
-                        "0 = greedy)")
     g.add_argument("--window", type=int, default=DEFAULT_WINDOW,
                    help="input lines read, sorted by prompt length and queued at a time "
                         f"(default {DEFAULT_WINDOW})")
@@ -290,6 +286,8 @@ def add_batch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fsync-interval", type=float, default=5.0,
                    help="seconds between fsyncs of OUT (default 5; always at the end)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # --seed is the engine's (EngineConfig.seed); a line sets its own "seed".
+    flags.add_sampling_flags(p, exclude=("seed",), for_lines=True)
     flags.add_engine_flags(p)
     flags.add_distributed_flags(p)
 
@@ -319,8 +317,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
                                 "does not exist")
     if out_path.exists() and out_path.samefile(in_path):
         raise ValueError("IN and OUT must be different files")
-    defaults = {k: v for k, v in (("max_tokens", args.max_tokens),
-                                  ("temperature", args.temperature)) if v is not None}
+    defaults = flags.sampling_kwargs_from_args(args)
     options = BatchOptions(window=args.window, defaults=defaults, retry_errors=args.retry_errors,
                            fsync_interval=args.fsync_interval, progress=not args.no_progress)
     flags.join_or_follow(args, config)  # process 0 of several: join the job

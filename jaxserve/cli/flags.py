@@ -2,6 +2,8 @@
 
 `add_engine_flags` adds one flag per EngineConfig field (a new engine option becomes a flag by
 itself) and `engine_config_from_args` reads them back into a validated EngineConfig;
+`add_sampling_flags` adds one flag per SamplingParams field (from the sampling registry, with
+per-command defaults) and `sampling_kwargs_from_args` reads the given ones back;
 `add_distributed_flags` + `join_or_follow` make any subcommand a multi-host job.
 """
 
@@ -11,9 +13,10 @@ import argparse
 import dataclasses
 import logging
 import re
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from jaxserve.config import DTYPES, DistributedConfig, EngineConfig
+from jaxserve.engine import sampling_params
 
 # The serve command raises this logger to INFO: the follower lines show like the lifecycle ones.
 log = logging.getLogger("jaxserve.server")
@@ -96,6 +99,53 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{f.name: getattr(args, f"engine_{f.name}")
                            for f in dataclasses.fields(EngineConfig)})
+
+
+def add_sampling_flags(p: argparse.ArgumentParser, defaults: Mapping[str, Any] | None = None,
+                       exclude: Sequence[str] = (), for_lines: bool = False) -> None:
+    """One flag per SamplingParams field not in `exclude` (`--top-p`, `--stop` repeatable,
+    `--ignore-eos/--no-ignore-eos`, ...), dest = the field name. `defaults` override
+    SamplingParams' defaults for this command. `for_lines` (the batch job): every flag
+    defaults to "not given", and a given one applies where an input line gives none."""
+    defaults = dict(defaults or {})
+    unknown = set(defaults) - set(sampling_params.BY_NAME)
+    if unknown:
+        raise ValueError(f"no sampling fields {sorted(unknown)}")
+    title = "sampling (for lines that give none)" if for_lines else "sampling"
+    g = p.add_argument_group(title)
+    for f in sampling_params.FIELDS:
+        if f.name in exclude:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = defaults.get(f.name, f.default)
+        shown = f"SamplingParams', {default}" if for_lines else default
+        help_ = f.help if default is None or default == () else f"{f.help} (default: {shown})"
+        if for_lines:
+            default = None
+        if f.type is bool:
+            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                           default=default, help=help_)
+        elif f.type is tuple:
+            g.add_argument(flag, dest=f.name, type=f.item, action="append",
+                           default=None if default is None else list(default),
+                           metavar=f.name.upper(), help=f"{help_} (repeatable)")
+        else:
+            g.add_argument(flag, dest=f.name, type=f.type, default=default,
+                           metavar=f.name.upper(), help=help_)
+
+
+def sampling_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The SamplingParams fields the flags of `add_sampling_flags` hold (None: not given)."""
+    out = {}
+    for f in sampling_params.FIELDS:
+        value = getattr(args, f.name, None)
+        if value is not None:
+            out[f.name] = tuple(value) if f.type is tuple else value
+    return out
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> sampling_params.SamplingParams:
+    return sampling_params.SamplingParams(**sampling_kwargs_from_args(args))
 
 
 def add_distributed_flags(p: argparse.ArgumentParser) -> None:

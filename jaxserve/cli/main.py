@@ -14,13 +14,15 @@ import sys
 import time
 from typing import Sequence
 
-from jaxserve.cli import batch_job
+from jaxserve.cli import batch_job, flags
 from jaxserve.cli import serve as server_cli
 from jaxserve.cli.bench import cli as bench_cli
 from jaxserve.config import DTYPES, EngineConfig, ModelSource, RuntimeConfig, apply_runtime
 
 log = logging.getLogger("jaxserve")
 
+# Sampling fields `generate` (and `client`) have no flag for: they print one text.
+_ONE_TEXT = ("n", "logprobs")
 _MODEL_HELP = ("model to load: an HF directory (config.json + safetensors), a GGUF file, or a "
                "jaxserve Orbax checkpoint directory; default: the bundled SmolLM2-135M-Instruct")
 
@@ -38,12 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", metavar="PROMPT", help="the prompt text")
     g.add_argument("--model", default=None, help=_MODEL_HELP)
     g.add_argument("--dtype", default="float32", choices=DTYPES, help="parameter dtype")
-    g.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (default 64)")
-    g.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature; 0 = greedy (default)")
-    g.add_argument("--seed", type=int, default=0, help="random seed for sampling")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
-    g.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest; -1: all")
+    # --seed also seeds the engine.
+    flags.add_sampling_flags(g, {"max_tokens": 64, "temperature": 0.0, "seed": 0},
+                             exclude=_ONE_TEXT)
     g.add_argument("--chat", action="store_true",
                    help="wrap PROMPT as a user message with the model's chat template")
     g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
@@ -73,7 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from jaxserve.engine.sampling_params import SamplingParams
     from jaxserve.models import loading
     from jaxserve.serving.build import build_engine
 
@@ -96,8 +94,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                           max_model_len=args.max_model_len, seed=args.seed,
                           tensor_parallel_size=args.tensor_parallel_size)
     engine = build_engine(config, model, warmup=False)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                            seed=args.seed, top_p=args.top_p, top_k=args.top_k)
+    params = flags.sampling_params_from_args(args)
     engine.add_request("cli", prompt, params)
     t1 = time.perf_counter()
     text = ""

@@ -21,8 +21,9 @@ import pathlib
 import sys
 from typing import Any
 
-from jaxserve.cli.flags import (add_distributed_flags, add_engine_flags, engine_config_from_args,
-                                join_or_follow, parse_bytes)
+from jaxserve.cli.flags import (add_distributed_flags, add_engine_flags, add_sampling_flags,
+                                engine_config_from_args, join_or_follow, parse_bytes,
+                                sampling_params_from_args)
 from jaxserve.config import EngineConfig
 from jaxserve.server.config import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PORT, ServerConfig
 
@@ -74,12 +75,8 @@ def add_client_parser(sub: Any) -> None:
     c.add_argument("prompt", metavar="PROMPT", help="the prompt text")
     c.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}", help="server host:port")
     c.add_argument("--chat", action="store_true", help="send PROMPT as a user chat message")
-    c.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (default 64)")
-    c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    c.add_argument("--top-p", type=float, default=1.0)
-    c.add_argument("--top-k", type=int, default=-1)
-    c.add_argument("--seed", type=int, default=None)
-    c.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_sampling_flags(c, {"max_tokens": 64, "temperature": 0.0},
+                       exclude=("n", "logprobs"))  # it prints one text
     c.add_argument("--api-key", default=None, help=f"API key (default: ${API_KEY_ENV})")
     c.add_argument("--tls", action="store_true", help="use TLS with the system's CAs")
     c.add_argument("--tls-ca", default=None, help="PEM CA certificate to trust (implies --tls)")
@@ -146,12 +143,9 @@ def _factory(cfg: EngineConfig, progress: bool) -> Any:
 def cmd_client(args: argparse.Namespace) -> int:
     import grpc
 
-    from jaxserve.engine.sampling_params import SamplingParams
     from jaxserve.server.client import Client, pb2
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            stop=tuple(args.stop))
+    params = sampling_params_from_args(args)
     root = pathlib.Path(args.tls_ca).read_bytes() if args.tls_ca else None
     key = args.api_key or os.environ.get(API_KEY_ENV) or None
     with Client(args.target, api_key=key, root_certificates=root, tls=args.tls,
