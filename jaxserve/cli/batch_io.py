@@ -28,11 +28,12 @@ import pathlib
 import time
 from typing import Any, Iterator, Mapping
 
+from jaxserve.engine.sampling_params import FIELDS as SAMPLING_FIELDS
 from jaxserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("jaxserve.batch")
 
-SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+SAMPLING_KEYS = frozenset(f.name for f in SAMPLING_FIELDS)
 REQUEST_KEYS = frozenset(("id", "prompt", "messages"))
 RequestId = str | int
 
@@ -77,7 +78,7 @@ def _usable_id(rid: object) -> bool:
 def parse_line(text: str, line: int,
                defaults: Mapping[str, Any] | None = None) -> LineRequest | LineError:
     """Validate one JSONL line. `defaults` are SamplingParams fields used where the line gives
-    none (the CLI's --max-tokens / --temperature)."""
+    none (the CLI's sampling flags)."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:

@@ -235,6 +235,8 @@ def _registry() -> tuple[SamplingField, ...]:
         if typing.get_origin(base) is tuple:
             base, item = tuple, typing.get_args(base)[0]
         k: Knob = f.metadata["knob"]
+        if k.device is not None and optional and k.device.none is None:
+            raise TypeError(f"{f.name} may be None: its Column needs none=")
         out.append(SamplingField(f.name, f.default, base, item, optional, k.rule, k.help,
                                  k.device))
     return tuple(out)
