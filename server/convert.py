@@ -41,6 +41,10 @@ def _proto_fields() -> tuple[tuple[SamplingField, bool, bool, object], ...]:
     """(field, has presence, repeated, zero value) of every registry field, from the proto
     descriptor (its field names are SamplingParams')."""
     by_name = pb2.SamplingParams.DESCRIPTOR.fields_by_name
+    missing = [f.name for f in SAMPLING_FIELDS if f.name not in by_name]
+    if missing:
+        raise RuntimeError(f"SamplingParams fields {missing} have no field in the proto's "
+                           "SamplingParams message (server/proto/jaxserve.proto)")
     return tuple((f, by_name[f.name].has_presence, _is_repeated(by_name[f.name]),
                   by_name[f.name].default_value) for f in SAMPLING_FIELDS)
 
