@@ -31,10 +31,9 @@ class SamplingTensors:
     history_is_output: jax.Array  # bool[S, P] True where history holds a generated token
 
     def knob(self, name: str) -> jax.Array:
-        """f32[S]: the column of sampling field `name` (resolved at trace time). Columns:
-        temperature (0 = greedy), top_k (<= 0 or >= vocab: off), top_p (1: off), min_p (0: off),
-        logprobs (>= 0: the row wants logprobs), repetition_penalty (1: off),
-        presence_penalty and frequency_penalty (0: off)."""
+        """f32[S]: the column of sampling field `name` (resolved at trace time). A column's
+        padding value (`Column.pad` in sampling_params) turns its knob off; top_k <= 0 is the
+        whole vocabulary, logprobs >= 0 asks for logprobs."""
         return self.knobs[:, DEVICE_COLUMN[name]]
 
     @classmethod
@@ -144,6 +143,6 @@ def sample(logits: jax.Array, st: SamplingTensors, apply_penalty: bool) -> Sampl
         return (jnp.zeros((S,), jnp.float32), jnp.zeros((S, MAX_LOGPROBS), jnp.int32),
                 jnp.zeros((S, MAX_LOGPROBS), jnp.float32))
 
-    chosen, top_ids, top_lp = jax.lax.cond(jnp.any(st.knob("logprobs") >= 0), logprobs, no_logprobs,
-                                           None)
+    wants_logprobs = st.knob("logprobs") >= 0  # bool[S]
+    chosen, top_ids, top_lp = jax.lax.cond(jnp.any(wants_logprobs), logprobs, no_logprobs, None)
     return SampleOutput(tokens=tokens, logprob=chosen, top_ids=top_ids, top_logprobs=top_lp)
