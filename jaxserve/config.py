@@ -16,18 +16,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelSource:
-    """Where the weights come from. `path` None selects the bundled SmolLM2-135M-Instruct."""
-
-    path: str | None = None
-    dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {DTYPES}")
-
-
-@dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
     """Process-wide JAX settings applied once by `apply_runtime`."""
 

@@ -22,7 +22,7 @@ from jaxserve.engine import sampling_params
 log = logging.getLogger("jaxserve.server")
 
 _ENGINE_HELP = {
-    "model": "model to serve: an HF directory, a GGUF file or a jaxserve checkpoint; "
+    "model": "model to load: an HF directory, a GGUF file or a jaxserve checkpoint; "
              "default: the bundled SmolLM2-135M-Instruct",
     "dtype": "parameter dtype",
     "kv_cache_dtype": "KV cache dtype (default: --dtype)",
@@ -80,25 +80,37 @@ def _engine_flag_type(field: dataclasses.Field) -> Any:
     return str
 
 
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine (every EngineConfig field)")
+def add_engine_flags(p: argparse.ArgumentParser, defaults: Mapping[str, Any] | None = None,
+                     exclude: Sequence[str] = ()) -> None:
+    """One flag per EngineConfig field not in `exclude` (dest `engine_<name>`); `defaults`
+    override EngineConfig's defaults for this command."""
+    defaults = dict(defaults or {})
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    if set(defaults) - names:
+        raise ValueError(f"no EngineConfig fields {sorted(set(defaults) - names)}")
+    g = p.add_argument_group("engine (EngineConfig fields)")
     for f in dataclasses.fields(EngineConfig):
+        if f.name in exclude:
+            continue
         flag = "--" + f.name.replace("_", "-")
         help_ = _ENGINE_HELP.get(f.name, f.name.replace("_", " "))
+        default = defaults.get(f.name, f.default)
         if str(f.type) == "bool":
             g.add_argument(flag, dest=f"engine_{f.name}", action=argparse.BooleanOptionalAction,
-                           default=f.default, help=help_)
+                           default=default, help=help_)
             continue
-        shown = "" if f.default is None or "default" in help_ else f" (default: {f.default})"
+        shown = "" if default is None or "default" in help_ else f" (default: {default})"
         g.add_argument(flag, dest=f"engine_{f.name}", type=_engine_flag_type(f),
-                       default=f.default, choices=_CHOICES.get(f.name),
+                       default=default, choices=_CHOICES.get(f.name),
                        metavar=None if f.name in _CHOICES else f.name.upper(),
                        help=help_ + shown)
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+def engine_config_from_args(args: argparse.Namespace, **fixed: Any) -> EngineConfig:
+    """The EngineConfig of `add_engine_flags`' flags; `fixed` gives the excluded fields."""
     return EngineConfig(**{f.name: getattr(args, f"engine_{f.name}")
-                           for f in dataclasses.fields(EngineConfig)})
+                           for f in dataclasses.fields(EngineConfig)
+                           if hasattr(args, f"engine_{f.name}")}, **fixed)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, defaults: Mapping[str, Any] | None = None,

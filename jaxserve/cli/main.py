@@ -17,14 +17,12 @@ from typing import Sequence
 from jaxserve.cli import batch_job, flags
 from jaxserve.cli import serve as server_cli
 from jaxserve.cli.bench import cli as bench_cli
-from jaxserve.config import DTYPES, EngineConfig, ModelSource, RuntimeConfig, apply_runtime
+from jaxserve.config import DTYPES, RuntimeConfig, apply_runtime
 
 log = logging.getLogger("jaxserve")
 
 # Sampling fields `generate` (and `client`) have no flag for: they print one text.
 _ONE_TEXT = ("n", "logprobs")
-_MODEL_HELP = ("model to load: an HF directory (config.json + safetensors), a GGUF file, or a "
-               "jaxserve Orbax checkpoint directory; default: the bundled SmolLM2-135M-Instruct")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,20 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="complete one prompt and print the completion",
                        description="Complete PROMPT with the model and print the completion.")
     g.add_argument("prompt", metavar="PROMPT", help="the prompt text")
-    g.add_argument("--model", default=None, help=_MODEL_HELP)
-    g.add_argument("--dtype", default="float32", choices=DTYPES, help="parameter dtype")
-    # --seed also seeds the engine.
+    # --seed (a sampling flag) also seeds the engine.
     flags.add_sampling_flags(g, {"max_tokens": 64, "temperature": 0.0, "seed": 0},
                              exclude=_ONE_TEXT)
     g.add_argument("--chat", action="store_true",
                    help="wrap PROMPT as a user message with the model's chat template")
     g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context limit (default: the model's, capped at 4096)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512,
-                   help="prefill chunk size per step (default 512)")
-    g.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="split the model over this many local devices (default 1)")
+    # One prompt: a one-sequence engine by default.
+    flags.add_engine_flags(g, {"max_num_seqs": 1}, exclude=(
+        "seed", "data_parallel_size", "multihost_keepalive_s"))
 
     c = sub.add_parser("convert", help="convert a checkpoint to Orbax or HF format",
                        description="Convert SRC (HF dir, GGUF, or jaxserve checkpoint) to DST.")
@@ -75,11 +68,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from jaxserve.models import loading
     from jaxserve.serving.build import build_engine
 
-    if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens={args.max_tokens} must be >= 1")
-    source = ModelSource(path=args.model, dtype=args.dtype)
+    params = flags.sampling_params_from_args(args)  # bad values fail before the model loads
+    config = flags.engine_config_from_args(args, seed=args.seed)
     t0 = time.perf_counter()
-    model = loading.load_model(source.path, source.dtype)
+    model = loading.load_model(config.model, config.dtype)
     log.info("loaded %s (%s) in %.1fs", model.source, model.format, time.perf_counter() - t0)
     tok = model.tokenizer
     if args.chat:
@@ -87,14 +79,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True)
     else:
         prompt = args.prompt
-    # One prompt: a one-sequence engine that compiles only the buckets this prompt touches
-    # (a full warmup would compile every bucket for a single request).
-    config = EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=1,
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_model_len=args.max_model_len, seed=args.seed,
-                          tensor_parallel_size=args.tensor_parallel_size)
+    # Only the buckets this prompt touches compile (a full warmup would compile every bucket
+    # for a single request).
     engine = build_engine(config, model, warmup=False)
-    params = flags.sampling_params_from_args(args)
     engine.add_request("cli", prompt, params)
     t1 = time.perf_counter()
     text = ""
