@@ -1,36 +1,30 @@
 """OpenAI-compatible HTTP front (aiohttp.web): /v1/completions, /v1/models, /health.
 
-It runs in the gRPC server's asyncio loop and process and shares its AsyncEngine
-(`jaxserve serve --http-port PORT`; `app.GrpcServer` starts, attaches and stops it).
+It shares the gRPC server's asyncio loop, AsyncEngine and `Admission` (`jaxserve serve
+--http-port PORT`; `app.GrpcServer` starts, attaches and stops it).
 
 Data flow of `POST /v1/completions`:
   middleware (API key: `Authorization: Bearer KEY` -> 401; any error -> OpenAI error JSON)
-  -> admission (503 while the model warms up, the server drains, or the engine failed)
-  -> JSON body -> `parse_completion` (prompt: text, token ids, or a list of one of those;
-  every sampling field -> `SamplingParams`, whose ValueError names the field -> 400)
-  -> tokenization on a small thread pool (never on the event loop) -> `admission.check_prompt`
-  (vocabulary, max_model_len; 400 naming the field) -> `AsyncEngine.submit` (QueueFull -> 429,
-  EngineStopped -> 503) -> the stream's first RequestOutput (the engine's own refusal, e.g.
-  a prompt that can never fit the KV cache -> 400) -> either
+  -> 503 while the model warms up, the server drains, or the engine failed -> JSON body
+  -> `parse_completion` (prompt: text, token ids, or a list of one of those; every sampling
+  field -> `SamplingParams`, whose ValueError names the field -> 400)
+  -> `Admission.admit` (tokenization on a small thread pool, never on the event loop; every
+  request check, 400 with `param` naming the field) -> `AsyncEngine.submit` (QueueFull -> 429,
+  EngineStopped -> 503) -> the stream's first RequestOutput -> either
     stream=true:  one SSE event `data: {text_completion chunk}` per sample that got new tokens
                   (or finished) in each RequestOutput, then with `stream_options.include_usage`
                   one chunk with `"choices": []` and `"usage"`, then `data: [DONE]`;
     stream=false: one JSON body with every sample's text, finish_reason, logprobs, usage.
 However the handler ends (done, client disconnect: aiohttp cancels the handler, or a failed
-write), its `finally` aborts the request in the engine, which frees its KV pages.
-
-Finish reasons: EOS / STOP / STOP_STRING -> "stop", LENGTH -> "length", ABORT -> "abort".
-The `model` field is accepted as given (any string); responses name the served model.
+write), its `finally` aborts the request in the engine, which frees its KV pages. The `model`
+field is accepted as given (any string); responses name the served model.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import dataclasses
 import json
 import logging
-import re
 import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -40,7 +34,7 @@ from aiohttp import web
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from jaxserve.engine.request import FinishReason
 from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.server.auth import ApiKeyInterceptor
+from jaxserve.server.auth import ApiKeys
 from jaxserve.server.inflight import InFlight
 from jaxserve.serving import admission
 from jaxserve.serving.async_engine import EngineStopped, QueueFull, RequestStream
@@ -60,7 +54,6 @@ _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "min_
                     "skip_special_tokens")
 _BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "stream",
                 "echo")
-_FIELD = re.compile(r"^(?:sampling\.)?([a-z_]+)")
 _JSON_SEPARATORS = (",", ":")
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -87,15 +80,15 @@ def _unavailable(message: str) -> ApiError:
 
 
 def _field_of(error: ValueError, default: str) -> str:
-    """The field a validation message starts with (SamplingParams / convert name it first)."""
-    m = _FIELD.match(str(error))
-    name = m.group(1) if m else default
-    return {"token_ids": "prompt"}.get(name, name)
+    """This API's name of the field an admission / SamplingParams error is about."""
+    field = admission.InvalidRequest.of(error).field or default
+    return "prompt" if field == "prompt_token_ids" else field  # ids are a prompt here
 
 
-def _http_message(error: ValueError) -> str:
-    """A convert / engine message in this API's field names."""
-    return str(error).replace("token_ids.ids", "prompt").replace("sampling.", "")
+def _invalid(error: ValueError) -> ApiError:
+    """An admission / engine refusal as a 400 in this API's field names."""
+    param = _field_of(error, "prompt")
+    return bad_request(admission.InvalidRequest.of(error).message_as(param), param)
 
 
 # --------------------------------------------------------------------------- requests
@@ -117,9 +110,7 @@ def parse_prompt(prompt: object) -> admission.PromptInput:
         raise bad_request("prompt is required: a string or a list of token ids", "prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
-    if isinstance(prompt, (str, list)) and not prompt:
-        raise bad_request("prompt must not be empty", "prompt")
-    if isinstance(prompt, str):
+    if isinstance(prompt, str):  # empty prompts are refused by admission
         return admission.PromptInput(text=prompt)
     if isinstance(prompt, list):
         if all(_is_int(t) for t in prompt):
@@ -223,11 +214,11 @@ class OpenAIHttpFront:
 
     def __init__(self, api_keys: tuple[str, ...] = (), tokenizer_threads: int = 2,
                  max_body_bytes: int = 4 << 20):
-        self._auth = ApiKeyInterceptor(api_keys) if api_keys else None
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            tokenizer_threads, thread_name_prefix="jaxserve-http-tokenize")
+        self._auth = ApiKeys(api_keys) if api_keys else None
+        self._tokenizer_threads = tokenizer_threads
         self._engine: ServingEngine | None = None
         self._served: ServedModel | None = None
+        self._admission: admission.Admission | None = None
         self.calls = InFlight()  # in flight / draining: read by the server's drain
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
@@ -258,22 +249,27 @@ class OpenAIHttpFront:
         self.port = int(runner.addresses[0][1])
         return self.port
 
-    def attach(self, engine: ServingEngine, served: ServedModel) -> None:
+    def attach(self, engine: ServingEngine, served: ServedModel,
+               admit: admission.Admission | None = None) -> None:
+        """Serve `engine`; `admit`: the served model's admission, shared with the gRPC front
+        (None: one of its own). `stop` closes it."""
+        self._admission = admit or admission.Admission(
+            served.engine.limits, served.engine.tokenizer, self._tokenizer_threads)
         self._engine, self._served = engine, served
 
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._admission is not None:
+            self._admission.close()  # idempotent; the gRPC front has stopped by now
 
     # ----------------------------------------------------------------------- plumbing
     async def _guard(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
         """API key check, and every error as OpenAI's error JSON."""
         try:
             if self._auth is not None and request.path not in OPEN_PATHS and \
-                    not self._auth.authorized([("authorization",
-                                                request.headers.get("Authorization", ""))]):
+                    not self._auth.allows(request.headers.get("Authorization")):
                 raise ApiError(401, "missing or invalid API key: send the header "
                                "'Authorization: Bearer <key>'", None, "authentication_error",
                                "invalid_api_key")
@@ -285,22 +281,15 @@ class OpenAIHttpFront:
                 raise
             return ApiError(e.status, e.reason, None, "invalid_request_error").response()
 
-    def _ready(self) -> tuple[ServingEngine, ServedModel]:
-        engine, served = self._engine, self._served
+    def _ready(self) -> tuple[ServingEngine, ServedModel, admission.Admission]:
+        engine, served, admit = self._engine, self._served, self._admission
         if self.calls.draining:
             raise _unavailable("the server is shutting down")
-        if engine is None or served is None:
+        if engine is None or served is None or admit is None:
             raise _unavailable("the model is loading; retry when /health answers 200")
         if engine.error is not None:
             raise _unavailable(f"the engine failed: {engine.error!r}")
-        return engine, served
-
-    async def _tokenize(self, inp: admission.PromptInput, served: ServedModel) -> list[int]:
-        if inp.token_ids is not None:
-            return list(inp.token_ids)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, admission.tokenize, inp,
-                                          served.engine.tokenizer)
+        return engine, served, admit
 
     # ----------------------------------------------------------------------- endpoints
     async def health(self, request: web.Request) -> web.Response:
@@ -312,14 +301,13 @@ class OpenAIHttpFront:
         return web.json_response({"status": "ok"})
 
     async def models(self, request: web.Request) -> web.Response:
-        _, served = self._ready()
-        plan = served.engine.plan
+        _, served, admit = self._ready()
         return web.json_response({"object": "list", "data": [{
             "id": served.name, "object": "model", "created": 0, "owned_by": "jaxserve",
-            "max_model_len": plan.scheduler.max_model_len}]})
+            "max_model_len": admit.limits.max_model_len}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        engine, served = self._ready()
+        engine, served, admit = self._ready()
         arrival = time.monotonic()
         try:
             body = await request.json()
@@ -329,28 +317,22 @@ class OpenAIHttpFront:
         self.calls.enter()
         stream: RequestStream | None = None
         try:
-            plan = served.engine.plan
-            try:
-                ids = await self._tokenize(req.prompt, served)
-                admission.check_prompt(ids, req.params, plan.batch_shape.vocab_size,
-                                     plan.scheduler.max_model_len)
-            except ValueError as e:
-                raise bad_request(_http_message(e), _field_of(e, "prompt")) from None
             rid = f"cmpl-{uuid.uuid4().hex}"
             try:
-                stream = engine.submit(rid, ids, req.params, 0, arrival)
+                admitted = await admit.admit(rid, req.prompt, req.params)
+                stream = engine.submit(rid, admitted, req.params, 0, arrival)
                 first = await stream.__anext__()  # the engine's own refusal comes here
             except QueueFull as e:
                 raise ApiError(429, str(e), None, "rate_limit_error") from None
             except EngineStopped as e:
                 raise _unavailable(str(e)) from None
             except ValueError as e:
-                raise bad_request(_http_message(e), _field_of(e, "prompt")) from None
-            log.debug("http request admitted request_id=%s prompt_tokens=%d n=%d", rid,
-                      len(ids), req.params.n)
+                raise _invalid(e) from None
+            ids = admitted.token_ids
+            log.debug("http request admitted request_id=%s prompt_tokens=%d", rid, len(ids))
             head = {"id": rid, "object": "text_completion", "created": int(time.time()),
                     "model": served.name}
-            decode = self._decoder(served)
+            decode = self._decoder(admit)
             outputs = _outputs(first, stream)
             if req.stream:
                 return await self._stream(request, req, head, outputs, len(ids), decode)
@@ -361,8 +343,8 @@ class OpenAIHttpFront:
             self.calls.exit()
 
     @staticmethod
-    def _decoder(served: ServedModel) -> Callable[[int], str]:
-        tok = served.engine.tokenizer
+    def _decoder(admit: admission.Admission) -> Callable[[int], str]:
+        tok = admit.tokenizer
         return lambda tid: tok.decode([tid], skip_special_tokens=False)
 
     async def _stream(self, request: web.Request, req: CompletionRequest, head: dict[str, Any],
