@@ -81,6 +81,11 @@ def check_not_in_flight(request_id: str, in_flight: Container[str]) -> None:
                              "must be unique among in-flight requests", "request_id")
 
 
+def check_prompt_text(text: object) -> None:
+    if not isinstance(text, str) or not text:
+        raise InvalidRequest("prompt must not be empty", "prompt")
+
+
 def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
                page_size: int, num_kv_pages: int) -> int:
     """Prompt length and max_tokens against max_model_len, and the KV cache: can the
@@ -121,10 +126,6 @@ class EngineLimits:
     max_n: int = MAX_N
 
     # ----------------------------------------------------------------------- checks
-    def check_text(self, text: str) -> None:
-        if not isinstance(text, str) or not text:
-            raise InvalidRequest("prompt must not be empty", "prompt")
-
     def check_prompt_ids(self, ids: Sequence[int], from_text: bool = False) -> list[int]:
         """Non-empty and inside the vocabulary; `from_text`: the ids of a text prompt."""
         ids = list(ids)
@@ -148,7 +149,7 @@ class EngineLimits:
         """Every limit check of one request; text prompts need `encode`."""
         text = None
         if isinstance(prompt, str):
-            self.check_text(prompt)
+            check_prompt_text(prompt)
             assert encode is not None, "a text prompt needs a tokenizer"
             text, ids = prompt, self.check_prompt_ids(encode(prompt), from_text=True)
         else:

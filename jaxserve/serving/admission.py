@@ -21,8 +21,8 @@ import concurrent.futures
 import dataclasses
 from typing import Any, Sequence
 
-from jaxserve.engine.limits import (Admitted, EngineLimits, InvalidRequest, check_request_id,
-                                    leading_field, sampling_params)
+from jaxserve.engine.limits import (Admitted, EngineLimits, InvalidRequest, check_prompt_text,
+                                    check_request_id, leading_field, sampling_params)
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.models.tokenizer import Tokenizer
 
@@ -72,8 +72,7 @@ def tokenize(inp: PromptInput, tokenizer: Tokenizer) -> list[int]:
     if inp.token_ids is not None:
         return list(inp.token_ids)
     if inp.text is not None:
-        if not inp.text:
-            raise InvalidRequest("prompt must not be empty", "prompt")
+        check_prompt_text(inp.text)
         return tokenizer.encode(inp.text, add_special_tokens=inp.add_special_tokens)
     assert inp.chat is not None
     return render_chat(inp.chat, tokenizer, inp.add_generation_prompt)
