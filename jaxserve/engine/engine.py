@@ -7,7 +7,10 @@ Data flow of `step()`:
   stop strings -> RequestOutputs (deltas for streaming, final ones with finish reasons).
 
 The engine owns the requests' host-side extras (prompt text, detokenizers, n-sample groups);
-the scheduler owns their KV state; the runner owns everything on the device.
+the scheduler owns their KV state; the runner owns everything on the device. Callers outside
+read `limits` (what a request must fit in) and `stats()` (a snapshot of the counters), never
+the scheduler or allocator. `admit()` runs every request check (`limits.EngineLimits`) without
+queueing; `add_request` runs it unless handed the `Admitted` result.
 """
 
 from __future__ import annotations

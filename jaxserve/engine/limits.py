@@ -54,14 +54,6 @@ def leading_field(message: str) -> str | None:
     return None
 
 
-def sampling_params(**kwargs: object) -> SamplingParams:
-    """SamplingParams(**kwargs), refusals as InvalidRequest naming the field."""
-    try:
-        return SamplingParams(**kwargs)  # type: ignore[arg-type]
-    except ValueError as e:
-        raise InvalidRequest.of(e) from None
-
-
 MAX_REQUEST_ID_LEN = 256
 
 

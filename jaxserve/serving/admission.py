@@ -22,14 +22,14 @@ import dataclasses
 from typing import Any, Sequence
 
 from jaxserve.engine.limits import (Admitted, EngineLimits, InvalidRequest, check_prompt_text,
-                                    check_request_id, leading_field, sampling_params)
+                                    check_request_id)
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.models.tokenizer import Tokenizer
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 __all__ = ["Admission", "Admitted", "CHAT_ROLES", "InvalidRequest", "PromptInput", "admit_input",
-           "check_chat", "leading_field", "render_chat", "sampling_params", "tokenize"]
+           "check_chat", "render_chat", "tokenize"]
 
 
 @dataclasses.dataclass(frozen=True)
