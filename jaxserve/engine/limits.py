@@ -42,8 +42,11 @@ class InvalidRequest(ValueError):
 
     @classmethod
     def of(cls, error: ValueError) -> "InvalidRequest":
-        """`error` as an InvalidRequest (SamplingParams' errors name their field first)."""
-        return error if isinstance(error, InvalidRequest) else cls(str(error))
+        """`error` as an InvalidRequest: its own `field` attribute if it has one, else the
+        SamplingParams field its message starts with."""
+        if isinstance(error, InvalidRequest):
+            return error
+        return cls(str(error), getattr(error, "field", None))
 
 
 def leading_field(message: str) -> str | None:
