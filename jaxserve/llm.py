@@ -2,8 +2,9 @@
 
 Data flow: keyword arguments -> EngineConfig (validated) -> `serving.build` (load, size,
 place, compile: one Engine, or a ReplicaPool over `data_parallel_size` of them) -> `generate`
-adds every prompt to the engine and steps it until all are finished, returning RequestOutputs
-in input order.
+admits every prompt (`Engine.admit`: the request checks both servers run, same error text),
+adds them to the engine and steps it until all are finished, returning RequestOutputs in
+input order.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from tqdm.auto import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.serving.admission import render_chat
 from jaxserve.serving.build import build_engine, build_offline_engine
 
 Prompt = str | Sequence[int]
@@ -60,18 +62,11 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         prio = list(priority) if priority is not None else [0] * len(prompts)
+        # Every prompt through admission first: a bad one raises before any is queued.
+        admitted = [self.engine.admit(p, sp) for p, sp in zip(prompts, params)]
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
-        added: list[str] = []
-        try:
-            for rid, p, sp, pr in zip(ids, prompts, params, prio):
-                self.engine.add_request(rid, p, sp, priority=pr)
-                added.append(rid)
-        except ValueError:
-            for rid in added:  # leave the engine as we found it
-                self.engine.abort(rid)
-            while self.engine.has_unfinished():
-                self.engine.step()
-            raise
+        for rid, req, pr in zip(ids, admitted, prio):
+            self.engine.add_request(rid, req, priority=pr)
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
@@ -79,8 +74,7 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt,
-                                                      tokenize=True) for c in convs]
+        prompts = [render_chat(c, self.tokenizer, add_generation_prompt) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

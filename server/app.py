@@ -38,6 +38,7 @@ from jaxserve.server.config import ServerConfig
 from jaxserve.server.inflight import InFlight
 from jaxserve.server.openai_http import OpenAIHttpFront
 from jaxserve.server.servicer import SERVICE_NAME, GenerationServicer
+from jaxserve.serving.admission import Admission
 from jaxserve.serving.async_engine import AsyncEngine
 from jaxserve.serving.async_replica_pool import DataParallelEngine, ServingEngine
 from jaxserve.serving.build import ServedModel
@@ -153,9 +154,11 @@ class GrpcServer:
         self.engine = replicas[0] if len(replicas) == 1 else DataParallelEngine(
             replicas, make_router(engines))
         self.engine.start()
-        self.servicer.attach(self.engine, served)
+        # One admission (limits, tokenizer, tokenizer threads) for both fronts.
+        admit = Admission(served.engine.limits, served.engine.tokenizer, cfg.tokenizer_threads)
+        self.servicer.attach(self.engine, served, admit)
         if self.http is not None:
-            self.http.attach(self.engine, served)
+            self.http.attach(self.engine, served, admit)
         if cfg.metrics_port is not None:
             self._metrics_http = MetricsHttpServer(self.metrics.registry, cfg.host,
                                                    cfg.metrics_port)

@@ -1,7 +1,9 @@
-"""API-key authentication: an asyncio server interceptor over `authorization: Bearer <key>`.
+"""API-key authentication over `authorization: Bearer <key>`, for both fronts.
 
-Data flow: every call's metadata -> `ApiKeyInterceptor.intercept_service` -> the bearer token
-is compared with each configured key by `hmac.compare_digest` over SHA-256 digests (constant
+`ApiKeys.allows(header value)` is the check itself; the gRPC front calls it through
+`ApiKeyInterceptor` (an asyncio server interceptor), the HTTP front from its middleware.
+Data flow (gRPC): every call's metadata -> `ApiKeyInterceptor.intercept_service` -> the bearer
+token is compared with each configured key by `hmac.compare_digest` over SHA-256 digests (constant
 time, and equal-length inputs so the key length does not leak either) -> the real handler, or
 one of the same streaming shape that ends the call with UNAUTHENTICATED.
 
@@ -24,27 +26,35 @@ def _digest(value: str) -> bytes:
     return hashlib.sha256(value.encode("utf-8", "surrogatepass")).digest()
 
 
-class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+class ApiKeys:
+    """The configured keys; `allows` is the one bearer-token check both fronts call."""
+
     def __init__(self, api_keys: Sequence[str]):
         if not api_keys or any(not k for k in api_keys):
             raise ValueError("api_keys must be a non-empty list of non-empty keys")
         self._digests = tuple(_digest(k) for k in api_keys)
 
-    def authorized(self, metadata: Sequence[tuple[str, Any]] | None) -> bool:
-        token = None
-        for key, value in metadata or ():
-            if key == "authorization" and isinstance(value, str):
-                scheme, _, token = value.partition(" ")
-                if scheme.lower() != "bearer":
-                    token = None
-                break
-        if token is None:
+    def allows(self, authorization: str | None) -> bool:
+        """Whether an `authorization` header / metadata value is `Bearer <a known key>`."""
+        if not isinstance(authorization, str):
+            return False
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer":
             return False
         digest = _digest(token.strip())
         ok = False
         for known in self._digests:  # no early exit: time does not depend on which key
             ok |= hmac.compare_digest(digest, known)
         return ok
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, api_keys: Sequence[str]):
+        self.keys = ApiKeys(api_keys)
+
+    def authorized(self, metadata: Sequence[tuple[str, Any]] | None) -> bool:
+        value = next((v for k, v in metadata or () if k == "authorization"), None)
+        return self.keys.allows(value)
 
     async def intercept_service(
             self, continuation: Callable[[grpc.HandlerCallDetails],

@@ -8,26 +8,24 @@ Data flow of a Generate call:
   per sample with its usage and timing).
 
 Every error raised here is an `InvalidRequest` (a ValueError): the servicer answers it with
-INVALID_ARGUMENT and the message as is.
+INVALID_ARGUMENT, its field renamed to this service's names by `error_message`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 from typing import Any, Sequence
 
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
 from jaxserve.engine.request import FinishReason, RequestMetrics
 from jaxserve.engine.sampling_params import FIELDS as SAMPLING_FIELDS
-from jaxserve.engine.sampling_params import Finite, SamplingField, SamplingParams
+from jaxserve.engine.sampling_params import SamplingField, SamplingParams
 from jaxserve.server import stubs
-from jaxserve.serving.admission import CHAT_ROLES, InvalidRequest, PromptInput
+from jaxserve.serving.admission import InvalidRequest, PromptInput
 
 pb2 = stubs.load().pb2
 
-MAX_REQUEST_ID_LEN = 256
 # The gRPC front's defaults where they differ from SamplingParams': unset max_tokens generates
 # up to max_model_len (HTTP's default is OpenAI's 16).
 _UNSET_DEFAULTS: dict[str, object] = {"max_tokens": None}
@@ -73,54 +71,46 @@ def sampling_from_proto(sp: Any) -> SamplingParams:
             value = getattr(sp, f.name)
             if not presence and value == zero:
                 continue
-        if isinstance(f.rule, Finite) and not math.isfinite(value):
-            # SamplingParams reports a non-finite value without the range: add it.
-            raise InvalidRequest(f"sampling.{f.name}={value} must be a finite number "
-                                 f"{f.rule.text}")
         kwargs[f.name] = value
-    try:
-        return SamplingParams(**kwargs)  # type: ignore[arg-type]
-    except ValueError as e:
-        raise InvalidRequest(f"sampling.{e}") from None
-
-
-def chat_from_proto(chat: Any, field: str = "chat") -> tuple[dict[str, str], ...]:
-    if not chat.messages:
-        raise InvalidRequest(f"{field}.messages must not be empty")
-    out = []
-    for i, m in enumerate(chat.messages):
-        if m.role not in CHAT_ROLES:
-            raise InvalidRequest(f"{field}.messages[{i}].role={m.role!r} must be one of "
-                                 f"{', '.join(CHAT_ROLES)}")
-        out.append({"role": m.role, "content": m.content})
-    return tuple(out)
+    return SamplingParams(**kwargs)  # type: ignore[arg-type]
 
 
 def input_from_proto(msg: Any, text_field: str) -> PromptInput:
-    """The `input` oneof of a GenerateRequest (`prompt`) or TokenizeRequest (`text`)."""
+    """The `input` oneof of a GenerateRequest (`prompt`) or TokenizeRequest (`text`); its
+    contents are checked by admission."""
     kind = msg.WhichOneof("input")
     if kind is None:
         options = f"{text_field}, token_ids or chat" if text_field == "prompt" else \
             f"{text_field} or chat"
         raise InvalidRequest(f"input is missing: set one of {options}")
     if kind == text_field:
-        text = getattr(msg, text_field)
-        if not text:
-            raise InvalidRequest(f"{text_field} must not be empty")
-        return PromptInput(text=text)
+        return PromptInput(text=getattr(msg, text_field))
     if kind == "token_ids":
-        if not msg.token_ids.ids:
-            raise InvalidRequest("token_ids.ids must not be empty")
         return PromptInput(token_ids=tuple(msg.token_ids.ids))
     gen = msg.chat.add_generation_prompt if msg.chat.HasField("add_generation_prompt") else True
-    return PromptInput(chat=chat_from_proto(msg.chat), add_generation_prompt=gen)
+    chat = tuple({"role": m.role, "content": m.content} for m in msg.chat.messages)
+    return PromptInput(chat=chat, add_generation_prompt=gen)
 
 
 def parse_request(req: Any) -> tuple[PromptInput, SamplingParams]:
-    if len(req.request_id) > MAX_REQUEST_ID_LEN:
-        raise InvalidRequest(f"request_id is {len(req.request_id)} characters long; at most "
-                             f"{MAX_REQUEST_ID_LEN}")
     return input_from_proto(req, "prompt"), sampling_from_proto(req.sampling)
+
+
+# Admission names fields as the offline API does; this service's names for them.
+_WIRE_NAMES = {"prompt_token_ids": "token_ids.ids", "messages": "chat.messages"}
+_SAMPLING_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def error_message(error: ValueError, text_field: str = "prompt") -> str:
+    """An admission / engine refusal in this service's field names (`text_field`: the name
+    of the text input, `prompt` or Tokenize's `text`)."""
+    error = InvalidRequest.of(error)
+    field = error.field
+    if field is None:
+        return str(error)
+    wire = {"prompt": text_field, **_WIRE_NAMES}.get(field) or (
+        f"sampling.{field}" if field in _SAMPLING_NAMES else field)
+    return error.message_as(wire)
 
 
 # --------------------------------------------------------------------------- responses

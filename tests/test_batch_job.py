@@ -51,7 +51,7 @@ def count_adds(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[tuple[st
 
     def add(rid: str, prompt: Any, params: Any = None, **kw: Any) -> None:
         real(rid, prompt, params, **kw)
-        added.append((rid, len(prompt)))
+        added.append((rid, len(getattr(prompt, "token_ids", prompt))))  # ids or Admitted
 
     monkeypatch.setattr(engine, "add_request", add)
     return added

@@ -19,6 +19,7 @@ from engine_fixtures import rollout, tiny_engine, tiny_model
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve import SamplingParams
+from jaxserve.engine.limits import EngineLimits
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.openai_http import OpenAIHttpFront
@@ -352,8 +353,8 @@ def test_api_key_and_health_while_warming() -> None:
 
 def test_queue_full_and_engine_stopped_statuses() -> None:
     """429 / 503 from the engine's admission, through a stand-in engine."""
-    plan = types.SimpleNamespace(batch_shape=types.SimpleNamespace(vocab_size=100),
-                                 scheduler=types.SimpleNamespace(max_model_len=64))
+    limits = EngineLimits(max_model_len=64, vocab_size=100, page_size=8, num_kv_pages=16,
+                          max_num_seqs=4, max_num_batched_tokens=64, eos_token_ids=(2,))
 
     class Refusing:
         error = None
@@ -369,7 +370,8 @@ def test_queue_full_and_engine_stopped_statuses() -> None:
         for exc in (QueueFull("7 sequences are waiting"), EngineStopped("stopping")):
             front = OpenAIHttpFront()
             port = await front.start("127.0.0.1", 0)
-            front.attach(Refusing(exc), ServedModel(types.SimpleNamespace(plan=plan), "fake"))
+            engine = types.SimpleNamespace(limits=limits, tokenizer=None)
+            front.attach(Refusing(exc), ServedModel(engine, "fake"))
             out.append(await post(f"http://127.0.0.1:{port}", {"prompt": [5, 6]}))
             front.calls.draining = True
             out.append(await post(f"http://127.0.0.1:{port}", {"prompt": [5, 6]}))

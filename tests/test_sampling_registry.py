@@ -97,17 +97,18 @@ def test_unset_proto_fields_take_the_grpc_defaults() -> None:
                                   if isinstance(f.rule, sp_mod.Finite)])
 def test_proto_non_finite_message_names_the_range(name: str) -> None:
     from jaxserve.server.client import pb2
-    from jaxserve.server.convert import InvalidRequest, sampling_from_proto
+    from jaxserve.server.convert import InvalidRequest, error_message, sampling_from_proto
 
     msg = pb2.SamplingParams(**{name: float("nan")})
     want = f"sampling.{name}=nan must be a finite number {sp_mod.BY_NAME[name].rule.text}"
-    with pytest.raises(InvalidRequest, match=f"^{re.escape(want)}$"):
+    with pytest.raises(InvalidRequest) as e:
         sampling_from_proto(msg)
+    assert error_message(e.value) == want  # the gRPC front's text names the range
 
 
 # ------------------------------------------------------------------------------ HTTP
 def test_http_body_round_trip() -> None:
-    from jaxserve.server.openai_http import parse_completion
+    from jaxserve.server.openai_schema import parse_completion
 
     body = {k: list(v) if isinstance(v, tuple) else v for k, v in VALUES.items()}
     assert parse_completion({"prompt": "w5", **body}).params == FULL
@@ -124,7 +125,7 @@ def test_http_body_round_trip() -> None:
     ("stop_token_ids", 3, "stop_token_ids must be a list of token ids"),
 ])
 def test_http_type_checks_from_the_declared_types(name: str, bad: object, message: str) -> None:
-    from jaxserve.server.openai_http import ApiError, parse_completion
+    from jaxserve.server.openai_schema import ApiError, parse_completion
 
     with pytest.raises(ApiError) as e:
         parse_completion({"prompt": "w5", name: bad})

@@ -18,9 +18,10 @@ a bad line never stops the job. An id seen earlier in IN gives a "duplicate id" 
 
 Data flow:
   IN --read_lines--> windows of --window lines --batch_io.parse_line--> LineRequest | LineError
-  -> skip what OUT already holds (resume) -> tokenize (chat template for messages) -> sort the
-  window's requests by prompt length, longest first -> engine.add_request (ValueError, e.g. a
-  prompt too long for max_model_len, becomes an error line) -> engine.step() until finished
+  -> skip what OUT already holds (resume) -> `admit_line` (chat template for messages, then
+  the engine's admission: tokenization and every request check; a refusal, e.g. a prompt too
+  long for max_model_len, becomes an error line) -> sort the window's requests by prompt
+  length, longest first -> engine.add_request -> engine.step() until finished
   -> result records -> OrderedSink (buffers finished results, writes the contiguous prefix in
   input order) -> ResultWriter (one whole line per write; fsync at intervals and at the end).
 
@@ -54,8 +55,10 @@ from typing import Any, Sequence
 from jaxserve.cli import flags
 from jaxserve.cli.batch_io import (LineError, LineRequest, OrderedSink, ResultWriter, ResumeState,
                                    count_lines, id_key, parse_line, read_lines, recover_output)
+from jaxserve.engine.limits import Admitted
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.serving.admission import render_chat
 
 log = logging.getLogger("jaxserve.batch")
 
@@ -99,25 +102,22 @@ class BatchSummary:
                 f"in {self.wall_s:.1f}s ({self.tokens_per_s:.1f} tok/s)")
 
 
-def prompt_token_ids(req: LineRequest, tokenizer: Any) -> list[int]:
-    """The token ids the engine runs for `req`; ValueError when they cannot be made."""
+def admit_line(req: LineRequest, engine: Any) -> Admitted:
+    """The line's request through the engine's admission (chat template for messages, every
+    request check); InvalidRequest (a ValueError) naming the field when it cannot run."""
     if req.messages is not None:
-        try:
-            ids = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
-                                                tokenize=True)
-        except ValueError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a template error on user content: an error line
-            raise ValueError(f"messages could not be rendered with the chat template: "
-                             f"{type(e).__name__}: {e}") from e
-        ids = list(ids)
-    elif isinstance(req.prompt, str):
-        ids = tokenizer.encode(req.prompt, add_special_tokens=True)
-    else:
-        ids = list(req.prompt or ())
-    if not ids:
-        raise ValueError("the prompt tokenizes to nothing")
-    return ids
+        return engine.admit(render_chat(req.messages, engine.tokenizer), req.params)
+    return engine.admit(req.prompt if req.prompt is not None else [], req.params)
+
+
+def prompt_token_ids(req: LineRequest, tokenizer: Any) -> list[int]:
+    """The token ids the engine runs for `req` (unchecked); ValueError when they cannot be
+    made."""
+    if req.messages is not None:
+        return render_chat(req.messages, tokenizer)
+    if isinstance(req.prompt, str):
+        return tokenizer.encode(req.prompt, add_special_tokens=True)
+    return list(req.prompt or ())
 
 
 def result_record(rid: Any, out: RequestOutput, params: SamplingParams) -> dict[str, Any]:
@@ -182,7 +182,7 @@ def run_batch(engine: Any, in_path: pathlib.Path, out_path: pathlib.Path,
     def read_window() -> bool:
         """Read, validate and queue up to one window of lines; False at the end of IN."""
         nonlocal last_line
-        queued: list[tuple[int, LineRequest, list[int]]] = []
+        queued: list[tuple[int, LineRequest, Admitted]] = []
         more = True
         for _ in range(opts.window):
             item = next(lines, None)
@@ -217,7 +217,7 @@ def run_batch(engine: Any, in_path: pathlib.Path, out_path: pathlib.Path,
                                                      "appears on an earlier line")
             if isinstance(parsed, LineRequest):
                 try:
-                    queued.append((line, parsed, prompt_token_ids(parsed, engine.tokenizer)))
+                    queued.append((line, parsed, admit_line(parsed, engine)))
                     continue
                 except ValueError as e:
                     parsed = LineError(line, parsed.id, str(e))
@@ -227,17 +227,12 @@ def run_batch(engine: Any, in_path: pathlib.Path, out_path: pathlib.Path,
         # work we know up front; starting the long requests first (the LPT rule) lets the short
         # ones fill the seats they free, so the batch stays full until the window's end instead
         # of ending on a few long stragglers; and a prompt that cannot fit fails at once.
-        queued.sort(key=lambda q: -len(q[2]))
-        for line, req, ids in queued:
+        queued.sort(key=lambda q: -len(q[2].token_ids))
+        for line, req, admitted in queued:
             rid = f"batch-{line}"
-            try:
-                engine.add_request(rid, ids, req.params)
-            except ValueError as e:  # e.g. too long for max_model_len, a token outside vocab
-                summary.errors += 1
-                resolve(line, LineError(line, req.id, str(e)).record())
-                continue
+            engine.add_request(rid, admitted)  # checked by admit_line
             summary.requests_added += 1
-            summary.prompt_tokens += len(ids)
+            summary.prompt_tokens += len(admitted.token_ids)
             inflight[rid] = (line, req.id, req.params)
         return more
 
@@ -359,4 +354,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = ["BatchOptions", "BatchSummary", "run_batch", "add_batch_parser", "cmd_batch",
-           "main", "prompt_token_ids", "result_record"]
+           "main", "admit_line", "prompt_token_ids", "result_record"]

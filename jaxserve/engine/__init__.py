@@ -6,5 +6,6 @@ numpy arrays padded to a compiled bucket) -> a `runner.Runner` (the device one l
 `jaxserve.device`; `fake_runner.ArithmeticRunner` here for tests) -> `Scheduler.update`
 (tokens appended, stop rules, pages freed) -> `detokenizer` -> `outputs.RequestOutput`.
 `sampling_params` is the one registry of per-request sampling fields; `sizing` derives pages
-and buckets from the config.
+and buckets from the config; `limits` holds the engine's read-only limits, the request checks
+against them (each written once) and the `stats()` snapshot type.
 """

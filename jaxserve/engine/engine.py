@@ -7,7 +7,10 @@ Data flow of `step()`:
   stop strings -> RequestOutputs (deltas for streaming, final ones with finish reasons).
 
 The engine owns the requests' host-side extras (prompt text, detokenizers, n-sample groups);
-the scheduler owns their KV state; the runner owns everything on the device.
+the scheduler owns their KV state; the runner owns everything on the device. Callers outside
+read `limits` (what a request must fit in) and `stats()` (a snapshot of the counters), never
+the scheduler or allocator. `admit()` runs every request check (`limits.EngineLimits`) without
+queueing; `add_request` runs it unless handed the `Admitted` result.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import Callable, Sequence
 from jaxserve.config import EngineConfig
 from jaxserve.engine.batch import build_batch
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.limits import (Admitted, EngineLimits, EngineStats, InvalidRequest,
+                                    check_not_in_flight, check_request_id)
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from jaxserve.engine.request import FinishReason, Request
 from jaxserve.engine.runner import Runner, StepResult
@@ -58,31 +63,60 @@ class Engine:
         self.scheduler = Scheduler(plan.scheduler, clock)
         self._groups: dict[str, _Group] = {}
         self._seed_rng = random.Random(config.seed)
-        self._vocab = plan.batch_shape.vocab_size
+        sc = plan.scheduler
+        self._limits = EngineLimits(
+            max_model_len=sc.max_model_len, vocab_size=plan.batch_shape.vocab_size,
+            page_size=sc.page_size, num_kv_pages=sc.num_pages - 1,
+            max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
+            eos_token_ids=self.eos_token_ids)
         self.num_steps = 0
         self.last_step_tokens = 0
         # Groups with news for the next step's outputs besides this step's tokens (aborts).
         self._touched: dict[str, _Group] = {}
 
+    # ----------------------------------------------------------------------- read-only views
+    @property
+    def limits(self) -> EngineLimits:
+        """What a request must fit in (and what callers are told about the model)."""
+        return self._limits
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the running state and cumulative counters (call it from the thread
+        that drives the engine)."""
+        sched = self.scheduler
+        alloc = sched.allocator
+        total = alloc.num_usable_pages
+        return EngineStats(
+            num_requests=len(self._groups), num_running=sched.num_running,
+            num_waiting=sched.num_waiting, kv_pages_used=total - alloc.num_free_pages,
+            kv_pages_total=total, prefix_cache_queries=alloc.prefix_queries * alloc.page_size,
+            prefix_cache_hits=alloc.prefix_hits * alloc.page_size,
+            num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
+            last_step_tokens=self.last_step_tokens,
+            compiles_after_warmup=self.runner.compiles_after_warmup)
+
     # ----------------------------------------------------------------------- intake
-    def add_request(self, request_id: str, prompt: str | Sequence[int],
+    def admit(self, prompt: str | Sequence[int], params: SamplingParams | None = None
+              ) -> Admitted:
+        """Every limit check of one request, without queueing it (thread-safe: it reads only
+        the limits and the tokenizer)."""
+        return self._limits.admit(prompt, params or SamplingParams(), self._encode)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int] | Admitted,
                     params: SamplingParams | None = None, priority: int = 0,
                     arrival_time: float | None = None) -> None:
-        """Queue a request; ValueError (naming the field) for anything that cannot run."""
-        params = params or SamplingParams()
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError("request_id must be a non-empty string")
-        if request_id in self._groups:
-            raise ValueError(f"request_id={request_id!r} is already in flight")
+        """Queue a request; ValueError (an InvalidRequest naming the field) for anything that
+        cannot run. An `Admitted` prompt (from `admit`) carries its params and is not checked
+        again."""
+        check_request_id(request_id)
+        check_not_in_flight(request_id, self._groups)
         if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority={priority!r} must be an integer")
-        text, ids = self._tokenize(prompt)
-        limit = self.plan.scheduler.max_model_len
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
-        if max_tokens < 1:
-            raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room to generate "
-                             f"within max_model_len={limit}")
-        self.scheduler.check_fits(len(ids), max_tokens)
+            raise InvalidRequest(f"priority={priority!r} must be an integer", "priority")
+        req = prompt if isinstance(prompt, Admitted) else self.admit(prompt, params)
+        params, ids = req.params, list(req.token_ids)
         now = self.clock() if arrival_time is None else arrival_time
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seqs = []
@@ -90,29 +124,15 @@ class Engine:
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             seqs.append(Request(seq_id, list(ids), params, self.eos_token_ids, now,
                                 priority=priority, group_id=request_id, sample_index=i,
-                                max_tokens=max_tokens,
+                                max_tokens=req.max_tokens,
                                 seed=(base_seed + i) % (1 << 64)))
         for i, seq in enumerate(seqs):
-            self.scheduler.add_request(seq, fork_of=seqs[0] if i else None)
+            self.scheduler.add_request(seq, fork_of=seqs[0] if i else None, checked=True)
         backend = self.tokenizer.backend
         self._groups[request_id] = _Group(
-            request_id, text, list(ids), params, seqs,
+            request_id, req.prompt, ids, params, seqs,
             [IncrementalDetokenizer(backend, params) for _ in seqs],
             [0] * params.n, [0] * params.n, [0.0] * params.n)
-
-    def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt_token_ids must not be empty")
-        for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._vocab:
-                raise ValueError(f"prompt_token_ids[{i}]={t!r} is outside the vocabulary "
-                                 f"[0, {self._vocab})")
-        return None, ids
 
     def abort(self, request_id: str) -> bool:
         """Abort a request at any moment; its final output (ABORT) comes from the next step."""

@@ -25,6 +25,8 @@ import math
 import typing
 from typing import Any, Callable, Sequence
 
+from jaxserve.engine.errors import InvalidRequest
+
 MAX_LOGPROBS = 20  # top-N logprobs computed per sampled token (the sampler's static width)
 MAX_N = 16
 MAX_STOP_STRINGS = 16
@@ -52,7 +54,7 @@ class IntIn(Rule):
 
     def check(self, name: str, value: Any) -> None:
         if not _is_int(value) or not self.lo <= value <= self.hi:
-            raise ValueError(f"{name}={value!r} must be {self.text}")
+            raise InvalidRequest(f"{name}={value!r} must be {self.text}", name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +67,9 @@ class Finite(Rule):
     def check(self, name: str, value: Any) -> None:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or \
                 not math.isfinite(value):
-            raise ValueError(f"{name}={value!r} must be a finite number")
+            raise InvalidRequest(f"{name}={value!r} must be a finite number {self.text}", name)
         if not self.ok(value):
-            raise ValueError(f"{name}={value} must be {self.text}")
+            raise InvalidRequest(f"{name}={value} must be {self.text}", name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +78,7 @@ class TopK(Rule):
 
     def check(self, name: str, value: Any) -> None:
         if not _is_int(value) or value < -1 or value == 0:
-            raise ValueError(f"{name}={value} must be {self.text}")
+            raise InvalidRequest(f"{name}={value} must be {self.text}", name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,13 +87,15 @@ class StopStrings(Rule):
 
     def check(self, name: str, value: Any) -> None:
         if len(value) > MAX_STOP_STRINGS:
-            raise ValueError(f"{name} has {len(value)} strings; at most {MAX_STOP_STRINGS}")
+            raise InvalidRequest(f"{name} has {len(value)} strings; at most {MAX_STOP_STRINGS}",
+                                 name)
         for i, s in enumerate(value):
             if not isinstance(s, str) or not s:
-                raise ValueError(f"{name}[{i}]={s!r} must be a non-empty string")
+                raise InvalidRequest(f"{name}[{i}]={s!r} must be a non-empty string", name)
             if len(s) > MAX_STOP_STRING_LEN:
-                raise ValueError(
-                    f"{name}[{i}] is {len(s)} characters long; at most {MAX_STOP_STRING_LEN}")
+                raise InvalidRequest(
+                    f"{name}[{i}] is {len(s)} characters long; at most {MAX_STOP_STRING_LEN}",
+                    name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +105,7 @@ class TokenIds(Rule):
     def check(self, name: str, value: Any) -> None:
         for i, t in enumerate(value):
             if not _is_int(t) or t < 0:
-                raise ValueError(f"{name}[{i}]={t!r} must be a non-negative integer")
+                raise InvalidRequest(f"{name}[{i}]={t!r} must be a non-negative integer", name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,8 +204,9 @@ class SamplingParams:
                 f.rule.check(f.name, value)
             if f.name == "min_tokens" and self.max_tokens is not None and \
                     self.min_tokens > self.max_tokens:  # checked here: as before, in this order
-                raise ValueError(
-                    f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
+                raise InvalidRequest(
+                    f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}",
+                    "min_tokens")
 
     @functools.cached_property
     def row(self) -> tuple[float, ...]:

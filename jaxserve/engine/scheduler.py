@@ -30,6 +30,7 @@ from typing import Callable, Iterable, Sequence
 
 from jaxserve.config import SchedulerConfig
 from jaxserve.engine.block_allocator import BlockAllocator, hash_pages
+from jaxserve.engine.limits import check_fits, check_not_in_flight
 from jaxserve.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -69,24 +70,17 @@ class Scheduler:
 
     # ----------------------------------------------------------------------- intake
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise ValueError when a sequence could never run to completion."""
-        total = num_prompt_tokens + max_tokens
-        if total > self.cfg.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
-                f"exceeds max_model_len={self.cfg.max_model_len}")
-        pages = -(-total // self.cfg.page_size)
-        if pages > self.allocator.num_usable_pages:
-            raise ValueError(
-                f"prompt + max_tokens = {total} tokens need {pages} KV pages but the cache "
-                f"holds only {self.allocator.num_usable_pages}; lower max_tokens or give the "
-                "KV cache more memory")
+        """Raise InvalidRequest when a sequence could never run to completion."""
+        check_fits(num_prompt_tokens, max_tokens, self.cfg.max_model_len, self.cfg.page_size,
+                   self.allocator.num_usable_pages)
 
-    def add_request(self, req: Request, fork_of: Request | None = None) -> None:
-        """Queue `req`; `fork_of` (child 0 of its group) delays it to share that prompt."""
-        if req.request_id in self.requests:
-            raise ValueError(f"request_id={req.request_id!r} is already in flight")
-        self.check_fits(req.num_prompt_tokens, req.max_tokens)
+    def add_request(self, req: Request, fork_of: Request | None = None,
+                    checked: bool = False) -> None:
+        """Queue `req`; `fork_of` (child 0 of its group) delays it to share that prompt.
+        `checked`: the caller (the Engine) already ran `check_fits` for this request."""
+        check_not_in_flight(req.request_id, self.requests)
+        if not checked and fork_of is None:
+            self.check_fits(req.num_prompt_tokens, req.max_tokens)
         self.requests[req.request_id] = req
         self._arrival_order[req.request_id] = next(self._order)
         if fork_of is not None and not fork_of.is_finished and \

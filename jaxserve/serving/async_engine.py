@@ -13,8 +13,9 @@ Admission errors come back through the same queue: a ValueError from `Engine.add
 (naming the field) is raised by the stream's first `__anext__`. `QueueFull` is raised by
 `submit()` itself, at once, when more than `max_waiting` sequences would be waiting.
 
-Tokenization is the caller's job (pass token ids) so that it runs on the caller's threads, not
-between steps; the Engine detokenizes incrementally inside `step()`.
+Tokenization and the request checks are the caller's job (pass the `Admitted` request from
+`serving.admission`, or token ids) so that they run on the caller's threads, not between
+steps; the Engine detokenizes incrementally inside `step()`.
 
 Observers (e.g. `jaxserve.metrics.EngineMetrics`) are called on the loop thread after every
 iteration with the engine and that iteration's outputs; their errors are logged, never fatal.
@@ -31,6 +32,7 @@ import time
 from typing import Callable, Protocol, Sequence
 
 from jaxserve.engine.engine import Engine
+from jaxserve.engine.limits import Admitted, check_not_in_flight, check_request_id
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.sampling_params import SamplingParams
 
@@ -68,7 +70,7 @@ class _Sink:
 @dataclasses.dataclass(eq=False)
 class _Add:
     sink: _Sink
-    prompt: str | list[int]
+    prompt: str | list[int] | Admitted
     params: SamplingParams
     priority: int
     arrival_time: float
@@ -198,15 +200,18 @@ class AsyncEngine:
             return request_id in self._in_flight
 
     # ----------------------------------------------------------------------- callers
-    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-               priority: int = 0, arrival_time: float | None = None) -> RequestStream:
+    def submit(self, request_id: str, prompt: str | list[int] | Admitted,
+               params: SamplingParams, priority: int = 0,
+               arrival_time: float | None = None) -> RequestStream:
         """Queue a request from inside a running asyncio loop; returns its stream.
 
-        Raises ValueError (duplicate id), QueueFull or EngineStopped at once; the engine's own
-        validation errors are raised by the stream's first `__anext__`.
+        Raises InvalidRequest (a bad or duplicate id), QueueFull or EngineStopped at once; the
+        engine's own validation errors are raised by the stream's first `__anext__` (none for
+        an `Admitted` prompt, which carries its checked params).
         """
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id={request_id!r} must be a non-empty string")
+        check_request_id(request_id)
+        if isinstance(prompt, Admitted):
+            params = prompt.params
         loop = asyncio.get_running_loop()
         sink = _Sink(request_id, loop, asyncio.Queue())
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -215,9 +220,7 @@ class AsyncEngine:
                 raise EngineStopped(f"the engine loop failed: {self._error!r}")
             if self._stopping or self._thread is None:
                 raise EngineStopped("the engine is not running (shutting down or not started)")
-            if request_id in self._in_flight:
-                raise ValueError(f"request_id={request_id!r} is already in flight; "
-                                 "request ids must be unique among in-flight requests")
+            check_not_in_flight(request_id, self._in_flight)
             waiting = self._queued_seqs + self._waiting_seqs
             # A request larger than the whole bound still runs when nothing is waiting.
             if self.max_waiting is not None and waiting and waiting + params.n > self.max_waiting:
@@ -259,7 +262,7 @@ class AsyncEngine:
                 self._dispatch(outputs)
                 busy = self.engine.has_unfinished()
                 with self._cond:
-                    self._waiting_seqs = self.engine.scheduler.num_waiting
+                    self._waiting_seqs = self.engine.stats().num_waiting
         except BaseException as e:  # noqa: BLE001 - any failure must reach every caller
             log.exception("engine loop failed; failing every in-flight request")
             self._fail(e)
@@ -287,7 +290,7 @@ class AsyncEngine:
         with self._cond:
             self._queued_seqs -= added
             self._in_flight.difference_update(rejected)
-            self._waiting_seqs = self.engine.scheduler.num_waiting
+            self._waiting_seqs = self.engine.stats().num_waiting
 
     def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], _Item]]] = \

@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Protocol, Sequence
 
+from jaxserve.engine.limits import Admitted, check_not_in_flight
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.serving.async_engine import AsyncEngine, QueueFull, RequestStream
 from jaxserve.serving.router import ReplicaRouter
@@ -40,8 +41,9 @@ class ServingEngine(Protocol):
     @property
     def num_waiting(self) -> int: ...
 
-    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-               priority: int = 0, arrival_time: float | None = None) -> RequestStream: ...
+    def submit(self, request_id: str, prompt: str | list[int] | Admitted,
+               params: SamplingParams, priority: int = 0,
+               arrival_time: float | None = None) -> RequestStream: ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -93,15 +95,19 @@ class DataParallelEngine:
         return self._router.prefix_routed
 
     # ----------------------------------------------------------------------- callers
-    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-               priority: int = 0, arrival_time: float | None = None) -> RequestStream:
+    def __contains__(self, request_id: object) -> bool:
+        """Whether a replica holds `request_id` in flight."""
+        return any(r.holds(request_id) for r in self.replicas)  # type: ignore[arg-type]
+
+    def submit(self, request_id: str, prompt: str | list[int] | Admitted,
+               params: SamplingParams, priority: int = 0,
+               arrival_time: float | None = None) -> RequestStream:
         """Route, then `AsyncEngine.submit` on that replica (same errors)."""
+        ids = prompt.token_ids if isinstance(prompt, Admitted) else prompt
         # Hashing a long prompt takes a while: not under the lock.
-        hashes = self._router.page_hashes(None if isinstance(prompt, str) else prompt)
+        hashes = self._router.page_hashes(None if isinstance(ids, str) else ids)
         with self._lock:
-            if any(r.holds(request_id) for r in self.replicas):
-                raise ValueError(f"request_id={request_id!r} is already in flight; "
-                                 "request ids must be unique among in-flight requests")
+            check_not_in_flight(request_id, self)
             loads = [r.num_in_flight for r in self.replicas]
             route = self._router.choose(loads, hashes)
             # The chosen replica first, then the others by load: one full queue is not a

@@ -1,8 +1,8 @@
 """Prometheus metrics of a serving engine, under vLLM-compatible names with a `jaxserve:` prefix.
 
 Data flow: `AsyncEngine`'s loop thread calls `EngineMetrics.on_step(engine, outputs, stepped)`
-after every iteration -> gauges are set from the scheduler (running / waiting / KV usage /
-compiles after warmup), counters advance by the deltas of the engine's own cumulative counts
+after every iteration -> gauges are set from `engine.stats()` (running / waiting / KV usage /
+compiles after warmup), counters advance by the deltas of its cumulative counts
 (preemptions, prefix-cache lookups), per-request figures come from the RequestOutputs
 (prompt tokens when a request first reports, generated tokens and inter-token gaps as they
 stream, TTFT / queue / e2e / time per output token and the finish reason when a sample
@@ -134,21 +134,19 @@ class EngineMetrics:
 
     # ----------------------------------------------------------------------- feed
     def on_step(self, engine: Engine, outputs: Sequence[RequestOutput], stepped: bool) -> None:
-        sched = engine.scheduler
-        alloc = sched.allocator
-        self.running.set(sched.num_running)
-        self.waiting.set(sched.num_waiting)
-        self.kv_usage.set(alloc.usage)
-        self.compiles.set(engine.runner.compiles_after_warmup)
-        self.preemptions.inc(sched.num_preemptions - self._last_preemptions)
-        self._last_preemptions = sched.num_preemptions
-        page = alloc.page_size
-        self.prefix_queries.inc((alloc.prefix_queries - self._last_queries) * page)
-        self.prefix_hits.inc((alloc.prefix_hits - self._last_hits) * page)
-        self._last_queries, self._last_hits = alloc.prefix_queries, alloc.prefix_hits
-        if stepped and engine.num_steps > self._last_step:
-            self.iteration_tokens.observe(engine.last_step_tokens)
-            self._last_step = engine.num_steps
+        st = engine.stats()
+        self.running.set(st.num_running)
+        self.waiting.set(st.num_waiting)
+        self.kv_usage.set(st.kv_usage)
+        self.compiles.set(st.compiles_after_warmup)
+        self.preemptions.inc(st.num_preemptions - self._last_preemptions)
+        self._last_preemptions = st.num_preemptions
+        self.prefix_queries.inc(st.prefix_cache_queries - self._last_queries)
+        self.prefix_hits.inc(st.prefix_cache_hits - self._last_hits)
+        self._last_queries, self._last_hits = st.prefix_cache_queries, st.prefix_cache_hits
+        if stepped and st.num_steps > self._last_step:
+            self.iteration_tokens.observe(st.last_step_tokens)
+            self._last_step = st.num_steps
         for out in outputs:
             for c in out.outputs:
                 self._on_completion(out, c)

@@ -18,6 +18,8 @@ import concurrent.futures
 from typing import Sequence
 
 from jaxserve.engine.engine import Engine
+from jaxserve.engine.limits import (Admitted, EngineLimits, EngineStats, check_not_in_flight,
+                                    check_request_id)
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.serving.router import ReplicaRouter
@@ -53,6 +55,18 @@ class ReplicaPool:
         return self.engines[0].eos_token_ids
 
     @property
+    def limits(self) -> EngineLimits:
+        return self.engines[0].limits
+
+    def stats(self) -> EngineStats:
+        """Every replica's stats added up."""
+        return EngineStats.total([e.stats() for e in self.engines])
+
+    def admit(self, prompt: str | Sequence[int], params: SamplingParams | None = None
+              ) -> Admitted:
+        return self.engines[0].admit(prompt, params)
+
+    @property
     def num_requests(self) -> int:
         return sum(e.num_requests for e in self.engines)
 
@@ -63,18 +77,17 @@ class ReplicaPool:
     def has_unfinished(self) -> bool:
         return any(e.has_unfinished() for e in self.engines)
 
-    def add_request(self, request_id: str, prompt: str | Sequence[int],
+    def add_request(self, request_id: str, prompt: str | Sequence[int] | Admitted,
                     params: SamplingParams | None = None, priority: int = 0,
                     arrival_time: float | None = None) -> None:
-        if request_id in self._owner:
-            raise ValueError(f"request_id={request_id!r} is already in flight")
-        ids: Sequence[int] | None = prompt if not isinstance(prompt, str) else None
-        if self._router.prefix_aware and isinstance(prompt, str) and prompt:
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        check_request_id(request_id)
+        check_not_in_flight(request_id, self._owner)
+        # Checked (and tokenized) once, here; the replica queues it as it is.
+        admitted = prompt if isinstance(prompt, Admitted) else self.admit(prompt, params)
         loads = [e.num_requests for e in self.engines]
-        route = self._router.choose(loads, self._router.page_hashes(ids))
+        route = self._router.choose(loads, self._router.page_hashes(admitted.token_ids))
         engine = self.engines[route.replica]
-        engine.add_request(request_id, prompt, params, priority=priority,
+        engine.add_request(request_id, admitted, priority=priority,
                            arrival_time=arrival_time)  # ValueError: nothing was recorded
         self._router.record(route, route.replica)
         self._owner[request_id] = engine

@@ -105,11 +105,11 @@ class ReplicaRouter:
 
 
 def make_router(engines: Sequence["Engine"]) -> ReplicaRouter:
-    """The router over these replicas, sized from the first one's plan (all are alike)."""
+    """The router over these replicas, sized from the first one's limits (all are alike)."""
     e = engines[0]
     # Slack: a replica holding a prompt's prefix may run a quarter of a full batch more
     # requests than the least loaded before load wins: recomputing a prefix costs less than
     # queueing behind a full replica.
-    return ReplicaRouter(len(engines), e.plan.scheduler.page_size, e.plan.scheduler.num_pages - 1,
+    return ReplicaRouter(len(engines), e.limits.page_size, e.limits.num_kv_pages,
                          prefix_aware=e.config.enable_prefix_caching,
                          slack=max(1, e.config.max_num_seqs // 4))

@@ -1,0 +1,156 @@
+"""What a request must satisfy to run on an engine, and what the engine reports about itself.
+
+Plain Python (no jax). `EngineLimits` is the engine's read-only description (max_model_len,
+vocabulary, KV pages, ...); its `check_*` methods are the request checks that depend on those
+limits, each written once here: the Engine runs them for its direct callers, and
+`jaxserve.serving.admission` runs the very same methods for the fronts and the offline API
+(which hand the Engine an already `Admitted` request, so nothing is checked twice).
+`EngineStats` is a snapshot of the engine's counters, for metrics and the fronts.
+
+Every refusal is an `InvalidRequest` (a ValueError) whose message starts with the name of the
+field it is about, in the offline API's vocabulary (`prompt`, `prompt_token_ids`,
+`max_tokens`, `request_id`, `messages`, a SamplingParams field); a front renames that leading
+name to its wire name (`InvalidRequest.message_as`) and keeps the rest of the text, so the same
+bad input reads the same everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Container, Sequence
+
+from jaxserve.engine.errors import InvalidRequest
+from jaxserve.engine.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
+
+
+MAX_REQUEST_ID_LEN = 256
+
+
+def check_request_id(request_id: object) -> None:
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidRequest(f"request_id={request_id!r} must be a non-empty string",
+                             "request_id")
+    if len(request_id) > MAX_REQUEST_ID_LEN:
+        raise InvalidRequest(f"request_id is {len(request_id)} characters long; at most "
+                             f"{MAX_REQUEST_ID_LEN}", "request_id")
+
+
+def check_not_in_flight(request_id: str, in_flight: Container[str]) -> None:
+    """The one duplicate-id check: request ids are unique among requests in flight."""
+    if request_id in in_flight:
+        raise InvalidRequest(f"request_id={request_id!r} is already in flight; request ids "
+                             "must be unique among in-flight requests", "request_id")
+
+
+def check_prompt_text(text: object) -> None:
+    if not isinstance(text, str) or not text:
+        raise InvalidRequest("prompt must not be empty", "prompt")
+
+
+def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+               page_size: int, num_kv_pages: int) -> int:
+    """Prompt length and max_tokens against max_model_len, and the KV cache: can the
+    sequence run to completion? Returns max_tokens resolved (None: up to max_model_len)."""
+    n, limit = num_prompt_tokens, max_model_len
+    if n >= limit:
+        raise InvalidRequest(f"prompt has {n} tokens; max_model_len={limit} allows at "
+                             f"most {limit - 1} prompt tokens", "prompt")
+    if max_tokens is None:
+        max_tokens = limit - n
+    elif n + max_tokens > limit:
+        raise InvalidRequest(
+            f"max_tokens={max_tokens} is over the limit: prompt ({n} tokens) + max_tokens "
+            f"must be <= max_model_len={limit}, so max_tokens must be in [1, {limit - n}]",
+            "max_tokens")
+    total = n + max_tokens
+    pages = -(-total // page_size)
+    if pages > num_kv_pages:
+        raise InvalidRequest(
+            f"prompt + max_tokens = {total} tokens need {pages} KV pages but the cache "
+            f"holds only {num_kv_pages}; lower max_tokens or give the KV cache more "
+            "memory", "prompt")
+    return max_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLimits:
+    """The engine's read-only limits; the same on every data-parallel replica."""
+
+    max_model_len: int
+    vocab_size: int
+    page_size: int
+    num_kv_pages: int  # usable pages (the trash page is not counted)
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    eos_token_ids: tuple[int, ...]
+    max_logprobs: int = MAX_LOGPROBS
+    max_n: int = MAX_N
+
+    # ----------------------------------------------------------------------- checks
+    def check_prompt_ids(self, ids: Sequence[int], from_text: bool = False) -> list[int]:
+        """Non-empty and inside the vocabulary; `from_text`: the ids of a text prompt."""
+        ids = list(ids)
+        if not ids:
+            if from_text:
+                raise InvalidRequest("prompt tokenizes to no tokens", "prompt")
+            raise InvalidRequest("prompt_token_ids must not be empty", "prompt_token_ids")
+        vocab = self.vocab_size
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidRequest(f"prompt_token_ids[{i}]={t!r} is outside the vocabulary "
+                                     f"[0, {vocab})", "prompt_token_ids")
+        return ids
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        return check_fits(num_prompt_tokens, max_tokens, self.max_model_len, self.page_size,
+                          self.num_kv_pages)
+
+    def admit(self, prompt: str | Sequence[int], params: SamplingParams,
+              encode: Callable[[str], list[int]] | None = None) -> "Admitted":
+        """Every limit check of one request; text prompts need `encode`."""
+        text = None
+        if isinstance(prompt, str):
+            check_prompt_text(prompt)
+            assert encode is not None, "a text prompt needs a tokenizer"
+            text, ids = prompt, self.check_prompt_ids(encode(prompt), from_text=True)
+        else:
+            ids = self.check_prompt_ids(prompt)
+        return Admitted(text, tuple(ids), params, self.check_fits(len(ids), params.max_tokens))
+
+
+@dataclasses.dataclass(frozen=True)
+class Admitted:
+    """A request that passed every limit check (`EngineLimits.admit`): the Engine queues it
+    without checking again."""
+
+    prompt: str | None
+    token_ids: tuple[int, ...]
+    params: SamplingParams
+    max_tokens: int  # resolved
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of one engine's state and cumulative counters."""
+
+    num_requests: int  # user requests in flight (n samples count once)
+    num_running: int  # sequences in the running batch
+    num_waiting: int  # sequences waiting to be scheduled
+    kv_pages_used: int  # held by live sequences (cached-but-free pages count as free)
+    kv_pages_total: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (full pages)
+    prefix_cache_hits: int  # prompt tokens found there
+    num_preemptions: int
+    num_steps: int
+    last_step_tokens: int
+    compiles_after_warmup: int
+
+    @classmethod
+    def total(cls, stats: Sequence["EngineStats"]) -> "EngineStats":
+        """Several engines' stats added up (data-parallel replicas)."""
+        return cls(*(sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(cls)))
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_pages_used / self.kv_pages_total if self.kv_pages_total else 0.0
+

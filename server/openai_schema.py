@@ -1,0 +1,179 @@
+"""OpenAI's completions JSON <-> engine types: the HTTP front's wire format, nothing more.
+
+`parse_completion`: a /v1/completions body -> `CompletionRequest` (prompt as an
+`admission.PromptInput`; the sampling fields derived from the SamplingParams registry, after
+the type checks their declared types call for) or `ApiError(400)` naming the field (`param`).
+The response helpers build OpenAI's `text_completion` choices, usage, legacy logprobs and
+server-sent events. Content checks (ranges, vocabulary, lengths) belong to admission and the
+SamplingParams registry; an `InvalidRequest` becomes a 400 through `invalid`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Callable
+
+from aiohttp import web
+
+from jaxserve.engine.outputs import CompletionOutput, TokenLogprobs
+from jaxserve.engine.request import FinishReason
+from jaxserve.engine.sampling_params import FIELDS as SAMPLING_FIELDS
+from jaxserve.engine.sampling_params import SamplingField, SamplingParams
+from jaxserve.serving import admission
+
+FINISH_REASONS = {FinishReason.EOS: "stop", FinishReason.STOP: "stop",
+                  FinishReason.STOP_STRING: "stop", FinishReason.LENGTH: "length",
+                  FinishReason.ABORT: "abort"}
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; null: up to max_model_len
+_SAMPLING_FIELDS = tuple(f for f in SAMPLING_FIELDS if f.name != "max_tokens")
+_LIST_FIELDS = tuple(f for f in SAMPLING_FIELDS if f.type is tuple)
+_BOOL_FIELDS = tuple(f.name for f in SAMPLING_FIELDS if f.type is bool) + ("stream", "echo")
+_JSON_SEPARATORS = (",", ":")
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error JSON and an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message = status, message
+        self.body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body, status=self.status)
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+def unavailable(message: str) -> ApiError:
+    return ApiError(503, message, None, "service_unavailable")
+
+
+def _field_of(error: ValueError, default: str) -> str:
+    """This API's name of the field an admission / SamplingParams error is about."""
+    field = admission.InvalidRequest.of(error).field or default
+    return "prompt" if field == "prompt_token_ids" else field  # ids are a prompt here
+
+
+def invalid(error: ValueError) -> ApiError:
+    """An admission / engine refusal as a 400 in this API's field names."""
+    param = _field_of(error, "prompt")
+    return bad_request(admission.InvalidRequest.of(error).message_as(param), param)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionRequest:
+    prompt: admission.PromptInput
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _list_value(field: SamplingField, value: object) -> bool:
+    """Whether `value` suits a tuple field: a list (of strings, for a string field, which also
+    takes one string); SamplingParams checks the items."""
+    if field.item is str:
+        return isinstance(value, str) or (
+            isinstance(value, list) and all(isinstance(v, str) for v in value))
+    return isinstance(value, list)
+
+
+def parse_prompt(prompt: object) -> admission.PromptInput:
+    """A string, a list of token ids, or a list holding exactly one of those."""
+    if prompt is None:
+        raise bad_request("prompt is required: a string or a list of token ids", "prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):  # empty prompts are refused by admission
+        return admission.PromptInput(text=prompt)
+    if isinstance(prompt, list):
+        if all(_is_int(t) for t in prompt):
+            return admission.PromptInput(token_ids=tuple(prompt))
+        if all(isinstance(p, (str, list)) for p in prompt):
+            raise bad_request(f"prompt holds a batch of {len(prompt)} prompts; this server "
+                              "takes one prompt per request", "prompt")
+    raise bad_request("prompt must be a string or a list of token ids", "prompt")
+
+
+def parse_completion(body: object) -> CompletionRequest:
+    """Validate a /v1/completions body; ApiError(400) naming the field otherwise."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    for name in _BOOL_FIELDS:
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise bad_request(f"{name}={body[name]!r} must be a boolean", name)
+    if "model" in body and body["model"] is not None and not isinstance(body["model"], str):
+        raise bad_request(f"model={body['model']!r} must be a string", "model")
+    if body.get("echo"):
+        raise bad_request("echo=true is not supported", "echo")
+    if body.get("suffix") is not None:
+        raise bad_request("suffix is not supported", "suffix")
+    if body.get("best_of") is not None and body["best_of"] != body.get("n", 1):
+        raise bad_request("best_of is not supported (leave it unset or equal to n)", "best_of")
+    stream = bool(body.get("stream"))
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise bad_request("stream_options is only allowed with stream=true",
+                              "stream_options")
+        if not isinstance(options, dict) or not isinstance(
+                options.get("include_usage", False), bool):
+            raise bad_request("stream_options must be an object like {\"include_usage\": true}",
+                              "stream_options")
+        include_usage = bool(options.get("include_usage", False))
+    prompt = parse_prompt(body.get("prompt"))
+    kwargs: dict[str, Any] = {f.name: body[f.name] for f in _SAMPLING_FIELDS
+                              if body.get(f.name) is not None}
+    kwargs["max_tokens"] = body.get("max_tokens", DEFAULT_MAX_TOKENS)
+    for f in _LIST_FIELDS:
+        if f.name in kwargs and not _list_value(f, kwargs[f.name]):
+            text = f.rule.text if f.rule is not None else "a list"
+            raise bad_request(f"{f.name} must be {text}", f.name)
+    if kwargs.get("top_k") == 0 and _is_int(kwargs["top_k"]):
+        kwargs["top_k"] = -1  # vLLM accepts 0 for "disabled" as well
+    try:
+        params = SamplingParams(**kwargs)
+    except ValueError as e:
+        raise bad_request(str(e), _field_of(e, "prompt")) from None
+    return CompletionRequest(prompt, params, stream, include_usage)
+
+
+def logprobs_json(entries: list[TokenLogprobs], decode: Callable[[int], str],
+                   offset: int) -> dict[str, Any]:
+    """OpenAI's legacy completions logprobs object (`offset`: where these tokens' text
+    starts in the completion)."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for entry in entries:
+        tid, lp = next(iter(entry.items()))  # the sampled token first, then the top-N
+        text = decode(tid)
+        tokens.append(text)
+        token_lps.append(lp)
+        tops.append({decode(t): v for t, v in entry.items()})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def choice(c: CompletionOutput, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    reason = FINISH_REASONS[c.finish_reason] if c.finish_reason is not None else None
+    return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(obj: object) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=_JSON_SEPARATORS)
+    return f"data: {data}\n\n".encode()
