@@ -44,12 +44,6 @@ def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int,
                           head_dim or cfg.head_dim)
 
 
-def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: jnp.dtype,
-                      head_dim: int | None = None) -> int:
-    per_layer = 2 * cfg.num_kv_heads * page_size * (head_dim or cfg.head_dim)
-    return cfg.num_layers * per_layer * jnp.dtype(dtype).itemsize
-
-
 def paged_forward(params: LlamaParams, kv_pages: jax.Array, token_ids: jax.Array,
                   positions: jax.Array, md: AttentionMetadata, logits_indices: jax.Array,
                   cfg: ModelConfig, attn_impl: str = "reference",
