@@ -1,7 +1,7 @@
 """Frozen configuration built once at the edge (CLI / API) and passed down.
 
-This is the only module (with `cli.py`) that reads environment variables. Later issues extend
-the tree with cache, scheduler and engine sections; every section is a frozen dataclass whose
+Environment variables are read at the edge only: here (`RuntimeConfig.from_env`) and in the
+`jaxserve` command (`jaxserve.cli`). Every section is a frozen dataclass whose
 `__post_init__` validates its own fields and raises ValueError naming the bad one.
 """
 
@@ -48,7 +48,7 @@ class DistributedConfig:
     """Several processes (hosts) running one engine: `jax.distributed` settings.
 
     Process 0 runs the scheduler and the fronts; every process runs the same compiled step
-    over the devices of all of them (jaxserve.multihost). `coordinator` None: one process.
+    over the devices of all of them (jaxserve.device.multihost). `coordinator` None: one process.
     """
 
     coordinator: str | None = None  # host:port of process 0's coordination service
@@ -107,7 +107,7 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Everything a user chooses for one engine; derived sizes (pages, buckets) come later."""
+    """Everything a user chooses for one engine; derived sizes (pages, buckets): `engine.sizing`."""
 
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     dtype: str = "float32"
@@ -124,15 +124,15 @@ class EngineConfig:
     # None: one per token bucket, min(tokens, max_num_seqs); else every (tokens, seqs) pair
     seq_buckets: tuple[int, ...] | None = None
     seed: int = 0  # seeds drawn for requests that give none
-    # JAX persistent compilation cache (process-wide; applied by build_engine). None: leave
-    # JAX's setting as it is (the CLI sets it from JAXSERVE_COMPILATION_CACHE_DIR).
+    # JAX persistent compilation cache (process-wide; applied once per build by serving.build).
+    # None: leave JAX's setting as it is (the CLI sets it from JAXSERVE_COMPILATION_CACHE_DIR).
     compilation_cache_dir: str | None = None
     # Devices one engine's step is split over (weights by head / MLP column / vocabulary, KV
-    # pages by KV head; see jaxserve.sharding). 1: a single device.
+    # pages by KV head; see jaxserve.models.placement). 1: a single device.
     tensor_parallel_size: int = 1
     # Independent engine replicas (each its own scheduler, KV pages and tensor_parallel_size
     # devices) behind one server; requests go to the least loaded replica, or to one that
-    # holds their prompt's prefix (jaxserve.router). Needs data x tensor devices.
+    # holds their prompt's prefix (jaxserve.serving.router). Needs data x tensor devices.
     data_parallel_size: int = 1
     # Several hosts: seconds without a step after which process 0 tells the others it is
     # alive (they wait inside a collective, which gloo abandons after 30 minutes).

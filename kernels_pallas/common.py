@@ -7,10 +7,10 @@ Data flow of one engine step (per layer)::
 
 KV page layout (all implementations): ``kv_pages`` is ``[num_pages, 2 * Hkv, page_size, D]``;
 K of kv head ``h`` sits at index ``2h`` of axis 1 and V at ``2h + 1``. The head axis comes
-before the token axis (unlike the ``[num_pages, page_size, 2 * Hkv, D]`` sketch in the issue)
-because then one (page, kv head) pair is a contiguous ``[2, page_size, D]`` slab: the TPU
-kernel DMAs ``[2 * heads_per_block, page_size, D]`` per page without strided de-interleaving
-and the GPU kernel's TMA copies are dense ``[page_size, D]`` boxes. A token's K/V is then
+before the token axis (rather than ``[num_pages, page_size, 2 * Hkv, D]``) because then one
+(page, kv head) pair is a contiguous ``[2, page_size, D]`` slab: the TPU kernel DMAs
+``[2 * heads_per_block, page_size, D]`` per page without strided de-interleaving and the GPU
+kernel's TMA copies are dense ``[page_size, D]`` boxes. A token's K/V is then
 scattered over 2 * Hkv rows of a page, which costs the (small, T-sized) write nothing extra.
 Page 0 is the trash page: padding tokens write there and unused block-table entries point
 there; no live sequence may own it.

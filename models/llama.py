@@ -5,8 +5,8 @@ per-layer params) -> final RMSNorm -> `lm_head` logits. Everything is a pure fun
 typed params pytree (`LlamaParams`, a flax.struct dataclass); the model config is a frozen,
 hashable `ModelConfig` passed as a static argument. Attention is pluggable: the layer computes
 q/k/v (with bias, q/k norm and RoPE as the architecture asks) and hands them to an `AttnFn`, so
-the same layer code serves the full-sequence oracle forward below, the contiguous-cache
-generation loop (`models/generate.py`) and the paged engine step (later).
+the same layer code serves the full-sequence oracle forward below and the paged engine step
+(`models/paged.py`); the tests add a contiguous-cache generation loop on it.
 
 Linear weights are stored `[in_features, out_features]` (x @ w), stacked over layers on axis 0.
 """

@@ -31,7 +31,7 @@ from .config import ModelConfig
 from .llama import LayerParams, LlamaParams, decoder_layer, embed, lm_logits
 
 
-MODEL_AXIS = "model"  # the tensor-parallel mesh axis (jaxserve.sharding)
+MODEL_AXIS = "model"  # the tensor-parallel mesh axis (models/placement.py)
 # KV pages [L * num_pages, 2 * Hkv, page_size, D] split by KV head over MODEL_AXIS.
 KV_PAGES_SPEC = PS(None, MODEL_AXIS, None, None)
 
@@ -44,19 +44,13 @@ def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int,
                           head_dim or cfg.head_dim)
 
 
-def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: jnp.dtype,
-                      head_dim: int | None = None) -> int:
-    per_layer = 2 * cfg.num_kv_heads * page_size * (head_dim or cfg.head_dim)
-    return cfg.num_layers * per_layer * jnp.dtype(dtype).itemsize
-
-
 def paged_forward(params: LlamaParams, kv_pages: jax.Array, token_ids: jax.Array,
                   positions: jax.Array, md: AttentionMetadata, logits_indices: jax.Array,
                   cfg: ModelConfig, attn_impl: str = "reference",
                   mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
     """-> (f32[S, vocab] logits at `logits_indices`, updated kv_pages). Pure; jit it.
 
-    With a `mesh` (tensor parallel, axis "model"; see `jaxserve.sharding`), the KV write and
+    With a `mesh` (tensor parallel, axis "model"; see `placement`), the KV write and
     the attention run under `jax.shard_map`: each device on its own query / KV heads and its
     slice of the KV pages, with the metadata replicated; XLA partitions the rest.
     """

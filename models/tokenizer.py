@@ -1,7 +1,7 @@
 """Tokenizer: text <-> token ids, plus the chat template, for GGUF files and HF checkpoint folders.
 
 Data flow:
-  GGUF metadata (`tokenizer.ggml.*`, via `gguf_loader.read_gguf_metadata`) -> `from_gguf` builds a
+  GGUF metadata (`tokenizer.ggml.*`, via `gguf_header.read_gguf_metadata`) -> `from_gguf` builds a
   byte-level BPE `tokenizers.Tokenizer` (vocab, merges, pre-tokenizer chosen by
   `tokenizer.ggml.pre`, control tokens as special added tokens, BOS/EOS post-processor) that
   encodes exactly like `transformers.AutoTokenizer.from_pretrained(dir, gguf_file=...)`;
@@ -24,7 +24,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as _Backend
 
 from .chat_template import ChatTemplate
-from .gguf_loader import read_gguf_metadata
+from .gguf_header import read_gguf_metadata
 
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4

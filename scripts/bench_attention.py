@@ -8,7 +8,7 @@ measured HBM copy bandwidth and bf16 matmul throughput. Writes everything to --j
 
     python scripts/bench_attention.py                          # small CPU-sized mixes, reference
     python scripts/bench_attention.py --size full --impl pallas_gpu --dtype bfloat16 \\
-        --measure-ceilings --json out.json                     # issue sizes: 64 x 2048, 4 x 2048
+        --measure-ceilings --json out.json                     # full size: 64 x 2048, 4 x 2048
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mix", nargs="+", default=["decode", "prefill", "mixed"],
                     choices=sorted(MIXES))
     ap.add_argument("--size", default="small", choices=["small", "full"],
-                    help="small: CPU-sized; full: the issue's 64 x 2048 decode, 4 x 2048 prefill")
+                    help="small: CPU-sized; full: 64 x 2048 decode, 4 x 2048 prefill")
     ap.add_argument("--num-q-heads", type=int, default=32)
     ap.add_argument("--num-kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)

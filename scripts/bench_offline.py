@@ -111,10 +111,21 @@ def measure_matmul_gflops() -> float:
     return 20 * 2 * 64 * 2048 * 2048 / (time.perf_counter() - t) / 1e9
 
 
+def forward_only():  # noqa: ANN201
+    """The runner's forward without the sampler, jitted as the runner jits it (KV pages
+    donated): `f(params, kv_pages, inputs, cfg=, attn_impl=, mesh=) -> (kv_pages, logits)`."""
+    import jax
+
+    from jaxserve.device.model_runner import forward_step
+
+    return jax.jit(forward_step, static_argnames=("cfg", "attn_impl", "mesh"),
+                   donate_argnames=("kv_pages",))
+
+
 def bench_decode(llm, batch_sizes: list[int], ctx: int) -> list[dict]:
     import jax
 
-    from jaxserve.device.model_runner import _forward_jit, to_step_inputs
+    from jaxserve.device.model_runner import to_step_inputs
     from jaxserve.engine.batch import build_batch
     from jaxserve.engine.sampling_params import SamplingParams
 
@@ -124,6 +135,7 @@ def bench_decode(llm, batch_sizes: list[int], ctx: int) -> list[dict]:
     non_embed = params_bytes - eng.runner.params.embed.nbytes
     bw = measure_bandwidth_gbs()
     gflops = measure_matmul_gflops()
+    forward = forward_only()
     rows = []
     rng = np.random.default_rng(1)
     for bs in batch_sizes:
@@ -144,8 +156,8 @@ def bench_decode(llm, batch_sizes: list[int], ctx: int) -> list[dict]:
         times = []
         for _ in range(5):
             t = time.perf_counter()
-            r.kv_pages, logits = _forward_jit(r.params, r.kv_pages, inputs, cfg=cfg,
-                                              attn_impl=r.attn_impl, mesh=r.mesh)
+            r.kv_pages, logits = forward(r.params, r.kv_pages, inputs, cfg=cfg,
+                                         attn_impl=r.attn_impl, mesh=r.mesh)
             logits.block_until_ready()
             times.append(time.perf_counter() - t)
         eng.scheduler.update(out, [None] * out.num_seqs)  # nothing sampled: recompute-safe
@@ -173,14 +185,14 @@ def count_collectives(llm) -> dict:  # noqa: ANN001
 
     import jax
 
-    from jaxserve.device.model_runner import _forward_jit, empty_batch, to_step_inputs
+    from jaxserve.device.model_runner import empty_batch, to_step_inputs
 
     r = llm.engine.runner
     t, s_ = r.shape.buckets[0]
     inputs, _ = jax.device_put(to_step_inputs(empty_batch(r.shape, t, s_, False)),
                                r.inputs_sharding)
-    hlo = _forward_jit.lower(r.params, r.kv_pages, inputs, cfg=r.model_cfg,
-                             attn_impl=r.attn_impl, mesh=r.mesh).compile().as_text()
+    hlo = forward_only().lower(r.params, r.kv_pages, inputs, cfg=r.model_cfg,
+                               attn_impl=r.attn_impl, mesh=r.mesh).compile().as_text()
     counts = {op: len(re.findall(rf"\b{op}(?:-start)?\(", hlo)) for op in _COLLECTIVES}
     # The layer loop's body holds one copy of each per-layer collective.
     return {"bucket": [t, s_], "num_devices": 1 if r.mesh is None else r.mesh.size,

@@ -2,7 +2,7 @@
 # Device check for the attention kernels on a lent GPU (or TPU) machine with JAX preinstalled.
 #   bash scripts/device_check.sh     # 3-6 min, at most ~7.5 (per-phase timeouts); results in $OUT
 # 1. the kernel tests compiled on the device:  pytest -m device tests/test_attention_kernels.py
-# 2. the benchmark at the sizes (bf16, Hq 32, Hkv 8, D 128, page 16): decode 64 x 2048,
+# 2. the benchmark at full size (bf16, Hq 32, Hkv 8, D 128, page 16): decode 64 x 2048,
 #    prefill 4 x 2048, mixed; measured HBM/matmul ceilings; a small tuning sweep on decode;
 #    the jnp reference as a baseline
 # 3. a summary table, printed last (target: decode >= 70% of the measured HBM bandwidth).

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Any
 
 from jaxserve.server.app import EngineFactory, GrpcServer
 from jaxserve.server.config import ServerConfig
@@ -53,15 +52,10 @@ class BackgroundServer:
         if self._thread.is_alive():
             raise TimeoutError(f"the server did not stop within {timeout}s")
 
-    def call(self, coro: Any, timeout: float = 60.0) -> Any:
-        """Run a coroutine on the server's loop (e.g. to inspect it) and return its result."""
-        assert self._loop is not None
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
-
     def __enter__(self) -> "BackgroundServer":
         return self.start()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *_exc: object) -> None:
         self.stop()
 
     def _run(self) -> None:

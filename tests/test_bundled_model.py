@@ -14,8 +14,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from cached_generate import generate  # noqa: E402
+
 from jaxserve import cli  # noqa: E402
-from jaxserve.models import generate, llama, loading  # noqa: E402
+from jaxserve.models import llama, loading  # noqa: E402
 from jaxserve.models.bundled import bundled_model_path  # noqa: E402
 
 PROMPTS = [
@@ -69,8 +71,8 @@ def test_greedy_matches_transformers(ours: loading.LoadedModel, hf) -> None:
     tok, model = hf
     prompt_ids = [tok(p).input_ids for p in PROMPTS]
     # One batched call on our side: rows of different lengths exercise padding too.
-    got = generate.generate(ours.params, ours.config, prompt_ids, NEW_TOKENS,
-                            stop_token_ids=ours.config.eos_token_ids)
+    got = generate(ours.params, ours.config, prompt_ids, NEW_TOKENS,
+                   stop_token_ids=ours.config.eos_token_ids)
     mismatches = []
     for p, ids, g in zip(PROMPTS, prompt_ids, got):
         with torch.no_grad():

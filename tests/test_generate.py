@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
+from cached_generate import generate
 
-from jaxserve.models import generate, llama
+from jaxserve.models import llama
 from jaxserve.models.config import ModelConfig
 
 
@@ -36,7 +36,7 @@ def test_greedy_matches_full_sequence_rollout(overrides: dict) -> None:
     cfg = tiny_config(**overrides)
     params = llama.init_random_params(cfg, jax.random.key(1), scale=0.3)
     prompts = [[5, 9, 13, 2, 77, 31, 4], [8], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 3, 19]]
-    got = generate.generate(params, cfg, prompts, max_new_tokens=12)
+    got = generate(params, cfg, prompts, max_new_tokens=12)
     for p, g in zip(prompts, got):
         assert g == rollout(params, cfg, p, 12)
 
@@ -44,19 +44,19 @@ def test_greedy_matches_full_sequence_rollout(overrides: dict) -> None:
 def test_stop_token_ends_row_and_is_included() -> None:
     cfg = tiny_config()
     params = llama.init_random_params(cfg, jax.random.key(2), scale=0.3)
-    free = generate.generate(params, cfg, [[1, 2, 3]], max_new_tokens=10)[0]
+    free = generate(params, cfg, [[1, 2, 3]], max_new_tokens=10)[0]
     stop = free[3]
     first = free.index(stop)
-    got = generate.generate(params, cfg, [[1, 2, 3]], max_new_tokens=10, stop_token_ids=[stop])
+    got = generate(params, cfg, [[1, 2, 3]], max_new_tokens=10, stop_token_ids=[stop])
     assert got[0] == free[: first + 1]
 
 
 def test_sampling_is_seeded() -> None:
     cfg = tiny_config()
     params = llama.init_random_params(cfg, jax.random.key(3), scale=0.3)
-    a = generate.generate(params, cfg, [[1, 2, 3]], 16, temperature=1.0, seed=7)
-    b = generate.generate(params, cfg, [[1, 2, 3]], 16, temperature=1.0, seed=7)
-    c = generate.generate(params, cfg, [[1, 2, 3]], 16, temperature=1.0, seed=8)
+    a = generate(params, cfg, [[1, 2, 3]], 16, temperature=1.0, seed=7)
+    b = generate(params, cfg, [[1, 2, 3]], 16, temperature=1.0, seed=7)
+    c = generate(params, cfg, [[1, 2, 3]], 16, temperature=1.0, seed=8)
     assert a == b
     assert a != c
 
@@ -73,4 +73,4 @@ def test_bad_input_raises_value_error(kwargs: dict, match: str) -> None:
     cfg = tiny_config()
     params = llama.init_random_params(cfg, jax.random.key(0))
     with pytest.raises(ValueError, match=match):
-        generate.generate(params, cfg, **kwargs)
+        generate(params, cfg, **kwargs)

@@ -14,17 +14,15 @@ import threading
 import jax.monitoring
 
 LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 class CompileGuard:
-    """Counts lowerings (and backend compiles) from `arm()` on; `close()` unregisters."""
+    """Counts lowerings from `arm()` on; `close()` unregisters."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._armed = False
         self.compiles_after_warmup = 0
-        self.backend_compiles_after_warmup = 0
         self.last_compiled: str | None = None
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
 
@@ -35,8 +33,6 @@ class CompileGuard:
             if event == LOWERING_EVENT:
                 self.compiles_after_warmup += 1
                 self.last_compiled = str(kwargs.get("fun_name", "?"))
-            elif event == BACKEND_COMPILE_EVENT:
-                self.backend_compiles_after_warmup += 1
 
     def arm(self) -> None:
         """Start counting: warmup is over."""

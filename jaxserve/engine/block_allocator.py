@@ -118,9 +118,6 @@ class BlockAllocator:
                 raise ValueError(f"share of page {page} that is not allocated")
             self._ref[page] += 1
 
-    def ref_count(self, page: int) -> int:
-        return int(self._ref[page])
-
     # ----------------------------------------------------------------------- prefix cache
     def match_prefix(self, hashes: Sequence[bytes]) -> list[int]:
         """Take a reference on the longest cached run of `hashes`; returns those pages."""
@@ -148,11 +145,3 @@ class BlockAllocator:
             return  # another page already caches this prefix; keep the first
         self._page_hash[page] = page_hash
         self._cached[page_hash] = page
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (e.g. after a weight reload); live pages are untouched."""
-        for page in list(self._evictable):
-            self._free.append(page)
-        self._evictable.clear()
-        self._page_hash.clear()
-        self._cached.clear()

@@ -1,6 +1,6 @@
 """A model runner without a model: arithmetic outputs, for scheduler-level tests and benchmarks.
 
-Implements the `model_runner.Runner` protocol on numpy alone (no jax): each sequence's next
+Implements the `runner.Runner` protocol on numpy alone (no jax): each sequence's next
 token is a function of the token it just fed and that token's position, so a test can
 predict every output and a benchmark can time the host side (schedule + batch build) with
 no device work in the way.

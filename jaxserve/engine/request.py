@@ -1,4 +1,4 @@
-"""Request state machine and the outputs handed back to callers.
+"""Request state machine: one sequence's status, tokens, finish reason and timings.
 
 Plain Python (no jax). One `Request` is one sequence the scheduler runs; `n` parallel samples
 of one prompt are `n` Requests that share a `group_id` (child 0 prefills the prompt; the others

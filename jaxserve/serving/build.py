@@ -2,6 +2,7 @@
 
 `LLM`, `jaxserve serve`, `jaxserve batch`, the benchmarks and the followers of a multi-host job
 all build their engines here. Data flow of `build_engines(config)`:
+  `_apply_runtime`: the process-wide JAX settings (compilation cache), once per build
   for each data-parallel replica (row i of a (data, model) mesh of the local devices):
     `_place`: load the checkpoint (unless a LoadedModel is given) straight into the replica's
     tensor-parallel shardings (`models.placement`)
@@ -55,6 +56,7 @@ def build_engine(config: EngineConfig, model: LoadedModel | None = None,
         raise ValueError(f"build_engine on process {jax.process_index()} of "
                          f"{jax.process_count()}: only process 0 runs the engine; the others "
                          "run multihost.follow(build_follower(config))")
+    _apply_runtime(config)
     placed = _place(config, model, None)
     plan, runner = _make_runner(config, placed, _kv_budget([placed]))
     if jax.process_count() > 1:
@@ -73,6 +75,7 @@ def build_follower(config: EngineConfig) -> ModelRunner:
         raise ValueError(f"build_follower on process {jax.process_index()} of "
                          f"{jax.process_count()}: it is for processes > 0 of a "
                          "jax.distributed job")
+    _apply_runtime(config)
     placed = _place(config, None, None)
     return _make_runner(config, placed, _kv_budget([placed]))[1]
 
@@ -94,6 +97,7 @@ def build_engines(config: EngineConfig, model: LoadedModel | None = None,
     if jax.process_count() > 1:
         raise ValueError(f"data_parallel_size={dp} over {jax.process_count()} processes: data "
                          "parallelism is per host; across hosts run one job per replica")
+    _apply_runtime(config)
     # Given no model, each replica loads the checkpoint straight onto its own devices (a
     # memory-mapped re-read per replica) rather than staging one copy on device 0.
     placed = [_place(config, model, row)
@@ -120,12 +124,17 @@ class _Placed:
     device: jax.Device  # where free memory is read
 
 
+def _apply_runtime(config: EngineConfig) -> None:
+    """The process-wide JAX settings of `config`, once per build, before any replica is
+    placed or compiled."""
+    if config.compilation_cache_dir:
+        apply_runtime(RuntimeConfig(compilation_cache_dir=config.compilation_cache_dir))
+
+
 def _place(config: EngineConfig, model: LoadedModel | None,
            devices: Sequence[jax.Device] | None) -> _Placed:
     """Load (unless given) and place the weights on `devices` (None: the first tp devices of
     all processes, or the first local device)."""
-    if config.compilation_cache_dir:
-        apply_runtime(RuntimeConfig(compilation_cache_dir=config.compilation_cache_dir))
     tp = config.tensor_parallel_size
     if jax.process_count() > 1 and tp != jax.device_count():
         # A mesh of some processes' devices would leave the others following a step they

@@ -26,7 +26,6 @@ from typing import Iterable, Sequence
 import numpy as np
 
 PERCENTILES = (50, 90, 95, 99)
-METRICS = ("ttft", "itl", "tpot", "e2e")
 
 
 @dataclasses.dataclass
@@ -201,10 +200,3 @@ def format_table(rows: Sequence[tuple[str, Summary]], title: str = "") -> str:
     out.append("(latencies in ms; fail = failed + cut off by the time bound; goodput: req/s "
                "meeting the TTFT and ITL SLOs)")
     return "\n".join(out)
-
-
-def to_markdown(rows: Sequence[tuple[str, Summary]]) -> str:
-    """The same table as GitHub markdown (for BENCHMARKS.md)."""
-    md = ["| " + " | ".join(_HEAD) + " |", "|" + "---|" * len(_HEAD)]
-    md += ["| " + " | ".join(_cells(name, s)) + " |" for name, s in rows]
-    return "\n".join(md)

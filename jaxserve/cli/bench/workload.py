@@ -22,7 +22,6 @@ import dataclasses
 import json
 import pathlib
 import re
-from typing import Sequence
 
 import numpy as np
 
@@ -205,7 +204,3 @@ def chunked_prefill_requests(num_chats: int, num_long: int, long_len: int, vocab
     longs = [BenchRequest(_ids(rng, long_len, vocab_size), long_out, "long")
              for _ in range(num_long)]
     return chats, longs
-
-
-def total_prompt_tokens(reqs: Sequence[BenchRequest]) -> int:
-    return sum(r.prompt_len or 0 for r in reqs)

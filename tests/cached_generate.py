@@ -1,11 +1,13 @@
-"""A simple batched generation loop over a contiguous KV cache (for `jaxserve generate`).
+"""Test oracle: a plain batched generation loop over a contiguous KV cache.
+
+It shares only the model's layer math with the engine (no pages, no scheduler, no ragged
+batches), so the engine's greedy output is checked against it.
 
 Data flow: prompts (token ids) -> right-padded to a power-of-two bucket -> one jitted
 `cached_step` writes the prompt's K/V into a contiguous cache `[L, B, S, Hkv, D]` and returns
 the logits of each row's last prompt token -> `sample` -> then one `cached_step` per new token
 (T = 1) until every row hit EOS or `max_new_tokens`. The cache is donated to each step so XLA
-updates it in place. The paged, continuously-batched engine replaces this loop for serving;
-this one stays as a small, independent decoding path.
+updates it in place.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from .config import ModelConfig
-from .llama import LlamaParams, causal_mask, embed, lm_logits, masked_attention, run_layers
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.llama import (LlamaParams, causal_mask, embed, lm_logits, masked_attention,
+                                   run_layers)
 
 
 @struct.dataclass
