@@ -36,7 +36,7 @@ by a crash is cut off and redone. On resume the new records are appended after t
 
 Several hosts (a model split over the chips of several hosts): run the same command on each
 with --coordinator / --num-processes / --process-id; process 0 reads IN and writes OUT, the
-others only run its steps on their devices (`jaxserve.multihost`).
+others only run its steps on their devices (`jaxserve.device.multihost`).
 
 Exit status: 0 when the job ran (even with error lines); 2 for unusable arguments.
 """
@@ -87,7 +87,6 @@ class BatchSummary:
     ok: int = 0
     errors: int = 0
     skipped: int = 0  # already in OUT (resume)
-    requests_added: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
     wall_s: float = 0.0
@@ -231,7 +230,6 @@ def run_batch(engine: Any, in_path: pathlib.Path, out_path: pathlib.Path,
         for line, req, admitted in queued:
             rid = f"batch-{line}"
             engine.add_request(rid, admitted)  # checked by admit_line
-            summary.requests_added += 1
             summary.prompt_tokens += len(admitted.token_ids)
             inflight[rid] = (line, req.id, req.params)
         return more

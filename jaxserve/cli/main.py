@@ -3,7 +3,7 @@
 Data flow: argv -> argparse -> frozen config (`jaxserve.config`) -> the command function, which
 loads the model through `jaxserve.models.loading` and prints to stdout. Diagnostics go to
 stderr; a user error (bad path, bad flag value, malformed checkpoint) exits 2 with one clear
-line instead of a traceback. `serve` and `client` live in `jaxserve.server.cli`.
+line instead of a traceback. `serve` and `client` live in `jaxserve.cli.serve`.
 """
 
 from __future__ import annotations

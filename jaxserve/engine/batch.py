@@ -83,11 +83,6 @@ class StepBatch:
     history: np.ndarray  # i32[S_b, P] (P = 0 when no row uses penalties)
     history_is_output: np.ndarray  # bool[S_b, P]
 
-    @property
-    def bucket(self) -> tuple[int, int, bool]:
-        """(T_b, S_b, penalties) — the compiled step this batch runs on."""
-        return len(self.token_ids), len(self.kv_lens), self.history.shape[1] > 0
-
 
 @dataclasses.dataclass(frozen=True)
 class BatchShape:

@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import math
 import typing
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from jaxserve.engine.errors import InvalidRequest
 
@@ -219,10 +219,6 @@ class SamplingParams:
         """Whether the sampler needs this request's token history."""
         return any(getattr(self, f.name) != f.device.pad for f in DEVICE  # type: ignore
                    if f.device.penalty)  # type: ignore[union-attr]
-
-    def with_stop_ids(self, extra: Sequence[int]) -> "SamplingParams":
-        return dataclasses.replace(self, stop_token_ids=tuple(dict.fromkeys(
-            [*self.stop_token_ids, *extra])))
 
 
 def _is_int(value: object) -> bool:

@@ -17,7 +17,7 @@ Tokenization and the request checks are the caller's job (pass the `Admitted` re
 `serving.admission`, or token ids) so that they run on the caller's threads, not between
 steps; the Engine detokenizes incrementally inside `step()`.
 
-Observers (e.g. `jaxserve.metrics.EngineMetrics`) are called on the loop thread after every
+Observers (e.g. `jaxserve.serving.metrics.EngineMetrics`) are called on the loop thread after every
 iteration with the engine and that iteration's outputs; their errors are logged, never fatal.
 """
 
