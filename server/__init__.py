@@ -2,11 +2,11 @@
 
 Data flow of one gRPC call:
   client -> grpc.aio server (`app.GrpcServer`: API-key interceptor `auth`, health, reflection,
-  bounded messages, TLS) -> `servicer.GenerationServicer` -> `convert.parse_request` (proto ->
+  bounded messages, TLS) -> `servicer.GenerationServicer` -> `proto_map.parse_request` (proto ->
   SamplingParams and prompt) -> `jaxserve.serving.admission` (tokenization on worker threads,
   every prompt check) -> `jaxserve.serving.async_engine.AsyncEngine` (one thread drives the
   Engine; outputs come back through an asyncio queue per request) ->
-  `convert.ResponseBuilder` -> streamed GenerateResponses. The OpenAI-compatible HTTP front
+  `proto_map.ResponseBuilder` -> streamed GenerateResponses. The OpenAI-compatible HTTP front
   (`openai_http`) takes the same path through admission. Metrics: `jaxserve.serving.metrics`.
 
 Modules: `stubs` (generated protobuf/gRPC code, built from `proto/jaxserve.proto` on first

@@ -39,11 +39,9 @@ from jaxserve.server.inflight import InFlight
 from jaxserve.server.openai_http import OpenAIHttpFront
 from jaxserve.server.servicer import SERVICE_NAME, GenerationServicer
 from jaxserve.serving.admission import Admission
-from jaxserve.serving.async_engine import AsyncEngine
-from jaxserve.serving.async_replica_pool import DataParallelEngine, ServingEngine
-from jaxserve.serving.build import ServedModel
+from jaxserve.serving.async_replica_pool import AsyncServing
+from jaxserve.serving.build import ServedModel, start_serving
 from jaxserve.serving.metrics import EngineMetrics, MetricsHttpServer
-from jaxserve.serving.router import make_router
 
 log = logging.getLogger(__name__)
 EngineFactory = Callable[[], ServedModel]
@@ -77,7 +75,7 @@ class GrpcServer:
         self._factory = factory
         self.servicer = GenerationServicer(cfg.tokenizer_threads, cfg.stream_interval)
         self.health = health.aio.HealthServicer()
-        self.engine: ServingEngine | None = None
+        self.engine: AsyncServing | None = None
         self.metrics: EngineMetrics | None = None
         self._metrics_http: MetricsHttpServer | None = None
         self._server: grpc.aio.Server | None = None
@@ -137,11 +135,6 @@ class GrpcServer:
         """Build the engine off the event loop, start its thread, then report SERVING."""
         served = await _call_in_thread(self._factory)
         cfg = self.cfg
-        engines = served.engines
-        max_tokens = served.engine.config.max_num_batched_tokens
-        metrics = ([EngineMetrics(served.name, max_tokens)] if len(engines) == 1 else
-                   EngineMetrics.for_replicas(served.name, max_tokens, len(engines)))
-        self.metrics = metrics[0]  # its registry holds every replica's series
         loop = asyncio.get_running_loop()
 
         def on_failure(error: BaseException) -> None:
@@ -149,11 +142,7 @@ class GrpcServer:
             loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._set_health(
                 _NOT_SERVING)))
 
-        replicas = [AsyncEngine(e, cfg.max_waiting, observers=[m], on_failure=on_failure)
-                    for e, m in zip(engines, metrics)]
-        self.engine = replicas[0] if len(replicas) == 1 else DataParallelEngine(
-            replicas, make_router(engines))
-        self.engine.start()
+        self.engine, self.metrics = start_serving(served, cfg.max_waiting, on_failure)
         # One admission (limits, tokenizer, tokenizer threads) for both fronts.
         admit = Admission(served.engine.limits, served.engine.tokenizer, cfg.tokenizer_threads)
         self.servicer.attach(self.engine, served, admit)

@@ -36,7 +36,7 @@ from jaxserve.server.auth import ApiKeys
 from jaxserve.server.inflight import InFlight
 from jaxserve.serving import admission
 from jaxserve.serving.async_engine import EngineStopped, QueueFull, RequestStream
-from jaxserve.serving.async_replica_pool import ServingEngine
+from jaxserve.serving.async_replica_pool import AsyncServing
 from jaxserve.serving.build import ServedModel
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class OpenAIHttpFront:
                  max_body_bytes: int = 4 << 20):
         self._auth = ApiKeys(api_keys) if api_keys else None
         self._tokenizer_threads = tokenizer_threads
-        self._engine: ServingEngine | None = None
+        self._engine: AsyncServing | None = None
         self._served: ServedModel | None = None
         self._admission: admission.Admission | None = None
         self.calls = InFlight()  # in flight / draining: read by the server's drain
@@ -100,7 +100,7 @@ class OpenAIHttpFront:
         self.port = int(runner.addresses[0][1])
         return self.port
 
-    def attach(self, engine: ServingEngine, served: ServedModel,
+    def attach(self, engine: AsyncServing, served: ServedModel,
                admit: admission.Admission | None = None) -> None:
         """Serve `engine`; `admit`: the served model's admission, shared with the gRPC front
         (None: one of its own). `stop` closes it."""
@@ -132,7 +132,7 @@ class OpenAIHttpFront:
                 raise
             return schema.ApiError(e.status, e.reason, None, "invalid_request_error").response()
 
-    def _ready(self) -> tuple[ServingEngine, ServedModel, admission.Admission]:
+    def _ready(self) -> tuple[AsyncServing, ServedModel, admission.Admission]:
         engine, served, admit = self._engine, self._served, self._admission
         if self.calls.draining:
             raise schema.unavailable("the server is shutting down")

@@ -1,7 +1,7 @@
 """The `jaxserve.v1.Generation` service on grpc.aio: Generate (streaming), Tokenize, GetModelInfo.
 
 Data flow of Generate: refused with UNAVAILABLE while the model warms up or the server drains
--> `convert.parse_request` -> `Admission.admit` (tokenization on a small thread pool, never on
+-> `proto_map.parse_request` -> `Admission.admit` (tokenization on a small thread pool, never on
 the event loop nor the engine thread, and every request check) -> `AsyncEngine.submit` (QueueFull
 -> RESOURCE_EXHAUSTED at once) -> for each RequestOutput the stream yields (plus any already
 queued behind it, coalesced) -> `ResponseBuilder` -> GenerateResponse messages. However the
@@ -9,8 +9,9 @@ call ends (finished, client cancel, disconnect, deadline: grpc.aio cancels the h
 `finally` aborts the request in the engine, which frees its pages on its next iteration.
 
 Status codes: INVALID_ARGUMENT for any bad field (message names it in this service's words,
-`convert.error_message`, and its range; a duplicate in-flight request_id too),
-RESOURCE_EXHAUSTED when the waiting queue is full, UNAVAILABLE while warming up / draining / after an engine failure, INTERNAL for bugs.
+`proto_map.error_message`, and its range; a duplicate in-flight request_id too),
+RESOURCE_EXHAUSTED when the waiting queue is full, UNAVAILABLE while warming up / draining /
+after an engine failure, INTERNAL for bugs.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from jaxserve.server import convert, stubs
+from jaxserve.server import proto_map, stubs
 from jaxserve.server.inflight import InFlight
 from jaxserve.serving import admission
 from jaxserve.serving.async_engine import EngineStopped, QueueFull
-from jaxserve.serving.async_replica_pool import ServingEngine
+from jaxserve.serving.async_replica_pool import AsyncServing
 from jaxserve.serving.build import ServedModel
 
 log = logging.getLogger(__name__)
@@ -55,13 +56,13 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
     def __init__(self, tokenizer_threads: int = 2, stream_interval: int = 1):
         self._stream_interval = stream_interval
         self._tokenizer_threads = tokenizer_threads
-        self._engine: ServingEngine | None = None
+        self._engine: AsyncServing | None = None
         self._admission: admission.Admission | None = None
         self._info: Any = None
         self.calls = InFlight()  # in flight / draining: read by the server's drain
 
     # ----------------------------------------------------------------------- lifecycle
-    def attach(self, engine: ServingEngine, served: ServedModel,
+    def attach(self, engine: AsyncServing, served: ServedModel,
                admit: admission.Admission | None = None) -> None:
         """Start serving calls on `engine` (after warmup); `admit`: the served model's
         admission shared with the other front (None: one of its own); `close` closes it."""
@@ -75,7 +76,7 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
             self._admission.close()  # idempotent
 
     async def _admit(self, context: grpc.aio.ServicerContext
-                     ) -> tuple[ServingEngine, admission.Admission]:
+                     ) -> tuple[AsyncServing, admission.Admission]:
         if self.calls.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         engine, admit = self._engine, self._admission
@@ -101,7 +102,7 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
         stream = None
         try:
             try:
-                inp, params = convert.parse_request(request)
+                inp, params = proto_map.parse_request(request)
                 admitted = await admit.admit(rid, inp, params)
                 stream = engine.submit(rid, admitted, params, request.priority, arrival)
             except QueueFull as e:
@@ -109,11 +110,11 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
             except EngineStopped as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             except ValueError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, convert.error_message(e))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, proto_map.error_message(e))
             assert stream is not None
             log.debug("request admitted request_id=%s prompt_tokens=%d n=%d", rid,
                       len(admitted.token_ids), params.n)
-            builder = convert.ResponseBuilder(self._stream_interval)
+            builder = proto_map.ResponseBuilder(self._stream_interval)
             try:
                 async for out in stream:
                     for response in builder.responses([out, *stream.drain_ready()]):
@@ -121,7 +122,7 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
             except EngineStopped as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             except ValueError as e:  # refused by the engine itself
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, convert.error_message(e))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, proto_map.error_message(e))
         except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as e:  # noqa: BLE001 - a bug: report it, keep serving others
@@ -135,13 +136,13 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
     async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         _, admit = await self._admit(context)
         try:
-            inp = convert.input_from_proto(request, "text")
+            inp = proto_map.input_from_proto(request, "text")
             if request.HasField("add_special_tokens"):
                 inp = dataclasses.replace(inp, add_special_tokens=request.add_special_tokens)
             ids = await admit.tokenize(inp)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                convert.error_message(e, "text"))
+                                proto_map.error_message(e, "text"))
         return pb2.TokenizeResponse(token_ids=ids)
 
     async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -201,7 +201,7 @@ def test_each_check_is_written_once() -> None:
         for internal in (".scheduler", ".allocator", ".plan.", "batch_shape"):
             assert internal not in text, (rel, internal)
     http = (ROOT / "server/openai_http.py").read_text()
-    assert "import re\n" not in http and "convert" not in http and "Interceptor" not in http
+    assert "import re\n" not in http and "proto_map" not in http and "Interceptor" not in http
     assert len(http.splitlines()) < 400
 
 

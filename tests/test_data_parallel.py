@@ -23,7 +23,7 @@ from jaxserve.engine.block_allocator import hash_pages
 from jaxserve.engine.fake_runner import arithmetic_next_token
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.serving.async_engine import AsyncEngine, QueueFull
-from jaxserve.serving.async_replica_pool import DataParallelEngine
+from jaxserve.serving.async_replica_pool import AsyncReplicaPool
 from jaxserve.serving.replica_pool import ReplicaPool
 from jaxserve.serving.router import ReplicaRouter, make_router
 
@@ -174,7 +174,7 @@ def test_data_parallel_engine_routes_falls_back_and_aborts() -> None:
     gated = [GatedRunner(), GatedRunner()]
     engines = [fake_engine(runner=g) for g in gated]
     replicas = [AsyncEngine(e, max_waiting=1) for e in engines]
-    dp = DataParallelEngine(replicas, make_router(engines))
+    dp = AsyncReplicaPool(replicas, make_router(engines))
     params = SamplingParams(max_tokens=3, ignore_eos=True)
 
     async def main() -> None:

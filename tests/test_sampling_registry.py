@@ -73,7 +73,7 @@ def test_one_max_logprobs() -> None:
                          ids=["every-field", "defaults", "no-max-tokens", "edge"])
 def test_proto_round_trip(params: SamplingParams) -> None:
     from jaxserve.server.client import sampling_to_proto
-    from jaxserve.server.convert import sampling_from_proto
+    from jaxserve.server.proto_map import sampling_from_proto
 
     assert sampling_from_proto(sampling_to_proto(params)) == params
 
@@ -87,7 +87,7 @@ def test_proto_fields_are_the_registry_fields() -> None:
 
 def test_unset_proto_fields_take_the_grpc_defaults() -> None:
     from jaxserve.server.client import pb2
-    from jaxserve.server.convert import sampling_from_proto
+    from jaxserve.server.proto_map import sampling_from_proto
 
     assert sampling_from_proto(pb2.SamplingParams()) == SamplingParams(max_tokens=None)
 
@@ -96,7 +96,7 @@ def test_unset_proto_fields_take_the_grpc_defaults() -> None:
                                   if isinstance(f.rule, sp_mod.Finite)])
 def test_proto_non_finite_message_names_the_range(name: str) -> None:
     from jaxserve.server.client import pb2
-    from jaxserve.server.convert import InvalidRequest, error_message, sampling_from_proto
+    from jaxserve.server.proto_map import InvalidRequest, error_message, sampling_from_proto
 
     msg = pb2.SamplingParams(**{name: float("nan")})
     want = f"sampling.{name}=nan must be a finite number {sp_mod.BY_NAME[name].rule.text}"

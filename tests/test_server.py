@@ -153,7 +153,7 @@ def test_32_concurrent_streams(server: BackgroundServer, oracle) -> None:  # noq
 
 
 def test_stream_interval_coalesces_chunks(oracle) -> None:  # noqa: ANN001
-    from jaxserve.server.convert import ResponseBuilder
+    from jaxserve.server.proto_map import ResponseBuilder
 
     builder = ResponseBuilder(stream_interval=4)
     oracle.add_request("si", [5, 6, 7], SamplingParams(n=2, seed=3, max_tokens=11,

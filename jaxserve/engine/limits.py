@@ -22,7 +22,6 @@ from typing import Callable, Container, Sequence
 from jaxserve.engine.errors import InvalidRequest
 from jaxserve.engine.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 
-
 MAX_REQUEST_ID_LEN = 256
 
 

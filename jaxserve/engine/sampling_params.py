@@ -4,7 +4,7 @@ Plain Python (no jax). This module is the one registry of sampling fields: each 
 declared once below, with `knob(default, rule=..., help=..., device=...)`, and everything
 else is derived from that declaration:
   - validation (`Rule`: the allowed values and the text error messages state them in);
-  - the gRPC mapping (`server/convert.sampling_from_proto`, `server/client.sampling_to_proto`:
+  - the gRPC mapping (`server/proto_map.sampling_from_proto`, `server/client.sampling_to_proto`:
     proto field names equal these names);
   - the HTTP body parsing (`server/openai_http.parse_completion`: type checks from the
     declared type);

@@ -7,7 +7,7 @@ chat messages) -> `admit_input` (chat roles, then `EngineLimits.admit`: empty pr
 tokenization, vocabulary, max_model_len / max_tokens, KV fit) -> an `Admitted` request, which
 the engine queues without checking again. `Admission` runs the tokenizer on a small thread pool
 (never on the event loop, never between engine steps). Duplicate in-flight ids are refused by
-what the request is submitted to (`AsyncEngine`, `DataParallelEngine`, `Engine`), through the
+what the request is submitted to (`AsyncEngine`, `AsyncReplicaPool`, `Engine`), through the
 one `limits.check_not_in_flight`.
 
 Every error raised here is an `InvalidRequest` (a ValueError) whose `field` names the field in

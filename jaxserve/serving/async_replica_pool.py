@@ -6,7 +6,7 @@ replica's requests in flight; prompt token ids for prefix affinity) -> that repl
 complete engine (scheduler, KV pages, compiled step, loop thread) on its own devices, so
 replicas never wait for each other; the facade only routes and aggregates.
 
-Used by the gRPC and HTTP fronts exactly like an AsyncEngine (`ServingEngine` is what they
+Used by the gRPC and HTTP fronts exactly like an AsyncEngine (`AsyncServing` is what they
 need). `max_waiting` applies per replica: a QueueFull from the chosen replica is retried on
 the others before it reaches the caller.
 """
@@ -23,8 +23,8 @@ from jaxserve.serving.async_engine import AsyncEngine, QueueFull, RequestStream
 from jaxserve.serving.router import ReplicaRouter
 
 
-class ServingEngine(Protocol):
-    """What the server fronts use: AsyncEngine, or DataParallelEngine over several."""
+class AsyncServing(Protocol):
+    """What the server fronts use: AsyncEngine, or AsyncReplicaPool over several."""
 
     def start(self) -> None: ...
 
@@ -50,7 +50,7 @@ class ServingEngine(Protocol):
     def abort_all(self) -> None: ...
 
 
-class DataParallelEngine:
+class AsyncReplicaPool:
     """Routes requests over `replicas` (each started, stopped and failing on its own)."""
 
     def __init__(self, replicas: Sequence[AsyncEngine], router: ReplicaRouter) -> None:

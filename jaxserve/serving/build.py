@@ -11,14 +11,18 @@ all build their engines here. Data flow of `build_engines(config)`:
   -> `_make_runner`: `sizing.plan_engine` (pages, buckets) and the ModelRunner (KV pages on
     device) -> `Engine(config, plan, runner, tokenizer, eos ids)`
   -> `_warm_up`: compile every bucket of every replica, then arm every compile guard.
-`build_served` adds what callers are told about the model (its name and format).
+`build_served` adds what callers are told about the model (its name and format). Engines then
+run either in lockstep for offline use (`build_offline_engine`: one Engine, or a
+`ReplicaPool` over the replicas) or each on its own loop thread for the servers
+(`start_serving`: an `AsyncEngine` per replica with its Prometheus view, behind an
+`AsyncReplicaPool` when there are several).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +40,9 @@ from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import LlamaParams
 from jaxserve.models.loading import LoadedModel, detect_format, load_model, resolve_model_path
 from jaxserve.models.paged import MODEL_AXIS
+from jaxserve.serving.async_engine import AsyncEngine
+from jaxserve.serving.async_replica_pool import AsyncReplicaPool, AsyncServing
+from jaxserve.serving.metrics import EngineMetrics
 from jaxserve.serving.replica_pool import ReplicaPool
 from jaxserve.serving.router import make_router
 
@@ -250,3 +257,21 @@ def build_served(config: EngineConfig, model: LoadedModel | None, progress: bool
     fmt = model.format if model is not None else detect_format(resolve_model_path(config.model))
     return ServedModel(engine=engines[0], name=model_name(config, model), format=fmt,
                        replicas=tuple(engines) if len(engines) > 1 else ())
+
+
+def start_serving(served: ServedModel, max_waiting: int | None,
+                  on_failure: Callable[[BaseException], None] | None = None
+                  ) -> tuple[AsyncServing, EngineMetrics]:
+    """Each replica's engine on its own loop thread (an AsyncEngine fed to its Prometheus
+    view), behind a router when there are several; started. The metrics' registry holds
+    every replica's series."""
+    engines = served.engines
+    max_tokens = served.engine.config.max_num_batched_tokens
+    metrics = ([EngineMetrics(served.name, max_tokens)] if len(engines) == 1 else
+               EngineMetrics.for_replicas(served.name, max_tokens, len(engines)))
+    replicas = [AsyncEngine(e, max_waiting, observers=[m], on_failure=on_failure)
+                for e, m in zip(engines, metrics)]
+    serving: AsyncServing = replicas[0] if len(replicas) == 1 else AsyncReplicaPool(
+        replicas, make_router(engines))
+    serving.start()
+    return serving, metrics[0]
