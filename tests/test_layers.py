@@ -226,3 +226,22 @@ def test_source_files_are_short() -> None:
         if lines > MAX_LINES:
             too_long.append(f"{path.relative_to(ROOT)}: {lines} lines")
     assert not too_long, f"source files over {MAX_LINES} lines:\n" + "\n".join(too_long)
+
+
+def test_user_import_paths_still_work() -> None:
+    """What users import stays where it was: the package root and `jaxserve.client`."""
+    import jaxserve
+    import jaxserve.client
+    from jaxserve.engine.engine import Engine
+    from jaxserve.engine.sampling_params import SamplingParams
+    from jaxserve.llm import LLM
+    from jaxserve.server import client
+
+    assert (jaxserve.LLM, jaxserve.Engine, jaxserve.SamplingParams) == (LLM, Engine,
+                                                                         SamplingParams)
+    for name in ("Client", "AsyncClient", "pb2", "fold"):
+        assert getattr(jaxserve.client, name) is getattr(client, name)
+    out = subprocess.run([sys.executable, "-m", "jaxserve.cli", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    for command in ("generate", "convert", "serve", "client", "batch", "bench", "tune"):
+        assert command in out
