@@ -38,7 +38,7 @@ class LLM:
     def __enter__(self) -> "LLM":
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *_exc: object) -> None:
         self.close()
 
     @property

@@ -158,7 +158,7 @@ class Client(_Base):
     def __enter__(self) -> "Client":
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *_exc: object) -> None:
         self.close()
 
 
@@ -203,7 +203,7 @@ class AsyncClient(_Base):
     async def __aenter__(self) -> "AsyncClient":
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, *_exc: object) -> None:
         await self.close()
 
 

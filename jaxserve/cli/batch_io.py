@@ -264,7 +264,7 @@ class ResultWriter:
     def __enter__(self) -> "ResultWriter":
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *_exc: object) -> None:
         self.close()
 
 
