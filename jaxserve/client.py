@@ -1,6 +1,8 @@
 """`jaxserve.client`, the Python gRPC client, kept at its old import path; it lives in
 `jaxserve.server.client`."""
 
-from jaxserve.server.client import AsyncClient, Client, Completion, fold, pb2
+from jaxserve.server.client import (DEFAULT_TARGET, AsyncClient, Client, Completion,
+                                    build_request, fold, pb2, sampling_to_proto)
 
-__all__ = ["AsyncClient", "Client", "Completion", "fold", "pb2"]
+__all__ = ["DEFAULT_TARGET", "AsyncClient", "Client", "Completion", "build_request", "fold",
+           "pb2", "sampling_to_proto"]

@@ -15,6 +15,7 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine.limits import check_priority
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.serving.admission import render_chat
@@ -62,7 +63,11 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         prio = list(priority) if priority is not None else [0] * len(prompts)
+        if len(prio) != len(prompts):
+            raise ValueError(f"got {len(prio)} priorities for {len(prompts)} prompts")
         # Every prompt through admission first: a bad one raises before any is queued.
+        for p in prio:
+            check_priority(p)
         admitted = [self.engine.admit(p, sp) for p, sp in zip(prompts, params)]
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         for rid, req, pr in zip(ids, admitted, prio):

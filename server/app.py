@@ -143,8 +143,10 @@ class GrpcServer:
                 _NOT_SERVING)))
 
         self.engine, self.metrics = start_serving(served, cfg.max_waiting, on_failure)
-        # One admission (limits, tokenizer, tokenizer threads) for both fronts.
-        admit = Admission(served.engine.limits, served.engine.tokenizer, cfg.tokenizer_threads)
+        # One admission (limits, tokenizer, tokenizer threads) for both fronts, with
+        # --tokenizer-threads threads per front.
+        threads = cfg.tokenizer_threads * (2 if self.http is not None else 1)
+        admit = Admission(served.engine.limits, served.engine.tokenizer, threads)
         self.servicer.attach(self.engine, served, admit)
         if self.http is not None:
             self.http.attach(self.engine, served, admit)

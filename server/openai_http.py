@@ -41,15 +41,8 @@ from jaxserve.serving.build import ServedModel
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health",)  # probes send no key
-# Body fields passed to SamplingParams as they are (after the type checks their declared
-# types call for: booleans, lists); None means unset. max_tokens has this front's default.
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-
-# --------------------------------------------------------------------------- requests
-
-
-# --------------------------------------------------------------------------- responses
 
 
 async def _outputs(first: RequestOutput, stream: RequestStream

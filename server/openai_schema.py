@@ -26,6 +26,8 @@ FINISH_REASONS = {FinishReason.EOS: "stop", FinishReason.STOP: "stop",
                   FinishReason.STOP_STRING: "stop", FinishReason.LENGTH: "length",
                   FinishReason.ABORT: "abort"}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; null: up to max_model_len
+# Body fields passed to SamplingParams as they are (after the type checks their declared
+# types call for: booleans, lists); None means unset. max_tokens has this front's default.
 _SAMPLING_FIELDS = tuple(f for f in SAMPLING_FIELDS if f.name != "max_tokens")
 _LIST_FIELDS = tuple(f for f in SAMPLING_FIELDS if f.type is tuple)
 _BOOL_FIELDS = tuple(f.name for f in SAMPLING_FIELDS if f.type is bool) + ("stream", "echo")

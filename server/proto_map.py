@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
 from jaxserve.engine.request import FinishReason, RequestMetrics
+from jaxserve.engine.sampling_params import BY_NAME as SAMPLING_BY_NAME
 from jaxserve.engine.sampling_params import FIELDS as SAMPLING_FIELDS
 from jaxserve.engine.sampling_params import SamplingField, SamplingParams
 from jaxserve.server import stubs
@@ -98,7 +99,6 @@ def parse_request(req: Any) -> tuple[PromptInput, SamplingParams]:
 
 # Admission names fields as the offline API does; this service's names for them.
 _WIRE_NAMES = {"prompt_token_ids": "token_ids.ids", "messages": "chat.messages"}
-_SAMPLING_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def error_message(error: ValueError, text_field: str = "prompt") -> str:
@@ -109,7 +109,7 @@ def error_message(error: ValueError, text_field: str = "prompt") -> str:
     if field is None:
         return str(error)
     wire = {"prompt": text_field, **_WIRE_NAMES}.get(field) or (
-        f"sampling.{field}" if field in _SAMPLING_NAMES else field)
+        f"sampling.{field}" if field in SAMPLING_BY_NAME else field)
     return error.message_as(wire)
 
 

@@ -3,7 +3,7 @@ saved as HF safetensors, jaxserve Orbax and GGUF, loaded straight onto TP 2 / 4 
 as one JSON document for tests/test_sharded_loading.py.
 
 Per (model, format, tp): whether every leaf equals the reference path
-(`shard_params(load_model(path).params)`) exactly and has the same sharding, the bytes of the
+(`place_params(load_model(path).params)`) exactly and has the same sharding, the bytes of the
 params on each device, and, for the host-sliced formats, every box the loader asked of each
 checkpoint tensor (recorded by wrapping the tensors that `load_model` reads), and whether
 placing the loaded params again (as `build_engine` does) leaves them as they are. Plus the

@@ -99,7 +99,7 @@ def test_parse_valid_lines_and_defaults() -> None:
     ('{"id": "a", "prompt": "w5", "max_tokenz": 3}', True, "unknown key 'max_tokenz'"),
     ('{"id": "a", "prompt": "w5", "messages": []}', True, "not both"),
     ('{"id": "a"}', True, "exactly one of 'prompt' and 'messages'"),
-    ('{"id": "a", "prompt": ""}', True, "prompt must be"),
+    ('{"id": "a", "prompt": 5}', True, "prompt must be"),
     ('{"id": "a", "prompt": [5, "x"]}', True, "prompt must be"),
     ('{"id": "a", "messages": "hi"}', True, "messages must be"),
     ('{"id": "a", "prompt": "w5", "temperature": -1}', True, "temperature=-1"),
@@ -146,6 +146,23 @@ def test_ordered_sink_writes_contiguous_prefix(tmp_path: pathlib.Path) -> None:
 
 
 # ----------------------------------------------------------------------------- on the fake runner
+def test_empty_inputs_get_admissions_text(tmp_path: pathlib.Path) -> None:
+    """Emptiness is admission's check (parse_line checks JSON shapes only): the error lines
+    carry the very text the offline API raises."""
+    engine = fake_engine()
+    lines = [{"id": "e1", "prompt": ""}, {"id": "e2", "prompt": []}, {"id": "e3", "messages": []}]
+    out = tmp_path / "out.jsonl"
+    run_batch(engine, write_jsonl(tmp_path / "in.jsonl", lines), out, no_bar())
+    got = [r["error"] for r in read_jsonl(out)]
+    want = []
+    for prompt in ("", []):
+        with pytest.raises(ValueError) as e:
+            engine.admit(prompt, SamplingParams())
+        want.append(str(e.value))
+    assert got == want + ["messages must not be empty"]
+    assert want == ["prompt must not be empty", "prompt_token_ids must not be empty"]
+
+
 def mixed_lines() -> list[Any]:
     lines: list[Any] = []
     for i in range(12):

@@ -67,6 +67,12 @@ def test_bad_prompt_in_a_batch_raises_and_leaves_engine_clean(llm: LLM) -> None:
     assert alloc.num_free_pages == alloc.num_usable_pages
     with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):
         llm.generate(["w5"], [SamplingParams(), SamplingParams()], use_tqdm=False)
+    for prio, match in (([0, "x"], "priority='x' must be an integer"),
+                        ([0], "1 priorities for 2 prompts")):
+        with pytest.raises(ValueError, match=match):
+            llm.generate([[5, 6], [7, 8]], SamplingParams(max_tokens=2), use_tqdm=False,
+                         priority=prio)
+        assert not llm.engine.has_unfinished()
 
 
 def test_varied_workload_compiles_nothing_after_warmup(llm: LLM) -> None:

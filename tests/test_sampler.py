@@ -28,7 +28,7 @@ def tensors(S: int, **kw: object) -> sampler.SamplingTensors:
 def np_allowed(logits: np.ndarray, temp: float, top_k: int, top_p: float, min_p: float) -> set:
     x = logits / (temp if temp > 0 else 1.0)
     allowed = set(range(len(x)))
-    if top_k < len(x):
+    if 0 < top_k < len(x):  # -1 (or any k <= 0): whole vocabulary
         kth = np.sort(x)[::-1][top_k - 1]
         allowed &= {i for i in range(len(x)) if x[i] >= kth}
     if top_p < 1.0:
@@ -66,7 +66,7 @@ def test_filters_match_numpy_definition(seed: int) -> None:
     S = 6
     logits = rng.normal(0, 2, (S, V)).astype(np.float32)
     temp = rng.choice([0.5, 1.0, 1.7], S).astype(np.float32)
-    top_k = rng.choice([1, 5, 17, V], S).astype(np.int32)
+    top_k = rng.choice([-1, 1, 5, 17, V, V + 100, 2**30], S).astype(np.int32)
     top_p = rng.choice([0.3, 0.8, 0.95, 1.0], S).astype(np.float32)
     min_p = rng.choice([0.0, 0.05, 0.3], S).astype(np.float32)
     st = tensors(S, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p)

@@ -3,7 +3,7 @@
 In a subprocess with 8 virtual devices (`tests/sharded_load_worker.py`; the device count is
 fixed when jax starts): tiny models saved as HF safetensors, Orbax and GGUF (mixed quant types),
 one with KV heads that TP 4 must replicate, loaded with `load_model(path, mesh=...)` at TP 2 / 4.
-Checked: every leaf equals the reference path (`shard_params(load_model(path).params)`) exactly,
+Checked: every leaf equals the reference path (`place_params(load_model(path).params)`) exactly,
 with the same sharding; each device holds exactly its share of the bytes; and every box asked of
 a checkpoint tensor is exactly one device's slice of it (no tensor of a split leaf read whole,
 each read once per device). In-process: the lazy views read exactly what a full read then a
@@ -47,7 +47,7 @@ def _row(rows: list[dict], model: str, fmt: str, tp: int) -> dict:
 def test_equals_the_reference_path(rows: list[dict], model: str, fmt: str, tp: int) -> None:
     r = _row(rows, model, fmt, tp)
     assert r["same_tree"] and r["mismatched"] == []
-    assert r["idempotent"]  # build_engine's shard_params leaves loaded-onto-mesh params as they are
+    assert r["idempotent"]  # build_engine's place_params leaves loaded-onto-mesh params as they are
 
 
 def test_engine_over_a_gguf_loaded_onto_its_mesh(worker: dict) -> None:

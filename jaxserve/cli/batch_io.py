@@ -100,20 +100,15 @@ def parse_line(text: str, line: int,
     if (prompt is None) == (messages is None):
         return LineError(line, rid, "give exactly one of 'prompt' and 'messages'"
                          if prompt is None else "give either 'prompt' or 'messages', not both")
-    if prompt is not None:
-        if isinstance(prompt, list):
-            if not prompt or not all(isinstance(t, int) and not isinstance(t, bool)
-                                     for t in prompt):
-                return LineError(line, rid, "prompt must be a non-empty string or a non-empty "
-                                            "list of integer token ids")
-        elif not isinstance(prompt, str) or not prompt:
-            return LineError(line, rid, "prompt must be a non-empty string or a non-empty list "
-                                        "of integer token ids")
-    else:
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-            return LineError(line, rid, "messages must be a non-empty list of objects with a "
-                                        "string 'role' (and their 'content')")
+    # JSON shapes only: empty prompts, roles and token ranges are admission's checks.
+    ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                           for t in prompt)
+    if prompt is not None and not isinstance(prompt, str) and not ids:
+        return LineError(line, rid, "prompt must be a string or a list of integer token ids")
+    if messages is not None and not (isinstance(messages, list) and all(
+            isinstance(m, dict) for m in messages)):
+        return LineError(line, rid, "messages must be a list of {\"role\", \"content\"} "
+                                    "objects")
     kwargs = dict(defaults or {})
     kwargs.update({k: v for k, v in obj.items() if k in SAMPLING_KEYS})
     try:

@@ -109,16 +109,6 @@ def admit_line(req: LineRequest, engine: Any) -> Admitted:
     return engine.admit(req.prompt if req.prompt is not None else [], req.params)
 
 
-def prompt_token_ids(req: LineRequest, tokenizer: Any) -> list[int]:
-    """The token ids the engine runs for `req` (unchecked); ValueError when they cannot be
-    made."""
-    if req.messages is not None:
-        return render_chat(req.messages, tokenizer)
-    if isinstance(req.prompt, str):
-        return tokenizer.encode(req.prompt, add_special_tokens=True)
-    return list(req.prompt or ())
-
-
 def result_record(rid: Any, out: RequestOutput, params: SamplingParams) -> dict[str, Any]:
     comps = sorted(out.outputs, key=lambda c: c.index)
     reasons = [c.finish_reason.value if c.finish_reason is not None else None for c in comps]
@@ -352,4 +342,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = ["BatchOptions", "BatchSummary", "run_batch", "add_batch_parser", "cmd_batch",
-           "main", "admit_line", "prompt_token_ids", "result_record"]
+           "main", "admit_line", "result_record"]

@@ -6,7 +6,7 @@ ServerConfig (validated: a bad value exits 2 with one line) -> `app.serve`, whic
 at once (health NOT_SERVING), loads and warms the model, logs one "ready" line with the
 address, and drains on SIGTERM / SIGINT.
 
-`client`: PROMPT + sampling flags -> `jaxserve.client.Client.stream` -> text deltas to stdout
+`client`: PROMPT + sampling flags -> `jaxserve.server.client.Client.stream` -> text deltas to stdout
 as they arrive; usage and timing to stderr with -v.
 
 Only argparse at import time: grpc and jax load when a command runs.
@@ -62,7 +62,7 @@ def add_serve_parser(sub: Any) -> None:
     n.add_argument("--max-message-bytes", type=parse_bytes, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help="largest request/response message (default 4MiB)")
     n.add_argument("--tokenizer-threads", type=int, default=2,
-                   help="threads that tokenize prompts (default 2)")
+                   help="threads that tokenize prompts, per front (default 2)")
     n.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed chunk after the first (default 1: every token); "
                         "larger values cut per-token overhead, streaming more coarsely")

@@ -173,7 +173,10 @@ def build_batch(out: SchedulerOutput, shape: BatchShape) -> StepBatch:
                      rng_key=rng_key, history=history, history_is_output=is_output)
 
 
+_PAD_ROW = np.asarray(PAD_ROW, np.float32)  # f32[K]
+
+
 def pad_rows(num_seqs: int) -> np.ndarray:
     """f32[num_seqs, K]: padding rows of the sampling matrix (greedy, no filter, no penalty,
     no logprobs)."""
-    return np.tile(np.asarray(PAD_ROW, np.float32), (num_seqs, 1))
+    return np.tile(_PAD_ROW, (num_seqs, 1))

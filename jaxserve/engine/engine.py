@@ -23,8 +23,8 @@ from typing import Callable, Sequence
 from jaxserve.config import EngineConfig
 from jaxserve.engine.batch import build_batch
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.limits import (Admitted, EngineLimits, EngineStats, InvalidRequest,
-                                    check_not_in_flight, check_request_id)
+from jaxserve.engine.limits import (Admitted, EngineLimits, EngineStats, check_not_in_flight,
+                                    check_priority, check_request_id)
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from jaxserve.engine.request import FinishReason, Request
 from jaxserve.engine.runner import Runner, StepResult
@@ -113,8 +113,7 @@ class Engine:
         again."""
         check_request_id(request_id)
         check_not_in_flight(request_id, self._groups)
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise InvalidRequest(f"priority={priority!r} must be an integer", "priority")
+        check_priority(priority)
         req = prompt if isinstance(prompt, Admitted) else self.admit(prompt, params)
         params, ids = req.params, list(req.token_ids)
         now = self.clock() if arrival_time is None else arrival_time

@@ -41,6 +41,11 @@ def check_not_in_flight(request_id: str, in_flight: Container[str]) -> None:
                              "must be unique among in-flight requests", "request_id")
 
 
+def check_priority(priority: object) -> None:
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise InvalidRequest(f"priority={priority!r} must be an integer", "priority")
+
+
 def check_prompt_text(text: object) -> None:
     if not isinstance(text, str) or not text:
         raise InvalidRequest("prompt must not be empty", "prompt")

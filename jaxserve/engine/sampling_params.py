@@ -203,7 +203,7 @@ class SamplingParams:
             if f.rule is not None and not (value is None and f.optional):
                 f.rule.check(f.name, value)
             if f.name == "min_tokens" and self.max_tokens is not None and \
-                    self.min_tokens > self.max_tokens:  # checked here: as before, in this order
+                    self.min_tokens > self.max_tokens:  # after min_tokens' own range check
                 raise InvalidRequest(
                     f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}",
                     "min_tokens")

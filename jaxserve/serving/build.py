@@ -152,7 +152,7 @@ def _place(config: EngineConfig, model: LoadedModel | None,
     if tp > 1 or devices is not None:
         mesh = placement.make_tp_mesh(tp, None if devices is None else list(devices))
     # A model not given loads straight into its shardings (each device reads only its own
-    # slice of the checkpoint); shard_params then hands those params back unchanged.
+    # slice of the checkpoint); place_params then hands those params back unchanged.
     model = model or load_model(config.model, config.dtype, mesh=mesh)
     if mesh is None:
         return _Placed(model, model.config, model.params, None, jax.local_devices()[0])

@@ -5,7 +5,7 @@ the prompt's token ids for prefix affinity) -> that replica's `Engine.add_reques
 `step()` steps every replica that has work, concurrently on a thread pool (JAX releases the
 GIL while a device runs, so the replicas' devices work at the same time), and returns their
 outputs together. Replicas advance in lockstep here: the server instead drives each replica
-with its own loop thread (`data_parallel.AsyncReplicaPool`), so one replica's long prefill
+with its own loop thread (`async_replica_pool.AsyncReplicaPool`), so one replica's long prefill
 never delays another's stream.
 
 Each Engine is still touched by one thread at a time: `step()` joins every replica's step
