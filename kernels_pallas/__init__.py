@@ -11,7 +11,7 @@ context through a block table of shared KV pages.
 Modules: common (metadata, page layout ``[num_pages, 2*Hkv, page_size, D]`` with K/V
 interleaved on axis 1, input checks, write_kv), tiling (ragged batch -> fixed-shape query
 tiles), reference (pure jnp; the CPU attention), tpu (Mosaic TPU kernel), gpu (Mosaic GPU
-kernel), selector (picks one from platform + config), testing (random ragged batches).
+kernel), selector (picks one from platform + config).
 This package imports nothing else from jaxserve.
 """
 

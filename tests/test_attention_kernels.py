@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from jaxserve.kernels_pallas import ragged_paged_attention_reference, write_kv
-from jaxserve.kernels_pallas.testing import expected_pages_after_write, random_batch
+from kernel_cases import expected_pages_after_write, random_batch
 
 
 def draw_specs(kind: str, rng: np.random.Generator, ps: int) -> list[tuple[int, int]]:

@@ -18,7 +18,7 @@ import pytest
 
 from jaxserve.kernels_pallas import (AttentionMetadata, ragged_paged_attention,
                                      ragged_paged_attention_reference, select_impl, write_kv)
-from jaxserve.kernels_pallas.testing import expected_pages_after_write, random_batch
+from kernel_cases import expected_pages_after_write, random_batch
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 

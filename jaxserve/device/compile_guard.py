@@ -9,9 +9,12 @@ as a metric (`compiles_after_warmup`) and tests assert it stays 0.
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import jax.monitoring
+
+log = logging.getLogger(__name__)
 
 LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 
@@ -23,7 +26,6 @@ class CompileGuard:
         self._lock = threading.Lock()
         self._armed = False
         self.compiles_after_warmup = 0
-        self.last_compiled: str | None = None
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
 
     def _on_event(self, event: str, duration: float, **kwargs: object) -> None:
@@ -32,7 +34,8 @@ class CompileGuard:
         with self._lock:
             if event == LOWERING_EVENT:
                 self.compiles_after_warmup += 1
-                self.last_compiled = str(kwargs.get("fun_name", "?"))
+                # Serving should never compile: name the function so the bug can be found.
+                log.warning("XLA compile after warmup: %s", kwargs.get("fun_name", "?"))
 
     def arm(self) -> None:
         """Start counting: warmup is over."""

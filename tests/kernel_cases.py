@@ -1,4 +1,4 @@
-"""Random ragged batches for the attention tests and benchmarks (numpy, seeded).
+"""Random ragged batches for the attention tests (numpy, seeded).
 
 A batch is built the way the engine builds a step: every live sequence owns random pages
 (never the trash page 0) holding its context K/V; the step's new K/V arrive in k_new/v_new
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from .common import TRASH_PAGE, AttentionMetadata, kv_pages_shape
+from jaxserve.kernels_pallas.common import TRASH_PAGE, AttentionMetadata, kv_pages_shape
 
 
 @dataclasses.dataclass(frozen=True)
