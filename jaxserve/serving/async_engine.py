@@ -32,7 +32,8 @@ import time
 from typing import Callable, Protocol, Sequence
 
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.limits import Admitted, check_not_in_flight, check_request_id
+from jaxserve.engine.limits import (Admitted, EngineStats, check_not_in_flight,
+                                    check_request_id)
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.sampling_params import SamplingParams
 
@@ -48,8 +49,10 @@ class EngineStopped(RuntimeError):
 
 
 class StepObserver(Protocol):
-    def on_step(self, engine: Engine, outputs: Sequence[RequestOutput], stepped: bool) -> None:
-        """Called on the loop thread after each iteration (`stepped`: a model step ran)."""
+    def on_step(self, stats: EngineStats, outputs: Sequence[RequestOutput],
+                stepped: bool) -> None:
+        """Called on the loop thread after each iteration with the engine's snapshot then
+        (`stepped`: a model step ran)."""
 
 
 _Item = RequestOutput | BaseException
@@ -257,12 +260,13 @@ class AsyncEngine:
                 self._apply(commands)
                 stepped = self.engine.has_unfinished()
                 outputs = self.engine.step() if stepped else []
+                stats = self.engine.stats()  # one snapshot per iteration, for all readers
                 # Observers first: once a caller sees its final output, metrics include it.
-                self._notify_observers(outputs, stepped)
+                self._notify_observers(stats, outputs, stepped)
                 self._dispatch(outputs)
                 busy = self.engine.has_unfinished()
                 with self._cond:
-                    self._waiting_seqs = self.engine.stats().num_waiting
+                    self._waiting_seqs = stats.num_waiting
         except BaseException as e:  # noqa: BLE001 - any failure must reach every caller
             log.exception("engine loop failed; failing every in-flight request")
             self._fail(e)
@@ -320,10 +324,11 @@ class AsyncEngine:
         except RuntimeError:
             pass  # loop closed
 
-    def _notify_observers(self, outputs: Sequence[RequestOutput], stepped: bool) -> None:
+    def _notify_observers(self, stats: EngineStats, outputs: Sequence[RequestOutput],
+                          stepped: bool) -> None:
         for obs in self._observers:
             try:
-                obs.on_step(self.engine, outputs, stepped)
+                obs.on_step(stats, outputs, stepped)
             except Exception:  # noqa: BLE001 - metrics must never stop serving
                 log.exception("step observer %r failed", obs)
 
@@ -343,7 +348,7 @@ class AsyncEngine:
         steps = 0
         while self.engine.has_unfinished() and steps < 1000:
             outputs = self.engine.step()
-            self._notify_observers(outputs, True)
+            self._notify_observers(self.engine.stats(), outputs, True)
             self._dispatch(outputs)
             steps += 1
 

@@ -1,8 +1,8 @@
 """Prometheus metrics of a serving engine, under vLLM-compatible names with a `jaxserve:` prefix.
 
-Data flow: `AsyncEngine`'s loop thread calls `EngineMetrics.on_step(engine, outputs, stepped)`
-after every iteration -> gauges are set from `engine.stats()` (running / waiting / KV usage /
-compiles after warmup), counters advance by the deltas of its cumulative counts
+Data flow: `AsyncEngine`'s loop thread calls `EngineMetrics.on_step(stats, outputs, stepped)`
+after every iteration with the engine's `stats()` snapshot -> gauges are set from it (running /
+waiting / KV usage / compiles after warmup), counters advance by the deltas of its cumulative counts
 (preemptions, prefix-cache lookups), per-request figures come from the RequestOutputs
 (prompt tokens when a request first reports, generated tokens and inter-token gaps as they
 stream, TTFT / queue / e2e / time per output token and the finish reason when a sample
@@ -20,7 +20,7 @@ from typing import Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import start_http_server
 
-from jaxserve.engine.engine import Engine
+from jaxserve.engine.limits import EngineStats
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
 from jaxserve.engine.request import FinishReason
 
@@ -133,8 +133,7 @@ class EngineMetrics:
         return self._success.labels(*self._values, reason.value)
 
     # ----------------------------------------------------------------------- feed
-    def on_step(self, engine: Engine, outputs: Sequence[RequestOutput], stepped: bool) -> None:
-        st = engine.stats()
+    def on_step(self, st: EngineStats, outputs: Sequence[RequestOutput], stepped: bool) -> None:
         self.running.set(st.num_running)
         self.waiting.set(st.num_waiting)
         self.kv_usage.set(st.kv_usage)
