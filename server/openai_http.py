@@ -52,6 +52,7 @@ from jaxserve.serving.build import ServedModel
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health",)  # probes send no key
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_MAX_LINGER_S = 10.0  # aiohttp's default lingering_time
 _CLOSE_AFTER = (408, 413)  # the rest of the body may never come, or is not wanted
 
 
@@ -98,8 +99,12 @@ class OpenAIHttpFront:
         # keepalive_timeout: aiohttp arms it when a connection opens and after each response,
         # and closes the connection when it fires while no complete request head has come:
         # the idle limit and the head-read deadline in one.
+        # lingering_time: after an answer that left the body unread (408, 413, 401), aiohttp
+        # keeps reading (and dropping) it this long so the client sees the answer rather
+        # than a reset; no longer than a body may take anyway.
         runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                               keepalive_timeout=self._keepalive_timeout)
+                               keepalive_timeout=self._keepalive_timeout,
+                               lingering_time=min(_MAX_LINGER_S, self._body_timeout))
         await runner.setup()
         site = web.TCPSite(runner, host, port, reuse_port=False)
         try:
