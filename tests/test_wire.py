@@ -9,6 +9,7 @@ the socket (EOF), bounded by a generous deadline that only a hung server would r
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 import select
@@ -45,7 +46,7 @@ def start(**cfg: object) -> BackgroundServer:
 @pytest.fixture(scope="module")
 def server() -> BackgroundServer:
     srv = start(api_keys=(KEY,), http_keepalive_timeout=TIMEOUT_S,
-                http_body_timeout=TIMEOUT_S)
+                http_body_timeout=TIMEOUT_S, grpc_idle_timeout=TIMEOUT_S)
     yield srv
     srv.stop()
 
@@ -103,6 +104,10 @@ def test_body_bounds(server: BackgroundServer) -> None:
     big = json.dumps({"prompt": "w5 " * MAX_BODY}).encode()
     status, body = post(server, big)
     assert status == 413 and str(MAX_BODY) in body["error"]["message"], body
+    bomb = gzip.compress(b'{"prompt": "w5", "x": "' + b"a" * (50 * MAX_BODY) + b'"}')
+    assert len(bomb) < MAX_BODY  # small on the wire, 50x the limit once inflated
+    status, body = post(server, bomb, {"Content-Encoding": "gzip"})
+    assert status == 413, body
     assert "not valid UTF-8" in error_of(post(server, b'{"prompt": "w5 \xff\xfe"}'), 400)
     assert "not valid JSON" in error_of(post(server, b'{"prompt": '), 400)
     assert "NaN is not JSON" in error_of(post(server, b'{"prompt": "w5", "top_p": NaN}'), 400)
@@ -251,6 +256,24 @@ def test_undecodable_grpc_bytes_are_invalid_argument(server: BackgroundServer,
     assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def http2_frame_types(data: bytes) -> list[int]:
+    types, pos = [], 0
+    while pos + 9 <= len(data):
+        length = int.from_bytes(data[pos:pos + 3], "big")
+        types.append(data[pos + 3])
+        pos += 9 + length
+    return types
+
+
+def test_an_idle_grpc_connection_gets_goaway(server: BackgroundServer) -> None:
+    with socket.create_connection(("127.0.0.1", server.server.port), timeout=DEADLINE_S) as sock:
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(3) + b"\x04" + bytes(5))
+        answer = read_until_eof(sock)  # HTTP/2 preface + empty SETTINGS, then nothing
+    goaway = 0x7
+    assert goaway in http2_frame_types(answer), answer
+    assert b"idle" in answer
+
+
 def test_a_grpc_bug_is_a_logged_internal(server: BackgroundServer,
                                          monkeypatch: pytest.MonkeyPatch,
                                          caplog: pytest.LogCaptureFixture) -> None:
@@ -287,3 +310,18 @@ def test_metrics_no_auth_serves_anyone() -> None:
         assert status == 200 and "jaxserve:num_requests_running" in text
     finally:
         srv.stop()
+
+
+def test_serve_flags_reach_the_server_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    from jaxserve.cli.main import build_parser
+    from jaxserve.cli.serve import API_KEY_ENV, server_config_from_args
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+
+    def config(*argv: str) -> ServerConfig:
+        return server_config_from_args(build_parser().parse_args(["serve", *argv]))
+    assert config() == ServerConfig()  # the flags' defaults are the config's
+    got = config("--http-keepalive-timeout", "5", "--http-body-timeout", "7",
+                 "--grpc-idle-timeout", "9", "--grpc-keepalive-time", "11", "--metrics-no-auth")
+    assert (got.http_keepalive_timeout, got.http_body_timeout, got.grpc_idle_timeout,
+            got.grpc_keepalive_time, got.metrics_no_auth) == (5.0, 7.0, 9.0, 11.0, True)

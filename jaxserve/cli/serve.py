@@ -114,16 +114,9 @@ def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(dict.fromkeys(keys))
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import asyncio
-
-    engine_cfg = engine_config_from_args(args)
-    # The lifecycle lines (listening, ready, draining, stopped) show even when quiet.
-    log.setLevel(logging.DEBUG if args.verbose else logging.INFO)
-    rc = join_or_follow(args, engine_cfg)
-    if rc is not None:
-        return rc
-    server_cfg = ServerConfig(
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The `serve` flags as a ServerConfig (ValueError names a bad value)."""
+    return ServerConfig(
         host=args.host, port=args.port, metrics_port=args.metrics_port,
         http_port=args.http_port,
         max_waiting=args.max_waiting or None, api_keys=_api_keys(args), tls_cert=args.tls_cert,
@@ -133,6 +126,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         http_keepalive_timeout=args.http_keepalive_timeout,
         http_body_timeout=args.http_body_timeout, grpc_idle_timeout=args.grpc_idle_timeout,
         grpc_keepalive_time=args.grpc_keepalive_time, metrics_no_auth=args.metrics_no_auth)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    engine_cfg = engine_config_from_args(args)
+    # The lifecycle lines (listening, ready, draining, stopped) show even when quiet.
+    log.setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    rc = join_or_follow(args, engine_cfg)
+    if rc is not None:
+        return rc
+    server_cfg = server_config_from_args(args)
     from jaxserve.server.app import serve
 
     built: list[Any] = []  # the ServedModel, to release its runners after serving
