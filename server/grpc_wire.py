@@ -74,13 +74,18 @@ def _wrap_stream(method: str, behavior: Callable[..., AsyncIterator[Any]]
                  ) -> Callable[..., AsyncIterator[Any]]:
     async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         await _refuse_undecodable(request, context)
+        responses = behavior(request, context)
         try:
-            async for response in behavior(request, context):
+            async for response in responses:
                 yield response
         except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):
             raise
         except Exception:  # noqa: BLE001 - see _internal
             await _internal(method, context)
+        finally:
+            # Closed now, not when collected: its own `finally` aborts the request in the
+            # engine (a cancel or disconnect closes this wrapper at its `yield`).
+            await responses.aclose()
     return call
 
 
