@@ -3,13 +3,16 @@
 Data flow:
   `start()`   grpc.aio server with the Generation servicer, the standard health service
               (NOT_SERVING for now), reflection, the API-key interceptor when keys are set,
-              bounded message sizes; binds host:port (TLS when configured) and starts;
+              then `grpc_wire.WireGuardInterceptor` (undecodable bytes -> INVALID_ARGUMENT),
+              bounded message sizes, idle-connection and keepalive limits; binds host:port
+              (TLS when configured) and starts;
               with `http_port` set, also the OpenAI-compatible HTTP front
               (`openai_http.OpenAIHttpFront`, same loop, same host) on that port.
   `load()`    runs the engine factory (model load + XLA warmup) on a daemon thread while the
               event loop keeps answering health checks -> AsyncEngine (its own step thread)
               with the Prometheus observer -> servicer (and HTTP front) attached -> health
-              SERVING -> the one "ready" log line with the addresses.
+              SERVING -> the one "ready" log line with the addresses. /metrics asks for
+              the API key when keys are set, unless `metrics_no_auth`.
   `shutdown()` health NOT_SERVING, new calls refused with UNAVAILABLE (HTTP: 503), in-flight
               calls of both fronts get `shutdown_grace` seconds to finish, the rest are
               aborted (each stream ends with a Finished(ABORT) message / an "abort"
@@ -33,8 +36,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxserve.server import stubs
-from jaxserve.server.auth import ApiKeyInterceptor
-from jaxserve.server.config import ServerConfig
+from jaxserve.server.auth import ApiKeyInterceptor, ApiKeys
+from jaxserve.server.config import GRPC_KEEPALIVE_TIMEOUT_S, ServerConfig
+from jaxserve.server.grpc_wire import WireGuardInterceptor
 from jaxserve.server.inflight import InFlight
 from jaxserve.server.openai_http import OpenAIHttpFront
 from jaxserve.server.servicer import SERVICE_NAME, GenerationServicer
@@ -48,6 +52,21 @@ EngineFactory = Callable[[], ServedModel]
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _HEALTH_NAMES = ("", SERVICE_NAME)
+
+
+def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
+    """grpc core channel arguments of the server: message bounds and connection hygiene."""
+    return [
+        ("grpc.max_receive_message_length", cfg.max_message_bytes),
+        ("grpc.max_send_message_length", cfg.max_message_bytes),
+        # A second server on a busy port must fail, not silently share it.
+        ("grpc.so_reuseport", 0),
+        # An open connection with no call costs a socket and HTTP/2 state: GOAWAY after this.
+        ("grpc.max_connection_idle_ms", int(cfg.grpc_idle_timeout * 1000)),
+        # Connections with calls: a peer that vanished without a FIN is found by a ping.
+        ("grpc.keepalive_time_ms", int(cfg.grpc_keepalive_time * 1000)),
+        ("grpc.keepalive_timeout_ms", int(GRPC_KEEPALIVE_TIMEOUT_S * 1000)),
+    ]
 
 
 def _call_in_thread(fn: EngineFactory) -> "asyncio.Future[ServedModel]":
@@ -82,7 +101,8 @@ class GrpcServer:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self.http: OpenAIHttpFront | None = None if cfg.http_port is None else OpenAIHttpFront(
-            cfg.api_keys, cfg.tokenizer_threads, cfg.max_message_bytes)
+            cfg.api_keys, cfg.tokenizer_threads, cfg.max_message_bytes,
+            cfg.http_keepalive_timeout, cfg.http_body_timeout)
         self.http_port: int | None = None
 
     @property
@@ -92,13 +112,11 @@ class GrpcServer:
     async def start(self) -> int:
         """Bind and start answering (health NOT_SERVING until `load()`); returns the port."""
         cfg = self.cfg
-        interceptors = [ApiKeyInterceptor(cfg.api_keys)] if cfg.api_keys else []
-        server = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.max_receive_message_length", cfg.max_message_bytes),
-            ("grpc.max_send_message_length", cfg.max_message_bytes),
-            # A second server on a busy port must fail, not silently share it.
-            ("grpc.so_reuseport", 0),
-        ])
+        # The key check first: an unauthenticated caller's bytes are never decoded.
+        interceptors: list[grpc.aio.ServerInterceptor] = \
+            [ApiKeyInterceptor(cfg.api_keys)] if cfg.api_keys else []
+        interceptors.append(WireGuardInterceptor())
+        server = grpc.aio.server(interceptors=interceptors, options=grpc_options(cfg))
         for name in _HEALTH_NAMES:
             await self.health.set(name, _NOT_SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -151,8 +169,10 @@ class GrpcServer:
         if self.http is not None:
             self.http.attach(self.engine, served, admit)
         if cfg.metrics_port is not None:
+            authorize = None if cfg.metrics_no_auth or not cfg.api_keys else \
+                ApiKeys(cfg.api_keys).allows
             self._metrics_http = MetricsHttpServer(self.metrics.registry, cfg.host,
-                                                   cfg.metrics_port)
+                                                   cfg.metrics_port, authorize)
             self.metrics_port = self._metrics_http.port
         await self._set_health(_SERVING)
         metrics = f" metrics=http://{cfg.host}:{self.metrics_port}/metrics" \

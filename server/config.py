@@ -12,6 +12,8 @@ import pathlib
 
 DEFAULT_PORT = 50051
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # gRPC's own receive default
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.01, 86400.0  # bounds of every connection timeout knob
+GRPC_KEEPALIVE_TIMEOUT_S = 20.0  # a keepalive ping unanswered this long closes the connection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +32,19 @@ class ServerConfig:
     # Tokens per streamed chunk after the first (1: every token as it comes); larger values
     # send fewer messages, cutting per-token host overhead at the cost of coarser streaming.
     stream_interval: int = 1
+    # Connection hygiene (README "Connections and timeouts"). HTTP: a request head must arrive
+    # complete within http_keepalive_timeout seconds of the connection opening or of the
+    # previous response, and an idle keep-alive connection closes after as long; the body
+    # then has http_body_timeout seconds (else 408, connection closed).
+    http_keepalive_timeout: float = 20.0
+    http_body_timeout: float = 60.0
+    # gRPC: a connection with no call for grpc_idle_timeout seconds gets GOAWAY
+    # (max_connection_idle); one with calls is pinged every grpc_keepalive_time seconds and
+    # closed when the ping is not answered within GRPC_KEEPALIVE_TIMEOUT_S.
+    grpc_idle_timeout: float = 300.0
+    grpc_keepalive_time: float = 60.0
+    # /metrics asks for the API key when api_keys are set, unless this says otherwise.
+    metrics_no_auth: bool = False
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port", "http_port"):
@@ -55,6 +70,12 @@ class ServerConfig:
             raise ValueError(f"stream_interval={self.stream_interval} must be in [1, 1024]")
         if not 1 <= self.tokenizer_threads <= 64:
             raise ValueError(f"tokenizer_threads={self.tokenizer_threads} must be in [1, 64]")
+        for name in ("http_keepalive_timeout", "http_body_timeout", "grpc_idle_timeout",
+                     "grpc_keepalive_time"):
+            value = getattr(self, name)
+            if not MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S:  # also refuses NaN
+                raise ValueError(f"{name}={value} must be in [{MIN_TIMEOUT_S}, "
+                                 f"{MAX_TIMEOUT_S:g}] seconds")
 
     @property
     def address(self) -> str:

@@ -3,9 +3,18 @@
 It shares the gRPC server's asyncio loop, AsyncEngine and `Admission` (`jaxserve serve
 --http-port PORT`; `app.GrpcServer` starts, attaches and stops it).
 
+Connections (aiohttp's protocol, configured in `start`): a request head must arrive complete
+within `keepalive_timeout` seconds of the connection opening or of the previous response, and
+an idle keep-alive connection is closed after as long (aiohttp arms one timer for both; a
+client sending its headers a byte at a time is cut off by it). The body then has
+`body_timeout` seconds (`http_body.read_body`: 408, connection closed).
+
 Data flow of `POST /v1/completions`:
-  middleware (API key: `Authorization: Bearer KEY` -> 401; any error -> OpenAI error JSON)
-  -> 503 while the model warms up, the server drains, or the engine failed -> JSON body
+  middleware (API key: `Authorization: Bearer KEY` -> 401; any error -> OpenAI error JSON;
+  an unexpected exception is a bug: logged with its traceback, answered 500)
+  -> 503 while the model warms up, the server drains, or the engine failed
+  -> `http_body.read_json` (Content-Type / charset -> 415, size -> 413, time -> 408, strict
+  UTF-8, nesting depth and JSON syntax -> 400)
   -> `openai_schema.parse_completion` (prompt: text, token ids, or a list of one of those;
   every sampling field -> `SamplingParams`, whose ValueError names the field -> 400)
   -> `Admission.admit` (tokenization on a small thread pool, never on the event loop; every
@@ -33,6 +42,7 @@ from jaxserve.engine.outputs import CompletionOutput, RequestOutput
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.server import openai_schema as schema
 from jaxserve.server.auth import ApiKeys
+from jaxserve.server.http_body import read_json
 from jaxserve.server.inflight import InFlight
 from jaxserve.serving import admission
 from jaxserve.serving.async_engine import EngineStopped, QueueFull, RequestStream
@@ -42,7 +52,8 @@ from jaxserve.serving.build import ServedModel
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health",)  # probes send no key
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
+_MAX_LINGER_S = 10.0  # aiohttp's default lingering_time
+_CLOSE_AFTER = (408, 413)  # the rest of the body may never come, or is not wanted
 
 
 async def _outputs(first: RequestOutput, stream: RequestStream
@@ -57,9 +68,13 @@ class OpenAIHttpFront:
     """The aiohttp application and its listener; see the module docstring."""
 
     def __init__(self, api_keys: tuple[str, ...] = (), tokenizer_threads: int = 2,
-                 max_body_bytes: int = 4 << 20):
+                 max_body_bytes: int = 4 << 20, keepalive_timeout: float = 20.0,
+                 body_timeout: float = 60.0):
         self._auth = ApiKeys(api_keys) if api_keys else None
         self._tokenizer_threads = tokenizer_threads
+        self._max_body_bytes = max_body_bytes
+        self._keepalive_timeout = keepalive_timeout
+        self._body_timeout = body_timeout
         self._engine: AsyncServing | None = None
         self._served: ServedModel | None = None
         self._admission: admission.Admission | None = None
@@ -81,7 +96,15 @@ class OpenAIHttpFront:
         """Listen on host:port (0: a free port); returns the bound port."""
         # handler_cancellation: a client disconnect cancels its handler, whose `finally`
         # then aborts the request in the engine.
-        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        # keepalive_timeout: aiohttp arms it when a connection opens and after each response,
+        # and closes the connection when it fires while no complete request head has come:
+        # the idle limit and the head-read deadline in one.
+        # lingering_time: after an answer that left the body unread (408, 413, 401), aiohttp
+        # keeps reading (and dropping) it this long so the client sees the answer rather
+        # than a reset; no longer than a body may take anyway.
+        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                               keepalive_timeout=self._keepalive_timeout,
+                               lingering_time=min(_MAX_LINGER_S, self._body_timeout))
         await runner.setup()
         site = web.TCPSite(runner, host, port, reuse_port=False)
         try:
@@ -119,11 +142,18 @@ class OpenAIHttpFront:
                                "invalid_api_key")
             return await handler(request)
         except schema.ApiError as e:
-            return e.response()
-        except web.HTTPException as e:  # unknown route, wrong method, body too large
+            response = e.response()
+            if e.status in _CLOSE_AFTER:
+                response.force_close()
+            return response
+        except web.HTTPException as e:  # unknown route, wrong method
             if e.status < 400:
                 raise
             return schema.ApiError(e.status, e.reason, None, "invalid_request_error").response()
+        except Exception:  # noqa: BLE001 - a bug, never the client's input: log it, answer 500
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            return schema.ApiError(500, "internal server error (a bug; the server logged it)",
+                                   None, "internal_server_error").response()
 
     def _ready(self) -> tuple[AsyncServing, ServedModel, admission.Admission]:
         engine, served, admit = self._engine, self._served, self._admission
@@ -153,10 +183,7 @@ class OpenAIHttpFront:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         engine, served, admit = self._ready()
         arrival = time.monotonic()
-        try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
-            raise schema.bad_request("the request body is not valid JSON") from None
+        body = await read_json(request, self._max_body_bytes, self._body_timeout)
         req = schema.parse_completion(body)
         self.calls.enter()
         stream: RequestStream | None = None

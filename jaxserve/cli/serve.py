@@ -66,7 +66,28 @@ def add_serve_parser(sub: Any) -> None:
     n.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed chunk after the first (default 1: every token); "
                         "larger values cut per-token overhead, streaming more coarsely")
+    _add_connection_flags(n)
     add_distributed_flags(s)
+
+
+def _add_connection_flags(n: Any) -> None:
+    d = ServerConfig()  # the defaults, declared once there
+    n.add_argument("--http-keepalive-timeout", type=float, default=d.http_keepalive_timeout,
+                   help="HTTP: seconds a connection gets to send a complete request head "
+                        "(from opening, or from the previous response), and that an idle "
+                        f"keep-alive connection stays open (default {d.http_keepalive_timeout:g})")
+    n.add_argument("--http-body-timeout", type=float, default=d.http_body_timeout,
+                   help="HTTP: seconds the request body gets to arrive after its head; then "
+                        f"408 and the connection closes (default {d.http_body_timeout:g})")
+    n.add_argument("--grpc-idle-timeout", type=float, default=d.grpc_idle_timeout,
+                   help="gRPC: close connections with no call for this many seconds "
+                        f"(GOAWAY; default {d.grpc_idle_timeout:g})")
+    n.add_argument("--grpc-keepalive-time", type=float, default=d.grpc_keepalive_time,
+                   help="gRPC: ping connections with calls this often (seconds) and drop "
+                        f"those that do not answer (default {d.grpc_keepalive_time:g})")
+    n.add_argument("--metrics-no-auth", action="store_true",
+                   help="serve /metrics to anyone even when API keys are set (default: "
+                        "/metrics asks for the key like the API)")
 
 
 def add_client_parser(sub: Any) -> None:
@@ -93,6 +114,20 @@ def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(dict.fromkeys(keys))
 
 
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The `serve` flags as a ServerConfig (ValueError names a bad value)."""
+    return ServerConfig(
+        host=args.host, port=args.port, metrics_port=args.metrics_port,
+        http_port=args.http_port,
+        max_waiting=args.max_waiting or None, api_keys=_api_keys(args), tls_cert=args.tls_cert,
+        tls_key=args.tls_key, shutdown_grace=args.shutdown_grace,
+        max_message_bytes=args.max_message_bytes, tokenizer_threads=args.tokenizer_threads,
+        stream_interval=args.stream_interval,
+        http_keepalive_timeout=args.http_keepalive_timeout,
+        http_body_timeout=args.http_body_timeout, grpc_idle_timeout=args.grpc_idle_timeout,
+        grpc_keepalive_time=args.grpc_keepalive_time, metrics_no_auth=args.metrics_no_auth)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -102,13 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     rc = join_or_follow(args, engine_cfg)
     if rc is not None:
         return rc
-    server_cfg = ServerConfig(
-        host=args.host, port=args.port, metrics_port=args.metrics_port,
-        http_port=args.http_port,
-        max_waiting=args.max_waiting or None, api_keys=_api_keys(args), tls_cert=args.tls_cert,
-        tls_key=args.tls_key, shutdown_grace=args.shutdown_grace,
-        max_message_bytes=args.max_message_bytes, tokenizer_threads=args.tokenizer_threads,
-        stream_interval=args.stream_interval)
+    server_cfg = server_config_from_args(args)
     from jaxserve.server.app import serve
 
     built: list[Any] = []  # the ServedModel, to release its runners after serving

@@ -7,18 +7,21 @@ waiting / KV usage / compiles after warmup), counters advance by the deltas of i
 (prompt tokens when a request first reports, generated tokens and inter-token gaps as they
 stream, TTFT / queue / e2e / time per output token and the finish reason when a sample
 finishes) -> a per-server `CollectorRegistry` (never the process-global one, so several
-servers or tests can coexist) -> `serve_http()` exposes it at `/metrics`.
+servers or tests can coexist) -> `MetricsHttpServer` exposes it at `/metrics`, asking each
+scrape's `Authorization` header of `authorize` when one is given (401 otherwise).
 
 Prefix-cache queries and hits are counted in tokens (full pages x page size), as vLLM does.
 """
 
 from __future__ import annotations
 
+import socket
 import threading
-from typing import Sequence
+from typing import Any, Callable, Iterable, Sequence
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.exposition import start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from jaxserve.engine.limits import EngineStats
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
@@ -186,11 +189,49 @@ class EngineMetrics:
             self.tpot.observe((m.last_token_time - m.first_token_time) / (len(c.token_ids) - 1))
 
 
-class MetricsHttpServer:
-    """`/metrics` over HTTP for one registry, in a daemon thread; `close()` stops it."""
+Authorize = Callable[[str | None], bool]  # an Authorization header value -> allowed?
+_DENIED = b"missing or invalid API key: send the header 'Authorization: Bearer <key>'\n"
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int):
-        self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+
+def _guarded(app: Callable[..., Iterable[bytes]], authorize: Authorize
+             ) -> Callable[..., Iterable[bytes]]:
+    """The WSGI `app` behind `authorize` (401 with a text body when it says no)."""
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if authorize(environ.get("HTTP_AUTHORIZATION")):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
+                                            ("WWW-Authenticate", "Bearer")])
+        return [_DENIED]
+    return guarded
+
+
+class _Handler(WSGIRequestHandler):
+    """Quiet (no access log); `timeout` bounds each socket read and write, so a stalled
+    scraper releases its thread."""
+
+    timeout = 20.0
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base signature
+        pass
+
+
+class MetricsHttpServer:
+    """`/metrics` over HTTP for one registry, in a daemon thread; `close()` stops it.
+    `authorize`: None serves anyone; else each request's Authorization header must pass it."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int,
+                 authorize: Authorize | None = None):
+        app = make_wsgi_app(registry)
+        if authorize is not None:
+            app = _guarded(app, authorize)
+        family, _, _, _, sockaddr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        server_class = type("MetricsWSGIServer", (ThreadingWSGIServer,),
+                            {"address_family": family})
+        self._httpd = make_server(sockaddr[0], port, app, server_class, handler_class=_Handler)
+        self._thread = threading.Thread(target=self._httpd.serve_forever,
+                                        name="jaxserve-metrics", daemon=True)
+        self._thread.start()
         self.port: int = self._httpd.server_address[1]
         self._closed = threading.Event()
 
