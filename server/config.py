@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
+from jaxserve.engine.limits import DEFAULT_CLIENT_PRIORITY_RANGE
+
 DEFAULT_PORT = 50051
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # gRPC's own receive default
 
@@ -30,6 +32,9 @@ class ServerConfig:
     # Tokens per streamed chunk after the first (1: every token as it comes); larger values
     # send fewer messages, cutting per-token host overhead at the cost of coarser streaming.
     stream_interval: int = 1
+    # The priorities callers of the fronts may set (lower runs first; the proto field is
+    # int32). The default lets a client only lower its own; the offline API is not limited.
+    client_priority_range: tuple[int, int] = DEFAULT_CLIENT_PRIORITY_RANGE
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port", "http_port"):
@@ -53,6 +58,10 @@ class ServerConfig:
                              "[1024, 2**30]")
         if not 1 <= self.stream_interval <= 1024:
             raise ValueError(f"stream_interval={self.stream_interval} must be in [1, 1024]")
+        lo, hi = self.client_priority_range
+        if not -2**31 <= lo <= hi <= 2**31 - 1:
+            raise ValueError(f"client_priority_range={self.client_priority_range!r} must be "
+                             "(lo, hi) with -2**31 <= lo <= hi <= 2**31 - 1")
         if not 1 <= self.tokenizer_threads <= 64:
             raise ValueError(f"tokenizer_threads={self.tokenizer_threads} must be in [1, 64]")
 

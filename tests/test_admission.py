@@ -70,9 +70,9 @@ HTTP_NAMES = {"prompt_token_ids": "prompt", "prompt": "prompt"}
 IDS = [5, 6, 7]
 # (prompt, sampling kwargs, offline field, a phrase of the message)
 CASES = [
-    (IDS, dict(temperature=-0.5), "temperature", "must be >= 0"),
+    (IDS, dict(temperature=-0.5), "temperature", "must be 0 (greedy) or in [1e-05, 100]"),
     (IDS, dict(top_p=1.5), "top_p", "must be in (0, 1]"),
-    (IDS, dict(top_k=-2), "top_k", "must be -1 (disabled) or >= 1"),
+    (IDS, dict(top_k=-2), "top_k", "must be -1 or 0 (disabled) or an integer in [1, "),
     (IDS, dict(max_tokens=0), "max_tokens", "must be an integer in [1, "),
     (IDS, dict(max_tokens=126), "max_tokens", "max_tokens must be in [1, 125]"),
     (IDS, dict(logprobs=21), "logprobs", "must be an integer in [0, 20]"),

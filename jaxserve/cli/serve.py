@@ -25,6 +25,7 @@ from jaxserve.cli.flags import (add_distributed_flags, add_engine_flags, add_sam
                                 engine_config_from_args, join_or_follow, parse_bytes,
                                 sampling_params_from_args)
 from jaxserve.config import EngineConfig
+from jaxserve.engine.limits import DEFAULT_CLIENT_PRIORITY_RANGE
 from jaxserve.server.config import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PORT, ServerConfig
 
 log = logging.getLogger("jaxserve.server")
@@ -63,6 +64,12 @@ def add_serve_parser(sub: Any) -> None:
                    help="largest request/response message (default 4MiB)")
     n.add_argument("--tokenizer-threads", type=int, default=2,
                    help="threads that tokenize prompts, per front (default 2)")
+    lo, hi = DEFAULT_CLIENT_PRIORITY_RANGE
+    n.add_argument("--client-priority-min", type=int, default=lo,
+                   help="lowest priority a caller may set (lower runs first; default "
+                        f"{lo}: callers may only lower their own); see README 'Request limits'")
+    n.add_argument("--client-priority-max", type=int, default=hi,
+                   help=f"highest priority a caller may set (default {hi})")
     n.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed chunk after the first (default 1: every token); "
                         "larger values cut per-token overhead, streaming more coarsely")
@@ -108,7 +115,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting or None, api_keys=_api_keys(args), tls_cert=args.tls_cert,
         tls_key=args.tls_key, shutdown_grace=args.shutdown_grace,
         max_message_bytes=args.max_message_bytes, tokenizer_threads=args.tokenizer_threads,
-        stream_interval=args.stream_interval)
+        stream_interval=args.stream_interval,
+        client_priority_range=(args.client_priority_min, args.client_priority_max))
     from jaxserve.server.app import serve
 
     built: list[Any] = []  # the ServedModel, to release its runners after serving
