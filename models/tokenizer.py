@@ -267,13 +267,13 @@ class Tokenizer:
 
     @functools.cached_property
     def max_token_bytes(self) -> int | None:
-        """The most UTF-8 bytes of input one token can cover, when that is bounded: so a text
-        of more than `max_model_len * max_token_bytes` bytes cannot fit in max_model_len
-        tokens and admission refuses it without tokenizing it. None when the tokenizer may
-        drop or merge input (`_covers_every_byte`). Computed once: the longest token's UTF-8
-        spelling, which is never shorter than the text it stands for (a byte-level token
-        spells each byte with a 1-2 byte character, a byte-fallback token `<0x0A>` one byte
-        with 6, an added token is its text), and 4 for an unknown character's `unk` token."""
+        """The most UTF-8 bytes of input one token covers, or None when the tokenizer may drop
+        or merge input (`_covers_every_byte`): admission refuses a text over max_model_len
+        times this many bytes without tokenizing it. Computed once from the vocabulary: each
+        token's length in bytes of text (a byte-level character is one byte, `<0x0A>` is
+        counted as its 6 UTF-8 bytes, an added token is its text), at least 4 (an `unk` per
+        character). Bytes a byte-level vocabulary cannot spell (SmolLM2 lacks 21 of 256, six
+        of them control characters) are dropped by the tokenizer but counted by the bound."""
         spec = json.loads(self._backend.to_str())
         if not _covers_every_byte(spec):
             return None
