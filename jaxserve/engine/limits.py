@@ -32,7 +32,7 @@ MAX_REQUEST_ID_LEN = 256  # characters
 # The offline API is a trusted caller: any priority the scheduler's ordering can hold.
 INT64_RANGE = (-2**63, 2**63 - 1)
 # A client of the fronts may only lower its own priority (lower values run first) unless the
-# operator allows more (`ServerConfig.client_priority_range`, `--client-priority-range`).
+# operator allows more (`ServerConfig.client_priority_range`, `--client-priority-min/max`).
 DEFAULT_CLIENT_PRIORITY_RANGE = (0, 2**31 - 1)
 # Bytes per token assumed when the tokenizer's worst case is unknown (one that may drop or
 # merge input, e.g. a whitespace-splitting word-level tokenizer): generous, so only texts far
@@ -134,8 +134,9 @@ class EngineLimits:
 
     @property
     def max_prompt_bytes(self) -> int:
-        """A text longer than this cannot tokenize to fewer than max_model_len tokens, so it
-        is refused before tokenization (a conversation: the sum of its contents)."""
+        """A text longer than this cannot tokenize to fewer than max_model_len tokens (with
+        a known `max_token_bytes`; else a generous guess), so it is refused before
+        tokenization (a conversation: the sum of its contents)."""
         return self.max_model_len * (self.max_token_bytes or FALLBACK_TOKEN_BYTES)
 
     # ----------------------------------------------------------------------- checks

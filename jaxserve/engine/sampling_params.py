@@ -51,7 +51,8 @@ def show(value: object, limit: int = 40) -> str:
     try:
         text = repr(value)
     except ValueError:  # an int past Python's int -> str digit limit
-        return f"<an integer of about {value.bit_length() * 0.30103:.0f} digits>"  # type: ignore[union-attr]
+        digits = int(value.bit_length() * math.log10(2))  # type: ignore[attr-defined]
+        return f"<an integer of about {digits} digits>"
     return text if len(text) <= limit else f"{text[:limit - 5]}...{text[-2:]}"
 
 
