@@ -79,7 +79,8 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [render_chat(c, self.tokenizer, add_generation_prompt) for c in convs]
+        prompts = [render_chat(c, self.tokenizer, add_generation_prompt, self.engine.limits)
+                   for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -265,6 +265,24 @@ class Tokenizer:
                                *self.eos_token_ids) if i is not None)
         return tuple(sorted(ids))
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int | None:
+        """The most UTF-8 bytes of input one token covers, or None when the tokenizer may drop
+        or merge input (`_covers_every_byte`): admission refuses a text over max_model_len
+        times this many bytes without tokenizing it. Computed once from the vocabulary: each
+        token's length in bytes of text (a byte-level character is one byte, `<0x0A>` is
+        counted as its 6 UTF-8 bytes, an added token is its text), at least 4 (an `unk` per
+        character). Bytes a byte-level vocabulary cannot spell (SmolLM2 lacks 21 of 256, six
+        of them control characters) are dropped by the tokenizer but counted by the bound."""
+        spec = json.loads(self._backend.to_str())
+        if not _covers_every_byte(spec):
+            return None
+        # A byte-level token spells each byte with one character of the byte alphabet.
+        one_byte = set(_byte_alphabet().values()) if _is_byte_level(spec) else set()
+        longest = max(sum(1 if c in one_byte else len(c.encode("utf-8")) for c in t)
+                      for t in self._backend.get_vocab(with_added_tokens=True))
+        return max(longest, 4)
+
     @property
     def backend(self) -> _Backend:
         """The underlying `tokenizers.Tokenizer` (e.g. for offsets or streaming decode)."""
@@ -320,6 +338,51 @@ class Tokenizer:
             config["chat_template"] = self.chat_template
         (root / "tokenizer_config.json").write_text(
             json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+# Normalizers and pre-tokenizers that never remove input text (expanding it is fine: more
+# text only means more tokens); `Split` / `Punctuation` only with a keeping behavior.
+_KEEPING_NORMALIZERS = ("Prepend", "Replace")
+_KEEPING_PRE_TOKENIZERS = ("ByteLevel", "Metaspace", "Digits", "Split", "Punctuation",
+                           "UnicodeScripts")
+
+
+def _parts(component: dict | None) -> list[dict]:
+    if component is None:
+        return []
+    if component.get("type") == "Sequence":
+        inner = component.get("normalizers") or component.get("pretokenizers") or []
+        return [p for c in inner for p in _parts(c)]
+    return [component]
+
+
+def _is_byte_level(spec: dict) -> bool:
+    return any(t.get("type") == "ByteLevel" for t in _parts(spec.get("pre_tokenizer")))
+
+
+def _covers_every_byte(spec: dict) -> bool:
+    """Whether each token of this tokenizer (a `tokenizers` JSON spec) stands for a bounded
+    piece of the input: no normalizer or pre-tokenizer that deletes or shrinks text (NFKC,
+    Strip, whitespace splitting), and a model that never merges unknown input into one token
+    (byte-level or byte-fallback BPE/Unigram, or BPE with one `unk` per unknown character)."""
+    for n in _parts(spec.get("normalizer")):
+        if n.get("type") not in _KEEPING_NORMALIZERS:
+            return False
+        if n.get("type") == "Replace":
+            pattern = (n.get("pattern") or {}).get("String")
+            if pattern is None or len(n.get("content", "").encode()) < len(pattern.encode()):
+                return False
+    for t in _parts(spec.get("pre_tokenizer")):
+        if t.get("type") not in _KEEPING_PRE_TOKENIZERS or t.get("behavior") == "Removed":
+            return False
+    model = spec.get("model") or {}
+    byte_level = _is_byte_level(spec)
+    if model.get("type") == "BPE":
+        return bool(byte_level or model.get("byte_fallback")
+                    or (model.get("unk_token") is not None and not model.get("fuse_unk")))
+    if model.get("type") == "Unigram":
+        return bool(byte_level or model.get("byte_fallback"))
+    return False  # WordLevel / WordPiece: an unknown word of any length is one token
 
 
 def _read_json(path: pathlib.Path) -> dict:

@@ -164,7 +164,8 @@ class GrpcServer:
         # One admission (limits, tokenizer, tokenizer threads) for both fronts, with
         # --tokenizer-threads threads per front.
         threads = cfg.tokenizer_threads * (2 if self.http is not None else 1)
-        admit = Admission(served.engine.limits, served.engine.tokenizer, threads)
+        admit = Admission(served.engine.limits, served.engine.tokenizer, threads,
+                          cfg.client_priority_range)
         self.servicer.attach(self.engine, served, admit)
         if self.http is not None:
             self.http.attach(self.engine, served, admit)

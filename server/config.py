@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
+from jaxserve.engine.limits import DEFAULT_CLIENT_PRIORITY_RANGE
+
 DEFAULT_PORT = 50051
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # gRPC's own receive default
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.01, 86400.0  # bounds of every connection timeout knob
@@ -45,6 +47,9 @@ class ServerConfig:
     grpc_keepalive_time: float = 60.0
     # /metrics asks for the API key when api_keys are set, unless this says otherwise.
     metrics_no_auth: bool = False
+    # The priorities callers of the fronts may set (lower runs first; the proto field is
+    # int32). The default lets a client only lower its own; the offline API is not limited.
+    client_priority_range: tuple[int, int] = DEFAULT_CLIENT_PRIORITY_RANGE
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port", "http_port"):
@@ -68,6 +73,10 @@ class ServerConfig:
                              "[1024, 2**30]")
         if not 1 <= self.stream_interval <= 1024:
             raise ValueError(f"stream_interval={self.stream_interval} must be in [1, 1024]")
+        lo, hi = self.client_priority_range
+        if not -2**31 <= lo <= hi <= 2**31 - 1:
+            raise ValueError(f"client_priority_range={self.client_priority_range!r} must be "
+                             "(lo, hi) with -2**31 <= lo <= hi <= 2**31 - 1")
         if not 1 <= self.tokenizer_threads <= 64:
             raise ValueError(f"tokenizer_threads={self.tokenizer_threads} must be in [1, 64]")
         for name in ("http_keepalive_timeout", "http_body_timeout", "grpc_idle_timeout",

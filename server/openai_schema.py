@@ -140,8 +140,6 @@ def parse_completion(body: object) -> CompletionRequest:
         if f.name in kwargs and not _list_value(f, kwargs[f.name]):
             text = f.rule.text if f.rule is not None else "a list"
             raise bad_request(f"{f.name} must be {text}", f.name)
-    if kwargs.get("top_k") == 0 and _is_int(kwargs["top_k"]):
-        kwargs["top_k"] = -1  # vLLM accepts 0 for "disabled" as well
     try:
         params = SamplingParams(**kwargs)
     except ValueError as e:

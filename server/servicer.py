@@ -103,7 +103,7 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
         try:
             try:
                 inp, params = proto_map.parse_request(request)
-                admitted = await admit.admit(rid, inp, params)
+                admitted = await admit.admit(rid, inp, params, request.priority)
                 stream = engine.submit(rid, admitted, params, request.priority, arrival)
             except QueueFull as e:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))

@@ -11,6 +11,7 @@ import itertools
 import json
 import pathlib
 import time
+import urllib.request
 
 import aiohttp
 import grpc
@@ -70,9 +71,9 @@ HTTP_NAMES = {"prompt_token_ids": "prompt", "prompt": "prompt"}
 IDS = [5, 6, 7]
 # (prompt, sampling kwargs, offline field, a phrase of the message)
 CASES = [
-    (IDS, dict(temperature=-0.5), "temperature", "must be >= 0"),
+    (IDS, dict(temperature=-0.5), "temperature", "must be 0 (greedy) or in [1e-05, 100]"),
     (IDS, dict(top_p=1.5), "top_p", "must be in (0, 1]"),
-    (IDS, dict(top_k=-2), "top_k", "must be -1 (disabled) or >= 1"),
+    (IDS, dict(top_k=-2), "top_k", "must be -1 or 0 (disabled) or an integer in [1, "),
     (IDS, dict(max_tokens=0), "max_tokens", "must be an integer in [1, "),
     (IDS, dict(max_tokens=126), "max_tokens", "max_tokens must be in [1, 125]"),
     (IDS, dict(logprobs=21), "logprobs", "must be an integer in [0, 20]"),
@@ -85,6 +86,32 @@ CASES = [
     ("", {}, "prompt", " must not be empty"),
     ([], {}, "prompt_token_ids", " must not be empty"),
     (IDS, dict(max_tokens=100), "prompt", "need 13 KV pages but the cache holds only 12"),
+    # Bounds on every field (issue #13): float32-safe floats, int32 / vocabulary integers,
+    # counts, and the prompt byte bound (the tiny word-level tokenizer may drop whitespace,
+    # so it gets the fallback of 256 bytes per token: 128 * 256).
+    (IDS, dict(temperature=150.0), "temperature", "must be 0 (greedy) or in [1e-05, 100]"),
+    (IDS, dict(repetition_penalty=200.0), "repetition_penalty", "must be in [0.01, 100]"),
+    (IDS, dict(top_k=2**31 - 1), "top_k",
+     "top_k=2147483647 must be -1 or 0 (disabled) or in [1, 211] (the vocabulary size)"),
+    (IDS, dict(stop_token_ids=[5, 211]), "stop_token_ids",
+     "stop_token_ids[1]=211 is outside the vocabulary [0, 211)"),
+    (IDS, dict(stop_token_ids=[5] * 65), "stop_token_ids", "has 65 ids; at most 64"),
+    ("w5 " * 11000, {}, "prompt", "prompt is at least 33000 bytes long; at most 32768 bytes"),
+]
+# Values the gRPC messages cannot carry (int32 / uint64 / float32 fields, UTF-8 strings):
+# the offline API and HTTP agree, and the server keeps serving (the issue's 500s and its
+# engine-killing top_k >= 2**1024).
+LLM_HTTP_CASES = [
+    (IDS, dict(top_k=2**1024), "top_k", "must be -1 or 0 (disabled) or an integer in [1, "),
+    (IDS, dict(temperature=1e39), "temperature", "temperature=1e+39 must be 0 (greedy) or in"),
+    (IDS, dict(top_p=1e39), "top_p", "top_p=1e+39 must be in (0, 1]"),
+    (IDS, dict(presence_penalty=1e39), "presence_penalty", "must be in [-2, 2]"),
+    (IDS, dict(repetition_penalty=1e39), "repetition_penalty", "must be in [0.01, 100]"),
+    (IDS, dict(seed=2**64), "seed", "must be an integer in [0, 18446744073709551615]"),
+    (IDS, dict(max_tokens=2**31), "max_tokens", "must be an integer in [1, 2147483647]"),
+    ("w5 \ud800", {}, "prompt", "prompt is not valid Unicode: character 3 is a lone UTF-16 "
+                                "surrogate"),
+    (IDS, dict(stop=["w9", "\udc00"]), "stop", "stop[1] is not valid Unicode"),
 ]
 
 
@@ -153,6 +180,45 @@ def test_same_bad_input_same_text_everywhere(server: BackgroundServer, llm: LLM)
     assert llm.engine.stats().kv_pages_used == 0
 
 
+def test_unwireable_values_same_text_offline_and_http(server: BackgroundServer,
+                                                      llm: LLM) -> None:
+    bodies = [{"prompt": p, "max_tokens": 4, **s} for p, s, _, _ in LLM_HTTP_CASES]
+    http = http_errors(server, bodies)
+    for (prompt, sampling, field, phrase), h in zip(LLM_HTTP_CASES, http):
+        off = offline_error(llm, prompt, sampling)
+        assert phrase in str(off) and InvalidRequest.of(off).field == field, str(off)
+        http_name = HTTP_NAMES.get(field, field)
+        assert h["param"] == http_name, h
+        assert after(h["message"], http_name) == after(str(off), field), (h, str(off))
+    assert server.server.engine.error is None  # nothing reached a step
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.server.http_port}/health",
+                                timeout=DEADLINE_S) as resp:
+        assert resp.status == 200
+
+
+def test_client_priority_range_at_the_fronts_only(server: BackgroundServer, llm: LLM) -> None:
+    """Callers of the fronts may not jump the queue (default range [0, 2**31 - 1]); the
+    offline API, a trusted caller, may use any int64 priority."""
+    g = grpc_error(server, IDS, {}, priority=-2**31)
+    assert g == "priority=-2147483648 must be in [0, 2147483647]"
+    with pytest.raises(ValueError, match=r"^priority=9223372036854775808 must be in "
+                                         r"\[-9223372036854775808, 9223372036854775807\]"):
+        llm.generate([IDS], SamplingParams(max_tokens=1), use_tqdm=False, priority=[2**63])
+    out = llm.generate([IDS], SamplingParams(max_tokens=1), use_tqdm=False, priority=[-2**31])
+    assert len(out[0].outputs[0].token_ids) == 1
+
+
+def test_chat_size_same_text_offline_and_grpc(server: BackgroundServer, llm: LLM) -> None:
+    msgs = [{"role": "user", "content": "w5 " * 6000}, {"role": "user", "content": "w6 " * 6000}]
+    with pytest.raises(ValueError) as err:
+        llm.chat(msgs, SamplingParams(max_tokens=2), use_tqdm=False)
+    offline = str(err.value)
+    assert offline.startswith("messages (the sum of the contents) is at least 36000 bytes")
+    chat = pb2.ChatMessages(messages=[pb2.ChatMessage(**m) for m in msgs])
+    assert after(grpc_error(server, None, {}, chat=chat), "chat.messages") == \
+        after(offline, "messages")
+
+
 def test_chat_roles_same_text_offline_and_grpc(server: BackgroundServer, llm: LLM) -> None:
     msgs = [{"role": "user", "content": "w5"}, {"role": "robot", "content": "w6"}]
     with pytest.raises(ValueError) as err:
@@ -191,7 +257,9 @@ def test_each_check_is_written_once() -> None:
                    '"prompt must not be empty"', "prompt_token_ids must not be empty",
                    "prompt tokenizes to no tokens", "is over the limit",
                    "KV pages but the cache", "messages must not be empty", "].role=",
-                   "request_id is {len(", "tokens; max_model_len="):
+                   "request_id is {len(", "tokens; max_model_len=", "is not valid Unicode",
+                   "bytes can \"", "(disabled) or in \"", "ids; at most", "must be in [{lo}",
+                   "messages; at most", "].content must be a string"):
         holders = [p.relative_to(ROOT) for p, t in texts.items() if phrase in t]
         assert len(holders) == 1, (phrase, holders)
     # Fronts and metrics read the engine's limits / stats, never its internals.

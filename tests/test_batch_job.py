@@ -339,7 +339,7 @@ def test_cli_end_to_end_with_saved_checkpoint(tmp_path: pathlib.Path,
     src = write_jsonl(tmp_path / "in.jsonl", [
         {"id": "a", "prompt": "w5 w6 w7", "ignore_eos": True},
         {"id": "b", "prompt": [9, 8, 7, 6], "max_tokens": 2, "ignore_eos": True},
-        {"id": "c", "prompt": "w5", "top_k": 0}])
+        {"id": "c", "prompt": "w5", "top_k": 500}])  # over the vocabulary
     out = tmp_path / "out.jsonl"
     flags = ["--model", str(d), "--max-tokens", "4", "--temperature", "0", "--max-num-seqs", "4",
              "--max-num-batched-tokens", "32", "--page-size", "8", "--max-model-len", "64",
@@ -350,7 +350,8 @@ def test_cli_end_to_end_with_saved_checkpoint(tmp_path: pathlib.Path,
     tok = model.tokenizer
     assert recs[0]["text"] == tok.decode(rollout(model, tok.encode("w5 w6 w7"), 4))
     assert recs[1]["text"] == tok.decode(rollout(model, [9, 8, 7, 6], 2))
-    assert recs[2]["id"] == "c" and "top_k=0" in recs[2]["error"]
+    assert recs[2]["id"] == "c" and "top_k=500 must be -1 or 0 (disabled) or in [1, " in \
+        recs[2]["error"]
     err = capsys.readouterr().err
     assert "3 lines: 2 ok, 1 errors, 0 skipped" in err and "tok/s" in err
     # Unusable arguments exit 2 with one line, before any model is loaded.

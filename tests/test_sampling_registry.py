@@ -114,7 +114,8 @@ def test_http_body_round_trip() -> None:
     # Front defaults: max_tokens 16 when absent, null = up to max_model_len; top_k 0 = off.
     assert parse_completion({"prompt": "w5"}).params == SamplingParams()
     assert parse_completion({"prompt": "w5", "max_tokens": None}).params.max_tokens is None
-    assert parse_completion({"prompt": "w5", "top_k": 0}).params.top_k == -1
+    # top_k 0 is "off" like -1 everywhere (the sampler reads k <= 0 as the whole vocabulary).
+    assert parse_completion({"prompt": "w5", "top_k": 0}).params.top_k == 0
 
 
 @pytest.mark.parametrize("name,bad,message", [

@@ -105,7 +105,8 @@ def admit_line(req: LineRequest, engine: Any) -> Admitted:
     """The line's request through the engine's admission (chat template for messages, every
     request check); InvalidRequest (a ValueError) naming the field when it cannot run."""
     if req.messages is not None:
-        return engine.admit(render_chat(req.messages, engine.tokenizer), req.params)
+        return engine.admit(render_chat(req.messages, engine.tokenizer, True, engine.limits),
+                            req.params)
     return engine.admit(req.prompt if req.prompt is not None else [], req.params)
 
 

@@ -25,6 +25,7 @@ from jaxserve.cli.flags import (add_distributed_flags, add_engine_flags, add_sam
                                 engine_config_from_args, join_or_follow, parse_bytes,
                                 sampling_params_from_args)
 from jaxserve.config import EngineConfig
+from jaxserve.engine.limits import DEFAULT_CLIENT_PRIORITY_RANGE
 from jaxserve.server.config import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PORT, ServerConfig
 
 log = logging.getLogger("jaxserve.server")
@@ -63,6 +64,12 @@ def add_serve_parser(sub: Any) -> None:
                    help="largest request/response message (default 4MiB)")
     n.add_argument("--tokenizer-threads", type=int, default=2,
                    help="threads that tokenize prompts, per front (default 2)")
+    lo, hi = DEFAULT_CLIENT_PRIORITY_RANGE
+    n.add_argument("--client-priority-min", type=int, default=lo,
+                   help="lowest priority a caller may set (lower runs first; default "
+                        f"{lo}: callers may only lower their own); see README 'Request limits'")
+    n.add_argument("--client-priority-max", type=int, default=hi,
+                   help=f"highest priority a caller may set (default {hi})")
     n.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed chunk after the first (default 1: every token); "
                         "larger values cut per-token overhead, streaming more coarsely")
@@ -125,7 +132,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         stream_interval=args.stream_interval,
         http_keepalive_timeout=args.http_keepalive_timeout,
         http_body_timeout=args.http_body_timeout, grpc_idle_timeout=args.grpc_idle_timeout,
-        grpc_keepalive_time=args.grpc_keepalive_time, metrics_no_auth=args.metrics_no_auth)
+        grpc_keepalive_time=args.grpc_keepalive_time, metrics_no_auth=args.metrics_no_auth,
+        client_priority_range=(args.client_priority_min, args.client_priority_max))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

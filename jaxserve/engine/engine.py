@@ -68,7 +68,7 @@ class Engine:
             max_model_len=sc.max_model_len, vocab_size=plan.batch_shape.vocab_size,
             page_size=sc.page_size, num_kv_pages=sc.num_pages - 1,
             max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
-            eos_token_ids=self.eos_token_ids)
+            eos_token_ids=self.eos_token_ids, max_token_bytes=tokenizer.max_token_bytes)
         self.num_steps = 0
         self.last_step_tokens = 0
         # Groups with news for the next step's outputs besides this step's tokens (aborts).

@@ -7,6 +7,11 @@ limits, each written once here: the Engine runs them for its direct callers, and
 (which hand the Engine an already `Admitted` request, so nothing is checked twice).
 `EngineStats` is a snapshot of the engine's counters, for metrics and the fronts.
 
+Sizes are bounded before any work that grows with them: a text prompt's UTF-8 size against
+`max_prompt_bytes` (max_model_len times the tokenizer's longest token, so a longer text cannot
+fit) before it is tokenized, a token-id prompt's length against max_model_len before its ids
+are scanned. The README's "Request limits" lists every bound and what a client gets past it.
+
 Every refusal is an `InvalidRequest` (a ValueError) whose message starts with the name of the
 field it is about, in the offline API's vocabulary (`prompt`, `prompt_token_ids`,
 `max_tokens`, `request_id`, `messages`, a SamplingParams field); a front renames that leading
@@ -20,18 +25,29 @@ import dataclasses
 from typing import Callable, Container, Sequence
 
 from jaxserve.engine.errors import InvalidRequest
-from jaxserve.engine.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
+from jaxserve.engine.sampling_params import (MAX_LOGPROBS, MAX_N, SamplingParams, check_text,
+                                            show)
 
-MAX_REQUEST_ID_LEN = 256
+MAX_REQUEST_ID_LEN = 256  # characters
+# The offline API is a trusted caller: any priority the scheduler's ordering can hold.
+INT64_RANGE = (-2**63, 2**63 - 1)
+# A client of the fronts may only lower its own priority (lower values run first) unless the
+# operator allows more (`ServerConfig.client_priority_range`, `--client-priority-min/max`).
+DEFAULT_CLIENT_PRIORITY_RANGE = (0, 2**31 - 1)
+# Bytes per token assumed when the tokenizer's worst case is unknown (one that may drop or
+# merge input, e.g. a whitespace-splitting word-level tokenizer): generous, so only texts far
+# beyond max_model_len are refused unread.
+FALLBACK_TOKEN_BYTES = 256
 
 
 def check_request_id(request_id: object) -> None:
     if not isinstance(request_id, str) or not request_id:
-        raise InvalidRequest(f"request_id={request_id!r} must be a non-empty string",
+        raise InvalidRequest(f"request_id={show(request_id)} must be a non-empty string",
                              "request_id")
     if len(request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidRequest(f"request_id is {len(request_id)} characters long; at most "
                              f"{MAX_REQUEST_ID_LEN}", "request_id")
+    check_text("request_id", request_id)
 
 
 def check_not_in_flight(request_id: str, in_flight: Container[str]) -> None:
@@ -41,14 +57,39 @@ def check_not_in_flight(request_id: str, in_flight: Container[str]) -> None:
                              "must be unique among in-flight requests", "request_id")
 
 
-def check_priority(priority: object) -> None:
+def check_priority(priority: object, allowed: tuple[int, int] = INT64_RANGE) -> None:
+    """An integer in `allowed` (lower runs first): the offline API's int64, or the range the
+    operator lets clients of the fronts use."""
     if not isinstance(priority, int) or isinstance(priority, bool):
-        raise InvalidRequest(f"priority={priority!r} must be an integer", "priority")
+        raise InvalidRequest(f"priority={show(priority)} must be an integer", "priority")
+    lo, hi = allowed
+    if not lo <= priority <= hi:
+        raise InvalidRequest(f"priority={show(priority)} must be in [{lo}, {hi}]", "priority")
 
 
-def check_prompt_text(text: object) -> None:
+def check_prompt_text(text: object, max_bytes: int | None = None) -> None:
+    """A non-empty, valid Unicode text of at most `max_bytes` UTF-8 bytes (checked before
+    anything reads the whole text: its length in characters first, each at least one byte)."""
     if not isinstance(text, str) or not text:
         raise InvalidRequest("prompt must not be empty", "prompt")
+    check_size("prompt", len(text), max_bytes)
+    check_size("prompt", check_text("prompt", text), max_bytes)
+
+
+def check_size(field: str, num_bytes: int, max_bytes: int | None, what: str = "") -> None:
+    """A text (`what`: or all of a conversation's contents) against the prompt byte bound;
+    `num_bytes` may be a lower bound (the length in characters)."""
+    if max_bytes is not None and num_bytes > max_bytes:
+        raise InvalidRequest(
+            f"{field}{what} is at least {num_bytes} bytes long; at most {max_bytes} bytes can "
+            "fit in max_model_len tokens (max_model_len times the tokenizer's longest token)",
+            field)
+
+
+def _check_prompt_len(n: int, limit: int) -> None:
+    if n >= limit:
+        raise InvalidRequest(f"prompt has {n} tokens; max_model_len={limit} allows at "
+                             f"most {limit - 1} prompt tokens", "prompt")
 
 
 def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
@@ -56,9 +97,7 @@ def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: in
     """Prompt length and max_tokens against max_model_len, and the KV cache: can the
     sequence run to completion? Returns max_tokens resolved (None: up to max_model_len)."""
     n, limit = num_prompt_tokens, max_model_len
-    if n >= limit:
-        raise InvalidRequest(f"prompt has {n} tokens; max_model_len={limit} allows at "
-                             f"most {limit - 1} prompt tokens", "prompt")
+    _check_prompt_len(n, limit)
     if max_tokens is None:
         max_tokens = limit - n
     elif n + max_tokens > limit:
@@ -89,19 +128,42 @@ class EngineLimits:
     eos_token_ids: tuple[int, ...]
     max_logprobs: int = MAX_LOGPROBS
     max_n: int = MAX_N
+    # UTF-8 bytes one token covers at most (`Tokenizer.max_token_bytes`); None: unknown, the
+    # prompt byte bound falls back to FALLBACK_TOKEN_BYTES per token.
+    max_token_bytes: int | None = None
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        """A text longer than this cannot tokenize to fewer than max_model_len tokens (with
+        a known `max_token_bytes`; else a generous guess), so it is refused before
+        tokenization (a conversation: the sum of its contents)."""
+        return self.max_model_len * (self.max_token_bytes or FALLBACK_TOKEN_BYTES)
 
     # ----------------------------------------------------------------------- checks
+    def check_params(self, params: SamplingParams) -> None:
+        """The sampling fields bounded by the model: top_k and stop ids in the vocabulary."""
+        vocab = self.vocab_size
+        if params.top_k > vocab:
+            raise InvalidRequest(f"top_k={params.top_k} must be -1 or 0 (disabled) or in "
+                                 f"[1, {vocab}] (the vocabulary size)", "top_k")
+        for i, t in enumerate(params.stop_token_ids):
+            if t >= vocab:
+                raise InvalidRequest(f"stop_token_ids[{i}]={t} is outside the vocabulary "
+                                     f"[0, {vocab})", "stop_token_ids")
+
     def check_prompt_ids(self, ids: Sequence[int], from_text: bool = False) -> list[int]:
-        """Non-empty and inside the vocabulary; `from_text`: the ids of a text prompt."""
+        """Non-empty, shorter than max_model_len (checked before the ids are scanned) and
+        inside the vocabulary; `from_text`: the ids of a text prompt."""
         ids = list(ids)
         if not ids:
             if from_text:
                 raise InvalidRequest("prompt tokenizes to no tokens", "prompt")
             raise InvalidRequest("prompt_token_ids must not be empty", "prompt_token_ids")
+        _check_prompt_len(len(ids), self.max_model_len)
         vocab = self.vocab_size
         for i, t in enumerate(ids):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise InvalidRequest(f"prompt_token_ids[{i}]={t!r} is outside the vocabulary "
+                raise InvalidRequest(f"prompt_token_ids[{i}]={show(t)} is outside the vocabulary "
                                      f"[0, {vocab})", "prompt_token_ids")
         return ids
 
@@ -111,10 +173,12 @@ class EngineLimits:
 
     def admit(self, prompt: str | Sequence[int], params: SamplingParams,
               encode: Callable[[str], list[int]] | None = None) -> "Admitted":
-        """Every limit check of one request; text prompts need `encode`."""
+        """Every limit check of one request; text prompts need `encode`, which is called only
+        for a text that can fit."""
+        self.check_params(params)
         text = None
         if isinstance(prompt, str):
-            check_prompt_text(prompt)
+            check_prompt_text(prompt, self.max_prompt_bytes)
             assert encode is not None, "a text prompt needs a tokenizer"
             text, ids = prompt, self.check_prompt_ids(encode(prompt), from_text=True)
         else:

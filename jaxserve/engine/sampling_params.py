@@ -14,7 +14,11 @@ else is derived from that declaration:
     must sample greedily with every filter and penalty off), and so the multi-host broadcast.
 Every bad value raises ValueError naming the field and the allowed range, so the offline API
 raises it and the servers map it to INVALID_ARGUMENT / 400. Checks across fields
-(min_tokens <= max_tokens) are explicit code in `_validate`.
+(min_tokens <= max_tokens) are explicit code in `_validate`. The ranges here are the ones that
+hold whatever the model: every integer fits the type the engine stores it in (int32 token ids
+and counts, uint64 seeds) and every float a device column carries stays finite in float32, and
+in a range where the sampler's arithmetic stays finite (see `TEMPERATURE`); checks against
+the model (top_k and stop_token_ids within the vocabulary) are `EngineLimits.check_params`.
 """
 
 from __future__ import annotations
@@ -30,7 +34,37 @@ from jaxserve.engine.errors import InvalidRequest
 MAX_LOGPROBS = 20  # top-N logprobs computed per sampled token (the sampler's static width)
 MAX_N = 16
 MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_LEN = 256
+MAX_STOP_STRING_LEN = 256  # characters
+MAX_STOP_TOKEN_IDS = 64
+INT32_MAX = 2**31 - 1  # token ids, top_k and token counts are int32 on the device and host
+# Sampler arithmetic in float32: logits are divided by the temperature and by the repetition
+# penalty (or multiplied by it), so both are kept where the result stays finite for any
+# realistic logit (|logit| < 1e6): no overflow to inf, no 0 * inf = NaN. vLLM treats
+# temperatures below 1e-5 as greedy; here they are refused rather than silently changed.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-5, 100.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+
+
+def show(value: object, limit: int = 40) -> str:
+    """`value` as an error message quotes it: repr, cut to `limit` characters (a client's
+    value may be a 4,000-digit integer or a long string)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's int -> str digit limit
+        digits = int(value.bit_length() * math.log10(2))  # type: ignore[attr-defined]
+        return f"<an integer of about {digits} digits>"
+    return text if len(text) <= limit else f"{text[:limit - 5]}...{text[-2:]}"
+
+
+def check_text(field: str, text: str, where: str = "") -> int:
+    """`text` (field `field`, at `where` in it, e.g. "[2]") is valid Unicode: no lone UTF-16
+    surrogate, which has no UTF-8 form and which the tokenizer cannot take. Returns its UTF-8
+    size in bytes."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(f"{field}{where} is not valid Unicode: character {e.start} is a "
+                             f"lone UTF-16 surrogate {e.object[e.start]!r}", field) from None
 
 
 # ----------------------------------------------------------------------------- declarations
@@ -54,7 +88,7 @@ class IntIn(Rule):
 
     def check(self, name: str, value: Any) -> None:
         if not _is_int(value) or not self.lo <= value <= self.hi:
-            raise InvalidRequest(f"{name}={value!r} must be {self.text}", name)
+            raise InvalidRequest(f"{name}={show(value)} must be {self.text}", name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,18 +101,31 @@ class Finite(Rule):
     def check(self, name: str, value: Any) -> None:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or \
                 not math.isfinite(value):
-            raise InvalidRequest(f"{name}={value!r} must be a finite number {self.text}", name)
+            raise InvalidRequest(f"{name}={show(value)} must be a finite number {self.text}",
+                                 name)
         if not self.ok(value):
             raise InvalidRequest(f"{name}={value} must be {self.text}", name)
 
 
 @dataclasses.dataclass(frozen=True)
-class TopK(Rule):
-    text: str = "-1 (disabled) or >= 1"
+class ZeroOrFinite(Finite):
+    """0 (the knob's off value), or a finite number satisfying `ok`."""
 
     def check(self, name: str, value: Any) -> None:
-        if not _is_int(value) or value < -1 or value == 0:
-            raise InvalidRequest(f"{name}={value} must be {self.text}", name)
+        if not (value == 0 and not isinstance(value, bool) and isinstance(value, (int, float))):
+            super().check(name, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK(Rule):
+    """-1 and 0 both mean "the whole vocabulary" (the sampler reads k <= 0 so, as vLLM does);
+    the upper bound here is int32, the vocabulary bound is `EngineLimits.check_params`."""
+
+    text: str = f"-1 or 0 (disabled) or an integer in [1, {INT32_MAX}]"
+
+    def check(self, name: str, value: Any) -> None:
+        if not _is_int(value) or not -1 <= value <= INT32_MAX:
+            raise InvalidRequest(f"{name}={show(value)} must be {self.text}", name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +138,8 @@ class StopStrings(Rule):
                                  name)
         for i, s in enumerate(value):
             if not isinstance(s, str) or not s:
-                raise InvalidRequest(f"{name}[{i}]={s!r} must be a non-empty string", name)
+                raise InvalidRequest(f"{name}[{i}]={show(s)} must be a non-empty string", name)
+            check_text(name, s, f"[{i}]")
             if len(s) > MAX_STOP_STRING_LEN:
                 raise InvalidRequest(
                     f"{name}[{i}] is {len(s)} characters long; at most {MAX_STOP_STRING_LEN}",
@@ -103,9 +151,13 @@ class TokenIds(Rule):
     text: str = "a list of token ids"
 
     def check(self, name: str, value: Any) -> None:
+        if len(value) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(f"{name} has {len(value)} ids; at most {MAX_STOP_TOKEN_IDS}",
+                                 name)
         for i, t in enumerate(value):
-            if not _is_int(t) or t < 0:
-                raise InvalidRequest(f"{name}[{i}]={t!r} must be a non-negative integer", name)
+            if not _is_int(t) or not 0 <= t <= INT32_MAX:
+                raise InvalidRequest(f"{name}[{i}]={show(t)} must be an integer in "
+                                     f"[0, {INT32_MAX}]", name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,21 +205,23 @@ class SamplingField:
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     n: int = knob(1, rule=IntIn(1, MAX_N), help="samples per prompt")
-    temperature: float = knob(1.0, rule=Finite(">= 0 (0 = greedy)", lambda v: v >= 0),
+    temperature: float = knob(1.0, rule=ZeroOrFinite(
+        f"0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]",
+        lambda v: MIN_TEMPERATURE <= v <= MAX_TEMPERATURE),
                               help="sampling temperature; 0 = greedy",
                               device=Column(pad=0.0))
     top_p: float = knob(1.0, rule=Finite("in (0, 1]", lambda v: 0 < v <= 1),
                         help="nucleus sampling mass", device=Column(pad=1.0))
-    top_k: int = knob(-1, rule=TopK(), help="sample among the k likeliest; -1: all",
+    top_k: int = knob(-1, rule=TopK(), help="sample among the k likeliest; -1 or 0: all",
                       device=Column(pad=-1.0))  # the sampler reads <= 0 as the whole vocabulary
     min_p: float = knob(0.0, rule=Finite("in [0, 1]", lambda v: 0 <= v <= 1),
                         help="drop tokens below min_p times the top token's probability",
                         device=Column(pad=0.0))
     seed: int | None = knob(None, rule=IntIn(0, 2**64 - 1),
                             help="random seed of the request; unset: drawn by the engine")
-    max_tokens: int | None = knob(16, rule=IntIn(1, 2**31 - 1),
+    max_tokens: int | None = knob(16, rule=IntIn(1, INT32_MAX),
                                   help="new tokens at most")  # None: up to max_model_len
-    min_tokens: int = knob(0, rule=IntIn(0, 2**31 - 1),
+    min_tokens: int = knob(0, rule=IntIn(0, INT32_MAX),
                            help="new tokens before EOS / stop ids may end the output")
     stop: tuple[str, ...] = knob((), rule=StopStrings(), help="stop string")
     stop_token_ids: tuple[int, ...] = knob((), rule=TokenIds(), help="stop token id")
@@ -175,7 +229,9 @@ class SamplingParams:
     logprobs: int | None = knob(None, rule=IntIn(0, MAX_LOGPROBS),
                                 help="top-N logprobs for each generated token",
                                 device=Column(pad=-1.0, none=-1.0))  # >= 0: wants logprobs
-    repetition_penalty: float = knob(1.0, rule=Finite("> 0", lambda v: v > 0),
+    repetition_penalty: float = knob(1.0, rule=Finite(
+        f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]",
+        lambda v: MIN_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY),
                                      help="divide seen tokens' positive logits by this",
                                      device=Column(pad=1.0, penalty=True))
     presence_penalty: float = knob(0.0, rule=Finite("in [-2, 2]", lambda v: -2 <= v <= 2),
