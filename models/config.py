@@ -113,8 +113,10 @@ class ModelConfig:
 
         model_type = d.get("model_type")
         if model_type is None:
-            arch = (d.get("architectures") or [None])[0]
-            model_type = {v: k for k, v in _ARCHITECTURE_CLASS.items()}.get(arch)
+            archs = d.get("architectures")
+            arch = archs[0] if isinstance(archs, list) and archs else None
+            model_type = {v: k for k, v in _ARCHITECTURE_CLASS.items()}.get(
+                arch if isinstance(arch, str) else "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"{source}: model_type={model_type!r} (architectures={d.get('architectures')!r}) "
@@ -141,9 +143,9 @@ class ModelConfig:
         if model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
             sliding_window = None
         eos = d.get("eos_token_id")
-        eos_ids = tuple(int(x) for x in eos) if isinstance(eos, (list, tuple)) else (
-            (int(eos),) if eos is not None else ())
         try:
+            eos_list = eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
+            eos_ids = tuple(int(x) for x in eos_list)
             return cls(
                 model_type=str(model_type),
                 vocab_size=int(req("vocab_size")),  # type: ignore[arg-type]
@@ -167,7 +169,8 @@ class ModelConfig:
             )
         except ConfigError as e:
             raise ConfigError(f"{source}: {e}") from None
-        except (TypeError, ValueError) as e:
+        # OverflowError: int() of an infinite float (JSON allows 1e999).
+        except (TypeError, ValueError, OverflowError) as e:
             raise ConfigError(f"{source}: a field has a value of the wrong type ({e}); "
                               "numeric fields must be numbers") from None
 
@@ -213,7 +216,8 @@ class ModelConfig:
 
 
 def _num(x: object, name: str, source: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or int(x) != x:
+    if (isinstance(x, bool) or not isinstance(x, (int, float))
+            or (isinstance(x, float) and not x.is_integer())):
         raise ConfigError(f"{source}: field {name!r}={x!r} must be an integer")
     return int(x)
 

@@ -30,6 +30,12 @@ _SCALAR_TYPES = {0: ("<B", "<u1"), 1: ("<b", "<i1"), 2: ("<H", "<u2"), 3: ("<h",
                  4: ("<I", "<u4"), 5: ("<i", "<i4"), 6: ("<f", "<f4"), 7: ("<?", "<u1"),
                  10: ("<Q", "<u8"), 11: ("<q", "<i8"), 12: ("<d", "<f8")}
 _STRING, _ARRAY, _BOOL = 8, 9, 7
+# Fewest bytes one entry can occupy: a count read from the file is checked against the bytes
+# left before it drives a loop (a corrupt count of 2**63 fails at once, not after a long walk).
+_MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, a one-byte value
+_MIN_TENSOR_BYTES = 8 + 4 + 8 + 4 + 8  # name length, rank, one dim, type, offset
+_MIN_ARRAY_BYTES = 4 + 8  # element type, length (an empty nested array)
+_MAX_ARRAY_DEPTH = 8  # arrays of arrays: real files nest at most one level
 
 
 class GGUFHeader(NamedTuple):
@@ -54,6 +60,13 @@ class _Cursor:
         self.pos += n
         return start
 
+    def count(self, n: int, min_bytes: int, what: str) -> int:
+        """`n` entries of at least `min_bytes` each must fit in what is left of the file."""
+        if n * min_bytes > self.size - self.pos:
+            raise CheckpointError(f"{self.path}: corrupt GGUF: {what} is {n} but only "
+                                  f"{self.size - self.pos} bytes follow at offset {self.pos}")
+        return n
+
     def scalar(self, vtype: int, what: str) -> object:
         fmt, _ = _SCALAR_TYPES[vtype]
         (value,) = struct.unpack_from(fmt, self.buf, self.need(struct.calcsize(fmt), what))
@@ -67,7 +80,7 @@ class _Cursor:
         except UnicodeDecodeError as e:
             raise CheckpointError(f"{self.path}: {what} at offset {start} is not UTF-8 ({e})") from None
 
-    def value(self, vtype: int, what: str) -> object:
+    def value(self, vtype: int, what: str, depth: int = 0) -> object:
         if vtype in _SCALAR_TYPES:
             return self.scalar(vtype, what)
         if vtype == _STRING:
@@ -80,12 +93,15 @@ class _Cursor:
                 start = self.need(count * np.dtype(dtype).itemsize, what)
                 arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=start)
                 return (arr != 0).tolist() if etype == _BOOL else arr.tolist()
-            if etype == _STRING:
-                if count * 8 > self.size - self.pos:  # each string needs its 8-byte length
-                    self.need(count * 8, what)  # raises the truncation error
+            if etype == _STRING:  # each string needs its 8-byte length
+                self.count(count, 8, f"length of {what}")
                 return [self.string(f"{what}[{i}]") for i in range(count)]
             if etype == _ARRAY:
-                return [self.value(_ARRAY, f"{what}[{i}]") for i in range(count)]
+                if depth >= _MAX_ARRAY_DEPTH:
+                    raise CheckpointError(f"{self.path}: {what} nests arrays deeper than "
+                                          f"{_MAX_ARRAY_DEPTH} levels")
+                self.count(count, _MIN_ARRAY_BYTES, f"length of {what}")
+                return [self.value(_ARRAY, f"{what}[{i}]", depth + 1) for i in range(count)]
             raise CheckpointError(f"{self.path}: {what} has unknown array element type {etype}")
         raise CheckpointError(f"{self.path}: {what} has unknown value type {vtype}")
 
@@ -102,12 +118,15 @@ def parse_header(buf: mmap.mmap | bytes, path: str) -> GGUFHeader:
                               f"(supported: {SUPPORTED_VERSIONS}; big-endian files are not)")
     n_tensors = int(cur.scalar(10, "tensor count"))  # type: ignore[call-overload]
     n_kv = int(cur.scalar(10, "metadata count"))  # type: ignore[call-overload]
+    cur.count(n_kv, _MIN_KV_BYTES, "metadata count")
+    cur.count(n_tensors, _MIN_TENSOR_BYTES, "tensor count")
     metadata: dict[str, object] = {}
     for i in range(n_kv):
         key = cur.string(f"metadata key #{i}")
         vtype = int(cur.scalar(4, f"type of metadata {key!r}"))  # type: ignore[call-overload]
         metadata[key] = cur.value(vtype, f"metadata {key!r}")
     tensors = []
+    cur.count(n_tensors, _MIN_TENSOR_BYTES, "tensor count")  # what the metadata left
     for i in range(n_tensors):
         name = cur.string(f"name of tensor #{i}")
         n_dims = int(cur.scalar(4, f"rank of tensor {name!r}"))  # type: ignore[call-overload]
@@ -118,8 +137,10 @@ def parse_header(buf: mmap.mmap | bytes, path: str) -> GGUFHeader:
         offset = int(cur.scalar(10, f"offset of tensor {name!r}"))  # type: ignore[call-overload]
         tensors.append(TensorInfo(name, tuple(int(d) for d in reversed(dims)), ggml_type, offset))
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or alignment <= 0:
-        raise CheckpointError(f"{path}: metadata 'general.alignment'={alignment!r} is invalid")
+    if (not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0
+            or alignment & (alignment - 1) or alignment > len(buf)):
+        raise CheckpointError(f"{path}: metadata 'general.alignment'={alignment!r} is invalid "
+                              "(a power of two no larger than the file)")
     data_start = -(-cur.pos // alignment) * alignment
     return GGUFHeader(metadata, tuple(tensors), data_start)
 

@@ -75,7 +75,7 @@ def _hf_config(md: Mapping[str, object], names: set[str], path: str) -> dict[str
         if required and f"{arch}.{name}" not in md:
             raise CheckpointError(f"{path}: required GGUF metadata key '{arch}.{name}' is missing")
         value = md.get(f"{arch}.{name}", default)
-        if isinstance(value, list) and kind is int and value and len(set(value)) == 1:
+        if isinstance(value, list) and kind is int and value and all(v == value[0] for v in value):
             value = value[0]  # a per-layer list in some files; we need one value
         ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
               and (kind is float or isinstance(value, int)))
@@ -138,7 +138,7 @@ def _llama3_rope_scaling(freqs: np.ndarray, cfg: Mapping[str, object], path: str
     that those parameters, with factor = the largest stored factor, reproduce the tensor exactly.
     """
     head_dim, theta = int(cfg["head_dim"]), float(cfg["rope_theta"])  # type: ignore[call-overload,arg-type]
-    if freqs.size * 2 != head_dim or not np.isfinite(freqs).all():
+    if not freqs.size or freqs.size * 2 != head_dim or not np.isfinite(freqs).all():
         raise CheckpointError(f"{path}: tensor {_ROPE_FREQS!r} has {freqs.size} entries; "
                               f"head_dim={head_dim} needs {head_dim // 2}")
     factor, low, high, orig = float(freqs.max()), 1.0, 4.0, 8192
@@ -277,4 +277,14 @@ def _open_tensors(buf: mmap.mmap, spath: str) -> LazyGGUF:
         if permute and (".q_proj." in hf or ".k_proj." in hf):
             heads = config.num_heads if ".q_proj." in hf else config.num_kv_heads
         tensors[hf] = GGUFTensor(buf, info, header.data_start, spath, heads)
+    _check_disjoint(tensors, spath)
     return LazyGGUF(spath, hf_config, tensors, {hf: t.type_name for hf, t in tensors.items()})
+
+
+def _check_disjoint(tensors: Mapping[str, GGUFTensor], path: str) -> None:
+    """No two tensors share bytes of the data section (a corrupt offset would alias weights)."""
+    spans = sorted((t.start, t.start + t.rows * t.row_bytes, t.info.name) for t in tensors.values())
+    for (_, end0, name0), (start1, _, name1) in zip(spans, spans[1:]):
+        if start1 < end0:
+            raise CheckpointError(f"{path}: the data of tensors {name0!r} and {name1!r} overlap "
+                                  f"(byte {start1} < {end0})")

@@ -49,6 +49,9 @@ class GGUFTensor:
         except ValueError:
             raise CheckpointError(f"{path}: tensor {info.name!r} has unknown GGML type id "
                                   f"{info.ggml_type}") from None
+        if not all(d > 0 for d in info.shape):
+            raise CheckpointError(f"{path}: tensor {info.name!r} has an empty dimension in its "
+                                  f"shape {list(info.shape)}")
         self.block, self.type_size = GGML_QUANT_SIZES[self.qtype]
         inner = info.shape[-1]
         if inner % self.block:

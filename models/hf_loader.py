@@ -54,41 +54,64 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def read_hf_config(model_dir: pathlib.Path) -> ModelConfig:
     path = model_dir / "config.json"
-    try:
-        d = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{model_dir}: no config.json (not an HF model directory)") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    cfg = ModelConfig.from_hf_dict(d, source=str(path))
+    if not path.exists():
+        raise CheckpointError(f"{model_dir}: no config.json (not an HF model directory)")
+    cfg = ModelConfig.from_hf_dict(_read_json_object(path), source=str(path))
     gen = model_dir / "generation_config.json"
     if gen.exists():
         # generation_config may add stop ids (e.g. Llama 3's <|eot_id|>) to config's eos.
-        g = json.loads(gen.read_text())
-        eos = g.get("eos_token_id")
+        eos = _read_json_object(gen).get("eos_token_id")
         extra = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
-        ids = tuple(dict.fromkeys([*cfg.eos_token_ids, *(int(x) for x in extra)]))
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in extra):
+            raise CheckpointError(f"{gen}: eos_token_id={eos!r} must be a token id or a list "
+                                  "of token ids")
+        ids = tuple(dict.fromkeys([*cfg.eos_token_ids, *extra]))
         if ids != cfg.eos_token_ids:
             cfg = dataclasses.replace(cfg, eos_token_ids=ids)
     return cfg
+
+
+def _read_json_object(path: pathlib.Path) -> dict:
+    """A JSON file holding an object, or CheckpointError naming the file and what is wrong."""
+    try:
+        d = json.loads(path.read_bytes())
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    # ValueError: not UTF-8 or not JSON; RecursionError: nested deeper than the parser's stack.
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return d
+
+
+def _weight_map(index: pathlib.Path) -> dict[str, str]:
+    """An index's tensor -> shard map; shards are plain file names beside it (no paths out)."""
+    weight_map = _read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) and v and pathlib.PurePath(v).name == v and v not in (".", "..")
+            for v in weight_map.values()):
+        raise CheckpointError(f"{index}: malformed index: 'weight_map' must map tensor names to "
+                              "shard file names in the same folder")
+    return weight_map
 
 
 def read_hf_tensors(model_dir: pathlib.Path) -> dict[str, np.ndarray]:
     """{name: array} from `model.safetensors` or an index of shards."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: malformed index ({e!r})") from None
+        weight_map = _weight_map(index)
         tensors: dict[str, np.ndarray] = {}
         for shard in sorted(set(weight_map.values())):
             shard_path = model_dir / shard
             if not shard_path.exists():
                 raise CheckpointError(f"{index}: shard {shard!r} is missing")
-            tensors.update(read_safetensors(shard_path))
+            part = read_safetensors(shard_path)
+            twice = sorted(part.keys() & tensors.keys())
+            if twice:
+                raise CheckpointError(f"{shard_path}: tensors also found in another shard: "
+                                      f"{twice[:5]}")
+            tensors.update(part)
         missing = sorted(set(weight_map) - set(tensors))
         if missing:
             raise CheckpointError(f"{index}: tensors listed but not found in shards: {missing[:5]}")

@@ -58,16 +58,43 @@ def restore_params(path: pathlib.Path, cfg: ModelConfig, dtype: jnp.dtype,
     restore_target = jax.tree.map(
         lambda t, s, sh: jax.ShapeDtypeStruct(t.shape, s.dtype, sharding=sh), target,
         _like(target, have), shardings)
-    params = ocp.load(path, restore_target)
+    params = _load(path, restore_target)
     # An elementwise cast keeps each array's sharding: per device, no gather.
     return jax.tree.map(lambda a: a.astype(dtype), params)
 
 
 def _saved_tree(path: pathlib.Path) -> object:
     try:
-        return ocp.metadata(path).metadata
+        tree = ocp.metadata(path).metadata
     except Exception as e:  # noqa: BLE001 - orbax raises many types for a broken directory
-        raise CheckpointError(f"{path}: not a readable Orbax checkpoint ({e})") from e
+        raise CheckpointError(f"{path}: not a readable Orbax checkpoint ({_first_line(e)})") from e
+    for key, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not isinstance(getattr(leaf, "shape", None), tuple):
+            raise CheckpointError(f"{path}: Orbax metadata for {_dotted(key)} is not an array's "
+                                  f"({type(leaf).__name__})")
+    return tree
+
+
+def _load(path: pathlib.Path, target: LlamaParams) -> LlamaParams:
+    """`ocp.load`, with a corrupt or missing array file reported as a CheckpointError.
+
+    Orbax/TensorStore raise bare `Exception`s (and json/unicode errors from its metadata files)
+    for damaged data; device errors (out of memory, ...) are not the checkpoint's fault and
+    pass through unchanged.
+    """
+    try:
+        return ocp.load(path, target)
+    except jax.errors.JaxRuntimeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        raise CheckpointError(f"{path}: cannot restore the Orbax arrays, the checkpoint is "
+                              f"damaged or incomplete ({_first_line(e)})") from e
+
+
+def _first_line(e: BaseException) -> str:
+    """An exception's first line, cut short: TensorStore messages run to pages."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text if len(text) <= 300 else text[:300] + "..."
 
 
 def _dotted(key_path: tuple[object, ...]) -> str:

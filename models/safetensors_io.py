@@ -2,17 +2,20 @@
 
 Data flow: file -> 8-byte little-endian header length -> JSON header {name: {dtype, shape,
 data_offsets}} -> numpy views over a read-only memmap (bfloat16 via ml_dtypes). Every
-inconsistency (truncated file, bad header, offsets out of range, size mismatch, unknown dtype)
-raises `CheckpointError` naming the file and the tensor, instead of whatever numpy would throw.
+inconsistency (truncated file, bad header, offsets out of range or overlapping, size mismatch,
+unknown dtype, wrongly typed fields) is found before any tensor is yielded and raises
+`CheckpointError` naming the file and the tensor, instead of whatever numpy would throw.
+Nothing is allocated from a header field before it is checked against the file size.
 Sharded checkpoints (`model.safetensors.index.json`) are resolved in `hf_loader`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import struct
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -46,6 +49,7 @@ def read_safetensors(path: str | pathlib.Path) -> dict[str, np.ndarray]:
 
 
 def iter_safetensors(path: str | pathlib.Path) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) for every tensor; the whole header is checked before the first is yielded."""
     path = pathlib.Path(path)
     try:
         size = path.stat().st_size
@@ -54,6 +58,7 @@ def iter_safetensors(path: str | pathlib.Path) -> Iterator[tuple[str, np.ndarray
             if len(head) < 8:
                 raise CheckpointError(f"{path}: truncated safetensors file (no header length)")
             (n,) = struct.unpack("<Q", head)
+            # Checked against the file before anything is allocated from it.
             if n > _MAX_HEADER or 8 + n > size:
                 raise CheckpointError(
                     f"{path}: header length {n} exceeds the file size {size} "
@@ -63,40 +68,80 @@ def iter_safetensors(path: str | pathlib.Path) -> Iterator[tuple[str, np.ndarray
         raise CheckpointError(f"{path}: cannot read: {e}") from e
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    # ValueError: not UTF-8, not JSON, or an integer literal past Python's digit limit;
+    # RecursionError: arrays nested deeper than the parser's stack.
+    except (ValueError, RecursionError) as e:
         raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is not a JSON object")
     header.pop("__metadata__", None)
     data_start = 8 + n
     data_len = size - data_start
+    entries = {name: _entry(path, name, info, data_len) for name, info in header.items()}
+    _check_disjoint(path, entries)
     mm = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start, shape=(data_len,)) \
         if data_len > 0 else np.zeros((0,), np.uint8)
-    for name, info in header.items():
-        yield name, _view(path, mm, name, info, data_len)
+    for name, e in entries.items():
+        yield name, mm[e.begin:e.end].view(e.dtype).reshape(e.shape)
 
 
-def _view(path: pathlib.Path, mm: np.ndarray, name: str, info: object,
-          data_len: int) -> np.ndarray:
+class _Entry(NamedTuple):
+    """One checked header entry: where its bytes lie in the data section and how to view them."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _ints(value: object, what: str, name: str, path: pathlib.Path) -> list[int]:
+    """A JSON list of non-negative integers (no bools, floats or strings), else CheckpointError."""
+    if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise CheckpointError(f"{path}: tensor {name!r} has {what} {_short(value)}; expected a list "
+                              "of non-negative integers")
+    return value
+
+
+def _entry(path: pathlib.Path, name: str, info: object, data_len: int) -> _Entry:
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
-        raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {info!r}")
-    dtype = _DTYPES.get(info["dtype"])
+        raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {_short(info)}")
+    dtype = _DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
     if dtype is None:
         raise CheckpointError(
-            f"{path}: tensor {name!r} has unknown dtype {info['dtype']!r}; "
+            f"{path}: tensor {name!r} has unknown dtype {_short(info['dtype'])}; "
             f"known: {', '.join(_DTYPES)}")
-    shape = tuple(int(s) for s in info["shape"])
-    begin, end = (int(o) for o in info["data_offsets"])
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    shape = tuple(_ints(info["shape"], "shape", name, path))
+    offsets = _ints(info["data_offsets"], "data_offsets", name, path)
+    if len(offsets) != 2 or offsets[0] > offsets[1]:
+        raise CheckpointError(f"{path}: tensor {name!r} has data_offsets {_short(offsets)}; expected "
+                              "[begin, end] with begin <= end")
+    begin, end = offsets
     if end > data_len:
         raise CheckpointError(
             f"{path}: tensor {name!r} ends at byte {end} of the data section but the file holds "
             f"only {data_len} bytes: the file is truncated")
-    if end - begin != expected or begin < 0:
+    expected = math.prod(shape) * dtype.itemsize  # python ints: no overflow on absurd shapes
+    if end - begin != expected:
         raise CheckpointError(
             f"{path}: tensor {name!r} spans {end - begin} bytes but dtype {info['dtype']} and "
             f"shape {list(shape)} need {expected}")
-    return mm[begin:end].view(dtype).reshape(shape)
+    return _Entry(dtype, shape, begin, end)
+
+
+def _short(value: object, limit: int = 120) -> str:
+    """repr for an error message, cut short: a corrupt header may hold megabytes in one field."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _check_disjoint(path: pathlib.Path, entries: Mapping[str, _Entry]) -> None:
+    """No two tensors share bytes (the format lays them out one after another)."""
+    spans = sorted((e.begin, e.end, name) for name, e in entries.items() if e.end > e.begin)
+    for (_, end0, name0), (begin1, _, name1) in zip(spans, spans[1:]):
+        if begin1 < end0:
+            raise CheckpointError(f"{path}: tensors {name0!r} and {name1!r} overlap in the data "
+                                  f"section (byte {begin1} < {end0})")
 
 
 def write_safetensors(path: str | pathlib.Path, tensors: Mapping[str, np.ndarray],
