@@ -83,9 +83,11 @@ def test_grpc_client_id_cannot_collide_with_sample_ids() -> None:
             with pytest.raises(grpc.RpcError) as dup:
                 list(client.stream([5], SamplingParams(max_tokens=1), request_id="x#1"))
             assert dup.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-            runner.allow(1000)
-            two = list(client.stream([5, 6], SamplingParams(max_tokens=4, n=2, **GREEDY),
-                                     request_id="x"))
+            call = client.stream([5, 6], SamplingParams(max_tokens=4, n=2, **GREEDY),
+                                 request_id="x")  # the call starts now
+            wait_for(lambda: srv.server.engine.num_in_flight == 2, '"x" to be submitted')
+            runner.allow(1000)  # "x" joins the engine while "x#1" still runs
+            two = list(call)
             one = [first, *held]
         samples: dict[int, list[int]] = {0: [], 1: []}
         for m in two:
