@@ -327,3 +327,49 @@ def test_real_runner_lost_kv_cache_is_fatal_and_health_says_so(real_engine) -> N
         assert "KV cache buffer" in json.loads(http.value.read())["reason"]
     finally:
         srv.stop()
+
+
+# --------------------------------------------------------------------------- callers
+def test_batch_job_writes_an_error_line_for_a_failed_request(tmp_path) -> None:  # noqa: ANN001
+    import json
+
+    from jaxserve.cli.batch_job import BatchOptions, run_batch
+
+    engine = fake_engine(ArithmeticRunner(VOCAB, InjectedFault(MARK, name_rows=True)))
+    lines = [{"id": "good", "prompt": [8, 9], "max_tokens": 4, "temperature": 0.0,
+              "ignore_eos": True},
+             {"id": "bad", "prompt": [3, MARK], "max_tokens": 4}]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    summary = run_batch(engine, src, tmp_path / "out.jsonl", BatchOptions(progress=False))
+    good, bad = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert good["id"] == "good" and good["finish_reason"] == "length"
+    assert bad["id"] == "bad" and "injected fault" in bad["error"]
+    assert (summary.ok, summary.errors) == (1, 1) and pages_all_free(engine)
+
+
+def test_multihost_leader_step_failures_are_fatal() -> None:
+    from jaxserve.device import multihost
+    from jaxserve.device.model_runner import empty_batch
+    from jaxserve.engine.runner import RunnerFailed
+
+    class Broken:  # a runner whose step fails before touching the device
+        compiles_after_warmup = 0
+
+        def execute(self, batch):  # noqa: ANN001, ANN202
+            raise ValueError("bad input")
+
+        def close(self) -> None:
+            return None
+
+    shape = fake_engine().plan.batch_shape
+    t, s = shape.buckets[0]
+    lead = multihost.LeaderRunner(Broken())  # type: ignore[arg-type]
+    with pytest.raises(RunnerFailed) as first:
+        lead.execute(empty_batch(shape, t, s, False))
+    with pytest.raises(RunnerFailed) as second:
+        lead.execute(empty_batch(shape, t, s, False))
+    # The followers may be inside the step's collectives: nothing may run after it.
+    assert first.value.fatal and "bad input" in str(first.value)
+    assert second.value.fatal and "broken" in str(second.value)
+    lead.close()  # announces nothing more; does not hang
