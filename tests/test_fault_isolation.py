@@ -184,6 +184,25 @@ def test_detokenizer_failure_finishes_only_that_request(monkeypatch) -> None:  #
     assert pages_all_free(engine)
 
 
+def test_output_failure_finishes_only_that_request(monkeypatch) -> None:  # noqa: ANN001
+    original = IncrementalDetokenizer.pop_delta
+
+    def pop_delta(self) -> str:  # noqa: ANN001
+        if self._stops == ("boom",):
+            raise RuntimeError("broken output")
+        return original(self)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "pop_delta", pop_delta)
+    engine = fake_engine()
+    bad = {"bad": ([8, 9], SamplingParams(max_tokens=5, n=2, stop=("boom",), **GREEDY))}
+    finals = run(engine, {**GOOD, **bad})
+    assert_good(finals, GOOD)
+    out = finals["bad"]
+    assert out.finished and "broken output" in out.error
+    assert [c.finish_reason for c in out.outputs] == [FinishReason.ERROR] * 2
+    assert pages_all_free(engine) and not engine.has_unfinished()
+
+
 def test_update_failure_is_isolated_per_sequence(monkeypatch) -> None:  # noqa: ANN001
     original = Scheduler._token_stop
 
