@@ -50,7 +50,11 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None
                  ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs in input order."""
+        """Generate for each prompt (text or token ids); outputs in input order.
+
+        A request a failed engine step finished comes back like vLLM's: its samples have
+        finish_reason ERROR and `error` (also on the RequestOutput) saying why; every other
+        output is intact. Only a fatal failure (`EngineDead`: the device is lost) raises."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]

@@ -18,6 +18,11 @@ Data flow:
               aborted (each stream ends with a Finished(ABORT) message / an "abort"
               finish_reason), then the servers, engine thread and metrics stop.
 `serve()` strings these together and turns SIGTERM / SIGINT into `shutdown()`.
+
+A fatal engine failure (`EngineDead`: the device is lost; a failed step that only hurts some
+requests is handled inside the engine) flips health to NOT_SERVING with the reason (the
+fronts answer UNAVAILABLE / 503 naming it) and sets `failed`; `serve()` then drains, stops
+and raises EngineDead, so `jaxserve serve` exits non-zero and a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from jaxserve.engine.errors import EngineDead
 from jaxserve.server import stubs
 from jaxserve.server.auth import ApiKeyInterceptor, ApiKeys
 from jaxserve.server.config import GRPC_KEEPALIVE_TIMEOUT_S, ServerConfig
@@ -104,6 +110,7 @@ class GrpcServer:
             cfg.api_keys, cfg.tokenizer_threads, cfg.max_message_bytes,
             cfg.http_keepalive_timeout, cfg.http_body_timeout)
         self.http_port: int | None = None
+        self.failed = asyncio.Event()  # set on the loop when the engine fails for good
 
     @property
     def address(self) -> str:
@@ -157,8 +164,7 @@ class GrpcServer:
 
         def on_failure(error: BaseException) -> None:
             # Called on the engine thread: hop onto the event loop to flip health.
-            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._set_health(
-                _NOT_SERVING)))
+            loop.call_soon_threadsafe(self._engine_failed, error)
 
         self.engine, self.metrics = start_serving(served, cfg.max_waiting, on_failure)
         # One admission (limits, tokenizer, tokenizer threads) for both fronts, with
@@ -180,6 +186,11 @@ class GrpcServer:
             if self.metrics_port is not None else ""
         log.info("ready: serving %s on %s%s%s", served.name, self.address, self._http_suffix(),
                  metrics)
+
+    def _engine_failed(self, error: BaseException) -> None:
+        log.error("engine failed, health NOT_SERVING: %r", error)
+        asyncio.ensure_future(self._set_health(_NOT_SERVING))
+        self.failed.set()
 
     def _fronts(self) -> list[InFlight]:
         return [self.servicer.calls] + ([self.http.calls] if self.http is not None else [])
@@ -225,7 +236,8 @@ class GrpcServer:
 
 async def serve(cfg: ServerConfig, factory: EngineFactory,
                 stop: asyncio.Event | None = None) -> None:
-    """Run a server until `stop` is set or the process gets SIGTERM / SIGINT, then drain."""
+    """Run a server until `stop` is set or the process gets SIGTERM / SIGINT, then drain.
+    Raises EngineDead, after draining, when the engine failed for good."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     installed = []
@@ -236,6 +248,7 @@ async def serve(cfg: ServerConfig, factory: EngineFactory,
         except (NotImplementedError, RuntimeError, ValueError):
             pass  # not the main thread (embedded use): the caller sets `stop` itself
     server = GrpcServer(cfg, factory)
+    failure: BaseException | None = None
     try:
         await server.start()
         loading = asyncio.ensure_future(server.load())
@@ -243,7 +256,12 @@ async def serve(cfg: ServerConfig, factory: EngineFactory,
         await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if loading.done():
             loading.result()  # a failed load raises here
-            await stopping
+            failed = asyncio.ensure_future(server.failed.wait())
+            await asyncio.wait({stopping, failed}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            failed.cancel()
+            if server.failed.is_set():
+                failure = server.engine.error if server.engine is not None else None
         else:
             loading.cancel()
             log.info("stop requested during warmup")
@@ -251,3 +269,5 @@ async def serve(cfg: ServerConfig, factory: EngineFactory,
         for sig in installed:
             loop.remove_signal_handler(sig)
         await server.shutdown()
+    if failure is not None:
+        raise EngineDead(f"the engine failed: {failure}") from failure

@@ -24,6 +24,9 @@ Data flow of `POST /v1/completions`:
                   (or finished) in each RequestOutput, then with `stream_options.include_usage`
                   one chunk with `"choices": []` and `"usage"`, then `data: [DONE]`;
     stream=false: one JSON body with every sample's text, finish_reason, logprobs, usage.
+A request a failed engine step finished (finish reason ERROR) gets a 500 OpenAI error JSON
+(`server_error`, the message naming the failure), or in a stream an `{"error": ...}` event
+and then the stream's end.
 However the handler ends (done, client disconnect: aiohttp cancels the handler, or a failed
 write), its `finally` aborts the request in the engine, which frees its KV pages. The `model`
 field is accepted as given (any string); responses name the served model.
@@ -61,6 +64,11 @@ async def _outputs(first: RequestOutput, stream: RequestStream
     yield first
     async for out in stream:
         yield out
+
+
+def _failed(head: dict[str, Any], error: str) -> schema.ApiError:
+    """A request the engine finished with ERROR, as OpenAI's server error."""
+    return schema.ApiError(500, f"request {head['id']} failed: {error}", None, "server_error")
 
 
 # --------------------------------------------------------------------------- the app
@@ -231,6 +239,9 @@ class OpenAIHttpFront:
         try:
             try:
                 async for out in outputs:
+                    if out.error is not None:
+                        await resp.write(schema.sse(_failed(head, out.error).body))
+                        break
                     for c in out.outputs:
                         if c.index in done or (not c.delta_token_ids and c.finish_reason is None):
                             continue
@@ -263,6 +274,9 @@ class OpenAIHttpFront:
                         final[c.index] = c
         except EngineStopped as e:
             raise schema.unavailable(str(e)) from None
+        failed = next((c.error for c in final.values() if c.error is not None), None)
+        if failed is not None:
+            raise _failed(head, failed)
         choices = [schema.choice(c, c.text, schema.logprobs_json(c.logprobs or [], decode, 0)
                            if params.logprobs is not None else None)
                    for _, c in sorted(final.items())]

@@ -24,7 +24,7 @@ from jaxserve.serving import admission
 
 FINISH_REASONS = {FinishReason.EOS: "stop", FinishReason.STOP: "stop",
                   FinishReason.STOP_STRING: "stop", FinishReason.LENGTH: "length",
-                  FinishReason.ABORT: "abort"}
+                  FinishReason.ABORT: "abort", FinishReason.ERROR: "error"}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; null: up to max_model_len
 # Body fields passed to SamplingParams as they are (after the type checks their declared
 # types call for: booleans, lists); None means unset. max_tokens has this front's default.

@@ -11,7 +11,8 @@ call ends (finished, client cancel, disconnect, deadline: grpc.aio cancels the h
 Status codes: INVALID_ARGUMENT for any bad field (message names it in this service's words,
 `proto_map.error_message`, and its range; a duplicate in-flight request_id too),
 RESOURCE_EXHAUSTED when the waiting queue is full, UNAVAILABLE while warming up / draining /
-after an engine failure, INTERNAL for bugs.
+after an engine failure, INTERNAL for bugs and for a request a failed engine step finished
+with ERROR (the chunks before it were sent; the message names the request and the failure).
 """
 
 from __future__ import annotations
@@ -117,8 +118,13 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
             builder = proto_map.ResponseBuilder(self._stream_interval)
             try:
                 async for out in stream:
-                    for response in builder.responses([out, *stream.drain_ready()]):
+                    outs = [out, *stream.drain_ready()]
+                    failed = next((i for i, o in enumerate(outs) if o.error is not None), None)
+                    for response in builder.responses(outs[:failed]):
                         yield response
+                    if failed is not None:
+                        await context.abort(grpc.StatusCode.INTERNAL,
+                                            f"request {rid!r} failed: {outs[failed].error}")
             except EngineStopped as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             except ValueError as e:  # refused by the engine itself

@@ -183,9 +183,15 @@ def test_refuses_requests_that_can_never_fit():
         sched.add_request(make_req("x", [1] * 60, max_tokens=10))
     with pytest.raises(ValueError, match="KV pages"):
         sched.add_request(make_req("y", [1] * 30, max_tokens=10))
-    sched.add_request(make_req("z", [1] * 20, max_tokens=10))
-    with pytest.raises(ValueError, match="already in flight"):
-        sched.add_request(make_req("z", [1], max_tokens=1))
+    z = make_req("z", [1] * 20, max_tokens=10)
+    sched.add_request(z)
+    # Client ids are labels (the Engine refuses duplicates): the scheduler keys sequences by
+    # the seq_id it assigns, so a second "z" is another sequence; one Request is queued once.
+    z2 = make_req("z", [1], max_tokens=1)
+    sched.add_request(z2)
+    assert z.seq_id != z2.seq_id and sched.requests[z.seq_id] is z
+    with pytest.raises(ValueError, match="queued before"):
+        sched.add_request(z)
 
 
 def test_abort_at_any_moment_frees_everything():
@@ -201,7 +207,7 @@ def test_abort_at_any_moment_frees_everything():
             out = sched.schedule()
             sampled = runner.run(out)
             if step == abort_step:
-                sched.abort(["r1", "r3", "missing"])
+                sched.abort([reqs[1].seq_id, reqs[3].seq_id, 10**6])
             sched.update(out, sampled)
         assert reqs[1].finish_reason is FinishReason.ABORT
         assert reqs[0].output_token_ids == reference_output(reqs[0].prompt_token_ids, 10)

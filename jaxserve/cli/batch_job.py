@@ -15,6 +15,8 @@ With n > 1, "text" and "finish_reason" are lists (one entry per sample, in sampl
 {token_id: logprob}; a list of those per sample when n > 1) is added. A line that cannot run
 becomes {"id": ..., "error": "..."} in its place ("id": null and "line": N without a usable id);
 a bad line never stops the job. An id seen earlier in IN gives a "duplicate id" error line.
+A request a failed engine step finished (finish reason "error") becomes an error line too
+(the engine's text); only a fatal engine failure (a lost device) stops the job.
 
 Data flow:
   IN --read_lines--> windows of --window lines --batch_io.parse_line--> LineRequest | LineError
@@ -244,6 +246,10 @@ def run_batch(engine: Any, in_path: pathlib.Path, out_path: pathlib.Path,
                 if not out.finished:
                     continue
                 line, rid, params = inflight.pop(out.request_id)
+                if out.error is not None:  # a failed step: an error line (--retry-errors)
+                    summary.errors += 1
+                    resolve(line, LineError(line, rid, out.error).record())
+                    continue
                 rec = result_record(rid, out, params)
                 summary.ok += 1
                 summary.output_tokens += rec["completion_tokens"]

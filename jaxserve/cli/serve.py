@@ -4,7 +4,8 @@ Data flow of `serve`: argv -> one flag per EngineConfig field (generated from th
 a new engine option becomes a flag by itself) + the ServerConfig flags -> EngineConfig and
 ServerConfig (validated: a bad value exits 2 with one line) -> `app.serve`, which listens
 at once (health NOT_SERVING), loads and warms the model, logs one "ready" line with the
-address, and drains on SIGTERM / SIGINT.
+address, and drains on SIGTERM / SIGINT (exit 0). When the engine fails for good
+(`EngineDead`: a lost device) it drains and the process exits 1, for a supervisor to restart.
 
 `client`: PROMPT + sampling flags -> `jaxserve.server.client.Client.stream` -> text deltas to stdout
 as they arrive; usage and timing to stderr with -v.
@@ -155,10 +156,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         built.append(build())
         return built[-1]
 
+    from jaxserve.engine.errors import EngineDead
+
     try:
         asyncio.run(serve(server_cfg, factory))
     except OSError as e:  # bind failures, unreadable TLS files
         raise ValueError(str(e)) from e
+    except EngineDead as e:
+        log.error("exiting with status 1: %s", e)
+        return 1
     finally:
         # Multi-host: this tells the other processes to stop (LeaderRunner.close).
         for served in built:

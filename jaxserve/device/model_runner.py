@@ -8,6 +8,12 @@ the sampled ids and logprobs -> StepResult (numpy). Nothing else in the engine t
 arrays. The sampler is its own executable so that the penalties variant multiplies only the
 (cheap) sampler compiles, not the model's.
 
+Failures (`runner.RunnerFailed`): `execute` reports a failure as not fatal when the device
+state is intact, i.e. nothing reached the device (the batch could not be converted or placed)
+or the failure came before the donated KV buffer was consumed (a trace-time error), and the
+KV buffer is alive; as fatal when the KV buffer was consumed by the failed step (donation
+deletes it) or on any JAX runtime error (device / XLA failure: the device state is unknown).
+
 `warmup()` compiles every bucket up front (with a progress bar); `arm()` then arms the compile
 guard, and any further compile is counted (and is a bug).
 """
@@ -27,7 +33,7 @@ from tqdm.auto import tqdm
 from jaxserve.device.compile_guard import CompileGuard
 from jaxserve.device.sampler import SamplingTensors, sample
 from jaxserve.engine.batch import BatchShape, StepBatch, pad_rows
-from jaxserve.engine.runner import StepResult
+from jaxserve.engine.runner import RunnerFailed, StepResult
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.kernels_pallas import AttentionMetadata
 from jaxserve.models import placement
@@ -154,16 +160,34 @@ class ModelRunner:
         self.guard.arm()
 
     def execute(self, batch: StepBatch) -> StepResult:
-        # Replicated on the mesh under tensor parallelism, the same at warmup and serving, so
-        # the compiled step's input shardings never change (no recompile).
-        inputs, sampling = place_inputs(to_step_inputs(batch), self.inputs_sharding)
+        """One step; RunnerFailed (fatal or not, see the module docstring) when it fails."""
+        try:
+            # Replicated on the mesh under tensor parallelism, the same at warmup and
+            # serving, so the compiled step's input shardings never change (no recompile).
+            inputs, sampling = place_inputs(to_step_inputs(batch), self.inputs_sharding)
+        except Exception as e:  # noqa: BLE001 - classified for the engine
+            raise self._failed("placing the step's inputs on the device", e) from e
+        try:
+            return self._run(inputs, sampling, batch.history.shape[1] > 0)
+        except Exception as e:  # noqa: BLE001 - classified for the engine
+            raise self._failed("the compiled step", e) from e
+
+    def _run(self, inputs: StepInputs, sampling: SamplingTensors,
+             penalties: bool) -> StepResult:
         self.kv_pages, logits = _forward_jit(self.params, self.kv_pages, inputs,
                                              cfg=self.model_cfg, attn_impl=self.attn_impl,
                                              mesh=self.mesh)
-        out = _sample_jit(logits, sampling, apply_penalty=batch.history.shape[1] > 0)
+        out = _sample_jit(logits, sampling, apply_penalty=penalties)
         tokens, logprob, top_ids, top_lps = jax.device_get(
             (out.tokens, out.logprob, out.top_ids, out.top_logprobs))
         return StepResult(tokens, logprob, top_ids, top_lps)
+
+    def _failed(self, what: str, error: Exception) -> RunnerFailed:
+        """`error` as a RunnerFailed: fatal when the KV buffer is gone or the device failed."""
+        kv_lost = self.kv_pages.is_deleted()
+        fatal = kv_lost or isinstance(error, jax.errors.JaxRuntimeError)
+        why = "; the KV cache buffer was consumed" if kv_lost else ""
+        return RunnerFailed(f"{what} failed: {error!r}{why}", fatal=fatal)
 
     def close(self) -> None:
         self.guard.close()

@@ -26,6 +26,10 @@ announces a KEEPALIVE every `keepalive_s` idle seconds (gloo gives up on a colle
 minutes); when process 0 ends it broadcasts STOP. If any process dies, the next collective
 fails at once and JAX's coordination service ends the others after the missed heartbeats, so
 no process outlives the job.
+
+Failures: on several hosts every failed step is fatal (`RunnerFailed(fatal=True)`): the
+followers may be inside the step's collectives, so announcing anything more would hang both
+sides; the engine reports itself dead and the process exits.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from jax.experimental import multihost_utils
 from jaxserve.config import DistributedConfig
 from jaxserve.device.model_runner import ModelRunner, compile_buckets, empty_batch
 from jaxserve.engine.batch import StepBatch
-from jaxserve.engine.runner import StepResult
+from jaxserve.engine.runner import RunnerFailed, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -155,15 +159,20 @@ class LeaderRunner:
 
     def execute(self, batch: StepBatch) -> StepResult:
         with self._lock:
-            self._check()
+            try:
+                self._check()
+            except RuntimeError as e:
+                raise RunnerFailed(str(e), fatal=True) from e
             try:
                 _send_batch(batch)
                 result = self.runner.execute(batch)
-            except BaseException:
+            except BaseException as e:
                 # The followers may be inside this step's collectives: announcing anything
                 # more would hang both sides. The job is over; JAX's coordination service
                 # ends the others once this process exits.
                 self._broken = True
+                if isinstance(e, Exception):
+                    raise RunnerFailed(f"a multi-host step failed: {e}", fatal=True) from e
                 raise
             self._last = time.monotonic()
             return result

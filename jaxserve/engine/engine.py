@@ -11,27 +11,49 @@ the scheduler owns their KV state; the runner owns everything on the device. Cal
 read `limits` (what a request must fit in) and `stats()` (a snapshot of the counters), never
 the scheduler or allocator. `admit()` runs every request check (`limits.EngineLimits`) without
 queueing; `add_request` runs it unless handed the `Admitted` result.
+
+Identity: the client's request id names a group (one per user request, the duplicate check
+is on it whatever `n` is); each of its n sequences gets an integer `seq_id` from the
+scheduler, the only key below this class. A request is queued whole or not at all.
+
+When a step fails (see `runner.RunnerFailed` and the README's "When a step fails"):
+  per request (the engine carries on): the batch build fails (each scheduled row is then
+    built alone to find the culprit rows; none found: every row of the step), the runner
+    raises a non-fatal RunnerFailed (its `rows`, else every row), applying a row's result
+    fails (`Scheduler.update` isolates rows), or a request's token processing fails
+    (logprobs, detokenization, stop strings, its output). Those requests finish with
+    FinishReason.ERROR and `error` set (the n samples of a request fail together); their
+    pages are freed by `Scheduler.finish` like any finish, and the other scheduled rows,
+    whose results never came, are scheduled again for the same tokens (their pages stay
+    reserved, nothing was computed).
+  fatal (`EngineDead`, raised by this and every later `step` / `add_request`): a fatal
+    RunnerFailed or any other exception out of the runner (the device state is unknown),
+    a failing `schedule()`, or a recovery that itself fails (the host state is unknown).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import time
 from typing import Callable, Sequence
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.batch import build_batch
+from jaxserve.engine.batch import StepBatch, build_batch
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.errors import EngineDead
 from jaxserve.engine.limits import (Admitted, EngineLimits, EngineStats, check_not_in_flight,
                                     check_priority, check_request_id)
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from jaxserve.engine.request import FinishReason, Request
-from jaxserve.engine.runner import Runner, StepResult
+from jaxserve.engine.runner import Runner, RunnerFailed, StepResult
 from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.sizing import EnginePlan
 from jaxserve.models.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(eq=False)
@@ -73,6 +95,7 @@ class Engine:
         self.last_step_tokens = 0
         # Groups with news for the next step's outputs besides this step's tokens (aborts).
         self._touched: dict[str, _Group] = {}
+        self._dead: str | None = None  # why the engine cannot step any more
 
     # ----------------------------------------------------------------------- read-only views
     @property
@@ -110,7 +133,8 @@ class Engine:
                     arrival_time: float | None = None) -> None:
         """Queue a request; ValueError (an InvalidRequest naming the field) for anything that
         cannot run. An `Admitted` prompt (from `admit`) carries its params and is not checked
-        again."""
+        again. Every check runs before anything is queued."""
+        self._check_alive()
         check_request_id(request_id)
         check_not_in_flight(request_id, self._groups)
         check_priority(priority)
@@ -118,27 +142,23 @@ class Engine:
         params, ids = req.params, list(req.token_ids)
         now = self.clock() if arrival_time is None else arrival_time
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        seqs = []
-        for i in range(params.n):
-            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            seqs.append(Request(seq_id, list(ids), params, self.eos_token_ids, now,
-                                priority=priority, group_id=request_id, sample_index=i,
-                                max_tokens=req.max_tokens,
-                                seed=(base_seed + i) % (1 << 64)))
-        for i, seq in enumerate(seqs):
-            self.scheduler.add_request(seq, fork_of=seqs[0] if i else None, checked=True)
+        seqs = [Request(request_id, list(ids), params, self.eos_token_ids, now,
+                        priority=priority, sample_index=i, max_tokens=req.max_tokens,
+                        seed=(base_seed + i) % (1 << 64)) for i in range(params.n)]
         backend = self.tokenizer.backend
-        self._groups[request_id] = _Group(
-            request_id, req.prompt, ids, params, seqs,
-            [IncrementalDetokenizer(backend, params) for _ in seqs],
-            [0] * params.n, [0] * params.n, [0.0] * params.n)
+        group = _Group(request_id, req.prompt, ids, params, seqs,
+                       [IncrementalDetokenizer(backend, params) for _ in seqs],
+                       [0] * params.n, [0] * params.n, [0.0] * params.n)
+        for i, seq in enumerate(seqs):  # cannot fail: checked, and fresh sequences
+            self.scheduler.add_request(seq, fork_of=seqs[0] if i else None, checked=True)
+        self._groups[request_id] = group
 
     def abort(self, request_id: str) -> bool:
         """Abort a request at any moment; its final output (ABORT) comes from the next step."""
         group = self._groups.get(request_id)
         if group is None:
             return False
-        self.scheduler.abort([s.request_id for s in group.seqs])
+        self.scheduler.abort([s.seq_id for s in group.seqs])
         self._touched[request_id] = group  # its final ABORT output comes from the next step
         return True
 
@@ -153,32 +173,153 @@ class Engine:
     def num_requests(self) -> int:
         return len(self._groups)
 
+    @property
+    def dead(self) -> str | None:
+        """Why the engine cannot step any more (None: it can)."""
+        return self._dead
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDead(self._dead)
+
+    def _die(self, what: str, error: BaseException) -> EngineDead:
+        self._dead = f"{what}: {error!r}"
+        log.error("engine dead: %s", self._dead, exc_info=error)
+        return EngineDead(self._dead)
+
     # ----------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler iteration; outputs for every request with news."""
-        out = self.scheduler.schedule()
+        """Run one scheduler iteration; outputs for every request with news. A failure of
+        some requests finishes them with ERROR (module docstring); EngineDead when the
+        engine cannot go on."""
+        self._check_alive()
+        try:
+            out = self.scheduler.schedule()
+        except Exception as e:  # noqa: BLE001 - the scheduler's state is unknown
+            raise self._die("scheduling a step failed", e) from e
         touched = self._touched
         self._touched = {}
         if out.seqs:
-            result = self.runner.execute(build_batch(out, self.plan.batch_shape))
-            sampled = [int(result.tokens[i]) if s.samples else None
-                       for i, s in enumerate(out.seqs)]
-            progressed = self.scheduler.update(out, sampled)
-            rows = {id(s.request): i for i, s in enumerate(out.seqs)}
-            for req in progressed:
-                self._on_token(req, result, rows[id(req)])
-                gid = req.group_id or req.request_id
-                touched[gid] = self._groups[gid]
-            self.num_steps += 1
-            self.last_step_tokens = out.num_tokens
-        outputs = [self._make_output(g) for g in touched.values()]
+            try:
+                self._run(out, touched)
+            except EngineDead:
+                raise
+            except Exception as e:  # noqa: BLE001 - a failed recovery: state unknown
+                raise self._die("recovering from a failed step failed", e) from e
+        outputs = []
         for g in touched.values():
+            try:
+                outputs.append(self._make_output(g))
+            except Exception as e:  # noqa: BLE001 - this request's output only
+                try:
+                    outputs.append(self._error_output(g, f"building the output failed: {e!r}"))
+                except Exception as e2:  # noqa: BLE001 - a failed recovery: state unknown
+                    raise self._die("recovering from a failed output failed", e2) from e2
             if g.done_reported:
                 del self._groups[g.request_id]
         return outputs
 
-    def _on_token(self, req: Request, result: StepResult, row: int) -> None:
-        group = self._groups[req.group_id or req.request_id]
+    def _run(self, out: SchedulerOutput, touched: dict[str, _Group]) -> None:
+        """Build, execute and apply one scheduled step; failed rows finish with ERROR."""
+        batch = self._build(out, touched)
+        if batch is None:
+            return
+        try:
+            result = self.runner.execute(batch)
+        except RunnerFailed as e:
+            if e.fatal:
+                raise self._die("the model step failed", e) from e
+            rows = range(len(out.seqs)) if e.rows is None else e.rows
+            self._fail([(out.seqs[i].request, f"the model step failed: {e}") for i in rows],
+                       touched)
+            return
+        except Exception as e:  # noqa: BLE001 - the device state is unknown
+            raise self._die("the model step failed", e) from e
+        try:
+            sampled = [int(result.tokens[i]) if s.samples else None
+                       for i, s in enumerate(out.seqs)]
+        except Exception as e:  # noqa: BLE001 - a malformed result: every row's is suspect
+            self._fail([(s.request, f"the model step's result is unusable: {e!r}")
+                        for s in out.seqs], touched)
+            return
+        errors: list[tuple[Request, Exception]] = []
+        progressed = self.scheduler.update(out, sampled, errors)
+        self._fail([(r, f"applying the step's result failed: {e!r}") for r, e in errors],
+                   touched)
+        rows = {id(s.request): i for i, s in enumerate(out.seqs)}
+        for req in progressed:
+            group = self._group_of(req)
+            if group is None:  # no group to report to: only give the pages back
+                self.scheduler.finish(req, FinishReason.ERROR, "no request holds this sequence")
+                continue
+            touched[group.request_id] = group
+            try:
+                self._on_token(req, group, result, rows[id(req)])
+            except Exception as e:  # noqa: BLE001 - this request's tokens only
+                self._fail([(req, f"processing the sampled token failed: {e!r}")], touched)
+        self.num_steps += 1
+        self.last_step_tokens = out.num_tokens
+
+    def _build(self, out: SchedulerOutput, touched: dict[str, _Group]) -> StepBatch | None:
+        """The step's batch, or None when it could not be built: then the rows that fail
+        alone (else every row) are finished with ERROR and the others wait for the next
+        step, their pages reserved and nothing computed."""
+        shape = self.plan.batch_shape
+        try:
+            return build_batch(out, shape)
+        except Exception as e:  # noqa: BLE001 - find the culprit rows
+            error = e
+        culprits = []
+        for s in out.seqs:
+            try:
+                build_batch(SchedulerOutput([s], s.num_new_tokens, []), shape)
+            except Exception as e:  # noqa: BLE001
+                culprits.append((s.request, f"building the step's batch failed: {e!r}"))
+        self._fail(culprits or [(s.request, f"building the step's batch failed: {error!r}")
+                                for s in out.seqs], touched)
+        return None
+
+    def _group_of(self, req: Request) -> _Group | None:
+        group = self._groups.get(req.request_id)
+        if group is None or req.sample_index >= len(group.seqs) or \
+                group.seqs[req.sample_index] is not req:
+            return None
+        return group
+
+    def _fail(self, failures: list[tuple[Request, str]], touched: dict[str, _Group]) -> None:
+        """Finish each failed sequence with ERROR and its message, and the other samples of
+        its request (already finished ones keep their result); pages go back through
+        `Scheduler.finish`."""
+        for req, message in failures:
+            log.warning("request %r failed: %s", req.request_id, message)
+            group = self._group_of(req)
+            seqs = group.seqs if group is not None else [req]
+            for seq in seqs:
+                text = message if seq is req else \
+                    f"sample {req.sample_index} of this request failed: {message}"
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, FinishReason.ERROR, text)
+                elif seq is req:  # finished by this very step (e.g. its last token)
+                    seq.finish_reason, seq.error = FinishReason.ERROR, text
+            if group is not None:
+                touched[group.request_id] = group
+
+    def _error_output(self, g: _Group, message: str) -> RequestOutput:
+        """A final output for a request whose output could not be built: every sample not
+        finished otherwise ends with ERROR."""
+        self._fail([(g.seqs[0], message)], {})
+        g.done_reported = True
+        completions = [CompletionOutput(
+            index=i, text="", token_ids=list(seq.output_token_ids), cumulative_logprob=None,
+            logprobs=None, finish_reason=seq.finish_reason, metrics=seq.metrics,
+            error=seq.error) for i, seq in enumerate(g.seqs)]
+        first = g.seqs[0].metrics
+        return RequestOutput(request_id=g.request_id, prompt=g.prompt,
+                             prompt_token_ids=g.prompt_token_ids, outputs=completions,
+                             finished=True, metrics=first, error=message,
+                             num_cached_tokens=first.num_cached_tokens)
+
+    def _on_token(self, req: Request, group: _Group, result: StepResult, row: int) -> None:
         k = req.sampling_params.logprobs
         if k is not None:
             entry: TokenLogprobs = {int(req.output_token_ids[-1]): float(result.logprob[row])}
@@ -212,11 +353,13 @@ class Engine:
                 logprobs=[dict(items) for _, items in seq.output_logprobs]
                 if g.params.logprobs is not None else None,
                 finish_reason=seq.finish_reason, delta_text=delta_text,
-                delta_token_ids=new_ids, delta_logprobs=delta_lp, metrics=seq.metrics))
+                delta_token_ids=new_ids, delta_logprobs=delta_lp, metrics=seq.metrics,
+                error=seq.error))
         finished = all(s.is_finished for s in g.seqs)
         g.done_reported = finished
         first = g.seqs[0].metrics
         return RequestOutput(request_id=g.request_id, prompt=g.prompt,
                              prompt_token_ids=g.prompt_token_ids, outputs=completions,
                              finished=finished, metrics=first,
+                             error=next((s.error for s in g.seqs if s.error), None),
                              num_cached_tokens=first.num_cached_tokens)

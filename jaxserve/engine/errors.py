@@ -26,3 +26,9 @@ class InvalidRequest(ValueError):
     def of(cls, error: ValueError) -> "InvalidRequest":
         """`error` as an InvalidRequest (a plain ValueError names no field)."""
         return error if isinstance(error, InvalidRequest) else cls(str(error))
+
+
+class EngineDead(RuntimeError):
+    """The engine cannot step any more (a device / runtime failure, or state that could not
+    be restored after a failed step); the message says why. Every request in flight is lost:
+    the process should report it and exit so that a supervisor restarts it."""

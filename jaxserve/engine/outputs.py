@@ -2,6 +2,9 @@
 
 Plain Python. `text`/`token_ids` are cumulative; `delta_text`/`delta_token_ids` hold what is
 new since the previous output of the same request (what a stream sends).
+
+A request a failed step finished has finish_reason ERROR and `error` (why) on the failed
+samples and on the RequestOutput; its other outputs (and every other request's) are intact.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class CompletionOutput:
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
     delta_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     metrics: RequestMetrics | None = None
+    error: str | None = None  # with finish_reason ERROR: why this sample failed
 
     @property
     def finished(self) -> bool:
@@ -41,3 +45,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics  # of sample 0 (arrival, queue, first token, preemptions, cache)
     num_cached_tokens: int = 0
+    error: str | None = None  # a sample failed (finish_reason ERROR): why

@@ -1,8 +1,13 @@
 """Request state machine: one sequence's status, tokens, finish reason and timings.
 
 Plain Python (no jax). One `Request` is one sequence the scheduler runs; `n` parallel samples
-of one prompt are `n` Requests that share a `group_id` (child 0 prefills the prompt; the others
-fork its full prompt pages, see `scheduler.py`).
+of one prompt are `n` Requests that share the client's `request_id` (child 0 prefills the prompt;
+the others fork its full prompt pages, see `scheduler.py`).
+
+Identity: `request_id` is the client's label and is never used as a key below the Engine;
+`seq_id` is an integer the Scheduler assigns when the sequence is queued (unique for the
+scheduler's life), and every scheduler / allocator structure is keyed by it, so no client
+string can collide with another request's sequences.
 
 State: WAITING -> RUNNING -> FINISHED, with RUNNING -> WAITING on preemption (its pages are
 freed and its tokens recomputed later). `num_computed_tokens` counts the tokens whose K/V are
@@ -30,6 +35,7 @@ class FinishReason(str, enum.Enum):
     EOS = "eos"  # the model's end-of-sequence token
     STOP_STRING = "stop_string"  # a stop string appeared in the text
     ABORT = "abort"  # aborted by the caller, a disconnect, or shutdown
+    ERROR = "error"  # a step failed on this request (`Request.error` says why)
 
 
 @dataclasses.dataclass
@@ -59,18 +65,19 @@ class RequestMetrics:
 
 @dataclasses.dataclass(eq=False)
 class Request:
-    request_id: str
+    request_id: str  # the client's id (a label: shared by the n samples of one request)
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...]
     arrival_time: float
     priority: int = 0
-    group_id: str | None = None  # the user's request id when n > 1
     sample_index: int = 0  # which of the n samples this is
     max_tokens: int = 1  # resolved from sampling_params and max_model_len
     seed: int = 0  # effective sampling seed (drawn by the engine when the caller gave none)
+    seq_id: int = -1  # assigned by `Scheduler.add_request`; the key of every scheduler table
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    error: str | None = None  # why the sequence finished with ERROR
     num_computed_tokens: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of full pages

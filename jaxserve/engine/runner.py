@@ -1,7 +1,16 @@
 """The engine <-> runner contract, jax-free: the Runner protocol and what a step returns.
 
-Two implementations: `model_runner.ModelRunner` (the model on a device) and
-`fake_runner.ArithmeticRunner` (arithmetic outputs, for scheduler tests and host benchmarks).
+Implementations: `model_runner.ModelRunner` (the model on a device), `multihost.LeaderRunner`
+(the same on several hosts) and `fake_runner.ArithmeticRunner` (arithmetic outputs, for
+scheduler tests and host benchmarks).
+
+Failures: `execute` raises `RunnerFailed`, whose `fatal` says whether the runner can run
+another step. Not fatal: the step did not run or its KV writes do not matter (the batch could
+not be converted or placed, a trace-time error before the donated KV pages were consumed); the
+engine finishes the step's requests (or only `rows`, when the runner knows the culprits) with
+ERROR and carries on. Fatal: the device state is gone or unknown (the donated KV buffer was
+consumed by a failed step, an XLA runtime error, a broken multi-host job); the engine raises
+`EngineDead`. Any other exception out of `execute` counts as fatal.
 """
 
 from __future__ import annotations
@@ -22,6 +31,16 @@ class StepResult:
     top_logprobs: np.ndarray  # f32[S_b, MAX_LOGPROBS]
 
 
+class RunnerFailed(RuntimeError):
+    """A step failed in the runner; `fatal`: the runner cannot run another step. `rows`: the
+    batch rows known to have caused it (None: unknown, every row of the step is affected)."""
+
+    def __init__(self, message: str, fatal: bool, rows: tuple[int, ...] | None = None):
+        super().__init__(message)
+        self.fatal = fatal
+        self.rows = rows
+
+
 class Runner(Protocol):
     def warmup(self, progress: bool = True) -> None:
         """Compile every bucket (compiles are counted only after `arm`)."""
@@ -29,7 +48,8 @@ class Runner(Protocol):
     def arm(self) -> None:
         """Warmup is over (for every engine of the process): count compiles from now on."""
 
-    def execute(self, batch: StepBatch) -> StepResult: ...
+    def execute(self, batch: StepBatch) -> StepResult:
+        """Run one step; RunnerFailed when it fails (see the module docstring)."""
 
     @property
     def compiles_after_warmup(self) -> int: ...

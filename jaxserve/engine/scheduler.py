@@ -18,6 +18,12 @@ Policy:
   later (mostly from the prefix cache when that is on).
 - `n` > 1 samples: child 0 prefills the prompt; the other children wait until it is computed,
   then share its full prompt pages (ref counts) and compute only the partial last page.
+
+Every table here is keyed by `Request.seq_id`, an integer `add_request` assigns; the client's
+request id is only a label. Between `schedule()` and `update()` the state is consistent on its
+own (pages reserved, nothing computed yet): a step whose results never come back (it failed)
+leaves each scheduled sequence to be scheduled again for the same tokens, or to be finished
+(`finish`) by the engine, which frees its pages through the normal path.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from typing import Callable, Iterable, Sequence
 
 from jaxserve.config import SchedulerConfig
 from jaxserve.engine.block_allocator import BlockAllocator, hash_pages
-from jaxserve.engine.limits import check_fits, check_not_in_flight
+from jaxserve.engine.limits import check_fits
 from jaxserve.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -63,9 +69,10 @@ class Scheduler:
         self._num_waiting = 0
         self._order = itertools.count()
         self._front = itertools.count(-1, -1)
-        self._arrival_order: dict[str, int] = {}
-        self._fork_children: dict[str, list[Request]] = {}  # child 0 id -> children waiting
-        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._arrival_order: dict[int, int] = {}  # seq_id -> arrival rank
+        self._fork_children: dict[int, list[Request]] = {}  # child 0 seq_id -> children waiting
+        self.requests: dict[int, Request] = {}  # seq_id -> unfinished sequence
         self.num_preemptions = 0
 
     # ----------------------------------------------------------------------- intake
@@ -76,21 +83,25 @@ class Scheduler:
 
     def add_request(self, req: Request, fork_of: Request | None = None,
                     checked: bool = False) -> None:
-        """Queue `req`; `fork_of` (child 0 of its group) delays it to share that prompt.
-        `checked`: the caller (the Engine) already ran `check_fits` for this request."""
-        check_not_in_flight(req.request_id, self.requests)
+        """Queue `req` and assign its `seq_id`; `fork_of` (child 0 of its group, queued
+        before) delays it to share that prompt. `checked`: the caller (the Engine) already
+        ran `check_fits` for this request."""
+        if req.seq_id >= 0 or req.status is not RequestStatus.WAITING:
+            raise ValueError(f"sequence {req.seq_id} of request {req.request_id!r} was "
+                             "queued before")
         if not checked and fork_of is None:
             self.check_fits(req.num_prompt_tokens, req.max_tokens)
-        self.requests[req.request_id] = req
-        self._arrival_order[req.request_id] = next(self._order)
+        req.seq_id = next(self._seq_ids)
+        self.requests[req.seq_id] = req
+        self._arrival_order[req.seq_id] = next(self._order)
         if fork_of is not None and not fork_of.is_finished and \
                 fork_of.num_computed_tokens < fork_of.num_prompt_tokens:
-            self._fork_children.setdefault(fork_of.request_id, []).append(req)
+            self._fork_children.setdefault(fork_of.seq_id, []).append(req)
             return
         self._push_waiting(req, front=False)
 
     def _push_waiting(self, req: Request, front: bool) -> None:
-        order = next(self._front) if front else self._arrival_order[req.request_id]
+        order = next(self._front) if front else self._arrival_order[req.seq_id]
         heapq.heappush(self._waiting, (req.priority, order, req))
         self._num_waiting += 1
 
@@ -157,7 +168,7 @@ class Scheduler:
                                preempted=preempted)
 
     def _rank(self, req: Request) -> tuple[int, int]:
-        return req.priority, self._arrival_order[req.request_id]
+        return req.priority, self._arrival_order[req.seq_id]
 
     def _reserve(self, req: Request, num_tokens: int, preempted: list[Request],
                  may_self: bool) -> bool:
@@ -238,34 +249,50 @@ class Scheduler:
         req.num_registered_pages = full
 
     # ----------------------------------------------------------------------- update
-    def update(self, out: SchedulerOutput, sampled: Sequence[int | None]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: Sequence[int | None],
+               errors: list[tuple[Request, Exception]] | None = None) -> list[Request]:
         """Apply one step's results; `sampled[i]` is the token of `out.seqs[i]` (None if the
-        chunk did not sample). Returns the requests that got a new token this step."""
+        chunk did not sample). Returns the requests that got a new token this step.
+
+        `errors`: a failure while applying one sequence's result is appended there as
+        (request, exception) and the other sequences are still applied (the caller finishes
+        the failed ones); without it the first failure is raised.
+        """
         now = self.clock()
         progressed: list[Request] = []
         for seq, token in zip(out.seqs, sampled):
-            req = seq.request
-            if req.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            req.num_computed_tokens = seq.start + seq.num_new_tokens
-            self._register_pages(req)
-            if req.num_computed_tokens >= req.num_prompt_tokens and \
-                    req.request_id in self._fork_children:
-                self._release_forks(req)
-            if not seq.samples or token is None:
-                continue
-            req.append_token(int(token))
-            m = req.metrics
-            if m.first_token_time is None:
-                m.first_token_time = now
-            else:
-                m.inter_token_latencies.append(now - (m.last_token_time or now))
-            m.last_token_time = now
-            progressed.append(req)
-            reason = self._token_stop(req, int(token))
-            if reason is not None:
-                self.finish(req, reason)
+            try:
+                if self._update_seq(seq, token, now):
+                    progressed.append(seq.request)
+            except Exception as e:  # noqa: BLE001 - handed to the caller with its request
+                if errors is None:
+                    raise
+                errors.append((seq.request, e))
         return progressed
+
+    def _update_seq(self, seq: ScheduledSeq, token: int | None, now: float) -> bool:
+        """One sequence's result; True when it got a new token."""
+        req = seq.request
+        if req.status is not RequestStatus.RUNNING:
+            return False  # aborted while the step ran
+        req.num_computed_tokens = seq.start + seq.num_new_tokens
+        self._register_pages(req)
+        if req.num_computed_tokens >= req.num_prompt_tokens and \
+                req.seq_id in self._fork_children:
+            self._release_forks(req)
+        if not seq.samples or token is None:
+            return False
+        req.append_token(int(token))
+        m = req.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        else:
+            m.inter_token_latencies.append(now - (m.last_token_time or now))
+        m.last_token_time = now
+        reason = self._token_stop(req, int(token))
+        if reason is not None:
+            self.finish(req, reason)
+        return True
 
     def _token_stop(self, req: Request, token: int) -> FinishReason | None:
         sp = req.sampling_params
@@ -280,7 +307,7 @@ class Scheduler:
 
     def _release_forks(self, parent: Request) -> None:
         """Children of `parent` share its full prompt pages and compute the rest themselves."""
-        children = self._fork_children.pop(parent.request_id)
+        children = self._fork_children.pop(parent.seq_id)
         ps = self.cfg.page_size
         shared = parent.pages[: (parent.num_prompt_tokens - 1) // ps] \
             if parent.status is RequestStatus.RUNNING else []
@@ -296,8 +323,9 @@ class Scheduler:
             self._push_waiting(child, front=False)
 
     # ----------------------------------------------------------------------- finish / abort
-    def finish(self, req: Request, reason: FinishReason) -> None:
-        if req.status is RequestStatus.FINISHED:
+    def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
+        """Finish `req` (any state) with `reason`, freeing its pages; `error` with ERROR."""
+        if req.status is RequestStatus.FINISHED or self.requests.get(req.seq_id) is not req:
             return
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
@@ -308,10 +336,11 @@ class Scheduler:
             req.pages = []
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        req.error = error
         req.metrics.finished_time = self.clock()
-        self.requests.pop(req.request_id, None)
-        self._arrival_order.pop(req.request_id, None)
-        children = self._fork_children.get(req.request_id)
+        self.requests.pop(req.seq_id, None)
+        self._arrival_order.pop(req.seq_id, None)
+        children = self._fork_children.get(req.seq_id)
         if children:
             self._release_forks(req)
 
@@ -323,11 +352,11 @@ class Scheduler:
         # Lazy deletion: the heap entry is skipped when it reaches the top.
         return 1
 
-    def abort(self, request_ids: Iterable[str]) -> list[Request]:
-        """Finish the named requests with ABORT, freeing every page they held."""
+    def abort(self, seq_ids: Iterable[int]) -> list[Request]:
+        """Finish the given sequences with ABORT, freeing every page they held."""
         aborted = []
-        for rid in request_ids:
-            req = self.requests.get(rid)
+        for sid in seq_ids:
+            req = self.requests.get(sid)
             if req is not None:
                 self.finish(req, FinishReason.ABORT)
                 aborted.append(req)

@@ -17,6 +17,11 @@ Tokenization and the request checks are the caller's job (pass the `Admitted` re
 `serving.admission`, or token ids) so that they run on the caller's threads, not between
 steps; the Engine detokenizes incrementally inside `step()`.
 
+A step failure the Engine isolates reaches only its requests (their final output has
+finish_reason ERROR and `error`). Only a fatal one (`EngineDead`, or anything else out of
+`step`) fails the loop: every stream gets EngineStopped, `error` is set (the fronts' health
+reports it) and `on_failure` runs (the server then exits non-zero).
+
 Observers (e.g. `jaxserve.serving.metrics.EngineMetrics`) are called on the loop thread after every
 iteration with the engine and that iteration's outputs; their errors are logged, never fatal.
 """

@@ -9,6 +9,11 @@ replicas never wait for each other; the facade only routes and aggregates.
 Used by the gRPC and HTTP fronts exactly like an AsyncEngine (`AsyncServing` is what they
 need). `max_waiting` applies per replica: a QueueFull from the chosen replica is retried on
 the others before it reaches the caller.
+
+One replica's fatal failure (`EngineDead`) fails the whole pool (`error`): the fronts refuse
+every call and report unavailable, and `jaxserve serve` exits non-zero to be restarted with
+every replica, rather than serving on at reduced capacity with a device in an unknown state.
+A per-request failure inside a replica's step stays that request's (finish reason ERROR).
 """
 
 from __future__ import annotations
