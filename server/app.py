@@ -142,7 +142,8 @@ class GrpcServer:
             loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._set_health(
                 _NOT_SERVING)))
 
-        self.engine, self.metrics = start_serving(served, cfg.max_waiting, on_failure)
+        self.engine, self.metrics = start_serving(served, cfg.max_waiting, on_failure,
+                                                  cfg.max_stream_buffer_tokens)
         # One admission (limits, tokenizer, tokenizer threads) for both fronts, with
         # --tokenizer-threads threads per front.
         threads = cfg.tokenizer_threads * (2 if self.http is not None else 1)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
+from jaxserve.serving.request_stream import DEFAULT_MAX_STREAM_BUFFER_TOKENS
+
 DEFAULT_PORT = 50051
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # gRPC's own receive default
 
@@ -30,6 +32,10 @@ class ServerConfig:
     # Tokens per streamed chunk after the first (1: every token as it comes); larger values
     # send fewer messages, cutting per-token host overhead at the cost of coarser streaming.
     stream_interval: int = 1
+    # Tokens (over all samples) a stream may leave unread before its request is aborted with
+    # RESOURCE_EXHAUSTED / an error event naming this knob; outputs that arrive while the
+    # client is not reading are coalesced up to it. None: no bound (coalescing only).
+    max_stream_buffer_tokens: int | None = DEFAULT_MAX_STREAM_BUFFER_TOKENS
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port", "http_port"):
@@ -55,6 +61,9 @@ class ServerConfig:
             raise ValueError(f"stream_interval={self.stream_interval} must be in [1, 1024]")
         if not 1 <= self.tokenizer_threads <= 64:
             raise ValueError(f"tokenizer_threads={self.tokenizer_threads} must be in [1, 64]")
+        if self.max_stream_buffer_tokens is not None and self.max_stream_buffer_tokens < 1:
+            raise ValueError(f"max_stream_buffer_tokens={self.max_stream_buffer_tokens} must "
+                             "be >= 1 (or None: unbounded)")
 
     @property
     def address(self) -> str:

@@ -26,6 +26,7 @@ from jaxserve.cli.flags import (add_distributed_flags, add_engine_flags, add_sam
                                 sampling_params_from_args)
 from jaxserve.config import EngineConfig
 from jaxserve.server.config import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PORT, ServerConfig
+from jaxserve.serving.request_stream import DEFAULT_MAX_STREAM_BUFFER_TOKENS
 
 log = logging.getLogger("jaxserve.server")
 API_KEY_ENV = "JAXSERVE_API_KEY"
@@ -66,6 +67,11 @@ def add_serve_parser(sub: Any) -> None:
     n.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed chunk after the first (default 1: every token); "
                         "larger values cut per-token overhead, streaming more coarsely")
+    n.add_argument("--max-stream-buffer-tokens", type=int,
+                   default=DEFAULT_MAX_STREAM_BUFFER_TOKENS,
+                   help="tokens a streaming client may leave unread before its request is "
+                        "aborted (RESOURCE_EXHAUSTED / an HTTP error event); 0: unbounded "
+                        f"(default {DEFAULT_MAX_STREAM_BUFFER_TOKENS})")
     add_distributed_flags(s)
 
 
@@ -108,7 +114,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting or None, api_keys=_api_keys(args), tls_cert=args.tls_cert,
         tls_key=args.tls_key, shutdown_grace=args.shutdown_grace,
         max_message_bytes=args.max_message_bytes, tokenizer_threads=args.tokenizer_threads,
-        stream_interval=args.stream_interval)
+        stream_interval=args.stream_interval,
+        max_stream_buffer_tokens=args.max_stream_buffer_tokens or None)
     from jaxserve.server.app import serve
 
     built: list[Any] = []  # the ServedModel, to release its runners after serving

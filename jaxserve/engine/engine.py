@@ -4,7 +4,8 @@ Data flow of `step()`:
   scheduler.schedule() -> batch.build_batch() (numpy, bucketed) -> runner.execute() (one
   compiled device step, one device->host copy) -> scheduler.update() (tokens appended, token
   stop rules, pages freed) -> per sequence: logprobs recorded, incremental detokenization and
-  stop strings -> RequestOutputs (deltas for streaming, final ones with finish reasons).
+  stop strings -> RequestOutputs shaped by each request's `RequestOutputKind` (cumulative
+  copies, deltas only, or nothing until the final one; see `outputs.py`).
 
 The engine owns the requests' host-side extras (prompt text, detokenizers, n-sample groups);
 the scheduler owns their KV state; the runner owns everything on the device. Callers outside
@@ -25,7 +26,8 @@ from jaxserve.engine.batch import build_batch
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.limits import (Admitted, EngineLimits, EngineStats, check_not_in_flight,
                                     check_priority, check_request_id)
-from jaxserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from jaxserve.engine.outputs import (CompletionOutput, RequestOutput, RequestOutputKind,
+                                     TokenLogprobs)
 from jaxserve.engine.request import FinishReason, Request
 from jaxserve.engine.runner import Runner, StepResult
 from jaxserve.engine.sampling_params import SamplingParams
@@ -47,6 +49,7 @@ class _Group:
     sent_tokens: list[int]  # tokens already reported per sample
     sent_logprobs: list[int]
     cumulative_logprob: list[float]
+    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     done_reported: bool = False
 
 
@@ -107,10 +110,11 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int] | Admitted,
                     params: SamplingParams | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         """Queue a request; ValueError (an InvalidRequest naming the field) for anything that
         cannot run. An `Admitted` prompt (from `admit`) carries its params and is not checked
-        again."""
+        again. `output_kind`: what its outputs carry (see `outputs.RequestOutputKind`)."""
         check_request_id(request_id)
         check_not_in_flight(request_id, self._groups)
         check_priority(priority)
@@ -131,7 +135,7 @@ class Engine:
         self._groups[request_id] = _Group(
             request_id, req.prompt, ids, params, seqs,
             [IncrementalDetokenizer(backend, params) for _ in seqs],
-            [0] * params.n, [0] * params.n, [0.0] * params.n)
+            [0] * params.n, [0] * params.n, [0.0] * params.n, output_kind)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request at any moment; its final output (ABORT) comes from the next step."""
@@ -171,7 +175,7 @@ class Engine:
                 touched[gid] = self._groups[gid]
             self.num_steps += 1
             self.last_step_tokens = out.num_tokens
-        outputs = [self._make_output(g) for g in touched.values()]
+        outputs = [o for g in touched.values() if (o := self._make_output(g)) is not None]
         for g in touched.values():
             if g.done_reported:
                 del self._groups[g.request_id]
@@ -192,31 +196,42 @@ class Engine:
         if detok.add_token(token):
             self.scheduler.finish(req, FinishReason.STOP_STRING)
 
-    def _make_output(self, g: _Group) -> RequestOutput:
-        completions = []
-        for i, (seq, detok) in enumerate(zip(g.seqs, g.detoks)):
-            new_ids = seq.output_token_ids[g.sent_tokens[i]:]
-            g.sent_tokens[i] = len(seq.output_token_ids)
-            # A finished sequence flushes what was held back for a possible stop string.
-            delta_text = detok.finish() if seq.is_finished else detok.pop_delta()
-            delta_lp: list[TokenLogprobs] = []
-            if g.params.logprobs is not None:
-                new = seq.output_logprobs[g.sent_logprobs[i]:]
-                g.sent_logprobs[i] = len(seq.output_logprobs)
-                delta_lp = [dict(items) for _, items in new]
-                g.cumulative_logprob[i] += sum(lp for lp, _ in new)
-            completions.append(CompletionOutput(
-                index=i, text=detok.text, token_ids=list(seq.output_token_ids),
-                cumulative_logprob=g.cumulative_logprob[i] if g.params.logprobs is not None
-                else None,
-                logprobs=[dict(items) for _, items in seq.output_logprobs]
-                if g.params.logprobs is not None else None,
-                finish_reason=seq.finish_reason, delta_text=delta_text,
-                delta_token_ids=new_ids, delta_logprobs=delta_lp, metrics=seq.metrics))
+    def _make_output(self, g: _Group) -> RequestOutput | None:
+        """The group's output for this step as its kind asks (None: a FINAL_ONLY request that
+        has not finished); what it reports is marked as sent."""
         finished = all(s.is_finished for s in g.seqs)
+        if g.kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None  # its detokenizers keep the text; the final output takes it all
+        completions = [self._completion(g, i) for i in range(len(g.seqs))]
         g.done_reported = finished
         first = g.seqs[0].metrics
         return RequestOutput(request_id=g.request_id, prompt=g.prompt,
                              prompt_token_ids=g.prompt_token_ids, outputs=completions,
                              finished=finished, metrics=first,
                              num_cached_tokens=first.num_cached_tokens)
+
+    def _completion(self, g: _Group, i: int) -> CompletionOutput:
+        seq, detok = g.seqs[i], g.detoks[i]
+        new_ids = seq.output_token_ids[g.sent_tokens[i]:]
+        g.sent_tokens[i] = len(seq.output_token_ids)
+        # A finished sequence flushes what was held back for a possible stop string.
+        delta_text = detok.finish() if seq.is_finished else detok.pop_delta()
+        with_lp = g.params.logprobs is not None
+        new_lp = seq.output_logprobs[g.sent_logprobs[i]:]
+        g.cumulative_logprob[i] += sum(lp for lp, _ in new_lp)
+        delta_lp: list[TokenLogprobs] = [dict(items) for _, items in new_lp]
+        if g.kind is RequestOutputKind.DELTA:
+            # Nothing of a DELTA request is reported twice: the engine keeps no logprob
+            # history for it (its token ids stay: preemption recomputes from them).
+            seq.output_logprobs.clear()
+            g.sent_logprobs[i] = 0
+            text, ids, lps = "", [], ([] if with_lp else None)
+        else:
+            g.sent_logprobs[i] = len(seq.output_logprobs)
+            text, ids = detok.text, list(seq.output_token_ids)
+            lps = [dict(items) for _, items in seq.output_logprobs] if with_lp else None
+        return CompletionOutput(
+            index=i, text=text, token_ids=ids,
+            cumulative_logprob=g.cumulative_logprob[i] if with_lp else None, logprobs=lps,
+            finish_reason=seq.finish_reason, delta_text=delta_text, delta_token_ids=new_ids,
+            delta_logprobs=delta_lp, metrics=seq.metrics, num_tokens=len(seq.output_token_ids))
