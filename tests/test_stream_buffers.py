@@ -28,7 +28,7 @@ from jaxserve import SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.fake_runner import ArithmeticRunner
-from jaxserve.engine.outputs import RequestOutputKind
+from jaxserve.engine.outputs import RequestOutputKind, merge_unread
 from jaxserve.engine.request import FinishReason
 from jaxserve.engine.sizing import plan_engine
 from jaxserve.server.background import BackgroundServer
@@ -310,7 +310,6 @@ def test_memory_held_by_an_unread_stream_before_and_after() -> None:
                     elif pending is None:
                         pending = out
                     else:
-                        from jaxserve.engine.outputs import merge_unread
                         merge_unread(pending, out)
             gc.collect()
             return tracemalloc.get_traced_memory()[0] - base
