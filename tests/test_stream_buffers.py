@@ -233,7 +233,9 @@ def test_past_the_limit_the_request_is_aborted_and_others_carry_on() -> None:
     ae.start()
     long = SamplingParams(n=2, max_tokens=200, ignore_eos=True, logprobs=3)
     short = SamplingParams(n=2, max_tokens=5, ignore_eos=True)  # 10 tokens: within the bound
-    reader = SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.0)
+    # Read as it comes; the fake runner's steps take microseconds, so a reader could lag by
+    # more than 10 tokens on a busy machine: within the bound whatever the timing.
+    reader = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0)
 
     async def main() -> tuple:
         slow = ae.submit("slow", [5, 6, 7], long)
@@ -328,11 +330,21 @@ FRONT_LIMIT = 64  # unread tokens (over the samples) before the request is abort
 HEAVY = dict(n=4, logprobs=20, max_tokens=8000, ignore_eos=True)  # ~1.5 KB per step on a wire
 
 
+class DeviceTimeRunner(TopLogprobsRunner):
+    """Steps that take 2 ms, as a small model's would: the fake runner's microsecond steps
+    would outrun the server's own handler (which then lags by more than FRONT_LIMIT tokens
+    whatever the client does), not what these tests are about."""
+
+    def execute(self, batch):  # noqa: ANN001, ANN201
+        time.sleep(0.002)  # simulated device time, not synchronisation
+        return super().execute(batch)
+
+
 @pytest.fixture(scope="module")
 def server() -> BackgroundServer:
     cfg = ServerConfig(port=0, http_port=0, max_stream_buffer_tokens=FRONT_LIMIT)
     srv = BackgroundServer(cfg, lambda: ServedModel(
-        fake_engine(max_model_len=8192), "fake", "hf")).start()
+        fake_engine(DeviceTimeRunner(VOCAB), max_model_len=8192), "fake", "hf")).start()
     yield srv
     srv.stop()
 
@@ -353,6 +365,7 @@ def test_grpc_client_that_stops_reading_is_aborted(server: BackgroundServer) -> 
             call = client.stream([5, 6, 7], SamplingParams(**HEAVY))
             first = await call.read()
             assert first.HasField("chunk")
+            # Then nothing is read until the server has aborted the request.
             await asyncio.to_thread(wait_until, lambda: settled(server), "the abort")
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 while await call.read() is not grpc.aio.EOF:
