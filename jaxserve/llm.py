@@ -3,8 +3,8 @@
 Data flow: keyword arguments -> EngineConfig (validated) -> `serving.build` (load, size,
 place, compile: one Engine, or a ReplicaPool over `data_parallel_size` of them) -> `generate`
 admits every prompt (`Engine.admit`: the request checks both servers run, same error text),
-adds them to the engine and steps it until all are finished, returning RequestOutputs in
-input order.
+adds them to the engine (FINAL_ONLY outputs: one per request, when it finishes) and steps it
+until all are finished, returning RequestOutputs in input order.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.limits import check_priority
-from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.serving.admission import render_chat
 from jaxserve.serving.build import build_engine, build_offline_engine
@@ -75,7 +75,9 @@ class LLM:
         admitted = [self.engine.admit(p, sp) for p, sp in zip(prompts, params)]
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         for rid, req, pr in zip(ids, admitted, prio):
-            self.engine.add_request(rid, req, priority=pr)
+            # One output per request, at its end: nothing is copied per step.
+            self.engine.add_request(rid, req, priority=pr,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
@@ -93,8 +95,8 @@ class LLM:
             toks = 0
             while self.engine.has_unfinished():
                 for out in self.engine.step():
-                    toks += sum(len(c.delta_token_ids) for c in out.outputs)
                     if out.finished:
+                        toks += sum(c.num_tokens for c in out.outputs)
                         final[out.request_id] = out
                         bar.update(1)
                 bar.set_postfix(tok_s=f"{toks / max(bar.format_dict['elapsed'], 1e-9):.1f}")

@@ -166,7 +166,8 @@ class GrpcServer:
             # Called on the engine thread: hop onto the event loop to flip health.
             loop.call_soon_threadsafe(self._engine_failed, error)
 
-        self.engine, self.metrics = start_serving(served, cfg.max_waiting, on_failure)
+        self.engine, self.metrics = start_serving(served, cfg.max_waiting, on_failure,
+                                                  cfg.max_stream_buffer_tokens)
         # One admission (limits, tokenizer, tokenizer threads) for both fronts, with
         # --tokenizer-threads threads per front.
         threads = cfg.tokenizer_threads * (2 if self.http is not None else 1)

@@ -11,6 +11,7 @@ import dataclasses
 import pathlib
 
 from jaxserve.engine.limits import DEFAULT_CLIENT_PRIORITY_RANGE
+from jaxserve.serving.request_stream import DEFAULT_MAX_STREAM_BUFFER_TOKENS
 
 DEFAULT_PORT = 50051
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # gRPC's own receive default
@@ -50,6 +51,10 @@ class ServerConfig:
     # The priorities callers of the fronts may set (lower runs first; the proto field is
     # int32). The default lets a client only lower its own; the offline API is not limited.
     client_priority_range: tuple[int, int] = DEFAULT_CLIENT_PRIORITY_RANGE
+    # Tokens (over all samples) a stream may leave unread before its request is aborted with
+    # RESOURCE_EXHAUSTED / an error event naming this knob; outputs that arrive while the
+    # client is not reading are coalesced up to it. None: no bound (coalescing only).
+    max_stream_buffer_tokens: int | None = DEFAULT_MAX_STREAM_BUFFER_TOKENS
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port", "http_port"):
@@ -85,6 +90,9 @@ class ServerConfig:
             if not MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S:  # also refuses NaN
                 raise ValueError(f"{name}={value} must be in [{MIN_TIMEOUT_S}, "
                                  f"{MAX_TIMEOUT_S:g}] seconds")
+        if self.max_stream_buffer_tokens is not None and self.max_stream_buffer_tokens < 1:
+            raise ValueError(f"max_stream_buffer_tokens={self.max_stream_buffer_tokens} must "
+                             "be >= 1 (or None: unbounded)")
 
     @property
     def address(self) -> str:

@@ -20,10 +20,16 @@ Data flow of `POST /v1/completions`:
   -> `Admission.admit` (tokenization on a small thread pool, never on the event loop; every
   request check, 400 with `param` naming the field) -> `AsyncEngine.submit` (QueueFull -> 429,
   EngineStopped -> 503) -> the stream's first RequestOutput -> either
-    stream=true:  one SSE event `data: {text_completion chunk}` per sample that got new tokens
-                  (or finished) in each RequestOutput, then with `stream_options.include_usage`
-                  one chunk with `"choices": []` and `"usage"`, then `data: [DONE]`;
-    stream=false: one JSON body with every sample's text, finish_reason, logprobs, usage.
+    stream=true:  DELTA outputs (coalesced by the stream while a write waits on a slow
+                  client); one SSE event `data: {text_completion chunk}` per sample that got
+                  new tokens (or finished) in each RequestOutput, then with
+                  `stream_options.include_usage` one chunk with `"choices": []` and
+                  `"usage"`, then `data: [DONE]`. A client that leaves more than
+                  `max_stream_buffer_tokens` unread has its request aborted: it gets an
+                  error event (`{"error": {..., "code": "stream_buffer_full"}}`), then
+                  `[DONE]`;
+    stream=false: one FINAL_ONLY output -> one JSON body with every sample's text,
+                  finish_reason, logprobs, usage.
 A request a failed engine step finished (finish reason ERROR) gets a 500 OpenAI error JSON
 (`server_error`, the message naming the failure), or in a stream an `{"error": ...}` event
 and then the stream's end.
@@ -41,14 +47,15 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from jaxserve.engine.outputs import CompletionOutput, RequestOutput
+from jaxserve.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.server import openai_schema as schema
 from jaxserve.server.auth import ApiKeys
 from jaxserve.server.http_body import read_json
 from jaxserve.server.inflight import InFlight
 from jaxserve.serving import admission
-from jaxserve.serving.async_engine import EngineStopped, QueueFull, RequestStream
+from jaxserve.serving.async_engine import (EngineStopped, QueueFull, RequestStream,
+                                           StreamBufferFull)
 from jaxserve.serving.async_replica_pool import AsyncServing
 from jaxserve.serving.build import ServedModel
 
@@ -199,7 +206,8 @@ class OpenAIHttpFront:
             rid = f"cmpl-{uuid.uuid4().hex}"
             try:
                 admitted = await admit.admit(rid, req.prompt, req.params)
-                stream = engine.submit(rid, admitted, req.params, 0, arrival)
+                kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+                stream = engine.submit(rid, admitted, req.params, 0, arrival, kind)
                 first = await stream.__anext__()  # the engine's own refusal comes here
             except QueueFull as e:
                 raise schema.ApiError(429, str(e), None, "rate_limit_error") from None
@@ -236,6 +244,7 @@ class OpenAIHttpFront:
         await resp.prepare(request)
         done: set[int] = set()
         counts: dict[int, int] = {}
+        offsets: dict[int, int] = {}  # characters of each sample's text sent so far
         try:
             try:
                 async for out in outputs:
@@ -247,11 +256,16 @@ class OpenAIHttpFront:
                             continue
                         if c.finish_reason is not None:
                             done.add(c.index)
-                        counts[c.index] = len(c.token_ids)
+                        counts[c.index] = c.num_tokens
+                        sent = offsets.get(c.index, 0)
+                        offsets[c.index] = sent + len(c.delta_text)
                         lp = None if req.params.logprobs is None else schema.logprobs_json(
-                            c.delta_logprobs, decode, len(c.text) - len(c.delta_text))
+                            c.delta_logprobs, decode, sent)
                         await resp.write(schema.sse({**head, "choices": [
                             schema.choice(c, c.delta_text, lp)]}))
+            except StreamBufferFull as e:
+                await resp.write(schema.sse(schema.ApiError(
+                    429, str(e), None, "rate_limit_error", "stream_buffer_full").body))
             except EngineStopped as e:
                 await resp.write(schema.sse(schema.unavailable(str(e)).body))
             if req.include_usage:
@@ -280,6 +294,6 @@ class OpenAIHttpFront:
         choices = [schema.choice(c, c.text, schema.logprobs_json(c.logprobs or [], decode, 0)
                            if params.logprobs is not None else None)
                    for _, c in sorted(final.items())]
-        completion = sum(len(c.token_ids) for c in final.values())
+        completion = sum(c.num_tokens for c in final.values())
         return web.json_response({**head, "choices": choices,
                                   "usage": schema.usage(prompt_tokens, completion)})

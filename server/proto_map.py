@@ -154,11 +154,11 @@ class _Pending:
 
 
 class ResponseBuilder:
-    """One request's RequestOutputs -> GenerateResponses.
+    """One request's DELTA RequestOutputs -> GenerateResponses.
 
-    Outputs handed over together are coalesced. With `stream_interval` k > 1, a sample's
-    chunk is held until it carries k tokens (the first token and the end always go out at
-    once): fewer messages, less host overhead per token, coarser streaming.
+    With `stream_interval` k > 1, a sample's chunk is held until it carries k tokens (the
+    first token and the end always go out at once): fewer messages, less host overhead per
+    token, coarser streaming.
     """
 
     def __init__(self, stream_interval: int = 1) -> None:
@@ -168,21 +168,20 @@ class ResponseBuilder:
         self._pending: dict[int, _Pending] = {}
         self._finished: set[int] = set()
 
-    def responses(self, outs: Sequence[RequestOutput]) -> list[Any]:
+    def responses(self, out: RequestOutput) -> list[Any]:
         done: dict[int, CompletionOutput] = {}
         touched: set[int] = set()
-        for out in outs:
-            for c in out.outputs:
-                if c.index in self._finished:
-                    continue  # a finished sample reappears in its group's later outputs
-                p = self._pending.setdefault(c.index, _Pending())
-                p.ids.extend(c.delta_token_ids)
-                p.texts.append(c.delta_text)
-                p.logprobs.extend(_logprobs_to_proto(c.delta_logprobs))
-                touched.add(c.index)
-                if c.finish_reason is not None:
-                    done[c.index] = c
-                    self._finished.add(c.index)
+        for c in out.outputs:
+            if c.index in self._finished:
+                continue  # a finished sample reappears in its group's later outputs
+            p = self._pending.setdefault(c.index, _Pending())
+            p.ids.extend(c.delta_token_ids)
+            p.texts.append(c.delta_text)
+            p.logprobs.extend(_logprobs_to_proto(c.delta_logprobs))
+            touched.add(c.index)
+            if c.finish_reason is not None:
+                done[c.index] = c
+                self._finished.add(c.index)
         responses = []
         for index in sorted(touched):
             p = self._pending[index]
@@ -196,14 +195,14 @@ class ResponseBuilder:
                 p.sent_first = True
             self._pending[index] = _Pending(sent_first=p.sent_first)
             if c is not None:
-                responses.append(self._finished_message(index, c, outs[-1]))
+                responses.append(self._finished_message(index, c, out))
         return responses
 
     @staticmethod
     def _finished_message(index: int, c: CompletionOutput, out: RequestOutput) -> Any:
         m = c.metrics
         usage = pb2.Usage(prompt_tokens=len(out.prompt_token_ids),
-                          completion_tokens=len(c.token_ids),
+                          completion_tokens=c.num_tokens,
                           cached_prompt_tokens=m.num_cached_tokens if m else 0)
         reason = _REASONS[c.finish_reason]  # type: ignore[index]
         return pb2.GenerateResponse(finished=pb2.Finished(

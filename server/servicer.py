@@ -3,16 +3,19 @@
 Data flow of Generate: refused with UNAVAILABLE while the model warms up or the server drains
 -> `proto_map.parse_request` -> `Admission.admit` (tokenization on a small thread pool, never on
 the event loop nor the engine thread, and every request check) -> `AsyncEngine.submit` (QueueFull
--> RESOURCE_EXHAUSTED at once) -> for each RequestOutput the stream yields (plus any already
-queued behind it, coalesced) -> `ResponseBuilder` -> GenerateResponse messages. However the
-call ends (finished, client cancel, disconnect, deadline: grpc.aio cancels the handler), the
-`finally` aborts the request in the engine, which frees its pages on its next iteration.
+-> RESOURCE_EXHAUSTED at once; DELTA outputs) -> for each RequestOutput the stream yields (the
+stream coalesces what arrived while this handler was blocked writing to a slow client) ->
+`ResponseBuilder` -> GenerateResponse messages. However the call ends (finished, client
+cancel, disconnect, deadline: grpc.aio cancels the handler), the `finally` aborts the request
+in the engine, which frees its pages on its next iteration.
 
 Status codes: INVALID_ARGUMENT for any bad field (message names it in this service's words,
 `proto_map.error_message`, and its range; a duplicate in-flight request_id too),
-RESOURCE_EXHAUSTED when the waiting queue is full, UNAVAILABLE while warming up / draining /
-after an engine failure, INTERNAL for bugs and for a request a failed engine step finished
-with ERROR (the chunks before it were sent; the message names the request and the failure).
+RESOURCE_EXHAUSTED when the waiting queue is full or when the client left more than
+`max_stream_buffer_tokens` tokens unread (the request was aborted; the message says so),
+UNAVAILABLE while warming up / draining / after an engine failure, INTERNAL for bugs and for
+a request a failed engine step finished with ERROR (the chunks read before it were sent; the
+message names the request and the failure).
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ from typing import Any, AsyncIterator
 
 import grpc
 
+from jaxserve.engine.outputs import RequestOutputKind
 from jaxserve.server import proto_map, stubs
 from jaxserve.server.inflight import InFlight
 from jaxserve.serving import admission
-from jaxserve.serving.async_engine import EngineStopped, QueueFull
+from jaxserve.serving.async_engine import EngineStopped, QueueFull, StreamBufferFull
 from jaxserve.serving.async_replica_pool import AsyncServing
 from jaxserve.serving.build import ServedModel
 
@@ -105,7 +109,8 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
             try:
                 inp, params = proto_map.parse_request(request)
                 admitted = await admit.admit(rid, inp, params, request.priority)
-                stream = engine.submit(rid, admitted, params, request.priority, arrival)
+                stream = engine.submit(rid, admitted, params, request.priority, arrival,
+                                       RequestOutputKind.DELTA)
             except QueueFull as e:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except EngineStopped as e:
@@ -118,13 +123,13 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
             builder = proto_map.ResponseBuilder(self._stream_interval)
             try:
                 async for out in stream:
-                    outs = [out, *stream.drain_ready()]
-                    failed = next((i for i, o in enumerate(outs) if o.error is not None), None)
-                    for response in builder.responses(outs[:failed]):
-                        yield response
-                    if failed is not None:
+                    if out.error is not None:  # a failed step finished it: no Finished
                         await context.abort(grpc.StatusCode.INTERNAL,
-                                            f"request {rid!r} failed: {outs[failed].error}")
+                                            f"request {rid!r} failed: {out.error}")
+                    for response in builder.responses(out):
+                        yield response
+            except StreamBufferFull as e:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except EngineStopped as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             except ValueError as e:  # refused by the engine itself

@@ -99,13 +99,15 @@ def test_streams_equal_offline_engine() -> None:
     async def run(i: int, prompt, params) -> tuple:  # noqa: ANN001
         texts: dict[int, str] = {}
         ids: dict[int, list[int]] = {}
+        lps: dict[int, list] = {}
         last = None
-        async for out in ae.submit(f"r{i}", prompt, params):
+        async for out in ae.submit(f"r{i}", prompt, params):  # DELTA outputs
             for c in out.outputs:
                 texts[c.index] = texts.get(c.index, "") + c.delta_text
                 ids.setdefault(c.index, []).extend(c.delta_token_ids)
+                lps.setdefault(c.index, []).extend(c.delta_logprobs)
             last = out
-        return texts, ids, last
+        return texts, ids, lps, last
 
     async def main() -> list:
         return await asyncio.gather(*(run(i, p, sp) for i, (p, sp) in enumerate(REQUESTS)))
@@ -114,14 +116,16 @@ def test_streams_equal_offline_engine() -> None:
         results = asyncio.run(main())
     finally:
         ae.stop()
-    for i, (texts, ids, last) in enumerate(results):
+    for i, (texts, ids, lps, last) in enumerate(results):
         want = expected[f"r{i}"]
         assert last.finished
         for c, w in zip(last.outputs, want.outputs):
-            assert c.token_ids == w.token_ids and c.text == w.text, f"request {i}"
-            assert c.finish_reason == w.finish_reason
+            assert c.finish_reason == w.finish_reason, f"request {i}"
+            assert c.num_tokens == len(w.token_ids)
+            assert c.cumulative_logprob == w.cumulative_logprob
             # The deltas a stream carries add up to the cumulative output.
             assert ids[c.index] == w.token_ids and texts[c.index] == w.text
+            assert lps[c.index] == (w.logprobs or [])
     assert all_pages_free(engine) and ae.num_in_flight == 0
 
 

@@ -161,7 +161,7 @@ def test_stream_interval_coalesces_chunks(oracle) -> None:  # noqa: ANN001
     msgs = []
     while oracle.has_unfinished():
         for out in oracle.step():
-            msgs += builder.responses([out])
+            msgs += builder.responses(out)
             final = out
     check_stream_shape(msgs, 2)
     for index, got in enumerate(fold(msgs)):

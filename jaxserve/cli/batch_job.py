@@ -23,7 +23,8 @@ Data flow:
   -> skip what OUT already holds (resume) -> `admit_line` (chat template for messages, then
   the engine's admission: tokenization and every request check; a refusal, e.g. a prompt too
   long for max_model_len, becomes an error line) -> sort the window's requests by prompt
-  length, longest first -> engine.add_request -> engine.step() until finished
+  length, longest first -> engine.add_request (FINAL_ONLY: one output per request, at
+  its end) -> engine.step() until finished
   -> result records -> OrderedSink (buffers finished results, writes the contiguous prefix in
   input order) -> ResultWriter (one whole line per write; fsync at intervals and at the end).
 
@@ -58,7 +59,7 @@ from jaxserve.cli import flags
 from jaxserve.cli.batch_io import (LineError, LineRequest, OrderedSink, ResultWriter, ResumeState,
                                    count_lines, id_key, parse_line, read_lines, recover_output)
 from jaxserve.engine.limits import Admitted
-from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.serving.admission import render_chat
 
@@ -119,7 +120,7 @@ def result_record(rid: Any, out: RequestOutput, params: SamplingParams) -> dict[
         "id": rid,
         "text": comps[0].text if params.n == 1 else [c.text for c in comps],
         "prompt_tokens": len(out.prompt_token_ids),
-        "completion_tokens": sum(len(c.token_ids) for c in comps),
+        "completion_tokens": sum(c.num_tokens for c in comps),
         "finish_reason": reasons[0] if params.n == 1 else reasons,
         "cached_prompt_tokens": out.num_cached_tokens,
     }
@@ -222,7 +223,8 @@ def run_batch(engine: Any, in_path: pathlib.Path, out_path: pathlib.Path,
         queued.sort(key=lambda q: -len(q[2].token_ids))
         for line, req, admitted in queued:
             rid = f"batch-{line}"
-            engine.add_request(rid, admitted)  # checked by admit_line
+            # Checked by admit_line; one output per request, at its end (FINAL_ONLY).
+            engine.add_request(rid, admitted, output_kind=RequestOutputKind.FINAL_ONLY)
             summary.prompt_tokens += len(admitted.token_ids)
             inflight[rid] = (line, req.id, req.params)
         return more
@@ -242,9 +244,9 @@ def run_batch(engine: Any, in_path: pathlib.Path, out_path: pathlib.Path,
                     break
                 continue  # everything read so far is written: read on
             for out in engine.step():
-                live_tokens += sum(len(c.delta_token_ids) for c in out.outputs)
                 if not out.finished:
-                    continue
+                    continue  # (FINAL_ONLY: every output is a request's last)
+                live_tokens += out.num_delta_tokens
                 line, rid, params = inflight.pop(out.request_id)
                 if out.error is not None:  # a failed step: an error line (--retry-errors)
                     summary.errors += 1

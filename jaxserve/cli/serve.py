@@ -28,6 +28,7 @@ from jaxserve.cli.flags import (add_distributed_flags, add_engine_flags, add_sam
 from jaxserve.config import EngineConfig
 from jaxserve.engine.limits import DEFAULT_CLIENT_PRIORITY_RANGE
 from jaxserve.server.config import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PORT, ServerConfig
+from jaxserve.serving.request_stream import DEFAULT_MAX_STREAM_BUFFER_TOKENS
 
 log = logging.getLogger("jaxserve.server")
 API_KEY_ENV = "JAXSERVE_API_KEY"
@@ -75,6 +76,11 @@ def add_serve_parser(sub: Any) -> None:
                    help="tokens per streamed chunk after the first (default 1: every token); "
                         "larger values cut per-token overhead, streaming more coarsely")
     _add_connection_flags(n)
+    n.add_argument("--max-stream-buffer-tokens", type=int,
+                   default=DEFAULT_MAX_STREAM_BUFFER_TOKENS,
+                   help="tokens a streaming client may leave unread before its request is "
+                        "aborted (RESOURCE_EXHAUSTED / an HTTP error event); 0: unbounded "
+                        f"(default {DEFAULT_MAX_STREAM_BUFFER_TOKENS})")
     add_distributed_flags(s)
 
 
@@ -134,7 +140,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         http_keepalive_timeout=args.http_keepalive_timeout,
         http_body_timeout=args.http_body_timeout, grpc_idle_timeout=args.grpc_idle_timeout,
         grpc_keepalive_time=args.grpc_keepalive_time, metrics_no_auth=args.metrics_no_auth,
-        client_priority_range=(args.client_priority_min, args.client_priority_max))
+        client_priority_range=(args.client_priority_min, args.client_priority_max),
+        max_stream_buffer_tokens=args.max_stream_buffer_tokens or None)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

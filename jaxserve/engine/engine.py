@@ -4,7 +4,8 @@ Data flow of `step()`:
   scheduler.schedule() -> batch.build_batch() (numpy, bucketed) -> runner.execute() (one
   compiled device step, one device->host copy) -> scheduler.update() (tokens appended, token
   stop rules, pages freed) -> per sequence: logprobs recorded, incremental detokenization and
-  stop strings -> RequestOutputs (deltas for streaming, final ones with finish reasons).
+  stop strings -> RequestOutputs shaped by each request's `RequestOutputKind` (cumulative
+  copies, deltas only, or nothing until the final one; see `outputs.py`).
 
 The engine owns the requests' host-side extras (prompt text, detokenizers, n-sample groups);
 the scheduler owns their KV state; the runner owns everything on the device. Callers outside
@@ -45,7 +46,8 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.errors import EngineDead
 from jaxserve.engine.limits import (Admitted, EngineLimits, EngineStats, check_not_in_flight,
                                     check_priority, check_request_id)
-from jaxserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from jaxserve.engine.outputs import (CompletionOutput, RequestOutput, RequestOutputKind,
+                                     TokenLogprobs)
 from jaxserve.engine.request import FinishReason, Request
 from jaxserve.engine.runner import Runner, RunnerFailed, StepResult
 from jaxserve.engine.sampling_params import SamplingParams
@@ -69,6 +71,7 @@ class _Group:
     sent_tokens: list[int]  # tokens already reported per sample
     sent_logprobs: list[int]
     cumulative_logprob: list[float]
+    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     done_reported: bool = False
 
 
@@ -130,10 +133,12 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int] | Admitted,
                     params: SamplingParams | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         """Queue a request; ValueError (an InvalidRequest naming the field) for anything that
         cannot run. An `Admitted` prompt (from `admit`) carries its params and is not checked
-        again. Every check runs before anything is queued."""
+        again. Every check runs before anything is queued. `output_kind`: what its outputs
+        carry (see `outputs.RequestOutputKind`)."""
         self._check_alive()
         check_request_id(request_id)
         check_not_in_flight(request_id, self._groups)
@@ -148,7 +153,7 @@ class Engine:
         backend = self.tokenizer.backend
         group = _Group(request_id, req.prompt, ids, params, seqs,
                        [IncrementalDetokenizer(backend, params) for _ in seqs],
-                       [0] * params.n, [0] * params.n, [0.0] * params.n)
+                       [0] * params.n, [0] * params.n, [0.0] * params.n, output_kind)
         for i, seq in enumerate(seqs):  # cannot fail: checked, and fresh sequences
             self.scheduler.add_request(seq, fork_of=seqs[0] if i else None, checked=True)
         self._groups[request_id] = group
@@ -209,7 +214,9 @@ class Engine:
         outputs = []
         for g in touched.values():
             try:
-                outputs.append(self._make_output(g))
+                output = self._make_output(g)
+                if output is not None:
+                    outputs.append(output)
             except Exception as e:  # noqa: BLE001 - this request's output only
                 try:
                     outputs.append(self._error_output(g, f"building the output failed: {e!r}"))
@@ -309,10 +316,12 @@ class Engine:
         finished otherwise ends with ERROR."""
         self._fail([(g.seqs[0], message)], {})
         g.done_reported = True
+        delta = g.kind is RequestOutputKind.DELTA  # a stream has had its tokens already
         completions = [CompletionOutput(
-            index=i, text="", token_ids=list(seq.output_token_ids), cumulative_logprob=None,
-            logprobs=None, finish_reason=seq.finish_reason, metrics=seq.metrics,
-            error=seq.error) for i, seq in enumerate(g.seqs)]
+            index=i, text="", token_ids=[] if delta else list(seq.output_token_ids),
+            cumulative_logprob=None, logprobs=None, finish_reason=seq.finish_reason,
+            metrics=seq.metrics, num_tokens=len(seq.output_token_ids), error=seq.error)
+            for i, seq in enumerate(g.seqs)]
         first = g.seqs[0].metrics
         return RequestOutput(request_id=g.request_id, prompt=g.prompt,
                              prompt_token_ids=g.prompt_token_ids, outputs=completions,
@@ -333,29 +342,13 @@ class Engine:
         if detok.add_token(token):
             self.scheduler.finish(req, FinishReason.STOP_STRING)
 
-    def _make_output(self, g: _Group) -> RequestOutput:
-        completions = []
-        for i, (seq, detok) in enumerate(zip(g.seqs, g.detoks)):
-            new_ids = seq.output_token_ids[g.sent_tokens[i]:]
-            g.sent_tokens[i] = len(seq.output_token_ids)
-            # A finished sequence flushes what was held back for a possible stop string.
-            delta_text = detok.finish() if seq.is_finished else detok.pop_delta()
-            delta_lp: list[TokenLogprobs] = []
-            if g.params.logprobs is not None:
-                new = seq.output_logprobs[g.sent_logprobs[i]:]
-                g.sent_logprobs[i] = len(seq.output_logprobs)
-                delta_lp = [dict(items) for _, items in new]
-                g.cumulative_logprob[i] += sum(lp for lp, _ in new)
-            completions.append(CompletionOutput(
-                index=i, text=detok.text, token_ids=list(seq.output_token_ids),
-                cumulative_logprob=g.cumulative_logprob[i] if g.params.logprobs is not None
-                else None,
-                logprobs=[dict(items) for _, items in seq.output_logprobs]
-                if g.params.logprobs is not None else None,
-                finish_reason=seq.finish_reason, delta_text=delta_text,
-                delta_token_ids=new_ids, delta_logprobs=delta_lp, metrics=seq.metrics,
-                error=seq.error))
+    def _make_output(self, g: _Group) -> RequestOutput | None:
+        """The group's output for this step as its kind asks (None: a FINAL_ONLY request that
+        has not finished); what it reports is marked as sent."""
         finished = all(s.is_finished for s in g.seqs)
+        if g.kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None  # its detokenizers keep the text; the final output takes it all
+        completions = [self._completion(g, i) for i in range(len(g.seqs))]
         g.done_reported = finished
         first = g.seqs[0].metrics
         return RequestOutput(request_id=g.request_id, prompt=g.prompt,
@@ -363,3 +356,30 @@ class Engine:
                              finished=finished, metrics=first,
                              error=next((s.error for s in g.seqs if s.error), None),
                              num_cached_tokens=first.num_cached_tokens)
+
+    def _completion(self, g: _Group, i: int) -> CompletionOutput:
+        seq, detok = g.seqs[i], g.detoks[i]
+        new_ids = seq.output_token_ids[g.sent_tokens[i]:]
+        g.sent_tokens[i] = len(seq.output_token_ids)
+        # A finished sequence flushes what was held back for a possible stop string.
+        delta_text = detok.finish() if seq.is_finished else detok.pop_delta()
+        with_lp = g.params.logprobs is not None
+        new_lp = seq.output_logprobs[g.sent_logprobs[i]:]
+        g.cumulative_logprob[i] += sum(lp for lp, _ in new_lp)
+        delta_lp: list[TokenLogprobs] = [dict(items) for _, items in new_lp]
+        if g.kind is RequestOutputKind.DELTA:
+            # Nothing of a DELTA request is reported twice: the engine keeps no logprob
+            # history for it (its token ids stay: preemption recomputes from them).
+            seq.output_logprobs.clear()
+            g.sent_logprobs[i] = 0
+            text, ids, lps = "", [], ([] if with_lp else None)
+        else:
+            g.sent_logprobs[i] = len(seq.output_logprobs)
+            text, ids = detok.text, list(seq.output_token_ids)
+            lps = [dict(items) for _, items in seq.output_logprobs] if with_lp else None
+        return CompletionOutput(
+            index=i, text=text, token_ids=ids,
+            cumulative_logprob=g.cumulative_logprob[i] if with_lp else None, logprobs=lps,
+            finish_reason=seq.finish_reason, delta_text=delta_text, delta_token_ids=new_ids,
+            delta_logprobs=delta_lp, metrics=seq.metrics, num_tokens=len(seq.output_token_ids),
+            error=seq.error)

@@ -5,11 +5,15 @@ Data flow:
   `_Add` command to a lock-guarded list and wakes the loop thread -> the loop thread (the only
   thread that ever touches the Engine) drains the commands (add_request / abort) each
   iteration, runs `engine.step()`, and hands each RequestOutput to its request's
-  `asyncio.Queue` with one `loop.call_soon_threadsafe` per asyncio loop per step ->
-  `RequestStream` (an async iterator) yields them; leaving it early aborts the request.
+  `RequestSink` (`request_stream.py`: one pending output, later ones folded into it while
+  the reader is behind; past `max_stream_buffer_tokens` unread tokens the request is aborted
+  and the reader gets `StreamBufferFull`), waking the readers with one
+  `loop.call_soon_threadsafe` per asyncio loop per step -> `RequestStream` (an async
+  iterator) yields them; leaving it early aborts the request. Requests are added with the
+  caller's `RequestOutputKind` (DELTA by default: outputs carry only what is new).
   When nothing is in flight the loop thread sleeps on a condition variable (no busy spin).
 
-Admission errors come back through the same queue: a ValueError from `Engine.add_request`
+Admission errors come back through the same sink: a ValueError from `Engine.add_request`
 (naming the field) is raised by the stream's first `__anext__`. `QueueFull` is raised by
 `submit()` itself, at once, when more than `max_waiting` sequences would be waiting.
 
@@ -39,8 +43,14 @@ from typing import Callable, Protocol, Sequence
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.limits import (Admitted, EngineStats, check_not_in_flight,
                                     check_request_id)
-from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.serving.request_stream import (DEFAULT_MAX_STREAM_BUFFER_TOKENS, RequestSink,
+                                             RequestStream, StreamBufferFull, set_ready,
+                                             wake)
+
+__all__ = ["AsyncEngine", "EngineStopped", "QueueFull", "RequestStream", "StreamBufferFull",
+           "StepObserver"]
 
 log = logging.getLogger(__name__)
 
@@ -60,28 +70,14 @@ class StepObserver(Protocol):
         (`stepped`: a model step ran)."""
 
 
-_Item = RequestOutput | BaseException
-
-
-@dataclasses.dataclass(eq=False)
-class _Sink:
-    """Where one request's outputs go: a queue owned by one asyncio loop."""
-
-    request_id: str
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[_Item]
-    # Set by the loop thread before the final output is handed over (and before the id may
-    # be reused): a late abort from the consumer must not hit a new request with this id.
-    finished: bool = False
-
-
 @dataclasses.dataclass(eq=False)
 class _Add:
-    sink: _Sink
+    sink: RequestSink
     prompt: str | list[int] | Admitted
     params: SamplingParams
     priority: int
     arrival_time: float
+    output_kind: RequestOutputKind
 
 
 @dataclasses.dataclass(eq=False)
@@ -89,67 +85,21 @@ class _Abort:
     request_id: str  # "" aborts every request in flight
 
 
-def _deliver(items: list[tuple[asyncio.Queue[_Item], _Item]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
-
-
-class RequestStream:
-    """Async iterator over one request's RequestOutputs; ends after the finished one."""
-
-    def __init__(self, engine: "AsyncEngine", sink: _Sink):
-        self._engine = engine
-        self._sink = sink
-        self.done = False
-
-    @property
-    def request_id(self) -> str:
-        return self._sink.request_id
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.done:
-            raise StopAsyncIteration
-        item = await self._sink.queue.get()
-        if isinstance(item, BaseException):
-            self.done = True
-            raise item
-        if item.finished:
-            self.done = True
-        return item
-
-    def drain_ready(self) -> list[RequestOutput]:
-        """Outputs already queued (non-blocking), so a slow consumer can coalesce them."""
-        items: list[RequestOutput] = []
-        while not self.done and not self._sink.queue.empty():
-            item = self._sink.queue.get_nowait()
-            if isinstance(item, BaseException):
-                self._sink.queue.put_nowait(item)  # raised by the next __anext__
-                break
-            items.append(item)
-            self.done = item.finished
-        return items
-
-    def abort(self) -> None:
-        """Abort the request unless it already finished (idempotent, any thread)."""
-        if not self.done:
-            self.done = True
-            if not self._sink.finished:
-                self._engine.abort(self.request_id)
-
-
 class AsyncEngine:
     """Owns one thread that alone drives `engine`; see the module docstring."""
 
     def __init__(self, engine: Engine, max_waiting: int | None = None,
                  observers: Sequence[StepObserver] = (),
-                 on_failure: Callable[[BaseException], None] | None = None):
+                 on_failure: Callable[[BaseException], None] | None = None,
+                 max_stream_buffer_tokens: int | None = DEFAULT_MAX_STREAM_BUFFER_TOKENS):
         if max_waiting is not None and max_waiting < 1:
             raise ValueError(f"max_waiting={max_waiting} must be >= 1 (or None: unbounded)")
+        if max_stream_buffer_tokens is not None and max_stream_buffer_tokens < 1:
+            raise ValueError(f"max_stream_buffer_tokens={max_stream_buffer_tokens} must be "
+                             ">= 1 (or None: unbounded)")
         self.engine = engine
         self.max_waiting = max_waiting
+        self.max_stream_buffer_tokens = max_stream_buffer_tokens
         self._observers = tuple(observers)
         self._on_failure = on_failure
         self._cond = threading.Condition()
@@ -162,7 +112,7 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         # Loop-thread only: the sinks of requests the engine holds.
-        self._sinks: dict[str, _Sink] = {}
+        self._sinks: dict[str, RequestSink] = {}
 
     # ----------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -210,8 +160,11 @@ class AsyncEngine:
     # ----------------------------------------------------------------------- callers
     def submit(self, request_id: str, prompt: str | list[int] | Admitted,
                params: SamplingParams, priority: int = 0,
-               arrival_time: float | None = None) -> RequestStream:
+               arrival_time: float | None = None,
+               output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> RequestStream:
         """Queue a request from inside a running asyncio loop; returns its stream.
+        `output_kind`: what its outputs carry (DELTA: only what is new; FINAL_ONLY: one
+        output at the end; CUMULATIVE: copies of everything so far, every step).
 
         Raises InvalidRequest (a bad or duplicate id), QueueFull or EngineStopped at once; the
         engine's own validation errors are raised by the stream's first `__anext__` (none for
@@ -221,7 +174,7 @@ class AsyncEngine:
         if isinstance(prompt, Admitted):
             params = prompt.params
         loop = asyncio.get_running_loop()
-        sink = _Sink(request_id, loop, asyncio.Queue())
+        sink = RequestSink(request_id, loop, self.max_stream_buffer_tokens)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         with self._cond:
             if self._error is not None:
@@ -236,7 +189,7 @@ class AsyncEngine:
                                 f"{self.max_waiting}); retry later")
             self._in_flight.add(request_id)
             self._queued_seqs += params.n
-            self._commands.append(_Add(sink, prompt, params, priority, arrival))
+            self._commands.append(_Add(sink, prompt, params, priority, arrival, output_kind))
             self._cond.notify()
         return RequestStream(self, sink)
 
@@ -289,7 +242,8 @@ class AsyncEngine:
             rid = cmd.sink.request_id
             try:
                 self.engine.add_request(rid, cmd.prompt, cmd.params, priority=cmd.priority,
-                                        arrival_time=cmd.arrival_time)
+                                        arrival_time=cmd.arrival_time,
+                                        output_kind=cmd.output_kind)
             except Exception as e:  # noqa: BLE001 - ValueError: bad input; others: reported
                 rejected.append(rid)
                 cmd.sink.finished = True
@@ -302,7 +256,9 @@ class AsyncEngine:
             self._waiting_seqs = self.engine.stats().num_waiting
 
     def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], _Item]]] = \
+        """Each output into its request's sink; the readers with something new are woken with
+        one call per asyncio loop. A reader past its unread bound gets its request aborted."""
+        wakes: dict[asyncio.AbstractEventLoop, list[RequestSink]] = \
             collections.defaultdict(list)
         finished: list[str] = []
         for out in outputs:
@@ -313,21 +269,23 @@ class AsyncEngine:
                 del self._sinks[out.request_id]
                 sink.finished = True
                 finished.append(out.request_id)
-            batches[sink.loop].append((sink.queue, out))
-        for loop, items in batches.items():
+            woken, overflowed = sink.put(out)
+            if overflowed:  # its final ABORT output (dropped by the sink) frees its pages
+                self.engine.abort(out.request_id)
+            if woken:
+                wakes[sink.loop].append(sink)
+        for loop, sinks in wakes.items():
             try:
-                loop.call_soon_threadsafe(_deliver, items)
+                loop.call_soon_threadsafe(set_ready, sinks)
             except RuntimeError:
                 pass  # that loop is closed: nobody is left to read these outputs
         if finished:
             with self._cond:
                 self._in_flight.difference_update(finished)
 
-    def _send(self, sink: _Sink, item: _Item) -> None:
-        try:
-            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
-        except RuntimeError:
-            pass  # loop closed
+    def _send(self, sink: RequestSink, error: BaseException) -> None:
+        if sink.fail(error):
+            wake(sink)
 
     def _notify_observers(self, stats: EngineStats, outputs: Sequence[RequestOutput],
                           stepped: bool) -> None:

@@ -23,6 +23,7 @@ import time
 from typing import Protocol, Sequence
 
 from jaxserve.engine.limits import Admitted, check_not_in_flight
+from jaxserve.engine.outputs import RequestOutputKind
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.serving.async_engine import AsyncEngine, QueueFull, RequestStream
 from jaxserve.serving.router import ReplicaRouter
@@ -48,7 +49,8 @@ class AsyncServing(Protocol):
 
     def submit(self, request_id: str, prompt: str | list[int] | Admitted,
                params: SamplingParams, priority: int = 0,
-               arrival_time: float | None = None) -> RequestStream: ...
+               arrival_time: float | None = None,
+               output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> RequestStream: ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -106,7 +108,8 @@ class AsyncReplicaPool:
 
     def submit(self, request_id: str, prompt: str | list[int] | Admitted,
                params: SamplingParams, priority: int = 0,
-               arrival_time: float | None = None) -> RequestStream:
+               arrival_time: float | None = None,
+               output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> RequestStream:
         """Route, then `AsyncEngine.submit` on that replica (same errors)."""
         ids = prompt.token_ids if isinstance(prompt, Admitted) else prompt
         # Hashing a long prompt takes a while: not under the lock.
@@ -123,7 +126,7 @@ class AsyncReplicaPool:
             for i in (route.replica, *others):
                 try:
                     stream = self.replicas[i].submit(request_id, prompt, params, priority,
-                                                     arrival_time)
+                                                     arrival_time, output_kind)
                 except QueueFull as e:
                     error = e
                     continue

@@ -43,6 +43,7 @@ from jaxserve.models.paged import MODEL_AXIS
 from jaxserve.serving.async_engine import AsyncEngine
 from jaxserve.serving.async_replica_pool import AsyncReplicaPool, AsyncServing
 from jaxserve.serving.metrics import EngineMetrics
+from jaxserve.serving.request_stream import DEFAULT_MAX_STREAM_BUFFER_TOKENS
 from jaxserve.serving.replica_pool import ReplicaPool
 from jaxserve.serving.router import make_router
 
@@ -260,16 +261,18 @@ def build_served(config: EngineConfig, model: LoadedModel | None, progress: bool
 
 
 def start_serving(served: ServedModel, max_waiting: int | None,
-                  on_failure: Callable[[BaseException], None] | None = None
+                  on_failure: Callable[[BaseException], None] | None = None,
+                  max_stream_buffer_tokens: int | None = DEFAULT_MAX_STREAM_BUFFER_TOKENS
                   ) -> tuple[AsyncServing, EngineMetrics]:
     """Each replica's engine on its own loop thread (an AsyncEngine fed to its Prometheus
     view), behind a router when there are several; started. The metrics' registry holds
-    every replica's series."""
+    every replica's series. `max_stream_buffer_tokens`: per stream, see `request_stream`."""
     engines = served.engines
     max_tokens = served.engine.config.max_num_batched_tokens
     metrics = ([EngineMetrics(served.name, max_tokens)] if len(engines) == 1 else
                EngineMetrics.for_replicas(served.name, max_tokens, len(engines)))
-    replicas = [AsyncEngine(e, max_waiting, observers=[m], on_failure=on_failure)
+    replicas = [AsyncEngine(e, max_waiting, observers=[m], on_failure=on_failure,
+                            max_stream_buffer_tokens=max_stream_buffer_tokens)
                 for e, m in zip(engines, metrics)]
     serving: AsyncServing = replicas[0] if len(replicas) == 1 else AsyncReplicaPool(
         replicas, make_router(engines))

@@ -185,8 +185,8 @@ class EngineMetrics:
         if m.finished_time is not None:
             self.e2e.observe(m.finished_time - m.arrival_time)
         if m.first_token_time is not None and m.last_token_time is not None and \
-                len(c.token_ids) > 1:
-            self.tpot.observe((m.last_token_time - m.first_token_time) / (len(c.token_ids) - 1))
+                c.num_tokens > 1:
+            self.tpot.observe((m.last_token_time - m.first_token_time) / (c.num_tokens - 1))
 
 
 Authorize = Callable[[str | None], bool]  # an Authorization header value -> allowed?

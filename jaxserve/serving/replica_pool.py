@@ -20,7 +20,7 @@ from typing import Sequence
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.limits import (Admitted, EngineLimits, EngineStats, check_not_in_flight,
                                     check_request_id)
-from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.serving.router import ReplicaRouter
 
@@ -79,7 +79,8 @@ class ReplicaPool:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int] | Admitted,
                     params: SamplingParams | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         check_request_id(request_id)
         check_not_in_flight(request_id, self._owner)
         # Checked (and tokenized) once, here; the replica queues it as it is.
@@ -87,8 +88,8 @@ class ReplicaPool:
         loads = [e.num_requests for e in self.engines]
         route = self._router.choose(loads, self._router.page_hashes(admitted.token_ids))
         engine = self.engines[route.replica]
-        engine.add_request(request_id, admitted, priority=priority,
-                           arrival_time=arrival_time)  # ValueError: nothing was recorded
+        engine.add_request(request_id, admitted, priority=priority, arrival_time=arrival_time,
+                           output_kind=output_kind)  # ValueError: nothing was recorded
         self._router.record(route, route.replica)
         self._owner[request_id] = engine
 
