@@ -21,9 +21,12 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.errors import EngineDead
 from jaxserve.engine.fake_runner import ArithmeticRunner, InjectedFault
 from jaxserve.engine.limits import Admitted
+from jaxserve.engine.outputs import RequestOutputKind
 from jaxserve.engine.request import FinishReason
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.serving.async_engine import AsyncEngine, EngineStopped
+
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY  # these tests check each request's whole output
 
 MARK = 97  # the marker token a fault keys on: in no prompt but the culprit's
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -111,7 +114,8 @@ def test_fatal_fault_fails_the_async_engine_but_not_a_per_request_one() -> None:
 
     async def collect(on: AsyncEngine, rid: str, prompt: list[int]) -> object:
         last = None
-        async for out in on.submit(rid, prompt, SamplingParams(max_tokens=4, **GREEDY)):
+        async for out in on.submit(rid, prompt, SamplingParams(max_tokens=4, **GREEDY),
+                                        output_kind=FINAL_ONLY):
             last = out
         return last
 
@@ -252,7 +256,8 @@ def test_client_ids_never_collide_through_the_async_engine() -> None:
 
     async def collect(rid: str, prompt: list[int], n: int) -> object:
         last = None
-        async for out in ae.submit(rid, prompt, SamplingParams(max_tokens=8, n=n, **GREEDY)):
+        async for out in ae.submit(rid, prompt, SamplingParams(max_tokens=8, n=n, **GREEDY),
+                                        output_kind=FINAL_ONLY):
             last = out
         return last
 
