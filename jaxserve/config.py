@@ -137,6 +137,10 @@ class EngineConfig:
     # Several hosts: seconds without a step after which process 0 tells the others it is
     # alive (they wait inside a collective, which gloo abandons after 30 minutes).
     multihost_keepalive_s: float = 60.0
+    # Soak and chaos testing only: a request whose prompt starts with this token id fails in
+    # its first step (`engine.fault_injection`), so a test can send requests that fail on
+    # purpose and check that the others carry on. None: off (always, in production).
+    fault_injection_token: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -156,6 +160,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r} must be positive bytes")
+        if self.fault_injection_token is not None and self.fault_injection_token < 0:
+            raise ValueError(f"fault_injection_token={self.fault_injection_token} must be a "
+                             "token id (>= 0) or None")
         if not self.multihost_keepalive_s > 0:
             raise ValueError(f"multihost_keepalive_s={self.multihost_keepalive_s!r} must be > 0")
         if not 0 < self.kv_cache_memory_fraction <= 1:

@@ -46,7 +46,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import aiohttp  # noqa: E402
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
-from soak_kinds import KINDS, Ctx  # noqa: E402
+from soak_kinds import FAULT_KINDS, KINDS, Ctx  # noqa: E402
+
+ALL_KINDS = {**KINDS, **FAULT_KINDS}
 from tqdm import tqdm  # noqa: E402
 
 from jaxserve.server.client import AsyncClient  # noqa: E402
@@ -75,6 +77,7 @@ class SoakConfig:
     settle_s: float = 60.0
     start_timeout_s: float = 300.0
     progress: bool = True
+    fault_token: int | None = None  # --fault-injection-token for the server; adds FAULT_KINDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +200,7 @@ class LoadResult:
 async def _one(ctx: Ctx, name: str, rng: random.Random, timeout_s: float) -> tuple[str, str]:
     """(label, detail) of one request of kind `name`; client-side failures are labelled too."""
     try:
-        return await asyncio.wait_for(KINDS[name].send(ctx, rng), timeout_s), ""
+        return await asyncio.wait_for(ALL_KINDS[name].send(ctx, rng), timeout_s), ""
     except asyncio.TimeoutError:
         return "client_hang", f"no answer within {timeout_s} s"
     except Exception as e:  # noqa: BLE001 - every failure is an outcome to report
@@ -205,7 +208,8 @@ async def _one(ctx: Ctx, name: str, rng: random.Random, timeout_s: float) -> tup
 
 
 async def run_load(cfg: SoakConfig, server: ServeProcess, info: Any) -> LoadResult:
-    weights = {name: kind.weight for name, kind in KINDS.items()} | dict(cfg.mix)
+    kinds = ALL_KINDS if cfg.fault_token is not None else KINDS
+    weights = {name: kind.weight for name, kind in kinds.items()} | dict(cfg.mix)
     names = [n for n, w in weights.items() if w > 0]
     result, rng = LoadResult(), random.Random(cfg.seed)
     issued = 0
@@ -227,7 +231,7 @@ async def run_load(cfg: SoakConfig, server: ServeProcess, info: Any) -> LoadResu
             name = wrng.choices(names, [weights[n] for n in names])[0]
             label, detail = await _one(ctx, name, wrng, cfg.request_timeout_s)
             result.outcomes[name][label] += 1
-            if label not in KINDS[name].expected and len(result.unexpected) < 50:
+            if label not in ALL_KINDS[name].expected and len(result.unexpected) < 50:
                 result.unexpected.append({"kind": name, "outcome": label, "detail": detail})
             bar.update()
 
@@ -237,7 +241,7 @@ async def run_load(cfg: SoakConfig, server: ServeProcess, info: Any) -> LoadResu
         ctx = Ctx(grpc=client, http=http, http_url=server.http_url, model=info.model,
                   vocab_size=info.vocab_size, max_prompt=max_prompt, max_tokens=cfg.max_tokens,
                   long_tokens=min(8 * cfg.max_tokens, info.max_model_len - max_prompt),
-                  max_n=info.max_n, deadline_s=cfg.deadline_s)
+                  max_n=info.max_n, deadline_s=cfg.deadline_s, fault_token=cfg.fault_token)
         sampling = asyncio.create_task(sampler())
         await asyncio.gather(*(worker(ctx, random.Random(rng.random()))
                                for _ in range(cfg.concurrency)))
@@ -253,7 +257,7 @@ async def run_load(cfg: SoakConfig, server: ServeProcess, info: Any) -> LoadResu
 def checks(load: LoadResult, after: Snapshot, exit_code: int | None) -> dict[str, bool]:
     """The soak's pass conditions (see the module docstring)."""
     out = {"no unexpected outcome": not load.unexpected and all(
-               label in KINDS[name].expected for name, c in load.outcomes.items() for label in c),
+               label in ALL_KINDS[name].expected for name, c in load.outcomes.items() for label in c),
            "0 KV pages held": after.kv_pages_used == 0,
            "0 running, 0 waiting": after.running == 0 and after.waiting == 0,
            "health SERVING": after.health == "SERVING"}
@@ -304,6 +308,8 @@ def soak(cfg: SoakConfig, env: dict | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="jaxserve-soak-") as tmp:
         model = cfg.model or tiny_model_dir(pathlib.Path(tmp))
         args = list(cfg.server_args) or (TINY_SERVER_ARGS if cfg.model is None else [])
+        if cfg.fault_token is not None:
+            args += ["--fault-injection-token", str(cfg.fault_token)]
         server = ServeProcess(model, args, cfg.start_timeout_s, env)
         exit_code = None
         try:
@@ -334,22 +340,27 @@ def parse_args(argv: list[str] | None = None) -> tuple[SoakConfig, str | None]:
     ap.add_argument("--duration", type=float, default=None, help="seconds; stops issuing then")
     ap.add_argument("--max-prompt", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--mix", default="", help="kind=weight,... (kinds: " + ", ".join(KINDS) + ")")
+    ap.add_argument("--mix", default="",
+                    help="kind=weight,... (kinds: " + ", ".join(ALL_KINDS) + ")")
+    ap.add_argument("--fault-token", type=int, default=None,
+                    help="start the server with --fault-injection-token and send requests that "
+                         "fail on purpose (the tiny model's EOS id 2 is a good choice)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sample-interval", type=float, default=1.0)
     ap.add_argument("--json", default=None, help="write the summary here")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
     mix = tuple((k, float(w)) for k, w in (kv.split("=") for kv in a.mix.split(",") if kv))
-    unknown = [k for k, _ in mix if k not in KINDS]
+    unknown = [k for k, _ in mix if k not in ALL_KINDS]
     if unknown:
-        ap.error(f"--mix: unknown kinds {unknown}; known: {', '.join(KINDS)}")
+        ap.error(f"--mix: unknown kinds {unknown}; known: {', '.join(ALL_KINDS)}")
     requests = a.requests if a.requests is not None else (
         2000 if a.duration is None else sys.maxsize)
     cfg = SoakConfig(model=a.model, server_args=tuple(shlex.split(a.server_args)),
                      requests=requests, concurrency=a.concurrency, duration_s=a.duration,
                      max_prompt=a.max_prompt, max_tokens=a.max_tokens, mix=mix, seed=a.seed,
-                     sample_interval_s=a.sample_interval, progress=not a.no_progress)
+                     sample_interval_s=a.sample_interval, progress=not a.no_progress,
+                     fault_token=a.fault_token)
     return cfg, a.json
 
 

@@ -16,12 +16,14 @@ soak). Labels:
   http:<STATUS>             the HTTP answer had that status (400 for bad input)
   error:<ExceptionType>     the client itself failed (connection reset, ...): always unexpected
 
-Adding a kind (e.g. fault injection, once the server can fail one request's step on purpose):
-write `async def fault(ctx, rng) -> str` that sends the request which triggers the failure and
-returns "finish:ERROR" (or the gRPC/HTTP error label the server gives it), then register
-`"fault": Kind(weight, fault, frozenset({"finish:ERROR"}))` in KINDS. The soak's end checks
-(0 KV pages leaked, 0 running / waiting, health SERVING, no unexpected outcome in the other
-kinds) then show that the failure stayed with its own request.
+  stream_error              an HTTP stream ended with an `{"error": ...}` event
+
+Fault injection (`FAULT_KINDS`, run only when the server was started with
+`--fault-injection-token T`, `Ctx.fault_token`): requests whose prompt starts with T fail in
+their first step on purpose; the server must answer them with INTERNAL / 500 / an error event
+while the other kinds see nothing unusual, and the soak's end checks (0 KV pages held, 0
+running / waiting, health SERVING) show the failure stayed with its own request. Normal
+prompts never start with T (`_prompt` draws ids >= 3; the tiny model's T is its EOS id 2).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class Ctx:
     long_tokens: int  # max_tokens of the requests that are cancelled or time out mid-way
     max_n: int
     deadline_s: tuple[float, float]  # short gRPC deadlines / HTTP timeouts drawn in this range
+    fault_token: int | None = None  # the server's --fault-injection-token (None: off)
 
 
 Send = Callable[[Ctx, random.Random], Awaitable[str]]
@@ -229,6 +232,8 @@ async def _read_sse(resp: aiohttp.ClientResponse, body: dict[str, Any],
             choices = [{"finish_reason": finish.get(i)} for i in range(body.get("n", 1))]
             return _check_choices(choices, body)
         events += 1
+        if data.startswith(b'{"error"'):
+            return "stream_error"
         if stop_after is not None and events >= stop_after:
             return "cancelled"
         for ch in json.loads(data).get("choices", []):
@@ -290,6 +295,31 @@ async def http_bad(ctx: Ctx, rng: random.Random) -> str:
         return "ok" if resp.status == 200 else f"http:{resp.status}"
 
 
+# ------------------------------------------------------------------------- fault injection
+def _fault_prompt(ctx: Ctx, rng: random.Random) -> list[int]:
+    assert ctx.fault_token is not None, "fault kinds need --fault-injection-token"
+    return [ctx.fault_token, *_prompt(ctx, rng)]
+
+
+async def grpc_fault(ctx: Ctx, rng: random.Random) -> str:
+    p = _sampling(ctx, rng)
+    try:
+        msgs = [m async for m in ctx.grpc.stream(_fault_prompt(ctx, rng), p)]
+    except grpc.aio.AioRpcError as e:
+        return _grpc_label(e)
+    return _check_samples(fold(msgs), p)
+
+
+async def http_fault(ctx: Ctx, rng: random.Random) -> str:
+    body = dict(_body(ctx, rng, stream=rng.random() < 0.5), prompt=_fault_prompt(ctx, rng))
+    async with ctx.http.post(f"{ctx.http_url}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            return f"http:{resp.status}"
+        if body["stream"]:
+            return await _read_sse(resp, body)
+        return _check_choices((await resp.json())["choices"], body)
+
+
 def _fs(*labels: str) -> frozenset[str]:
     return frozenset(labels)
 
@@ -308,4 +338,9 @@ KINDS: dict[str, Kind] = {
     "http_cancel": Kind(5, http_cancel, _fs("cancelled", "ok", "http:429")),
     "http_timeout": Kind(5, http_timeout, _fs("deadline", "ok", "http:429")),
     "http_bad": Kind(5, http_bad, _fs("http:400")),
+}
+# Run only against a server with --fault-injection-token (soak.SoakConfig.fault_token).
+FAULT_KINDS: dict[str, Kind] = {
+    "grpc_fault": Kind(3, grpc_fault, _fs("grpc:INTERNAL", *BUSY)),
+    "http_fault": Kind(3, http_fault, _fs("http:500", "stream_error", "http:429")),
 }

@@ -19,7 +19,8 @@ from test_async_engine import fake_engine
 from jaxserve import SamplingParams
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.errors import EngineDead
-from jaxserve.engine.fake_runner import ArithmeticRunner, InjectedFault
+from jaxserve.engine.fake_runner import ArithmeticRunner
+from jaxserve.engine.fault_injection import InjectedFault
 from jaxserve.engine.limits import Admitted
 from jaxserve.engine.outputs import RequestOutputKind
 from jaxserve.engine.request import FinishReason

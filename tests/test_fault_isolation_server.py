@@ -22,7 +22,8 @@ from test_server_lifecycle import SERVING, health, wait_for
 
 from jaxserve import SamplingParams
 from jaxserve.engine.errors import EngineDead
-from jaxserve.engine.fake_runner import ArithmeticRunner, InjectedFault
+from jaxserve.engine.fake_runner import ArithmeticRunner
+from jaxserve.engine.fault_injection import InjectedFault
 from jaxserve.server.app import serve
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.client import Client

@@ -2,9 +2,12 @@
 against a real server process, then nothing may be left behind.
 
 The load: gRPC streams and whole answers, HTTP completions and streams, n > 1, logprobs, ~20%
-cancelled calls and short deadlines / client timeouts, and bad requests. Oracles: each request's
+cancelled calls and short deadlines / client timeouts, bad requests, and requests that fail
+inside an engine step on purpose (the server runs with --fault-injection-token: a prompt that
+starts with that token fails in its first step). Oracles: each request's
 outcome against its kind's expected outcomes (bad requests refused with INVALID_ARGUMENT / 400,
-no 5xx / UNKNOWN / INTERNAL / UNAVAILABLE, normal finishes within max_tokens), and the server's
+no 5xx / UNKNOWN / INTERNAL / UNAVAILABLE outside the fault kinds, which get exactly INTERNAL /
+500 / a stream error event, normal finishes within max_tokens), and the server's
 own gauges read from /metrics once it is idle: 0 KV pages held, 0 running, 0 waiting, health
 SERVING, a clean exit on SIGTERM. `scripts/soak.py` runs the long version.
 """
@@ -20,8 +23,9 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
 import soak  # noqa: E402
-from soak_kinds import KINDS  # noqa: E402
+from soak_kinds import FAULT_KINDS, KINDS  # noqa: E402
 
+FAULT_TOKEN = 2  # the tiny model's EOS id: no normal soak prompt starts with it
 BAD_LABELS = ("http:5", "grpc:UNKNOWN", "grpc:INTERNAL", "grpc:UNAVAILABLE", "error:",
               "client_hang")
 
@@ -30,22 +34,36 @@ BAD_LABELS = ("http:5", "grpc:UNKNOWN", "grpc:INTERNAL", "grpc:UNAVAILABLE", "er
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     cache = tmp_path_factory.mktemp("xla-cache")
     env = {**os.environ, "JAXSERVE_COMPILATION_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1"}
-    cfg = soak.SoakConfig(requests=300, concurrency=8, max_tokens=8, seed=1, progress=False)
+    cfg = soak.SoakConfig(requests=300, concurrency=8, max_tokens=8, seed=1, progress=False,
+                          fault_token=FAULT_TOKEN)
     return soak.soak(cfg, env)
 
 
 def test_every_request_got_an_expected_outcome(result: dict) -> None:
     assert result["requests"] == 300
     assert result["unexpected"] == []
-    labels = result["by_outcome"]
-    assert not [lb for lb in labels if lb.startswith(BAD_LABELS)], labels
-    assert set(result["outcomes"]) == set(KINDS)  # every kind ran
+    normal = {name: c for name, c in result["outcomes"].items() if name not in FAULT_KINDS}
+    bad = [(name, lb) for name, c in normal.items() for lb in c if lb.startswith(BAD_LABELS)]
+    assert not bad, normal
+    assert set(result["outcomes"]) == set(KINDS) | set(FAULT_KINDS)  # every kind ran
+    labels = collections.Counter()
+    for c in normal.values():
+        labels.update(c)
     # The hard cases really happened: cancellations, passed deadlines, refusals.
     assert labels.get("cancelled", 0) >= 10 and labels.get("deadline", 0) >= 1, labels
     assert result["outcomes"]["grpc_bad"] == {"grpc:INVALID_ARGUMENT":
                                               sum(result["outcomes"]["grpc_bad"].values())}
     assert result["outcomes"]["http_bad"] == {"http:400":
                                               sum(result["outcomes"]["http_bad"].values())}
+
+
+def test_injected_step_failures_stayed_with_their_requests(result: dict) -> None:
+    """Every fault request failed (INTERNAL / 500 / a stream error event; RESOURCE_EXHAUSTED
+    or 429 when refused under load) and no other request noticed (the test above)."""
+    for name in FAULT_KINDS:
+        got = result["outcomes"][name]
+        failed = sum(got.get(lb, 0) for lb in ("grpc:INTERNAL", "http:500", "stream_error"))
+        assert failed >= 1 and set(got) <= FAULT_KINDS[name].expected, got
 
 
 def test_nothing_left_behind(result: dict) -> None:

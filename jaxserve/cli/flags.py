@@ -45,6 +45,8 @@ _ENGINE_HELP = {
                              "others it is alive",
     "data_parallel_size": "independent engine replicas, each on its own tensor-parallel "
                           "devices; requests go to the least loaded or prefix-holding one",
+    "fault_injection_token": "testing only: a request whose prompt starts with this token id "
+                             "fails in its first step (finish reason error); others carry on",
     "compilation_cache_dir": "JAX persistent compilation cache directory (default: "
                              "$JAXSERVE_COMPILATION_CACHE_DIR or ~/.cache/jaxserve/xla)",
 }

@@ -32,6 +32,8 @@ from jaxserve.config import EngineConfig, RuntimeConfig, apply_runtime
 from jaxserve.device.model_runner import ModelRunner
 from jaxserve.device.multihost import LeaderRunner, agree_min
 from jaxserve.engine.engine import Engine
+from jaxserve.engine.fault_injection import FaultInjectingRunner, InjectedFault
+from jaxserve.engine.runner import Runner
 from jaxserve.engine.sizing import (EnginePlan, available_host_memory, free_device_memory,
                                     plan_engine)
 from jaxserve.kernels_pallas import padded_head_dim, select_impl
@@ -69,7 +71,7 @@ def build_engine(config: EngineConfig, model: LoadedModel | None = None,
     plan, runner = _make_runner(config, placed, _kv_budget([placed]))
     if jax.process_count() > 1:
         runner = LeaderRunner(runner, config.multihost_keepalive_s)
-    engine = Engine(config, plan, runner, placed.model.tokenizer,
+    engine = Engine(config, plan, _with_faults(config, runner), placed.model.tokenizer,
                     placed.model.config.eos_token_ids)
     if warmup:
         _warm_up([engine], progress)
@@ -114,7 +116,7 @@ def build_engines(config: EngineConfig, model: LoadedModel | None = None,
     engines = []
     for p in placed:
         plan, runner = _make_runner(config, p, free)
-        engines.append(Engine(config, plan, runner, p.model.tokenizer,
+        engines.append(Engine(config, plan, _with_faults(config, runner), p.model.tokenizer,
                               p.model.config.eos_token_ids))
     if warmup:
         _warm_up(engines, progress)
@@ -194,6 +196,16 @@ def _make_runner(config: EngineConfig, placed: _Placed,
     runner = ModelRunner(placed.run_cfg, placed.params, plan.batch_shape,
                          plan.scheduler.num_pages, kv_dtype, attn_impl, kv_head_dim, placed.mesh)
     return plan, runner
+
+
+def _with_faults(config: EngineConfig, runner: Runner) -> Runner:
+    """The runner, wrapped to fail on purpose when fault injection is on (testing only)."""
+    if config.fault_injection_token is None:
+        return runner
+    log.warning("fault injection on: steps holding token %d fail on purpose",
+                config.fault_injection_token)
+    return FaultInjectingRunner(runner, InjectedFault(
+        config.fault_injection_token, name_rows=True, times=None, at_start=True))
 
 
 def _warm_up(engines: list[Engine], progress: bool) -> None:
