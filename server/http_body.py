@@ -34,8 +34,10 @@ from jaxserve.server.openai_schema import ApiError, bad_request
 MAX_JSON_DEPTH = 32  # OpenAI's bodies nest 3 deep (a batch of token-id prompts)
 _UTF8_CHARSETS = ("utf-8", "ascii")  # codecs' canonical names; ASCII is a subset of UTF-8
 # A JSON string, escapes included (the unrolled form: no backtracking), and anything that is
-# not a bracket.
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# not a bracket. The closing quote is optional: an unterminated string then runs to the end in
+# one match, where a required quote would make the search fail and restart at every later
+# quote (quadratic: a 4 MiB body of `"\"\"...` would hold the event loop for hours).
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _STEPS = np.zeros(256, np.int8)  # a bracket's byte -> its step
 _STEPS[[ord("["), ord("{")]], _STEPS[[ord("]"), ord("}")]] = 1, -1

@@ -91,6 +91,18 @@ def test_json_depth_matches_the_parsed_value(text: str) -> None:
     assert json_depth(text) == depth(json.loads(text))
 
 
+def test_an_unterminated_string_is_one_linear_match(server: BackgroundServer) -> None:
+    """A body of `"\\"\\"...` with no closing quote: the string pattern must take it in one
+    match to the end (a pattern that needs the closing quote fails and restarts at every later
+    quote: quadratic, hours of event loop for a 4 MiB body), and the body is a 400."""
+    from jaxserve.server.http_body import _STRING
+    body = '"' + '\\"' * 20_000  # 40 KB
+    assert [m.span() for m in _STRING.finditer(body)] == [(0, len(body))]
+    assert json_depth(body) == 0
+    assert "not valid JSON" in error_of(post(server, body.encode()), 400)
+    assert_still_serves(server)
+
+
 def test_deep_nesting_is_a_400_not_a_recursion_error(server: BackgroundServer) -> None:
     deep = b"[" * 30_000 + b"]" * 30_000  # 60 KB: under the size limit
     assert "nests 30000 levels deep" in error_of(post(server, deep), 400)
