@@ -105,6 +105,7 @@ LLM_HTTP_CASES = [
     (IDS, dict(top_k=2**1024), "top_k", "must be -1 or 0 (disabled) or an integer in [1, "),
     (IDS, dict(temperature=1e39), "temperature", "temperature=1e+39 must be 0 (greedy) or in"),
     (IDS, dict(top_p=1e39), "top_p", "top_p=1e+39 must be in (0, 1]"),
+    (IDS, dict(temperature=10**400), "temperature", "must be a finite number"),  # OverflowError
     (IDS, dict(presence_penalty=1e39), "presence_penalty", "must be in [-2, 2]"),
     (IDS, dict(repetition_penalty=1e39), "repetition_penalty", "must be in [0.01, 100]"),
     (IDS, dict(seed=2**64), "seed", "must be an integer in [0, 18446744073709551615]"),

@@ -105,6 +105,12 @@ def test_parse_valid_lines_and_defaults() -> None:
     ('{"id": "a", "prompt": "w5", "temperature": -1}', True, "temperature=-1"),
     ('{"id": "a", "prompt": "w5", "max_tokens": 0}', True, "max_tokens=0"),
     ('{"id": "a", "prompt": "w5", "stop": 5}', True, "stop"),
+    # Values Python's json parses into exceptions other than JSONDecodeError / ValueError:
+    ('{"id": "a", "prompt": "w5", "temperature": 1' + "0" * 400 + '}', True,
+     "temperature=1000"),  # an int too large for a float: OverflowError in isfinite
+    ('{"id": "a", "prompt": "w5", "seed": ' + "9" * 5000 + '}', False, "invalid JSON"),
+    ("[" * 100_000 + "]" * 100_000, False, "invalid JSON"),  # RecursionError
+    ('{"id": "a", "prompt": "w5", "ignore_eos": "no"}', True, "ignore_eos='no' must be true"),
 ])
 def test_parse_errors_name_the_problem(text: str, has_id: bool, match: str) -> None:
     r = parse_line(text, 4)

@@ -81,8 +81,8 @@ def parse_line(text: str, line: int,
     none (the CLI's sampling flags)."""
     try:
         obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        return LineError(line, None, f"invalid JSON: {e}")
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, a number over 4300 digits,
+        return LineError(line, None, f"invalid JSON: {e}")  # nesting deeper than the stack
     if not isinstance(obj, dict):
         return LineError(line, None, f"a line must be a JSON object, got {type(obj).__name__}")
     if "id" not in obj:

@@ -99,8 +99,13 @@ class Finite(Rule):
     ok: Callable[[float], bool]
 
     def check(self, name: str, value: Any) -> None:
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or \
-                not math.isfinite(value):
+        finite = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if finite:
+            try:
+                finite = math.isfinite(value)
+            except OverflowError:  # an int too large for a float (e.g. 10**400 from JSON)
+                finite = False
+        if not finite:
             raise InvalidRequest(f"{name}={show(value)} must be a finite number {self.text}",
                                  name)
         if not self.ok(value):
@@ -258,6 +263,8 @@ class SamplingParams:
             value = getattr(self, f.name)
             if f.rule is not None and not (value is None and f.optional):
                 f.rule.check(f.name, value)
+            elif f.type is bool and not isinstance(value, bool):  # flags: no rule, one type
+                raise InvalidRequest(f"{f.name}={show(value)} must be true or false", f.name)
             if f.name == "min_tokens" and self.max_tokens is not None and \
                     self.min_tokens > self.max_tokens:  # after min_tokens' own range check
                 raise InvalidRequest(
