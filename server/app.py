@@ -270,5 +270,7 @@ async def serve(cfg: ServerConfig, factory: EngineFactory,
         for sig in installed:
             loop.remove_signal_handler(sig)
         await server.shutdown()
+    if failure is None and server.engine is not None and server.engine.error is not None:
+        failure = server.engine.error  # it failed while draining: still a restart
     if failure is not None:
         raise EngineDead(f"the engine failed: {failure}") from failure

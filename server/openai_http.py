@@ -40,6 +40,7 @@ field is accepted as given (any string); responses name the served model.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -211,6 +212,9 @@ class OpenAIHttpFront:
                 first = await stream.__anext__()  # the engine's own refusal comes here
             except QueueFull as e:
                 raise schema.ApiError(429, str(e), None, "rate_limit_error") from None
+            except StreamBufferFull as e:  # a non-streaming request's first output cannot be
+                raise schema.ApiError(  # unread for long; a stream's can, before this runs
+                    429, str(e), None, "rate_limit_error", "stream_buffer_full") from None
             except EngineStopped as e:
                 raise schema.unavailable(str(e)) from None
             except ValueError as e:
@@ -242,6 +246,17 @@ class OpenAIHttpFront:
                                            "Cache-Control": "no-cache",
                                            "X-Request-Id": head["id"]})
         await resp.prepare(request)
+
+        async def write(data: bytes) -> None:
+            # A client that stops reading blocks this once the socket buffers fill (its request
+            # is aborted by the bounded stream buffer meanwhile): it gets body_timeout seconds.
+            try:
+                async with asyncio.timeout(self._body_timeout):
+                    await resp.write(data)
+            except TimeoutError:
+                raise ConnectionResetError(f"the client read nothing for "
+                                           f"{self._body_timeout:g} s") from None
+
         done: set[int] = set()
         counts: dict[int, int] = {}
         offsets: dict[int, int] = {}  # characters of each sample's text sent so far
@@ -249,7 +264,7 @@ class OpenAIHttpFront:
             try:
                 async for out in outputs:
                     if out.error is not None:
-                        await resp.write(schema.sse(_failed(head, out.error).body))
+                        await write(schema.sse(_failed(head, out.error).body))
                         break
                     for c in out.outputs:
                         if c.index in done or (not c.delta_token_ids and c.finish_reason is None):
@@ -261,20 +276,22 @@ class OpenAIHttpFront:
                         offsets[c.index] = sent + len(c.delta_text)
                         lp = None if req.params.logprobs is None else schema.logprobs_json(
                             c.delta_logprobs, decode, sent)
-                        await resp.write(schema.sse({**head, "choices": [
+                        await write(schema.sse({**head, "choices": [
                             schema.choice(c, c.delta_text, lp)]}))
             except StreamBufferFull as e:
-                await resp.write(schema.sse(schema.ApiError(
+                await write(schema.sse(schema.ApiError(
                     429, str(e), None, "rate_limit_error", "stream_buffer_full").body))
             except EngineStopped as e:
-                await resp.write(schema.sse(schema.unavailable(str(e)).body))
+                await write(schema.sse(schema.unavailable(str(e)).body))
             if req.include_usage:
                 usage = schema.usage(prompt_tokens, sum(counts.values()))
-                await resp.write(schema.sse({**head, "choices": [], "usage": usage}))
-            await resp.write(schema.sse("[DONE]"))
+                await write(schema.sse({**head, "choices": [], "usage": usage}))
+            await write(schema.sse("[DONE]"))
             await resp.write_eof()
-        except ConnectionError:  # the client went away: the caller's `finally` aborts
-            log.debug("client disconnected request_id=%s", head["id"])
+        except ConnectionError as e:  # the client went away: the caller's `finally` aborts
+            log.debug("client disconnected request_id=%s: %s", head["id"], e)
+            if request.transport is not None:
+                request.transport.close()  # (a stuck reader's socket: not left open)
         return resp
 
     async def _collect(self, head: dict[str, Any], outputs: AsyncIterator[RequestOutput],

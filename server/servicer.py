@@ -14,8 +14,8 @@ Status codes: INVALID_ARGUMENT for any bad field (message names it in this servi
 RESOURCE_EXHAUSTED when the waiting queue is full or when the client left more than
 `max_stream_buffer_tokens` tokens unread (the request was aborted; the message says so),
 UNAVAILABLE while warming up / draining / after an engine failure, INTERNAL for bugs and for
-a request a failed engine step finished with ERROR (the chunks read before it were sent; the
-message names the request and the failure).
+a request a failed engine step finished with ERROR (the message names the request and the
+failure; the chunks of earlier outputs were sent, the failing output's own tokens are not).
 """
 
 from __future__ import annotations

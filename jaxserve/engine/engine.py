@@ -312,15 +312,19 @@ class Engine:
                 touched[group.request_id] = group
 
     def _error_output(self, g: _Group, message: str) -> RequestOutput:
-        """A final output for a request whose output could not be built: every sample not
-        finished otherwise ends with ERROR."""
-        self._fail([(g.seqs[0], message)], {})
+        """A final output for a request whose output could not be built: its unfinished
+        samples end with ERROR (finished ones keep their reason; no sample is blamed), the
+        text is lost, the token ids are reported as its output kind asks."""
+        for seq in g.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.ERROR, message)
         g.done_reported = True
         delta = g.kind is RequestOutputKind.DELTA  # a stream has had its tokens already
         completions = [CompletionOutput(
             index=i, text="", token_ids=[] if delta else list(seq.output_token_ids),
             cumulative_logprob=None, logprobs=None, finish_reason=seq.finish_reason,
-            metrics=seq.metrics, num_tokens=len(seq.output_token_ids), error=seq.error)
+            delta_token_ids=seq.output_token_ids[g.sent_tokens[i]:], metrics=seq.metrics,
+            num_tokens=len(seq.output_token_ids), error=seq.error)
             for i, seq in enumerate(g.seqs)]
         first = g.seqs[0].metrics
         return RequestOutput(request_id=g.request_id, prompt=g.prompt,
