@@ -373,5 +373,7 @@ def test_openai_http_target_against_jaxserve_http_front() -> None:
     s = doc["points"][0]["summary"]
     assert (s["completed"], s["failed"]) == (5, 0) and s["output_tokens"] == 20
     assert s["prompt_tokens"] == sum(r.prompt_len for r in build_requests(wl, 6)[1:])
-    assert len(doc["points"][0]["samples"]["itl_s"]) == 15  # one SSE event per token
+    # One ITL per SSE event after a request's first: at most one event per token (15 gaps for 5
+    # requests of 4 tokens), fewer when the handler fell behind and got coalesced deltas.
+    assert 1 <= len(doc["points"][0]["samples"]["itl_s"]) <= 15
 
