@@ -117,14 +117,16 @@ def test_stream_equals_offline_engine(server: BackgroundServer, oracle) -> None:
         "stream_options": {"include_usage": True}}))
     *chunks, usage, done = events
     assert done == "[DONE]"
-    assert len(chunks) == 12  # one event per engine output, one token each
+    # One event per engine output (one token each), or fewer when the handler fell behind
+    # and got coalesced deltas; never more, and the last one carries the finish reason.
+    assert 1 <= len(chunks) <= 12
     for i, c in enumerate(chunks):
         assert c["object"] == "text_completion" and c["model"] == "tiny"
         assert c["id"] == chunks[0]["id"] and c["id"].startswith("cmpl-")
         assert isinstance(c["created"], int)
         [choice] = c["choices"]
         assert choice["index"] == 0 and choice["logprobs"] is None
-        assert choice["finish_reason"] == ("length" if i == 11 else None)
+        assert choice["finish_reason"] == ("length" if i == len(chunks) - 1 else None)
     assert "".join(c["choices"][0]["text"] for c in chunks) == want.outputs[0].text
     assert usage["choices"] == [] and usage["id"] == chunks[0]["id"]
     n_prompt = len(oracle.tokenizer.encode(prompt))
