@@ -283,6 +283,13 @@ class Admission:
         return await asyncio.get_running_loop().run_in_executor(
             self._lane(inp), admit_input, inp, params, self.limits, self.tokenizer)
 
+    async def detokenize(self, token_ids: Sequence[Any]) -> str:
+        """The text of prompt-like token ids (checked as a prompt's: non-empty, within
+        max_model_len and the vocabulary; special tokens kept), off the event loop."""
+        ids = self.limits.check_prompt_ids(token_ids)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, lambda: self.tokenizer.decode(ids, skip_special_tokens=False))
+
     def close(self) -> None:
         for pool in (self._pool, self._large_pool):
             pool.shutdown(wait=False, cancel_futures=True)
