@@ -259,7 +259,8 @@ class Admission:
         if inp.chat is not None:
             if inp.chat_template is not None and not self.trust_request_chat_template:
                 raise InvalidRequest("chat_template in a request is refused: this server does "
-                                     "not trust request chat templates", "chat_template")
+                                     "not trust request chat templates (jaxserve serve "
+                                     "--trust-request-chat-template)", "chat_template")
             check_chat(inp.chat, self.limits.max_prompt_bytes)
         else:
             check_prompt_text(inp.text, self.limits.max_prompt_bytes)
