@@ -51,6 +51,9 @@ class ServerConfig:
     # The priorities callers of the fronts may set (lower runs first; the proto field is
     # int32). The default lets a client only lower its own; the offline API is not limited.
     client_priority_range: tuple[int, int] = DEFAULT_CLIENT_PRIORITY_RANGE
+    # A chat request may bring its own chat_template (vLLM's --trust-request-chat-template):
+    # off by default, since a template is code that runs on a shared tokenizer thread.
+    trust_request_chat_template: bool = False
     # Tokens (over all samples) a stream may leave unread before its request is aborted with
     # RESOURCE_EXHAUSTED / an error event naming this knob; outputs that arrive while the
     # client is not reading are coalesced up to it. None: no bound (coalescing only).

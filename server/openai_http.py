@@ -1,4 +1,7 @@
-"""OpenAI-compatible HTTP front (aiohttp.web): /v1/completions, /v1/models, /health.
+"""OpenAI-compatible HTTP front (aiohttp.web): /v1/completions, /v1/chat/completions
+(`openai_chat`), /v1/models, /health, and vLLM's /version, /tokenize, /detokenize
+(`openai_extras`); the generation plumbing both completions endpoints share is
+`openai_stream`.
 
 It shares the gRPC server's asyncio loop, AsyncEngine and `Admission` (`jaxserve serve
 --http-port PORT`; `app.GrpcServer` starts, attaches and stops it).
@@ -24,7 +27,8 @@ Data flow of `POST /v1/completions`:
                   client); one SSE event `data: {text_completion chunk}` per sample that got
                   new tokens (or finished) in each RequestOutput, then with
                   `stream_options.include_usage` one chunk with `"choices": []` and
-                  `"usage"`, then `data: [DONE]`. A client that leaves more than
+                  `"usage"` (with `continuous_usage_stats`, usage in every chunk too),
+                  then `data: [DONE]`. A client that leaves more than
                   `max_stream_buffer_tokens` unread has its request aborted: it gets an
                   error event (`{"error": {..., "code": "stream_buffer_full"}}`), then
                   `[DONE]`;
@@ -40,23 +44,22 @@ field is accepted as given (any string); responses name the served model.
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from jaxserve.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.outputs import RequestOutput
+from jaxserve.server import openai_chat, openai_extras, openai_stream
 from jaxserve.server import openai_schema as schema
 from jaxserve.server.auth import ApiKeys
 from jaxserve.server.http_body import read_json
 from jaxserve.server.inflight import InFlight
 from jaxserve.serving import admission
-from jaxserve.serving.async_engine import (EngineStopped, QueueFull, RequestStream,
-                                           StreamBufferFull)
+from jaxserve.serving.async_engine import RequestStream
 from jaxserve.serving.async_replica_pool import AsyncServing
 from jaxserve.serving.build import ServedModel
 
@@ -65,18 +68,6 @@ OPEN_PATHS = ("/health",)  # probes send no key
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _MAX_LINGER_S = 10.0  # aiohttp's default lingering_time
 _CLOSE_AFTER = (408, 413)  # the rest of the body may never come, or is not wanted
-
-
-async def _outputs(first: RequestOutput, stream: RequestStream
-                   ) -> AsyncIterator[RequestOutput]:
-    yield first
-    async for out in stream:
-        yield out
-
-
-def _failed(head: dict[str, Any], error: str) -> schema.ApiError:
-    """A request the engine finished with ERROR, as OpenAI's server error."""
-    return schema.ApiError(500, f"request {head['id']} failed: {error}", None, "server_error")
 
 
 # --------------------------------------------------------------------------- the app
@@ -88,9 +79,9 @@ class OpenAIHttpFront:
                  body_timeout: float = 60.0):
         self._auth = ApiKeys(api_keys) if api_keys else None
         self._tokenizer_threads = tokenizer_threads
-        self._max_body_bytes = max_body_bytes
+        self.max_body_bytes = max_body_bytes
         self._keepalive_timeout = keepalive_timeout
-        self._body_timeout = body_timeout
+        self.body_timeout = body_timeout
         self._engine: AsyncServing | None = None
         self._served: ServedModel | None = None
         self._admission: admission.Admission | None = None
@@ -103,7 +94,14 @@ class OpenAIHttpFront:
             return await self._guard(request, handler)
 
         self.app = web.Application(middlewares=[middleware], client_max_size=max_body_bytes)
+        routes: list[tuple[str, str, Callable[..., Awaitable[web.StreamResponse]]]] = [
+            ("POST", "/v1/chat/completions", openai_chat.chat_completions),
+            ("GET", "/version", openai_extras.version),
+            ("POST", "/tokenize", openai_extras.tokenize),
+            ("POST", "/detokenize", openai_extras.detokenize)]
         self.app.router.add_post("/v1/completions", self.completions)
+        for method, path, handler in routes:  # the endpoints in other modules
+            self.app.router.add_route(method, path, functools.partial(handler, self))
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
 
@@ -120,7 +118,7 @@ class OpenAIHttpFront:
         # than a reset; no longer than a body may take anyway.
         runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
                                keepalive_timeout=self._keepalive_timeout,
-                               lingering_time=min(_MAX_LINGER_S, self._body_timeout))
+                               lingering_time=min(_MAX_LINGER_S, self.body_timeout))
         await runner.setup()
         site = web.TCPSite(runner, host, port, reuse_port=False)
         try:
@@ -171,7 +169,7 @@ class OpenAIHttpFront:
             return schema.ApiError(500, "internal server error (a bug; the server logged it)",
                                    None, "internal_server_error").response()
 
-    def _ready(self) -> tuple[AsyncServing, ServedModel, admission.Admission]:
+    def ready(self) -> tuple[AsyncServing, ServedModel, admission.Admission]:
         engine, served, admit = self._engine, self._served, self._admission
         if self.calls.draining:
             raise schema.unavailable("the server is shutting down")
@@ -184,133 +182,81 @@ class OpenAIHttpFront:
     # ----------------------------------------------------------------------- endpoints
     async def health(self, request: web.Request) -> web.Response:
         try:
-            self._ready()
+            self.ready()
         except schema.ApiError as e:
             return web.json_response({"status": "unavailable", "reason": e.message},
                                      status=503)
         return web.json_response({"status": "ok"})
 
     async def models(self, request: web.Request) -> web.Response:
-        _, served, admit = self._ready()
+        _, served, admit = self.ready()
         return web.json_response({"object": "list", "data": [{
             "id": served.name, "object": "model", "created": 0, "owned_by": "jaxserve",
             "max_model_len": admit.limits.max_model_len}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        engine, served, admit = self._ready()
+        engine, served, admit = self.ready()
         arrival = time.monotonic()
-        body = await read_json(request, self._max_body_bytes, self._body_timeout)
+        body = await read_json(request, self.max_body_bytes, self.body_timeout)
         req = schema.parse_completion(body)
         self.calls.enter()
-        stream: RequestStream | None = None
+        streams: list[RequestStream] = []
         try:
             rid = f"cmpl-{uuid.uuid4().hex}"
-            try:
-                admitted = await admit.admit(rid, req.prompt, req.params)
-                kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-                stream = engine.submit(rid, admitted, req.params, 0, arrival, kind)
-                first = await stream.__anext__()  # the engine's own refusal comes here
-            except QueueFull as e:
-                raise schema.ApiError(429, str(e), None, "rate_limit_error") from None
-            except StreamBufferFull as e:  # a non-streaming request's first output cannot be
-                raise schema.ApiError(  # unread for long; a stream's can, before this runs
-                    429, str(e), None, "rate_limit_error", "stream_buffer_full") from None
-            except EngineStopped as e:
-                raise schema.unavailable(str(e)) from None
-            except ValueError as e:
-                raise schema.invalid(e) from None
-            ids = admitted.token_ids
-            log.debug("http request admitted request_id=%s prompt_tokens=%d", rid, len(ids))
+            run = await openai_stream.start(engine, admit, rid, req.prompt, req.params,
+                                            req.priority, arrival, req.stream, streams.append)
             head = {"id": rid, "object": "text_completion", "created": int(time.time()),
                     "model": served.name}
-            decode = self._decoder(admit)
-            outputs = _outputs(first, stream)
+            decode = decoder(admit)
             if req.stream:
-                return await self._stream(request, req, head, outputs, len(ids), decode)
-            return await self._collect(head, outputs, len(ids), req.params, decode)
+                return await self._stream(request, req, head, run, decode)
+            final, cached = await openai_stream.collect(rid, run.outputs)
+            choices = [schema.choice(c, c.text, schema.logprobs_json(c.logprobs or [], decode, 0)
+                                     if req.params.logprobs is not None else None)
+                       for c in final]
+            completion = sum(c.num_tokens for c in final)
+            return web.json_response({**head, "choices": choices, "usage": schema.usage(
+                run.prompt_tokens, completion)})
         finally:
-            if stream is not None:
+            for stream in streams:
                 stream.abort()  # no-op once finished; disconnects and failed writes land here
             self.calls.exit()
 
-    @staticmethod
-    def _decoder(admit: admission.Admission) -> Callable[[int], str]:
-        tok = admit.tokenizer
-        return lambda tid: tok.decode([tid], skip_special_tokens=False)
-
     async def _stream(self, request: web.Request, req: schema.CompletionRequest,
-                      head: dict[str, Any],
-                      outputs: AsyncIterator[RequestOutput], prompt_tokens: int,
+                      head: dict[str, Any], run: openai_stream.Started,
                       decode: Callable[[int], str]) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache",
-                                           "X-Request-Id": head["id"]})
-        await resp.prepare(request)
-
-        async def write(data: bytes) -> None:
-            # A client that stops reading blocks this once the socket buffers fill (its request
-            # is aborted by the bounded stream buffer meanwhile): it gets body_timeout seconds.
-            try:
-                async with asyncio.timeout(self._body_timeout):
-                    await resp.write(data)
-            except TimeoutError:
-                raise ConnectionResetError(f"the client read nothing for "
-                                           f"{self._body_timeout:g} s") from None
-
         done: set[int] = set()
         counts: dict[int, int] = {}
         offsets: dict[int, int] = {}  # characters of each sample's text sent so far
-        try:
-            try:
-                async for out in outputs:
-                    if out.error is not None:
-                        await write(schema.sse(_failed(head, out.error).body))
-                        break
-                    for c in out.outputs:
-                        if c.index in done or (not c.delta_token_ids and c.finish_reason is None):
-                            continue
-                        if c.finish_reason is not None:
-                            done.add(c.index)
-                        counts[c.index] = c.num_tokens
-                        sent = offsets.get(c.index, 0)
-                        offsets[c.index] = sent + len(c.delta_text)
-                        lp = None if req.params.logprobs is None else schema.logprobs_json(
-                            c.delta_logprobs, decode, sent)
-                        await write(schema.sse({**head, "choices": [
-                            schema.choice(c, c.delta_text, lp)]}))
-            except StreamBufferFull as e:
-                await write(schema.sse(schema.ApiError(
-                    429, str(e), None, "rate_limit_error", "stream_buffer_full").body))
-            except EngineStopped as e:
-                await write(schema.sse(schema.unavailable(str(e)).body))
-            if req.include_usage:
-                usage = schema.usage(prompt_tokens, sum(counts.values()))
-                await write(schema.sse({**head, "choices": [], "usage": usage}))
-            await write(schema.sse("[DONE]"))
-            await resp.write_eof()
-        except ConnectionError as e:  # the client went away: the caller's `finally` aborts
-            log.debug("client disconnected request_id=%s: %s", head["id"], e)
-            if request.transport is not None:
-                request.transport.close()  # (a stuck reader's socket: not left open)
-        return resp
 
-    async def _collect(self, head: dict[str, Any], outputs: AsyncIterator[RequestOutput],
-                       prompt_tokens: int, params: SamplingParams,
-                       decode: Callable[[int], str]) -> web.Response:
-        final: dict[int, CompletionOutput] = {}
-        try:
-            async for out in outputs:
-                for c in out.outputs:
-                    if c.index not in final or final[c.index].finish_reason is None:
-                        final[c.index] = c
-        except EngineStopped as e:
-            raise schema.unavailable(str(e)) from None
-        failed = next((c.error for c in final.values() if c.error is not None), None)
-        if failed is not None:
-            raise _failed(head, failed)
-        choices = [schema.choice(c, c.text, schema.logprobs_json(c.logprobs or [], decode, 0)
-                           if params.logprobs is not None else None)
-                   for _, c in sorted(final.items())]
-        completion = sum(c.num_tokens for c in final.values())
-        return web.json_response({**head, "choices": choices,
-                                  "usage": schema.usage(prompt_tokens, completion)})
+        def chunks(out: RequestOutput) -> list[dict[str, Any]]:
+            events = []
+            for c in out.outputs:
+                if c.index in done or (not c.delta_token_ids and c.finish_reason is None):
+                    continue
+                if c.finish_reason is not None:
+                    done.add(c.index)
+                counts[c.index] = c.num_tokens
+                sent = offsets.get(c.index, 0)
+                offsets[c.index] = sent + len(c.delta_text)
+                lp = None if req.params.logprobs is None else schema.logprobs_json(
+                    c.delta_logprobs, decode, sent)
+                events.append({**head, "choices": [schema.choice(c, c.delta_text, lp)]})
+                if req.include_usage and req.continuous_usage_stats:
+                    events[-1]["usage"] = schema.usage(run.prompt_tokens, sum(counts.values()))
+            return events
+
+        def tail() -> list[dict[str, Any]]:
+            if not req.include_usage:
+                return []
+            return [{**head, "choices": [],
+                     "usage": schema.usage(run.prompt_tokens, sum(counts.values()))}]
+
+        return await openai_stream.stream_sse(request, head["id"], run.outputs, chunks, tail,
+                                              self.body_timeout)
+
+
+def decoder(admit: admission.Admission) -> Callable[[int], str]:
+    """One token id -> its text (special tokens kept), for logprobs."""
+    tok = admit.tokenizer
+    return lambda tid: tok.decode([tid], skip_special_tokens=False)

@@ -30,7 +30,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; null: up to max
 # types call for: booleans, lists); None means unset. max_tokens has this front's default.
 _SAMPLING_FIELDS = tuple(f for f in SAMPLING_FIELDS if f.name != "max_tokens")
 _LIST_FIELDS = tuple(f for f in SAMPLING_FIELDS if f.type is tuple)
-_BOOL_FIELDS = tuple(f.name for f in SAMPLING_FIELDS if f.type is bool) + ("stream", "echo")
+_BOOL_FIELDS = tuple(f.name for f in SAMPLING_FIELDS if f.type is bool)
 _JSON_SEPARATORS = (",", ":")
 
 
@@ -61,9 +61,11 @@ def _field_of(error: ValueError, default: str) -> str:
     return "prompt" if field == "prompt_token_ids" else field  # ids are a prompt here
 
 
-def invalid(error: ValueError) -> ApiError:
-    """An admission / engine refusal as a 400 in this API's field names."""
-    param = _field_of(error, "prompt")
+def invalid(error: ValueError, rename: dict[str, str] | None = None) -> ApiError:
+    """An admission / engine refusal as a 400 in this API's field names (`rename`: an
+    endpoint's own names of some fields)."""
+    field = admission.InvalidRequest.of(error).field
+    param = (rename or {}).get(field or "") or _field_of(error, "prompt")
     return bad_request(admission.InvalidRequest.of(error).message_as(param), param)
 
 
@@ -73,6 +75,8 @@ class CompletionRequest:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage in every chunk (with include_usage)
+    priority: int = 0
 
 
 def _is_int(v: object) -> bool:
@@ -105,15 +109,64 @@ def parse_prompt(prompt: object) -> admission.PromptInput:
     raise bad_request("prompt must be a string or a list of token ids", "prompt")
 
 
-def parse_completion(body: object) -> CompletionRequest:
-    """Validate a /v1/completions body; ApiError(400) naming the field otherwise."""
+def check_common(body: object, bools: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The checks every generation body gets: a JSON object, booleans (the registry's and
+    `bools`), `model` a string, `user` a string, `priority` an integer, fields this server
+    does not have yet refused by name."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    for name in _BOOL_FIELDS:
+    for name in _BOOL_FIELDS + bools:
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise bad_request(f"{name}={body[name]!r} must be a boolean", name)
-    if "model" in body and body["model"] is not None and not isinstance(body["model"], str):
-        raise bad_request(f"model={body['model']!r} must be a string", "model")
+    for name in ("model", "user"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise bad_request(f"{name}={body[name]!r} must be a string", name)
+    if body.get("priority") is not None and not _is_int(body["priority"]):
+        raise bad_request(f"priority={body['priority']!r} must be an integer", "priority")
+    if body.get("logit_bias") is not None:
+        raise bad_request("logit_bias is not supported yet", "logit_bias")
+    return body
+
+
+def parse_stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of `stream_options` (stream=true only)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False, False
+    if not body.get("stream"):
+        raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+    flags = ("include_usage", "continuous_usage_stats")
+    if not isinstance(options, dict) or not all(
+            isinstance(options.get(k, False), bool) for k in flags):
+        raise bad_request("stream_options must be an object like {\"include_usage\": true}",
+                          "stream_options")
+    return bool(options.get("include_usage")), bool(options.get("continuous_usage_stats"))
+
+
+def sampling_params(body: dict[str, Any], max_tokens: int | None,
+                    rename: dict[str, str] | None = None, **fields: Any) -> SamplingParams:
+    """The registry's fields as the body gives them (None: unset), `max_tokens`, then
+    `fields` (a front's own mapping, e.g. chat's logprobs); `rename`: this API's name of a
+    registry field, for the 400's `param`."""
+    kwargs: dict[str, Any] = {f.name: body[f.name] for f in _SAMPLING_FIELDS
+                              if body.get(f.name) is not None and f.name not in fields}
+    kwargs["max_tokens"] = max_tokens
+    kwargs.update(fields)
+    for f in _LIST_FIELDS:
+        if f.name in kwargs and not _list_value(f, kwargs[f.name]):
+            text = f.rule.text if f.rule is not None else "a list"
+            raise bad_request(f"{f.name} must be {text}", f.name)
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        field = _field_of(e, "prompt")
+        wire = (rename or {}).get(field, field)
+        raise bad_request(admission.InvalidRequest.of(e).message_as(wire), wire) from None
+
+
+def parse_completion(body: object) -> CompletionRequest:
+    """Validate a /v1/completions body; ApiError(400) naming the field otherwise."""
+    body = check_common(body, ("stream", "echo"))
     if body.get("echo"):
         raise bad_request("echo=true is not supported", "echo")
     if body.get("suffix") is not None:
@@ -121,30 +174,11 @@ def parse_completion(body: object) -> CompletionRequest:
     if body.get("best_of") is not None and body["best_of"] != body.get("n", 1):
         raise bad_request("best_of is not supported (leave it unset or equal to n)", "best_of")
     stream = bool(body.get("stream"))
-    options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not stream:
-            raise bad_request("stream_options is only allowed with stream=true",
-                              "stream_options")
-        if not isinstance(options, dict) or not isinstance(
-                options.get("include_usage", False), bool):
-            raise bad_request("stream_options must be an object like {\"include_usage\": true}",
-                              "stream_options")
-        include_usage = bool(options.get("include_usage", False))
+    include_usage, continuous = parse_stream_options(body)
     prompt = parse_prompt(body.get("prompt"))
-    kwargs: dict[str, Any] = {f.name: body[f.name] for f in _SAMPLING_FIELDS
-                              if body.get(f.name) is not None}
-    kwargs["max_tokens"] = body.get("max_tokens", DEFAULT_MAX_TOKENS)
-    for f in _LIST_FIELDS:
-        if f.name in kwargs and not _list_value(f, kwargs[f.name]):
-            text = f.rule.text if f.rule is not None else "a list"
-            raise bad_request(f"{f.name} must be {text}", f.name)
-    try:
-        params = SamplingParams(**kwargs)
-    except ValueError as e:
-        raise bad_request(str(e), _field_of(e, "prompt")) from None
-    return CompletionRequest(prompt, params, stream, include_usage)
+    params = sampling_params(body, body.get("max_tokens", DEFAULT_MAX_TOKENS))
+    return CompletionRequest(prompt, params, stream, include_usage, continuous,
+                             body.get("priority") or 0)
 
 
 def logprobs_json(entries: list[TokenLogprobs], decode: Callable[[int], str],
@@ -169,9 +203,15 @@ def choice(c: CompletionOutput, text: str, logprobs: dict[str, Any] | None) -> d
     return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int,
+          cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object (`cached_tokens`: prompt tokens the prefix cache served)."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens,
+                           "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def sse(obj: object) -> bytes:

@@ -334,6 +334,8 @@ def test_serve_flags_reach_the_server_config(monkeypatch: pytest.MonkeyPatch) ->
         return server_config_from_args(build_parser().parse_args(["serve", *argv]))
     assert config() == ServerConfig()  # the flags' defaults are the config's
     got = config("--http-keepalive-timeout", "5", "--http-body-timeout", "7",
-                 "--grpc-idle-timeout", "9", "--grpc-keepalive-time", "11", "--metrics-no-auth")
+                 "--grpc-idle-timeout", "9", "--grpc-keepalive-time", "11", "--metrics-no-auth",
+                 "--trust-request-chat-template")
     assert (got.http_keepalive_timeout, got.http_body_timeout, got.grpc_idle_timeout,
-            got.grpc_keepalive_time, got.metrics_no_auth) == (5.0, 7.0, 9.0, 11.0, True)
+            got.grpc_keepalive_time, got.metrics_no_auth, got.trust_request_chat_template) == \
+        (5.0, 7.0, 9.0, 11.0, True, True)

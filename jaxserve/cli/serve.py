@@ -102,6 +102,9 @@ def _add_connection_flags(n: Any) -> None:
     n.add_argument("--metrics-no-auth", action="store_true",
                    help="serve /metrics to anyone even when API keys are set (default: "
                         "/metrics asks for the key like the API)")
+    n.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let chat requests bring their own chat_template (default: refused; "
+                        "a template is code run on a shared tokenizer thread)")
 
 
 def add_client_parser(sub: Any) -> None:
@@ -141,6 +144,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         http_body_timeout=args.http_body_timeout, grpc_idle_timeout=args.grpc_idle_timeout,
         grpc_keepalive_time=args.grpc_keepalive_time, metrics_no_auth=args.metrics_no_auth,
         client_priority_range=(args.client_priority_min, args.client_priority_max),
+        trust_request_chat_template=args.trust_request_chat_template,
         max_stream_buffer_tokens=args.max_stream_buffer_tokens or None)
 
 

@@ -25,12 +25,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from jaxserve.engine.limits import (DEFAULT_CLIENT_PRIORITY_RANGE, Admitted, EngineLimits,
                                     InvalidRequest, check_priority, check_prompt_text,
                                     check_request_id, check_size)
 from jaxserve.engine.sampling_params import SamplingParams, check_text, show
+from jaxserve.models.chat_template import ChatTemplate
 from jaxserve.models.tokenizer import Tokenizer
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -38,6 +39,10 @@ MAX_CHAT_MESSAGES = 1024
 # Inputs longer than this (characters; a chat: all contents) are tokenized in the large lane.
 # About 4k tokens of English: a few milliseconds of tokenizer time.
 LARGE_INPUT_CHARS = 16 << 10
+MAX_CHAT_TEMPLATE_CHARS = 64 << 10  # a request's own chat template (compiled per request)
+# Template variables a request's chat_template_kwargs cannot set: the renderer's own inputs.
+RESERVED_TEMPLATE_VARS = ("messages", "add_generation_prompt", "continue_final_message",
+                          "tokenize", "chat_template")
 
 __all__ = ["Admission", "Admitted", "CHAT_ROLES", "InvalidRequest", "LARGE_INPUT_CHARS",
            "MAX_CHAT_MESSAGES", "PromptInput", "admit_input", "check_chat", "input_chars",
@@ -51,13 +56,45 @@ class PromptInput:
     chat: tuple[dict[str, str], ...] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
+    # Chat only (vLLM's request extras): a template replacing the tokenizer's (refused unless
+    # the Admission trusts request templates), extra template variables, and rendering that
+    # ends inside the final message so the model continues it.
+    chat_template: str | None = None
+    chat_template_kwargs: Mapping[str, Any] | None = None
+    continue_final_message: bool = False
+
+
+def _content(i: int, content: object) -> str:
+    """A message's content as one string: a string, or a list of text parts
+    ({"type": "text", "text": ...}) joined with newlines, as vLLM joins them."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"messages[{i}].content must be a string or a list of "
+                             "{\"type\": \"text\", \"text\": ...} parts", "messages")
+    texts = []
+    for j, part in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
+        if not isinstance(part, dict):
+            raise InvalidRequest(f"{where} must be an object like "
+                                 "{\"type\": \"text\", \"text\": ...}", "messages")
+        if part.get("type") != "text":
+            raise InvalidRequest(f"{where}.type={show(part.get('type'))} is not supported: "
+                                 "only \"text\" parts are", "messages")
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequest(f"{where}.text must be a string", "messages")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def check_chat(messages: Sequence[Any], max_bytes: int | None = None
-               ) -> tuple[dict[str, str], ...]:
+               ) -> tuple[dict[str, Any], ...]:
     """A non-empty list of at most MAX_CHAT_MESSAGES {"role", "content"} messages with known
-    roles and valid Unicode text contents of at most `max_bytes` UTF-8 bytes in all (the
-    prompt byte bound: a template only adds text around them)."""
+    roles and valid Unicode text contents (strings, or lists of text parts, joined) of at most
+    `max_bytes` UTF-8 bytes in all (the prompt byte bound: a template only adds text around
+    them). Other keys (name, tool_call_id, ...) pass through to the template."""
+    if not isinstance(messages, (list, tuple)):
+        raise InvalidRequest("messages must be a list of {role, content} objects", "messages")
     if not messages:
         raise InvalidRequest("messages must not be empty", "messages")
     if len(messages) > MAX_CHAT_MESSAGES:
@@ -71,26 +108,79 @@ def check_chat(messages: Sequence[Any], max_bytes: int | None = None
         if role not in CHAT_ROLES:
             raise InvalidRequest(f"messages[{i}].role={show(role)} must be one of "
                                  f"{', '.join(CHAT_ROLES)}", "messages")
-        if not isinstance(m.get("content"), str):
-            raise InvalidRequest(f"messages[{i}].content must be a string", "messages")
-        out.append(dict(m))
+        out.append({**m, "content": _content(i, m.get("content"))})
     size = sum(check_text("messages", m["content"], f"[{i}].content") for i, m in enumerate(out))
     check_size("messages", size, max_bytes, what)
     return tuple(out)
 
 
+def _template_vars(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise InvalidRequest("chat_template_kwargs must be an object", "chat_template_kwargs")
+    reserved = sorted(set(kwargs) & set(RESERVED_TEMPLATE_VARS))
+    if reserved:
+        raise InvalidRequest(f"chat_template_kwargs cannot set {', '.join(reserved)}: "
+                             "use the request fields", "chat_template_kwargs")
+    return dict(kwargs)
+
+
+def _render_text(msgs: list[dict[str, Any]], tokenizer: Tokenizer, add_generation_prompt: bool,
+                 template: str | None, variables: dict[str, Any]) -> str:
+    if template is None:
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt, **variables)
+    # The request's own template gets the variables the tokenizer's would (special tokens).
+    specials = {k: v for k in ("unk_token", "pad_token")
+                if (v := getattr(tokenizer, k, None)) is not None}
+    specials.update(variables)
+    bos = specials.pop("bos_token", tokenizer.bos_token)
+    eos = specials.pop("eos_token", tokenizer.eos_token)
+    return ChatTemplate(template).render(msgs, add_generation_prompt, bos, eos, **specials)
+
+
+def _continue_final(text: str, msgs: list[dict[str, Any]]) -> str:
+    """`text` cut right after the final message's content (as transformers'
+    continue_final_message does), so the model continues that message."""
+    final = msgs[-1]["content"].strip()
+    at = text.rfind(final) if final else -1
+    if at < 0:
+        raise InvalidRequest("continue_final_message: the final message's content does not "
+                             "appear in the rendered chat (or is empty)",
+                             "continue_final_message")
+    return text[:at + len(final)]
+
+
 def render_chat(messages: Sequence[Any], tokenizer: Tokenizer,
                 add_generation_prompt: bool = True,
-                limits: EngineLimits | None = None) -> list[int]:
-    """The token ids of a conversation through the model's chat template (`limits`: its
-    contents bounded by the prompt byte bound first)."""
+                limits: EngineLimits | None = None, *, chat_template: str | None = None,
+                chat_template_kwargs: Mapping[str, Any] | None = None,
+                continue_final_message: bool = False) -> list[int]:
+    """The token ids of a conversation through the model's chat template, or `chat_template`
+    (with `chat_template_kwargs` as extra variables; `continue_final_message`: end inside the
+    final message, which needs add_generation_prompt=False). `limits`: its contents bounded by
+    the prompt byte bound first."""
     msgs = check_chat(messages, limits.max_prompt_bytes if limits is not None else None)
+    variables = _template_vars(chat_template_kwargs)
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequest("continue_final_message=true needs add_generation_prompt=false "
+                             "(both cannot be set)", "continue_final_message")
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise InvalidRequest("chat_template must be a string", "chat_template")
+    if chat_template is not None and len(chat_template) > MAX_CHAT_TEMPLATE_CHARS:
+        raise InvalidRequest(f"chat_template is {len(chat_template)} characters long; at most "
+                             f"{MAX_CHAT_TEMPLATE_CHARS}", "chat_template")
     try:
-        return list(tokenizer.apply_chat_template([dict(m) for m in msgs],
-                                                  add_generation_prompt, tokenize=True))
+        text = _render_text([dict(m) for m in msgs], tokenizer, add_generation_prompt,
+                            chat_template, variables)
     except Exception as e:  # noqa: BLE001 - ChatTemplateError, message shapes: the caller's
-        raise InvalidRequest(f"messages could not be rendered with the chat template: "
-                             f"{type(e).__name__}: {e}", "messages") from None
+        field = "messages" if chat_template is None else "chat_template"
+        raise InvalidRequest(f"{field} could not be rendered with the "
+                             f"{'chat' if chat_template is None else 'request'} template: "
+                             f"{type(e).__name__}: {e}", field) from None
+    if continue_final_message:
+        text = _continue_final(text, list(msgs))
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def tokenize(inp: PromptInput, tokenizer: Tokenizer,
@@ -104,7 +194,10 @@ def tokenize(inp: PromptInput, tokenizer: Tokenizer,
         check_prompt_text(inp.text, max_bytes)
         return tokenizer.encode(inp.text, add_special_tokens=inp.add_special_tokens)
     assert inp.chat is not None
-    return render_chat(inp.chat, tokenizer, inp.add_generation_prompt, limits)
+    return render_chat(inp.chat, tokenizer, inp.add_generation_prompt, limits,
+                       chat_template=inp.chat_template,
+                       chat_template_kwargs=inp.chat_template_kwargs,
+                       continue_final_message=inp.continue_final_message)
 
 
 def admit_input(inp: PromptInput, params: SamplingParams, limits: EngineLimits,
@@ -127,8 +220,16 @@ def input_chars(inp: PromptInput) -> int:
 
 
 def _chat_chars(messages: Sequence[Any]) -> int:
-    return sum(len(m["content"]) for m in messages
-               if isinstance(m, dict) and isinstance(m.get("content"), str))
+    return sum(_content_chars(m.get("content")) for m in messages if isinstance(m, dict))
+
+
+def _content_chars(content: object) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p["text"]) for p in content
+                   if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
 
 
 class Admission:
@@ -137,8 +238,13 @@ class Admission:
     both fronts: `threads` workers for small inputs, half as many (at least one) for large."""
 
     def __init__(self, limits: EngineLimits, tokenizer: Tokenizer, threads: int = 2,
-                 client_priority_range: tuple[int, int] = DEFAULT_CLIENT_PRIORITY_RANGE):
+                 client_priority_range: tuple[int, int] = DEFAULT_CLIENT_PRIORITY_RANGE,
+                 trust_request_chat_template: bool = False):
         self.limits = limits
+        # A request's own chat template runs arbitrary (sandboxed) Jinja on a tokenizer
+        # thread: a template that loops for hours would hold that lane, so it is refused
+        # unless the operator trusts the clients (vLLM's --trust-request-chat-template).
+        self.trust_request_chat_template = trust_request_chat_template
         self.tokenizer = tokenizer
         self.client_priority_range = client_priority_range
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -151,6 +257,10 @@ class Admission:
         loop, linear in the input, itself bounded: an input that cannot fit never takes a
         worker)."""
         if inp.chat is not None:
+            if inp.chat_template is not None and not self.trust_request_chat_template:
+                raise InvalidRequest("chat_template in a request is refused: this server does "
+                                     "not trust request chat templates (jaxserve serve "
+                                     "--trust-request-chat-template)", "chat_template")
             check_chat(inp.chat, self.limits.max_prompt_bytes)
         else:
             check_prompt_text(inp.text, self.limits.max_prompt_bytes)
@@ -173,6 +283,13 @@ class Admission:
         self.limits.check_params(params)
         return await asyncio.get_running_loop().run_in_executor(
             self._lane(inp), admit_input, inp, params, self.limits, self.tokenizer)
+
+    async def detokenize(self, token_ids: Sequence[Any]) -> str:
+        """The text of prompt-like token ids (checked as a prompt's: non-empty, within
+        max_model_len and the vocabulary; special tokens kept), off the event loop."""
+        ids = self.limits.check_prompt_ids(token_ids)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, lambda: self.tokenizer.decode(ids, skip_special_tokens=False))
 
     def close(self) -> None:
         for pool in (self._pool, self._large_pool):

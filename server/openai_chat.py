@@ -1,0 +1,111 @@
+"""POST /v1/chat/completions on the OpenAI HTTP front (`OpenAIHttpFront` routes it here).
+
+Data flow: the front's middleware (API key, OpenAI error JSON) -> `front.ready()` (503 while
+loading / draining / failed) -> `http_body.read_json` -> `openai_chat_schema.parse_chat`
+(body shape, sampling fields via the registry) -> `openai_stream.start` (admission: content
+parts, roles, the chat template, every request check; then the engine: 429 / 503) ->
+  stream=true:  DELTA outputs -> `chat.completion.chunk` events: per sample, a first chunk
+                with `{"role": "assistant", "content": ""}`, then one with each new piece of
+                content (and its logprobs), `finish_reason` on the sample's last chunk; with
+                `stream_options.include_usage` a final chunk with `"choices": []` and usage
+                (and with `continuous_usage_stats` usage in every chunk); `data: [DONE]`;
+  stream=false: one FINAL_ONLY output -> a `chat.completion` object, usage with
+                `prompt_tokens_details.cached_tokens` (the prefix cache's share of the prompt).
+The request is aborted in the engine however the handler ends (its `finally`), as for
+/v1/completions.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Callable
+
+from aiohttp import web
+
+from jaxserve.engine.outputs import RequestOutput
+from jaxserve.server import openai_chat_schema as chat_schema
+from jaxserve.server import openai_schema as schema
+from jaxserve.server import openai_stream
+from jaxserve.server.http_body import read_json
+from jaxserve.serving.async_engine import RequestStream
+
+if TYPE_CHECKING:
+    from jaxserve.server.openai_http import OpenAIHttpFront
+
+
+async def chat_completions(front: "OpenAIHttpFront", request: web.Request
+                           ) -> web.StreamResponse:
+    engine, served, admit = front.ready()
+    arrival = time.monotonic()
+    body = await read_json(request, front.max_body_bytes, front.body_timeout)
+    req = chat_schema.parse_chat(body)
+    front.calls.enter()
+    streams: list[RequestStream] = []
+    try:
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        run = await openai_stream.start(engine, admit, rid, req.prompt, req.params,
+                                        req.priority, arrival, req.stream, streams.append)
+        head = {"id": rid, "created": int(time.time()), "model": served.name}
+        tok = admit.tokenizer
+
+        def decode(tid: int) -> str:
+            return tok.decode([tid], skip_special_tokens=False)
+
+        top = req.params.logprobs
+        if req.stream:
+            return await _stream(front, request, req, head, run, decode)
+        final, cached = await openai_stream.collect(rid, run.outputs)
+        choices = [chat_schema.choice(c, None if top is None else chat_schema.logprobs_json(
+            c.logprobs or [], top, decode)) for c in final]
+        usage = schema.usage(run.prompt_tokens, sum(c.num_tokens for c in final), cached)
+        return web.json_response({**head, "object": "chat.completion", "choices": choices,
+                                  "usage": usage})
+    finally:
+        for stream in streams:
+            stream.abort()  # no-op once finished; disconnects and failed writes land here
+        front.calls.exit()
+
+
+async def _stream(front: "OpenAIHttpFront", request: web.Request,
+                  req: chat_schema.ChatRequest, head: dict[str, Any],
+                  run: openai_stream.Started, decode: Callable[[int], str]
+                  ) -> web.StreamResponse:
+    head = {**head, "object": "chat.completion.chunk"}
+    top = req.params.logprobs
+    started: set[int] = set()  # samples whose role chunk went out
+    done: set[int] = set()
+    counts: dict[int, int] = {}
+    cached = [0]
+
+    def usage() -> dict[str, Any]:
+        return schema.usage(run.prompt_tokens, sum(counts.values()), cached[0])
+
+    def chunks(out: RequestOutput) -> list[dict[str, Any]]:
+        cached[0] = out.num_cached_tokens
+        events = []
+        for c in out.outputs:
+            if c.index not in started:  # the role first, as OpenAI and vLLM send it
+                started.add(c.index)
+                events.append({**head, "choices": [{
+                    "index": c.index, "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None}]})
+            if c.index in done or (not c.delta_token_ids and c.finish_reason is None):
+                continue
+            if c.finish_reason is not None:
+                done.add(c.index)
+            counts[c.index] = c.num_tokens
+            lp = None if top is None else chat_schema.logprobs_json(c.delta_logprobs, top,
+                                                                     decode)
+            delta = {"content": c.delta_text} if c.delta_text or c.finish_reason is None else {}
+            events.append({**head, "choices": [chat_schema.delta_choice(c, delta, lp)]})
+        if req.include_usage and req.continuous_usage_stats:
+            for e in events:
+                e["usage"] = usage()
+        return events
+
+    def tail() -> list[dict[str, Any]]:
+        return [{**head, "choices": [], "usage": usage()}] if req.include_usage else []
+
+    return await openai_stream.stream_sse(request, head["id"], run.outputs, chunks, tail,
+                                          front.body_timeout)

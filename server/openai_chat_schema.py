@@ -1,0 +1,125 @@
+"""OpenAI's chat completions JSON <-> engine types: the /v1/chat/completions wire format.
+
+`parse_chat`: a body -> `ChatRequest`: `messages` (and vLLM's `chat_template`,
+`chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`) as an
+`admission.PromptInput(chat=...)`, which admission checks and renders (content parts,
+roles, template); the sampling fields through `openai_schema.sampling_params` (the
+registry), with chat's own names: `max_completion_tokens` (or the older `max_tokens`; unset:
+up to max_model_len), `logprobs` (a boolean) + `top_logprobs` (how many). Fields this server
+does not implement (tools, response_format other than text, logit_bias) are refused by name
+rather than ignored.
+The response helpers build `chat.completion` choices, `chat.completion.chunk` deltas and
+chat-format logprobs (`{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from jaxserve.engine.outputs import CompletionOutput, TokenLogprobs
+from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.server import openai_schema as schema
+from jaxserve.serving import admission
+
+_BOOLS = ("stream", "logprobs", "add_generation_prompt", "continue_final_message", "echo")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRequest:
+    prompt: admission.PromptInput
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+    priority: int = 0
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    if body.get("tools"):
+        raise schema.bad_request("tools are not supported", "tools")
+    if body.get("functions"):
+        raise schema.bad_request("functions are not supported", "functions")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise schema.bad_request("tool_choice is not supported (tools are not)", "tool_choice")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise schema.bad_request("response_format is not supported (only {\"type\": \"text\"})",
+                                 "response_format")
+    if body.get("echo"):
+        raise schema.bad_request("echo=true is not supported", "echo")
+    if body.get("prompt_logprobs") is not None:
+        raise schema.bad_request("prompt_logprobs is not supported yet", "prompt_logprobs")
+
+
+def _max_tokens(body: dict[str, Any]) -> tuple[Any, dict[str, str]]:
+    """The token budget and the name the client gave it (for a 400's `param`)."""
+    if body.get("max_completion_tokens") is not None:
+        return body["max_completion_tokens"], {"max_tokens": "max_completion_tokens"}
+    return body.get("max_tokens"), {}
+
+
+def parse_chat(body: object) -> ChatRequest:
+    """Validate a /v1/chat/completions body; ApiError(400) naming the field otherwise."""
+    body = schema.check_common(body, _BOOLS)
+    _refuse_unsupported(body)
+    include_usage, continuous = schema.parse_stream_options(body)
+    if "messages" not in body:
+        raise schema.bad_request("messages is required: a list of {role, content} objects",
+                                 "messages")
+    messages = body["messages"]
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise schema.bad_request("messages must be a list of {role, content} objects",
+                                 "messages")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise schema.bad_request("chat_template_kwargs must be an object",
+                                 "chat_template_kwargs")
+    prompt = admission.PromptInput(
+        chat=tuple(messages),
+        add_generation_prompt=body.get("add_generation_prompt", True) is not False,
+        chat_template=body.get("chat_template"), chat_template_kwargs=kwargs,
+        continue_final_message=bool(body.get("continue_final_message")))
+    top = body.get("top_logprobs")
+    if top is not None and not body.get("logprobs"):
+        raise schema.bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    wanted = (0 if top is None else top) if body.get("logprobs") else None
+    budget, rename = _max_tokens(body)
+    params = schema.sampling_params(body, budget, {**rename, "logprobs": "top_logprobs"},
+                                    logprobs=wanted)
+    return ChatRequest(prompt, params, bool(body.get("stream")), include_usage, continuous,
+                       body.get("priority") or 0)
+
+
+# ----------------------------------------------------------------------------- responses
+def _token(tid: int, logprob: float, decode: Callable[[int], str]) -> dict[str, Any]:
+    text = decode(tid)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def logprobs_json(entries: list[TokenLogprobs], top: int,
+                  decode: Callable[[int], str]) -> dict[str, Any]:
+    """Chat's logprobs: each sampled token with its `top` likeliest alternatives (an entry
+    holds the sampled token first, then the top-N, the sampled one once if among them)."""
+    content = []
+    for entry in entries:
+        tid, lp = next(iter(entry.items()))
+        best = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
+        content.append({**_token(tid, lp, decode),
+                        "top_logprobs": [_token(t, v, decode) for t, v in best]})
+    return {"content": content}
+
+
+def _reason(c: CompletionOutput) -> str | None:
+    return schema.FINISH_REASONS[c.finish_reason] if c.finish_reason is not None else None
+
+
+def choice(c: CompletionOutput, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+            "logprobs": logprobs, "finish_reason": _reason(c)}
+
+
+def delta_choice(c: CompletionOutput, delta: dict[str, Any],
+                 logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {"index": c.index, "delta": delta, "logprobs": logprobs,
+            "finish_reason": _reason(c)}
