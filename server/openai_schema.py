@@ -30,6 +30,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; null: up to max
 # types call for: booleans, lists); None means unset. max_tokens has this front's default.
 _SAMPLING_FIELDS = tuple(f for f in SAMPLING_FIELDS if f.name != "max_tokens")
 _LIST_FIELDS = tuple(f for f in SAMPLING_FIELDS if f.type is tuple)
+_MAP_FIELDS = tuple(f for f in SAMPLING_FIELDS if f.type is dict)  # JSON objects
 _BOOL_FIELDS = tuple(f.name for f in SAMPLING_FIELDS if f.type is bool) + ("stream", "echo")
 _JSON_SEPARATORS = (",", ":")
 
@@ -139,6 +140,10 @@ def parse_completion(body: object) -> CompletionRequest:
     for f in _LIST_FIELDS:
         if f.name in kwargs and not _list_value(f, kwargs[f.name]):
             text = f.rule.text if f.rule is not None else "a list"
+            raise bad_request(f"{f.name} must be {text}", f.name)
+    for f in _MAP_FIELDS:
+        if f.name in kwargs and not isinstance(kwargs[f.name], dict):
+            text = f.rule.text if f.rule is not None else "a JSON object"
             raise bad_request(f"{f.name} must be {text}", f.name)
     try:
         params = SamplingParams(**kwargs)
