@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import typing
 from typing import Any, Callable
 
@@ -210,7 +211,7 @@ _BIAS = Finite(f"in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]",
 def token_key(key: Any) -> Any:
     """A mapping key as a token id: an int, or a decimal string as JSON object keys are
     (\"50256\"); anything else is returned unchanged for the rule to refuse."""
-    if isinstance(key, str) and 0 < len(key) <= 10 and key.isascii() and key.isdigit():
+    if isinstance(key, str) and re.fullmatch(r"-?[0-9]{1,100}", key):
         return int(key)
     return key
 
