@@ -217,3 +217,25 @@ def test_logit_bias_comes_before_penalties_and_filters_and_logprobs_stay_raw() -
     assert toks[3] == int(np.argmax(want3)) == 7
     ref = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), -1))  # unbiased distribution
     np.testing.assert_allclose(np.asarray(out.logprob), ref[np.arange(S), toks], rtol=1e-5)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("penalties", [False, True])
+def test_sampler_with_logit_bias_lowers_for_tpu_and_cuda(platform: str, penalties: bool) -> None:
+    """The serving sampler executable (model_runner's), at the engine's static bias width,
+    lowered without a device: catches ops a backend cannot take."""
+    from jaxserve.device.model_runner import _sample_jit  # noqa: PLC2701 - the shipped jit
+    from jaxserve.engine.sampling_params import DEVICE_FIELDS, MAX_LOGIT_BIAS
+
+    S, Vb, P = 8, 32000, 64 if penalties else 0
+
+    def spec(shape: tuple, dtype: object) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+    st = sampler.SamplingTensors(spec((S, len(DEVICE_FIELDS)), "float32"),
+                                 spec((S, 2), "uint32"), spec((S, P), "int32"),
+                                 spec((S, P), "bool"), spec((S, MAX_LOGIT_BIAS), "int32"),
+                                 spec((S, MAX_LOGIT_BIAS), "float32"))
+    text = _sample_jit.trace(spec((S, Vb), "float32"), st, apply_penalty=penalties).lower(
+        lowering_platforms=(platform,)).as_text()
+    assert "scatter" in text  # the bias (and penalties) scatter-add is in the lowered step
