@@ -1,17 +1,19 @@
 """Sampling on device: a pure function of (logits, per-row sampling arrays) -> tokens, logprobs.
 
 Data flow inside the compiled step: f32[S, V] logits of the rows that sample ->
-`apply_logit_bias` (each row's sparse (token id, bias) entries added; padding entries add 0.0
-to token 0, a no-op) -> `apply_penalties` (repetition / presence / frequency, from each row's token history) ->
-`filter_logits` (temperature, then top-k, top-p and min-p as -inf masks) -> Gumbel-max draw
-with a per-row key (the request's seed folded with its output length, so a seeded request
-draws the same tokens whatever shares its batch) -> greedy rows take the argmax of the
-penalised logits instead. Logprobs are of the raw model distribution (log_softmax of the
-unprocessed logits, as vLLM reports them): the sampled token's and the top `MAX_LOGPROBS`.
+`apply_logit_bias` (each row's sparse (token id, bias) entries added; padding entries add
+0.0 to token 0, a no-op) -> `apply_penalties` (repetition / presence / frequency, from each
+row's token history) -> `filter_logits` (temperature, then top-k, top-p and min-p as -inf
+masks) -> Gumbel-max draw with a per-row key (the request's seed folded with its output
+length, so a seeded request draws the same tokens whatever shares its batch) -> greedy rows
+take the argmax of the biased, penalised logits instead. Logprobs are of the raw model
+distribution (log_softmax of the unprocessed logits, as vLLM reports them): the sampled
+token's and the top `MAX_LOGPROBS`.
 
 Every knob is a per-row array, so a new value never recompiles; the logit bias has a static
-width (`sampling_params.MAX_LOGIT_BIAS` entries per row, see `jaxserve.engine.batch`). Whether penalties are applied
-at all is a static flag of the step (the history array is only sent when a row needs it).
+width (`sampling_params.MAX_LOGIT_BIAS` entries per row, see `jaxserve.engine.batch`).
+Whether penalties are applied at all is a static flag of the step (the history array is only
+sent when a row needs it).
 """
 
 from __future__ import annotations
