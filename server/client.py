@@ -53,7 +53,9 @@ def sampling_to_proto(params: SamplingParams) -> Any:
         value = getattr(params, f.name)
         if value is None:
             continue
-        if f.type is tuple:
+        if f.type is dict:  # stored as (key, value) pairs
+            getattr(sp, f.name).update(dict(value))
+        elif f.type is tuple:
             getattr(sp, f.name).extend(value)
         else:
             setattr(sp, f.name, value)

@@ -6,7 +6,7 @@
 roles, template); the sampling fields through `openai_schema.sampling_params` (the
 registry), with chat's own names: `max_completion_tokens` (or the older `max_tokens`; unset:
 up to max_model_len), `logprobs` (a boolean) + `top_logprobs` (how many). Fields this server
-does not implement (tools, response_format other than text, logit_bias) are refused by name
+does not implement (tools, response_format other than text) are refused by name
 rather than ignored.
 The response helpers build `chat.completion` choices, `chat.completion.chunk` deltas and
 chat-format logprobs (`{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`).

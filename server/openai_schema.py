@@ -31,6 +31,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; null: up to max
 _SAMPLING_FIELDS = tuple(f for f in SAMPLING_FIELDS if f.name != "max_tokens")
 _LIST_FIELDS = tuple(f for f in SAMPLING_FIELDS if f.type is tuple)
 _BOOL_FIELDS = tuple(f.name for f in SAMPLING_FIELDS if f.type is bool)
+_MAP_FIELDS = tuple(f for f in SAMPLING_FIELDS if f.type is dict)  # JSON objects
 _JSON_SEPARATORS = (",", ":")
 
 
@@ -111,8 +112,7 @@ def parse_prompt(prompt: object) -> admission.PromptInput:
 
 def check_common(body: object, bools: tuple[str, ...] = ()) -> dict[str, Any]:
     """The checks every generation body gets: a JSON object, booleans (the registry's and
-    `bools`), `model` a string, `user` a string, `priority` an integer, fields this server
-    does not have yet refused by name."""
+    `bools`), `model` a string, `user` a string, `priority` an integer."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     for name in _BOOL_FIELDS + bools:
@@ -123,8 +123,6 @@ def check_common(body: object, bools: tuple[str, ...] = ()) -> dict[str, Any]:
             raise bad_request(f"{name}={body[name]!r} must be a string", name)
     if body.get("priority") is not None and not _is_int(body["priority"]):
         raise bad_request(f"priority={body['priority']!r} must be an integer", "priority")
-    if body.get("logit_bias") is not None:
-        raise bad_request("logit_bias is not supported yet", "logit_bias")
     return body
 
 
@@ -155,6 +153,10 @@ def sampling_params(body: dict[str, Any], max_tokens: int | None,
     for f in _LIST_FIELDS:
         if f.name in kwargs and not _list_value(f, kwargs[f.name]):
             text = f.rule.text if f.rule is not None else "a list"
+            raise bad_request(f"{f.name} must be {text}", f.name)
+    for f in _MAP_FIELDS:  # a list of pairs would pass SamplingParams: JSON gives objects
+        if f.name in kwargs and not isinstance(kwargs[f.name], dict):
+            text = f.rule.text if f.rule is not None else "a JSON object"
             raise bad_request(f"{f.name} must be {text}", f.name)
     try:
         return SamplingParams(**kwargs)

@@ -62,8 +62,9 @@ def sampling_from_proto(sp: Any) -> SamplingParams:
     scalar at its zero value (n = 0 means 1), an empty repeated field."""
     kwargs: dict[str, object] = dict(_UNSET_DEFAULTS)
     for f, presence, repeated, zero in _PROTO_FIELDS:
-        if repeated:
-            value: Any = tuple(getattr(sp, f.name))
+        if repeated:  # a map is a repeated field of entries: its (key, value) pairs
+            value: Any = tuple(getattr(sp, f.name).items() if f.type is dict
+                               else getattr(sp, f.name))
             if not value:
                 continue
         elif presence and not sp.HasField(f.name):

@@ -33,7 +33,9 @@ if __name__ == "__main__":
             deadline = time.monotonic() + 60
             while llm.engine.runner.keepalives < 3 and time.monotonic() < deadline:
                 time.sleep(0.05)
-            outs = first + llm.generate(PROMPTS[1:], params, use_tqdm=False)
+            # The last prompt with a logit bias: the followers get it in the step broadcast.
+            biased = dataclasses.replace(params, logit_bias={123: 100.0})
+            outs = first + llm.generate(PROMPTS[1:], [params, biased], use_tqdm=False)
         keepalives = llm.engine.runner.keepalives  # after close: no keepalive can follow
         print(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
                           "keepalives": keepalives}))

@@ -96,6 +96,12 @@ CASES = [
     (IDS, dict(stop_token_ids=[5, 211]), "stop_token_ids",
      "stop_token_ids[1]=211 is outside the vocabulary [0, 211)"),
     (IDS, dict(stop_token_ids=[5] * 65), "stop_token_ids", "has 65 ids; at most 64"),
+    (IDS, dict(logit_bias={5: 101.0}), "logit_bias", "logit_bias[5]=101.0 must be in [-100, 100]"),
+    (IDS, dict(logit_bias={i: 1.0 for i in range(301)}), "logit_bias",
+     "logit_bias has 301 entries; at most 300"),
+    (IDS, dict(logit_bias={5: 1.0, 211: -1.0}), "logit_bias",
+     "logit_bias key 211 is outside the vocabulary [0, 211)"),
+    (IDS, dict(logit_bias={-1: 1.0}), "logit_bias", "logit_bias key -1 must be a token id"),
     ("w5 " * 11000, {}, "prompt", "prompt is at least 33000 bytes long; at most 32768 bytes"),
 ]
 # Values the gRPC messages cannot carry (int32 / uint64 / float32 fields, UTF-8 strings):
@@ -113,6 +119,10 @@ LLM_HTTP_CASES = [
     ("w5 \ud800", {}, "prompt", "prompt is not valid Unicode: character 3 is a lone UTF-16 "
                                 "surrogate"),
     (IDS, dict(stop=["w9", "\udc00"]), "stop", "stop[1] is not valid Unicode"),
+    (IDS, dict(logit_bias={"x": 1.0}), "logit_bias", "logit_bias key 'x' must be a token id"),
+    (IDS, dict(logit_bias={"5": "a"}), "logit_bias",
+     "logit_bias[5]='a' must be a finite number in [-100, 100]"),
+    (IDS, dict(logit_bias={5: 1e39}), "logit_bias", "logit_bias[5]=1e+39 must be in [-100, 100]"),
 ]
 
 

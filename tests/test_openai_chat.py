@@ -126,6 +126,21 @@ def test_greedy_chat_equals_llm_chat_streamed_and_not(server: BackgroundServer, 
     wait_pages_free(server)
 
 
+def test_chat_logit_bias_equals_llm_chat(server: BackgroundServer, llm) -> None:  # noqa: ANN001
+    """A JSON-object logit_bias (string keys) reaches the sampler: the text equals LLM.chat's
+    with the same bias, and a +100 bias differs from the unbiased greedy text."""
+    bias = SamplingParams(max_tokens=6, logit_bias={123: 100.0}, **GREEDY)
+    want = llm.chat(CHAT, bias, use_tqdm=False)[0].outputs[0]
+    plain = llm.chat(CHAT, SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False)[0]
+    assert want.token_ids == [123] * 6 and plain.outputs[0].token_ids != want.token_ids
+    status, body = chat(url_of(server), {"messages": CHAT, "max_completion_tokens": 6,
+                                         "logit_bias": {"123": 100}, **GREEDY})
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] == want.text
+    assert body["usage"]["completion_tokens"] == 6
+    wait_pages_free(server)
+
+
 def test_second_turn_hits_the_prefix_cache(server: BackgroundServer) -> None:
     long_chat = [{"role": "system", "content": " ".join(f"w{i}" for i in range(3, 60))},
                  {"role": "user", "content": "w5"}]
@@ -208,7 +223,8 @@ BAD = [
     ({"messages": USER, "max_tokens": 5000}, "max_tokens", "max_tokens"),
     ({"messages": USER, "temperature": -1}, "temperature", "temperature"),
     ({"messages": USER, "stop": [""]}, "stop", "stop"),
-    ({"messages": USER, "logit_bias": {"5": 1}}, "logit_bias", "not supported yet"),
+    ({"messages": USER, "logit_bias": {"5": 101}}, "logit_bias", "must be in [-100, 100]"),
+    ({"messages": USER, "logit_bias": [[5, 1.0]]}, "logit_bias", "logit_bias must be"),
     ({"messages": USER, "tools": [{"type": "function"}]}, "tools", "tools"),
     ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format",
      "response_format"),

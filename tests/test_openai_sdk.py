@@ -87,5 +87,5 @@ def test_sdk_errors(server: BackgroundServer) -> None:
     assert bad.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError) as bad:
         client(server).chat.completions.create(model="tiny", messages=CHAT,
-                                               logit_bias={"5": 1})
+                                               logit_bias={"5": 101})
     assert bad.value.body["param"] == "logit_bias"

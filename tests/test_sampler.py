@@ -155,3 +155,87 @@ def test_logprobs_are_raw_log_softmax() -> None:
     for r in range(2):
         order = np.argsort(-ref[r])[: sampler.MAX_LOGPROBS]
         np.testing.assert_array_equal(np.asarray(out.top_ids[r]), order)
+
+
+def np_biased(logits: np.ndarray, bias: dict[int, float]) -> np.ndarray:
+    out = logits.copy()
+    for t, b in bias.items():
+        out[t] += b
+    return out
+
+
+def bias_arrays(biases: list[dict[int, float]], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """The step's padded sparse form: (0, 0.0) where a row has fewer entries."""
+    ids = np.zeros((len(biases), width), np.int32)
+    vals = np.zeros((len(biases), width), np.float32)
+    for r, bias in enumerate(biases):
+        ids[r, : len(bias)] = list(bias)
+        vals[r, : len(bias)] = list(bias.values())
+    return ids, vals
+
+
+def test_logit_bias_matches_numpy_definition_and_padding_is_a_no_op() -> None:
+    rng = np.random.default_rng(5)
+    S, B = 5, 8
+    logits = rng.normal(0, 2, (S, V)).astype(np.float32)
+    biases = [{int(t): float(rng.uniform(-100, 100)) for t in rng.choice(V, k, replace=False)}
+              for k in (8, 3, 0, 1, 0)]
+    biases[3] = {0: 7.5}  # token 0 is also the padding entries' id: added once, not per pad
+    ids, vals = bias_arrays(biases, B)
+    got = np.asarray(sampler.apply_logit_bias(jnp.asarray(logits),
+                                              tensors(S, bias_ids=ids, bias_values=vals)))
+    for r in range(S):
+        np.testing.assert_allclose(got[r], np_biased(logits[r], biases[r]), rtol=1e-6)
+    np.testing.assert_array_equal(got[[2, 4]], logits[[2, 4]])  # all-padding rows: bit-exact
+
+
+def test_logit_bias_comes_before_penalties_and_filters_and_logprobs_stay_raw() -> None:
+    rng = np.random.default_rng(6)
+    S = 4
+    logits = rng.normal(0, 1, (S, V)).astype(np.float32)
+    logits[3] = np.clip(logits[3], -1.5, 1.5)
+    logits[3, 7], logits[3, 5] = 1.6, -1.0
+    low = [int(np.argmin(row)) for row in logits]
+    top = [int(np.argmax(row)) for row in logits]
+    # 0: greedy, +100 on the least likely token; 1: greedy, -100 on the argmax;
+    # 2: sampling with top_k=1, +100 on the least likely token (top-k sees the biased logits);
+    # 3: greedy, +5 on token 5 (logit -1) which the repetition penalty 3 then divides:
+    # (-1 + 5) / 3 = 1.33 < 1.6 (token 7); penalising first would give -3 + 5 = 2 > 1.6.
+    biases = [{low[0]: 100.0}, {top[1]: -100.0}, {low[2]: 100.0}, {5: 5.0}]
+    ids, vals = bias_arrays(biases, 3)
+    hist = np.full((S, 2), -1, np.int32)
+    hist[3] = [5, -1]
+    rep = np.array([1, 1, 1, 3.0], np.float32)
+    st = tensors(S, temperature=np.array([0, 0, 1, 0], np.float32),
+                 top_k=np.array([V, V, 1, V], np.int32), repetition_penalty=rep, history=hist,
+                 history_is_output=np.zeros((S, 2), bool), bias_ids=ids, bias_values=vals)
+    out = sampler.sample(jnp.asarray(logits), st, True)
+    toks = np.asarray(out.tokens)
+    assert toks[0] == low[0] and toks[2] == low[2]
+    assert toks[1] == int(np.argmax(np_biased(logits[1], biases[1]))) != top[1]
+    want3 = np_penalised(np_biased(logits[3], biases[3]), [5], [], 3.0, 0.0, 0.0)
+    assert toks[3] == int(np.argmax(want3)) == 7
+    ref = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), -1))  # unbiased distribution
+    np.testing.assert_allclose(np.asarray(out.logprob), ref[np.arange(S), toks], rtol=1e-5)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("penalties", [False, True])
+def test_sampler_with_logit_bias_lowers_for_tpu_and_cuda(platform: str, penalties: bool) -> None:
+    """The serving sampler executable (model_runner's), at the engine's static bias width,
+    lowered without a device: catches ops a backend cannot take."""
+    from jaxserve.device.model_runner import _sample_jit  # noqa: PLC2701 - the shipped jit
+    from jaxserve.engine.sampling_params import DEVICE_FIELDS, MAX_LOGIT_BIAS
+
+    S, Vb, P = 8, 32000, 64 if penalties else 0
+
+    def spec(shape: tuple, dtype: object) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+    st = sampler.SamplingTensors(spec((S, len(DEVICE_FIELDS)), "float32"),
+                                 spec((S, 2), "uint32"), spec((S, P), "int32"),
+                                 spec((S, P), "bool"), spec((S, MAX_LOGIT_BIAS), "int32"),
+                                 spec((S, MAX_LOGIT_BIAS), "float32"))
+    text = _sample_jit.trace(spec((S, Vb), "float32"), st, apply_penalty=penalties).lower(
+        lowering_platforms=(platform,)).as_text()
+    assert "scatter" in text  # the bias (and penalties) scatter-add is in the lowered step

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxserve.engine import sampling_params as sp_mod
-from jaxserve.engine.batch import BatchShape, StepBatch, build_batch
+from jaxserve.engine.batch import BatchShape, StepBatch, build_batch, pad_bias
 from jaxserve.engine.request import Request
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -25,7 +25,7 @@ VALUES = dict(n=3, temperature=0.75, top_p=0.5, top_k=7, min_p=0.125, seed=2**63
               max_tokens=40, min_tokens=2, stop=("xy", "z"), stop_token_ids=(4, 9),
               ignore_eos=True, logprobs=3, repetition_penalty=1.25, presence_penalty=-0.5,
               frequency_penalty=0.25, include_stop_str_in_output=True,
-              skip_special_tokens=False)
+              skip_special_tokens=False, logit_bias=((3, 0.5), (9, -100.0)))
 FULL = SamplingParams(**VALUES)
 
 
@@ -110,6 +110,7 @@ def test_http_body_round_trip() -> None:
     from jaxserve.server.openai_schema import parse_completion
 
     body = {k: list(v) if isinstance(v, tuple) else v for k, v in VALUES.items()}
+    body["logit_bias"] = {str(t): b for t, b in VALUES["logit_bias"]}  # JSON keys are strings
     assert parse_completion({"prompt": "w5", **body}).params == FULL
     # Front defaults: max_tokens 16 when absent, null = up to max_model_len; top_k 0 = off.
     assert parse_completion({"prompt": "w5"}).params == SamplingParams()
@@ -123,6 +124,7 @@ def test_http_body_round_trip() -> None:
     ("stop", 5, "stop must be a string or a list of strings"),
     ("stop", ["a", 1], "stop must be a string or a list of strings"),
     ("stop_token_ids", 3, "stop_token_ids must be a list of token ids"),
+    ("logit_bias", [[5, 1.0]], f"logit_bias must be {sp_mod.BY_NAME['logit_bias'].rule.text}"),
 ])
 def test_http_type_checks_from_the_declared_types(name: str, bad: object, message: str) -> None:
     from jaxserve.server.openai_schema import ApiError, parse_completion
@@ -139,6 +141,9 @@ def _argv(values: dict) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + name.replace("_", "-"))
+        elif name == "logit_bias":
+            for k, v in value:
+                argv += [flag, f"{k}={v}"]
         elif isinstance(value, tuple):
             for v in value:
                 argv += [flag, str(v)]
@@ -197,6 +202,14 @@ def test_build_batch_rows_and_padding_follow_the_registry() -> None:
     np.testing.assert_array_equal(b.sampling[1], np.float32(SamplingParams().row))
     np.testing.assert_array_equal(b.sampling[2:], np.float32([sp_mod.PAD_ROW] * 2))
     assert b.history.shape == (4, 8)  # FULL has penalties
+    # logit_bias: FULL's entries in row 0, then (0, 0.0) padding; other rows all padding.
+    n = len(FULL.logit_bias)
+    assert b.bias_ids.shape == b.bias_values.shape == (4, sp_mod.MAX_LOGIT_BIAS)
+    assert b.bias_ids.dtype == np.int32 and b.bias_values.dtype == np.float32
+    np.testing.assert_array_equal(b.bias_ids[0, :n], [t for t, _ in VALUES["logit_bias"]])
+    np.testing.assert_array_equal(b.bias_values[0, :n], [v for _, v in VALUES["logit_bias"]])
+    assert not b.bias_ids[0, n:].any() and not b.bias_values[0, n:].any()
+    assert not b.bias_ids[1:].any() and not b.bias_values[1:].any()
     # No knob has a StepBatch array of its own: they travel in the matrix.
     assert not {f.name for f in dataclasses.fields(StepBatch)} & set(sp_mod.DEVICE_FIELDS)
 
@@ -209,6 +222,8 @@ def test_empty_batch_and_multihost_lists_are_derived() -> None:
                        history_len=8)
     b = empty_batch(shape, 8, 4, True)
     np.testing.assert_array_equal(b.sampling, np.float32([sp_mod.PAD_ROW] * 4))
+    assert b.bias_ids.shape == b.bias_values.shape == (4, sp_mod.MAX_LOGIT_BIAS)
+    assert not b.bias_ids.any() and not b.bias_values.any()  # no bias: adds 0.0 to token 0
     sent = multihost._FORWARD + multihost._SAMPLING  # noqa: SLF001
     assert sorted(sent) == sorted(f.name for f in dataclasses.fields(StepBatch))
     assert len(set(sent)) == len(sent)
@@ -222,12 +237,13 @@ def test_sampler_reads_every_column_by_name_and_padding_is_greedy() -> None:
     S, V = 3, 32
     knobs = np.arange(S * len(sp_mod.DEVICE_FIELDS), dtype=np.float32).reshape(S, -1)
     st = sampler.SamplingTensors(jnp.asarray(knobs), jnp.zeros((S, 2), jnp.uint32),
-                                 jnp.zeros((S, 0), jnp.int32), jnp.zeros((S, 0), bool))
+                                 jnp.zeros((S, 0), jnp.int32), jnp.zeros((S, 0), bool),
+                                 jnp.zeros((S, 0), jnp.int32), jnp.zeros((S, 0), jnp.float32))
     for name, col in sp_mod.DEVICE_COLUMN.items():
         np.testing.assert_array_equal(np.asarray(st.knob(name)), knobs[:, col])
     logits = np.random.default_rng(0).normal(size=(S, V)).astype(np.float32)
     pad = sampler.SamplingTensors(jnp.asarray(np.float32([sp_mod.PAD_ROW] * S)),
                                   jnp.zeros((S, 2), jnp.uint32), jnp.zeros((S, 0), jnp.int32),
-                                  jnp.zeros((S, 0), bool))
+                                  jnp.zeros((S, 0), bool), *map(jnp.asarray, pad_bias(S)))
     out = sampler.sample(jnp.asarray(logits), pad, False)
     np.testing.assert_array_equal(np.asarray(out.tokens), logits.argmax(-1))

@@ -85,6 +85,8 @@ REQUESTS = [
     ("w100 w101", SamplingParams(temperature=0.7, top_k=20, repetition_penalty=1.2, seed=1,
                                  max_tokens=16, stop=["w7"], ignore_eos=True)),
     ([42], SamplingParams(temperature=0.0, max_tokens=8, min_tokens=3)),
+    ("w5 w9", SamplingParams(temperature=0.9, seed=3, max_tokens=8, ignore_eos=True,
+                             logit_bias={7: 3.0, 9: -100.0, 30: 0.5})),
 ]
 
 
@@ -118,6 +120,15 @@ def test_streams_equal_offline_api(server: BackgroundServer, oracle) -> None:  #
                     assert {lp.token_id: lp.logprob, **{t.token_id: t.logprob for t in lp.top}} \
                         == pytest.approx(entry, abs=1e-4)
     wait_pages_free(server)
+
+
+def test_logit_bias_forces_a_token(server: BackgroundServer, oracle) -> None:  # noqa: ANN001
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True,
+                            logit_bias={123: 100.0})
+    want = offline(oracle, [([42, 43], params)])[0].outputs[0].token_ids
+    with Client(server.target) as client:
+        got = fold(list(client.stream([42, 43], params)))[0].token_ids
+    assert got == want == [123] * 5
 
 
 def test_chat_tokenize_and_model_info(server: BackgroundServer, oracle) -> None:  # noqa: ANN001

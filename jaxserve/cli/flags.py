@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 import logging
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from jaxserve.config import DTYPES, DistributedConfig, EngineConfig
 from jaxserve.engine import sampling_params
@@ -139,6 +139,10 @@ def add_sampling_flags(p: argparse.ArgumentParser, defaults: Mapping[str, Any] |
         if f.type is bool:
             g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                            default=default, help=help_)
+        elif f.type is dict:  # `--logit-bias 5=-100` repeatable: (key, value) pairs
+            g.add_argument(flag, dest=f.name, type=_pair(f.item), action="append",
+                           default=None if default is None else list(default),
+                           metavar="KEY=VALUE", help=f"{help_} (repeatable)")
         elif f.type is tuple:
             g.add_argument(flag, dest=f.name, type=f.item, action="append",
                            default=None if default is None else list(default),
@@ -148,13 +152,28 @@ def add_sampling_flags(p: argparse.ArgumentParser, defaults: Mapping[str, Any] |
                            metavar=f.name.upper(), help=help_)
 
 
+def _pair(value_type: type) -> Callable[[str], tuple[Any, Any]]:
+    """argparse type of one `KEY=VALUE` entry of a mapping field (SamplingParams checks the
+    key and value)."""
+    def parse(text: str) -> tuple[Any, Any]:
+        key, sep, value = text.partition("=")
+        try:
+            if not sep:
+                raise ValueError(text)
+            return sampling_params.token_key(key.strip()), value_type(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not KEY=VALUE with a {value_type.__name__} value") from None
+    return parse
+
+
 def sampling_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The SamplingParams fields the flags of `add_sampling_flags` hold (None: not given)."""
     out = {}
     for f in sampling_params.FIELDS:
         value = getattr(args, f.name, None)
         if value is not None:
-            out[f.name] = tuple(value) if f.type is tuple else value
+            out[f.name] = tuple(value) if f.type in (tuple, dict) else value
     return out
 
 

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.device.compile_guard import CompileGuard
 from jaxserve.device.sampler import SamplingTensors, sample
-from jaxserve.engine.batch import BatchShape, StepBatch, pad_rows
+from jaxserve.engine.batch import BatchShape, StepBatch, pad_bias, pad_rows
 from jaxserve.engine.runner import RunnerFailed, StepResult
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.kernels_pallas import AttentionMetadata
@@ -72,7 +72,8 @@ def to_step_inputs(b: StepBatch) -> tuple[StepInputs, SamplingTensors]:
     md = AttentionMetadata(slot_mapping=b.slot_mapping, block_tables=b.block_tables,
                            kv_lens=b.kv_lens, cu_q_lens=b.cu_q_lens, num_seqs=b.num_seqs)
     st = SamplingTensors(knobs=b.sampling, rng_key=b.rng_key, history=b.history,
-                         history_is_output=b.history_is_output)
+                         history_is_output=b.history_is_output, bias_ids=b.bias_ids,
+                         bias_values=b.bias_values)
     return StepInputs(token_ids=b.token_ids, positions=b.positions, md=md,
                       logits_indices=b.logits_indices), st
 
@@ -82,6 +83,7 @@ def empty_batch(shape: BatchShape, num_tokens: int, num_seqs: int, penalties: bo
     P = shape.history_len if penalties else 0
     S = num_seqs
     i32 = np.int32
+    bias_ids, bias_values = pad_bias(S)
     return StepBatch(
         token_ids=np.zeros(num_tokens, i32), positions=np.zeros(num_tokens, i32),
         slot_mapping=np.zeros(num_tokens, i32),
@@ -89,7 +91,7 @@ def empty_batch(shape: BatchShape, num_tokens: int, num_seqs: int, penalties: bo
         cu_q_lens=np.zeros(S + 1, i32), num_seqs=np.zeros(1, i32),
         logits_indices=np.zeros(S, i32), sampling=pad_rows(S),
         rng_key=np.zeros((S, 2), np.uint32), history=np.full((S, P), -1, i32),
-        history_is_output=np.zeros((S, P), bool))
+        history_is_output=np.zeros((S, P), bool), bias_ids=bias_ids, bias_values=bias_values)
 
 
 def place_inputs(tree: tuple[StepInputs, SamplingTensors],

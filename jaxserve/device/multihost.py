@@ -8,7 +8,8 @@ detokenizer, gRPC / HTTP fronts) and makes the other processes mirror its device
   process 0: Engine.step -> StepBatch -> LeaderRunner.execute:
                broadcast header i32[4] = (STEP, T_b, S_b, P)  -- which bucket
                broadcast the forward arrays of that bucket     -- token ids, block tables, ...
-               broadcast the sampling arrays (S_b, P)         -- knob matrix, keys, history
+               broadcast the sampling arrays (S_b, P)         -- knob matrix, keys, history,
+                                                                  logit bias
                ModelRunner.execute(batch)                      -- the compiled step
   process i: follow(runner): receive the header; STEP -> receive the arrays (shapes from the
              header) -> the same ModelRunner.execute; ARM -> arm the compile guard (warmup

@@ -1,15 +1,19 @@
 """Sampling on device: a pure function of (logits, per-row sampling arrays) -> tokens, logprobs.
 
 Data flow inside the compiled step: f32[S, V] logits of the rows that sample ->
-`apply_penalties` (repetition / presence / frequency, from each row's token history) ->
-`filter_logits` (temperature, then top-k, top-p and min-p as -inf masks) -> Gumbel-max draw
-with a per-row key (the request's seed folded with its output length, so a seeded request
-draws the same tokens whatever shares its batch) -> greedy rows take the argmax of the
-penalised logits instead. Logprobs are of the raw model distribution (log_softmax of the
-unprocessed logits, as vLLM reports them): the sampled token's and the top `MAX_LOGPROBS`.
+`apply_logit_bias` (each row's sparse (token id, bias) entries added; padding entries add
+0.0 to token 0, a no-op) -> `apply_penalties` (repetition / presence / frequency, from each
+row's token history) -> `filter_logits` (temperature, then top-k, top-p and min-p as -inf
+masks) -> Gumbel-max draw with a per-row key (the request's seed folded with its output
+length, so a seeded request draws the same tokens whatever shares its batch) -> greedy rows
+take the argmax of the biased, penalised logits instead. Logprobs are of the raw model
+distribution (log_softmax of the unprocessed logits, as vLLM reports them): the sampled
+token's and the top `MAX_LOGPROBS`.
 
-Every knob is a per-row array, so a new value never recompiles. Whether penalties are applied
-at all is a static flag of the step (the history array is only sent when a row needs it).
+Every knob is a per-row array, so a new value never recompiles; the logit bias has a static
+width (`sampling_params.MAX_LOGIT_BIAS` entries per row, see `jaxserve.engine.batch`).
+Whether penalties are applied at all is a static flag of the step (the history array is only
+sent when a row needs it).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ class SamplingTensors:
     rng_key: jax.Array  # u32[S, 2] raw threefry key data, already folded with the step index
     history: jax.Array  # i32[S, P] prompt + output token ids, -1 padded (P = 0: no penalties)
     history_is_output: jax.Array  # bool[S, P] True where history holds a generated token
+    bias_ids: jax.Array  # i32[S, B] token ids of each row's logit_bias, 0-padded
+    bias_values: jax.Array  # f32[S, B] their biases, 0.0 where padded (a no-op)
 
     def knob(self, name: str) -> jax.Array:
         """f32[S]: the column of sampling field `name` (resolved at trace time). A column's
@@ -38,15 +44,19 @@ class SamplingTensors:
 
     @classmethod
     def of(cls, rng_key: jax.Array, history: jax.Array, history_is_output: jax.Array,
+           bias_ids: jax.Array | None = None, bias_values: jax.Array | None = None,
            **columns: jax.Array) -> "SamplingTensors":
-        """From named f32[S] columns; a column not given is the padding value (off)."""
+        """From named f32[S] columns; a column not given is the padding value (off), and
+        no bias arrays mean no bias (width 0)."""
         S = rng_key.shape[0]
+        if bias_ids is None:
+            bias_ids, bias_values = jnp.zeros((S, 0), jnp.int32), jnp.zeros((S, 0), jnp.float32)
         knobs = jnp.stack([jnp.asarray(columns.pop(name), jnp.float32) if name in columns
                            else jnp.full((S,), pad, jnp.float32)
                            for name, pad in zip(DEVICE_COLUMN, PAD_ROW)], axis=1)
         if columns:
             raise TypeError(f"unknown sampling columns {sorted(columns)}")
-        return cls(knobs, rng_key, history, history_is_output)
+        return cls(knobs, rng_key, history, history_is_output, bias_ids, bias_values)
 
 
 @struct.dataclass
@@ -55,6 +65,13 @@ class SampleOutput:
     logprob: jax.Array  # f32[S] logprob of the sampled token
     top_ids: jax.Array  # i32[S, MAX_LOGPROBS]
     top_logprobs: jax.Array  # f32[S, MAX_LOGPROBS]
+
+
+def apply_logit_bias(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """logits[r, bias_ids[r, j]] += bias_values[r, j]: a scatter-add of S x B entries (ids
+    within a row are distinct; padding entries add 0.0)."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, st.bias_ids].add(st.bias_values.astype(logits.dtype))
 
 
 def apply_penalties(logits: jax.Array, st: SamplingTensors) -> jax.Array:
@@ -118,6 +135,7 @@ def sample(logits: jax.Array, st: SamplingTensors, apply_penalty: bool) -> Sampl
     is greedy, no logprob top-k when no row wants logprobs.
     """
     raw = logits
+    logits = apply_logit_bias(logits, st)
     if apply_penalty:
         logits = apply_penalties(logits, st)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -13,6 +13,11 @@ vLLM's vocabulary, for the T_b padded tokens of the S_b padded sequences of one 
   sampling               f32[S_b, K]  one row per sequence, one column per device sampling
                                     field (`sampling_params.DEVICE_FIELDS`); padding rows are
                                     `sampling_params.PAD_ROW` (greedy, nothing filtered)
+  bias_ids, bias_values  i32/f32[S_b, B]  each row's logit_bias entries (B =
+                                    `sampling_params.MAX_LOGIT_BIAS`, static, so a request
+                                    with a bias never recompiles), padded with (0, 0.0): a
+                                    no-op. Cost: 8 * S_b * B bytes sent per step (600 KiB at
+                                    S_b = 256) and an S_b x B scatter-add on the logits.
   rng_key, history, history_is_output  derived per-row sampler inputs (see
                                     `jaxserve.device.sampler.SamplingTensors`)
 """
@@ -25,7 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxserve.engine.sampling_params import PAD_ROW
+from jaxserve.engine.sampling_params import MAX_LOGIT_BIAS, PAD_ROW
 from jaxserve.engine.scheduler import SchedulerOutput
 
 
@@ -82,6 +87,8 @@ class StepBatch:
     rng_key: np.ndarray  # u32[S_b, 2]
     history: np.ndarray  # i32[S_b, P] (P = 0 when no row uses penalties)
     history_is_output: np.ndarray  # bool[S_b, P]
+    bias_ids: np.ndarray  # i32[S_b, MAX_LOGIT_BIAS]
+    bias_values: np.ndarray  # f32[S_b, MAX_LOGIT_BIAS]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +121,7 @@ def build_batch(out: SchedulerOutput, shape: BatchShape) -> StepBatch:
     counters: list[int] = []
     block_tables = np.zeros((S, shape.max_pages_per_seq), np.int32)
     penalised: list[int] = []
+    biased: list[int] = []
     tok_append, pos_append, slot_append = tok.append, pos.append, slot.append
     for row, seq in enumerate(out.seqs):
         req = seq.request
@@ -138,6 +146,8 @@ def build_batch(out: SchedulerOutput, shape: BatchShape) -> StepBatch:
         counters.append(len(req.output_token_ids))
         if sp.uses_penalties:
             penalised.append(row)
+        if sp.logit_bias:
+            biased.append(row)
     t = len(tok)
     token_ids = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
@@ -168,9 +178,15 @@ def build_batch(out: SchedulerOutput, shape: BatchShape) -> StepBatch:
         history[row, : len(ids)] = ids
         n_out = min(req.num_output_tokens, len(ids))
         is_output[row, len(ids) - n_out: len(ids)] = True
+    bias_ids, bias_values = pad_bias(S)
+    for row in biased:
+        entries = out.seqs[row].request.sampling_params.logit_bias
+        bias_ids[row, : len(entries)] = [t for t, _ in entries]
+        bias_values[row, : len(entries)] = [b for _, b in entries]
     return StepBatch(token_ids, positions, slot_mapping, block_tables, kv_lens, cu_q_lens,
                      np.array([num], np.int32), logits_indices, sampling=sampling,
-                     rng_key=rng_key, history=history, history_is_output=is_output)
+                     rng_key=rng_key, history=history, history_is_output=is_output,
+                     bias_ids=bias_ids, bias_values=bias_values)
 
 
 _PAD_ROW = np.asarray(PAD_ROW, np.float32)  # f32[K]
@@ -180,3 +196,10 @@ def pad_rows(num_seqs: int) -> np.ndarray:
     """f32[num_seqs, K]: padding rows of the sampling matrix (greedy, no filter, no penalty,
     no logprobs)."""
     return np.tile(_PAD_ROW, (num_seqs, 1))
+
+
+def pad_bias(num_seqs: int) -> tuple[np.ndarray, np.ndarray]:
+    """(i32, f32)[num_seqs, MAX_LOGIT_BIAS]: rows with no logit bias (every entry adds 0.0 to
+    token 0's logit)."""
+    return (np.zeros((num_seqs, MAX_LOGIT_BIAS), np.int32),
+            np.zeros((num_seqs, MAX_LOGIT_BIAS), np.float32))

@@ -141,7 +141,8 @@ class EngineLimits:
 
     # ----------------------------------------------------------------------- checks
     def check_params(self, params: SamplingParams) -> None:
-        """The sampling fields bounded by the model: top_k and stop ids in the vocabulary."""
+        """The sampling fields bounded by the model: top_k, stop ids and logit_bias ids in the
+        vocabulary."""
         vocab = self.vocab_size
         if params.top_k > vocab:
             raise InvalidRequest(f"top_k={params.top_k} must be -1 or 0 (disabled) or in "
@@ -150,6 +151,10 @@ class EngineLimits:
             if t >= vocab:
                 raise InvalidRequest(f"stop_token_ids[{i}]={t} is outside the vocabulary "
                                      f"[0, {vocab})", "stop_token_ids")
+        for t, _ in params.logit_bias:
+            if t >= vocab:
+                raise InvalidRequest(f"logit_bias key {t} is outside the vocabulary "
+                                     f"[0, {vocab})", "logit_bias")
 
     def check_prompt_ids(self, ids: Sequence[int], from_text: bool = False) -> list[int]:
         """Non-empty, shorter than max_model_len (checked before the ids are scanned) and

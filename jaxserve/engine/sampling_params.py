@@ -9,6 +9,9 @@ else is derived from that declaration:
   - the HTTP body parsing (`server/openai_http.parse_completion`: type checks from the
     declared type);
   - the CLI flags (`jaxserve.cli.flags.add_sampling_flags`) and the batch job's line keys;
+  - a mapping field (`logit_bias`, type `dict` in the registry) is stored as a sorted tuple of
+    (key, value) pairs, so SamplingParams stays frozen and hashable; the sampler reads it as
+    a sparse per-row bias (`jaxserve.engine.batch` packs it into i32/f32[S, MAX_LOGIT_BIAS]);
   - for fields with `device=Column(pad=...)`: one column of the step's f32[S, K] sampling
     matrix (`DEVICE_FIELDS` gives the column order, `PAD_ROW` the padding / warmup row, which
     must sample greedily with every filter and penalty off), and so the multi-host broadcast.
@@ -26,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import typing
 from typing import Any, Callable
 
@@ -36,6 +40,10 @@ MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256  # characters
 MAX_STOP_TOKEN_IDS = 64
+# logit_bias: OpenAI's limits (at most 300 entries, each bias in [-100, 100]). The entry limit
+# is also the static width of the step's sparse bias arrays (see `jaxserve.engine.batch`).
+MAX_LOGIT_BIAS = 300
+MAX_ABS_LOGIT_BIAS = 100.0
 INT32_MAX = 2**31 - 1  # token ids, top_k and token counts are int32 on the device and host
 # Sampler arithmetic in float32: logits are divided by the temperature and by the repetition
 # penalty (or multiplied by it), so both are kept where the result stays finite for any
@@ -166,6 +174,62 @@ class TokenIds(Rule):
 
 
 @dataclasses.dataclass(frozen=True)
+class LogitBias(Rule):
+    """token id -> bias added to that token's logit before any other processing (OpenAI's
+    `logit_bias`). Ids may be given as decimal strings (JSON object keys); the vocabulary
+    bound is `EngineLimits.check_params`."""
+
+    text: str = (f"a mapping of at most {MAX_LOGIT_BIAS} token ids (integers in "
+                 f"[0, {INT32_MAX}]) to biases in [-{MAX_ABS_LOGIT_BIAS:g}, "
+                 f"{MAX_ABS_LOGIT_BIAS:g}]")
+
+    def check(self, name: str, value: Any) -> None:
+        if not isinstance(value, tuple) or not all(
+                isinstance(p, tuple) and len(p) == 2 for p in value):
+            raise InvalidRequest(f"{name}={show(value)} must be {self.text}", name)
+        if len(value) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"{name} has {len(value)} entries; at most {MAX_LOGIT_BIAS}",
+                                 name)
+        seen: set[int] = set()
+        for key, b in value:
+            if not _is_int(key) or not 0 <= key <= INT32_MAX:
+                raise InvalidRequest(f"{name} key {show(key)} must be a token id: an integer "
+                                     f"in [0, {INT32_MAX}]", name)
+            if key in seen:
+                raise InvalidRequest(f"{name} gives token id {key} more than once", name)
+            seen.add(key)
+            try:
+                _BIAS.check(f"{name}[{key}]", b)
+            except InvalidRequest as e:  # the field is the mapping, not its entry
+                raise InvalidRequest(str(e), name) from None
+
+
+_BIAS = Finite(f"in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]",
+               lambda v: -MAX_ABS_LOGIT_BIAS <= v <= MAX_ABS_LOGIT_BIAS)
+
+
+def token_key(key: Any) -> Any:
+    """A mapping key as a token id: an int, or a decimal string as JSON object keys are
+    (\"50256\"); anything else is returned unchanged for the rule to refuse."""
+    if isinstance(key, str) and re.fullmatch(r"-?[0-9]{1,100}", key):
+        return int(key)
+    return key
+
+
+def _pairs(value: Any) -> Any:
+    """A mapping field's value as a tuple of (key, value) pairs (a Mapping, or an iterable
+    of pairs); a value of another shape is returned as it is for the rule to refuse."""
+    if isinstance(value, typing.Mapping):
+        items: Any = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = value
+    else:
+        return value
+    return tuple((token_key(p[0]), p[1]) if isinstance(p, (list, tuple)) and len(p) == 2
+                 else p for p in items)
+
+
+@dataclasses.dataclass(frozen=True)
 class Column:
     """A field the sampler reads: one column of the f32[S, K] sampling matrix."""
 
@@ -198,8 +262,8 @@ class SamplingField:
 
     name: str
     default: Any
-    type: type  # int, float, bool, str or tuple
-    item: type | None  # element type of a tuple field
+    type: type  # int, float, bool, str, tuple, or dict (stored as a tuple of pairs)
+    item: type | None  # element type of a tuple field; value type of a dict field
     optional: bool  # None is allowed (and skips the rule)
     rule: Rule | None
     help: str
@@ -247,9 +311,17 @@ class SamplingParams:
                                          "token", device=Column(pad=0.0, penalty=True))
     include_stop_str_in_output: bool = knob(False, help="keep a matched stop string in the text")
     skip_special_tokens: bool = knob(True, help="leave special tokens out of the text")
+    # Stored as ((token id, bias), ...) sorted by id; pass a dict. Applied on the device to
+    # the logits before penalties, temperature and filters (as vLLM / OpenAI do); the
+    # reported logprobs stay those of the unbiased model distribution.
+    logit_bias: tuple[tuple[int, float], ...] = knob(
+        (), rule=LogitBias(), help="add VALUE to the logit of token id KEY before sampling")
 
     def __post_init__(self) -> None:
-        # Accept lists / a single string from callers; store tuples (frozen, hashable).
+        # Accept lists / a single string / a dict from callers; store tuples (frozen,
+        # hashable); a mapping sorted by key once valid, so equal mappings compare equal.
+        for f in _MAPPINGS:
+            object.__setattr__(self, f.name, _pairs(getattr(self, f.name)))
         for f in _SEQUENCES:
             value = getattr(self, f.name)
             if isinstance(value, str) and f.item is str:
@@ -257,6 +329,9 @@ class SamplingParams:
             elif not isinstance(value, tuple):
                 object.__setattr__(self, f.name, tuple(value))
         self._validate()
+        for f in _MAPPINGS:
+            object.__setattr__(self, f.name, tuple(sorted(
+                (k, float(v)) for k, v in getattr(self, f.name))))
 
     def _validate(self) -> None:
         for f in FIELDS:
@@ -298,6 +373,8 @@ def _registry() -> tuple[SamplingField, ...]:
         item = None
         if typing.get_origin(base) is tuple:
             base, item = tuple, typing.get_args(base)[0]
+            if typing.get_origin(item) is tuple:  # ((key, value), ...): a mapping
+                base, item = dict, typing.get_args(item)[1]
         k: Knob = f.metadata["knob"]
         if k.device is not None and optional and k.device.none is None:
             raise TypeError(f"{f.name} may be None: its Column needs none=")
@@ -309,6 +386,7 @@ def _registry() -> tuple[SamplingField, ...]:
 FIELDS: tuple[SamplingField, ...] = _registry()  # every field, in declaration order
 BY_NAME: dict[str, SamplingField] = {f.name: f for f in FIELDS}
 _SEQUENCES = tuple(f for f in FIELDS if f.type is tuple)
+_MAPPINGS = tuple(f for f in FIELDS if f.type is dict)
 DEVICE: tuple[SamplingField, ...] = tuple(f for f in FIELDS if f.device is not None)
 DEVICE_FIELDS: tuple[str, ...] = tuple(f.name for f in DEVICE)  # sampling matrix columns
 DEVICE_COLUMN: dict[str, int] = {name: i for i, name in enumerate(DEVICE_FIELDS)}
