@@ -121,6 +121,10 @@ def typed(kind: type, item: type | None) -> st.SearchStrategy[Any]:
     if kind is tuple:
         element = ints if item is int else texts
         return st.one_of(st.lists(element, max_size=6), element, json_values)
+    if kind is dict:  # logit_bias: JSON objects with id-like or junk keys
+        keys = st.one_of(ints.map(str), texts)
+        return st.one_of(st.dictionaries(keys, st.one_of(floats, ints), max_size=6),
+                         json_values)
     own = {int: ints, float: st.one_of(floats, ints), bool: st.booleans()}[kind]
     return st.one_of(own, own, own, json_values)
 
@@ -256,6 +260,11 @@ def message_values(desc: Descriptor, depth: int = 0) -> st.SearchStrategy[dict[s
     """A dict of random values for any subset of `desc`'s fields (every field, every type)."""
     optional = {}
     for fd in desc.fields:
+        if _is_map(fd):
+            entry = fd.message_type.fields_by_name
+            optional[fd.name] = st.dictionaries(_PROTO_SCALARS[entry["key"].type],
+                                                _PROTO_SCALARS[entry["value"].type], max_size=6)
+            continue
         if fd.type == FieldDescriptor.TYPE_MESSAGE:
             if depth >= 3:
                 continue
@@ -266,11 +275,17 @@ def message_values(desc: Descriptor, depth: int = 0) -> st.SearchStrategy[dict[s
     return st.fixed_dictionaries({}, optional=optional)
 
 
+def _is_map(fd: FieldDescriptor) -> bool:
+    return fd.type == FieldDescriptor.TYPE_MESSAGE and fd.message_type.GetOptions().map_entry
+
+
 def build(cls: Callable[[], Any], values: dict[str, Any]) -> Any:
     msg = cls()
     for name, value in values.items():
         fd = msg.DESCRIPTOR.fields_by_name[name]
-        if fd.type == FieldDescriptor.TYPE_MESSAGE:
+        if _is_map(fd):
+            getattr(msg, name).update(value)
+        elif fd.type == FieldDescriptor.TYPE_MESSAGE:
             sub = fd.message_type._concrete_class  # noqa: SLF001 - the generated class
             if fd.is_repeated:
                 getattr(msg, name).extend(build(sub, v) for v in value)
