@@ -153,7 +153,7 @@ def test_a_bug_is_a_logged_json_500(server: BackgroundServer, monkeypatch: pytes
                                     caplog: pytest.LogCaptureFixture) -> None:
     def broken() -> None:
         raise RuntimeError("injected")
-    monkeypatch.setattr(server.server.http, "_ready", broken)
+    monkeypatch.setattr(server.server.http, "ready", broken)
     status, body = post(server, json.dumps(OK_BODY).encode())
     assert status == 500 and body["error"]["type"] == "internal_server_error", body
     assert "injected" not in body["error"]["message"]  # no internals to the client
