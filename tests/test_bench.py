@@ -430,7 +430,7 @@ def _words(ids: tuple[int, ...]) -> str:
     return " ".join(f"w{i}" for i in ids)
 
 
-def test_chat_endpoint_against_jaxserve_http_front(tmp_path, served, capsys) -> None:  # noqa: ANN001
+def test_chat_endpoint_against_jaxserve_front(tmp_path, served, capsys) -> None:  # noqa: ANN001
     """`--endpoint chat`: message lists to /v1/chat/completions, usage exact (the prompt as
     the template renders the system + user messages, every requested token)."""
     from jaxserve.cli.main import main
