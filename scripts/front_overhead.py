@@ -8,7 +8,8 @@ later front must not find them cached) -> this process drives it with the bench 
 clients (`jaxserve.cli.bench.targets`: GrpcTarget = jaxserve.v1.Generation/Generate,
 OpenAITarget = /v1/completions, OpenAIChatTarget = /v1/chat/completions, all streaming) ->
 per (concurrency, front): warmup requests, then the measured requests in a closed loop, the
-server's /metrics scraped before and after (after: once it has counted every request) ->
+server's /metrics scraped before and after (after: once it has counted every request);
+`--rounds N` repeats it all, each round starting with the next front, and pools the rounds ->
   (a) per request, at --request-concurrency (default 1 and 32): client-observed TTFT and
       end-to-end latency next to the server's own (the engine's metrics: arrival at the front
       -> first token / finish, means over the phase); overhead = client - server, the time
@@ -35,23 +36,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
-import os
 import pathlib
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Iterator
 
 import aiohttp
 from tqdm.auto import tqdm
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from front_overhead_server import Ports, free_port, serve, write_tiny_checkpoint  # noqa: E402
+
 from jaxserve.cli.bench.load import LoadSpec, run_load
-from jaxserve.cli.bench.report import summarize
+from jaxserve.cli.bench.report import RequestRecord, summarize
 from jaxserve.cli.bench.sweep import machine_facts
 from jaxserve.cli.bench.targets import GrpcTarget, OpenAIChatTarget, OpenAITarget, Target
 from jaxserve.cli.bench.workload import WorkloadSpec, build_requests, parse_length_dist
@@ -63,106 +62,25 @@ SERVER_FIGURES = {"ttft": "time_to_first_token_seconds", "e2e": "e2e_request_lat
                   "itl": "inter_token_latency_seconds"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def write_tiny_checkpoint(out: pathlib.Path, vocab: int = 1024, seed: int = 0) -> None:
-    """A random 2-layer Llama + a word-level tokenizer ("w3", "w4", ...) with a chat
-    template, as an HF folder `jaxserve serve --model` loads."""
-    import jax
-    import jax.numpy as jnp
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from jaxserve.models import llama
-    from jaxserve.models.config import ModelConfig
-    from jaxserve.models.hf_loader import save_hf_dir
-
-    cfg = ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=64,
-                      intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                      head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-                      max_position_embeddings=2048, tie_word_embeddings=False,
-                      attention_bias=False, qk_norm=False, bos_token_id=1, eos_token_ids=(2,))
-    save_hf_dir(out, cfg, llama.init_random_params(cfg, jax.random.key(seed), jnp.float32))
-    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
-    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "add_bos_token": False,
-        "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-                         "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"}))
-
-
-@dataclasses.dataclass(frozen=True)
-class Ports:
-    grpc: int
-    http: int
-    metrics: int
-
-
-@contextlib.contextmanager
-def serve(model: str | None, ports: Ports, engine_flags: list[str],
-          timeout: float) -> Iterator[None]:
-    """`jaxserve serve` with every port explicit; yields once /health answers 200."""
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--host", "127.0.0.1",
-           "--port", str(ports.grpc), "--http-port", str(ports.http),
-           "--metrics-port", str(ports.metrics), "--max-waiting", "0", *engine_flags]
-    if model is not None:
-        cmd += ["--model", model]
-    log = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        asyncio.run(_wait_healthy(proc, f"http://127.0.0.1:{ports.http}/health", timeout, log))
-        yield
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-
-
-async def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log: Any) -> None:
-    t0 = time.monotonic()
-    with tqdm(desc="server loading + compiling", unit="s", bar_format="{desc}: {elapsed}") as bar:
-        async with aiohttp.ClientSession() as session:
-            while True:
-                if proc.poll() is not None:
-                    log.seek(0)
-                    raise RuntimeError(f"the server exited ({proc.returncode}):\n{log.read()}")
-                if time.monotonic() - t0 > timeout:
-                    raise TimeoutError(f"the server was not healthy within {timeout:g} s")
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with session.get(url) as resp:
-                        if resp.status == 200:
-                            return
-                await asyncio.sleep(0.5)  # polling a subprocess: nothing to await on
-                bar.refresh()
-
-
 async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, tuple[float, float]]:
-    """{figure: (sum of seconds, count)} of the engine's histograms, over every label set."""
+    """{figure: (sum of seconds, count)} of the engine's histograms over every label set, and
+    "compiles": (XLA compiles after warmup, 0)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     async with session.get(url) as resp:
         resp.raise_for_status()
         text = await resp.text()
-    out = {k: [0.0, 0.0] for k in SERVER_FIGURES}
+    out = {k: [0.0, 0.0] for k in (*SERVER_FIGURES, "compiles")}
     names = {"jaxserve:" + v: k for k, v in SERVER_FIGURES.items()}
     for fam in text_string_to_metric_families(text):
+        if fam.name == "jaxserve:compiles_after_warmup":
+            out["compiles"][0] += sum(x.value for x in fam.samples)
         key = names.get(fam.name)
-        for s in fam.samples if key else ():
-            if s.name.endswith("_sum"):
-                out[key][0] += s.value
-            elif s.name.endswith("_count"):
-                out[key][1] += s.value
+        for x in fam.samples if key else ():
+            if x.name.endswith("_sum"):
+                out[key][0] += x.value
+            elif x.name.endswith("_count"):
+                out[key][1] += x.value
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
@@ -178,18 +96,17 @@ async def settled(session: aiohttp.ClientSession, url: str, finished: int,
         await asyncio.sleep(0.01)
 
 
-def server_means(before: dict, after: dict) -> dict[str, float | None]:
-    """Mean of each engine figure over the requests between two scrapes, in ms."""
-    out: dict[str, float | None] = {}
-    for k in SERVER_FIGURES:
-        n = after[k][1] - before[k][1]
-        out[f"{k}_ms"] = 1e3 * (after[k][0] - before[k][0]) / n if n > 0 else None
-    out["requests"] = after["e2e"][1] - before["e2e"][1]
-    return out
-
-
 def _minus(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
+
+
+@dataclasses.dataclass
+class Phase:
+    """One measured run of one front at one concurrency."""
+
+    records: list[RequestRecord]
+    duration_s: float
+    server: dict[str, tuple[float, float]]  # figure -> (sum of s, count) within the phase
 
 
 class Driver:
@@ -220,7 +137,7 @@ class Driver:
         if self.session is not None:
             await self.session.close()
 
-    async def phase(self, front: str, concurrency: int) -> dict:
+    async def phase(self, front: str, concurrency: int) -> Phase:
         assert self.session is not None
         target = self.targets[front]
         n = max(self.min_requests, 2 * concurrency)
@@ -233,25 +150,39 @@ class Driver:
         res = await run_load(target, reqs, LoadSpec(concurrency=concurrency, warmup=0))
         self.finished += len(reqs)
         after = await settled(self.session, self.metrics_url, self.finished)
-        s = summarize(res.records, res.duration_s)
-        server = server_means(before, after)
-        client = {"ttft_ms": s.ttft_ms.mean, "e2e_ms": s.e2e_ms.mean, "tpot_ms": s.tpot_ms.mean,
-                  "itl_ms": s.itl_ms.mean, "itl_p50_ms": s.itl_ms.p50,
-                  "itl_p99_ms": s.itl_ms.p99, "output_throughput": s.output_throughput,
-                  "prompt_tokens_mean": s.prompt_tokens / max(s.completed, 1)}
-        return {"front": front, "concurrency": concurrency, "requests": n,
-                "completed": s.completed, "failed": s.failed + s.incomplete,
-                "output_tokens": s.output_tokens, "errors": list(s.errors),
-                "client": client, "server": server,
-                "overhead": {k: _minus(client[f"{k}_ms"], server[f"{k}_ms"])
-                             for k in ("ttft", "e2e", "tpot")}}
+        return Phase(res.records, res.duration_s,
+                     {k: (after[k][0] - before[k][0], after[k][1] - before[k][1])
+                      for k in after})
+
+
+def point(kind: str, front: str, concurrency: int, phases: list[Phase]) -> dict:
+    """A front's figures at one concurrency, pooled over its phases (rounds)."""
+    records = [r for ph in phases for r in ph.records]
+    s = summarize(records, sum(ph.duration_s for ph in phases))
+    pooled = {k: (sum(ph.server[k][0] for ph in phases), sum(ph.server[k][1] for ph in phases))
+              for k in phases[0].server}
+    server: dict[str, float | None] = {
+        f"{k}_ms": 1e3 * pooled[k][0] / pooled[k][1] if pooled[k][1] > 0 else None
+        for k in SERVER_FIGURES}
+    server["requests"] = pooled["e2e"][1]
+    client = {"ttft_ms": s.ttft_ms.mean, "e2e_ms": s.e2e_ms.mean, "tpot_ms": s.tpot_ms.mean,
+              "itl_ms": s.itl_ms.mean, "itl_p50_ms": s.itl_ms.p50, "itl_p99_ms": s.itl_ms.p99,
+              "output_throughput": s.output_throughput,
+              "prompt_tokens_mean": s.prompt_tokens / max(s.completed, 1)}
+    return {"kind": kind, "front": front, "concurrency": concurrency, "rounds": len(phases),
+            "requests": len(records), "completed": s.completed,
+            "failed": s.failed + s.incomplete, "output_tokens": s.output_tokens,
+            "errors": list(s.errors), "compiles_during": pooled["compiles"][0],
+            "client": client, "server": server,
+            "overhead": {k: _minus(client[f"{k}_ms"], server[f"{k}_ms"])
+                         for k in ("ttft", "e2e", "tpot")}}
 
 
 def with_grpc_deltas(points: list[dict]) -> None:
-    """Each point's client figures minus gRPC's at the same concurrency."""
-    grpc = {p["concurrency"]: p for p in points if p["front"] == "grpc"}
+    """Each point's client figures minus gRPC's of the same kind and concurrency."""
+    grpc = {(p["kind"], p["concurrency"]): p for p in points if p["front"] == "grpc"}
     for p in points:
-        g = grpc.get(p["concurrency"])
+        g = grpc.get((p["kind"], p["concurrency"]))
         p["vs_grpc"] = {k: _minus(p["client"][k], g["client"][k]) if g else None
                         for k in ("ttft_ms", "e2e_ms", "tpot_ms", "itl_ms")}
 
@@ -283,29 +214,47 @@ def tables(doc: dict) -> str:
                  _f(p["client"]["itl_p99_ms"], 2), _f(p["client"]["tpot_ms"], 2),
                  _f(p["server"]["tpot_ms"], 2), _f(p["overhead"]["tpot"], 2),
                  _f(p["vs_grpc"]["tpot_ms"], 2)] for p in per_tok])
-    return (f"model={doc['model']}  workload={doc['workload']}\n"
+    compiled = [f"{p['front']}@{p['concurrency']}" for p in doc["points"]
+                if p["compiles_during"]]
+    note = f"\nXLA compiled during {', '.join(compiled)}: those figures include it" \
+        if compiled else ""
+    return (f"model={doc['model']}  workload={doc['workload']}  rounds={doc['rounds']}\n"
             f"(a) per request (means, ms; server = the engine's clock from arrival at the "
             f"front; ovh = client - server)\n{a}\n\n"
-            f"(b) per token (ms; TPOT = (last token - first token) / (tokens - 1), means)\n{b}")
+            f"(b) per token (ms; TPOT = (last token - first token) / (tokens - 1), means)\n{b}"
+            f"{note}")
 
 
 async def measure(args: argparse.Namespace, ports: Ports) -> tuple[list[dict], str]:
-    """Every phase's point, and the workload as drawn (the server's vocabulary)."""
-    workload = WorkloadSpec(input_len=args.input_len, output_len=args.output_len)
-    plan = [("request", c, f) for c in args.request_concurrency for f in FRONTS]
-    plan += [("token", c, f) for c in args.token_concurrency for f in FRONTS]
-    points = []
-    async with Driver(ports, workload, args.warmup, args.num_requests) as driver:
+    """Every (kind, concurrency, front)'s point, pooled over `--rounds` rounds (each round
+    starts with the next front, so none always goes first), and the workload as drawn."""
+    loads = [("request", c) for c in args.request_concurrency]
+    loads += [("token", c) for c in args.token_concurrency]
+    fronts = args.fronts
+    plan = [(kind, c, fronts[(r + i) % len(fronts)]) for r in range(args.rounds)
+            for kind, c in loads for i in range(len(fronts))]
+    phases: dict[tuple[str, int, str], list[Phase]] = {}
+    async with Driver(ports, WorkloadSpec(input_len=args.input_len,
+                                          output_len=args.output_len),
+                      args.warmup, args.num_requests) as driver:
         for kind, c, front in tqdm(plan, desc="phases", unit="phase"):
-            points.append({"kind": kind, **await driver.phase(front, c)})
+            phases.setdefault((kind, c, front), []).append(await driver.phase(front, c))
         described = driver.workload.describe()
-    with_grpc_deltas([p for p in points if p["kind"] == "request"])
-    with_grpc_deltas([p for p in points if p["kind"] == "token"])
+    points = [point(kind, front, c, phases[kind, c, front])
+              for kind, c in loads for front in fronts]
+    with_grpc_deltas(points)
     return points, described
 
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _fronts(text: str) -> tuple[str, ...]:
+    out = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not out or set(out) - set(FRONTS) or len(set(out)) < len(out):
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated subset of {FRONTS}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,9 +272,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="(a) per-request overhead at these concurrencies (default 1,32)")
     ap.add_argument("--token-concurrency", type=_ints, default=(64,),
                     help="(b) per-token overhead at these concurrencies (default 64)")
+    ap.add_argument("--fronts", type=_fronts, default=FRONTS,
+                    help="which fronts, in this order at each concurrency (default "
+                         "grpc,completions,chat)")
     ap.add_argument("--num-requests", type=int, default=16,
                     help="measured requests per phase: this many, at least 2 x the "
                          "concurrency (default 16)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="measure every point this many times, each round starting with the "
+                         "next front (figures pooled): order effects cancel and noise evens out "
+                         "(default 3)")
     ap.add_argument("--warmup", type=int, default=4, help="unmeasured requests first, per "
                     "phase (default 4)")
     ap.add_argument("--max-num-seqs", type=int, default=64,
@@ -354,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             write_tiny_checkpoint(pathlib.Path(model))
         with serve(model, ports, flags, args.startup_timeout):
             points, described = asyncio.run(measure(args, ports))
-    doc = {"model": args.model, "workload": described, "server_flags": flags,
+    doc = {"model": args.model, "workload": described, "rounds": args.rounds,
+           "server_flags": flags,
            "ports": dataclasses.asdict(ports), "points": points, "machine": machine_facts(),
            "command": [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]}
     print(tables(doc))

@@ -1,5 +1,5 @@
 """scripts/front_overhead.py end to end at tiny sizes: one `jaxserve serve` subprocess, every
-front driven, the engine's metrics scraped per phase.
+front driven in two rounds, the engine's metrics scraped per phase.
 
 Oracles: the workload itself (requests asked for = requests the engine's metrics counted in
 that phase; tokens asked for = output tokens), the tiny tokenizer's chat template rendered by
@@ -25,7 +25,7 @@ def test_help_lists_the_knobs() -> None:
     out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True,
                          text=True, timeout=120, check=True).stdout
     for flag in ("--model", "--request-concurrency", "--token-concurrency", "--json",
-                 "--server-arg"):
+                 "--server-arg", "--rounds", "--fronts"):
         assert flag in out
 
 
@@ -35,7 +35,7 @@ def test_front_overhead_smoke(tmp_path) -> None:  # noqa: ANN001
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--input-len", "fixed:8", "--output-len", "fixed:4",
          "--request-concurrency", "1,2", "--token-concurrency", "4", "--num-requests", "3",
-         "--warmup", "1", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+         "--warmup", "1", "--rounds", "2", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
          "--max-model-len", "64", "--attention-impl", "reference", "--json", str(out_json)],
         capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -51,10 +51,10 @@ def test_front_overhead_smoke(tmp_path) -> None:  # noqa: ANN001
         "\nassistant:"
     chat_prompt = len(re.findall(r"\w+|[^\w\s]+", rendered))
     for p in points:
-        n = max(3, 2 * p["concurrency"])
-        assert (p["requests"], p["completed"], p["failed"]) == (n, n, 0), p
-        assert p["output_tokens"] == 4 * n
-        assert p["server"]["requests"] == n  # the scrapes bracket exactly this phase
+        n = 2 * max(3, 2 * p["concurrency"])  # two rounds
+        assert (p["rounds"], p["requests"], p["completed"], p["failed"]) == (2, n, n, 0), p
+        assert p["output_tokens"] == 4 * n and p["compiles_during"] == 0
+        assert p["server"]["requests"] == n  # the scrapes bracket exactly its phases
         assert p["client"]["prompt_tokens_mean"] == (chat_prompt if p["front"] == "chat"
                                                      else 8)
         for k in ("ttft", "e2e", "tpot"):
