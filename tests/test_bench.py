@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -22,7 +23,8 @@ from jaxserve.cli.bench.load import LoadSpec, run_load
 from jaxserve.cli.bench.report import RequestRecord, Slo, summarize
 from jaxserve.cli.bench.scenario import ChunkedPrefillSpec, run_chunked_prefill, table
 from jaxserve.cli.bench.sweep import run_sweep, table_of, write_outputs
-from jaxserve.cli.bench.targets import GrpcTarget, OpenAITarget, open_target
+from jaxserve.cli.bench.targets import (DEFAULT_SYSTEM_PROMPT, GrpcTarget, OpenAIChatTarget,
+                                        OpenAITarget, chat_delta_carries_tokens, open_target)
 from jaxserve.cli.bench.tune import TuneSpec, meets, tune, verdict
 from jaxserve.cli.bench.workload import (TOKEN_LOW, BenchRequest, LengthDist, WorkloadSpec,
                                          build_requests, parse_length_dist)
@@ -66,6 +68,7 @@ def test_workloads_are_deterministic_and_shaped() -> None:
                           vocab_size=5000)
     reqs = build_requests(shared, 5, seed=0)
     assert len({r.prompt[:30] for r in reqs}) == 1 and len({r.prompt[30:] for r in reqs}) == 5
+    assert {r.system_len for r in reqs} == {30} and {r.system_len for r in a} == {0}
 
     clipped = dataclasses.replace(spec, input_len=LengthDist("fixed", 500), max_prompt_len=40)
     assert all(r.prompt_len == 37 for r in build_requests(clipped, 3))  # 40 - 3 new tokens
@@ -119,9 +122,10 @@ class CountingTarget:
     """Fake target: one token event per max_tokens, after yielding to the loop; counts
     concurrency. `hold` (an Event) keeps every request open until set."""
 
-    name, model, vocab_size, max_model_len = "fake", "fake", None, None
+    name, endpoint, model, vocab_size, max_model_len = "fake", "fake", "fake", None, None
 
     def __init__(self, hold: asyncio.Event | None = None):
+        self.prepared: list[BenchRequest] = []
         self.sent: list[BenchRequest] = []
         self.in_flight = 0
         self.max_in_flight = 0
@@ -130,6 +134,10 @@ class CountingTarget:
     async def open(self) -> None: ...
 
     async def close(self) -> None: ...
+
+    async def prepare(self, reqs: list[BenchRequest]) -> None:
+        assert not self.sent, "prepare comes before the first request"
+        self.prepared += reqs
 
     async def send(self, req: BenchRequest, rec: RequestRecord) -> None:
         self.sent.append(req)
@@ -155,7 +163,7 @@ def _reqs(n: int) -> list[BenchRequest]:
 def test_closed_loop_keeps_concurrency_and_skips_warmup() -> None:
     t = CountingTarget()
     res = asyncio.run(run_load(t, _reqs(20), LoadSpec(concurrency=3, warmup=2), False))
-    assert len(t.sent) == 20 and t.max_in_flight == 3
+    assert len(t.sent) == 20 and t.max_in_flight == 3 and t.prepared == _reqs(20)
     assert len(res.records) == 18 and all(r.ok and r.output_tokens == 3 for r in res.records)
     assert sorted(r.prompt_tokens for r in res.records) == list(range(3, 21))
 
@@ -182,8 +190,31 @@ def test_open_target_parses_urls() -> None:
     assert isinstance(open_target("h:1"), GrpcTarget)
     t = open_target("http://h:8000/v1")
     assert isinstance(t, OpenAITarget) and t.base_url == "http://h:8000"
+    assert (t.endpoint, t.path) == ("completions", "/v1/completions")
+    chat = open_target("http://h:8000", endpoint="chat")
+    assert isinstance(chat, OpenAIChatTarget) and chat.path == "/v1/chat/completions"
     with pytest.raises(ValueError, match="target"):
         open_target("nohost")
+    with pytest.raises(ValueError, match="http"):
+        open_target("grpc://h:1", endpoint="chat")
+    with pytest.raises(ValueError, match="endpoint"):
+        open_target("http://h:1", endpoint="embeddings")
+
+
+def test_chat_token_events() -> None:
+    """Which chat.completion.chunk choices are token events: OpenAI's and jaxserve's own
+    shapes, and a server that repeats the role in every delta."""
+    role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+    assert not chat_delta_carries_tokens(role)
+    assert not chat_delta_carries_tokens({"delta": {"role": "assistant", "content": None}})
+    assert not chat_delta_carries_tokens({"delta": {"role": "assistant"}})
+    assert chat_delta_carries_tokens({"index": 0, "delta": {"content": "w5"}})
+    # jaxserve: a token whose text is still an incomplete multi-byte character
+    assert chat_delta_carries_tokens({"index": 0, "delta": {"content": ""}})
+    assert chat_delta_carries_tokens({"delta": {"role": "assistant", "content": "hi"}})
+    assert chat_delta_carries_tokens({"delta": {"reasoning_content": "hmm"}})
+    assert not chat_delta_carries_tokens({"index": 0, "delta": {}, "finish_reason": "stop"})
+    assert not chat_delta_carries_tokens({"index": 0, "finish_reason": "length"})
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -281,28 +312,40 @@ def tiny_checkpoint(tmp_path_factory) -> str:  # noqa: ANN001
     return str(d)
 
 
-ENGINE_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--page-size", "8",
-                "--max-model-len", "128", "--attention-impl", "reference"]
+FAULT = 7  # the served engine fails a prompt that starts with this id: an SSE error event
 
 
-def test_cli_bench_against_a_server_then_compare(tmp_path, tiny_checkpoint, capsys) -> None:  # noqa: ANN001
+@pytest.fixture(scope="module")
+def served():  # noqa: ANN201 - a BackgroundServer
+    """One tiny-model server, gRPC and HTTP on free loopback ports, for the tests below."""
     from engine_fixtures import tiny_engine
 
-    from jaxserve.cli.main import main
     from jaxserve.server.background import BackgroundServer
     from jaxserve.server.config import ServerConfig
     from jaxserve.serving.build import ServedModel
 
-    with BackgroundServer(ServerConfig(port=0), lambda: ServedModel(
-            tiny_engine(**{"max_num_seqs": 4, "max_num_batched_tokens": 32}), "tiny",
-            "hf")) as srv:
-        rc = main(["bench", "--target", f"grpc://{srv.target}", "--name", "tiny",
-                   "--concurrency", "1,2", "--num-requests", "3,4", "--input-len", "fixed:9",
-                   "--output-len", "fixed:3", "--output-json", str(tmp_path / "a.json")])
+    srv = BackgroundServer(ServerConfig(port=0, http_port=0), lambda: ServedModel(
+        tiny_engine(max_num_seqs=4, max_num_batched_tokens=32, fault_injection_token=FAULT),
+        "tiny", "hf")).start()
+    yield srv
+    srv.stop()
+
+
+ENGINE_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--page-size", "8",
+                "--max-model-len", "128", "--attention-impl", "reference"]
+
+
+def test_cli_bench_against_a_server_then_compare(tmp_path, served, capsys) -> None:  # noqa: ANN001
+    from jaxserve.cli.main import main
+
+    rc = main(["bench", "--target", f"grpc://{served.target}", "--name", "tiny",
+               "--concurrency", "1,2", "--num-requests", "3,4", "--input-len", "fixed:9",
+               "--output-len", "fixed:3", "--output-json", str(tmp_path / "a.json")])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "concurrency=1" in out and "concurrency=2" in out
+    assert "concurrency=1" in out and "concurrency=2" in out and "endpoint=generate" in out
     doc = json.loads((tmp_path / "a.json").read_text())
+    assert doc["endpoint"] == "generate"
     assert [p["summary"]["completed"] for p in doc["points"]] == [3, 4]
     assert doc["points"][1]["summary"]["prompt_tokens"] == 36
 
@@ -335,41 +378,37 @@ def test_cli_tune_end_to_end(tmp_path, tiny_checkpoint, capsys) -> None:  # noqa
     assert rc == 0 and "no setting met" in capsys.readouterr().out
 
 
-def test_openai_http_target_against_jaxserve_http_front() -> None:
+def test_openai_http_target_against_jaxserve_http_front(served) -> None:  # noqa: ANN001
     """The same client over OpenAI HTTP: jaxserve's own front, so usage can be checked."""
-    from engine_fixtures import tiny_engine
+    url = f"http://127.0.0.1:{served.server.http_port}"
 
-    from jaxserve.server.background import BackgroundServer
-    from jaxserve.server.config import ServerConfig
-    from jaxserve.serving.build import ServedModel
-
-    async def refused(port: int) -> RequestRecord:  # ids beyond the vocabulary: a 400
-        bad = OpenAITarget(f"http://127.0.0.1:{port}")
-        await bad.open()
+    async def one(req: BenchRequest) -> RequestRecord:
+        t = OpenAITarget(url)
+        await t.open()
         rec = RequestRecord()
-        await bad.send(BenchRequest((5000,), 2), rec)
-        await bad.close()
+        await t.send(req, rec)
+        await t.close()
         return rec
 
     # An OpenAI server does not say its vocabulary: the user gives it (--vocab-size).
     wl = WorkloadSpec(input_len=LengthDist("uniform", 3, 20), output_len=LengthDist("fixed", 4),
                       vocab_size=211)
-    with BackgroundServer(ServerConfig(port=0, http_port=0), lambda: ServedModel(
-            tiny_engine(max_num_seqs=4, max_num_batched_tokens=32), "tiny", "hf")) as srv:
-        target = OpenAITarget(f"http://127.0.0.1:{srv.server.http_port}/v1")
+    target = OpenAITarget(f"{url}/v1")
 
-        async def main() -> dict:
-            await target.open()
-            try:
-                return await run_sweep(target, wl, [LoadSpec(concurrency=3, warmup=1)], 5,
-                                       progress=False)
-            finally:
-                await target.close()
+    async def main() -> dict:
+        await target.open()
+        try:
+            return await run_sweep(target, wl, [LoadSpec(concurrency=3, warmup=1)], 5,
+                                   progress=False)
+        finally:
+            await target.close()
 
-        doc = asyncio.run(main())
-        rec = asyncio.run(refused(srv.server.http_port))
+    doc = asyncio.run(main())
+    rec = asyncio.run(one(BenchRequest((5000,), 2)))  # ids beyond the vocabulary: a 400
     assert rec.error is not None and rec.error.startswith("HTTP 400") and not rec.ok
-    assert target.model == "tiny"
+    rec = asyncio.run(one(BenchRequest((FAULT, 60, 70), 3)))  # fails in the engine
+    assert rec.error is not None and rec.error.startswith("error event") and not rec.ok
+    assert target.model == "tiny" and doc["endpoint"] == "completions"
     s = doc["points"][0]["summary"]
     assert (s["completed"], s["failed"]) == (5, 0) and s["output_tokens"] == 20
     assert s["prompt_tokens"] == sum(r.prompt_len for r in build_requests(wl, 6)[1:])
@@ -377,3 +416,64 @@ def test_openai_http_target_against_jaxserve_http_front() -> None:
     # requests of 4 tokens), fewer when the handler fell behind and got coalesced deltas.
     assert 1 <= len(doc["points"][0]["samples"]["itl_s"]) <= 15
 
+
+def _chat_prompt_tokens(system: str, user: str) -> int:
+    """Oracle: the tiny tokenizer's template rendered by hand ("role: content" lines, then
+    "assistant:"), split as its Whitespace pre-tokenizer splits (each word or punctuation
+    run one token: "w5" is in the vocabulary, the rest are <unk>)."""
+    rendered = f"system: {system}\nuser: {user}\nassistant:"
+    return len(re.findall(r"\w+|[^\w\s]+", rendered))
+
+
+def _words(ids: tuple[int, ...]) -> str:
+    """Oracle: the tiny word-level vocabulary spells id i as "w{i}"."""
+    return " ".join(f"w{i}" for i in ids)
+
+
+def test_chat_endpoint_against_jaxserve_front(tmp_path, served, capsys) -> None:  # noqa: ANN001
+    """`--endpoint chat`: message lists to /v1/chat/completions, usage exact (the prompt as
+    the template renders the system + user messages, every requested token)."""
+    from jaxserve.cli.main import main
+
+    url = f"http://127.0.0.1:{served.server.http_port}"
+    wl = WorkloadSpec(input_len=LengthDist("uniform", 3, 20), output_len=LengthDist("fixed", 4),
+                      vocab_size=211)
+    target = open_target(url, endpoint="chat")
+
+    async def sweep() -> dict:
+        await target.open()
+        try:
+            return await run_sweep(target, wl, [LoadSpec(concurrency=3, warmup=1)], 5,
+                                   progress=False)
+        finally:
+            await target.close()
+
+    doc = asyncio.run(sweep())
+    assert doc["endpoint"] == "chat" and target.model == "tiny"
+    s = doc["points"][0]["summary"]
+    assert (s["completed"], s["failed"], s["incomplete"]) == (5, 0, 0)
+    assert s["output_tokens"] == 20
+    sent = build_requests(wl, 6)[1:]
+    assert s["prompt_tokens"] == sum(_chat_prompt_tokens(DEFAULT_SYSTEM_PROMPT, _words(r.prompt))
+                                     for r in sent)
+    # Token events only: at most 3 gaps per 4-token request (the role chunk is not a token).
+    assert 1 <= len(doc["points"][0]["samples"]["itl_s"]) <= 15
+
+    rc = main(["bench", "--target", url, "--endpoint", "chat", "--workload", "shared-prefix",
+               "--prefix-len", "6", "--input-len", "fixed:5", "--output-len", "fixed:3",
+               "--vocab-size", "211", "--concurrency", "2", "--num-requests", "4",
+               "--warmup", "1", "--output-json", str(tmp_path / "chat.json")])
+    assert rc == 0 and "endpoint=chat" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "chat.json").read_text())
+    assert saved["endpoint"] == "chat"
+    s = saved["points"][0]["summary"]
+    assert (s["completed"], s["output_tokens"]) == (4, 12)
+    spec = WorkloadSpec("shared-prefix", input_len=LengthDist("fixed", 5),
+                        output_len=LengthDist("fixed", 3), prefix_len=6, vocab_size=211,
+                        max_prompt_len=256)
+    sent = build_requests(spec, 5)[1:]  # the CLI's first point: seed 0, one warmup request
+    # the shared prefix is the system message, the rest the user turn
+    assert s["prompt_tokens"] == sum(_chat_prompt_tokens(_words(r.prompt[:6]),
+                                                         _words(r.prompt[6:])) for r in sent)
+    assert main(["bench", "--target", "grpc://127.0.0.1:1", "--endpoint", "chat"]) == 2
+    assert "needs --target http" in capsys.readouterr().err

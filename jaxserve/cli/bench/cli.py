@@ -2,9 +2,10 @@
 
 Data flow: argv -> WorkloadSpec + LoadSpecs (+ EngineConfig from the engine flags when the
 server is launched in-process) -> asyncio: open the target (`--target grpc://...` or
-`http://...`, else an in-process jaxserve server over the loaded model) -> `sweep.run_sweep` /
-`scenario.run_chunked_prefill` / `tune.tune` -> a table on stdout, JSON (`--output-json`) and
-PNG plots (`--plot-prefix`). `scripts/bench_serving.py` is this same command.
+`http://...` with `--endpoint completions|chat`, else an in-process jaxserve server over the
+loaded model) -> `sweep.run_sweep` / `scenario.run_chunked_prefill` / `tune.tune` -> a table
+on stdout, JSON (`--output-json`) and PNG plots (`--plot-prefix`). `scripts/bench_serving.py`
+is this same command.
 """
 
 from __future__ import annotations
@@ -118,13 +119,18 @@ def add_bench_parser(sub: Any) -> None:
     b = sub.add_parser(
         "bench", help="measure TTFT / ITL / TPOT / throughput under load",
         description="Load generator: closed-loop concurrency or Poisson-rate sweeps against a "
-                    "jaxserve gRPC server, any OpenAI-compatible /v1/completions server, or "
+                    "jaxserve gRPC server, any OpenAI-compatible server (/v1/completions or "
+                    "/v1/chat/completions), or "
                     "(no --target) a jaxserve server started in this process with the engine "
                     "flags below. Prints a table; writes JSON and PNG plots on request.")
     b.add_argument("--target", default=None,
                    help="grpc://HOST:PORT (jaxserve) or http://HOST:PORT (OpenAI API); "
                         "default: launch jaxserve in-process")
     b.add_argument("--name", default="", help="this run's name in tables and plot legends")
+    b.add_argument("--endpoint", choices=("completions", "chat"), default=None,
+                   help="http targets: /v1/completions (default; prompts as token ids or "
+                        "text) or /v1/chat/completions (each prompt as a system message + a "
+                        "user turn; token ids rendered as text by the server's /detokenize)")
     b.add_argument("--model-name", default=None,
                    help="the 'model' field sent to an OpenAI server (default: its first)")
     b.add_argument("--api-key", default=None, help="API key of the target")
@@ -177,6 +183,10 @@ async def _bench(args: argparse.Namespace) -> dict:
 
     workload = workload_spec(args)
     slo = Slo(args.ttft_slo, args.itl_slo)
+    if args.endpoint is not None and not (args.target or "").startswith(("http://",
+                                                                          "https://")):
+        raise ValueError(f"--endpoint {args.endpoint} is an OpenAI HTTP endpoint: it needs "
+                         "--target http(s)://HOST:PORT")
     if args.scenario == "chunked-prefill":
         from jaxserve.cli.bench.scenario import ChunkedPrefillSpec, run_chunked_prefill
 
@@ -191,7 +201,8 @@ async def _bench(args: argparse.Namespace) -> dict:
     loads = load_specs(args, (1, 4, 16, 64))
     counts = num_requests(args, len(loads))
     if args.target:
-        target = open_target(args.target, args.model_name, args.api_key)
+        target = open_target(args.target, args.model_name, args.api_key,
+                             endpoint=args.endpoint)
         await target.open()
         try:
             return await run_sweep(target, workload, loads, counts,

@@ -1,6 +1,7 @@
 """Load shapes: closed loop at a fixed concurrency, open loop with Poisson arrivals.
 
 Data flow: a target (already open) + the run's requests + a `LoadSpec` -> `run_load`:
+  0. `target.prepare(requests)`: what the target must know of them before the clock starts;
   1. warmup: the first `spec.warmup` requests run (at the same concurrency, capped at 4) and
      are thrown away: connection set-up, first-touch compilation of anything lazy;
   2. measured phase: closed loop = `concurrency` workers, each sending its next request as
@@ -124,6 +125,7 @@ async def run_load(target: Target, reqs: Sequence[BenchRequest], spec: LoadSpec,
     if not measured:
         raise ValueError(f"{len(reqs)} requests leave none to measure after warmup="
                          f"{spec.warmup}")
+    await target.prepare(reqs)
     if warm:
         await run_closed(target, warm, min(4, spec.concurrency or 4), [], None)
     records: list[RequestRecord] = []

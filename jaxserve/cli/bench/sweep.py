@@ -6,7 +6,7 @@ prefix cache that an earlier point filled; the same prompts for every target giv
 seed; vocabulary from the server when it says) ->
 `load.run_load` -> `report.summarize` (overall and per request kind) -> a point dict with the
 summary and the raw TTFT / ITL samples (for CDF plots) -> one document:
-  {"target", "model", "workload", "points": [...], "machine": {...}}
+  {"target", "endpoint", "model", "workload", "points": [...], "machine": {...}}
 which `write_outputs` saves as JSON plus PNG plots and prints as a table.
 """
 
@@ -85,7 +85,8 @@ async def run_sweep(target: Target, workload: WorkloadSpec, loads: Sequence[Load
         if progress:
             print(format_table([(points[-1]["label"], summary_of(points[-1]))]).splitlines()[1],
                   file=sys.stderr)
-    return {"name": name or target.name, "target": target.name, "model": target.model,
+    return {"name": name or target.name, "target": target.name,
+            "endpoint": target.endpoint, "model": target.model,
             "workload": workload.describe(), "num_requests": counts, "seed": seed,
             "points": points, "machine": machine_facts(), "command": sys.argv}
 
@@ -105,5 +106,6 @@ def write_outputs(doc: dict, json_path: str | None, plot_prefix: str | None) -> 
 
 
 def table_of(doc: dict) -> str:
-    title = f"{doc['name']}  model={doc['model']}  workload={doc['workload']}"
+    endpoint = f"  endpoint={doc['endpoint']}" if doc.get("endpoint") else ""
+    title = f"{doc['name']}{endpoint}  model={doc['model']}  workload={doc['workload']}"
     return format_table([(p["label"], summary_of(p)) for p in doc["points"]], title)

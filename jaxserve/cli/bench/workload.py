@@ -14,6 +14,10 @@ Length distributions (`parse_length_dist`): `fixed:N`, `uniform:LO-HI`, `lognorm
 (clipped to [1, 8 * MEDIAN]). Workloads: `synthetic`, `longtail` (a mix: mostly short chats
 plus a fraction of very long prompts), `shared-prefix` (one long common system prompt + a short
 distinct suffix: what prefix caching is for), `jsonl` (a file of prompts).
+
+The chat endpoint (`targets.OpenAIChatTarget`) sends the same requests as message lists: a
+request's `system_len` leading ids (the shared-prefix workload's common prefix) become the
+system message, the rest the user turn.
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ class BenchRequest:
     prompt: str | tuple[int, ...]  # token ids (synthetic) or text (jsonl)
     max_tokens: int
     kind: str = "default"  # the report's group: chat | long | ...
+    system_len: int = 0  # leading prompt ids that are the common system prompt (shared-prefix)
 
     @property
     def prompt_len(self) -> int | None:
@@ -161,7 +166,7 @@ def build_requests(spec: WorkloadSpec, num: int, seed: int = 0) -> list[BenchReq
     for n_in, n_out, kind in zip(ins.tolist(), outs.tolist(), kinds):
         n_in = _clip(len(prefix) + n_in, spec, n_out) - len(prefix)
         prompt = prefix + _ids(rng, max(n_in, 1), spec.vocab_size)
-        reqs.append(BenchRequest(prompt, int(n_out), kind))
+        reqs.append(BenchRequest(prompt, int(n_out), kind, len(prefix)))
     return reqs
 
 
