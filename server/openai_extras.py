@@ -51,6 +51,7 @@ async def tokenize(front: "OpenAIHttpFront", request: web.Request) -> web.Respon
     _, _, admit = front.ready()
     body = schema.check_common(
         await read_json(request, front.max_body_bytes, front.body_timeout), _BOOLS)
+    front.check_model(body)
     try:
         ids = await admit.tokenize(_tokenize_input(body))
     except ValueError as e:
@@ -65,6 +66,7 @@ async def detokenize(front: "OpenAIHttpFront", request: web.Request) -> web.Resp
     _, _, admit = front.ready()
     body = schema.check_common(
         await read_json(request, front.max_body_bytes, front.body_timeout))
+    front.check_model(body)
     tokens = body.get("tokens")
     if not isinstance(tokens, list):
         raise schema.bad_request("tokens must be a list of token ids", "tokens")

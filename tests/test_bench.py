@@ -293,7 +293,7 @@ def test_cli_bench_against_a_server_then_compare(tmp_path, tiny_checkpoint, caps
     from jaxserve.server.config import ServerConfig
     from jaxserve.serving.build import ServedModel
 
-    with BackgroundServer(ServerConfig(port=0), lambda: ServedModel(
+    with BackgroundServer(ServerConfig(port=0, http_port=None), lambda: ServedModel(
             tiny_engine(**{"max_num_seqs": 4, "max_num_batched_tokens": 32}), "tiny",
             "hf")) as srv:
         rc = main(["bench", "--target", f"grpc://{srv.target}", "--name", "tiny",

@@ -220,6 +220,10 @@ BAD = [
     ({"messages": USER, "logprobs": 3}, "logprobs", "must be a boolean"),
     ({"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens",
      "max_completion_tokens=0"),
+    # Refused at admission (no room in max_model_len=512), in the name the client used.
+    ({"messages": USER, "max_completion_tokens": 5000}, "max_completion_tokens",
+     "max_completion_tokens"),
+    ({"messages": ["hi"]}, "messages", "messages[0] must be an object"),
     ({"messages": USER, "max_tokens": 5000}, "max_tokens", "max_tokens"),
     ({"messages": USER, "temperature": -1}, "temperature", "temperature"),
     ({"messages": USER, "stop": [""]}, "stop", "stop"),
