@@ -67,7 +67,7 @@ def parse_chat(body: object) -> ChatRequest:
     body = schema.check_common(body, _BOOLS)
     _refuse_unsupported(body)
     include_usage, continuous = schema.parse_stream_options(body)
-    if "messages" not in body:
+    if body.get("messages") is None:  # absent or null
         raise schema.bad_request("messages is required: a list of {role, content} objects",
                                  "messages")
     prompt = chat_input(body)

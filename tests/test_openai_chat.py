@@ -205,6 +205,7 @@ def test_logprobs_in_chat_format(server: BackgroundServer, llm) -> None:  # noqa
 USER = [{"role": "user", "content": "w5"}]
 BAD = [
     ({}, "messages", "messages is required"),
+    ({"messages": None}, "messages", "messages is required"),
     ({"messages": "hi"}, "messages", "messages must be a list"),
     ({"messages": []}, "messages", "messages must not be empty"),
     ({"messages": [{"role": "bot", "content": "w5"}]}, "messages", "messages[0].role="),
