@@ -129,10 +129,11 @@ def engine_flags(cfg) -> list[str]:  # noqa: ANN001 - EngineConfig
 
 
 class ServerProcess:
-    """`jaxserve serve --port 0` in a subprocess; `target` once its ready line appears."""
+    """`jaxserve serve --port 0 --no-http` in a subprocess; `target` once its ready line
+    appears."""
 
     def __init__(self, flags: list[str], timeout: float = 900.0):
-        cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", *flags]
+        cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--no-http", *flags]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                      text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.ready = threading.Event()

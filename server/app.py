@@ -1,18 +1,22 @@
-"""The gRPC server's lifecycle: listen, warm up, serve, drain, stop.
+"""The server's lifecycle (the gRPC and the OpenAI HTTP front): listen, warm up, serve, drain,
+stop.
 
 Data flow:
-  `start()`   grpc.aio server with the Generation servicer, the standard health service
-              (NOT_SERVING for now), reflection, the API-key interceptor when keys are set,
-              then `grpc_wire.WireGuardInterceptor` (undecodable bytes -> INVALID_ARGUMENT),
-              bounded message sizes, idle-connection and keepalive limits; binds host:port
-              (TLS when configured) and starts;
-              with `http_port` set, also the OpenAI-compatible HTTP front
-              (`openai_http.OpenAIHttpFront`, same loop, same host) on that port.
+  `start()`   with `port` set (not None): a grpc.aio server with the Generation servicer, the
+              standard health service (NOT_SERVING for now), reflection, the API-key
+              interceptor when keys are set, then `grpc_wire.WireGuardInterceptor`
+              (undecodable bytes -> INVALID_ARGUMENT), bounded message sizes, idle-connection
+              and keepalive limits; binds host:port (TLS when configured) and starts;
+              with `http_port` set, the OpenAI-compatible HTTP front
+              (`openai_http.OpenAIHttpFront`, same loop, same host, same API keys) on that
+              port. Both are on by default (ServerConfig); at least one is.
   `load()`    runs the engine factory (model load + XLA warmup) on a daemon thread while the
-              event loop keeps answering health checks -> AsyncEngine (its own step thread)
-              with the Prometheus observer -> servicer (and HTTP front) attached -> health
-              SERVING -> the one "ready" log line with the addresses. /metrics asks for
-              the API key when keys are set, unless `metrics_no_auth`.
+              event loop keeps answering health checks -> the served model renamed to the
+              first `served_model_names` entry, if any -> AsyncEngine (its own step thread)
+              with the Prometheus observer -> servicer and HTTP front attached (the front
+              also serves the registry at GET /metrics) -> health SERVING -> the one "ready"
+              log line naming every address. /metrics (on `metrics_port` and on the HTTP
+              port) asks for the API key when keys are set, unless `metrics_no_auth`.
   `shutdown()` health NOT_SERVING, new calls refused with UNAVAILABLE (HTTP: 503), in-flight
               calls of both fronts get `shutdown_grace` seconds to finish, the rest are
               aborted (each stream ends with a Finished(ABORT) message / an "abort"
@@ -30,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import pathlib
 import signal
@@ -108,16 +113,31 @@ class GrpcServer:
         self.metrics_port: int | None = None
         self.http: OpenAIHttpFront | None = None if cfg.http_port is None else OpenAIHttpFront(
             cfg.api_keys, cfg.tokenizer_threads, cfg.max_message_bytes,
-            cfg.http_keepalive_timeout, cfg.http_body_timeout)
+            cfg.http_keepalive_timeout, cfg.http_body_timeout,
+            stream_interval=cfg.stream_interval, served_model_names=cfg.served_model_names,
+            open_metrics=cfg.metrics_no_auth)
         self.http_port: int | None = None
         self.failed = asyncio.Event()  # set on the loop when the engine fails for good
+        self._started = False
 
     @property
     def address(self) -> str:
+        """The gRPC front's host:port ("HOST:None" when it is off)."""
         return f"{self.cfg.host}:{self.port}"
 
-    async def start(self) -> int:
-        """Bind and start answering (health NOT_SERVING until `load()`); returns the port."""
+    async def start(self) -> int | None:
+        """Bind and start answering (health NOT_SERVING until `load()`); returns the gRPC
+        port (None: no gRPC front)."""
+        if self.cfg.port is not None:
+            await self._start_grpc()
+        if self.http is not None:
+            self.http_port = await self.http.start(self.cfg.host, self.cfg.http_port or 0)
+        self._started = True
+        log.info("listening %s tls=%s auth=%s state=NOT_SERVING", self._addresses(),
+                 bool(self.cfg.tls_cert), bool(self.cfg.api_keys))
+        return self.port
+
+    async def _start_grpc(self) -> None:
         cfg = self.cfg
         # The key check first: an unauthenticated caller's bytes are never decoded.
         interceptors: list[grpc.aio.ServerInterceptor] = \
@@ -145,21 +165,21 @@ class GrpcServer:
             raise OSError(f"cannot listen on {bind} (address in use or not available)")
         await server.start()
         self._server, self.port = server, port
-        if self.http is not None:
-            self.http_port = await self.http.start(cfg.host, cfg.http_port or 0)
-        log.info("listening address=%s%s tls=%s auth=%s state=NOT_SERVING", self.address,
-                 self._http_suffix(), bool(cfg.tls_cert), bool(cfg.api_keys))
-        return port
 
-    def _http_suffix(self) -> str:
+    def _addresses(self) -> str:
+        """Where each front listens, as the log lines name them: the gRPC host:port first
+        (scripts parse `on HOST:PORT`; `grpc=off` without it), then `http=URL`."""
+        grpc_part = self.address if self.port is not None else "grpc=off"
         if self.http_port is None:
-            return ""
-        return f" http=http://{self.cfg.address_for(self.http_port)}"
+            return grpc_part
+        return f"{grpc_part} http=http://{self.cfg.address_for(self.http_port)}"
 
     async def load(self) -> None:
         """Build the engine off the event loop, start its thread, then report SERVING."""
         served = await _call_in_thread(self._factory)
         cfg = self.cfg
+        if cfg.served_model_names:  # what every front and the metrics call the model
+            served = dataclasses.replace(served, name=cfg.served_model_names[0])
         loop = asyncio.get_running_loop()
 
         def on_failure(error: BaseException) -> None:
@@ -175,7 +195,7 @@ class GrpcServer:
                           cfg.client_priority_range, cfg.trust_request_chat_template)
         self.servicer.attach(self.engine, served, admit)
         if self.http is not None:
-            self.http.attach(self.engine, served, admit)
+            self.http.attach(self.engine, served, admit, self.metrics.registry)
         if cfg.metrics_port is not None:
             authorize = None if cfg.metrics_no_auth or not cfg.api_keys else \
                 ApiKeys(cfg.api_keys).allows
@@ -185,8 +205,7 @@ class GrpcServer:
         await self._set_health(_SERVING)
         metrics = f" metrics=http://{cfg.host}:{self.metrics_port}/metrics" \
             if self.metrics_port is not None else ""
-        log.info("ready: serving %s on %s%s%s", served.name, self.address, self._http_suffix(),
-                 metrics)
+        log.info("ready: serving %s on %s%s", served.name, self._addresses(), metrics)
 
     def _engine_failed(self, error: BaseException) -> None:
         log.error("engine failed, health NOT_SERVING: %r", error)
@@ -214,7 +233,7 @@ class GrpcServer:
         await self.health.enter_graceful_shutdown()
         for calls in self._fronts():
             calls.draining = True  # each front now refuses new calls
-        started = self._server is not None
+        started = self._started
         if started:
             log.info("draining in_flight=%d grace_s=%.1f", self._num_active(), grace)
         if not await self._wait_idle(grace) and self.engine is not None:
@@ -232,7 +251,7 @@ class GrpcServer:
             self._metrics_http.close()
         self.servicer.close()
         if started:
-            log.info("stopped address=%s", self.address)
+            log.info("stopped %s", self._addresses())
 
 
 async def serve(cfg: ServerConfig, factory: EngineFactory,

@@ -3,6 +3,10 @@
 Built by the CLI (flags; API keys also from `JAXSERVE_API_KEY` there, never read here) or by
 code embedding a server, and passed to `jaxserve.server.app.GrpcServer`. The engine's own
 knobs stay in `jaxserve.config.EngineConfig`.
+
+The defaults are `jaxserve serve`'s (vLLM-style): gRPC on 127.0.0.1:50051 and the OpenAI HTTP
+front on 127.0.0.1:8000. Code that embeds a server (tests, benchmarks) passes `port=0` /
+`http_port=0` (a free port) or None (that front off), never the fixed defaults by accident.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import pathlib
 from jaxserve.engine.limits import DEFAULT_CLIENT_PRIORITY_RANGE
 from jaxserve.serving.request_stream import DEFAULT_MAX_STREAM_BUFFER_TOKENS
 
-DEFAULT_PORT = 50051
+DEFAULT_PORT = 50051  # gRPC
+DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible front, where vLLM listens
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # gRPC's own receive default
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.01, 86400.0  # bounds of every connection timeout knob
 GRPC_KEEPALIVE_TIMEOUT_S = 20.0  # a keepalive ping unanswered this long closes the connection
@@ -22,9 +27,15 @@ GRPC_KEEPALIVE_TIMEOUT_S = 20.0  # a keepalive ping unanswered this long closes 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"  # loopback only unless the operator opens it
-    port: int = DEFAULT_PORT  # 0: pick a free port (the ready line tells which)
-    metrics_port: int | None = None  # None: no /metrics endpoint; 0: a free port
-    http_port: int | None = None  # None: no OpenAI-compatible HTTP front; 0: a free port
+    port: int | None = DEFAULT_PORT  # gRPC; 0: pick a free port (the ready line tells
+    # which); None: no gRPC front
+    metrics_port: int | None = None  # None: no /metrics server of its own; 0: a free port
+    http_port: int | None = DEFAULT_HTTP_PORT  # the OpenAI-compatible front (with /metrics);
+    # 0: a free port; None: no HTTP front
+    # The names the HTTP front answers to (vLLM's --served-model-name): the first is the one
+    # responses, /v1/models, gRPC's model info and the metrics' model_name label report;
+    # a request naming another gets a 404. Empty: the model's own name, any `model` accepted.
+    served_model_names: tuple[str, ...] = ()
     max_waiting: int | None = 256  # sequences waiting to be scheduled; None: unbounded
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     tls_cert: str | None = None  # PEM certificate chain file
@@ -52,7 +63,8 @@ class ServerConfig:
     # int32). The default lets a client only lower its own; the offline API is not limited.
     client_priority_range: tuple[int, int] = DEFAULT_CLIENT_PRIORITY_RANGE
     # A chat request may bring its own chat_template (vLLM's --trust-request-chat-template):
-    # off by default, since a template is code that runs on a shared tokenizer thread.
+    # off by default; for trusted clients only, since a template is code (sandboxed, but
+    # unbounded in time and memory) that can hang a tokenizer thread or OOM the server.
     trust_request_chat_template: bool = False
     # Tokens (over all samples) a stream may leave unread before its request is aborted with
     # RESOURCE_EXHAUSTED / an error event naming this knob; outputs that arrive while the
@@ -64,6 +76,13 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= 65535):
                 raise ValueError(f"{name}={value!r} must be a port number in [0, 65535]")
+        if self.port is None and self.http_port is None:
+            raise ValueError("both fronts are off (gRPC port and HTTP port None, or --no-grpc "
+                             "with --no-http): nothing would serve the model")
+        if not isinstance(self.served_model_names, tuple) or not all(
+                isinstance(n, str) and n for n in self.served_model_names):
+            raise ValueError(f"served_model_names={self.served_model_names!r} must be a tuple "
+                             "of non-empty names")
         if self.max_waiting is not None and self.max_waiting < 1:
             raise ValueError(f"max_waiting={self.max_waiting} must be >= 1")
         if any(not k for k in self.api_keys):

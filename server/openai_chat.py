@@ -40,18 +40,16 @@ async def chat_completions(front: "OpenAIHttpFront", request: web.Request
     arrival = time.monotonic()
     body = await read_json(request, front.max_body_bytes, front.body_timeout)
     req = chat_schema.parse_chat(body)
+    front.check_model(body)
     front.calls.enter()
     streams: list[RequestStream] = []
     try:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         run = await openai_stream.start(engine, admit, rid, req.prompt, req.params,
-                                        req.priority, arrival, req.stream, streams.append)
+                                        req.priority, arrival, req.stream, streams.append,
+                                        req.rename)
         head = {"id": rid, "created": int(time.time()), "model": served.name}
-        tok = admit.tokenizer
-
-        def decode(tid: int) -> str:
-            return tok.decode([tid], skip_special_tokens=False)
-
+        decode = openai_stream.decoder(admit)
         top = req.params.logprobs
         if req.stream:
             return await _stream(front, request, req, head, run, decode)
@@ -108,4 +106,4 @@ async def _stream(front: "OpenAIHttpFront", request: web.Request,
         return [{**head, "choices": [], "usage": usage()}] if req.include_usage else []
 
     return await openai_stream.stream_sse(request, head["id"], run.outputs, chunks, tail,
-                                          front.body_timeout)
+                                          front.body_timeout, front.stream_interval)

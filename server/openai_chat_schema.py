@@ -32,7 +32,10 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     continuous_usage_stats: bool = False
-    priority: int = 0
+    priority: int = 0  # as the body gives it: admission checks it
+    # Chat's names of registry fields the client used (max_completion_tokens), for the
+    # `param` of a refusal at admission.
+    rename: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
@@ -64,31 +67,33 @@ def parse_chat(body: object) -> ChatRequest:
     body = schema.check_common(body, _BOOLS)
     _refuse_unsupported(body)
     include_usage, continuous = schema.parse_stream_options(body)
-    if "messages" not in body:
+    if body.get("messages") is None:  # absent or null
         raise schema.bad_request("messages is required: a list of {role, content} objects",
                                  "messages")
-    messages = body["messages"]
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise schema.bad_request("messages must be a list of {role, content} objects",
-                                 "messages")
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise schema.bad_request("chat_template_kwargs must be an object",
-                                 "chat_template_kwargs")
-    prompt = admission.PromptInput(
-        chat=tuple(messages),
-        add_generation_prompt=body.get("add_generation_prompt", True) is not False,
-        chat_template=body.get("chat_template"), chat_template_kwargs=kwargs,
-        continue_final_message=bool(body.get("continue_final_message")))
+    prompt = chat_input(body)
     top = body.get("top_logprobs")
     if top is not None and not body.get("logprobs"):
         raise schema.bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     wanted = (0 if top is None else top) if body.get("logprobs") else None
     budget, rename = _max_tokens(body)
-    params = schema.sampling_params(body, budget, {**rename, "logprobs": "top_logprobs"},
-                                    logprobs=wanted)
+    names = {**rename, "logprobs": "top_logprobs"}  # chat's names of registry fields
+    params = schema.sampling_params(body, budget, names, logprobs=wanted)
     return ChatRequest(prompt, params, bool(body.get("stream")), include_usage, continuous,
-                       body.get("priority") or 0)
+                       schema.priority_of(body), names)
+
+
+def chat_input(body: dict[str, Any]) -> admission.PromptInput:
+    """`messages` and vLLM's rendering fields as they are (admission checks their shapes:
+    messages a list of objects, chat_template_kwargs an object); a null boolean is its
+    default, as OpenAI's unset."""
+    messages = body["messages"]
+    generation_prompt = body.get("add_generation_prompt")
+    return admission.PromptInput(
+        chat=tuple(messages) if isinstance(messages, list) else messages,
+        add_generation_prompt=generation_prompt is not False,
+        chat_template=body.get("chat_template"),
+        chat_template_kwargs=body.get("chat_template_kwargs"),
+        continue_final_message=bool(body.get("continue_final_message")))
 
 
 # ----------------------------------------------------------------------------- responses

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from jaxserve import __version__
+from jaxserve.server import openai_chat_schema as chat_schema
 from jaxserve.server import openai_schema as schema
 from jaxserve.server.http_body import read_json
 from jaxserve.serving import admission
@@ -33,29 +34,24 @@ async def version(front: "OpenAIHttpFront", request: web.Request) -> web.Respons
 
 
 def _tokenize_input(body: dict[str, Any]) -> admission.PromptInput:
+    """A prompt, or chat messages rendered as /v1/chat/completions renders them; a null
+    boolean is its default (true), as on the chat endpoint."""
     if (body.get("prompt") is None) == (body.get("messages") is None):
         raise schema.bad_request("send exactly one of prompt (a string) and messages",
                                  "prompt")
     if body.get("prompt") is not None:
         if not isinstance(body["prompt"], str):
             raise schema.bad_request("prompt must be a string", "prompt")
-        return admission.PromptInput(text=body["prompt"],
-                                     add_special_tokens=body.get("add_special_tokens", True))
-    if not isinstance(body["messages"], list):
-        raise schema.bad_request("messages must be a list of {role, content} objects",
-                                 "messages")
-    return admission.PromptInput(
-        chat=tuple(body["messages"]),
-        add_generation_prompt=body.get("add_generation_prompt", True),
-        chat_template=body.get("chat_template"),
-        chat_template_kwargs=body.get("chat_template_kwargs"),
-        continue_final_message=bool(body.get("continue_final_message")))
+        return admission.PromptInput(
+            text=body["prompt"], add_special_tokens=body.get("add_special_tokens") is not False)
+    return chat_schema.chat_input(body)
 
 
 async def tokenize(front: "OpenAIHttpFront", request: web.Request) -> web.Response:
     _, _, admit = front.ready()
     body = schema.check_common(
         await read_json(request, front.max_body_bytes, front.body_timeout), _BOOLS)
+    front.check_model(body)
     try:
         ids = await admit.tokenize(_tokenize_input(body))
     except ValueError as e:
@@ -70,11 +66,13 @@ async def detokenize(front: "OpenAIHttpFront", request: web.Request) -> web.Resp
     _, _, admit = front.ready()
     body = schema.check_common(
         await read_json(request, front.max_body_bytes, front.body_timeout))
+    front.check_model(body)
     tokens = body.get("tokens")
     if not isinstance(tokens, list):
         raise schema.bad_request("tokens must be a list of token ids", "tokens")
     try:
         text = await admit.detokenize(tokens)
     except ValueError as e:
-        raise schema.invalid(e, {"prompt_token_ids": "tokens"}) from None
+        # limits name the ids "prompt_token_ids" or "prompt" (the count): here, "tokens"
+        raise schema.invalid(e, {"prompt_token_ids": "tokens", "prompt": "tokens"}) from None
     return web.json_response({"prompt": text})

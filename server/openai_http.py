@@ -1,10 +1,17 @@
 """OpenAI-compatible HTTP front (aiohttp.web): /v1/completions, /v1/chat/completions
-(`openai_chat`), /v1/models, /health, and vLLM's /version, /tokenize, /detokenize
-(`openai_extras`); the generation plumbing both completions endpoints share is
-`openai_stream`.
+(`openai_chat`), /v1/models, /health, /metrics (Prometheus text), and vLLM's /version,
+/tokenize, /detokenize (`openai_extras`); the generation plumbing both completions endpoints
+share is `openai_stream`.
 
-It shares the gRPC server's asyncio loop, AsyncEngine and `Admission` (`jaxserve serve
---http-port PORT`; `app.GrpcServer` starts, attaches and stops it).
+It shares the gRPC server's asyncio loop, AsyncEngine and `Admission` (`jaxserve serve`
+listens on :8000 by default, `--http-port PORT` / `--no-http`; `app.GrpcServer` starts,
+attaches and stops it).
+
+Model names (vLLM's --served-model-name): with `served_model_names` set, /v1/models lists
+each, responses name the first, and a body whose `model` is another name gets a 404
+(`NotFoundError`, param "model"), on every endpoint that takes a body; an absent or null
+`model` means the served model. Without them the front answers to any `model` string (it
+serves one model) and reports the model's own name.
 
 Connections (aiohttp's protocol, configured in `start`): a request head must arrive complete
 within `keepalive_timeout` seconds of the connection opening or of the previous response, and
@@ -20,12 +27,14 @@ Data flow of `POST /v1/completions`:
   UTF-8, nesting depth and JSON syntax -> 400)
   -> `openai_schema.parse_completion` (prompt: text, token ids, or a list of one of those;
   every sampling field -> `SamplingParams`, whose ValueError names the field -> 400)
+  -> the `model` name (404 unless served, see above)
   -> `Admission.admit` (tokenization on a small thread pool, never on the event loop; every
   request check, 400 with `param` naming the field) -> `AsyncEngine.submit` (QueueFull -> 429,
   EngineStopped -> 503) -> the stream's first RequestOutput -> either
     stream=true:  DELTA outputs (coalesced by the stream while a write waits on a slow
-                  client); one SSE event `data: {text_completion chunk}` per sample that got
-                  new tokens (or finished) in each RequestOutput, then with
+                  client, and to `stream_interval` tokens per sample after the first, as
+                  the gRPC front does); one SSE event `data: {text_completion chunk}` per
+                  sample that got new tokens (or finished) in each RequestOutput, then with
                   `stream_options.include_usage` one chunk with `"choices": []` and
                   `"usage"` (with `continuous_usage_stats`, usage in every chunk too),
                   then `data: [DONE]`. A client that leaves more than
@@ -38,12 +47,16 @@ A request a failed engine step finished (finish reason ERROR) gets a 500 OpenAI 
 (`server_error`, the message naming the failure), or in a stream an `{"error": ...}` event
 and then the stream's end.
 However the handler ends (done, client disconnect: aiohttp cancels the handler, or a failed
-write), its `finally` aborts the request in the engine, which frees its KV pages. The `model`
-field is accepted as given (any string); responses name the served model.
+write), its `finally` aborts the request in the engine, which frees its KV pages.
+
+GET /metrics: the served model's Prometheus registry (the text `--metrics-port` serves), with
+the same auth policy: it asks for the API key when keys are set unless `open_metrics`
+(`--metrics-no-auth`); 503 while the model loads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -51,6 +64,7 @@ import uuid
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.server import openai_chat, openai_extras, openai_stream
@@ -65,6 +79,7 @@ from jaxserve.serving.build import ServedModel
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health",)  # probes send no key
+METRICS_PATH = "/metrics"
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _MAX_LINGER_S = 10.0  # aiohttp's default lingering_time
 _CLOSE_AFTER = (408, 413)  # the rest of the body may never come, or is not wanted
@@ -76,8 +91,13 @@ class OpenAIHttpFront:
 
     def __init__(self, api_keys: tuple[str, ...] = (), tokenizer_threads: int = 2,
                  max_body_bytes: int = 4 << 20, keepalive_timeout: float = 20.0,
-                 body_timeout: float = 60.0):
+                 body_timeout: float = 60.0, *, stream_interval: int = 1,
+                 served_model_names: tuple[str, ...] = (), open_metrics: bool = False):
         self._auth = ApiKeys(api_keys) if api_keys else None
+        self._open_paths = OPEN_PATHS + ((METRICS_PATH,) if open_metrics else ())
+        self.stream_interval = stream_interval  # tokens per SSE chunk after the first
+        self._model_names = served_model_names
+        self._registry: CollectorRegistry | None = None
         self._tokenizer_threads = tokenizer_threads
         self.max_body_bytes = max_body_bytes
         self._keepalive_timeout = keepalive_timeout
@@ -104,6 +124,7 @@ class OpenAIHttpFront:
             self.app.router.add_route(method, path, functools.partial(handler, self))
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
+        self.app.router.add_get(METRICS_PATH, self.metrics)
 
     # ----------------------------------------------------------------------- lifecycle
     async def start(self, host: str, port: int) -> int:
@@ -125,18 +146,20 @@ class OpenAIHttpFront:
             await site.start()
         except OSError as e:
             await runner.cleanup()
-            raise OSError(f"cannot listen on {host}:{port} for HTTP: {e}") from None
+            raise OSError(f"cannot listen on {host}:{port} for HTTP (another server there? "
+                          f"choose another HTTP port, or turn HTTP off): {e}") from None
         self._runner = runner
         self.port = int(runner.addresses[0][1])
         return self.port
 
     def attach(self, engine: AsyncServing, served: ServedModel,
-               admit: admission.Admission | None = None) -> None:
+               admit: admission.Admission | None = None,
+               registry: CollectorRegistry | None = None) -> None:
         """Serve `engine`; `admit`: the served model's admission, shared with the gRPC front
-        (None: one of its own). `stop` closes it."""
+        (None: one of its own). `stop` closes it. `registry`: its metrics, for /metrics."""
         self._admission = admit or admission.Admission(
             served.engine.limits, served.engine.tokenizer, self._tokenizer_threads)
-        self._engine, self._served = engine, served
+        self._engine, self._served, self._registry = engine, served, registry
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -149,7 +172,7 @@ class OpenAIHttpFront:
     async def _guard(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
         """API key check, and every error as OpenAI's error JSON."""
         try:
-            if self._auth is not None and request.path not in OPEN_PATHS and \
+            if self._auth is not None and request.path not in self._open_paths and \
                     not self._auth.allows(request.headers.get("Authorization")):
                 raise schema.ApiError(401, "missing or invalid API key: send the header "
                                "'Authorization: Bearer <key>'", None, "authentication_error",
@@ -179,6 +202,14 @@ class OpenAIHttpFront:
             raise schema.unavailable(f"the engine failed: {engine.error!r}")
         return engine, served, admit
 
+    def check_model(self, body: dict[str, Any]) -> None:
+        """404 when served names are set and the body's `model` (a string by now) is none
+        of them; an absent / null `model` is the served model."""
+        name = body.get("model")
+        if self._model_names and name is not None and name not in self._model_names:
+            raise schema.ApiError(404, f"The model `{name}` does not exist.", "model",
+                                  "NotFoundError", 404)
+
     # ----------------------------------------------------------------------- endpoints
     async def health(self, request: web.Request) -> web.Response:
         try:
@@ -191,14 +222,24 @@ class OpenAIHttpFront:
     async def models(self, request: web.Request) -> web.Response:
         _, served, admit = self.ready()
         return web.json_response({"object": "list", "data": [{
-            "id": served.name, "object": "model", "created": 0, "owned_by": "jaxserve",
-            "max_model_len": admit.limits.max_model_len}]})
+            "id": name, "object": "model", "created": 0, "owned_by": "jaxserve",
+            "root": served.name, "max_model_len": admit.limits.max_model_len}
+            for name in self._model_names or (served.name,)]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        registry = self._registry
+        if registry is None:
+            raise schema.unavailable("the model is loading; metrics come with it")
+        # Off the loop: a scrape walks every family (histograms included).
+        text = await asyncio.get_running_loop().run_in_executor(None, generate_latest, registry)
+        return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         engine, served, admit = self.ready()
         arrival = time.monotonic()
         body = await read_json(request, self.max_body_bytes, self.body_timeout)
         req = schema.parse_completion(body)
+        self.check_model(body)
         self.calls.enter()
         streams: list[RequestStream] = []
         try:
@@ -207,7 +248,7 @@ class OpenAIHttpFront:
                                             req.priority, arrival, req.stream, streams.append)
             head = {"id": rid, "object": "text_completion", "created": int(time.time()),
                     "model": served.name}
-            decode = decoder(admit)
+            decode = openai_stream.decoder(admit)
             if req.stream:
                 return await self._stream(request, req, head, run, decode)
             final, cached = await openai_stream.collect(rid, run.outputs)
@@ -253,10 +294,4 @@ class OpenAIHttpFront:
                      "usage": schema.usage(run.prompt_tokens, sum(counts.values()))}]
 
         return await openai_stream.stream_sse(request, head["id"], run.outputs, chunks, tail,
-                                              self.body_timeout)
-
-
-def decoder(admit: admission.Admission) -> Callable[[int], str]:
-    """One token id -> its text (special tokens kept), for logprobs."""
-    tok = admit.tokenizer
-    return lambda tid: tok.decode([tid], skip_special_tokens=False)
+                                              self.body_timeout, self.stream_interval)

@@ -39,7 +39,7 @@ class ApiError(Exception):
     """An error answered with OpenAI's error JSON and an HTTP status."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None):
+                 type_: str = "invalid_request_error", code: str | int | None = None):
         super().__init__(message)
         self.status, self.message = status, message
         self.body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
@@ -77,7 +77,7 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     continuous_usage_stats: bool = False  # usage in every chunk (with include_usage)
-    priority: int = 0
+    priority: int = 0  # as the body gives it: admission checks it
 
 
 def _is_int(v: object) -> bool:
@@ -111,8 +111,8 @@ def parse_prompt(prompt: object) -> admission.PromptInput:
 
 
 def check_common(body: object, bools: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The checks every generation body gets: a JSON object, booleans (the registry's and
-    `bools`), `model` a string, `user` a string, `priority` an integer."""
+    """The wire-type checks every body gets: a JSON object, booleans (the registry's and
+    `bools`), `model` a string, `user` a string (`priority` is admission's: `priority_of`)."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     for name in _BOOL_FIELDS + bools:
@@ -121,9 +121,13 @@ def check_common(body: object, bools: tuple[str, ...] = ()) -> dict[str, Any]:
     for name in ("model", "user"):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise bad_request(f"{name}={body[name]!r} must be a string", name)
-    if body.get("priority") is not None and not _is_int(body["priority"]):
-        raise bad_request(f"priority={body['priority']!r} must be an integer", "priority")
     return body
+
+
+def priority_of(body: dict[str, Any]) -> Any:
+    """The body's `priority` as given (null / absent: 0); admission checks it
+    (`limits.check_priority`: an integer within the operator's client range)."""
+    return body["priority"] if body.get("priority") is not None else 0
 
 
 def parse_stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -180,7 +184,7 @@ def parse_completion(body: object) -> CompletionRequest:
     prompt = parse_prompt(body.get("prompt"))
     params = sampling_params(body, body.get("max_tokens", DEFAULT_MAX_TOKENS))
     return CompletionRequest(prompt, params, stream, include_usage, continuous,
-                             body.get("priority") or 0)
+                             priority_of(body))
 
 
 def logprobs_json(entries: list[TokenLogprobs], decode: Callable[[int], str],

@@ -2,8 +2,10 @@
 
 `start`: an admitted request -> the engine -> its stream and first RequestOutput, with the
 engine's refusals as OpenAI errors (QueueFull / StreamBufferFull -> 429, EngineStopped ->
-503, a ValueError -> 400). Then either
-  `stream_sse`: DELTA outputs -> server-sent events: the endpoint's `chunks(out)` maps each
+503, a ValueError -> 400 whose `param` is in the endpoint's names: `rename`). Then either
+  `stream_sse`: DELTA outputs -> `coalesce` (with `--stream-interval` k > 1 a sample's
+  tokens are held until k are pending; its first token and its end go at once, as on gRPC)
+  -> server-sent events: the endpoint's `chunks(out)` maps each
   output to its chunk objects, `tail()` adds the last ones (usage), then `data: [DONE]`. A
   failed request (`out.error`) gets an `{"error": ...}` event, a client that leaves more than
   the stream buffer unread a `stream_buffer_full` error event, both then the stream's end. A
@@ -16,12 +18,14 @@ engine's refusals as OpenAI errors (QueueFull / StreamBufferFull -> 429, EngineS
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
-from jaxserve.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from jaxserve.engine.outputs import (CompletionOutput, RequestOutput, RequestOutputKind,
+                                     merge_unread)
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.server import openai_schema as schema
 from jaxserve.serving import admission
@@ -37,6 +41,12 @@ async def _outputs(first: RequestOutput, stream: RequestStream
     yield first
     async for out in stream:
         yield out
+
+
+def decoder(admit: admission.Admission) -> Callable[[int], str]:
+    """One token id -> its text (special tokens kept), for logprobs."""
+    tok = admit.tokenizer
+    return lambda tid: tok.decode([tid], skip_special_tokens=False)
 
 
 def failed(request_id: str, error: str) -> schema.ApiError:
@@ -56,10 +66,11 @@ class Started:
 
 async def start(engine: AsyncServing, admit: admission.Admission, rid: str,
                 prompt: admission.PromptInput, params: SamplingParams, priority: int,
-                arrival: float, streaming: bool, on_stream: Callable[[RequestStream], None]
-                ) -> Started:
+                arrival: float, streaming: bool, on_stream: Callable[[RequestStream], None],
+                rename: dict[str, str] | None = None) -> Started:
     """Admit and submit; `on_stream` gets the stream as soon as it exists (the caller aborts
-    it in its `finally`, whatever happens next)."""
+    it in its `finally`, whatever happens next). `rename`: the endpoint's own names of
+    registry fields (chat's max_completion_tokens), for a refusal's `param`."""
     try:
         admitted = await admit.admit(rid, prompt, params, priority)
         kind = RequestOutputKind.DELTA if streaming else RequestOutputKind.FINAL_ONLY
@@ -74,17 +85,54 @@ async def start(engine: AsyncServing, admit: admission.Admission, rid: str,
     except EngineStopped as e:
         raise schema.unavailable(str(e)) from None
     except ValueError as e:
-        raise schema.invalid(e) from None
+        raise schema.invalid(e, rename) from None
     log.debug("http request admitted request_id=%s prompt_tokens=%d", rid,
               len(admitted.token_ids))
     return Started(admitted, stream, first)
+
+
+def _ready(c: CompletionOutput, sent_first: set[int], interval: int) -> bool:
+    """Whether a sample's pending delta goes out now: its end, its first token, or
+    `interval` tokens."""
+    n = len(c.delta_token_ids)
+    return c.finish_reason is not None or (
+        n > 0 and (c.index not in sent_first or n >= interval))
+
+
+async def coalesce(outputs: AsyncIterator[RequestOutput], interval: int
+                   ) -> AsyncIterator[RequestOutput]:
+    """DELTA outputs regrouped so each sample's tokens go out `interval` at a time after its
+    first (fewer, larger SSE chunks); a sample's end flushes it, a failed request flushes
+    everything. Each yielded output holds only the samples that are due."""
+    if interval <= 1:
+        async for out in outputs:
+            yield out
+        return
+    pending: RequestOutput | None = None
+    sent_first: set[int] = set()
+    async for out in outputs:  # each output is ours once read: merging in place is safe
+        if pending is None:
+            pending = out
+        else:
+            merge_unread(pending, out)
+        if pending.error is not None:
+            due, held = pending.outputs, []
+        else:
+            due = [c for c in pending.outputs if _ready(c, sent_first, interval)]
+            held = [c for c in pending.outputs if not _ready(c, sent_first, interval)]
+        if due:
+            sent_first.update(c.index for c in due if c.delta_token_ids)
+            yield dataclasses.replace(pending, outputs=due)
+            pending = dataclasses.replace(pending, outputs=held) if held else None
+    if pending is not None and pending.outputs:
+        yield pending  # not expected: the last output finishes every sample
 
 
 async def stream_sse(request: web.Request, request_id: str,
                      outputs: AsyncIterator[RequestOutput],
                      chunks: Callable[[RequestOutput], list[dict[str, Any]]],
                      tail: Callable[[], list[dict[str, Any]]],
-                     body_timeout: float) -> web.StreamResponse:
+                     body_timeout: float, interval: int = 1) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache",
                                        "X-Request-Id": request_id})
@@ -102,7 +150,7 @@ async def stream_sse(request: web.Request, request_id: str,
 
     try:
         try:
-            async for out in outputs:
+            async for out in coalesce(outputs, interval):
                 if out.error is not None:
                     await write(schema.sse(failed(request_id, out.error).body))
                     break

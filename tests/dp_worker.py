@@ -128,7 +128,7 @@ def serve_grpc(dp: int, tp: int) -> dict:
     cfg = EngineConfig(**BASE, data_parallel_size=dp, tensor_parallel_size=tp)
     factory = lambda: build_served(cfg, model, progress=False)  # noqa: E731
     params = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
-    with BackgroundServer(ServerConfig(port=0, metrics_port=0), factory) as srv, \
+    with BackgroundServer(ServerConfig(port=0, http_port=None, metrics_port=0), factory) as srv, \
             Client(srv.target) as client:
         tokens = {f"r{i}": client.generate(p, params)[0].token_ids for i, p in enumerate(PROMPTS)}
         url = f"http://127.0.0.1:{srv.server.metrics_port}/metrics"

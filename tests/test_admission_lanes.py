@@ -19,7 +19,7 @@ from jaxserve.engine.engine import Engine
 from jaxserve.engine.fake_runner import ArithmeticRunner
 from jaxserve.engine.limits import InvalidRequest
 from jaxserve.engine.sizing import plan_engine
-from jaxserve.serving.admission import LARGE_INPUT_CHARS, Admission, PromptInput
+from jaxserve.serving.admission import LARGE_INPUT_CHARS, Admission, PromptInput, input_chars
 
 DEADLINE_S = 30.0  # a guard against a hang, never a measurement
 
@@ -123,3 +123,33 @@ def test_small_request_is_not_held_behind_large_ones() -> None:
         adm.close()
     assert tok.max_active <= 2  # one large encode at a time, beside the small one
     assert tok.calls.count(len(large)) == 4
+
+
+def test_chat_extras_count_toward_the_bound_and_the_lane() -> None:
+    """Every string a template may render counts: extra message keys (`name`, ...) and
+    chat_template_kwargs values, not only the contents (keys are names: not counted)."""
+    inp = PromptInput(chat=({"role": "user", "content": "w5", "name": "n" * 100},),
+                      chat_template_kwargs={"a": "y" * 50, "b": ["z" * 7, 3]})
+    assert input_chars(inp) == len("user") + len("w5") + 100 + 50 + 7
+    tok = CountingTokenizer(max_token_bytes=5)
+    engine = engine_with(tok, max_model_len=1024)  # bound: 5120 bytes
+    params = SamplingParams(max_tokens=4)
+    user = {"role": "user", "content": "w5"}
+    adm = Admission(engine.limits, tok, 2)
+    try:
+        for big in (PromptInput(chat=({**user, "name": "n" * 6000},)),
+                    PromptInput(chat=(user,), chat_template_kwargs={"k": "v" * 6000})):
+            with pytest.raises(InvalidRequest, match=r"^messages \(every string of the messages "
+                                                     r"and chat_template_kwargs\) is at least"):
+                asyncio.run(adm.admit("c", big, params))
+        assert tok.calls == []  # refused on the loop, before any tokenizer work
+    finally:
+        adm.close()
+    # The lane is chosen from every string, not the contents alone (bound: 128 * 256 bytes).
+    adm = Admission(engine_with(CountingTokenizer(max_token_bytes=None)).limits, tok, 2)
+    try:
+        wide = PromptInput(chat=(user,), chat_template_kwargs={"k": "v" * (LARGE_INPUT_CHARS + 1)})
+        assert adm._lane(wide) is adm._large_pool
+        assert adm._lane(PromptInput(chat=(user,))) is adm._pool
+    finally:
+        adm.close()

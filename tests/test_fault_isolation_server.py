@@ -73,7 +73,7 @@ def test_http_failed_request_is_a_500_or_an_error_event(faulty_server) -> None: 
 
 def test_grpc_client_id_cannot_collide_with_sample_ids() -> None:
     runner = GatedRunner()
-    srv = BackgroundServer(ServerConfig(port=0), lambda: ServedModel(
+    srv = BackgroundServer(ServerConfig(port=0, http_port=None), lambda: ServedModel(
         fake_engine(runner), "fake")).start()
     try:
         with Client(srv.target, timeout=DEADLINE_S) as client:
@@ -111,7 +111,7 @@ def test_serve_exits_with_engine_dead_after_a_fatal_failure() -> None:
 
     def run() -> None:
         try:
-            asyncio.run(serve(ServerConfig(port=port, shutdown_grace=1.0),
+            asyncio.run(serve(ServerConfig(port=port, http_port=None, shutdown_grace=1.0),
                               lambda: ServedModel(fake_engine(FailingRunner(VOCAB)), "fake")))
         except BaseException as e:  # noqa: BLE001 - inspected below
             raised.append(e)

@@ -106,7 +106,7 @@ def test_two_processes_serve_tp4_and_stop_together(model_dir: pathlib.Path) -> N
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
            "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "JAXSERVE_COMPILATION_CACHE_DIR": ""}
     procs = [Process([sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
-                      "--port", str(port), "--metrics-port", "0", *SERVE_FLAGS,
+                      "--port", str(port), "--no-http", "--metrics-port", "0", *SERVE_FLAGS,
                       "--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2",
                       "--process-id", str(i)], env) for i in range(2)]
     try:

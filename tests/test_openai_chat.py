@@ -205,6 +205,7 @@ def test_logprobs_in_chat_format(server: BackgroundServer, llm) -> None:  # noqa
 USER = [{"role": "user", "content": "w5"}]
 BAD = [
     ({}, "messages", "messages is required"),
+    ({"messages": None}, "messages", "messages is required"),
     ({"messages": "hi"}, "messages", "messages must be a list"),
     ({"messages": []}, "messages", "messages must not be empty"),
     ({"messages": [{"role": "bot", "content": "w5"}]}, "messages", "messages[0].role="),
@@ -220,6 +221,10 @@ BAD = [
     ({"messages": USER, "logprobs": 3}, "logprobs", "must be a boolean"),
     ({"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens",
      "max_completion_tokens=0"),
+    # Refused at admission (no room in max_model_len=512), in the name the client used.
+    ({"messages": USER, "max_completion_tokens": 5000}, "max_completion_tokens",
+     "max_completion_tokens"),
+    ({"messages": ["hi"]}, "messages", "messages[0] must be an object"),
     ({"messages": USER, "max_tokens": 5000}, "max_tokens", "max_tokens"),
     ({"messages": USER, "temperature": -1}, "temperature", "temperature"),
     ({"messages": USER, "stop": [""]}, "stop", "stop"),

@@ -28,7 +28,7 @@ DEADLINE_S = 30.0
 
 @pytest.fixture(scope="module")
 def server() -> BackgroundServer:
-    srv = BackgroundServer(ServerConfig(port=0, metrics_port=0),
+    srv = BackgroundServer(ServerConfig(port=0, http_port=None, metrics_port=0),
                            lambda: ServedModel(tiny_engine(**CONFIG), "tiny", "hf")).start()
     yield srv
     srv.stop()
@@ -145,7 +145,7 @@ def test_chat_tokenize_and_model_info(server: BackgroundServer, oracle) -> None:
     assert (info.model, info.vocab_size, info.max_model_len, info.page_size) == \
         ("tiny", 211, 512, 8)
     assert info.num_kv_pages == oracle.scheduler.allocator.num_usable_pages
-    assert list(info.chat_roles) == ["system", "user", "assistant", "tool"]
+    assert list(info.chat_roles) == ["system", "user", "assistant", "tool", "developer"]
 
 
 def test_32_concurrent_streams(server: BackgroundServer, oracle) -> None:  # noqa: ANN001

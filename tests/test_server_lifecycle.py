@@ -7,6 +7,7 @@ saved as an HF directory and compare the served text with the offline API's."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pathlib
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -67,7 +69,7 @@ def test_health_through_warmup_serving_and_drain() -> None:
         assert loaded.wait(DEADLINE_S)  # "warmup" lasts until the test says so
         return ServedModel(fake_engine(runner), "fake")
 
-    srv = BackgroundServer(ServerConfig(port=0), factory).start(wait_ready=False)
+    srv = BackgroundServer(ServerConfig(port=0, http_port=None), factory).start(wait_ready=False)
     stopper = threading.Thread(target=srv.stop, kwargs=dict(grace=DEADLINE_S))
     try:
         assert health(srv.target) == NOT_SERVING
@@ -106,7 +108,7 @@ class _Seen(logging.Handler):
 
 def test_drain_aborts_what_outlives_the_grace_period() -> None:
     runner = GatedRunner()
-    srv = BackgroundServer(ServerConfig(port=0),
+    srv = BackgroundServer(ServerConfig(port=0, http_port=None),
                            lambda: ServedModel(fake_engine(runner), "fake")).start()
     seen = _Seen("grace period over")
     logger = logging.getLogger("jaxserve.server.app")
@@ -133,7 +135,7 @@ def test_drain_aborts_what_outlives_the_grace_period() -> None:
 
 
 def test_engine_failure_turns_health_not_serving() -> None:
-    srv = BackgroundServer(ServerConfig(port=0),
+    srv = BackgroundServer(ServerConfig(port=0, http_port=None),
                            lambda: ServedModel(fake_engine(FailingRunner(VOCAB)), "fake")).start()
     try:
         with Client(srv.target, timeout=DEADLINE_S) as client:
@@ -173,14 +175,19 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 class ServeProcess:
+    """`jaxserve serve` on free ports (gRPC, and HTTP unless `flags` say --no-http); `target`
+    and `http_url` from its ready line."""
+
     def __init__(self, model_dir: pathlib.Path, env: dict, *flags: str):
         cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
-               "--port", "0", *SERVE_FLAGS, *flags]
+               "--port", "0", *([] if "--no-http" in flags else ["--http-port", "0"]),
+               *SERVE_FLAGS, *flags]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                      text=True, env=env)
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
+        self.http_url: str | None = None
         self.target = self._wait_ready()
 
     def _read(self) -> None:
@@ -197,8 +204,9 @@ class ServeProcess:
                 self.proc.kill()
                 raise AssertionError("no ready line; stderr:\n" + "".join(self.log))
             self.log.append(line)
-            m = re.search(r"ready: serving .* on (\S+:\d+)", line)
+            m = re.search(r"ready: serving .* on (\S+:\d+)(?: http=(\S+))?", line)
             if m:
+                self.http_url = m.group(2)
                 return m.group(1)
 
     def wait_exit(self) -> int:
@@ -215,10 +223,16 @@ def test_serve_process_client_cli_and_sigterm_drain(model_dir: pathlib.Path, env
     while oracle.has_unfinished():
         for out in oracle.step():
             want = out.outputs[0]
-    server = ServeProcess(model_dir, env, "--shutdown-grace", "30")
+    server = ServeProcess(model_dir, env, "--shutdown-grace", "30",
+                          "--served-model-name", "tiny-a", "tiny-b")
     try:
         assert server.target.startswith("127.0.0.1:")
         assert health(server.target) == SERVING
+        # Both fronts by default, named on the ready line; the model under its served names.
+        assert server.http_url is not None and server.http_url.startswith("http://127.0.0.1:")
+        assert "ready: serving tiny-a on" in server.log[-1]
+        with urllib.request.urlopen(server.http_url + "/v1/models", timeout=DEADLINE_S) as r:
+            assert [m["id"] for m in json.load(r)["data"]] == ["tiny-a", "tiny-b"]
         cli = subprocess.run([sys.executable, "-m", "jaxserve.cli", "client", "w5 w6 w7",
                               "--target", server.target, "--max-tokens", "40"],
                              capture_output=True, text=True, env=env, timeout=DEADLINE_S)
@@ -240,8 +254,9 @@ def test_serve_process_client_cli_and_sigterm_drain(model_dir: pathlib.Path, env
 
 
 def test_sigterm_with_no_grace_aborts_in_flight(model_dir: pathlib.Path, env: dict) -> None:
-    server = ServeProcess(model_dir, env, "--shutdown-grace", "0")
+    server = ServeProcess(model_dir, env, "--shutdown-grace", "0", "--no-http")
     try:
+        assert server.http_url is None
         with Client(server.target) as client:
             call = client.stream([5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True))
             first = next(call)

@@ -28,7 +28,7 @@ KV_PAGES = 12  # 96 tokens of KV: less than one max_model_len (128) sequence
 
 
 def start(engine, **cfg: object) -> BackgroundServer:  # noqa: ANN001
-    return BackgroundServer(ServerConfig(port=0, **cfg),  # type: ignore[arg-type]
+    return BackgroundServer(ServerConfig(port=0, http_port=None, **cfg),  # type: ignore[arg-type]
                             lambda: ServedModel(engine, "fake")).start()
 
 

@@ -66,7 +66,8 @@ def serve_grpc(tp: int) -> dict:
     model = tiny_model(num_heads=8, num_kv_heads=2, head_dim=8, hidden_size=64,
                        intermediate_size=128, vocab_size=256)
     factory = lambda: ServedModel(tiny_engine(model, tensor_parallel_size=tp), "tiny", "hf")  # noqa: E731
-    with BackgroundServer(ServerConfig(port=0), factory) as srv, Client(srv.target) as client:
+    with BackgroundServer(ServerConfig(port=0, http_port=None), factory) as srv, \
+            Client(srv.target) as client:
         params = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
         return {f"r{i}": client.generate(p, params)[0].token_ids for i, p in enumerate(PROMPTS)}
 

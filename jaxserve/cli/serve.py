@@ -2,9 +2,10 @@
 
 Data flow of `serve`: argv -> one flag per EngineConfig field (generated from the dataclass, so
 a new engine option becomes a flag by itself) + the ServerConfig flags -> EngineConfig and
-ServerConfig (validated: a bad value exits 2 with one line) -> `app.serve`, which listens
-at once (health NOT_SERVING), loads and warms the model, logs one "ready" line with the
-address, and drains on SIGTERM / SIGINT (exit 0). When the engine fails for good
+ServerConfig (validated: a bad value, or --no-grpc with --no-http, exits 2 with one line) ->
+`app.serve`, which listens at once (gRPC :50051 and HTTP :8000 unless told otherwise; health
+NOT_SERVING), loads and warms the model, logs one "ready" line with both addresses, and
+drains on SIGTERM / SIGINT (exit 0). When the engine fails for good
 (`EngineDead`: a lost device) it drains and the process exits 1, for a supervisor to restart.
 
 `client`: PROMPT + sampling flags -> `jaxserve.server.client.Client.stream` -> text deltas to stdout
@@ -27,7 +28,8 @@ from jaxserve.cli.flags import (add_distributed_flags, add_engine_flags, add_sam
                                 sampling_params_from_args)
 from jaxserve.config import EngineConfig
 from jaxserve.engine.limits import DEFAULT_CLIENT_PRIORITY_RANGE
-from jaxserve.server.config import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PORT, ServerConfig
+from jaxserve.server.config import (DEFAULT_HTTP_PORT, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PORT,
+                                    ServerConfig)
 from jaxserve.serving.request_stream import DEFAULT_MAX_STREAM_BUFFER_TOKENS
 
 log = logging.getLogger("jaxserve.server")
@@ -35,22 +37,30 @@ API_KEY_ENV = "JAXSERVE_API_KEY"
 
 
 def add_serve_parser(sub: Any) -> None:
-    s = sub.add_parser("serve", help="serve a model over gRPC (and optionally HTTP)",
+    s = sub.add_parser("serve", help="serve a model over gRPC and OpenAI-compatible HTTP",
                        description="Serve a model over gRPC (jaxserve.v1.Generation, health, "
-                                   "reflection) with optional Prometheus metrics and an "
-                                   "optional OpenAI-compatible HTTP API (--http-port).")
+                                   f"reflection; port {DEFAULT_PORT}) and the OpenAI-compatible "
+                                   f"HTTP API (/v1/chat/completions, /v1/completions, ...; port "
+                                   f"{DEFAULT_HTTP_PORT}), one engine behind both.")
     add_engine_flags(s)
     n = s.add_argument_group("server")
     n.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default 127.0.0.1: this machine only)")
+                   help="address both fronts listen on (default 127.0.0.1: this machine only)")
     n.add_argument("--port", type=int, default=DEFAULT_PORT,
                    help=f"gRPC port; 0 picks a free one (default {DEFAULT_PORT})")
+    n.add_argument("--no-grpc", action="store_true", help="serve no gRPC front")
+    n.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                   help="port of the OpenAI-compatible HTTP API (/v1/chat/completions, "
+                        "/v1/completions, /v1/models, /health, /metrics, /tokenize, ...), same "
+                        f"host, same engine; 0 picks a free one (default {DEFAULT_HTTP_PORT})")
+    n.add_argument("--no-http", action="store_true", help="serve no HTTP front")
+    n.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name(s) on the API (default: the --model value): "
+                        "responses and /v1/models report the first, /v1/models lists each, "
+                        "and an HTTP request naming another model gets a 404")
     n.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus /metrics on this port (same host); default: off")
-    n.add_argument("--http-port", type=int, default=None,
-                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, "
-                        "/v1/models, /health) on this port (same host, same engine); "
-                        "0 picks a free one; default: off")
+                   help="also serve Prometheus /metrics on a port of its own (same host; the "
+                        "HTTP front serves it too); default: off")
     n.add_argument("--max-waiting", type=int, default=256,
                    help="sequences allowed to wait for a slot; beyond it calls get "
                         "RESOURCE_EXHAUSTED; 0: unbounded (default 256)")
@@ -73,8 +83,9 @@ def add_serve_parser(sub: Any) -> None:
     n.add_argument("--client-priority-max", type=int, default=hi,
                    help=f"highest priority a caller may set (default {hi})")
     n.add_argument("--stream-interval", type=int, default=1,
-                   help="tokens per streamed chunk after the first (default 1: every token); "
-                        "larger values cut per-token overhead, streaming more coarsely")
+                   help="tokens per streamed chunk after the first, gRPC and HTTP (default 1: "
+                        "every token); larger values cut per-token overhead, streaming more "
+                        "coarsely")
     _add_connection_flags(n)
     n.add_argument("--max-stream-buffer-tokens", type=int,
                    default=DEFAULT_MAX_STREAM_BUFFER_TOKENS,
@@ -103,8 +114,9 @@ def _add_connection_flags(n: Any) -> None:
                    help="serve /metrics to anyone even when API keys are set (default: "
                         "/metrics asks for the key like the API)")
     n.add_argument("--trust-request-chat-template", action="store_true",
-                   help="let chat requests bring their own chat_template (default: refused; "
-                        "a template is code run on a shared tokenizer thread)")
+                   help="let chat requests bring their own chat_template (default: refused). "
+                        "Trusted clients only: a template is code, and one can hang a "
+                        "tokenizer thread or OOM the server")
 
 
 def add_client_parser(sub: Any) -> None:
@@ -134,8 +146,9 @@ def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The `serve` flags as a ServerConfig (ValueError names a bad value)."""
     return ServerConfig(
-        host=args.host, port=args.port, metrics_port=args.metrics_port,
-        http_port=args.http_port,
+        host=args.host, port=None if args.no_grpc else args.port,
+        metrics_port=args.metrics_port, http_port=None if args.no_http else args.http_port,
+        served_model_names=tuple(args.served_model_name or ()),
         max_waiting=args.max_waiting or None, api_keys=_api_keys(args), tls_cert=args.tls_cert,
         tls_key=args.tls_key, shutdown_grace=args.shutdown_grace,
         max_message_bytes=args.max_message_bytes, tokenizer_threads=args.tokenizer_threads,

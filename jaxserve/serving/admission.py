@@ -34,7 +34,10 @@ from jaxserve.engine.sampling_params import SamplingParams, check_text, show
 from jaxserve.models.chat_template import ChatTemplate
 from jaxserve.models.tokenizer import Tokenizer
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+# OpenAI's newer name for the system role: rendered as "system", which every chat template
+# knows (OpenAI and vLLM treat the two alike for such models).
+ROLE_ALIASES = {"developer": "system"}
 MAX_CHAT_MESSAGES = 1024
 # Inputs longer than this (characters; a chat: all contents) are tokenized in the large lane.
 # About 4k tokens of English: a few milliseconds of tokenizer time.
@@ -64,11 +67,14 @@ class PromptInput:
     continue_final_message: bool = False
 
 
-def _content(i: int, content: object) -> str:
+def _content(i: int, role: str, content: object) -> str:
     """A message's content as one string: a string, or a list of text parts
-    ({"type": "text", "text": ...}) joined with newlines, as vLLM joins them."""
+    ({"type": "text", "text": ...}) joined with newlines, as vLLM joins them; an assistant's
+    may be null (OpenAI's shape of a turn that only called tools), read as ""."""
     if isinstance(content, str):
         return content
+    if content is None and role == "assistant":
+        return ""
     if not isinstance(content, list):
         raise InvalidRequest(f"messages[{i}].content must be a string or a list of "
                              "{\"type\": \"text\", \"text\": ...} parts", "messages")
@@ -89,10 +95,11 @@ def _content(i: int, content: object) -> str:
 
 def check_chat(messages: Sequence[Any], max_bytes: int | None = None
                ) -> tuple[dict[str, Any], ...]:
-    """A non-empty list of at most MAX_CHAT_MESSAGES {"role", "content"} messages with known
-    roles and valid Unicode text contents (strings, or lists of text parts, joined) of at most
-    `max_bytes` UTF-8 bytes in all (the prompt byte bound: a template only adds text around
-    them). Other keys (name, tool_call_id, ...) pass through to the template."""
+    """A non-empty list of at most MAX_CHAT_MESSAGES {"role", "content"} objects with known
+    roles ("developer" read as "system") and valid Unicode text contents (strings, or lists of
+    text parts, joined) of at most `max_bytes` UTF-8 bytes in all (the prompt byte bound: a
+    template only adds text around them). Other keys (name, tool_call_id, ...) pass through
+    to the template; `Admission` bounds them with the contents (`input_chars`)."""
     if not isinstance(messages, (list, tuple)):
         raise InvalidRequest("messages must be a list of {role, content} objects", "messages")
     if not messages:
@@ -100,15 +107,20 @@ def check_chat(messages: Sequence[Any], max_bytes: int | None = None
     if len(messages) > MAX_CHAT_MESSAGES:
         raise InvalidRequest(f"messages has {len(messages)} messages; at most "
                              f"{MAX_CHAT_MESSAGES}", "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise InvalidRequest(f"messages[{i}] must be an object like {{\"role\": ..., "
+                                 "\"content\": ...}", "messages")
     what = " (the sum of the contents)"
     check_size("messages", _chat_chars(messages), max_bytes, what)  # before reading them
     out = []
     for i, m in enumerate(messages):
-        role = m.get("role") if isinstance(m, dict) else None
+        role = m.get("role")
         if role not in CHAT_ROLES:
             raise InvalidRequest(f"messages[{i}].role={show(role)} must be one of "
                                  f"{', '.join(CHAT_ROLES)}", "messages")
-        out.append({**m, "content": _content(i, m.get("content"))})
+        out.append({**m, "role": ROLE_ALIASES.get(role, role),
+                    "content": _content(i, role, m.get("content"))})
     size = sum(check_text("messages", m["content"], f"[{i}].content") for i, m in enumerate(out))
     check_size("messages", size, max_bytes, what)
     return tuple(out)
@@ -213,14 +225,35 @@ def admit_input(inp: PromptInput, params: SamplingParams, limits: EngineLimits,
 
 def input_chars(inp: PromptInput) -> int:
     """The input's text length in characters (cheap: no encoding): a lower bound of its
-    UTF-8 size, used to refuse oversized inputs on the event loop and to pick a lane."""
+    UTF-8 size, used to refuse oversized inputs on the event loop and to pick a lane. A
+    chat counts every string value a template may render: the messages' (contents, names,
+    tool ids, ...) and chat_template_kwargs'."""
     if inp.text is not None:
         return len(inp.text)
-    return _chat_chars(inp.chat) if inp.chat is not None else 0
+    if inp.chat is None:
+        return 0
+    return _string_chars(inp.chat) + _string_chars(inp.chat_template_kwargs)
+
+
+def _string_chars(value: object) -> int:
+    """Characters of the string values in a JSON-like value (mapping keys are names, not
+    text), without recursion: its depth is the client's (the HTTP body bounds it, other
+    callers may not)."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, Mapping):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return total
 
 
 def _chat_chars(messages: Sequence[Any]) -> int:
-    return sum(_content_chars(m.get("content")) for m in messages if isinstance(m, dict))
+    """The contents' characters (what the strict size check in `check_chat` bounds)."""
+    return sum(_content_chars(m.get("content")) for m in messages if isinstance(m, Mapping))
 
 
 def _content_chars(content: object) -> int:
@@ -242,8 +275,10 @@ class Admission:
                  trust_request_chat_template: bool = False):
         self.limits = limits
         # A request's own chat template runs arbitrary (sandboxed) Jinja on a tokenizer
-        # thread: a template that loops for hours would hold that lane, so it is refused
-        # unless the operator trusts the clients (vLLM's --trust-request-chat-template).
+        # thread: the sandbox bounds neither time nor memory, so a template that loops for
+        # hours would hold that lane and one that builds a huge string could OOM the server.
+        # It is refused unless the operator trusts the clients (vLLM's
+        # --trust-request-chat-template).
         self.trust_request_chat_template = trust_request_chat_template
         self.tokenizer = tokenizer
         self.client_priority_range = client_priority_range
@@ -261,7 +296,10 @@ class Admission:
                 raise InvalidRequest("chat_template in a request is refused: this server does "
                                      "not trust request chat templates (jaxserve serve "
                                      "--trust-request-chat-template)", "chat_template")
+            _template_vars(inp.chat_template_kwargs)  # its shape, before counting it
             check_chat(inp.chat, self.limits.max_prompt_bytes)
+            check_size("messages", input_chars(inp), self.limits.max_prompt_bytes,
+                       " (every string of the messages and chat_template_kwargs)")
         else:
             check_prompt_text(inp.text, self.limits.max_prompt_bytes)
         return self._large_pool if input_chars(inp) > LARGE_INPUT_CHARS else self._pool

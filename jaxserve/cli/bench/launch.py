@@ -26,7 +26,7 @@ async def local_server(config: EngineConfig, model: LoadedModel,
     from jaxserve.server.config import ServerConfig
     from jaxserve.serving.build import build_served
 
-    server = GrpcServer(ServerConfig(port=0, max_waiting=None),
+    server = GrpcServer(ServerConfig(port=0, http_port=None, max_waiting=None),
                         lambda: build_served(config, model, progress))
     try:
         await server.start()
