@@ -96,5 +96,5 @@ def test_warmup_adds_sampler_variants_not_forward_shapes(llm: LLM) -> None:
     runs = runner.buckets()
     assert {(t, s) for t, s, _, _ in runs} == set(runner.shape.buckets)
     for seqs in {s for _, s in runner.shape.buckets}:
-        assert sorted((p, b) for _, s, p, b in runs if s == seqs) == \
-            [(False, False), (False, True), (True, False), (True, True)]
+        variants = sorted((p, b) for _, s, p, b in runs if s == seqs and (p or b))
+        assert variants == [(False, True), (True, False), (True, True)]  # once each
