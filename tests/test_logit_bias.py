@@ -1,7 +1,7 @@
 """logit_bias end to end on a tiny random model: the offline API (`LLM`) against a greedy
 full-sequence rollout whose logits get the same bias (the oracle), with biased and unbiased
-requests sharing steps and alternating, and no compile after warmup (the bias is a step input
-of static width, not a shape)."""
+requests sharing steps and alternating, and no compile after warmup (a step's bias arrays have
+width 0 when no row is biased, else one static width; warmup compiles the sampler for both)."""
 
 from __future__ import annotations
 
@@ -87,3 +87,14 @@ def test_alternating_biased_and_plain_requests_compile_nothing(llm: LLM) -> None
     assert llm.engine.stats().compiles_after_warmup == before
     for i, out, bias in runs:
         assert out == biased_rollout(tuple(PROMPTS[i % 3]), 4, bias), i
+
+
+def test_warmup_adds_sampler_variants_not_forward_shapes(llm: LLM) -> None:
+    """The bias and penalties variants are sampler shapes only: warmup runs each forward
+    bucket's (tokens, seqs) and nothing else, and every seqs bucket with all four samplers."""
+    runner = llm.engine.runner
+    runs = runner.buckets()
+    assert {(t, s) for t, s, _, _ in runs} == set(runner.shape.buckets)
+    for seqs in {s for _, s in runner.shape.buckets}:
+        variants = sorted((p, b) for _, s, p, b in runs if s == seqs and (p or b))
+        assert variants == [(False, True), (True, False), (True, True)]  # once each

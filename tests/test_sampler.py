@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve.device import sampler
+from jaxserve.engine.batch import BIAS_PAD_ID
 
 V = 64
 
@@ -164,9 +167,10 @@ def np_biased(logits: np.ndarray, bias: dict[int, float]) -> np.ndarray:
     return out
 
 
-def bias_arrays(biases: list[dict[int, float]], width: int) -> tuple[np.ndarray, np.ndarray]:
-    """The step's padded sparse form: (0, 0.0) where a row has fewer entries."""
-    ids = np.zeros((len(biases), width), np.int32)
+def bias_arrays(biases: list[dict[int, float]], width: int,
+                pad_id: int = BIAS_PAD_ID) -> tuple[np.ndarray, np.ndarray]:
+    """The step's padded sparse form: (pad_id, 0.0) where a row has fewer entries."""
+    ids = np.full((len(biases), width), pad_id, np.int32)
     vals = np.zeros((len(biases), width), np.float32)
     for r, bias in enumerate(biases):
         ids[r, : len(bias)] = list(bias)
@@ -174,19 +178,31 @@ def bias_arrays(biases: list[dict[int, float]], width: int) -> tuple[np.ndarray,
     return ids, vals
 
 
-def test_logit_bias_matches_numpy_definition_and_padding_is_a_no_op() -> None:
+@pytest.mark.parametrize("pad_id", [BIAS_PAD_ID, V])
+def test_logit_bias_matches_numpy_definition_and_padding_is_dropped(pad_id: int) -> None:
     rng = np.random.default_rng(5)
     S, B = 5, 8
     logits = rng.normal(0, 2, (S, V)).astype(np.float32)
     biases = [{int(t): float(rng.uniform(-100, 100)) for t in rng.choice(V, k, replace=False)}
               for k in (8, 3, 0, 1, 0)]
-    biases[3] = {0: 7.5}  # token 0 is also the padding entries' id: added once, not per pad
-    ids, vals = bias_arrays(biases, B)
+    biases[3] = {0: 7.5}  # token 0 and the last token: no padding entry lands on either
+    biases[1][V - 1] = -3.0
+    ids, vals = bias_arrays(biases, B, pad_id)
+    # Padding values that a clamped or wrapped index would add somewhere: dropping them is
+    # what keeps the rows exact.
+    vals[ids == pad_id] = 1000.0
     got = np.asarray(sampler.apply_logit_bias(jnp.asarray(logits),
                                               tensors(S, bias_ids=ids, bias_values=vals)))
     for r in range(S):
         np.testing.assert_allclose(got[r], np_biased(logits[r], biases[r]), rtol=1e-6)
     np.testing.assert_array_equal(got[[2, 4]], logits[[2, 4]])  # all-padding rows: bit-exact
+
+
+def test_logit_bias_of_width_zero_is_no_op_at_trace_time() -> None:
+    logits = jnp.asarray(np.random.default_rng(7).normal(size=(3, V)).astype(np.float32))
+    st = tensors(3)  # no bias arrays: width 0
+    assert st.bias_ids.shape == (3, 0)
+    assert sampler.apply_logit_bias(logits, st) is logits  # nothing traced, not even a copy
 
 
 def test_logit_bias_comes_before_penalties_and_filters_and_logprobs_stay_raw() -> None:
@@ -222,20 +238,28 @@ def test_logit_bias_comes_before_penalties_and_filters_and_logprobs_stay_raw() -
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 @pytest.mark.parametrize("penalties", [False, True])
 def test_sampler_with_logit_bias_lowers_for_tpu_and_cuda(platform: str, penalties: bool) -> None:
-    """The serving sampler executable (model_runner's), at the engine's static bias width,
-    lowered without a device: catches ops a backend cannot take."""
+    """The serving sampler executable (model_runner's) at both bias widths a step can have,
+    lowered without a device: catches ops a backend cannot take, and shows that a step with no
+    biased row (width 0) has no bias scatter in it at all."""
     from jaxserve.device.model_runner import _sample_jit  # noqa: PLC2701 - the shipped jit
-    from jaxserve.engine.sampling_params import DEVICE_FIELDS, MAX_LOGIT_BIAS
+    from jaxserve.engine.batch import bias_width
+    from jaxserve.engine.sampling_params import DEVICE_FIELDS
 
     S, Vb, P = 8, 32000, 64 if penalties else 0
 
     def spec(shape: tuple, dtype: object) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
 
-    st = sampler.SamplingTensors(spec((S, len(DEVICE_FIELDS)), "float32"),
-                                 spec((S, 2), "uint32"), spec((S, P), "int32"),
-                                 spec((S, P), "bool"), spec((S, MAX_LOGIT_BIAS), "int32"),
-                                 spec((S, MAX_LOGIT_BIAS), "float32"))
-    text = _sample_jit.trace(spec((S, Vb), "float32"), st, apply_penalty=penalties).lower(
-        lowering_platforms=(platform,)).as_text()
-    assert "scatter" in text  # the bias (and penalties) scatter-add is in the lowered step
+    def scatters(B: int) -> int:
+        st = sampler.SamplingTensors(spec((S, len(DEVICE_FIELDS)), "float32"),
+                                     spec((S, 2), "uint32"), spec((S, P), "int32"),
+                                     spec((S, P), "bool"), spec((S, B), "int32"),
+                                     spec((S, B), "float32"))
+        text = _sample_jit.trace(spec((S, Vb), "float32"), st, apply_penalty=penalties).lower(
+            lowering_platforms=(platform,)).as_text()
+        return len(re.findall(r'"?stablehlo\.scatter"?\(', text))
+
+    plain, biased = scatters(bias_width(False)), scatters(bias_width(True))
+    assert bias_width(False) == 0 < bias_width(True)
+    assert biased == plain + 1  # exactly the bias scatter-add
+    assert (plain > 0) == penalties  # width 0: only the penalties' own scatters, if any

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxserve.engine import sampling_params as sp_mod
-from jaxserve.engine.batch import BatchShape, StepBatch, build_batch, pad_bias
+from jaxserve.engine.batch import BIAS_PAD_ID, BatchShape, StepBatch, build_batch, pad_bias
 from jaxserve.engine.request import Request
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -202,16 +202,38 @@ def test_build_batch_rows_and_padding_follow_the_registry() -> None:
     np.testing.assert_array_equal(b.sampling[1], np.float32(SamplingParams().row))
     np.testing.assert_array_equal(b.sampling[2:], np.float32([sp_mod.PAD_ROW] * 2))
     assert b.history.shape == (4, 8)  # FULL has penalties
-    # logit_bias: FULL's entries in row 0, then (0, 0.0) padding; other rows all padding.
+    # logit_bias: FULL's entries in row 0, then (BIAS_PAD_ID, 0.0) padding (an id the
+    # sampler drops); other rows all padding.
     n = len(FULL.logit_bias)
     assert b.bias_ids.shape == b.bias_values.shape == (4, sp_mod.MAX_LOGIT_BIAS)
     assert b.bias_ids.dtype == np.int32 and b.bias_values.dtype == np.float32
     np.testing.assert_array_equal(b.bias_ids[0, :n], [t for t, _ in VALUES["logit_bias"]])
     np.testing.assert_array_equal(b.bias_values[0, :n], [v for _, v in VALUES["logit_bias"]])
-    assert not b.bias_ids[0, n:].any() and not b.bias_values[0, n:].any()
-    assert not b.bias_ids[1:].any() and not b.bias_values[1:].any()
+    assert (b.bias_ids[0, n:] == BIAS_PAD_ID).all() and not b.bias_values[0, n:].any()
+    assert (b.bias_ids[1:] == BIAS_PAD_ID).all() and not b.bias_values[1:].any()
+    assert BIAS_PAD_ID >= 2**31 - 1  # outside any vocabulary
+    # A step where no row has a bias sends no bias arrays at all (width 0).
+    plain = build_batch(SchedulerOutput(seqs[1:], 3, []), shape)
+    assert plain.bias_ids.shape == plain.bias_values.shape == (4, 0)
     # No knob has a StepBatch array of its own: they travel in the matrix.
     assert not {f.name for f in dataclasses.fields(StepBatch)} & set(sp_mod.DEVICE_FIELDS)
+
+
+def test_build_batch_reads_each_requests_bias_packed_once() -> None:
+    shape = BatchShape(buckets=((8, 4),), page_size=4, max_pages_per_seq=2, vocab_size=64,
+                       history_len=8)
+    req = Request("r", [1, 2, 3], FULL, (0,), 0.0, pages=[1])
+    ids, values = req.logit_bias_arrays
+    assert ids.dtype == np.int32 and values.dtype == np.float32
+    np.testing.assert_array_equal(ids, [t for t, _ in VALUES["logit_bias"]])
+    np.testing.assert_array_equal(values, [v for _, v in VALUES["logit_bias"]])
+    assert req.logit_bias_arrays is req.logit_bias_arrays  # memoised on the request
+    # The step reads the request's packed row, not the SamplingParams tuples: a stand-in
+    # cached row is what lands in the batch.
+    req.__dict__["logit_bias_arrays"] = (np.array([7], np.int32), np.array([1.5], np.float32))
+    b = build_batch(SchedulerOutput([ScheduledSeq(req, 0, 3, True)], 3, []), shape)
+    assert b.bias_ids[0, :2].tolist() == [7, BIAS_PAD_ID]
+    assert b.bias_values[0, :2].tolist() == [1.5, 0.0]
 
 
 def test_empty_batch_and_multihost_lists_are_derived() -> None:
@@ -222,8 +244,10 @@ def test_empty_batch_and_multihost_lists_are_derived() -> None:
                        history_len=8)
     b = empty_batch(shape, 8, 4, True)
     np.testing.assert_array_equal(b.sampling, np.float32([sp_mod.PAD_ROW] * 4))
+    assert b.bias_ids.shape == b.bias_values.shape == (4, 0)  # no bias: width 0
+    b = empty_batch(shape, 8, 4, False, bias=True)  # the biased sampler variant's shapes
     assert b.bias_ids.shape == b.bias_values.shape == (4, sp_mod.MAX_LOGIT_BIAS)
-    assert not b.bias_ids.any() and not b.bias_values.any()  # no bias: adds 0.0 to token 0
+    assert (b.bias_ids == BIAS_PAD_ID).all() and not b.bias_values.any()
     sent = multihost._FORWARD + multihost._SAMPLING  # noqa: SLF001
     assert sorted(sent) == sorted(f.name for f in dataclasses.fields(StepBatch))
     assert len(set(sent)) == len(sent)
@@ -244,6 +268,7 @@ def test_sampler_reads_every_column_by_name_and_padding_is_greedy() -> None:
     logits = np.random.default_rng(0).normal(size=(S, V)).astype(np.float32)
     pad = sampler.SamplingTensors(jnp.asarray(np.float32([sp_mod.PAD_ROW] * S)),
                                   jnp.zeros((S, 2), jnp.uint32), jnp.zeros((S, 0), jnp.int32),
-                                  jnp.zeros((S, 0), bool), *map(jnp.asarray, pad_bias(S)))
+                                  jnp.zeros((S, 0), bool),
+                                  *map(jnp.asarray, pad_bias(S, True)))
     out = sampler.sample(jnp.asarray(logits), pad, False)
     np.testing.assert_array_equal(np.asarray(out.tokens), logits.argmax(-1))

@@ -3,10 +3,10 @@
 Data flow: StepBatch (numpy, from `batch.py`) -> one `jax.device_put` of the whole
 `StepInputs` pytree -> `forward_step` (module-level, jitted once per (tokens, seqs) bucket,
 KV pages donated so XLA updates them in place) -> logits f32[S, V] stay on device ->
-`sample_step` (jitted once per seqs bucket and penalties on/off) -> one `jax.device_get` of
-the sampled ids and logprobs -> StepResult (numpy). Nothing else in the engine touches jax
-arrays. The sampler is its own executable so that the penalties variant multiplies only the
-(cheap) sampler compiles, not the model's.
+`sample_step` (jitted once per seqs bucket, penalties on/off and logit bias width 0 / on)
+-> one `jax.device_get` of the sampled ids and logprobs -> StepResult (numpy). Nothing else in
+the engine touches jax arrays. The sampler is its own executable so that its penalties and
+bias variants multiply only the (cheap) sampler compiles, not the model's.
 
 Failures (`runner.RunnerFailed`): `execute` reports a failure as not fatal when the device
 state is intact, i.e. nothing reached the device (the batch could not be converted or placed)
@@ -78,12 +78,14 @@ def to_step_inputs(b: StepBatch) -> tuple[StepInputs, SamplingTensors]:
                       logits_indices=b.logits_indices), st
 
 
-def empty_batch(shape: BatchShape, num_tokens: int, num_seqs: int, penalties: bool) -> StepBatch:
-    """An all-padding batch of one bucket (no live sequence): what warmup compiles with."""
+def empty_batch(shape: BatchShape, num_tokens: int, num_seqs: int, penalties: bool,
+                bias: bool = False) -> StepBatch:
+    """An all-padding batch of one bucket (no live sequence): what warmup compiles with;
+    `penalties` / `bias` give it the history / logit bias arrays of a step that uses them."""
     P = shape.history_len if penalties else 0
     S = num_seqs
     i32 = np.int32
-    bias_ids, bias_values = pad_bias(S)
+    bias_ids, bias_values = pad_bias(S, bias)
     return StepBatch(
         token_ids=np.zeros(num_tokens, i32), positions=np.zeros(num_tokens, i32),
         slot_mapping=np.zeros(num_tokens, i32),
@@ -112,9 +114,9 @@ def compile_buckets(runner: "ModelRunner", execute: Callable[[StepBatch], StepRe
                     progress: bool) -> None:
     """Run an all-padding batch of every bucket of `runner` through `execute` (the runner's
     own, or one that first announces the step to other processes)."""
-    for t, s, p in tqdm(runner.buckets(), desc="compiling step buckets", disable=not progress,
-                        unit="bucket"):
-        execute(empty_batch(runner.shape, t, s, p))
+    for t, s, p, b in tqdm(runner.buckets(), desc="compiling step buckets",
+                           disable=not progress, unit="bucket"):
+        execute(empty_batch(runner.shape, t, s, p, b))
     jax.block_until_ready(runner.kv_pages)
 
 
@@ -146,12 +148,15 @@ class ModelRunner:
     def compiles_after_warmup(self) -> int:
         return self.guard.compiles_after_warmup
 
-    def buckets(self) -> list[tuple[int, int, bool]]:
-        """(tokens, seqs, penalties) shapes that warmup runs: every forward bucket, and the
-        penalties sampler variant once per distinct seqs bucket."""
-        plain = [(t, s, False) for t, s in self.shape.buckets]
-        largest_t = {s: t for t, s in self.shape.buckets}
-        return plain + [(largest_t[s], s, True) for s in sorted(largest_t)]
+    def buckets(self) -> list[tuple[int, int, bool, bool]]:
+        """(tokens, seqs, penalties, bias) shapes that warmup runs: every forward bucket
+        plain, and the other sampler variants (penalties, logit bias, both) once per
+        distinct seqs bucket, each with that bucket's smallest (cheapest) forward, which is
+        already compiled: the variants add sampler compiles only."""
+        plain = [(t, s, False, False) for t, s in self.shape.buckets]
+        smallest_t = {s: t for t, s in reversed(self.shape.buckets)}
+        return plain + [(smallest_t[s], s, p, b) for s in sorted(smallest_t)
+                        for p, b in ((True, False), (False, True), (True, True))]
 
     def warmup(self, progress: bool = True) -> None:
         """Compile every bucket. The caller then calls `arm()`, once every engine of the

@@ -6,9 +6,10 @@ join the devices. jaxserve keeps everything host-side on process 0 (scheduler, a
 detokenizer, gRPC / HTTP fronts) and makes the other processes mirror its device calls:
 
   process 0: Engine.step -> StepBatch -> LeaderRunner.execute:
-               broadcast header i32[4] = (STEP, T_b, S_b, P)  -- which bucket
+               broadcast header i32[5] = (STEP, T_b, S_b, P, B)  -- which bucket and
+                                                                     sampler variant
                broadcast the forward arrays of that bucket     -- token ids, block tables, ...
-               broadcast the sampling arrays (S_b, P)         -- knob matrix, keys, history,
+               broadcast the sampling arrays (S_b, P, B)      -- knob matrix, keys, history,
                                                                   logit bias
                ModelRunner.execute(batch)                      -- the compiled step
   process i: follow(runner): receive the header; STEP -> receive the arrays (shapes from the
@@ -18,9 +19,10 @@ detokenizer, gRPC / HTTP fronts) and makes the other processes mirror its device
 Broadcasts use `jax.experimental.multihost_utils.broadcast_one_to_all` (a psum over all
 devices, compiled once per shape: the header's is fixed, the arrays' are the warmup buckets,
 so serving compiles nothing). The forward and sampling arrays travel separately because their
-shapes vary independently (tokens x seqs; seqs x penalty history). Every process builds the
-same engine (same config, model, mesh of all processes' devices, and a KV page count agreed
-as the minimum over processes: `agree_min`), so the step's shapes and shardings match.
+shapes vary independently (tokens x seqs; seqs x penalty history x logit bias width). Every
+process builds the same engine (same config, model, mesh of all processes' devices, and a KV
+page count agreed as the minimum over processes: `agree_min`), so the step's shapes and
+shardings match.
 
 While process 0 has no work the others wait inside the header broadcast, and process 0
 announces a KEEPALIVE every `keepalive_s` idle seconds (gloo gives up on a collective after 30
@@ -53,7 +55,8 @@ log = logging.getLogger(__name__)
 
 STEP, ARM, STOP, KEEPALIVE = 1, 2, 3, 4
 # Each StepBatch field travels in exactly one of the two broadcasts: the forward's inputs
-# (shapes from tokens x seqs) and every other field, the sampler's (seqs x penalty history).
+# (shapes from tokens x seqs) and every other field, the sampler's (seqs x penalty history x
+# logit bias width).
 _FORWARD = ("token_ids", "positions", "slot_mapping", "block_tables", "kv_lens", "cu_q_lens",
             "num_seqs", "logits_indices")
 _SAMPLING = tuple(f.name for f in dataclasses.fields(StepBatch) if f.name not in _FORWARD)
@@ -88,9 +91,10 @@ def _broadcast(arrays: list[np.ndarray], is_source: bool) -> list[np.ndarray]:
 
 
 def _header(op: int, batch: StepBatch | None, is_source: bool) -> np.ndarray:
-    h = np.zeros(4, np.int32)
+    h = np.zeros(5, np.int32)
     if batch is not None:
-        h[:] = (op, len(batch.token_ids), len(batch.kv_lens), batch.history.shape[1])
+        h[:] = (op, len(batch.token_ids), len(batch.kv_lens), batch.history.shape[1],
+                batch.bias_ids.shape[1])
     else:
         h[0] = op
     return _broadcast([h], is_source)[0]
@@ -102,13 +106,15 @@ def _send_batch(batch: StepBatch) -> None:
     _broadcast([getattr(batch, n) for n in _SAMPLING], True)
 
 
-def _receive_batch(runner: ModelRunner, num_tokens: int, num_seqs: int,
-                   history_len: int) -> StepBatch:
+def _receive_batch(runner: ModelRunner, num_tokens: int, num_seqs: int, history_len: int,
+                   bias_width: int) -> StepBatch:
     """The leader's batch of this bucket (an empty batch of the same shapes is the mold)."""
-    mold = empty_batch(runner.shape, num_tokens, num_seqs, history_len > 0)
-    if mold.history.shape[1] != history_len:
-        raise RuntimeError(f"the leader's penalty history length {history_len} differs from "
-                           f"this process's {mold.history.shape[1]}: engines built differently")
+    mold = empty_batch(runner.shape, num_tokens, num_seqs, history_len > 0, bias_width > 0)
+    got = (mold.history.shape[1], mold.bias_ids.shape[1])
+    if got != (history_len, bias_width):
+        raise RuntimeError(f"the leader's (penalty history length, logit bias width) "
+                           f"{(history_len, bias_width)} differs from this process's {got}: "
+                           f"engines built differently")
     fwd = _broadcast([getattr(mold, n) for n in _FORWARD], False)
     smp = _broadcast([getattr(mold, n) for n in _SAMPLING], False)
     return dataclasses.replace(mold, **dict(zip(_FORWARD, fwd)), **dict(zip(_SAMPLING, smp)))
@@ -214,9 +220,9 @@ def follow(runner: ModelRunner) -> FollowStats:
     """Mirror the leader's device calls until it says STOP."""
     stats = FollowStats()
     while True:
-        op, t, s, p = (int(x) for x in _header(0, None, False))
+        op, t, s, p, b = (int(x) for x in _header(0, None, False))
         if op == STEP:
-            runner.execute(_receive_batch(runner, t, s, p))
+            runner.execute(_receive_batch(runner, t, s, p, b))
             stats.steps += 1
         elif op == KEEPALIVE:
             stats.keepalives += 1

@@ -1,19 +1,21 @@
 """Sampling on device: a pure function of (logits, per-row sampling arrays) -> tokens, logprobs.
 
 Data flow inside the compiled step: f32[S, V] logits of the rows that sample ->
-`apply_logit_bias` (each row's sparse (token id, bias) entries added; padding entries add
-0.0 to token 0, a no-op) -> `apply_penalties` (repetition / presence / frequency, from each
-row's token history) -> `filter_logits` (temperature, then top-k, top-p and min-p as -inf
-masks) -> Gumbel-max draw with a per-row key (the request's seed folded with its output
-length, so a seeded request draws the same tokens whatever shares its batch) -> greedy rows
-take the argmax of the biased, penalised logits instead. Logprobs are of the raw model
-distribution (log_softmax of the unprocessed logits, as vLLM reports them): the sampled
-token's and the top `MAX_LOGPROBS`.
+`apply_logit_bias` (each row's sparse (token id, bias) entries added; padding entries carry
+an out-of-range id that the scatter drops) -> `apply_penalties` (repetition / presence /
+frequency, from each row's token history) -> `filter_logits` (temperature, then top-k, top-p
+and min-p as -inf masks) -> Gumbel-max draw with a per-row key (the request's seed folded
+with its output length, so a seeded request draws the same tokens whatever shares its batch)
+-> greedy rows take the argmax of the biased, penalised logits instead. Logprobs are of the
+raw model distribution (log_softmax of the unprocessed logits, as vLLM reports them): the
+sampled token's and the top `MAX_LOGPROBS`.
 
-Every knob is a per-row array, so a new value never recompiles; the logit bias has a static
-width (`sampling_params.MAX_LOGIT_BIAS` entries per row, see `jaxserve.engine.batch`).
-Whether penalties are applied at all is a static flag of the step (the history array is only
-sent when a row needs it).
+Every knob is a per-row array, so a new value never recompiles. What a step may not need is
+static, like its bucket: whether penalties are applied (`apply_penalty`; the history array is
+only sent when a row needs it), and the logit bias width B: 0 when no row has a bias (no
+scatter traced, no second copy of the logits written: the argmax reads the model's logits
+directly), else `sampling_params.MAX_LOGIT_BIAS` (see `jaxserve.engine.batch`). With a bias
+the scatter-add writes a biased copy of f32[S, V], as the logprobs still read the raw logits.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ class SamplingTensors:
     rng_key: jax.Array  # u32[S, 2] raw threefry key data, already folded with the step index
     history: jax.Array  # i32[S, P] prompt + output token ids, -1 padded (P = 0: no penalties)
     history_is_output: jax.Array  # bool[S, P] True where history holds a generated token
-    bias_ids: jax.Array  # i32[S, B] token ids of each row's logit_bias, 0-padded
-    bias_values: jax.Array  # f32[S, B] their biases, 0.0 where padded (a no-op)
+    bias_ids: jax.Array  # i32[S, B] token ids of each row's logit_bias, padded with an id
+    #                      >= V (dropped); B = 0: no row has a bias
+    bias_values: jax.Array  # f32[S, B] their biases, 0.0 where padded
 
     def knob(self, name: str) -> jax.Array:
         """f32[S]: the column of sampling field `name` (resolved at trace time). A column's
@@ -69,9 +72,12 @@ class SampleOutput:
 
 def apply_logit_bias(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     """logits[r, bias_ids[r, j]] += bias_values[r, j]: a scatter-add of S x B entries (ids
-    within a row are distinct; padding entries add 0.0)."""
+    within a row are distinct). Ids outside [0, V) (the padding) are dropped, not clamped or
+    wrapped, so padding does no work; B = 0 is no op at all (nothing traced)."""
+    if st.bias_ids.shape[1] == 0:
+        return logits
     rows = jnp.arange(logits.shape[0])[:, None]
-    return logits.at[rows, st.bias_ids].add(st.bias_values.astype(logits.dtype))
+    return logits.at[rows, st.bias_ids].add(st.bias_values.astype(logits.dtype), mode="drop")
 
 
 def apply_penalties(logits: jax.Array, st: SamplingTensors) -> jax.Array:

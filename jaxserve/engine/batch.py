@@ -13,11 +13,13 @@ vLLM's vocabulary, for the T_b padded tokens of the S_b padded sequences of one 
   sampling               f32[S_b, K]  one row per sequence, one column per device sampling
                                     field (`sampling_params.DEVICE_FIELDS`); padding rows are
                                     `sampling_params.PAD_ROW` (greedy, nothing filtered)
-  bias_ids, bias_values  i32/f32[S_b, B]  each row's logit_bias entries (B =
-                                    `sampling_params.MAX_LOGIT_BIAS`, static, so a request
-                                    with a bias never recompiles), padded with (0, 0.0): a
-                                    no-op. Cost: 8 * S_b * B bytes sent per step (600 KiB at
-                                    S_b = 256) and an S_b x B scatter-add on the logits.
+  bias_ids, bias_values  i32/f32[S_b, B]  each row's logit_bias entries, padded with
+                                    (BIAS_PAD_ID, 0.0), an id outside every vocabulary that
+                                    the sampler's scatter drops. B = 0 when no row of the step
+                                    has a bias (nothing sent, no scatter compiled in), else
+                                    `sampling_params.MAX_LOGIT_BIAS` whatever the entry counts,
+                                    so a bias never recompiles: 8 * S_b * B bytes sent (600 KiB
+                                    at S_b = 256) and an S_b x B scatter-add on such steps only.
   rng_key, history, history_is_output  derived per-row sampler inputs (see
                                     `jaxserve.device.sampler.SamplingTensors`)
 """
@@ -32,6 +34,10 @@ import numpy as np
 
 from jaxserve.engine.sampling_params import MAX_LOGIT_BIAS, PAD_ROW
 from jaxserve.engine.scheduler import SchedulerOutput
+
+# Padding id of the bias arrays: above any vocabulary, so the sampler's scatter (mode="drop")
+# skips it; padding entries then cost nothing on device (no updates piled onto token 0).
+BIAS_PAD_ID = np.iinfo(np.int32).max
 
 
 def bucket_for(num_tokens: int, num_seqs: int,
@@ -87,8 +93,8 @@ class StepBatch:
     rng_key: np.ndarray  # u32[S_b, 2]
     history: np.ndarray  # i32[S_b, P] (P = 0 when no row uses penalties)
     history_is_output: np.ndarray  # bool[S_b, P]
-    bias_ids: np.ndarray  # i32[S_b, MAX_LOGIT_BIAS]
-    bias_values: np.ndarray  # f32[S_b, MAX_LOGIT_BIAS]
+    bias_ids: np.ndarray  # i32[S_b, B] (B = 0 when no row has a logit_bias, else MAX_LOGIT_BIAS)
+    bias_values: np.ndarray  # f32[S_b, B]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,11 +184,11 @@ def build_batch(out: SchedulerOutput, shape: BatchShape) -> StepBatch:
         history[row, : len(ids)] = ids
         n_out = min(req.num_output_tokens, len(ids))
         is_output[row, len(ids) - n_out: len(ids)] = True
-    bias_ids, bias_values = pad_bias(S)
+    bias_ids, bias_values = pad_bias(S, bool(biased))
     for row in biased:
-        entries = out.seqs[row].request.sampling_params.logit_bias
-        bias_ids[row, : len(entries)] = [t for t, _ in entries]
-        bias_values[row, : len(entries)] = [b for _, b in entries]
+        ids, values = out.seqs[row].request.logit_bias_arrays
+        bias_ids[row, : len(ids)] = ids
+        bias_values[row, : len(ids)] = values
     return StepBatch(token_ids, positions, slot_mapping, block_tables, kv_lens, cu_q_lens,
                      np.array([num], np.int32), logits_indices, sampling=sampling,
                      rng_key=rng_key, history=history, history_is_output=is_output,
@@ -198,8 +204,15 @@ def pad_rows(num_seqs: int) -> np.ndarray:
     return np.tile(_PAD_ROW, (num_seqs, 1))
 
 
-def pad_bias(num_seqs: int) -> tuple[np.ndarray, np.ndarray]:
-    """(i32, f32)[num_seqs, MAX_LOGIT_BIAS]: rows with no logit bias (every entry adds 0.0 to
-    token 0's logit)."""
-    return (np.zeros((num_seqs, MAX_LOGIT_BIAS), np.int32),
-            np.zeros((num_seqs, MAX_LOGIT_BIAS), np.float32))
+def bias_width(biased: bool) -> int:
+    """B of a step's bias arrays: 0 when no row has a logit_bias, else the one static width
+    (each width is a sampler executable per seqs bucket, warmed up front)."""
+    return MAX_LOGIT_BIAS if biased else 0
+
+
+def pad_bias(num_seqs: int, biased: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(i32, f32)[num_seqs, bias_width(biased)]: rows with no logit bias (every entry is
+    (BIAS_PAD_ID, 0.0), dropped by the sampler)."""
+    width = bias_width(biased)
+    return (np.full((num_seqs, width), BIAS_PAD_ID, np.int32),
+            np.zeros((num_seqs, width), np.float32))

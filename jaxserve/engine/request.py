@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+
+import numpy as np
 
 from jaxserve.engine.sampling_params import SamplingParams
 
@@ -106,6 +109,14 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @functools.cached_property
+    def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(i32[k], f32[k]): this request's logit_bias as the step's bias row wants it, packed
+        once (SamplingParams is frozen) instead of from Python tuples every step."""
+        entries = self.sampling_params.logit_bias
+        return (np.array([t for t, _ in entries], np.int32),
+                np.array([b for _, b in entries], np.float32))
 
     @property
     def is_finished(self) -> bool:
