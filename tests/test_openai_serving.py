@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import itertools
 import json
 import pathlib
 import types
@@ -23,9 +22,11 @@ import pytest
 from engine_fixtures import tiny_engine, tiny_tokenizer
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
+from test_openai_chat import call as chat_call
+from test_openai_chat import llm, url_of  # noqa: F401 - llm is a fixture
 from test_openai_http import CONFIG, GREEDY, offline, wait_pages_free
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import SamplingParams
 from jaxserve.engine.limits import EngineLimits
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.server.background import BackgroundServer
@@ -52,26 +53,9 @@ def server() -> BackgroundServer:
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    """The offline API over an engine like the server's (as in test_openai_chat)."""
-    obj = LLM.__new__(LLM)
-    obj.engine = tiny_engine(**CONFIG)
-    obj.config = obj.engine.config
-    obj._ids = itertools.count()
-    return obj
-
-
-def url_of(server: BackgroundServer) -> str:
-    return f"http://127.0.0.1:{server.server.http_port}"
-
-
 async def call(url: str, path: str, body: Any, headers: dict | None = None) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as session:
-        data = body if isinstance(body, (str, bytes)) else json.dumps(body)
-        async with session.post(url + path, data=data, headers={
-                "Content-Type": "application/json", **AUTH, **(headers or {})}) as resp:
-            return resp.status, await resp.json()
+    """test_openai_chat's request helper with this server's API key."""
+    return await chat_call(url, path, body, {**AUTH, **(headers or {})})
 
 
 async def get(url: str, path: str, headers: dict | None = None) -> tuple[int, str]:
