@@ -9,6 +9,13 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# The CLI turns on JAX's persistent compilation cache (default ~/.cache/jaxserve/xla) for the
+# whole process. A test that calls the CLI in-process would leave it on for every later test,
+# sharing one directory with the servers other tests start and with earlier runs: CI aborted
+# inside XLA's deserializer on such an entry. Tests that exercise the cache give their own
+# subprocess a private directory; everything else runs uncached unless the caller says so.
+os.environ.setdefault("JAXSERVE_COMPILATION_CACHE_DIR", "")
+
 
 def _has_accelerator() -> bool:
     try:
