@@ -24,7 +24,7 @@ from jaxserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 VALUES = dict(n=3, temperature=0.75, top_p=0.5, top_k=7, min_p=0.125, seed=2**63 + 5,
               max_tokens=40, min_tokens=2, stop=("xy", "z"), stop_token_ids=(4, 9),
               ignore_eos=True, logprobs=3, repetition_penalty=1.25, presence_penalty=-0.5,
-              frequency_penalty=0.25, include_stop_str_in_output=True,
+              frequency_penalty=0.25, prompt_logprobs=2, include_stop_str_in_output=True,
               skip_special_tokens=False, logit_bias=((3, 0.5), (9, -100.0)))
 FULL = SamplingParams(**VALUES)
 

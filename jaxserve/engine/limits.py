@@ -103,7 +103,7 @@ def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: in
     elif n + max_tokens > limit:
         raise InvalidRequest(
             f"max_tokens={max_tokens} is over the limit: prompt ({n} tokens) + max_tokens "
-            f"must be <= max_model_len={limit}, so max_tokens must be in [1, {limit - n}]",
+            f"must be <= max_model_len={limit}, so max_tokens must be in [0, {limit - n}]",
             "max_tokens")
     total = n + max_tokens
     pages = -(-total // page_size)

@@ -68,6 +68,10 @@ class RequestOutput:
     metrics: RequestMetrics  # of sample 0 (arrival, queue, first token, preemptions, cache)
     num_cached_tokens: int = 0
     error: str | None = None  # a sample failed (finish_reason ERROR): why
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (no
+    # context), else {prompt token: logprob, top-N ids: logprobs}. Set once the prefill is
+    # done: on every later output (CUMULATIVE, FINAL_ONLY), on the first only (DELTA).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def num_delta_tokens(self) -> int:
@@ -96,3 +100,5 @@ def merge_unread(older: RequestOutput, newer: RequestOutput) -> None:
     older.outputs.sort(key=lambda c: c.index)
     older.finished, older.metrics = newer.finished, newer.metrics
     older.num_cached_tokens, older.error = newer.num_cached_tokens, newer.error
+    if newer.prompt_logprobs is not None:
+        older.prompt_logprobs = newer.prompt_logprobs

@@ -288,8 +288,8 @@ class SamplingParams:
                         device=Column(pad=0.0))
     seed: int | None = knob(None, rule=IntIn(0, 2**64 - 1),
                             help="random seed of the request; unset: drawn by the engine")
-    max_tokens: int | None = knob(16, rule=IntIn(1, INT32_MAX),
-                                  help="new tokens at most")  # None: up to max_model_len
+    # None: up to max_model_len; 0: prefill only (score the prompt: see prompt_logprobs).
+    max_tokens: int | None = knob(16, rule=IntIn(0, INT32_MAX), help="new tokens at most")
     min_tokens: int = knob(0, rule=IntIn(0, INT32_MAX),
                            help="new tokens before EOS / stop ids may end the output")
     stop: tuple[str, ...] = knob((), rule=StopStrings(), help="stop string")
@@ -309,6 +309,11 @@ class SamplingParams:
     frequency_penalty: float = knob(0.0, rule=Finite("in [-2, 2]", lambda v: -2 <= v <= 2),
                                     help="subtract this times the count of each generated "
                                          "token", device=Column(pad=0.0, penalty=True))
+    # Computed from the prefill's hidden states by a separate LM-head pass over the prompt
+    # positions only (`jaxserve.device.prompt_logprobs`); such a request skips the prefix
+    # cache, since cached positions are never computed (vLLM does the same).
+    prompt_logprobs: int | None = knob(None, rule=IntIn(0, MAX_LOGPROBS),
+                                       help="top-N logprobs for each prompt token")
     include_stop_str_in_output: bool = knob(False, help="keep a matched stop string in the text")
     skip_special_tokens: bool = knob(True, help="leave special tokens out of the text")
     # Stored as ((token id, bias), ...) sorted by id; pass a dict. Applied on the device to
