@@ -232,7 +232,7 @@ BAD = [
     ({"prompt": "w5", "top_k": -3}, "top_k"),
     ({"prompt": "w5", "min_p": 2}, "min_p"),
     ({"prompt": "w5", "seed": -1}, "seed"),
-    ({"prompt": "w5", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "w5", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "w5", "max_tokens": 5000}, "max_tokens"),
     ({"prompt": "w5", "n": 0}, "n"),
     ({"prompt": "w5", "logprobs": 50}, "logprobs"),
