@@ -103,7 +103,7 @@ def test_parse_valid_lines_and_defaults() -> None:
     ('{"id": "a", "prompt": [5, "x"]}', True, "prompt must be"),
     ('{"id": "a", "messages": "hi"}', True, "messages must be"),
     ('{"id": "a", "prompt": "w5", "temperature": -1}', True, "temperature=-1"),
-    ('{"id": "a", "prompt": "w5", "max_tokens": 0}', True, "max_tokens=0"),
+    ('{"id": "a", "prompt": "w5", "max_tokens": -1}', True, "max_tokens=-1"),
     ('{"id": "a", "prompt": "w5", "stop": 5}', True, "stop"),
     # Values Python's json parses into exceptions other than JSONDecodeError / ValueError:
     ('{"id": "a", "prompt": "w5", "temperature": 1' + "0" * 400 + '}', True,
@@ -362,8 +362,8 @@ def test_cli_end_to_end_with_saved_checkpoint(tmp_path: pathlib.Path,
     assert "3 lines: 2 ok, 1 errors, 0 skipped" in err and "tok/s" in err
     # Unusable arguments exit 2 with one line, before any model is loaded.
     assert cli.main(["batch", str(tmp_path / "missing.jsonl"), str(out), *flags]) == 2
-    assert batch_main([str(src), str(out), *flags, "--max-tokens", "0"]) == 2
+    assert batch_main([str(src), str(out), *flags, "--max-tokens", "-1"]) == 2
     assert batch_main([str(src), str(src), *flags]) == 2
     assert batch_main([str(src), str(out), *flags, "--window", "0"]) == 2
     err = capsys.readouterr().err
-    assert "missing.jsonl" in err and "max_tokens=0" in err and "different files" in err
+    assert "missing.jsonl" in err and "max_tokens=-1" in err and "different files" in err

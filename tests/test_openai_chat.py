@@ -219,8 +219,8 @@ BAD = [
     ({"messages": USER, "logprobs": True, "top_logprobs": 50}, "top_logprobs",
      "top_logprobs=50 must be"),
     ({"messages": USER, "logprobs": 3}, "logprobs", "must be a boolean"),
-    ({"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens",
-     "max_completion_tokens=0"),
+    ({"messages": USER, "max_completion_tokens": -1}, "max_completion_tokens",
+     "max_completion_tokens=-1"),
     # Refused at admission (no room in max_model_len=512), in the name the client used.
     ({"messages": USER, "max_completion_tokens": 5000}, "max_completion_tokens",
      "max_completion_tokens"),

@@ -232,7 +232,7 @@ BAD = [
     ({"prompt": "w5", "top_k": -3}, "top_k"),
     ({"prompt": "w5", "min_p": 2}, "min_p"),
     ({"prompt": "w5", "seed": -1}, "seed"),
-    ({"prompt": "w5", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "w5", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "w5", "max_tokens": 5000}, "max_tokens"),
     ({"prompt": "w5", "n": 0}, "n"),
     ({"prompt": "w5", "logprobs": 50}, "logprobs"),
@@ -248,7 +248,12 @@ BAD = [
     ({"prompt": "w5", "stream": True, "stream_options": {"include_usage": 1}},
      "stream_options"),
     ({"prompt": "w5", "model": 3}, "model"),
-    ({"prompt": "w5", "echo": True}, "echo"),
+    ({"prompt": "w5", "echo": "yes"}, "echo"),
+    ({"prompt": "w5", "suffix": "w7"}, "suffix"),
+    ({"prompt": "w5", "n": 2, "best_of": 3}, "best_of"),
+    ({"prompt": "w5", "best_of": 2}, "best_of"),
+    ({"prompt": "w5", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "w5", "echo": True, "logprobs": 21}, "logprobs"),
 ]
 
 
