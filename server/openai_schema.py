@@ -5,8 +5,9 @@
 the type checks their declared types call for) or `ApiError(400)` naming the field (`param`).
 `echo` with `logprobs` asks the engine for prompt_logprobs too (`_echo_prompt_logprobs`,
 the one place that mapping lives). The response helpers build OpenAI's `text_completion`
-choices, usage and server-sent events (logprobs and echo: `openai_choices`). Content checks (ranges, vocabulary, lengths) belong to admission and the
-SamplingParams registry; an `InvalidRequest` becomes a 400 through `invalid`.
+choices, usage and server-sent events (logprobs and echo: `openai_choices`). Content
+checks (ranges, vocabulary, lengths) belong to admission and the SamplingParams registry; an
+`InvalidRequest` becomes a 400 through `invalid`.
 """
 
 from __future__ import annotations
