@@ -5,6 +5,8 @@ embed -> for each layer (a `lax.scan` over the stacked params, the whole KV arra
 so XLA updates it in place): q/k/v + RoPE at each token's position -> `write_kv` scatters the
 new K/V into their slots -> ragged paged attention reads each sequence's pages through its
 block table -> ... -> final norm -> logits only at `logits_indices` (one row per sequence).
+`paged_hidden` stops before the final norm: the runner keeps every token's hidden state for
+the prompt logprobs pass (`jaxserve.device.prompt_logprobs`).
 
 KV layout: f[L * num_pages, 2 * Hkv, page_size, D_pages]: the `kernels_pallas` per-layer
 page layout with the layers' pages laid end to end (layer i owns pages [i * num_pages,
@@ -48,7 +50,18 @@ def paged_forward(params: LlamaParams, kv_pages: jax.Array, token_ids: jax.Array
                   positions: jax.Array, md: AttentionMetadata, logits_indices: jax.Array,
                   cfg: ModelConfig, attn_impl: str = "reference",
                   mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
-    """-> (f32[S, vocab] logits at `logits_indices`, updated kv_pages). Pure; jit it.
+    """-> (f32[S, vocab] logits at `logits_indices`, updated kv_pages). Pure; jit it."""
+    hidden, kv_pages = paged_hidden(params, kv_pages, token_ids, positions, md, cfg,
+                                    attn_impl, mesh)
+    return lm_logits(cfg, params, hidden[logits_indices]), kv_pages
+
+
+def paged_hidden(params: LlamaParams, kv_pages: jax.Array, token_ids: jax.Array,
+                 positions: jax.Array, md: AttentionMetadata, cfg: ModelConfig,
+                 attn_impl: str = "reference",
+                 mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
+    """-> ([T, hidden] last layer's output of every token (before the final norm), updated
+    kv_pages). Pure; jit it. `lm_logits` of a row gives that token's next-token logits.
 
     With a `mesh` (tensor parallel, axis "model"; see `placement`), the KV write and
     the attention run under `jax.shard_map`: each device on its own query / KV heads and its
@@ -96,4 +109,4 @@ def paged_forward(params: LlamaParams, kv_pages: jax.Array, token_ids: jax.Array
     x = embed(params, token_ids)
     idx = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, kv_pages), _ = jax.lax.scan(layer, (x, kv_pages), (params.layers, idx))
-    return lm_logits(cfg, params, x[logits_indices]), kv_pages
+    return x, kv_pages

@@ -79,7 +79,7 @@ def best_ms(fn, runs: int) -> float:  # noqa: ANN001
 def measure(S: int, biased_rows: int, vocab: int, runner: ModelRunner, runs: int) -> dict:
     out = decode_step(S, biased_rows, vocab)
     batch = build_batch(out, runner.shape)
-    _, st = place_inputs(to_step_inputs(batch), None)
+    _, st, _ = place_inputs(to_step_inputs(batch), None)
     logits = jax.device_put(np.random.default_rng(0).normal(0, 3, (S, vocab)).astype(np.float32))
 
     def sampler() -> None:

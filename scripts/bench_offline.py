@@ -113,7 +113,7 @@ def measure_matmul_gflops() -> float:
 
 def forward_only():  # noqa: ANN201
     """The runner's forward without the sampler, jitted as the runner jits it (KV pages
-    donated): `f(params, kv_pages, inputs, cfg=, attn_impl=, mesh=) -> (kv_pages, logits)`."""
+    donated): `f(params, kv_pages, inputs, cfg=, attn_impl=, mesh=) -> (kv_pages, logits, hidden)`."""
     import jax
 
     from jaxserve.device.model_runner import forward_step
@@ -151,13 +151,13 @@ def bench_decode(llm, batch_sizes: list[int], ctx: int) -> list[dict]:
         out = eng.scheduler.schedule()
         assert out.num_seqs == bs and out.num_tokens == bs, (out.num_seqs, out.num_tokens)
         r = eng.runner
-        inputs, _ = jax.device_put(to_step_inputs(build_batch(out, eng.plan.batch_shape)),
+        inputs, _, _ = jax.device_put(to_step_inputs(build_batch(out, eng.plan.batch_shape)),
                                    r.inputs_sharding)
         times = []
         for _ in range(5):
             t = time.perf_counter()
-            r.kv_pages, logits = forward(r.params, r.kv_pages, inputs, cfg=cfg,
-                                         attn_impl=r.attn_impl, mesh=r.mesh)
+            r.kv_pages, logits, _ = forward(r.params, r.kv_pages, inputs, cfg=cfg,
+                                            attn_impl=r.attn_impl, mesh=r.mesh)
             logits.block_until_ready()
             times.append(time.perf_counter() - t)
         eng.scheduler.update(out, [None] * out.num_seqs)  # nothing sampled: recompute-safe
@@ -189,7 +189,7 @@ def count_collectives(llm) -> dict:  # noqa: ANN001
 
     r = llm.engine.runner
     t, s_ = r.shape.buckets[0]
-    inputs, _ = jax.device_put(to_step_inputs(empty_batch(r.shape, t, s_, False)),
+    inputs, _, _ = jax.device_put(to_step_inputs(empty_batch(r.shape, t, s_, False)),
                                r.inputs_sharding)
     hlo = forward_only().lower(r.params, r.kv_pages, inputs, cfg=r.model_cfg,
                                attn_impl=r.attn_impl, mesh=r.mesh).compile().as_text()

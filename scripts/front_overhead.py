@@ -47,13 +47,14 @@ import aiohttp
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from front_overhead_server import Ports, free_port, serve, write_tiny_checkpoint  # noqa: E402
+from front_overhead_server import Ports, free_port, serve  # noqa: E402
 
 from jaxserve.cli.bench.load import LoadSpec, run_load
 from jaxserve.cli.bench.report import RequestRecord, summarize
 from jaxserve.cli.bench.sweep import machine_facts
 from jaxserve.cli.bench.targets import GrpcTarget, OpenAIChatTarget, OpenAITarget, Target
 from jaxserve.cli.bench.workload import WorkloadSpec, build_requests, parse_length_dist
+from jaxserve.models.tiny import write_tiny_checkpoint
 
 FRONTS = ("grpc", "completions", "chat")
 # Engine histograms (sum, count) read from /metrics; vLLM's names with jaxserve's prefix.

@@ -1,7 +1,7 @@
 """The server side of scripts/front_overhead.py: a tiny random checkpoint and one `jaxserve
 serve` subprocess with every port explicit.
 
-Data flow: `write_tiny_checkpoint(dir)` -> an HF folder (random 2-layer Llama weights through
+Data flow: `jaxserve.models.tiny.write_tiny_checkpoint(dir)` -> an HF folder (random 2-layer Llama weights through
 jaxserve's own `save_hf_dir`, a word-level tokenizer "w3", "w4", ... with a chat template) ->
 `serve(model, Ports(grpc, http, metrics), flags)`: `python -m jaxserve.cli serve --port G
 --http-port H --metrics-port M ...` (explicit ports: this keeps working whatever the serving
@@ -15,9 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import os
-import pathlib
 import socket
 import subprocess
 import sys
@@ -33,35 +31,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def write_tiny_checkpoint(out: pathlib.Path, vocab: int = 1024, seed: int = 0) -> None:
-    """A random 2-layer Llama + a word-level tokenizer ("w3", "w4", ...) with a chat
-    template, as an HF folder `jaxserve serve --model` loads."""
-    import jax
-    import jax.numpy as jnp
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from jaxserve.models import llama
-    from jaxserve.models.config import ModelConfig
-    from jaxserve.models.hf_loader import save_hf_dir
-
-    cfg = ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=64,
-                      intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                      head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-                      max_position_embeddings=2048, tie_word_embeddings=False,
-                      attention_bias=False, qk_norm=False, bos_token_id=1, eos_token_ids=(2,))
-    save_hf_dir(out, cfg, llama.init_random_params(cfg, jax.random.key(seed), jnp.float32))
-    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
-    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "add_bos_token": False,
-        "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-                         "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"}))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,18 +58,6 @@ def build_hf_model(arch: str, out_dir: pathlib.Path, seed: int = 0):
 
 def save_tiny_tokenizer(out_dir: pathlib.Path, vocab_size: int) -> None:
     """A word-level tokenizer over `vocab_size` ids ('<unk>', '<s>', '</s>', 'w3', ...)."""
-    import json
+    from jaxserve.models.tiny import save_word_tokenizer
 
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "add_bos_token": False,
-        "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-                         "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"}))
+    save_word_tokenizer(out_dir, vocab_size)

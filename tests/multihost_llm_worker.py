@@ -34,10 +34,13 @@ if __name__ == "__main__":
             while llm.engine.runner.keepalives < 3 and time.monotonic() < deadline:
                 time.sleep(0.05)
             # The last prompt with a logit bias: the followers get it in the step broadcast.
-            biased = dataclasses.replace(params, logit_bias={123: 100.0})
+            # And prompt logprobs: their arrays travel in a third broadcast.
+            biased = dataclasses.replace(params, logit_bias={123: 100.0}, prompt_logprobs=2)
             outs = first + llm.generate(PROMPTS[1:], [params, biased], use_tqdm=False)
         keepalives = llm.engine.runner.keepalives  # after close: no keepalive can follow
         print(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                          "prompt_logprobs": [{str(k): v for k, v in e.items()}
+                                              for e in outs[-1].prompt_logprobs[1:]],
                           "keepalives": keepalives}))
     else:
         stats = multihost.follow(build_follower(EngineConfig(model=model, **ENGINE)))

@@ -182,7 +182,7 @@ def test_bad_requests_raise_and_engine_carries_on(prompt, params, match) -> None
 def test_sampling_params_validation_names_the_field() -> None:
     for kwargs, field in [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
                           (dict(top_k=-2), "top_k"), (dict(min_p=2), "min_p"),
-                          (dict(max_tokens=0), "max_tokens"), (dict(logprobs=21), "logprobs"),
+                          (dict(max_tokens=-1), "max_tokens"), (dict(logprobs=21), "logprobs"),
                           (dict(n=17), "n"), (dict(stop=[""]), "stop"),
                           (dict(temperature=float("nan")), "temperature")]:
         with pytest.raises(ValueError, match=field):

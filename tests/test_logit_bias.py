@@ -91,10 +91,15 @@ def test_alternating_biased_and_plain_requests_compile_nothing(llm: LLM) -> None
 
 def test_warmup_adds_sampler_variants_not_forward_shapes(llm: LLM) -> None:
     """The bias and penalties variants are sampler shapes only: warmup runs each forward
-    bucket's (tokens, seqs) and nothing else, and every seqs bucket with all four samplers."""
+    bucket's (tokens, seqs) and nothing else, and every seqs bucket with all four samplers;
+    the prompt logprobs pass once per tokens bucket, apart from those."""
     runner = llm.engine.runner
     runs = runner.buckets()
-    assert {(t, s) for t, s, _, _ in runs} == set(runner.shape.buckets)
+    assert {(t, s) for t, s, _, _, _ in runs} == set(runner.shape.buckets)
     for seqs in {s for _, s in runner.shape.buckets}:
-        variants = sorted((p, b) for _, s, p, b in runs if s == seqs and (p or b))
+        variants = sorted((p, b) for _, s, p, b, lp in runs if s == seqs and (p or b))
         assert variants == [(False, True), (True, False), (True, True)]  # once each
+        assert not any(lp for _, s, p, b, lp in runs if s == seqs and (p or b))
+    scored = sorted(t for t, _, p, b, lp in runs if lp)
+    assert scored == sorted({t for t, _ in runner.shape.buckets})
+    assert not any(p or b for _, _, p, b, lp in runs if lp)

@@ -27,8 +27,10 @@ import time
 import urllib.request
 
 import pytest
+import numpy as np
 from engine_fixtures import rollout, tiny_model
 from hf_models import save_tiny_tokenizer
+from test_prompt_logprobs import oracle as prompt_logprobs_oracle
 
 from jaxserve.config import DistributedConfig
 from jaxserve.engine.sampling_params import SamplingParams
@@ -185,6 +187,11 @@ def test_two_processes_offline_llm(model_dir: pathlib.Path) -> None:
     # The last stdout line: gloo prints its connection lines to stdout too.
     lead, follower = (json.loads(o[0].splitlines()[-1]) for o in outs)
     assert lead["tokens"] == [rollout(model, p, 8) for p in PROMPTS[:2]] + [[123] * 8]
+    want = prompt_logprobs_oracle(PROMPTS[2], 2, model)[1:]
+    got = lead["prompt_logprobs"]
+    assert [[int(k) for k in e] for e in got] == [list(e) for e in want]
+    np.testing.assert_allclose([v for e in got for v in e.values()],
+                               [v for e in want for v in e.values()], atol=1e-4)
     assert follower["steps"] > len(PROMPTS)
     # Idle between the two generate calls: every keepalive reached the follower.
     assert lead["keepalives"] >= 3 and follower["keepalives"] == lead["keepalives"]
@@ -219,19 +226,23 @@ def test_leader_runner_sends_every_field_and_returns_the_runner_results() -> Non
     fields = [f.name for f in dataclasses.fields(StepBatch)]
     # Each field travels in exactly one of the two broadcasts (a new StepBatch field must be
     # added to one of them, or the followers would run with its default).
-    sent = multihost._FORWARD + multihost._SAMPLING  # noqa: SLF001
+    sent = multihost._FORWARD + multihost._SAMPLING + multihost._PROMPT_LP  # noqa: SLF001
     assert sorted(sent) == sorted(fields) and len(set(sent)) == len(sent)
     plain = tiny_engine(tiny_model())
     lead = tiny_engine(tiny_model())
     lead.runner = multihost.LeaderRunner(lead.runner)
-    outs = []
+    outs, scored = [], []
     for eng in (plain, lead):
         eng.add_request("a", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=6,
                                                            ignore_eos=True))
+        # A prompt logprobs step: its arrays travel in the third broadcast.
+        eng.add_request("s", [9, 10, 11], SamplingParams(max_tokens=0, prompt_logprobs=2))
         while eng.has_unfinished():
             for o in eng.step():
-                final = o
-        outs.append(list(final.outputs[0].token_ids))
-    assert outs[0] == outs[1] == want
+                if o.finished:
+                    (outs if o.request_id == "a" else scored).append(o)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [want, want]
+    assert scored[0].prompt_logprobs == scored[1].prompt_logprobs
+    assert len(scored[0].prompt_logprobs) == 3
     assert lead.runner.compiles_after_warmup == 0
     lead.close()

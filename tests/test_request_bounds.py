@@ -43,7 +43,7 @@ def test_integer_ranges() -> None:
                    stop_token_ids=[2**31 - 1] * sp_mod.MAX_STOP_TOKEN_IDS)
     refused("seed", "must be an integer in [0, 18446744073709551615]", seed=2**64)
     refused("seed", "must be an integer in [0, ", seed=-1)
-    refused("max_tokens", "must be an integer in [1, 2147483647]", max_tokens=2**31)
+    refused("max_tokens", "must be an integer in [0, 2147483647]", max_tokens=2**31)
     refused("min_tokens", "must be an integer in [0, 2147483647]", min_tokens=2**31)
     refused("top_k", "must be -1 or 0 (disabled) or an integer in [1, 2147483647]",
             top_k=2**31)

@@ -248,7 +248,11 @@ def test_empty_batch_and_multihost_lists_are_derived() -> None:
     b = empty_batch(shape, 8, 4, False, bias=True)  # the biased sampler variant's shapes
     assert b.bias_ids.shape == b.bias_values.shape == (4, sp_mod.MAX_LOGIT_BIAS)
     assert (b.bias_ids == BIAS_PAD_ID).all() and not b.bias_values.any()
-    sent = multihost._FORWARD + multihost._SAMPLING  # noqa: SLF001
+    assert b.prompt_lp_indices.shape == b.prompt_lp_targets.shape == (0,)
+    b = empty_batch(shape, 8, 4, False, prompt_lp=True)  # the prompt logprobs pass's shapes
+    assert b.prompt_lp_indices.shape == b.prompt_lp_targets.shape == (8,)
+    assert b.num_prompt_lp.tolist() == [0]
+    sent = multihost._FORWARD + multihost._SAMPLING + multihost._PROMPT_LP  # noqa: SLF001
     assert sorted(sent) == sorted(f.name for f in dataclasses.fields(StepBatch))
     assert len(set(sent)) == len(sent)
 

@@ -1,7 +1,8 @@
 """Runs in a subprocess with 8 virtual CPU devices (XLA_FLAGS set by the caller): tiny engines
 at several tensor-parallel sizes, printed as one JSON document for tests/test_tensor_parallel.py.
 
-For each model (heads/KV heads) and TP size: greedy tokens and top-5 logprobs of 3 prompts,
+For each model (heads/KV heads) and TP size: greedy tokens, top-5 logprobs and top-3 prompt
+logprobs of 3 prompts,
 compiles after warmup, per-device and total bytes of the parameters and of the KV pages.
 """
 
@@ -29,7 +30,8 @@ def shard_bytes(tree, device=None) -> tuple[int, int]:  # noqa: ANN001
 def greedy_outputs(engine, prompts: list[list[int]]) -> dict:  # noqa: ANN001
     """{request id: greedy tokens and top-5 logprobs} of each prompt, 8 tokens each, from an
     Engine or a ReplicaPool."""
-    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, prompt_logprobs=3,
+                            ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
     outs: dict = {}
@@ -38,7 +40,9 @@ def greedy_outputs(engine, prompts: list[list[int]]) -> dict:  # noqa: ANN001
             if o.finished:
                 c = o.outputs[0]
                 outs[o.request_id] = {"tokens": list(c.token_ids), "logprobs": [
-                    {str(k): float(v) for k, v in lp.items()} for lp in c.logprobs]}
+                    {str(k): float(v) for k, v in lp.items()} for lp in c.logprobs],
+                    "prompt_logprobs": [{str(k): float(v) for k, v in lp.items()}
+                                        for lp in o.prompt_logprobs[1:]]}
     return outs
 
 

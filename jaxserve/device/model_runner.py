@@ -4,7 +4,9 @@ Data flow: StepBatch (numpy, from `batch.py`) -> one `jax.device_put` of the who
 `StepInputs` pytree -> `forward_step` (module-level, jitted once per (tokens, seqs) bucket,
 KV pages donated so XLA updates them in place) -> logits f32[S, V] stay on device ->
 `sample_step` (jitted once per seqs bucket, penalties on/off and logit bias width 0 / on)
--> one `jax.device_get` of the sampled ids and logprobs -> StepResult (numpy). Nothing else in
+-> one `jax.device_get` of the sampled ids and logprobs -> StepResult (numpy). On a step that
+scores prompt tokens, `prompt_logprobs` (jitted once per token bucket) also runs on the
+forward's hidden states and its rows come back with the same `device_get`. Nothing else in
 the engine touches jax arrays. The sampler is its own executable so that its penalties and
 bias variants multiply only the (cheap) sampler compiles, not the model's.
 
@@ -31,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 from jaxserve.device.compile_guard import CompileGuard
+from jaxserve.device.prompt_logprobs import PromptLogprobsInputs, prompt_logprobs
 from jaxserve.device.sampler import SamplingTensors, sample
 from jaxserve.engine.batch import BatchShape, StepBatch, pad_bias, pad_rows
 from jaxserve.engine.runner import RunnerFailed, StepResult
@@ -39,7 +42,8 @@ from jaxserve.kernels_pallas import AttentionMetadata
 from jaxserve.models import placement
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import LlamaParams
-from jaxserve.models.paged import kv_cache_shape, paged_forward
+from jaxserve.models.llama import lm_logits
+from jaxserve.models.paged import kv_cache_shape, paged_hidden
 
 log = logging.getLogger(__name__)
 
@@ -53,35 +57,46 @@ class StepInputs:
 
 
 def forward_step(params: LlamaParams, kv_pages: jax.Array, inputs: StepInputs, cfg: ModelConfig,
-                 attn_impl: str, mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
-    """-> (updated kv_pages, f32[S, vocab] logits of each sequence's sampling position)."""
-    logits, kv_pages = paged_forward(params, kv_pages, inputs.token_ids, inputs.positions,
-                                     inputs.md, inputs.logits_indices, cfg, attn_impl, mesh)
-    return kv_pages, logits
+                 attn_impl: str, mesh: Mesh | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """-> (updated kv_pages, f32[S, vocab] logits of each sequence's sampling position,
+    [T, hidden] every token's last hidden state, for the prompt logprobs pass)."""
+    hidden, kv_pages = paged_hidden(params, kv_pages, inputs.token_ids, inputs.positions,
+                                    inputs.md, cfg, attn_impl, mesh)
+    return kv_pages, lm_logits(cfg, params, hidden[inputs.logits_indices]), hidden
 
 
 _forward_jit = jax.jit(forward_step, static_argnames=("cfg", "attn_impl", "mesh"),
                        donate_argnames=("kv_pages",))
 _sample_jit = jax.jit(sample, static_argnames=("apply_penalty",))
+_prompt_logprobs_jit = jax.jit(prompt_logprobs, static_argnames=("cfg",))
 
 
-def to_step_inputs(b: StepBatch) -> tuple[StepInputs, SamplingTensors]:
-    """The batch as the two device pytrees: the forward's inputs and the sampler's (kept
-    apart so the penalties history, which only the sampler reads, never changes the
-    forward's input shapes)."""
+StepTree = tuple[StepInputs, SamplingTensors, PromptLogprobsInputs | None]
+
+
+def to_step_inputs(b: StepBatch) -> StepTree:
+    """The batch as the device pytrees: the forward's inputs, the sampler's (kept apart so
+    the penalties history, which only the sampler reads, never changes the forward's input
+    shapes) and, on a step that scores prompt tokens, the prompt logprobs pass's."""
     md = AttentionMetadata(slot_mapping=b.slot_mapping, block_tables=b.block_tables,
                            kv_lens=b.kv_lens, cu_q_lens=b.cu_q_lens, num_seqs=b.num_seqs)
     st = SamplingTensors(knobs=b.sampling, rng_key=b.rng_key, history=b.history,
                          history_is_output=b.history_is_output, bias_ids=b.bias_ids,
                          bias_values=b.bias_values)
+    plp = None
+    if len(b.prompt_lp_indices):
+        plp = PromptLogprobsInputs(indices=b.prompt_lp_indices, targets=b.prompt_lp_targets,
+                                   num=b.num_prompt_lp)
     return StepInputs(token_ids=b.token_ids, positions=b.positions, md=md,
-                      logits_indices=b.logits_indices), st
+                      logits_indices=b.logits_indices), st, plp
 
 
 def empty_batch(shape: BatchShape, num_tokens: int, num_seqs: int, penalties: bool,
-                bias: bool = False) -> StepBatch:
+                bias: bool = False, prompt_lp: bool = False) -> StepBatch:
     """An all-padding batch of one bucket (no live sequence): what warmup compiles with;
-    `penalties` / `bias` give it the history / logit bias arrays of a step that uses them."""
+    `penalties` / `bias` / `prompt_lp` give it the history / logit bias / prompt logprobs
+    arrays of a step that uses them."""
     P = shape.history_len if penalties else 0
     S = num_seqs
     i32 = np.int32
@@ -93,11 +108,13 @@ def empty_batch(shape: BatchShape, num_tokens: int, num_seqs: int, penalties: bo
         cu_q_lens=np.zeros(S + 1, i32), num_seqs=np.zeros(1, i32),
         logits_indices=np.zeros(S, i32), sampling=pad_rows(S),
         rng_key=np.zeros((S, 2), np.uint32), history=np.full((S, P), -1, i32),
-        history_is_output=np.zeros((S, P), bool), bias_ids=bias_ids, bias_values=bias_values)
+        history_is_output=np.zeros((S, P), bool), bias_ids=bias_ids, bias_values=bias_values,
+        prompt_lp_indices=np.zeros(num_tokens if prompt_lp else 0, i32),
+        prompt_lp_targets=np.zeros(num_tokens if prompt_lp else 0, i32),
+        num_prompt_lp=np.zeros(1, i32))
 
 
-def place_inputs(tree: tuple[StepInputs, SamplingTensors],
-                 sharding: NamedSharding | None) -> tuple[StepInputs, SamplingTensors]:
+def place_inputs(tree: StepTree, sharding: NamedSharding | None) -> StepTree:
     """The step's numpy inputs on device (replicated over the mesh when there is one).
 
     Over several processes each process builds its own copies from its (identical) numpy
@@ -114,9 +131,9 @@ def compile_buckets(runner: "ModelRunner", execute: Callable[[StepBatch], StepRe
                     progress: bool) -> None:
     """Run an all-padding batch of every bucket of `runner` through `execute` (the runner's
     own, or one that first announces the step to other processes)."""
-    for t, s, p, b in tqdm(runner.buckets(), desc="compiling step buckets",
-                           disable=not progress, unit="bucket"):
-        execute(empty_batch(runner.shape, t, s, p, b))
+    for t, s, p, b, lp in tqdm(runner.buckets(), desc="compiling step buckets",
+                               disable=not progress, unit="bucket"):
+        execute(empty_batch(runner.shape, t, s, p, b, lp))
     jax.block_until_ready(runner.kv_pages)
 
 
@@ -148,15 +165,18 @@ class ModelRunner:
     def compiles_after_warmup(self) -> int:
         return self.guard.compiles_after_warmup
 
-    def buckets(self) -> list[tuple[int, int, bool, bool]]:
-        """(tokens, seqs, penalties, bias) shapes that warmup runs: every forward bucket
-        plain, and the other sampler variants (penalties, logit bias, both) once per
-        distinct seqs bucket, each with that bucket's smallest (cheapest) forward, which is
-        already compiled: the variants add sampler compiles only."""
-        plain = [(t, s, False, False) for t, s in self.shape.buckets]
+    def buckets(self) -> list[tuple[int, int, bool, bool, bool]]:
+        """(tokens, seqs, penalties, bias, prompt logprobs) shapes that warmup runs: every
+        forward bucket plain; the other sampler variants (penalties, logit bias, both) once
+        per distinct seqs bucket, each with that bucket's smallest (cheapest) forward, which
+        is already compiled: the variants add sampler compiles only; and the prompt logprobs
+        pass once per distinct tokens bucket (with one of its forwards)."""
+        plain = [(t, s, False, False, False) for t, s in self.shape.buckets]
         smallest_t = {s: t for t, s in reversed(self.shape.buckets)}
-        return plain + [(smallest_t[s], s, p, b) for s in sorted(smallest_t)
-                        for p, b in ((True, False), (False, True), (True, True))]
+        some_s = {t: s for t, s in reversed(self.shape.buckets)}
+        return plain + [(smallest_t[s], s, p, b, False) for s in sorted(smallest_t)
+                        for p, b in ((True, False), (False, True), (True, True))] + \
+            [(t, some_s[t], False, False, True) for t in sorted(some_s)]
 
     def warmup(self, progress: bool = True) -> None:
         """Compile every bucket. The caller then calls `arm()`, once every engine of the
@@ -171,23 +191,29 @@ class ModelRunner:
         try:
             # Replicated on the mesh under tensor parallelism, the same at warmup and
             # serving, so the compiled step's input shardings never change (no recompile).
-            inputs, sampling = place_inputs(to_step_inputs(batch), self.inputs_sharding)
+            inputs, sampling, plp = place_inputs(to_step_inputs(batch), self.inputs_sharding)
         except Exception as e:  # noqa: BLE001 - classified for the engine
             raise self._failed("placing the step's inputs on the device", e) from e
         try:
-            return self._run(inputs, sampling, batch.history.shape[1] > 0)
+            return self._run(inputs, sampling, plp, batch.history.shape[1] > 0)
         except Exception as e:  # noqa: BLE001 - classified for the engine
             raise self._failed("the compiled step", e) from e
 
     def _run(self, inputs: StepInputs, sampling: SamplingTensors,
-             penalties: bool) -> StepResult:
-        self.kv_pages, logits = _forward_jit(self.params, self.kv_pages, inputs,
-                                             cfg=self.model_cfg, attn_impl=self.attn_impl,
-                                             mesh=self.mesh)
+             plp: PromptLogprobsInputs | None, penalties: bool) -> StepResult:
+        self.kv_pages, logits, hidden = _forward_jit(
+            self.params, self.kv_pages, inputs, cfg=self.model_cfg, attn_impl=self.attn_impl,
+            mesh=self.mesh)
         out = _sample_jit(logits, sampling, apply_penalty=penalties)
-        tokens, logprob, top_ids, top_lps = jax.device_get(
-            (out.tokens, out.logprob, out.top_ids, out.top_logprobs))
-        return StepResult(tokens, logprob, top_ids, top_lps)
+        scored = None if plp is None else _prompt_logprobs_jit(self.params, hidden, plp,
+                                                               cfg=self.model_cfg)
+        tokens, logprob, top_ids, top_lps, scored = jax.device_get(
+            (out.tokens, out.logprob, out.top_ids, out.top_logprobs, scored))
+        if scored is None:
+            return StepResult(tokens, logprob, top_ids, top_lps)
+        return StepResult(tokens, logprob, top_ids, top_lps, prompt_logprob=scored.logprob,
+                          prompt_top_ids=scored.top_ids,
+                          prompt_top_logprobs=scored.top_logprobs)
 
     def _failed(self, what: str, error: Exception) -> RunnerFailed:
         """`error` as a RunnerFailed: fatal when the KV buffer is gone or the device failed."""

@@ -6,11 +6,12 @@ join the devices. jaxserve keeps everything host-side on process 0 (scheduler, a
 detokenizer, gRPC / HTTP fronts) and makes the other processes mirror its device calls:
 
   process 0: Engine.step -> StepBatch -> LeaderRunner.execute:
-               broadcast header i32[5] = (STEP, T_b, S_b, P, B)  -- which bucket and
-                                                                     sampler variant
+               broadcast header i32[6] = (STEP, T_b, S_b, P, B, L)  -- which bucket,
+                                                          sampler and prompt logprobs variant
                broadcast the forward arrays of that bucket     -- token ids, block tables, ...
                broadcast the sampling arrays (S_b, P, B)      -- knob matrix, keys, history,
                                                                   logit bias
+               broadcast the prompt logprobs arrays (L > 0 only)
                ModelRunner.execute(batch)                      -- the compiled step
   process i: follow(runner): receive the header; STEP -> receive the arrays (shapes from the
              header) -> the same ModelRunner.execute; ARM -> arm the compile guard (warmup
@@ -18,8 +19,9 @@ detokenizer, gRPC / HTTP fronts) and makes the other processes mirror its device
 
 Broadcasts use `jax.experimental.multihost_utils.broadcast_one_to_all` (a psum over all
 devices, compiled once per shape: the header's is fixed, the arrays' are the warmup buckets,
-so serving compiles nothing). The forward and sampling arrays travel separately because their
-shapes vary independently (tokens x seqs; seqs x penalty history x logit bias width). Every
+so serving compiles nothing). The forward, sampling and prompt logprobs arrays travel
+separately because their shapes vary independently (tokens x seqs; seqs x penalty history x
+logit bias width; L = 0 or tokens). Every
 process builds the same engine (same config, model, mesh of all processes' devices, and a KV
 page count agreed as the minimum over processes: `agree_min`), so the step's shapes and
 shardings match.
@@ -54,12 +56,14 @@ from jaxserve.engine.runner import RunnerFailed, StepResult
 log = logging.getLogger(__name__)
 
 STEP, ARM, STOP, KEEPALIVE = 1, 2, 3, 4
-# Each StepBatch field travels in exactly one of the two broadcasts: the forward's inputs
-# (shapes from tokens x seqs) and every other field, the sampler's (seqs x penalty history x
-# logit bias width).
+# Each StepBatch field travels in exactly one of the three broadcasts: the forward's inputs
+# (shapes from tokens x seqs), the prompt logprobs pass's (L, sent only when L > 0) and every
+# other field, the sampler's (seqs x penalty history x logit bias width).
 _FORWARD = ("token_ids", "positions", "slot_mapping", "block_tables", "kv_lens", "cu_q_lens",
             "num_seqs", "logits_indices")
-_SAMPLING = tuple(f.name for f in dataclasses.fields(StepBatch) if f.name not in _FORWARD)
+_PROMPT_LP = ("prompt_lp_indices", "prompt_lp_targets", "num_prompt_lp")
+_SAMPLING = tuple(f.name for f in dataclasses.fields(StepBatch)
+                  if f.name not in _FORWARD + _PROMPT_LP)
 
 
 def initialize(cfg: DistributedConfig) -> None:
@@ -91,10 +95,10 @@ def _broadcast(arrays: list[np.ndarray], is_source: bool) -> list[np.ndarray]:
 
 
 def _header(op: int, batch: StepBatch | None, is_source: bool) -> np.ndarray:
-    h = np.zeros(5, np.int32)
+    h = np.zeros(6, np.int32)
     if batch is not None:
         h[:] = (op, len(batch.token_ids), len(batch.kv_lens), batch.history.shape[1],
-                batch.bias_ids.shape[1])
+                batch.bias_ids.shape[1], len(batch.prompt_lp_indices))
     else:
         h[0] = op
     return _broadcast([h], is_source)[0]
@@ -104,20 +108,26 @@ def _send_batch(batch: StepBatch) -> None:
     _header(STEP, batch, True)
     _broadcast([getattr(batch, n) for n in _FORWARD], True)
     _broadcast([getattr(batch, n) for n in _SAMPLING], True)
+    if len(batch.prompt_lp_indices):
+        _broadcast([getattr(batch, n) for n in _PROMPT_LP], True)
 
 
 def _receive_batch(runner: ModelRunner, num_tokens: int, num_seqs: int, history_len: int,
-                   bias_width: int) -> StepBatch:
+                   bias_width: int, prompt_lp_len: int) -> StepBatch:
     """The leader's batch of this bucket (an empty batch of the same shapes is the mold)."""
-    mold = empty_batch(runner.shape, num_tokens, num_seqs, history_len > 0, bias_width > 0)
-    got = (mold.history.shape[1], mold.bias_ids.shape[1])
-    if got != (history_len, bias_width):
-        raise RuntimeError(f"the leader's (penalty history length, logit bias width) "
-                           f"{(history_len, bias_width)} differs from this process's {got}: "
-                           f"engines built differently")
-    fwd = _broadcast([getattr(mold, n) for n in _FORWARD], False)
-    smp = _broadcast([getattr(mold, n) for n in _SAMPLING], False)
-    return dataclasses.replace(mold, **dict(zip(_FORWARD, fwd)), **dict(zip(_SAMPLING, smp)))
+    mold = empty_batch(runner.shape, num_tokens, num_seqs, history_len > 0, bias_width > 0,
+                       prompt_lp_len > 0)
+    got = (mold.history.shape[1], mold.bias_ids.shape[1], len(mold.prompt_lp_indices))
+    if got != (history_len, bias_width, prompt_lp_len):
+        raise RuntimeError(f"the leader's (penalty history length, logit bias width, prompt "
+                           f"logprobs length) {(history_len, bias_width, prompt_lp_len)} "
+                           f"differs from this process's {got}: engines built differently")
+    fields = _FORWARD + _SAMPLING + (_PROMPT_LP if prompt_lp_len else ())
+    got_arrays = _broadcast([getattr(mold, n) for n in _FORWARD], False) + \
+        _broadcast([getattr(mold, n) for n in _SAMPLING], False)
+    if prompt_lp_len:
+        got_arrays += _broadcast([getattr(mold, n) for n in _PROMPT_LP], False)
+    return dataclasses.replace(mold, **dict(zip(fields, got_arrays)))
 
 
 @dataclasses.dataclass
@@ -220,9 +230,9 @@ def follow(runner: ModelRunner) -> FollowStats:
     """Mirror the leader's device calls until it says STOP."""
     stats = FollowStats()
     while True:
-        op, t, s, p, b = (int(x) for x in _header(0, None, False))
+        op, t, s, p, b, lp = (int(x) for x in _header(0, None, False))
         if op == STEP:
-            runner.execute(_receive_batch(runner, t, s, p, b))
+            runner.execute(_receive_batch(runner, t, s, p, b, lp))
             stats.steps += 1
         elif op == KEEPALIVE:
             stats.keepalives += 1

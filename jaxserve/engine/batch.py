@@ -20,6 +20,11 @@ vLLM's vocabulary, for the T_b padded tokens of the S_b padded sequences of one 
                                     `sampling_params.MAX_LOGIT_BIAS` whatever the entry counts,
                                     so a bias never recompiles: 8 * S_b * B bytes sent (600 KiB
                                     at S_b = 256) and an S_b x B scatter-add on such steps only.
+  prompt_lp_indices, prompt_lp_targets  i32[L]  the tokens whose next-token logprob is a
+                                    prompt logprob, and that next prompt token; num_prompt_lp
+                                    i32[1] the count (`engine.prompt_logprobs.pack`). L = 0 when
+                                    no row wants prompt logprobs (the runner then skips that
+                                    pass), else T_b.
   rng_key, history, history_is_output  derived per-row sampler inputs (see
                                     `jaxserve.device.sampler.SamplingTensors`)
 """
@@ -32,6 +37,7 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxserve.engine import prompt_logprobs
 from jaxserve.engine.sampling_params import MAX_LOGIT_BIAS, PAD_ROW
 from jaxserve.engine.scheduler import SchedulerOutput
 
@@ -95,6 +101,9 @@ class StepBatch:
     history_is_output: np.ndarray  # bool[S_b, P]
     bias_ids: np.ndarray  # i32[S_b, B] (B = 0 when no row has a logit_bias, else MAX_LOGIT_BIAS)
     bias_values: np.ndarray  # f32[S_b, B]
+    prompt_lp_indices: np.ndarray  # i32[L] (L = 0 when no row wants prompt logprobs, else T_b)
+    prompt_lp_targets: np.ndarray  # i32[L]
+    num_prompt_lp: np.ndarray  # i32[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +137,7 @@ def build_batch(out: SchedulerOutput, shape: BatchShape) -> StepBatch:
     block_tables = np.zeros((S, shape.max_pages_per_seq), np.int32)
     penalised: list[int] = []
     biased: list[int] = []
+    scoring: list[int] = []  # rows whose request asked for prompt logprobs
     tok_append, pos_append, slot_append = tok.append, pos.append, slot.append
     for row, seq in enumerate(out.seqs):
         req = seq.request
@@ -154,6 +164,8 @@ def build_batch(out: SchedulerOutput, shape: BatchShape) -> StepBatch:
             penalised.append(row)
         if sp.logit_bias:
             biased.append(row)
+        if sp.prompt_logprobs is not None:
+            scoring.append(row)
     t = len(tok)
     token_ids = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
@@ -189,10 +201,13 @@ def build_batch(out: SchedulerOutput, shape: BatchShape) -> StepBatch:
         ids, values = out.seqs[row].request.logit_bias_arrays
         bias_ids[row, : len(ids)] = ids
         bias_values[row, : len(ids)] = values
+    scored = prompt_logprobs.spans(out, scoring, cu_q_lens) if scoring else []
+    lp_indices, lp_targets, num_lp = prompt_logprobs.pack(out, scored, T if scored else 0)
     return StepBatch(token_ids, positions, slot_mapping, block_tables, kv_lens, cu_q_lens,
                      np.array([num], np.int32), logits_indices, sampling=sampling,
                      rng_key=rng_key, history=history, history_is_output=is_output,
-                     bias_ids=bias_ids, bias_values=bias_values)
+                     bias_ids=bias_ids, bias_values=bias_values, prompt_lp_indices=lp_indices,
+                     prompt_lp_targets=lp_targets, num_prompt_lp=num_lp)
 
 
 _PAD_ROW = np.asarray(PAD_ROW, np.float32)  # f32[K]

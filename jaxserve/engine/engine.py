@@ -34,20 +34,20 @@ When a step fails (see `runner.RunnerFailed` and the README's "When a step fails
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
 from typing import Callable, Sequence
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine import prompt_logprobs
 from jaxserve.engine.batch import StepBatch, build_batch
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.errors import EngineDead
+from jaxserve.engine.group import Group
 from jaxserve.engine.limits import (Admitted, EngineLimits, EngineStats, check_not_in_flight,
                                     check_priority, check_request_id)
-from jaxserve.engine.outputs import (CompletionOutput, RequestOutput, RequestOutputKind,
-                                     TokenLogprobs)
+from jaxserve.engine.outputs import RequestOutput, RequestOutputKind, TokenLogprobs
 from jaxserve.engine.request import FinishReason, Request
 from jaxserve.engine.runner import Runner, RunnerFailed, StepResult
 from jaxserve.engine.sampling_params import SamplingParams
@@ -56,23 +56,6 @@ from jaxserve.engine.sizing import EnginePlan
 from jaxserve.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(eq=False)
-class _Group:
-    """One user request: its n sample sequences and what has been reported for each."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Request]
-    detoks: list[IncrementalDetokenizer]
-    sent_tokens: list[int]  # tokens already reported per sample
-    sent_logprobs: list[int]
-    cumulative_logprob: list[float]
-    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    done_reported: bool = False
 
 
 class Engine:
@@ -86,7 +69,7 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.clock = clock
         self.scheduler = Scheduler(plan.scheduler, clock)
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, Group] = {}
         self._seed_rng = random.Random(config.seed)
         sc = plan.scheduler
         self._limits = EngineLimits(
@@ -97,7 +80,7 @@ class Engine:
         self.num_steps = 0
         self.last_step_tokens = 0
         # Groups with news for the next step's outputs besides this step's tokens (aborts).
-        self._touched: dict[str, _Group] = {}
+        self._touched: dict[str, Group] = {}
         self._dead: str | None = None  # why the engine cannot step any more
 
     # ----------------------------------------------------------------------- read-only views
@@ -151,7 +134,7 @@ class Engine:
                         priority=priority, sample_index=i, max_tokens=req.max_tokens,
                         seed=(base_seed + i) % (1 << 64)) for i in range(params.n)]
         backend = self.tokenizer.backend
-        group = _Group(request_id, req.prompt, ids, params, seqs,
+        group = Group(request_id, req.prompt, ids, params, seqs,
                        [IncrementalDetokenizer(backend, params) for _ in seqs],
                        [0] * params.n, [0] * params.n, [0.0] * params.n, output_kind)
         for i, seq in enumerate(seqs):  # cannot fail: checked, and fresh sequences
@@ -214,7 +197,7 @@ class Engine:
         outputs = []
         for g in touched.values():
             try:
-                output = self._make_output(g)
+                output = g.output()
                 if output is not None:
                     outputs.append(output)
             except Exception as e:  # noqa: BLE001 - this request's output only
@@ -226,7 +209,7 @@ class Engine:
                 del self._groups[g.request_id]
         return outputs
 
-    def _run(self, out: SchedulerOutput, touched: dict[str, _Group]) -> None:
+    def _run(self, out: SchedulerOutput, touched: dict[str, Group]) -> None:
         """Build, execute and apply one scheduled step; failed rows finish with ERROR."""
         batch = self._build(out, touched)
         if batch is None:
@@ -242,6 +225,8 @@ class Engine:
             return
         except Exception as e:  # noqa: BLE001 - the device state is unknown
             raise self._die("the model step failed", e) from e
+        if result.prompt_logprob is not None:
+            self._take_prompt_logprobs(out, result, touched)
         try:
             sampled = [int(result.tokens[i]) if s.samples else None
                        for i, s in enumerate(out.seqs)]
@@ -267,7 +252,17 @@ class Engine:
         self.num_steps += 1
         self.last_step_tokens = out.num_tokens
 
-    def _build(self, out: SchedulerOutput, touched: dict[str, _Group]) -> StepBatch | None:
+    def _take_prompt_logprobs(self, out: SchedulerOutput, result: StepResult,
+                              touched: dict[str, Group]) -> None:
+        scored = prompt_logprobs.spans(out)
+        try:
+            prompt_logprobs.unpack(out, scored, result.prompt_logprob, result.prompt_top_ids,
+                                   result.prompt_top_logprobs)
+        except Exception as e:  # noqa: BLE001 - a malformed result: the scored rows' fail
+            self._fail([(out.seqs[s.row].request, f"the step's prompt logprobs are unusable: "
+                         f"{e!r}") for s in scored], touched)
+
+    def _build(self, out: SchedulerOutput, touched: dict[str, Group]) -> StepBatch | None:
         """The step's batch, or None when it could not be built: then the rows that fail
         alone (else every row) are finished with ERROR and the others wait for the next
         step, their pages reserved and nothing computed."""
@@ -286,14 +281,14 @@ class Engine:
                                 for s in out.seqs], touched)
         return None
 
-    def _group_of(self, req: Request) -> _Group | None:
+    def _group_of(self, req: Request) -> Group | None:
         group = self._groups.get(req.request_id)
         if group is None or req.sample_index >= len(group.seqs) or \
                 group.seqs[req.sample_index] is not req:
             return None
         return group
 
-    def _fail(self, failures: list[tuple[Request, str]], touched: dict[str, _Group]) -> None:
+    def _fail(self, failures: list[tuple[Request, str]], touched: dict[str, Group]) -> None:
         """Finish each failed sequence with ERROR and its message, and the other samples of
         its request (already finished ones keep their result); pages go back through
         `Scheduler.finish`."""
@@ -311,28 +306,9 @@ class Engine:
             if group is not None:
                 touched[group.request_id] = group
 
-    def _error_output(self, g: _Group, message: str) -> RequestOutput:
-        """A final output for a request whose output could not be built: its unfinished
-        samples end with ERROR (finished ones keep their reason; no sample is blamed), the
-        text is lost, the token ids are reported as its output kind asks."""
-        for seq in g.seqs:
-            if not seq.is_finished:
-                self.scheduler.finish(seq, FinishReason.ERROR, message)
-        g.done_reported = True
-        delta = g.kind is RequestOutputKind.DELTA  # a stream has had its tokens already
-        completions = [CompletionOutput(
-            index=i, text="", token_ids=[] if delta else list(seq.output_token_ids),
-            cumulative_logprob=None, logprobs=None, finish_reason=seq.finish_reason,
-            delta_token_ids=seq.output_token_ids[g.sent_tokens[i]:], metrics=seq.metrics,
-            num_tokens=len(seq.output_token_ids), error=seq.error)
-            for i, seq in enumerate(g.seqs)]
-        first = g.seqs[0].metrics
-        return RequestOutput(request_id=g.request_id, prompt=g.prompt,
-                             prompt_token_ids=g.prompt_token_ids, outputs=completions,
-                             finished=True, metrics=first, error=message,
-                             num_cached_tokens=first.num_cached_tokens)
-
-    def _on_token(self, req: Request, group: _Group, result: StepResult, row: int) -> None:
+    def _on_token(self, req: Request, group: Group, result: StepResult, row: int) -> None:
+        if not req.output_token_ids:
+            return  # a prefill-only request (max_tokens=0) finished without a token
         k = req.sampling_params.logprobs
         if k is not None:
             entry: TokenLogprobs = {int(req.output_token_ids[-1]): float(result.logprob[row])}
@@ -346,44 +322,10 @@ class Engine:
         if detok.add_token(token):
             self.scheduler.finish(req, FinishReason.STOP_STRING)
 
-    def _make_output(self, g: _Group) -> RequestOutput | None:
-        """The group's output for this step as its kind asks (None: a FINAL_ONLY request that
-        has not finished); what it reports is marked as sent."""
-        finished = all(s.is_finished for s in g.seqs)
-        if g.kind is RequestOutputKind.FINAL_ONLY and not finished:
-            return None  # its detokenizers keep the text; the final output takes it all
-        completions = [self._completion(g, i) for i in range(len(g.seqs))]
-        g.done_reported = finished
-        first = g.seqs[0].metrics
-        return RequestOutput(request_id=g.request_id, prompt=g.prompt,
-                             prompt_token_ids=g.prompt_token_ids, outputs=completions,
-                             finished=finished, metrics=first,
-                             error=next((s.error for s in g.seqs if s.error), None),
-                             num_cached_tokens=first.num_cached_tokens)
-
-    def _completion(self, g: _Group, i: int) -> CompletionOutput:
-        seq, detok = g.seqs[i], g.detoks[i]
-        new_ids = seq.output_token_ids[g.sent_tokens[i]:]
-        g.sent_tokens[i] = len(seq.output_token_ids)
-        # A finished sequence flushes what was held back for a possible stop string.
-        delta_text = detok.finish() if seq.is_finished else detok.pop_delta()
-        with_lp = g.params.logprobs is not None
-        new_lp = seq.output_logprobs[g.sent_logprobs[i]:]
-        g.cumulative_logprob[i] += sum(lp for lp, _ in new_lp)
-        delta_lp: list[TokenLogprobs] = [dict(items) for _, items in new_lp]
-        if g.kind is RequestOutputKind.DELTA:
-            # Nothing of a DELTA request is reported twice: the engine keeps no logprob
-            # history for it (its token ids stay: preemption recomputes from them).
-            seq.output_logprobs.clear()
-            g.sent_logprobs[i] = 0
-            text, ids, lps = "", [], ([] if with_lp else None)
-        else:
-            g.sent_logprobs[i] = len(seq.output_logprobs)
-            text, ids = detok.text, list(seq.output_token_ids)
-            lps = [dict(items) for _, items in seq.output_logprobs] if with_lp else None
-        return CompletionOutput(
-            index=i, text=text, token_ids=ids,
-            cumulative_logprob=g.cumulative_logprob[i] if with_lp else None, logprobs=lps,
-            finish_reason=seq.finish_reason, delta_text=delta_text, delta_token_ids=new_ids,
-            delta_logprobs=delta_lp, metrics=seq.metrics, num_tokens=len(seq.output_token_ids),
-            error=seq.error)
+    def _error_output(self, g: Group, message: str) -> RequestOutput:
+        """A final output for a request whose output could not be built: its unfinished
+        samples end with ERROR (finished ones keep their reason; no sample is blamed)."""
+        for seq in g.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.ERROR, message)
+        return g.error_output(message)

@@ -54,6 +54,26 @@ class ArithmeticRunner:
             % self.vocab_size
         S = len(batch.kv_lens)
         self.steps += 1
-        return StepResult(tokens=tokens.astype(np.int32), logprob=np.zeros(S, np.float32),
-                          top_ids=np.zeros((S, MAX_LOGPROBS), np.int32),
-                          top_logprobs=np.zeros((S, MAX_LOGPROBS), np.float32))
+        result = StepResult(tokens=tokens.astype(np.int32), logprob=np.zeros(S, np.float32),
+                            top_ids=np.zeros((S, MAX_LOGPROBS), np.int32),
+                            top_logprobs=np.zeros((S, MAX_LOGPROBS), np.float32))
+        if len(batch.prompt_lp_indices):
+            fed = batch.token_ids[batch.prompt_lp_indices]
+            lp, ids, tops = arithmetic_prompt_logprobs(fed, batch.prompt_lp_targets,
+                                                       self.vocab_size)
+            result.prompt_logprob, result.prompt_top_ids, result.prompt_top_logprobs = \
+                lp, ids, tops
+        return result
+
+
+def arithmetic_prompt_logprobs(fed: np.ndarray, targets: np.ndarray, vocab_size: int
+                               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The fake prompt logprobs of scoring `targets` (i32[L]) after the tokens `fed` (i32[L]):
+    target logprob -((fed + target) % 13) / 4; top ids fed + 1, fed + 2, ... (mod vocab) with
+    logprobs -1, -2, ...: f32[L], i32[L, MAX_LOGPROBS], f32[L, MAX_LOGPROBS]."""
+    fed = fed.astype(np.int64)
+    lp = (-((fed + targets) % 13) / 4).astype(np.float32)
+    ranks = np.arange(1, MAX_LOGPROBS + 1)
+    ids = ((fed[:, None] + ranks[None, :]) % vocab_size).astype(np.int32)
+    tops = np.broadcast_to(-ranks.astype(np.float32), ids.shape).copy()
+    return lp, ids, tops

@@ -90,6 +90,9 @@ class Request:
     # Top-N logprobs per generated token: [(token_logprob, [(id, logprob), ...]), ...]
     output_logprobs: list[tuple[float, list[tuple[int, float]]]] = dataclasses.field(
         default_factory=list)
+    # With prompt_logprobs (sample 0 only): one entry per prompt token, filled as the prefill
+    # chunks compute them (`engine.prompt_logprobs.unpack`); entry 0 stays None (no context).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     metrics: RequestMetrics = dataclasses.field(default_factory=lambda: RequestMetrics(0.0))
 
     def __post_init__(self) -> None:
@@ -117,6 +120,12 @@ class Request:
         entries = self.sampling_params.logit_bias
         return (np.array([t for t, _ in entries], np.int32),
                 np.array([b for _, b in entries], np.float32))
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether this sequence's prefill scores its prompt: the request asked for prompt
+        logprobs and this is sample 0 (the other samples fork its prompt pages)."""
+        return self.sampling_params.prompt_logprobs is not None and self.sample_index == 0
 
     @property
     def is_finished(self) -> bool:

@@ -218,8 +218,8 @@ class Scheduler:
         return req.page_hashes[:want]
 
     def _match_prefix(self, req: Request) -> None:
-        if not self.cfg.enable_prefix_caching:
-            return
+        if not self.cfg.enable_prefix_caching or req.wants_prompt_logprobs:
+            return  # (cached positions are never computed, so they would have no logprobs)
         # At least one token must be computed to produce logits.
         hashes = self._full_page_hashes(req, req.num_tokens - 1)
         pages = self.allocator.match_prefix(hashes)
@@ -282,6 +282,9 @@ class Scheduler:
             self._release_forks(req)
         if not seq.samples or token is None:
             return False
+        if req.max_tokens == 0:  # prefill only (prompt scoring): nothing is generated
+            self.finish(req, FinishReason.LENGTH)
+            return True
         req.append_token(int(token))
         m = req.metrics
         if m.first_token_time is None:
