@@ -2,7 +2,8 @@
 `jaxserve.server.client`."""
 
 from jaxserve.server.client import (DEFAULT_TARGET, AsyncClient, Client, Completion,
-                                    build_request, fold, pb2, sampling_to_proto)
+                                    build_request, fold, pb2, prompt_logprobs_of,
+                                    sampling_to_proto)
 
 __all__ = ["DEFAULT_TARGET", "AsyncClient", "Client", "Completion", "build_request", "fold",
-           "pb2", "sampling_to_proto"]
+           "pb2", "prompt_logprobs_of", "sampling_to_proto"]

@@ -90,7 +90,7 @@ async def _grpc_workload(client, prompts: list[list[int]], outs: list[int]  # no
             if msg.HasField("chunk"):
                 first = first or time.monotonic()
                 ids.extend(msg.chunk.token_ids)
-            else:
+            elif msg.HasField("finished"):
                 server_ttft = msg.finished.timing.ttft_s
         return (first or time.monotonic()) - t0, ids, server_ttft
 

@@ -4,7 +4,8 @@ Data flow: prompt text / token ids / chat messages + SamplingParams (the offline
 validated locally) -> `build_request` -> GenerateRequest -> `Generation.Generate` over a
 channel (TLS when `root_certificates` or `tls=True`; the API key as `authorization: Bearer`
 metadata) -> GenerateResponse stream: `stream()` yields the messages as they arrive,
-`generate()` folds them into one `Completion` per sample.
+`generate()` folds them into one `Completion` per sample (with `prompt_logprobs` asked for,
+each Completion carries the request's PromptLogprobs, as `prompt_logprobs_of` reads them).
 
     from jaxserve.client import Client
     from jaxserve import SamplingParams
@@ -42,6 +43,24 @@ class Completion:
     finish_reason: str | None = None  # STOP | LENGTH | EOS | STOP_STRING | ABORT
     usage: Any = None  # Usage message
     timing: Any = None  # Timing message
+    # The request's prompt logprobs (the same for every sample), in the offline API's shape:
+    # one entry per prompt token, None for the first, else {prompt token: logprob, top-N}.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+def prompt_logprobs_of(msg: Any) -> list[dict[int, float] | None]:
+    """A PromptLogprobs message as `RequestOutput.prompt_logprobs` holds them (float32 on
+    the wire): per prompt token None (the first) or {token: logprob, top ids: logprobs}."""
+    out: list[dict[int, float] | None] = []
+    for t in msg.tokens:
+        if not t.HasField("logprob"):
+            out.append(None)
+        else:
+            entry = {t.token_id: t.logprob}
+            for top in t.top:
+                entry.setdefault(top.token_id, top.logprob)
+            out.append(entry)
+    return out
 
 
 def sampling_to_proto(params: SamplingParams) -> Any:
@@ -88,8 +107,11 @@ def build_request(prompt: str | Sequence[int] | None = None,
 def fold(responses: Sequence[Any] | Iterator[Any]) -> list[Completion]:
     """Fold a GenerateResponse stream into one Completion per sample, by index."""
     by_index: dict[int, Completion] = {}
+    prompt_lps = None
     for msg in responses:
-        if msg.HasField("chunk"):
+        if msg.HasField("prompt_logprobs"):
+            prompt_lps = prompt_logprobs_of(msg.prompt_logprobs)
+        elif msg.HasField("chunk"):
             c = by_index.setdefault(msg.chunk.index, Completion(msg.chunk.index))
             c.text += msg.chunk.text
             c.token_ids.extend(msg.chunk.token_ids)
@@ -99,6 +121,8 @@ def fold(responses: Sequence[Any] | Iterator[Any]) -> list[Completion]:
             c = by_index.setdefault(f.index, Completion(f.index))
             c.finish_reason = _REASONS.get(f.reason, str(f.reason))
             c.usage, c.timing = f.usage, f.timing
+    for c in by_index.values():
+        c.prompt_logprobs = prompt_lps
     return [by_index[i] for i in sorted(by_index)]
 
 

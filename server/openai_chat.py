@@ -5,12 +5,16 @@ loading / draining / failed) -> `http_body.read_json` -> `openai_chat_schema.par
 (body shape, sampling fields via the registry) -> `openai_stream.start` (admission: content
 parts, roles, the chat template, every request check; then the engine: 429 / 503) ->
   stream=true:  DELTA outputs -> `chat.completion.chunk` events: per sample, a first chunk
-                with `{"role": "assistant", "content": ""}`, then one with each new piece of
+                with `{"role": "assistant", "content": ""}` (with `echo`, then one with the
+                echoed content), then one with each new piece of
                 content (and its logprobs), `finish_reason` on the sample's last chunk; with
                 `stream_options.include_usage` a final chunk with `"choices": []` and usage
                 (and with `continuous_usage_stats` usage in every chunk); `data: [DONE]`;
   stream=false: one FINAL_ONLY output -> a `chat.completion` object, usage with
                 `prompt_tokens_details.cached_tokens` (the prefix cache's share of the prompt).
+vLLM's extras: `prompt_logprobs` comes back as the response's top-level `prompt_logprobs`
+(in a stream: on the first chunk once the prefill is done); `echo` prepends the last
+message's content when that message is an assistant's (`openai_choices.echo_of_chat`).
 The request is aborted in the engine however the handler ends (its `finally`), as for
 /v1/completions.
 """
@@ -28,6 +32,7 @@ from jaxserve.server import openai_chat_schema as chat_schema
 from jaxserve.server import openai_schema as schema
 from jaxserve.server import openai_stream
 from jaxserve.server.http_body import read_json
+from jaxserve.server.openai_choices import echo_of_chat, vllm_prompt_logprobs
 from jaxserve.serving.async_engine import RequestStream
 
 if TYPE_CHECKING:
@@ -51,14 +56,21 @@ async def chat_completions(front: "OpenAIHttpFront", request: web.Request
         head = {"id": rid, "created": int(time.time()), "model": served.name}
         decode = openai_stream.decoder(admit)
         top = req.params.logprobs
+        # Admitted: the messages are valid by now.
+        echo = echo_of_chat(req.prompt.chat or ()) if req.echo else ""
         if req.stream:
-            return await _stream(front, request, req, head, run, decode)
-        final, cached = await openai_stream.collect(rid, run.outputs)
+            return await _stream(front, request, req, head, run, decode, echo)
+        got = await openai_stream.collect(rid, run.outputs)
         choices = [chat_schema.choice(c, None if top is None else chat_schema.logprobs_json(
-            c.logprobs or [], top, decode)) for c in final]
-        usage = schema.usage(run.prompt_tokens, sum(c.num_tokens for c in final), cached)
-        return web.json_response({**head, "object": "chat.completion", "choices": choices,
-                                  "usage": usage})
+            c.logprobs or [], top, decode), echo + c.text) for c in got.outputs]
+        usage = schema.usage(run.prompt_tokens, sum(c.num_tokens for c in got.outputs),
+                             got.cached_tokens)
+        body = {**head, "object": "chat.completion", "choices": choices, "usage": usage}
+        if req.params.prompt_logprobs is not None:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(
+                run.prompt_token_ids, got.prompt_logprobs, req.params.prompt_logprobs,
+                req.params.prompt_logprobs, decode)
+        return web.json_response(body)
     finally:
         for stream in streams:
             stream.abort()  # no-op once finished; disconnects and failed writes land here
@@ -67,14 +79,16 @@ async def chat_completions(front: "OpenAIHttpFront", request: web.Request
 
 async def _stream(front: "OpenAIHttpFront", request: web.Request,
                   req: chat_schema.ChatRequest, head: dict[str, Any],
-                  run: openai_stream.Started, decode: Callable[[int], str]
+                  run: openai_stream.Started, decode: Callable[[int], str], echo: str
                   ) -> web.StreamResponse:
     head = {**head, "object": "chat.completion.chunk"}
     top = req.params.logprobs
+    n_prompt = req.params.prompt_logprobs or 0
     started: set[int] = set()  # samples whose role chunk went out
     done: set[int] = set()
     counts: dict[int, int] = {}
     cached = [0]
+    prompt_lps_due = [req.params.prompt_logprobs is not None]  # until sent once
 
     def usage() -> dict[str, Any]:
         return schema.usage(run.prompt_tokens, sum(counts.values()), cached[0])
@@ -88,6 +102,10 @@ async def _stream(front: "OpenAIHttpFront", request: web.Request,
                 events.append({**head, "choices": [{
                     "index": c.index, "delta": {"role": "assistant", "content": ""},
                     "logprobs": None, "finish_reason": None}]})
+                if echo:  # then the echoed content, as vLLM sends it
+                    events.append({**head, "choices": [{
+                        "index": c.index, "delta": {"content": echo}, "logprobs": None,
+                        "finish_reason": None}]})
             if c.index in done or (not c.delta_token_ids and c.finish_reason is None):
                 continue
             if c.finish_reason is not None:
@@ -97,6 +115,10 @@ async def _stream(front: "OpenAIHttpFront", request: web.Request,
                                                                      decode)
             delta = {"content": c.delta_text} if c.delta_text or c.finish_reason is None else {}
             events.append({**head, "choices": [chat_schema.delta_choice(c, delta, lp)]})
+        if prompt_lps_due[0] and out.prompt_logprobs is not None and events:
+            prompt_lps_due[0] = False  # on the first chunk that can carry them
+            events[0]["prompt_logprobs"] = vllm_prompt_logprobs(
+                run.prompt_token_ids, out.prompt_logprobs, n_prompt, n_prompt, decode)
         if req.include_usage and req.continuous_usage_stats:
             for e in events:
                 e["usage"] = usage()

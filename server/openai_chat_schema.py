@@ -5,7 +5,8 @@
 `admission.PromptInput(chat=...)`, which admission checks and renders (content parts,
 roles, template); the sampling fields through `openai_schema.sampling_params` (the
 registry), with chat's own names: `max_completion_tokens` (or the older `max_tokens`; unset:
-up to max_model_len), `logprobs` (a boolean) + `top_logprobs` (how many). Fields this server
+up to max_model_len), `logprobs` (a boolean) + `top_logprobs` (how many), vLLM's
+`prompt_logprobs` and `echo`. Fields this server
 does not implement (tools, response_format other than text) are refused by name
 rather than ignored.
 The response helpers build `chat.completion` choices, `chat.completion.chunk` deltas and
@@ -36,6 +37,7 @@ class ChatRequest:
     # Chat's names of registry fields the client used (max_completion_tokens), for the
     # `param` of a refusal at admission.
     rename: dict[str, str] = dataclasses.field(default_factory=dict)
+    echo: bool = False  # vLLM's: prepend the last message's content (an assistant's)
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
@@ -49,10 +51,6 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
     if fmt is not None and fmt != {"type": "text"}:
         raise schema.bad_request("response_format is not supported (only {\"type\": \"text\"})",
                                  "response_format")
-    if body.get("echo"):
-        raise schema.bad_request("echo=true is not supported", "echo")
-    if body.get("prompt_logprobs") is not None:
-        raise schema.bad_request("prompt_logprobs is not supported yet", "prompt_logprobs")
 
 
 def _max_tokens(body: dict[str, Any]) -> tuple[Any, dict[str, str]]:
@@ -79,7 +77,7 @@ def parse_chat(body: object) -> ChatRequest:
     names = {**rename, "logprobs": "top_logprobs"}  # chat's names of registry fields
     params = schema.sampling_params(body, budget, names, logprobs=wanted)
     return ChatRequest(prompt, params, bool(body.get("stream")), include_usage, continuous,
-                       schema.priority_of(body), names)
+                       schema.priority_of(body), names, bool(body.get("echo")))
 
 
 def chat_input(body: dict[str, Any]) -> admission.PromptInput:
@@ -119,8 +117,11 @@ def _reason(c: CompletionOutput) -> str | None:
     return schema.FINISH_REASONS[c.finish_reason] if c.finish_reason is not None else None
 
 
-def choice(c: CompletionOutput, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-    return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+def choice(c: CompletionOutput, logprobs: dict[str, Any] | None,
+           content: str | None = None) -> dict[str, Any]:
+    """A chat.completion choice; `content`: the text when not the sample's own (echo)."""
+    text = c.text if content is None else content
+    return {"index": c.index, "message": {"role": "assistant", "content": text},
             "logprobs": logprobs, "finish_reason": _reason(c)}
 
 

@@ -43,6 +43,12 @@ Data flow of `POST /v1/completions`:
                   `[DONE]`;
     stream=false: one FINAL_ONLY output -> one JSON body with every sample's text,
                   finish_reason, logprobs, usage.
+  `echo`: the prompt's text (a token-id prompt's decoded, special tokens kept) goes before
+  each sample's text, in a stream within the sample's first chunk (as vLLM sends it); with
+  `logprobs` the legacy object covers the prompt's tokens first (the engine computes them:
+  `openai_schema` raises prompt_logprobs to `logprobs`). vLLM's `prompt_logprobs` comes back
+  as each choice's `prompt_logprobs` (in a stream: in the sample's first chunk). Shapes and
+  ranks: `openai_choices`.
 A request a failed engine step finished (finish reason ERROR) gets a 500 OpenAI error JSON
 (`server_error`, the message naming the failure), or in a stream an `{"error": ...}` event
 and then the stream's end.
@@ -66,8 +72,9 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from jaxserve.server import openai_chat, openai_extras, openai_stream
+from jaxserve.server import openai_choices as choices
 from jaxserve.server import openai_schema as schema
 from jaxserve.server.auth import ApiKeys
 from jaxserve.server.http_body import read_json
@@ -249,28 +256,55 @@ class OpenAIHttpFront:
             head = {"id": rid, "object": "text_completion", "created": int(time.time()),
                     "model": served.name}
             decode = openai_stream.decoder(admit)
+            # The echoed prompt: the client's text, or the text of its token ids.
+            echo = None if not req.echo else req.prompt.text if req.prompt.text is not None \
+                else await admit.detokenize(run.prompt_token_ids)
             if req.stream:
-                return await self._stream(request, req, head, run, decode)
-            final, cached = await openai_stream.collect(rid, run.outputs)
-            choices = [schema.choice(c, c.text, schema.logprobs_json(c.logprobs or [], decode, 0)
-                                     if req.params.logprobs is not None else None)
-                       for c in final]
-            completion = sum(c.num_tokens for c in final)
-            return web.json_response({**head, "choices": choices, "usage": schema.usage(
+                return await self._stream(request, req, head, run, decode, echo)
+            got = await openai_stream.collect(rid, run.outputs)
+            pairs = choices.prompt_pairs(run.prompt_token_ids, got.prompt_logprobs)
+            out = [self._choice(req, c, c.text, c.logprobs or [], True, echo, pairs, decode, 0)[0]
+                   for c in got.outputs]
+            completion = sum(c.num_tokens for c in got.outputs)
+            return web.json_response({**head, "choices": out, "usage": schema.usage(
                 run.prompt_tokens, completion)})
         finally:
             for stream in streams:
                 stream.abort()  # no-op once finished; disconnects and failed writes land here
             self.calls.exit()
 
+    @staticmethod
+    def _choice(req: schema.CompletionRequest, c: CompletionOutput, text: str,
+                entries: list[TokenLogprobs], first: bool, echo: str | None,
+                prompt: list[choices.Pair], decode: Callable[[int], str], offset: int
+                ) -> tuple[dict[str, Any], int]:
+        """One text_completion choice for `text` and its tokens' `entries`, where `first`
+        (the whole response, or a stream's first chunk of a sample) puts the prompt in front
+        when `echo` is its text and carries vLLM's prompt_logprobs when asked for; `offset`:
+        where the text starts in the sample's. Also the offset after it."""
+        n = req.params.logprobs
+        echoed = first and echo is not None
+        pairs = (prompt if echoed else []) + choices.generated_pairs(entries)
+        lp, end = (None, offset) if n is None else \
+            choices.legacy_logprobs(pairs, decode, offset, n)
+        body = schema.choice(c, f"{echo}{text}" if echoed else text, lp)
+        if first and req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = choices.vllm_prompt_logprobs(
+                [t for t, _ in prompt], [e for _, e in prompt], req.prompt_logprobs,
+                req.params.prompt_logprobs or 0, decode)
+        return body, end
+
     async def _stream(self, request: web.Request, req: schema.CompletionRequest,
                       head: dict[str, Any], run: openai_stream.Started,
-                      decode: Callable[[int], str]) -> web.StreamResponse:
+                      decode: Callable[[int], str], echo: str | None) -> web.StreamResponse:
         done: set[int] = set()
         counts: dict[int, int] = {}
-        offsets: dict[int, int] = {}  # characters of each sample's text sent so far
+        offsets: dict[int, int] = {}  # where each sample's next logprobs' text starts
+        prompt: list[list[choices.Pair]] = [choices.prompt_pairs(run.prompt_token_ids, None)]
 
         def chunks(out: RequestOutput) -> list[dict[str, Any]]:
+            if out.prompt_logprobs is not None:  # DELTA: on the first output after prefill
+                prompt[0] = choices.prompt_pairs(run.prompt_token_ids, out.prompt_logprobs)
             events = []
             for c in out.outputs:
                 if c.index in done or (not c.delta_token_ids and c.finish_reason is None):
@@ -278,11 +312,14 @@ class OpenAIHttpFront:
                 if c.finish_reason is not None:
                     done.add(c.index)
                 counts[c.index] = c.num_tokens
-                sent = offsets.get(c.index, 0)
-                offsets[c.index] = sent + len(c.delta_text)
-                lp = None if req.params.logprobs is None else schema.logprobs_json(
-                    c.delta_logprobs, decode, sent)
-                events.append({**head, "choices": [schema.choice(c, c.delta_text, lp)]})
+                first = c.index not in offsets
+                body, end = self._choice(req, c, c.delta_text, c.delta_logprobs, first, echo,
+                                         prompt[0], decode, offsets.get(c.index, 0))
+                # Continuous with the echoed prompt tokens' offsets, then by text sent.
+                offsets[c.index] = (end if first and echo is not None and
+                                    req.params.logprobs is not None else
+                                    offsets.get(c.index, 0) + len(body["text"]))
+                events.append({**head, "choices": [body]})
                 if req.include_usage and req.continuous_usage_stats:
                     events[-1]["usage"] = schema.usage(run.prompt_tokens, sum(counts.values()))
             return events

@@ -3,9 +3,11 @@
 `parse_completion`: a /v1/completions body -> `CompletionRequest` (prompt as an
 `admission.PromptInput`; the sampling fields derived from the SamplingParams registry, after
 the type checks their declared types call for) or `ApiError(400)` naming the field (`param`).
-The response helpers build OpenAI's `text_completion` choices, usage, legacy logprobs and
-server-sent events. Content checks (ranges, vocabulary, lengths) belong to admission and the
-SamplingParams registry; an `InvalidRequest` becomes a 400 through `invalid`.
+`echo` with `logprobs` asks the engine for prompt_logprobs too (`_echo_prompt_logprobs`,
+the one place that mapping lives). The response helpers build OpenAI's `text_completion`
+choices, usage and server-sent events (logprobs and echo: `openai_choices`). Content
+checks (ranges, vocabulary, lengths) belong to admission and the SamplingParams registry; an
+`InvalidRequest` becomes a 400 through `invalid`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from jaxserve.engine.outputs import CompletionOutput, TokenLogprobs
+from jaxserve.engine.outputs import CompletionOutput
 from jaxserve.engine.request import FinishReason
 from jaxserve.engine.sampling_params import FIELDS as SAMPLING_FIELDS
 from jaxserve.engine.sampling_params import SamplingField, SamplingParams
@@ -78,6 +80,10 @@ class CompletionRequest:
     include_usage: bool = False
     continuous_usage_stats: bool = False  # usage in every chunk (with include_usage)
     priority: int = 0  # as the body gives it: admission checks it
+    echo: bool = False  # the prompt's text (and with logprobs, its logprobs) first
+    # vLLM's prompt_logprobs as the client asked (`params.prompt_logprobs` is what the
+    # engine computes: echo with logprobs raises it to cover the legacy object).
+    prompt_logprobs: int | None = None
 
 
 def _is_int(v: object) -> bool:
@@ -170,38 +176,32 @@ def sampling_params(body: dict[str, Any], max_tokens: int | None,
         raise bad_request(admission.InvalidRequest.of(e).message_as(wire), wire) from None
 
 
+def _echo_prompt_logprobs(body: dict[str, Any]) -> int | None:
+    """The top-N the engine computes for each prompt token: vLLM's `prompt_logprobs`, and
+    with `echo` and `logprobs` at least `logprobs` (the legacy object then covers the prompt
+    tokens first). Wire types only; SamplingParams checks the ranges."""
+    asked, top = body.get("prompt_logprobs"), body.get("logprobs")
+    if not (body.get("echo") and _is_int(top)):
+        return asked
+    return max(asked, top) if _is_int(asked) else top if asked is None else asked
+
+
 def parse_completion(body: object) -> CompletionRequest:
     """Validate a /v1/completions body; ApiError(400) naming the field otherwise."""
     body = check_common(body, ("stream", "echo"))
-    if body.get("echo"):
-        raise bad_request("echo=true is not supported", "echo")
-    if body.get("suffix") is not None:
+    if body.get("suffix"):  # "" and null mean no suffix
         raise bad_request("suffix is not supported", "suffix")
-    if body.get("best_of") is not None and body["best_of"] != body.get("n", 1):
+    n = 1 if body.get("n") is None else body["n"]
+    if body.get("best_of") is not None and body["best_of"] != n:
         raise bad_request("best_of is not supported (leave it unset or equal to n)", "best_of")
     stream = bool(body.get("stream"))
     include_usage, continuous = parse_stream_options(body)
     prompt = parse_prompt(body.get("prompt"))
-    params = sampling_params(body, body.get("max_tokens", DEFAULT_MAX_TOKENS))
+    params = sampling_params(body, body.get("max_tokens", DEFAULT_MAX_TOKENS),
+                             prompt_logprobs=_echo_prompt_logprobs(body))
     return CompletionRequest(prompt, params, stream, include_usage, continuous,
-                             priority_of(body))
-
-
-def logprobs_json(entries: list[TokenLogprobs], decode: Callable[[int], str],
-                   offset: int) -> dict[str, Any]:
-    """OpenAI's legacy completions logprobs object (`offset`: where these tokens' text
-    starts in the completion)."""
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for entry in entries:
-        tid, lp = next(iter(entry.items()))  # the sampled token first, then the top-N
-        text = decode(tid)
-        tokens.append(text)
-        token_lps.append(lp)
-        tops.append({decode(t): v for t, v in entry.items()})
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-            "text_offset": offsets}
+                             priority_of(body), bool(body.get("echo")),
+                             body.get("prompt_logprobs"))
 
 
 def choice(c: CompletionOutput, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:

@@ -11,8 +11,8 @@ engine's refusals as OpenAI errors (QueueFull / StreamBufferFull -> 429, EngineS
   the stream buffer unread a `stream_buffer_full` error event, both then the stream's end. A
   write waits at most `body_timeout` seconds on a stuck reader, whose socket is then closed;
   a disconnect ends the stream quietly (the caller's `finally` aborts the request);
-  `collect`: FINAL_ONLY outputs -> each sample's final CompletionOutput, a failed request
-  as a 500 (`server_error`).
+  `collect`: FINAL_ONLY outputs -> each sample's final CompletionOutput (and the prompt's
+  logprobs), a failed request as a 500 (`server_error`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator, Callable
 from aiohttp import web
 
 from jaxserve.engine.outputs import (CompletionOutput, RequestOutput, RequestOutputKind,
-                                     merge_unread)
+                                     TokenLogprobs, merge_unread)
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.server import openai_schema as schema
 from jaxserve.serving import admission
@@ -59,6 +59,7 @@ class Started:
 
     def __init__(self, admitted: admission.Admitted, stream: RequestStream,
                  first: RequestOutput):
+        self.prompt_token_ids = list(admitted.token_ids)
         self.prompt_tokens = len(admitted.token_ids)
         self.stream = stream
         self.outputs = _outputs(first, stream)
@@ -172,15 +173,24 @@ async def stream_sse(request: web.Request, request_id: str,
     return resp
 
 
-async def collect(request_id: str, outputs: AsyncIterator[RequestOutput]
-                  ) -> tuple[list[CompletionOutput], int]:
-    """Every sample's final output, by index, and the prompt tokens the prefix cache
-    served."""
+@dataclasses.dataclass
+class Collected:
+    """A non-streaming request's end: every sample's final output, by index; the prompt
+    tokens the prefix cache served; the prompt's logprobs when asked for."""
+
+    outputs: list[CompletionOutput]
+    cached_tokens: int
+    prompt_logprobs: list[TokenLogprobs | None] | None
+
+
+async def collect(request_id: str, outputs: AsyncIterator[RequestOutput]) -> Collected:
     final: dict[int, CompletionOutput] = {}
     cached = 0
+    prompt_logprobs = None
     try:
         async for out in outputs:
             cached = out.num_cached_tokens
+            prompt_logprobs = out.prompt_logprobs or prompt_logprobs
             for c in out.outputs:
                 if c.index not in final or final[c.index].finish_reason is None:
                     final[c.index] = c
@@ -189,4 +199,4 @@ async def collect(request_id: str, outputs: AsyncIterator[RequestOutput]
     error = next((c.error for c in final.values() if c.error is not None), None)
     if error is not None:
         raise failed(request_id, error)
-    return [c for _, c in sorted(final.items())], cached
+    return Collected([c for _, c in sorted(final.items())], cached, prompt_logprobs)

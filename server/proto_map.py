@@ -4,8 +4,9 @@ Data flow of a Generate call:
   GenerateRequest -> `parse_request` (sampling fields -> SamplingParams, whose ValueErrors
   name the field and range; the input oneof -> `admission.PromptInput`) -> admission
   (`jaxserve.serving.admission`: tokenize, prompt checks) -> the engine -> RequestOutputs ->
-  `ResponseBuilder` -> GenerateResponse messages (Chunk deltas per sample, then one Finished
-  per sample with its usage and timing).
+  `ResponseBuilder` -> GenerateResponse messages (with prompt_logprobs, one PromptLogprobs
+  first, as soon as an output carries them; Chunk deltas per sample, then one Finished per
+  sample with its usage and timing).
 
 Every error raised here is an `InvalidRequest` (a ValueError): the servicer answers it with
 INVALID_ARGUMENT, its field renamed to this service's names by `error_message`.
@@ -134,14 +135,33 @@ def timing_to_proto(m: RequestMetrics | None) -> Any:
         num_preemptions=m.num_preemptions)
 
 
-def _logprobs_to_proto(entries: Sequence[dict[int, float]]) -> list[Any]:
+def _top(entry: dict[int, float], n: int) -> list[Any]:
+    """The `n` likeliest of an engine logprobs entry (the scored token first, then the
+    top-N, the scored one once if among them), likeliest first."""
+    best = sorted(entry.items(), key=lambda kv: -kv[1])[:n]
+    return [pb2.TopLogprob(token_id=t, logprob=v) for t, v in best]
+
+
+def _logprobs_to_proto(entries: Sequence[dict[int, float]], n: int) -> list[Any]:
     out = []
     for entry in entries:
-        items = list(entry.items())  # the sampled token first, then the top-N
-        tid, lp = items[0]
-        out.append(pb2.TokenLogprob(token_id=tid, logprob=lp, top=[
-            pb2.TopLogprob(token_id=t, logprob=v) for t, v in items[1:]]))
+        tid, lp = next(iter(entry.items()))  # the sampled token first, then the top-N
+        out.append(pb2.TokenLogprob(token_id=tid, logprob=lp, top=_top(entry, n)))
     return out
+
+
+def prompt_logprobs_to_proto(prompt_ids: Sequence[int],
+                             entries: Sequence[dict[int, float] | None], n: int) -> Any:
+    """A RequestOutput's prompt_logprobs as one PromptLogprobs response: per prompt token
+    its id, its logprob (unset for the first: no context) and the `n` likeliest tokens."""
+    tokens = []
+    for tid, entry in zip(prompt_ids, entries):
+        if entry is None:
+            tokens.append(pb2.PromptTokenLogprob(token_id=tid))
+        else:
+            tokens.append(pb2.PromptTokenLogprob(token_id=tid, logprob=entry[tid],
+                                                 top=_top(entry, n)))
+    return pb2.GenerateResponse(prompt_logprobs=pb2.PromptLogprobs(tokens=tokens))
 
 
 @dataclasses.dataclass
@@ -162,14 +182,25 @@ class ResponseBuilder:
     token, coarser streaming.
     """
 
-    def __init__(self, stream_interval: int = 1) -> None:
+    def __init__(self, stream_interval: int = 1,
+                 params: SamplingParams | None = None) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval={stream_interval} must be >= 1")
         self._interval = stream_interval
+        params = params or SamplingParams()
+        self._top_n = params.logprobs or 0
+        self._prompt_top_n = params.prompt_logprobs
+        self._prompt_sent = params.prompt_logprobs is None  # nothing to send
         self._pending: dict[int, _Pending] = {}
         self._finished: set[int] = set()
 
     def responses(self, out: RequestOutput) -> list[Any]:
+        responses = []
+        if not self._prompt_sent and out.prompt_logprobs is not None:
+            # The engine sets them once the prefill is done, before any token of it.
+            responses.append(prompt_logprobs_to_proto(
+                out.prompt_token_ids, out.prompt_logprobs, self._prompt_top_n or 0))
+            self._prompt_sent = True
         done: dict[int, CompletionOutput] = {}
         touched: set[int] = set()
         for c in out.outputs:
@@ -178,12 +209,11 @@ class ResponseBuilder:
             p = self._pending.setdefault(c.index, _Pending())
             p.ids.extend(c.delta_token_ids)
             p.texts.append(c.delta_text)
-            p.logprobs.extend(_logprobs_to_proto(c.delta_logprobs))
+            p.logprobs.extend(_logprobs_to_proto(c.delta_logprobs, self._top_n))
             touched.add(c.index)
             if c.finish_reason is not None:
                 done[c.index] = c
                 self._finished.add(c.index)
-        responses = []
         for index in sorted(touched):
             p = self._pending[index]
             c = done.get(index)

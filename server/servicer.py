@@ -5,9 +5,10 @@ Data flow of Generate: refused with UNAVAILABLE while the model warms up or the 
 the event loop nor the engine thread, and every request check) -> `AsyncEngine.submit` (QueueFull
 -> RESOURCE_EXHAUSTED at once; DELTA outputs) -> for each RequestOutput the stream yields (the
 stream coalesces what arrived while this handler was blocked writing to a slow client) ->
-`ResponseBuilder` -> GenerateResponse messages. However the call ends (finished, client
-cancel, disconnect, deadline: grpc.aio cancels the handler), the `finally` aborts the request
-in the engine, which frees its pages on its next iteration.
+`ResponseBuilder` -> GenerateResponse messages (a PromptLogprobs first when asked for).
+However the call ends (finished, client cancel, disconnect, deadline: grpc.aio cancels the
+handler), the `finally` aborts the request in the engine, which frees its pages on its next
+iteration.
 
 Status codes: INVALID_ARGUMENT for any bad field (message names it in this service's words,
 `proto_map.error_message`, and its range; a duplicate in-flight request_id too),
@@ -120,7 +121,7 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
             assert stream is not None
             log.debug("request admitted request_id=%s prompt_tokens=%d n=%d", rid,
                       len(admitted.token_ids), params.n)
-            builder = proto_map.ResponseBuilder(self._stream_interval)
+            builder = proto_map.ResponseBuilder(self._stream_interval, params)
             try:
                 async for out in stream:
                     if out.error is not None:  # a failed step finished it: no Finished

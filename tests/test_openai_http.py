@@ -248,7 +248,12 @@ BAD = [
     ({"prompt": "w5", "stream": True, "stream_options": {"include_usage": 1}},
      "stream_options"),
     ({"prompt": "w5", "model": 3}, "model"),
-    ({"prompt": "w5", "echo": True}, "echo"),
+    ({"prompt": "w5", "echo": "yes"}, "echo"),
+    ({"prompt": "w5", "suffix": "w7"}, "suffix"),
+    ({"prompt": "w5", "n": 2, "best_of": 3}, "best_of"),
+    ({"prompt": "w5", "best_of": 2}, "best_of"),
+    ({"prompt": "w5", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "w5", "echo": True, "logprobs": 21}, "logprobs"),
 ]
 
 

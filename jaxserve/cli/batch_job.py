@@ -12,7 +12,9 @@ Output: one line per input line, in input order:
     {"id", "text", "prompt_tokens", "completion_tokens", "finish_reason", "cached_prompt_tokens"}
 With n > 1, "text" and "finish_reason" are lists (one entry per sample, in sample order) and
 "completion_tokens" is the total over the samples. With "logprobs": k, "logprobs" (per token
-{token_id: logprob}; a list of those per sample when n > 1) is added. A line that cannot run
+{token_id: logprob}; a list of those per sample when n > 1) is added; with
+"prompt_logprobs": k, "prompt_logprobs" (per prompt token null for the first, else
+{token_id: logprob} holding the prompt token first, then the top k). A line that cannot run
 becomes {"id": ..., "error": "..."} in its place ("id": null and "line": N without a usable id);
 a bad line never stops the job. An id seen earlier in IN gives a "duplicate id" error line.
 A request a failed engine step finished (finish reason "error") becomes an error line too
@@ -127,6 +129,8 @@ def result_record(rid: Any, out: RequestOutput, params: SamplingParams) -> dict[
     if params.logprobs is not None:
         lps = [c.logprobs or [] for c in comps]
         rec["logprobs"] = lps[0] if params.n == 1 else lps
+    if params.prompt_logprobs is not None:  # one per prompt token, null for the first
+        rec["prompt_logprobs"] = out.prompt_logprobs
     return rec
 
 

@@ -3,7 +3,9 @@
 Data flow: argv -> argparse -> frozen config (`jaxserve.config`) -> the command function, which
 loads the model through `jaxserve.models.loading` and prints to stdout. Diagnostics go to
 stderr; a user error (bad path, bad flag value, malformed checkpoint) exits 2 with one clear
-line instead of a traceback. `serve` and `client` live in `jaxserve.cli.serve`.
+line instead of a traceback. `serve` and `client` live in `jaxserve.cli.serve`. `generate
+--prompt-logprobs N` prints the prompt's logprobs after the completion
+(`jaxserve.cli.prompt_logprobs`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Sequence
 from jaxserve.cli import batch_job, flags
 from jaxserve.cli import serve as server_cli
 from jaxserve.cli.bench import cli as bench_cli
+from jaxserve.cli.prompt_logprobs import format_prompt_logprobs
 from jaxserve.config import DTYPES, RuntimeConfig, apply_runtime
 
 log = logging.getLogger("jaxserve")
@@ -86,8 +89,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     t1 = time.perf_counter()
     text = ""
     n = 0
+    final = None
     while engine.has_unfinished():
         for out in engine.step():
+            final = out
             c = out.outputs[0]
             n = len(c.token_ids)
             if args.stream and c.delta_text:
@@ -95,6 +100,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             text = c.text
     log.info("generated %d tokens in %.1fs", n, time.perf_counter() - t1)
     print("" if args.stream else text)
+    if params.prompt_logprobs is not None and final is not None:
+        decode = lambda tid: tok.decode([tid], skip_special_tokens=False)  # noqa: E731
+        print(format_prompt_logprobs(final.prompt_token_ids, final.prompt_logprobs,
+                                     params.prompt_logprobs, decode))
     return 0
 
 

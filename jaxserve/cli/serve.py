@@ -210,7 +210,8 @@ def _factory(cfg: EngineConfig, progress: bool) -> Any:
 def cmd_client(args: argparse.Namespace) -> int:
     import grpc
 
-    from jaxserve.server.client import Client, pb2
+    from jaxserve.cli.prompt_logprobs import format_prompt_logprobs
+    from jaxserve.server.client import Client, pb2, prompt_logprobs_of
 
     params = sampling_params_from_args(args)
     root = pathlib.Path(args.tls_ca).read_bytes() if args.tls_ca else None
@@ -219,9 +220,12 @@ def cmd_client(args: argparse.Namespace) -> int:
                 timeout=args.timeout) as client:
         prompt = None if args.chat else args.prompt
         messages = [{"role": "user", "content": args.prompt}] if args.chat else None
+        scored = None  # the PromptLogprobs message, printed after the text
         try:
             for msg in client.stream(prompt, params, messages=messages):
-                if msg.HasField("chunk"):
+                if msg.HasField("prompt_logprobs"):
+                    scored = msg.prompt_logprobs
+                elif msg.HasField("chunk"):
                     print(msg.chunk.text, end="", flush=True)
                 elif args.verbose:
                     f = msg.finished
@@ -232,4 +236,7 @@ def cmd_client(args: argparse.Namespace) -> int:
             print(f"\njaxserve client: error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
     print()
+    if scored is not None:
+        print(format_prompt_logprobs([t.token_id for t in scored.tokens],
+                                     prompt_logprobs_of(scored), params.prompt_logprobs or 0))
     return 0

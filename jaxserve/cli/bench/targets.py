@@ -102,7 +102,7 @@ class GrpcTarget:
             async for msg in self._client.stream(prompt, params):
                 if msg.HasField("chunk"):
                     rec.on_tokens(len(msg.chunk.token_ids))
-                else:
+                elif msg.HasField("finished"):  # (no PromptLogprobs: never asked for)
                     u = msg.finished.usage
                     rec.prompt_tokens = u.prompt_tokens
                     rec.output_tokens = u.completion_tokens
