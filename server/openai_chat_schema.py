@@ -47,10 +47,6 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         raise schema.bad_request("functions are not supported", "functions")
     if body.get("tool_choice") not in (None, "none", "auto"):
         raise schema.bad_request("tool_choice is not supported (tools are not)", "tool_choice")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise schema.bad_request("response_format is not supported (only {\"type\": \"text\"})",
-                                 "response_format")
 
 
 def _max_tokens(body: dict[str, Any]) -> tuple[Any, dict[str, str]]:

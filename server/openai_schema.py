@@ -116,11 +116,31 @@ def parse_prompt(prompt: object) -> admission.PromptInput:
     raise bad_request("prompt must be a string or a list of token ids", "prompt")
 
 
+# vLLM's structured-output fields: not implemented yet, so refused by name rather than
+# ignored (a client that asked for JSON must not silently get free text).
+_STRUCTURED_OUTPUT = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                      "structural_tag", "structured_outputs")
+
+
+def refuse_structured_output(body: dict[str, Any]) -> None:
+    """400 naming the field for any structured-output request (`response_format` other than
+    text, vLLM's guided_* / structured_outputs extras)."""
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad_request("response_format is not supported (only {\"type\": \"text\"})",
+                          "response_format")
+    for name in _STRUCTURED_OUTPUT:
+        if body.get(name) is not None:
+            raise bad_request(f"{name} is not supported (no structured output yet)", name)
+
+
 def check_common(body: object, bools: tuple[str, ...] = ()) -> dict[str, Any]:
     """The wire-type checks every body gets: a JSON object, booleans (the registry's and
-    `bools`), `model` a string, `user` a string (`priority` is admission's: `priority_of`)."""
+    `bools`), `model` a string, `user` a string (`priority` is admission's: `priority_of`),
+    and no structured-output request (`refuse_structured_output`)."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    refuse_structured_output(body)
     for name in _BOOL_FIELDS + bools:
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise bad_request(f"{name}={body[name]!r} must be a boolean", name)

@@ -1,4 +1,5 @@
-"""echo, prompt_logprobs, suffix and best_of on the OpenAI HTTP front.
+"""echo, prompt_logprobs, suffix and best_of on the OpenAI HTTP front (and the structured-output
+fields it refuses by name).
 
 The shape helpers (`server.openai_choices`) and the body mapping (`openai_schema`) are tested
 on hand-built values; the rest goes through the official `openai` SDK (vLLM's extras in
@@ -89,6 +90,23 @@ def test_suffix_and_best_of() -> None:
         with pytest.raises(schema.ApiError) as e:
             schema.parse_completion({"prompt": "w5", **body})
         assert e.value.status == 400 and e.value.body["error"]["param"] == field
+
+
+@pytest.mark.parametrize("field,value", [
+    ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}),
+    ("guided_regex", "[a-z]+"), ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= x"),
+    ("structured_outputs", {"json": {}})])
+def test_structured_output_is_refused_by_name_not_ignored(field: str, value: object) -> None:
+    """On both endpoints: a client that asked for constrained output must not silently get
+    free text."""
+    from jaxserve.server.openai_chat_schema import parse_chat
+
+    for parse, body in ((schema.parse_completion, {"prompt": "w5"}),
+                        (parse_chat, {"messages": [{"role": "user", "content": "hi"}]})):
+        with pytest.raises(schema.ApiError) as e:
+            parse({**body, field: value})
+        assert e.value.status == 400 and e.value.body["error"]["param"] == field
+        parse({**body, "response_format": {"type": "text"}})  # plain text is fine
 
 
 # --------------------------------------------------------------------------- the SDK
