@@ -76,6 +76,21 @@ def test_sdk_completions(server: BackgroundServer, llm) -> None:  # noqa: ANN001
         model="tiny", prompt="w5 w6 w7", max_tokens=5, temperature=0, stream=True,
         extra_body=NO_EOS))
     assert text == want.outputs[0].text
+    # logit_bias through the SDK (string keys on the wire), streamed chat and not.
+    biased = llm.generate("w5 w6 w7", SamplingParams(max_tokens=4, temperature=0,
+                                                      logit_bias={41: 100.0}, **NO_EOS),
+                          use_tqdm=False)[0].outputs[0]
+    got = sdk.completions.create(model="tiny", prompt="w5 w6 w7", max_tokens=4, temperature=0,
+                                 logit_bias={"41": 100}, extra_body=NO_EOS)
+    assert biased.token_ids == [41] * 4 and got.choices[0].text == biased.text
+    want_chat = llm.chat(CHAT, SamplingParams(max_tokens=4, temperature=0,
+                                              logit_bias={41: 100.0}, **NO_EOS),
+                         use_tqdm=False)[0].outputs[0].text
+    kw = dict(model="tiny", messages=CHAT, max_completion_tokens=4, temperature=0,
+              logit_bias={"41": 100}, extra_body=NO_EOS)
+    assert sdk.chat.completions.create(**kw).choices[0].message.content == want_chat
+    assert "".join(c.choices[0].delta.content or "" for c in
+                   sdk.chat.completions.create(stream=True, **kw) if c.choices) == want_chat
     wait_pages_free(server)
 
 
