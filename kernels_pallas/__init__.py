@@ -10,8 +10,9 @@ context through a block table of shared KV pages.
 
 Modules: common (metadata, page layout ``[num_pages, 2*Hkv, page_size, D]`` with K/V
 interleaved on axis 1, input checks, write_kv), tiling (ragged batch -> fixed-shape query
-tiles), reference (pure jnp; the CPU attention), tpu (Mosaic TPU kernel), gpu (Mosaic GPU
-kernel), selector (picks one from platform + config).
+tiles), reference (pure jnp; the oracle, and the CPU attention where no C++ compiler is
+found), cpu (C++ kernel through XLA's FFI; cpu_build compiles csrc/ on first use), tpu (Mosaic
+TPU kernel), gpu (Mosaic GPU kernel), selector (picks one from platform + config).
 This package imports nothing else from jaxserve.
 """
 
@@ -20,7 +21,7 @@ from .common import (MASK_VALUE, TRASH_PAGE, AttentionMetadata, init_kv_pages, k
 from .reference import ragged_paged_attention_reference
 from .selector import IMPLEMENTATIONS, ragged_paged_attention, select_impl
 
-# The kernels themselves (tpu.ragged_paged_attention_tpu, gpu.ragged_paged_attention_gpu) are
+# The kernels themselves (cpu/tpu/gpu.ragged_paged_attention_*) are
 # imported lazily by the selector so a host only loads the Pallas backend it can run.
 __all__ = [
     "IMPLEMENTATIONS", "MASK_VALUE", "TRASH_PAGE", "AttentionMetadata", "init_kv_pages",

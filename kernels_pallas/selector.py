@@ -1,9 +1,11 @@
 """The one entry point the engine calls: pick an implementation, run it.
 
 ``select_impl`` maps a config value ('auto' or an implementation name) and the platform to
-'reference' | 'pallas_tpu' | 'pallas_gpu'. 'auto' gives the TPU kernel on TPU, the Mosaic GPU
-kernel on NVIDIA GPUs of compute capability >= 9.0 (it needs TMA and WGMMA), and the jnp
-reference everywhere else (CPU, older or non-NVIDIA GPUs). ``ragged_paged_attention``
+'reference' | 'cpu' | 'pallas_tpu' | 'pallas_gpu'. 'auto' gives the TPU kernel on TPU, the
+Mosaic GPU kernel on NVIDIA GPUs of compute capability >= 9.0 (it needs TMA and WGMMA), the
+C++ kernel on CPU (built on first use; cpu_build) and the jnp reference everywhere else (older
+or non-NVIDIA GPUs, or a CPU host where the C++ kernel cannot be built: 'cpu' then maps to
+'reference' too, after one warning). ``ragged_paged_attention``
 validates at trace time and dispatches; every implementation reads the same page layout
 (common.py) and returns [T, Hq, D] in q's dtype.
 """
@@ -15,9 +17,10 @@ from typing import Any
 import jax
 
 from .common import AttentionMetadata
+from .cpu_build import cpu_kernel_target
 from .reference import ragged_paged_attention_reference
 
-IMPLEMENTATIONS = ("reference", "pallas_tpu", "pallas_gpu")
+IMPLEMENTATIONS = ("reference", "cpu", "pallas_tpu", "pallas_gpu")
 
 
 def _gpu_kernel_supported() -> bool:
@@ -35,7 +38,10 @@ def _gpu_kernel_supported() -> bool:
 
 
 def select_impl(name: str = "auto", platform: str | None = None) -> str:
-    """'auto' -> kernel for the platform ('tpu', 'gpu'/'cuda', else reference); names pass."""
+    """'auto' -> kernel for the platform ('tpu', 'gpu'/'cuda', 'cpu', else reference); names
+    pass, except 'cpu' where its kernel cannot be built ('reference')."""
+    if name == "cpu":
+        return "cpu" if cpu_kernel_target() is not None else "reference"
     if name in IMPLEMENTATIONS:
         return name
     if name != "auto":
@@ -49,6 +55,8 @@ def select_impl(name: str = "auto", platform: str | None = None) -> str:
         return "pallas_tpu"
     if platform in ("gpu", "cuda"):
         return "pallas_gpu"
+    if platform == "cpu" and cpu_kernel_target() is not None:
+        return "cpu"
     return "reference"
 
 
@@ -66,6 +74,9 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, md: AttentionMetad
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, **tuning)
     if chosen == "reference":
         return ragged_paged_attention_reference(q, kv_pages, md, **kwargs)
+    if chosen == "cpu":
+        from .cpu import ragged_paged_attention_cpu
+        return ragged_paged_attention_cpu(q, kv_pages, md, **kwargs)
     # Kernel modules load on first use: a host only imports the Pallas backend it runs.
     if chosen == "pallas_tpu":
         from .tpu import ragged_paged_attention_tpu

@@ -139,7 +139,7 @@ def parse_tuning(items: list[str]) -> list[dict[str, int]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--impl", default="auto", help="auto | reference | pallas_tpu | pallas_gpu")
+    ap.add_argument("--impl", default="auto", help="auto | reference | cpu | pallas_tpu | pallas_gpu")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--mix", nargs="+", default=["decode", "prefill", "mixed"],
                     choices=sorted(MIXES))
