@@ -148,3 +148,24 @@ def test_no_compiler_falls_back_to_the_reference_with_one_warning(tmp_path, monk
         assert list(tmp_path.iterdir()) == []
     finally:
         cpu_build.cpu_kernel_target.cache_clear()
+
+
+def test_under_tensor_parallelism_on_8_virtual_devices() -> None:
+    """The kernel inside shard_map on 8 devices equals the unsharded reference; an engine at
+    TP 4 (one KV head per device) running it gives TP 1 reference's greedy tokens and logprobs
+    (within 1e-5 relative, as test_tensor_parallel measures)."""
+    from engine_fixtures import run_device_worker
+    res = run_device_worker("cpu_attention_tp_worker.py")
+    assert res["built"]
+    assert res["shard_map_max_abs_err"] < 2e-5
+    base = res["tp1_reference"]["outputs"]
+    for key in ("tp4_cpu",):
+        got = res[key]
+        assert got["impl"] == "cpu" and got["compiles_after_warmup"] == 0
+        for rid, want in base.items():
+            assert got["outputs"][rid]["tokens"] == want["tokens"], (key, rid)
+            for lp_got, lp_want in zip(got["outputs"][rid]["logprobs"], want["logprobs"]):
+                assert lp_got.keys() == lp_want.keys(), (key, rid)
+                ref = np.array(list(lp_want.values()))
+                diff = np.array([lp_got[k] for k in lp_want]) - ref
+                assert np.abs(diff).max() <= 1e-5 * np.abs(ref).max() + 1e-6, (key, rid)
