@@ -6,10 +6,13 @@ several runs of a freshly jitted function (KV donated, as the engine runs it):
   full        the engine's paged_forward (embed, 30 layers, KV write, attention, lm_head)
   no_attn     the same with the KV write and attention replaced by identity (what is left:
               the dense projections, MLP, norms, RoPE and the lm_head)
+  write_only  the same with only the attention replaced (the KV write kept)
   lm_head     the vocabulary projection of S rows alone
-so attention + KV write = full - no_attn. Also the XLA:CPU f32 GEMM rate at M = S.
+so attention + KV write = full - no_attn (KV write ~ write_only - no_attn), per attention implementation (--impl: the jnp
+reference, the C++ CPU kernel, ...). Also the XLA:CPU f32 GEMM rate at M = S.
 
     python scripts/profile_step.py --seqs 1,8,32 --context 256 --json profile.json
+    python scripts/profile_step.py --seqs 32 --impl reference,cpu     # before / after
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.kernels_pallas import AttentionMetadata
+from jaxserve.kernels_pallas import AttentionMetadata, select_impl
 from jaxserve.models import loading
 from jaxserve.models import paged as P
 from jaxserve.models.llama import lm_logits
@@ -49,7 +52,8 @@ def decode_metadata(seqs: int, ctx: int, page_size: int) -> AttentionMetadata:
         num_seqs=jnp.asarray([seqs], jnp.int32))
 
 
-def profile(model: loading.LoadedModel, seqs: int, ctx: int, page_size: int = 16) -> dict:
+def profile(model: loading.LoadedModel, seqs: int, ctx: int, impl: str,
+            page_size: int = 16) -> dict:
     cfg, params = model.config, model.params
     md = decode_metadata(seqs, ctx, page_size)
     num_pages = 1 + seqs * (ctx // page_size + 1)
@@ -59,15 +63,16 @@ def profile(model: loading.LoadedModel, seqs: int, ctx: int, page_size: int = 16
 
     def make(stub: bool):  # noqa: ANN202 - a fresh function object per variant: no stale traces
         def fwd(params, kv, tok, pos, md, rows):  # noqa: ANN001, ANN202
-            return P.paged_forward(params, kv, tok, pos, md, rows, cfg, "reference")
+            return P.paged_forward(params, kv, tok, pos, md, rows, cfg, impl)
         jitted = jax.jit(fwd, donate_argnums=1)
         return lambda kv: jitted(params, kv, tok, pos, md, rows)
 
-    out = {"seqs": seqs, "context": ctx}
+    out = {"seqs": seqs, "context": ctx, "impl": impl}
     kv = jnp.zeros(P.kv_cache_shape(cfg, num_pages, page_size), jnp.float32)
     saved = P.ragged_paged_attention, P.write_kv
     try:
         P.ragged_paged_attention = lambda q, kv_pages, md, **kw: q
+        out["write_only_ms"], kv = best_ms(make(True), kv)
         P.write_kv = lambda pages, k, v, slots: pages
         out["no_attn_ms"], kv = best_ms(make(True), kv)
     finally:
@@ -81,6 +86,7 @@ def profile(model: loading.LoadedModel, seqs: int, ctx: int, page_size: int = 16
         head(params, x).block_until_ready()
     out["lm_head_ms"] = 1e3 * (time.perf_counter() - t) / 5
     out["attention_and_kv_write_ms"] = out["full_ms"] - out["no_attn_ms"]
+    out["kv_write_ms"] = out["write_only_ms"] - out["no_attn_ms"]
     return out
 
 
@@ -100,16 +106,22 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M")
     ap.add_argument("--seqs", default="1,8,32")
     ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--impl", default="auto",
+                    help="comma-separated attention impls to profile (auto | reference | cpu)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     model = loading.load_model(args.model, "float32")
     rows = []
-    for s in (int(x) for x in args.seqs.split(",")):
-        r = profile(model, s, args.context)
+    impls = [select_impl(name) for name in args.impl.split(",")]
+    for s, impl in ((int(x), i) for x in args.seqs.split(",") for i in impls):
+        r = profile(model, s, args.context, impl)
         r["gemm_gflops_at_m"] = gemm_gflops(s)
         rows.append(r)
-        print(f"S={s:3d} ctx={args.context}: step {r['full_ms']:.1f} ms = attention + KV write "
-              f"{r['attention_and_kv_write_ms']:.1f} + dense/norms/lm_head "
+        share = r["attention_and_kv_write_ms"] / r["full_ms"]
+        print(f"S={s:3d} ctx={args.context} {impl}: step {r['full_ms']:.1f} ms = attention + KV "
+              f"write {r['attention_and_kv_write_ms']:.1f} ({100 * share:.0f}%; KV write "
+              f"{r['kv_write_ms']:.1f}) "
+              f"+ dense/norms/lm_head "
               f"{r['no_attn_ms']:.1f} (of which lm_head {r['lm_head_ms']:.1f}); "
               f"XLA GEMM at M={s}: {r['gemm_gflops_at_m']:.0f} GFLOP/s", flush=True)
     if args.json:
