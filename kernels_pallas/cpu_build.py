@@ -1,6 +1,6 @@
 """Build, load and register the C++ CPU attention (csrc/paged_attention_cpu.cc) on first use.
 
-Flow: the source, jaxlib's version, the compiler command, the flags and this CPU's feature
+Flow: the sources (csrc/*.cc, *.h), jaxlib's version, the compiler command, the flags and this CPU's feature
 flags hash to a key -> ``<cache>/paged_attention_cpu-<key>.so`` (cache: $JAXSERVE_KERNEL_CACHE_DIR,
 default ~/.cache/jaxserve/kernels). A missing library is compiled into a temporary file in the
 cache dir and renamed onto its name (atomic: processes building at once each rename identical
@@ -74,7 +74,9 @@ def _cpu_flags() -> str:
 
 def library_path(compiler: list[str]) -> pathlib.Path:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), jaxlib.__version__.encode(), " ".join(compiler).encode(),
+    sources = b"".join(p.name.encode() + p.read_bytes() for p in sorted(SOURCE.parent.iterdir())
+                       if p.suffix in (".cc", ".h"))
+    for part in (sources, jaxlib.__version__.encode(), " ".join(compiler).encode(),
                  " ".join(FLAGS).encode(), _cpu_flags().encode(), platform.machine().encode()):
         key.update(part)
         key.update(b"\0")
