@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -16,7 +17,35 @@
 namespace jaxserve_cpu_attention {
 
 constexpr int kBlockKeys = 32;  // keys per inner block (scratch stays in L1)
+constexpr int kDirectRows = 8;  // tiles up to this many rows score K rows in place
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float bf16_to_f32(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float f16_to_f32(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+  if (exp == 0) {  // zero or subnormal: mant * 2^-24
+    float f = static_cast<float>(mant) * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  bits = exp == 31 ? (sign | 0x7f800000u | (mant << 13)) : (sign | ((exp + 112) << 23) | (mant << 13));
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+
+struct Bf16 { uint16_t v; };
+struct F16 { uint16_t v; };
+inline float load(const Bf16* p, int64_t i) { return bf16_to_f32(p[i].v); }
+inline float load(const F16* p, int64_t i) { return f16_to_f32(p[i].v); }
 
 // exp(x) for x <= 0 (softmax arguments), branch-free so the loops vectorise: Cody-Waite range
 // reduction to r in [-ln2/2, ln2/2] and the Cephes degree-6 polynomial (~1 ulp); arguments
@@ -67,6 +96,48 @@ inline float hsum8(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+template <typename KV>
+inline __m256 load8(const KV* p) {
+  if constexpr (std::is_same<KV, float>::value) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same<KV, Bf16>::value) {
+    const __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  } else {
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+    return _mm256_setr_ps(load(p, 0), load(p, 1), load(p, 2), load(p, 3), load(p, 4),
+                          load(p, 5), load(p, 6), load(p, 7));
+#endif
+  }
+}
+
+// sc[r][j] = q_r . K[j] for the block's nk keys, K rows read where they lie (short tiles).
+template <typename KV>
+inline void qk_direct(const KV* const* krow, int64_t nk, const float* q, int64_t R, int64_t Dq,
+                      float* sc) {
+  for (int64_t j = 0; j < nk; ++j) {
+    const KV* k = krow[j];
+    for (int64_t r = 0; r < R; ++r) {
+      const float* qr = q + r * Dq;
+      __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+      int64_t d = 0;
+      for (; d + 16 <= Dq; d += 16) {
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), load8(k + d), a);
+        b = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d + 8), load8(k + d + 8), b);
+      }
+      if (d + 8 <= Dq) {
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), load8(k + d), a);
+        d += 8;
+      }
+      float s = hsum8(_mm256_add_ps(a, b));
+      for (; d < Dq; ++d) s += qr[d] * load(k, d);
+      sc[r * kBlockKeys + j] = s;
+    }
+  }
 }
 
 // s0/s1[j] = q0/q1 . K[j] for the block's kBlockKeys (= 32) keys, kt = K transposed [Dq][32].
@@ -140,6 +211,18 @@ inline void pv_row(float* acc, const float* p, const float* const* vrow, int64_t
   }
 }
 #else
+template <typename KV>
+inline void qk_direct(const KV* const* krow, int64_t nk, const float* q, int64_t R, int64_t Dq,
+                      float* sc) {
+  for (int64_t j = 0; j < nk; ++j) {
+    for (int64_t r = 0; r < R; ++r) {
+      float s = 0.0f;
+      for (int64_t d = 0; d < Dq; ++d) s += q[r * Dq + d] * load(krow[j], d);
+      sc[r * kBlockKeys + j] = s;
+    }
+  }
+}
+
 inline void qk_two_rows(const float* q0, const float* q1, const float* kt, int64_t Dq,
                         float* s0, float* s1) {
   std::fill(s0, s0 + kBlockKeys, 0.0f);

@@ -36,32 +36,6 @@ using namespace jaxserve_cpu_attention;  // NOLINT: the block arithmetic of this
 constexpr int kMaxRows = 64;          // query rows per tile (tokens x heads of a group)
 constexpr int64_t kMinSplitKeys = 512;  // a split key range is at least this long
 
-inline float bf16_to_f32(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline float f16_to_f32(uint16_t h) {
-  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
-  if (exp == 0) {  // zero or subnormal: mant * 2^-24
-    float f = static_cast<float>(mant) * 5.9604644775390625e-8f;
-    return sign ? -f : f;
-  }
-  bits = exp == 31 ? (sign | 0x7f800000u | (mant << 13)) : (sign | ((exp + 112) << 23) | (mant << 13));
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline float load(const float* p, int64_t i) { return p[i]; }
-
-struct Bf16 { uint16_t v; };
-struct F16 { uint16_t v; };
-inline float load(const Bf16* p, int64_t i) { return bf16_to_f32(p[i].v); }
-inline float load(const F16* p, int64_t i) { return f16_to_f32(p[i].v); }
 
 // Static sizes and raw pointers of one call.
 struct Problem {
@@ -87,8 +61,12 @@ void run_item(const Problem& pb, const Item& it, float* partial_base) {
   const KV* kv = static_cast<const KV*>(pb.kv);
   const int32_t* table = pb.block_tables + it.seq * pb.max_pages;
   const int64_t row_stride = pb.ps * pb.D;  // between rows 2h / 2h+1 of a page
-  // Scratch: q tile (pre-scaled), K block transposed [Dq][kBlockKeys], V block, scores.
-  std::vector<float> qt(R * Dq), kt(Dq * kBlockKeys, 0.0f), vb;
+  // Scratch: q tile (pre-scaled), K block transposed [Dq][kBlockKeys] (tall tiles), V block
+  // (bf16/f16), scores [R][kBlockKeys].
+  const bool direct = R <= kDirectRows;
+  std::vector<float> qt(R * Dq), kt(direct ? 0 : Dq * kBlockKeys, 0.0f), vb;
+  std::vector<float> sc(R * kBlockKeys);
+  float spare[kBlockKeys];
   std::vector<float> acc(R * Dq, 0.0f);
   float m[kMaxRows], l[kMaxRows];
   const float* vrow[kBlockKeys];
@@ -102,12 +80,30 @@ void run_item(const Problem& pb, const Item& it, float* partial_base) {
 
   for (int64_t k0 = it.klo; k0 < it.khi; k0 += kBlockKeys) {
     const int64_t nk = std::min<int64_t>(kBlockKeys, it.khi - k0);
-    // Stage the block's K (transposed) and V rows, page by page through the block table.
+    // Rows of the block's keys, page by page through the block table. Tiles of a few rows
+    // (decode: the query heads of one group) take their scores straight from the K rows in
+    // the pages; taller tiles stage K transposed so the products vectorise over keys. V is
+    // read in place (f32) or converted into a block-sized scratch.
+    const KV* krow[kBlockKeys];
     for (int64_t j = 0; j < nk; ++j) {
       const int64_t k = k0 + j;
       const int64_t page = table[k / pb.ps];
       const int64_t base = ((page * 2 * pb.Hkv + 2 * it.head) * pb.ps + k % pb.ps) * pb.D;
-      for (int64_t d = 0; d < Dq; ++d) kt[d * kBlockKeys + j] = load(kv, base + d);
+      krow[j] = kv + base;
+      // Pages are scattered, so the hardware prefetcher stops at each one: ask for the next
+      // block's K and V rows while this block computes.
+      if (k + kBlockKeys < it.khi) {
+        const int64_t kn = k + kBlockKeys;
+        const int64_t next = ((int64_t{table[kn / pb.ps]} * 2 * pb.Hkv + 2 * it.head) * pb.ps +
+                              kn % pb.ps) * pb.D;
+        for (int64_t off = 0; off < Dq * int64_t{sizeof(KV)}; off += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(kv + next) + off);
+          __builtin_prefetch(reinterpret_cast<const char*>(kv + next + row_stride) + off);
+        }
+      }
+      if (!direct) {
+        for (int64_t d = 0; d < Dq; ++d) kt[d * kBlockKeys + j] = load(kv, base + d);
+      }
       if constexpr (kF32) {
         vrow[j] = reinterpret_cast<const float*>(kv) + base + row_stride;
       } else {
@@ -116,25 +112,28 @@ void run_item(const Problem& pb, const Item& it, float* partial_base) {
         vrow[j] = dst;
       }
     }
-    for (int64_t r0 = 0; r0 < R; r0 += 2) {
-      // Scores of rows r0 and r0 + 1 together: each K load feeds two rows.
-      const float* q0 = qt.data() + r0 * Dq;
-      float sc[2][kBlockKeys];
-      qk_two_rows(q0, r0 + 1 < R ? q0 + Dq : q0, kt.data(), Dq, sc[0], sc[1]);
-      for (int64_t r = r0; r < std::min(r0 + 2, R); ++r) {
-        // Keys row r may see: causal end qpos, sliding-window start, this item's range.
-        const int64_t qpos = it.pos0 + r / G;
-        int64_t lo = std::max(k0, it.klo), hi = std::min(k0 + nk, qpos + 1);
-        if (pb.window > 0) lo = std::max(lo, qpos - pb.window + 1);
-        if (lo >= hi) continue;
-        float* s = sc[r - r0];
-        if (pb.soft_cap > 0.0f) {
-          for (int64_t j = lo - k0; j < hi - k0; ++j) s[j] = pb.soft_cap * std::tanh(s[j] / pb.soft_cap);
-        }
-        const float corr = softmax_block(s, static_cast<int>(lo - k0), static_cast<int>(hi - k0),
-                                         &m[r], &l[r]);
-        pv_row(acc.data() + r * Dq, s, vrow, lo - k0, hi - k0, Dq, corr);
+    if (direct) {
+      qk_direct(krow, nk, qt.data(), R, Dq, sc.data());
+    } else {
+      for (int64_t r = 0; r < R; r += 2) {  // two rows per K load
+        const float* q0 = qt.data() + r * Dq;
+        qk_two_rows(q0, r + 1 < R ? q0 + Dq : q0, kt.data(), Dq, sc.data() + r * kBlockKeys,
+                    r + 1 < R ? sc.data() + (r + 1) * kBlockKeys : spare);
       }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      // Keys row r may see: causal end qpos, sliding-window start, this item's range.
+      const int64_t qpos = it.pos0 + r / G;
+      int64_t lo = std::max(k0, it.klo), hi = std::min(k0 + nk, qpos + 1);
+      if (pb.window > 0) lo = std::max(lo, qpos - pb.window + 1);
+      if (lo >= hi) continue;
+      float* s = sc.data() + r * kBlockKeys;
+      if (pb.soft_cap > 0.0f) {
+        for (int64_t j = lo - k0; j < hi - k0; ++j) s[j] = pb.soft_cap * std::tanh(s[j] / pb.soft_cap);
+      }
+      const float corr = softmax_block(s, static_cast<int>(lo - k0), static_cast<int>(hi - k0),
+                                       &m[r], &l[r]);
+      pv_row(acc.data() + r * Dq, s, vrow, lo - k0, hi - k0, Dq, corr);
     }
   }
 
