@@ -6,10 +6,11 @@
 // (sequence, kv head, query tile[, key range]); a query tile holds up to kMaxRows rows, each
 // row one (token, query head of the group), so a tile reads each K/V row of its key range
 // once for all query heads of the group. Per item, keys are visited in blocks of kBlockKeys
-// straight from the pages through the block table: K rows are transposed into a small
-// block-sized scratch (it lets the QK product vectorise over keys), V rows are read where
-// they lie (f32) or converted into a block-sized scratch (bf16/f16); nothing of the cache is
-// copied beyond one block. QK, an f32 online softmax and PV are fused per block. Items run on
+// straight from the pages through the block table: tiles of up to 8 rows (decode) score the
+// K rows where they lie; taller tiles (prefill) transpose the block's K rows into a small
+// scratch so the QK product vectorises over keys. V rows are read where they lie (f32) or
+// converted into a block-sized scratch (bf16/f16); nothing of the cache is copied beyond one
+// block. QK, an f32 online softmax and PV are fused per block (block_math.h). Items run on
 // XLA's intra-op thread pool, largest first; when there are fewer items than threads (few
 // long sequences) their key ranges are split and the partial softmax states merged at the
 // end. Tokens outside every live sequence get zeros.
