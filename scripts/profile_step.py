@@ -44,7 +44,7 @@ def decode_metadata(seqs: int, ctx: int, page_size: int) -> AttentionMetadata:
 
 
 def profile(model: loading.LoadedModel, seqs: int, ctx: int, impl: str,
-            page_size: int = 16, runs: int = 6) -> dict:
+            page_size: int = 16, runs: int = 6, kv_dtype: str = "float32") -> dict:
     cfg, params = model.config, model.params
     md = decode_metadata(seqs, ctx, page_size)
     num_pages = 1 + seqs * (ctx // page_size + 1)
@@ -52,13 +52,13 @@ def profile(model: loading.LoadedModel, seqs: int, ctx: int, impl: str,
     pos = jnp.full(seqs, ctx, jnp.int32)
     rows = jnp.arange(seqs, dtype=jnp.int32)
 
-    def fwd(params, kv, tok, pos, md, rows):  # noqa: ANN001, ANN202
-        return P.paged_forward(params, kv, tok, pos, md, rows, cfg, impl)
-
-    kv = jnp.zeros(P.kv_cache_shape(cfg, num_pages, page_size), jnp.float32)
+    kv = jnp.zeros(P.kv_cache_shape(cfg, num_pages, page_size), jnp.dtype(kv_dtype))
 
     def compiled(stub_attention: bool, stub_write: bool):  # noqa: ANN202
         """The step compiled with the given parts replaced by identity (traced right here)."""
+        def fwd(params, kv, tok, pos, md, rows):  # noqa: ANN001, ANN202 - fresh per variant:
+            return P.paged_forward(params, kv, tok, pos, md, rows, cfg, impl)  # no stale trace
+
         saved = P.ragged_paged_attention, P.write_kv
         try:
             if stub_attention:
@@ -74,7 +74,8 @@ def profile(model: loading.LoadedModel, seqs: int, ctx: int, impl: str,
                 "no_attn_ms": compiled(True, True)}
     # Round robin, best of `runs` (after one warm-up round): a burst of load on a shared host
     # then hits every variant alike instead of one.
-    out = {"seqs": seqs, "context": ctx, "impl": impl, **{k: float("inf") for k in variants}}
+    out = {"seqs": seqs, "context": ctx, "impl": impl, "kv_dtype": kv_dtype,
+           **{k: float("inf") for k in variants}}
     for i in range(runs + 1):
         for name, step in variants.items():
             t = time.perf_counter()
@@ -112,6 +113,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--impl", default="auto",
                     help="comma-separated attention impls to profile (auto | reference | cpu)")
+    ap.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="dtype of the KV pages (the model runs in float32 either way)")
     ap.add_argument("--runs", type=int, default=6,
                     help="timed runs per variant (the best counts; raise it on a busy host)")
     ap.add_argument("--json", default=None)
@@ -120,11 +123,11 @@ def main() -> int:
     rows = []
     impls = [select_impl(name) for name in args.impl.split(",")]
     for s, impl in ((int(x), i) for x in args.seqs.split(",") for i in impls):
-        r = profile(model, s, args.context, impl, runs=args.runs)
+        r = profile(model, s, args.context, impl, runs=args.runs, kv_dtype=args.kv_dtype)
         r["gemm_gflops_at_m"] = gemm_gflops(s)
         rows.append(r)
         share = r["attention_and_kv_write_ms"] / r["full_ms"]
-        print(f"S={s:3d} ctx={args.context} {impl}: step {r['full_ms']:.1f} ms = attention + KV "
+        print(f"S={s:3d} ctx={args.context} {impl} KV {args.kv_dtype}: step {r['full_ms']:.1f} ms = attention + KV "
               f"write {r['attention_and_kv_write_ms']:.1f} ({100 * share:.0f}%; KV write "
               f"{r['kv_write_ms']:.1f}) "
               f"+ dense/norms/lm_head "
