@@ -7,6 +7,7 @@ context through a block table of shared KV pages.
     write_kv(kv_pages, k_new, v_new, md.slot_mapping) -> kv_pages   exact scatter, in place if
                                                                      the caller donates pages
     ragged_paged_attention(q, kv_pages, md, sm_scale=...) -> out    reads the written pages
+    write_kv_and_attend(q, k_new, v_new, kv_pages, md, ...)          both (one call on CPU)
 
 Modules: common (metadata, page layout ``[num_pages, 2*Hkv, page_size, D]`` with K/V
 interleaved on axis 1, input checks, write_kv), tiling (ragged batch -> fixed-shape query
@@ -19,12 +20,13 @@ This package imports nothing else from jaxserve.
 from .common import (MASK_VALUE, TRASH_PAGE, AttentionMetadata, init_kv_pages, kv_pages_shape,
                      padded_head_dim, write_kv)
 from .reference import ragged_paged_attention_reference
-from .selector import IMPLEMENTATIONS, ragged_paged_attention, select_impl
+from .selector import (IMPLEMENTATIONS, ragged_paged_attention, select_impl,
+                       write_kv_and_attend)
 
 # The kernels themselves (cpu/tpu/gpu.ragged_paged_attention_*) are
 # imported lazily by the selector so a host only loads the Pallas backend it can run.
 __all__ = [
     "IMPLEMENTATIONS", "MASK_VALUE", "TRASH_PAGE", "AttentionMetadata", "init_kv_pages",
     "kv_pages_shape", "padded_head_dim", "ragged_paged_attention",
-    "ragged_paged_attention_reference", "select_impl", "write_kv",
+    "ragged_paged_attention_reference", "select_impl", "write_kv", "write_kv_and_attend",
 ]

@@ -30,6 +30,7 @@ import jaxlib
 log = logging.getLogger(__name__)
 
 TARGET = "jaxserve_ragged_paged_attention_cpu"
+WRITE_TARGET = "jaxserve_write_kv_and_attend_cpu"  # the same plus write_kv, pages in place
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "paged_attention_cpu.cc"
 CACHE_ENV = "JAXSERVE_KERNEL_CACHE_DIR"
 # Built on the machine that runs it, so -march=native is safe (the key holds the CPU flags).
@@ -115,15 +116,18 @@ def _register(path: str) -> None:
     """Load the library and register its handler (once per process and library)."""
     try:
         lib = ctypes.cdll.LoadLibrary(path)
-        handler = jax.ffi.pycapsule(lib.JaxservePagedAttentionCpu)
+        handlers = {TARGET: jax.ffi.pycapsule(lib.JaxservePagedAttentionCpu),
+                    WRITE_TARGET: jax.ffi.pycapsule(lib.JaxservePagedAttentionWriteCpu)}
     except (OSError, AttributeError) as e:
         raise BuildError(f"could not load {path}: {e}") from e
-    jax.ffi.register_ffi_target(TARGET, handler, platform="cpu")
+    for name, handler in handlers.items():
+        jax.ffi.register_ffi_target(name, handler, platform="cpu")
 
 
 @functools.lru_cache(maxsize=None)
 def cpu_kernel_target() -> str | None:
-    """The registered FFI target name, or None (after one warning) where the build fails."""
+    """The registered FFI target name (WRITE_TARGET is registered with it), or None (after one
+    warning) where the build fails."""
     try:
         _register(str(build_library()))
     except BuildError as e:

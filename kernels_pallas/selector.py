@@ -7,7 +7,9 @@ C++ kernel on CPU (built on first use; cpu_build) and the jnp reference everywhe
 or non-NVIDIA GPUs, or a CPU host where the C++ kernel cannot be built: 'cpu' then maps to
 'reference' too, after one warning). ``ragged_paged_attention``
 validates at trace time and dispatches; every implementation reads the same page layout
-(common.py) and returns [T, Hq, D] in q's dtype.
+(common.py) and returns [T, Hq, D] in q's dtype. ``write_kv_and_attend`` is the engine's
+per-layer entry: ``write_kv`` then the attention, fused into one call where the
+implementation has that (cpu).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import jax
 
-from .common import AttentionMetadata
+from .common import AttentionMetadata, write_kv
 from .cpu_build import cpu_kernel_target
 from .reference import ragged_paged_attention_reference
 
@@ -83,3 +85,20 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, md: AttentionMetad
         return ragged_paged_attention_tpu(q, kv_pages, md, interpret=interpret, **kwargs)
     from .gpu import ragged_paged_attention_gpu
     return ragged_paged_attention_gpu(q, kv_pages, md, interpret=interpret, **kwargs)
+
+
+def write_kv_and_attend(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_pages: jax.Array,
+                        md: AttentionMetadata, *, sm_scale: float,
+                        sliding_window: int | None = None, soft_cap: float | None = None,
+                        impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """(out [T, Hq, D], kv_pages with this step's K/V stored): ``write_kv`` then
+    ``ragged_paged_attention``; the CPU kernel does both in one custom call, writing the new
+    rows into the (donated) pages in place."""
+    if select_impl(impl) == "cpu":
+        from .cpu import write_kv_and_attend_cpu
+        return write_kv_and_attend_cpu(q, k_new, v_new, kv_pages, md, sm_scale=sm_scale,
+                                       sliding_window=sliding_window, soft_cap=soft_cap)
+    kv_pages = write_kv(kv_pages, k_new, v_new, md.slot_mapping)
+    return ragged_paged_attention(q, kv_pages, md, sm_scale=sm_scale,
+                                  sliding_window=sliding_window, soft_cap=soft_cap,
+                                  impl=impl), kv_pages

@@ -6,9 +6,10 @@ For S live decode sequences of context C in a (T=S, S) step it times, each as th
   full        the engine's paged_forward (embed, 30 layers, KV write, attention, lm_head)
   no_attn     the same with the KV write and attention replaced by identity (what is left:
               the dense projections, MLP, norms, RoPE and the lm_head)
-  write_only  the same with only the attention replaced (the KV write kept)
+  write_only  the same with only the attention replaced, the KV written by write_kv (XLA's
+              scatter: the reference's write; the CPU kernel writes inside its own call)
   lm_head     the vocabulary projection of S rows alone
-so attention + KV write = full - no_attn (the KV write alone: write_only - no_attn), per
+so attention + KV write = full - no_attn (XLA's scatter alone: write_only - no_attn), per
 attention implementation (--impl: the jnp reference, the C++ CPU kernel, ...). Also the
 XLA:CPU f32 GEMM rate at M = S.
 
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.kernels_pallas import AttentionMetadata, select_impl
+from jaxserve.kernels_pallas import AttentionMetadata, select_impl, write_kv
 from jaxserve.models import loading
 from jaxserve.models import paged as P
 from jaxserve.models.llama import lm_logits
@@ -59,15 +60,16 @@ def profile(model: loading.LoadedModel, seqs: int, ctx: int, impl: str,
         def fwd(params, kv, tok, pos, md, rows):  # noqa: ANN001, ANN202 - fresh per variant:
             return P.paged_forward(params, kv, tok, pos, md, rows, cfg, impl)  # no stale trace
 
-        saved = P.ragged_paged_attention, P.write_kv
+        saved = P.write_kv_and_attend
         try:
-            if stub_attention:
-                P.ragged_paged_attention = lambda q, kv_pages, md, **kw: q
-            if stub_write:
-                P.write_kv = lambda pages, k, v, slots: pages
+            if stub_attention and stub_write:
+                P.write_kv_and_attend = lambda q, k, v, pages, md, **kw: (q, pages)
+            elif stub_attention:
+                P.write_kv_and_attend = lambda q, k, v, pages, md, **kw: (
+                    q, write_kv(pages, k, v, md.slot_mapping))
             fn = jax.jit(fwd, donate_argnums=1).lower(params, kv, tok, pos, md, rows).compile()
         finally:
-            P.ragged_paged_attention, P.write_kv = saved
+            P.write_kv_and_attend = saved
         return lambda kv: fn(params, kv, tok, pos, md, rows)
 
     variants = {"full_ms": compiled(False, False), "write_only_ms": compiled(True, False),
@@ -128,7 +130,7 @@ def main() -> int:
         rows.append(r)
         share = r["attention_and_kv_write_ms"] / r["full_ms"]
         print(f"S={s:3d} ctx={args.context} {impl} KV {args.kv_dtype}: step {r['full_ms']:.1f} ms = attention + KV "
-              f"write {r['attention_and_kv_write_ms']:.1f} ({100 * share:.0f}%; KV write "
+              f"write {r['attention_and_kv_write_ms']:.1f} ({100 * share:.0f}%; XLA scatter "
               f"{r['kv_write_ms']:.1f}) "
               f"+ dense/norms/lm_head "
               f"{r['no_attn_ms']:.1f} (of which lm_head {r['lm_head_ms']:.1f}); "

@@ -9,6 +9,10 @@ page and the unused tails of pages hold NaN, so a stray read shows; padding toke
 out as zeros. Tolerances (abs = rel) against the float32-accumulating reference: float32
 2e-5; float16 1e-2 and bfloat16 3e-2 (outputs rounded to those dtypes).
 
+The fused write_kv + attention call (the engine's per-layer call on CPU): pages bit-exact
+against write_kv's contract (padding tokens into the trash page, negative and out-of-range
+slots dropped, head dims zero-padded), output as the reference's.
+
 Build: a fresh cache dir gets one library and no temporary files, and a second call reuses
 it; with no compiler, one warning and the reference is used.
 """
@@ -25,10 +29,11 @@ import pytest
 from test_attention_kernels import CASE_IDS, CASES, draw_specs
 
 from jaxserve.kernels_pallas import (AttentionMetadata, ragged_paged_attention,
-                                     ragged_paged_attention_reference, select_impl, write_kv)
+                                     ragged_paged_attention_reference, select_impl, write_kv,
+                                     write_kv_and_attend)
 from jaxserve.kernels_pallas import cpu_build
-from jaxserve.kernels_pallas.cpu import ragged_paged_attention_cpu
-from kernel_cases import random_batch
+from jaxserve.kernels_pallas.cpu import ragged_paged_attention_cpu, write_kv_and_attend_cpu
+from kernel_cases import expected_pages_after_write, random_batch
 
 TOL = {"float32": 2e-5, "float16": 1e-2, "bfloat16": 3e-2}
 
@@ -102,6 +107,37 @@ def test_head_dim_stored_padded_and_selector_dispatch() -> None:
     assert select_impl("auto", "cpu") == "cpu" and select_impl("cpu") == "cpu"
 
 
+@pytest.mark.parametrize("dtype,pad", [("float32", 0), ("bfloat16", 0), ("float32", 48)])
+def test_fused_write_and_attend(dtype: str, pad: int) -> None:
+    rng = np.random.default_rng(7 + pad)
+    batch = random_batch(rng, [(37, 1), (0, 20), (50, 7), (16, 1)], num_q_heads=8,
+                         num_kv_heads=2, head_dim=64 + pad, page_size=16,
+                         dtype=jnp.dtype(dtype), num_tokens=33, num_seqs=6)
+    d = 64
+    q, k_new, v_new = batch.q[..., :d], batch.k_new[..., :d], batch.v_new[..., :d]
+    # Padding tokens' slots: one negative, one past the last page (both dropped), one trash.
+    slots = np.asarray(batch.md.slot_mapping).copy()
+    slots[30:] = [-5, batch.kv_pages.shape[0] * 16 + 3, 2]
+    md = AttentionMetadata(jnp.asarray(slots), batch.md.block_tables, batch.md.kv_lens,
+                           batch.md.cu_q_lens, batch.md.num_seqs)
+    want_pages = write_kv(batch.kv_pages, k_new, v_new, md.slot_mapping)
+    want = ragged_paged_attention_reference(q, want_pages, md, sm_scale=0.125)
+    out, pages = write_kv_and_attend(q, k_new, v_new, batch.kv_pages, md, sm_scale=0.125,
+                                     impl="cpu")
+    np.testing.assert_array_equal(np.asarray(jnp.asarray(pages, jnp.float32)),
+                                  np.asarray(jnp.asarray(want_pages, jnp.float32)))
+    if pad == 0:
+        np.testing.assert_array_equal(np.asarray(jnp.asarray(pages, jnp.float32)),
+                                      expected_pages_after_write(batch))
+    tol = TOL[dtype]
+    np.testing.assert_allclose(np.asarray(jnp.asarray(out, jnp.float32))[:29],
+                               np.asarray(jnp.asarray(want, jnp.float32))[:29], atol=tol,
+                               rtol=tol)
+    with pytest.raises(ValueError, match=rf"k_new must be \[T, 2, <= {64 + pad}\]"):
+        jax.eval_shape(lambda *a: write_kv_and_attend_cpu(*a, sm_scale=1.0), q,
+                       jnp.zeros((33, 3, d), dtype), v_new, batch.kv_pages, md)
+
+
 def test_rejects_bad_shapes_naming_them() -> None:
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     md = AttentionMetadata(i32(8), i32(3, 4), i32(3), i32(4), i32(1))
@@ -141,6 +177,11 @@ def test_no_compiler_falls_back_to_the_reference_with_one_warning(tmp_path, monk
             got = ragged_paged_attention(batch.q, pages, batch.md, sm_scale=0.25, impl="cpu")
             want = ragged_paged_attention_reference(batch.q, pages, batch.md, sm_scale=0.25)
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+            got, got_pages = write_kv_and_attend(batch.q, batch.k_new, batch.v_new,
+                                                 batch.kv_pages, batch.md, sm_scale=0.25,
+                                                 impl="cpu")
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+            np.testing.assert_array_equal(np.asarray(got_pages), np.asarray(pages))
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1, [r.getMessage() for r in warnings]
         msg = warnings[0].getMessage()

@@ -249,8 +249,8 @@ struct Work {
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv,
                      ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
                      ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
-                     ffi::ResultBuffer<ffi::F32> out, float sm_scale, int64_t sliding_window,
-                     float soft_cap) {
+                     ffi::Result<ffi::Buffer<ffi::F32>> out, float sm_scale,
+                     int64_t sliding_window, float soft_cap) {
   auto qd = q.dimensions(), kd = kv.dimensions(), bd = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2 || kd[1] % 2 || qd[1] % (kd[1] / 2) ||
       qd[2] > kd[3]) {
@@ -304,6 +304,54 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+
+// write_kv's contract in place: each token's K/V row [Hkv, Dk] goes to its slot (rows 2h /
+// 2h + 1 of the page), zero-padded to the pages' head dim; negative or out-of-range slots
+// are dropped. kv_out aliases kv_in (input_output_aliases), so only T * Hkv rows move.
+ffi::Error WriteKv(ffi::AnyBuffer k_new, ffi::AnyBuffer v_new, ffi::Buffer<ffi::S32> slots,
+                   ffi::AnyBuffer kv_in, ffi::AnyBuffer kv_out) {
+  auto nd = k_new.dimensions(), kd = kv_out.dimensions();
+  if (nd.size() != 3 || kd.size() != 4 || nd[1] * 2 != kd[1] || nd[2] > kd[3] ||
+      k_new.element_type() != kv_out.element_type() ||
+      v_new.element_type() != kv_out.element_type() || v_new.element_count() != k_new.element_count() ||
+      slots.element_count() != static_cast<size_t>(nd[0])) {
+    return ffi::Error::InvalidArgument("paged attention: k_new / v_new / slot_mapping do not fit kv_pages");
+  }
+  if (kv_in.untyped_data() != kv_out.untyped_data()) {  // not aliased after all: keep the pages
+    std::memcpy(kv_out.untyped_data(), kv_in.untyped_data(), kv_in.size_bytes());
+  }
+  const int64_t T = nd[0], Hkv = nd[1], Dk = nd[2], P = kd[0], ps = kd[2], D = kd[3];
+  const size_t esz = ffi::ByteWidth(kv_out.element_type());
+  char* pages = static_cast<char*>(kv_out.untyped_data());
+  const char* src[2] = {static_cast<const char*>(k_new.untyped_data()),
+                        static_cast<const char*>(v_new.untyped_data())};
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = slots.typed_data()[t];
+    if (slot < 0 || slot / ps >= P) continue;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      for (int kvi = 0; kvi < 2; ++kvi) {
+        char* dst = pages + (((slot / ps) * 2 * Hkv + 2 * h + kvi) * ps + slot % ps) * D * esz;
+        std::memcpy(dst, src[kvi] + (t * Hkv + h) * Dk * esz, Dk * esz);
+        std::memset(dst + Dk * esz, 0, (D - Dk) * esz);
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error WriteAndAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_new,
+                          ffi::AnyBuffer v_new, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> slots,
+                          ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
+                          ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                          ffi::Result<ffi::Buffer<ffi::F32>> out,
+                          ffi::Result<ffi::AnyBuffer> kv_out, float sm_scale,
+                          int64_t sliding_window, float soft_cap) {
+  ffi::Error err = WriteKv(k_new, v_new, slots, kv, *kv_out);
+  if (err.failure()) return err;
+  return Attention(pool, q, *kv_out, block_tables, kv_lens, cu_q_lens, num_seqs, out, sm_scale,
+                   sliding_window, soft_cap);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionCpu, Attention,
@@ -316,6 +364,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionCpu, Attention,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionWriteCpu, WriteAndAttend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::AnyBuffer>()          // k_new
+                                  .Arg<ffi::AnyBuffer>()          // v_new
+                                  .Arg<ffi::AnyBuffer>()          // kv_pages (aliased to out 1)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slot_mapping
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out
+                                  .Ret<ffi::AnyBuffer>()          // kv_pages, written
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap"));
