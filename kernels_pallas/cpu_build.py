@@ -1,13 +1,14 @@
 """Build, load and register the C++ CPU attention (csrc/paged_attention_cpu.cc) on first use.
 
-Flow: the sources (csrc/*.cc, *.h), jaxlib's version, the compiler command, the flags and this CPU's feature
-flags hash to a key -> ``<cache>/paged_attention_cpu-<key>.so`` (cache: $JAXSERVE_KERNEL_CACHE_DIR,
-default ~/.cache/jaxserve/kernels). A missing library is compiled into a temporary file in the
-cache dir and renamed onto its name (atomic: processes building at once each rename identical
-bytes). ctypes loads it and ``jax.ffi.register_ffi_target`` registers its handler for the CPU
-platform, once per process (lru_cache). Where anything fails -- no compiler, a compile error, a
-load error -- ``cpu_kernel_target`` logs one warning saying why and returns None, and callers
-use the jnp reference.
+Flow: the sources (csrc/*.cc, *.h), jaxlib's version, the compiler command, the flags and this
+CPU's feature flags hash to a key -> ``<cache>/paged_attention_cpu-<key>.so`` (cache:
+$JAXSERVE_KERNEL_CACHE_DIR, default ~/.cache/jaxserve/kernels). A missing library is compiled
+into a temporary file in the cache dir and renamed onto its name (atomic: processes building at
+once each rename identical bytes). ctypes loads it and ``jax.ffi.register_ffi_target`` registers
+its two handlers (attention; write_kv + attention) for the CPU platform, once per process
+(lru_cache). Where anything fails -- no compiler, a compile error, a load error --
+``cpu_kernel_target`` logs one warning saying why and returns None, and callers use the jnp
+reference.
 """
 
 from __future__ import annotations

@@ -129,7 +129,8 @@ def main() -> int:
         r["gemm_gflops_at_m"] = gemm_gflops(s)
         rows.append(r)
         share = r["attention_and_kv_write_ms"] / r["full_ms"]
-        print(f"S={s:3d} ctx={args.context} {impl} KV {args.kv_dtype}: step {r['full_ms']:.1f} ms = attention + KV "
+        print(f"S={s:3d} ctx={args.context} {impl} KV {args.kv_dtype}: step "
+              f"{r['full_ms']:.1f} ms = attention + KV "
               f"write {r['attention_and_kv_write_ms']:.1f} ({100 * share:.0f}%; XLA scatter "
               f"{r['kv_write_ms']:.1f}) "
               f"+ dense/norms/lm_head "

@@ -34,7 +34,8 @@ inline float f16_to_f32(uint16_t h) {
     float f = static_cast<float>(mant) * 5.9604644775390625e-8f;
     return sign ? -f : f;
   }
-  bits = exp == 31 ? (sign | 0x7f800000u | (mant << 13)) : (sign | ((exp + 112) << 23) | (mant << 13));
+  bits = exp == 31 ? (sign | 0x7f800000u | (mant << 13))
+                    : (sign | ((exp + 112) << 23) | (mant << 13));
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
@@ -82,7 +83,8 @@ inline __m256 exp_nonpos8(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
   p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
@@ -166,15 +168,19 @@ inline float softmax_block(float* s, int jlo, int jhi, float* m, float* l) {
   const __m256i lo = _mm256_set1_epi32(jlo - 1), hi = _mm256_set1_epi32(jhi);
   __m256 in[kBlockKeys / 8], mv = _mm256_set1_ps(*m);
   for (int b = 0; b < kBlockKeys / 8; ++b) {
-    const __m256i j = _mm256_add_epi32(_mm256_set1_epi32(8 * b), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    in[b] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(j, lo), _mm256_cmpgt_epi32(hi, j)));
-    mv = _mm256_max_ps(mv, _mm256_blendv_ps(_mm256_set1_ps(kNegInf), _mm256_loadu_ps(s + 8 * b), in[b]));
+    const __m256i j =
+        _mm256_add_epi32(_mm256_set1_epi32(8 * b), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    in[b] = _mm256_castsi256_ps(
+        _mm256_and_si256(_mm256_cmpgt_epi32(j, lo), _mm256_cmpgt_epi32(hi, j)));
+    mv = _mm256_max_ps(
+        mv, _mm256_blendv_ps(_mm256_set1_ps(kNegInf), _mm256_loadu_ps(s + 8 * b), in[b]));
   }
   const float mx = hmax8(mv);
   const __m256 mxv = _mm256_set1_ps(mx);
   __m256 sum = _mm256_setzero_ps();
   for (int b = 0; b < kBlockKeys / 8; ++b) {
-    const __m256 p = _mm256_and_ps(exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(s + 8 * b), mxv)), in[b]);
+    const __m256 p =
+        _mm256_and_ps(exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(s + 8 * b), mxv)), in[b]);
     _mm256_storeu_ps(s + 8 * b, p);
     sum = _mm256_add_ps(sum, p);
   }
@@ -201,7 +207,9 @@ inline void pv_row(float* acc, const float* p, const float* const* vrow, int64_t
   }
   for (; d0 + 8 <= Dq; d0 += 8) {
     __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + d0), c);
-    for (int64_t j = jlo; j < jhi; ++j) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(vrow[j] + d0), a);
+    for (int64_t j = jlo; j < jhi; ++j) {
+      a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(vrow[j] + d0), a);
+    }
     _mm256_storeu_ps(acc + d0, a);
   }
   for (; d0 < Dq; ++d0) {

@@ -130,7 +130,9 @@ void run_item(const Problem& pb, const Item& it, float* partial_base) {
       if (lo >= hi) continue;
       float* s = sc.data() + r * kBlockKeys;
       if (pb.soft_cap > 0.0f) {
-        for (int64_t j = lo - k0; j < hi - k0; ++j) s[j] = pb.soft_cap * std::tanh(s[j] / pb.soft_cap);
+        for (int64_t j = lo - k0; j < hi - k0; ++j) {
+          s[j] = pb.soft_cap * std::tanh(s[j] / pb.soft_cap);
+        }
       }
       const float corr = softmax_block(s, static_cast<int>(lo - k0), static_cast<int>(hi - k0),
                                        &m[r], &l[r]);
@@ -160,7 +162,9 @@ void merge_partials(const Problem& pb, const std::vector<Item>& items, size_t fi
   const int64_t G = pb.G, Dq = pb.Dq, R = it.ntok * G, stride = kMaxRows * (Dq + 2);
   for (int64_t r = 0; r < R; ++r) {
     float mx = kNegInf;
-    for (size_t i = 0; i < n; ++i) mx = std::max(mx, partial_base[items[first + i].partial * stride + r]);
+    for (size_t i = 0; i < n; ++i) {
+      mx = std::max(mx, partial_base[items[first + i].partial * stride + r]);
+    }
     const int64_t t = r / G, g = r % G;
     float* dst = pb.out + ((it.tok0 + t) * pb.Hq + it.head * G + g) * Dq;
     std::fill(dst, dst + Dq, 0.0f);
@@ -254,7 +258,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   auto qd = q.dimensions(), kd = kv.dimensions(), bd = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2 || kd[1] % 2 || qd[1] % (kd[1] / 2) ||
       qd[2] > kd[3]) {
-    return ffi::Error::InvalidArgument("paged attention: inconsistent q / kv_pages / block_tables shapes");
+    return ffi::Error::InvalidArgument(
+        "paged attention: inconsistent q / kv_pages / block_tables shapes");
   }
   const ffi::DataType dt = kv.element_type();
   if (dt != ffi::DataType::F32 && dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) {
@@ -265,7 +270,9 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   pb = {q.typed_data(), kv.untyped_data(), block_tables.typed_data(), out->typed_data(),
         qd[0], qd[1], qd[2], kd[0], kd[1] / 2, kd[2], kd[3], bd[0], bd[1], qd[1] / (kd[1] / 2),
         sm_scale, soft_cap, sliding_window};
-  if (pb.G > kMaxRows) return ffi::Error::InvalidArgument("paged attention: more than 64 query heads per kv head");
+  if (pb.G > kMaxRows) {
+    return ffi::Error::InvalidArgument("paged attention: more than 64 query heads per kv head");
+  }
   std::fill(pb.out, pb.out + pb.T * pb.Hq * pb.Dq, 0.0f);  // padding tokens stay zero
   const int64_t live = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, pb.S);
   const int64_t pool_threads = pool.num_threads();
@@ -277,7 +284,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
     const int32_t* row = pb.block_tables + it.seq * pb.max_pages;
     for (int64_t p = it.klo / pb.ps; p <= (it.khi - 1) / pb.ps; ++p) {
       if (row[p] < 0 || row[p] >= pb.P) {
-        return ffi::Error::InvalidArgument("paged attention: block table holds a page id out of range");
+        return ffi::Error::InvalidArgument(
+            "paged attention: block table holds a page id out of range");
       }
     }
   }
@@ -287,7 +295,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   for (size_t i = 0; i < work->order.size(); ++i) work->order[i] = i;
   std::stable_sort(work->order.begin(), work->order.end(),
                    [&](size_t a, size_t b) { return work->items[a].cost > work->items[b].cost; });
-  const int64_t helpers = std::min<int64_t>(pool_threads, static_cast<int64_t>(work->items.size())) - 1;
+  const int64_t helpers =
+      std::min<int64_t>(pool_threads, static_cast<int64_t>(work->items.size())) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
   work->drain();
   while (work->done.load(std::memory_order_acquire) < work->items.size()) std::this_thread::yield();
@@ -313,9 +322,11 @@ ffi::Error WriteKv(ffi::AnyBuffer k_new, ffi::AnyBuffer v_new, ffi::Buffer<ffi::
   auto nd = k_new.dimensions(), kd = kv_out.dimensions();
   if (nd.size() != 3 || kd.size() != 4 || nd[1] * 2 != kd[1] || nd[2] > kd[3] ||
       k_new.element_type() != kv_out.element_type() ||
-      v_new.element_type() != kv_out.element_type() || v_new.element_count() != k_new.element_count() ||
+      v_new.element_type() != kv_out.element_type() ||
+      v_new.element_count() != k_new.element_count() ||
       slots.element_count() != static_cast<size_t>(nd[0])) {
-    return ffi::Error::InvalidArgument("paged attention: k_new / v_new / slot_mapping do not fit kv_pages");
+    return ffi::Error::InvalidArgument(
+        "paged attention: k_new / v_new / slot_mapping do not fit kv_pages");
   }
   if (kv_in.untyped_data() != kv_out.untyped_data()) {  // not aliased after all: keep the pages
     std::memcpy(kv_out.untyped_data(), kv_in.untyped_data(), kv_in.size_bytes());
