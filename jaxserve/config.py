@@ -119,7 +119,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for KV pages; None: a fraction of free memory
     kv_cache_memory_fraction: float = 0.8
     enable_prefix_caching: bool = True
-    attention_impl: str = "auto"  # auto | reference | pallas_tpu | pallas_gpu
+    attention_impl: str = "auto"  # auto | reference | cpu | pallas_tpu | pallas_gpu
     token_buckets: tuple[int, ...] | None = None  # None: powers of two up to the budget
     # None: one per token bucket, min(tokens, max_num_seqs); else every (tokens, seqs) pair
     seq_buckets: tuple[int, ...] | None = None

@@ -7,23 +7,26 @@ context through a block table of shared KV pages.
     write_kv(kv_pages, k_new, v_new, md.slot_mapping) -> kv_pages   exact scatter, in place if
                                                                      the caller donates pages
     ragged_paged_attention(q, kv_pages, md, sm_scale=...) -> out    reads the written pages
+    write_kv_and_attend(q, k_new, v_new, kv_pages, md, ...)          both (one call on CPU)
 
 Modules: common (metadata, page layout ``[num_pages, 2*Hkv, page_size, D]`` with K/V
 interleaved on axis 1, input checks, write_kv), tiling (ragged batch -> fixed-shape query
-tiles), reference (pure jnp; the CPU attention), tpu (Mosaic TPU kernel), gpu (Mosaic GPU
-kernel), selector (picks one from platform + config).
+tiles), reference (pure jnp; the oracle, and the CPU attention where no C++ compiler is
+found), cpu (C++ kernel through XLA's FFI; cpu_build compiles csrc/ on first use), tpu (Mosaic
+TPU kernel), gpu (Mosaic GPU kernel), selector (picks one from platform + config).
 This package imports nothing else from jaxserve.
 """
 
 from .common import (MASK_VALUE, TRASH_PAGE, AttentionMetadata, init_kv_pages, kv_pages_shape,
                      padded_head_dim, write_kv)
 from .reference import ragged_paged_attention_reference
-from .selector import IMPLEMENTATIONS, ragged_paged_attention, select_impl
+from .selector import (IMPLEMENTATIONS, ragged_paged_attention, select_impl,
+                       write_kv_and_attend)
 
-# The kernels themselves (tpu.ragged_paged_attention_tpu, gpu.ragged_paged_attention_gpu) are
+# The kernels themselves (cpu/tpu/gpu.ragged_paged_attention_*) are
 # imported lazily by the selector so a host only loads the Pallas backend it can run.
 __all__ = [
     "IMPLEMENTATIONS", "MASK_VALUE", "TRASH_PAGE", "AttentionMetadata", "init_kv_pages",
     "kv_pages_shape", "padded_head_dim", "ragged_paged_attention",
-    "ragged_paged_attention_reference", "select_impl", "write_kv",
+    "ragged_paged_attention_reference", "select_impl", "write_kv", "write_kv_and_attend",
 ]

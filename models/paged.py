@@ -2,11 +2,12 @@
 
 Data flow: token_ids i32[T] (prefill chunks and decode tokens of S sequences end to end) ->
 embed -> for each layer (a `lax.scan` over the stacked params, the whole KV array in the carry
-so XLA updates it in place): q/k/v + RoPE at each token's position -> `write_kv` scatters the
-new K/V into their slots -> ragged paged attention reads each sequence's pages through its
-block table -> ... -> final norm -> logits only at `logits_indices` (one row per sequence).
-`paged_hidden` stops before the final norm: the runner keeps every token's hidden state for
-the prompt logprobs pass (`jaxserve.device.prompt_logprobs`).
+so XLA updates it in place): q/k/v + RoPE at each token's position -> `write_kv_and_attend`:
+the new K/V go into their slots, then ragged paged attention reads each sequence's pages
+through its block table (one custom call on CPU) -> ... -> final norm -> logits only at
+`logits_indices` (one row per sequence). `paged_hidden` stops before the final norm: the
+runner keeps every token's hidden state for the prompt logprobs pass
+(`jaxserve.device.prompt_logprobs`).
 
 KV layout: f[L * num_pages, 2 * Hkv, page_size, D_pages]: the `kernels_pallas` per-layer
 page layout with the layers' pages laid end to end (layer i owns pages [i * num_pages,
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as PS
 
-from ..kernels_pallas import AttentionMetadata, kv_pages_shape, ragged_paged_attention, write_kv
+from ..kernels_pallas import AttentionMetadata, kv_pages_shape, write_kv_and_attend
 from .config import ModelConfig
 from .llama import LayerParams, LlamaParams, decoder_layer, embed, lm_logits
 
@@ -82,10 +83,10 @@ def paged_hidden(params: LlamaParams, kv_pages: jax.Array, token_ids: jax.Array,
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array, flat: jax.Array,
                    layer_md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
-            flat = write_kv(flat, k.astype(flat.dtype), v.astype(flat.dtype),
-                            layer_md.slot_mapping)
-            out = ragged_paged_attention(q.astype(flat.dtype), flat, layer_md, sm_scale=scale,
-                                         sliding_window=window, impl=attn_impl)
+            out, flat = write_kv_and_attend(q.astype(flat.dtype), k.astype(flat.dtype),
+                                            v.astype(flat.dtype), flat, layer_md,
+                                            sm_scale=scale, sliding_window=window,
+                                            impl=attn_impl)
             return out.astype(q.dtype), flat
 
         def attn(q: jax.Array, k: jax.Array, v: jax.Array,

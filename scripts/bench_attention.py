@@ -9,6 +9,8 @@ measured HBM copy bandwidth and bf16 matmul throughput. Writes everything to --j
     python scripts/bench_attention.py                          # small CPU-sized mixes, reference
     python scripts/bench_attention.py --size full --impl pallas_gpu --dtype bfloat16 \\
         --measure-ceilings --json out.json                     # full size: 64 x 2048, 4 x 2048
+    python scripts/bench_attention.py --size cpu --impl reference cpu --dtype float32 \\
+        --num-q-heads 9 --num-kv-heads 3 --head-dim 64         # SmolLM2-135M's heads on CPU
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ from jaxserve.kernels_pallas import (AttentionMetadata, ragged_paged_attention, 
                                      write_kv)
 
 # mix -> size -> list of (context_len, q_len) per sequence
+# "cpu": the engine's CPU workload (32 decodes at context 256, one 2048-token prefill, 30
+# decodes beside a 512-token prefill chunk).
 MIXES = {
-    "decode": {"small": [(256, 1)] * 8, "full": [(2048, 1)] * 64},
-    "prefill": {"small": [(0, 256)] * 2, "full": [(0, 2048)] * 4},
-    "mixed": {"small": [(128, 1)] * 6 + [(64, 128)],
+    "decode": {"small": [(256, 1)] * 8, "cpu": [(256, 1)] * 32, "full": [(2048, 1)] * 64},
+    "prefill": {"small": [(0, 256)] * 2, "cpu": [(0, 2048)], "full": [(0, 2048)] * 4},
+    "mixed": {"small": [(128, 1)] * 6 + [(64, 128)], "cpu": [(256, 1)] * 30 + [(0, 512)],
               "full": [(2048, 1)] * 48 + [(1024, 512)] * 2},
 }
 
@@ -139,12 +143,14 @@ def parse_tuning(items: list[str]) -> list[dict[str, int]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--impl", default="auto", help="auto | reference | pallas_tpu | pallas_gpu")
+    ap.add_argument("--impl", nargs="+", default=["auto"],
+                    help="auto | reference | cpu | pallas_tpu | pallas_gpu (several: compared)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--mix", nargs="+", default=["decode", "prefill", "mixed"],
                     choices=sorted(MIXES))
-    ap.add_argument("--size", default="small", choices=["small", "full"],
-                    help="small: CPU-sized; full: 64 x 2048 decode, 4 x 2048 prefill")
+    ap.add_argument("--size", default="small", choices=["small", "cpu", "full"],
+                    help="small: quick; cpu: 32 x 256 decode, 1 x 2048 prefill; full: 64 x "
+                         "2048 decode, 4 x 2048 prefill")
     ap.add_argument("--num-q-heads", type=int, default=32)
     ap.add_argument("--num-kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -161,24 +167,24 @@ def main(argv: list[str] | None = None) -> int:
 
     platform = jax.default_backend()
     args.iters = args.iters or (3 if platform == "cpu" else 20)
-    impl = select_impl(args.impl)
+    impls = [select_impl(name) for name in args.impl]
     device = str(jax.devices()[0].device_kind)
     ceilings = measure_ceilings(platform, args.iters) if args.measure_ceilings else None
     results = []
-    for mix in args.mix:
-        for tuning in parse_tuning(args.tuning):
-            try:
-                r = run_config(mix, MIXES[mix][args.size], args, impl, tuning)
-            except Exception as e:  # noqa: BLE001 -- one bad config must not sink the sweep
-                print(f"  {mix} {impl} {tuning}: {type(e).__name__}: {e}", file=sys.stderr)
-                results.append({"mix": mix, "impl": impl, "tuning": tuning,
-                                "error": f"{type(e).__name__}: {e}"[:2000]})
-                continue
-            if ceilings:
-                r["bw_fraction"] = r["gbps"] / ceilings["hbm_gbps"]
-                r["flops_fraction"] = r["tflops"] / ceilings["matmul_tflops"]
-            results.append(r)
-            print(f"  {mix:8s} {impl} {tuning or ''}: {r['ms']:.3f} ms", file=sys.stderr)
+    for mix, impl, tuning in ((m, i, t) for m in args.mix for i in impls
+                              for t in parse_tuning(args.tuning)):
+        try:
+            r = run_config(mix, MIXES[mix][args.size], args, impl, tuning)
+        except Exception as e:  # noqa: BLE001 -- one bad config must not sink the sweep
+            print(f"  {mix} {impl} {tuning}: {type(e).__name__}: {e}", file=sys.stderr)
+            results.append({"mix": mix, "impl": impl, "tuning": tuning,
+                            "error": f"{type(e).__name__}: {e}"[:2000]})
+            continue
+        if ceilings:
+            r["bw_fraction"] = r["gbps"] / ceilings["hbm_gbps"]
+            r["flops_fraction"] = r["tflops"] / ceilings["matmul_tflops"]
+        results.append(r)
+        print(f"  {mix:8s} {impl} {tuning or ''}: {r['ms']:.3f} ms", file=sys.stderr)
 
     print(f"device: {device} ({platform}), jax {jax.__version__}, dtype {args.dtype}, "
           f"Hq {args.num_q_heads}, Hkv {args.num_kv_heads}, D {args.head_dim}, "

@@ -2,14 +2,19 @@
 """Where a decode step's time goes, on the bundled model (or --model): prints and writes JSON.
 
 For S live decode sequences of context C in a (T=S, S) step it times, each as the best of
-several runs of a freshly jitted function (KV donated, as the engine runs it):
+--runs runs taken round robin (KV donated, as the engine runs it):
   full        the engine's paged_forward (embed, 30 layers, KV write, attention, lm_head)
   no_attn     the same with the KV write and attention replaced by identity (what is left:
               the dense projections, MLP, norms, RoPE and the lm_head)
+  write_only  the same with only the attention replaced, the KV written by write_kv (XLA's
+              scatter: the reference's write; the CPU kernel writes inside its own call)
   lm_head     the vocabulary projection of S rows alone
-so attention + KV write = full - no_attn. Also the XLA:CPU f32 GEMM rate at M = S.
+so attention + KV write = full - no_attn (XLA's scatter alone: write_only - no_attn), per
+attention implementation (--impl: the jnp reference, the C++ CPU kernel, ...). Also the
+XLA:CPU f32 GEMM rate at M = S.
 
     python scripts/profile_step.py --seqs 1,8,32 --context 256 --json profile.json
+    python scripts/profile_step.py --seqs 32 --impl reference,cpu     # before / after
 """
 
 from __future__ import annotations
@@ -22,20 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.kernels_pallas import AttentionMetadata
+from jaxserve.kernels_pallas import AttentionMetadata, select_impl, write_kv
 from jaxserve.models import loading
 from jaxserve.models import paged as P
 from jaxserve.models.llama import lm_logits
-
-
-def best_ms(step, kv, runs: int = 6) -> tuple[float, jax.Array]:  # noqa: ANN001
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        logits, kv = step(kv)
-        logits.block_until_ready()
-        times.append(time.perf_counter() - t)
-    return 1e3 * min(times[1:]), kv
 
 
 def decode_metadata(seqs: int, ctx: int, page_size: int) -> AttentionMetadata:
@@ -49,7 +44,8 @@ def decode_metadata(seqs: int, ctx: int, page_size: int) -> AttentionMetadata:
         num_seqs=jnp.asarray([seqs], jnp.int32))
 
 
-def profile(model: loading.LoadedModel, seqs: int, ctx: int, page_size: int = 16) -> dict:
+def profile(model: loading.LoadedModel, seqs: int, ctx: int, impl: str,
+            page_size: int = 16, runs: int = 6, kv_dtype: str = "float32") -> dict:
     cfg, params = model.config, model.params
     md = decode_metadata(seqs, ctx, page_size)
     num_pages = 1 + seqs * (ctx // page_size + 1)
@@ -57,22 +53,38 @@ def profile(model: loading.LoadedModel, seqs: int, ctx: int, page_size: int = 16
     pos = jnp.full(seqs, ctx, jnp.int32)
     rows = jnp.arange(seqs, dtype=jnp.int32)
 
-    def make(stub: bool):  # noqa: ANN202 - a fresh function object per variant: no stale traces
-        def fwd(params, kv, tok, pos, md, rows):  # noqa: ANN001, ANN202
-            return P.paged_forward(params, kv, tok, pos, md, rows, cfg, "reference")
-        jitted = jax.jit(fwd, donate_argnums=1)
-        return lambda kv: jitted(params, kv, tok, pos, md, rows)
+    kv = jnp.zeros(P.kv_cache_shape(cfg, num_pages, page_size), jnp.dtype(kv_dtype))
 
-    out = {"seqs": seqs, "context": ctx}
-    kv = jnp.zeros(P.kv_cache_shape(cfg, num_pages, page_size), jnp.float32)
-    saved = P.ragged_paged_attention, P.write_kv
-    try:
-        P.ragged_paged_attention = lambda q, kv_pages, md, **kw: q
-        P.write_kv = lambda pages, k, v, slots: pages
-        out["no_attn_ms"], kv = best_ms(make(True), kv)
-    finally:
-        P.ragged_paged_attention, P.write_kv = saved
-    out["full_ms"], kv = best_ms(make(False), kv)
+    def compiled(stub_attention: bool, stub_write: bool):  # noqa: ANN202
+        """The step compiled with the given parts replaced by identity (traced right here)."""
+        def fwd(params, kv, tok, pos, md, rows):  # noqa: ANN001, ANN202 - fresh per variant:
+            return P.paged_forward(params, kv, tok, pos, md, rows, cfg, impl)  # no stale trace
+
+        saved = P.write_kv_and_attend
+        try:
+            if stub_attention and stub_write:
+                P.write_kv_and_attend = lambda q, k, v, pages, md, **kw: (q, pages)
+            elif stub_attention:
+                P.write_kv_and_attend = lambda q, k, v, pages, md, **kw: (
+                    q, write_kv(pages, k, v, md.slot_mapping))
+            fn = jax.jit(fwd, donate_argnums=1).lower(params, kv, tok, pos, md, rows).compile()
+        finally:
+            P.write_kv_and_attend = saved
+        return lambda kv: fn(params, kv, tok, pos, md, rows)
+
+    variants = {"full_ms": compiled(False, False), "write_only_ms": compiled(True, False),
+                "no_attn_ms": compiled(True, True)}
+    # Round robin, best of `runs` (after one warm-up round): a burst of load on a shared host
+    # then hits every variant alike instead of one.
+    out = {"seqs": seqs, "context": ctx, "impl": impl, "kv_dtype": kv_dtype,
+           **{k: float("inf") for k in variants}}
+    for i in range(runs + 1):
+        for name, step in variants.items():
+            t = time.perf_counter()
+            logits, kv = step(kv)
+            logits.block_until_ready()
+            if i:
+                out[name] = min(out[name], 1e3 * (time.perf_counter() - t))
     head = jax.jit(lambda p, x: lm_logits(cfg, p, x))
     x = jnp.ones((seqs, cfg.hidden_size), jnp.float32)
     head(params, x).block_until_ready()
@@ -81,6 +93,7 @@ def profile(model: loading.LoadedModel, seqs: int, ctx: int, page_size: int = 16
         head(params, x).block_until_ready()
     out["lm_head_ms"] = 1e3 * (time.perf_counter() - t) / 5
     out["attention_and_kv_write_ms"] = out["full_ms"] - out["no_attn_ms"]
+    out["kv_write_ms"] = out["write_only_ms"] - out["no_attn_ms"]
     return out
 
 
@@ -100,16 +113,27 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M")
     ap.add_argument("--seqs", default="1,8,32")
     ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--impl", default="auto",
+                    help="comma-separated attention impls to profile (auto | reference | cpu)")
+    ap.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="dtype of the KV pages (the model runs in float32 either way)")
+    ap.add_argument("--runs", type=int, default=6,
+                    help="timed runs per variant (the best counts; raise it on a busy host)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     model = loading.load_model(args.model, "float32")
     rows = []
-    for s in (int(x) for x in args.seqs.split(",")):
-        r = profile(model, s, args.context)
+    impls = [select_impl(name) for name in args.impl.split(",")]
+    for s, impl in ((int(x), i) for x in args.seqs.split(",") for i in impls):
+        r = profile(model, s, args.context, impl, runs=args.runs, kv_dtype=args.kv_dtype)
         r["gemm_gflops_at_m"] = gemm_gflops(s)
         rows.append(r)
-        print(f"S={s:3d} ctx={args.context}: step {r['full_ms']:.1f} ms = attention + KV write "
-              f"{r['attention_and_kv_write_ms']:.1f} + dense/norms/lm_head "
+        share = r["attention_and_kv_write_ms"] / r["full_ms"]
+        print(f"S={s:3d} ctx={args.context} {impl} KV {args.kv_dtype}: step "
+              f"{r['full_ms']:.1f} ms = attention + KV "
+              f"write {r['attention_and_kv_write_ms']:.1f} ({100 * share:.0f}%; XLA scatter "
+              f"{r['kv_write_ms']:.1f}) "
+              f"+ dense/norms/lm_head "
               f"{r['no_attn_ms']:.1f} (of which lm_head {r['lm_head_ms']:.1f}); "
               f"XLA GEMM at M={s}: {r['gemm_gflops_at_m']:.0f} GFLOP/s", flush=True)
     if args.json:

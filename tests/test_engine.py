@@ -52,24 +52,28 @@ def run_all(engine, prompts, max_tokens, arrive_every: int = 0, abort: dict | No
     return finals
 
 
-@pytest.mark.parametrize("budget,page_size,caching,kv_pages,arrive", [
-    (16, 8, False, None, 0),   # chunks of 16 cut prompts mid-page
-    (24, 16, True, None, 2),   # staggered arrivals, prefix cache on
-    (64, 32, True, 9, 0),      # little KV: preemptions
-    (512, 8, False, 40, 1),    # one big step per prefill, preemptions
-    (40, 16, True, None, 0),
+# The C++ CPU kernel (the CPU default, impl 'cpu') on every case; the jnp reference (what a
+# host without a compiler runs) on one. Where the kernel cannot be built, 'cpu' runs the
+# reference too (kernels_pallas.select_impl).
+@pytest.mark.parametrize("budget,page_size,caching,kv_pages,arrive,impl", [
+    (16, 8, False, None, 0, "cpu"),        # chunks of 16 cut prompts mid-page
+    (16, 8, False, None, 0, "reference"),
+    (24, 16, True, None, 2, "cpu"),        # staggered arrivals, prefix cache on
+    (64, 32, True, 9, 0, "cpu"),           # little KV: preemptions
+    (512, 8, False, 40, 1, "cpu"),         # one big step per prefill, preemptions
+    (40, 16, True, None, 0, "cpu"),
 ])
-def test_greedy_equals_rollout(budget, page_size, caching, kv_pages, arrive) -> None:
+def test_greedy_equals_rollout(budget, page_size, caching, kv_pages, arrive, impl) -> None:
     prompts = make_prompts(seed=budget + page_size, count=10, shared_prefix=20)
     max_seqs = min(6, budget)
     kv_mem = None
     eng = tiny_engine(max_num_batched_tokens=budget, max_num_seqs=max_seqs, page_size=page_size,
-                      enable_prefix_caching=caching, max_model_len=128)
+                      enable_prefix_caching=caching, max_model_len=128, attention_impl=impl)
     if kv_pages is not None:
         kv_mem = kv_pages * eng.plan.kv_bytes_per_page
         eng = tiny_engine(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                           page_size=page_size, enable_prefix_caching=caching, max_model_len=128,
-                          kv_cache_memory=kv_mem)
+                          kv_cache_memory=kv_mem, attention_impl=impl)
     finals = run_all(eng, prompts, max_tokens=16, arrive_every=arrive)
     compiles = eng.runner.compiles_after_warmup  # before the oracle compiles anything
     for i, p in enumerate(prompts):

@@ -35,7 +35,7 @@ _ENGINE_HELP = {
     "kv_cache_memory_fraction": "fraction of free memory for KV pages when --kv-cache-memory "
                                 "is not given",
     "enable_prefix_caching": "reuse KV pages of shared prompt prefixes",
-    "attention_impl": "auto | reference | pallas_tpu | pallas_gpu",
+    "attention_impl": "auto | reference | cpu | pallas_tpu | pallas_gpu",
     "token_buckets": "comma-separated step token buckets (default: powers of two)",
     "seq_buckets": "comma-separated sequence buckets (default: one per token bucket)",
     "seed": "seed of the seeds drawn for requests that give none",

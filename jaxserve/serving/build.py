@@ -185,8 +185,9 @@ def _make_runner(config: EngineConfig, placed: _Placed,
                  free: int) -> tuple[EnginePlan, ModelRunner]:
     attn_impl = select_impl(config.attention_impl)
     kv_dtype = _DTYPES[config.kv_cache_dtype or config.dtype]
-    # Pallas kernels want lane-aligned head dims; the jnp reference takes any.
-    kv_head_dim = None if attn_impl == "reference" else padded_head_dim(
+    # Pallas kernels want lane-aligned head dims; the jnp reference and the C++ CPU kernel
+    # take any.
+    kv_head_dim = None if attn_impl in ("reference", "cpu") else padded_head_dim(
         placed.model.config.head_dim)
     plan = plan_engine(config, placed.run_cfg, jnp.dtype(kv_dtype).itemsize, free, kv_head_dim)
     devices = placed.mesh.devices.flat if placed.mesh is not None else [placed.device]

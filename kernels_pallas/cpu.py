@@ -1,0 +1,87 @@
+"""Ragged paged attention on CPU through the C++ kernel (csrc/paged_attention_cpu.cc).
+
+Data flow: q [T, Hq, Dq] (cast to f32, small) + kv_pages [P, 2 * Hkv, page_size, D] (f32,
+bf16 or f16, passed to the kernel as they are: no copy, no gather) + the metadata arrays ->
+one XLA FFI custom call -> out f32 [T, Hq, Dq] -> q's dtype. The kernel reads each sequence's
+K/V straight from its pages through the block table, fuses QK, online softmax and PV per
+(sequence, kv head, query tile) in f32 and runs on XLA's intra-op thread pool without the
+GIL. Only the first Dq columns of the pages are read, so pages padded to a wider head dim
+need no padding of q. Where the kernel cannot be built (cpu_build logs why), these functions
+return the jnp reference's result instead.
+
+``write_kv_and_attend_cpu`` is the engine's per-layer call: the same custom call first stores
+the step's K/V rows into their slots, the pages aliased from input to output
+(``input_output_aliases``), so under jit with the pages donated (the engine's scan carry)
+nothing but the T new rows is written -- XLA:CPU's scatter (``write_kv``) does not always
+manage that (with bfloat16 pages it rewrote the whole cache every layer).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .common import AttentionMetadata, check_attention_inputs, write_kv
+from .cpu_build import WRITE_TARGET, cpu_kernel_target
+from .reference import ragged_paged_attention_reference
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+def ragged_paged_attention_cpu(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata, *,
+                               sm_scale: float, sliding_window: int | None = None,
+                               soft_cap: float | None = None) -> jax.Array:
+    """out [T, Hq, Dq] in q's dtype: causal ragged paged attention (see module docstring)."""
+    _check(q, kv_pages, md, sm_scale, sliding_window, soft_cap)
+    target = cpu_kernel_target()
+    if target is None:
+        return ragged_paged_attention_reference(q, kv_pages, md, sm_scale=sm_scale,
+                                                sliding_window=sliding_window,
+                                                soft_cap=soft_cap)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    out = call(q.astype(jnp.float32), kv_pages, md.block_tables, md.kv_lens, md.cu_q_lens,
+               md.num_seqs, **_attrs(sm_scale, sliding_window, soft_cap))
+    return out.astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+def write_kv_and_attend_cpu(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                            kv_pages: jax.Array, md: AttentionMetadata, *, sm_scale: float,
+                            sliding_window: int | None = None, soft_cap: float | None = None
+                            ) -> tuple[jax.Array, jax.Array]:
+    """(out [T, Hq, Dq] in q's dtype, kv_pages with k_new/v_new [T, Hkv, <= D] stored at
+    md.slot_mapping): write_kv then attention, as one custom call (see module docstring)."""
+    _check(q, kv_pages, md, sm_scale, sliding_window, soft_cap)
+    # write_kv's own checks, traced only (it names the bad shape or dtype).
+    jax.eval_shape(write_kv, kv_pages, k_new, v_new, md.slot_mapping)
+    if cpu_kernel_target() is None:
+        kv_pages = write_kv(kv_pages, k_new, v_new, md.slot_mapping)
+        return ragged_paged_attention_reference(q, kv_pages, md, sm_scale=sm_scale,
+                                                sliding_window=sliding_window,
+                                                soft_cap=soft_cap), kv_pages
+    call = jax.ffi.ffi_call(WRITE_TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                                           jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype)),
+                            input_output_aliases={3: 1})
+    out, kv_pages = call(q.astype(jnp.float32), k_new, v_new, kv_pages, md.slot_mapping,
+                         md.block_tables, md.kv_lens, md.cu_q_lens, md.num_seqs,
+                         **_attrs(sm_scale, sliding_window, soft_cap))
+    return out.astype(q.dtype), kv_pages
+
+
+def _attrs(sm_scale: float, sliding_window: int | None,
+           soft_cap: float | None) -> dict[str, np.generic]:
+    """The custom call's attributes; 0 means 'none' for the window and the cap."""
+    return dict(sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
+                soft_cap=np.float32(soft_cap or 0.0))
+
+
+def _check(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata, sm_scale: float,
+           sliding_window: int | None, soft_cap: float | None) -> None:
+    geom = check_attention_inputs(q, kv_pages, md, sm_scale=sm_scale,
+                                  sliding_window=sliding_window, soft_cap=soft_cap)
+    if geom.group > 64:
+        raise ValueError(f"the CPU kernel takes at most 64 query heads per kv head, got "
+                         f"{geom.group} (q shape {tuple(q.shape)}, kv_pages shape "
+                         f"{tuple(kv_pages.shape)})")

@@ -1,0 +1,269 @@
+// Arithmetic of one key block of the CPU paged attention (paged_attention_cpu.cc): scores
+// of query rows against the block's keys, the online-softmax step, the weighted sum of V.
+// With AVX2 + FMA these are written with intrinsics (8 score / 8 accumulator registers in
+// flight); elsewhere portable loops compute the same thing.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace jaxserve_cpu_attention {
+
+constexpr int kBlockKeys = 32;  // keys per inner block (scratch stays in L1)
+constexpr int kDirectRows = 8;  // tiles up to this many rows score K rows in place
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float bf16_to_f32(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float f16_to_f32(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+  if (exp == 0) {  // zero or subnormal: mant * 2^-24
+    float f = static_cast<float>(mant) * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  bits = exp == 31 ? (sign | 0x7f800000u | (mant << 13))
+                    : (sign | ((exp + 112) << 23) | (mant << 13));
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+
+struct Bf16 { uint16_t v; };
+struct F16 { uint16_t v; };
+inline float load(const Bf16* p, int64_t i) { return bf16_to_f32(p[i].v); }
+inline float load(const F16* p, int64_t i) { return f16_to_f32(p[i].v); }
+
+// exp(x) for x <= 0 (softmax arguments), branch-free so the loops vectorise: Cody-Waite range
+// reduction to r in [-ln2/2, ln2/2] and the Cephes degree-6 polynomial (~1 ulp); arguments
+// below -87 give ~1e-38 instead of a subnormal, which no softmax weight can notice.
+inline float exp_nonpos(float x) {
+  x = std::min(std::max(x, -87.0f), 0.0f);
+  float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln2)
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, 4);
+  return p * scale;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 exp_nonpos8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_setzero_ps());
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+template <typename KV>
+inline __m256 load8(const KV* p) {
+  if constexpr (std::is_same<KV, float>::value) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same<KV, Bf16>::value) {
+    const __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  } else {
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+    return _mm256_setr_ps(load(p, 0), load(p, 1), load(p, 2), load(p, 3), load(p, 4),
+                          load(p, 5), load(p, 6), load(p, 7));
+#endif
+  }
+}
+
+// sc[r][j] = q_r . K[j] for the block's nk keys, K rows read where they lie (short tiles).
+template <typename KV>
+inline void qk_direct(const KV* const* krow, int64_t nk, const float* q, int64_t R, int64_t Dq,
+                      float* sc) {
+  for (int64_t j = 0; j < nk; ++j) {
+    const KV* k = krow[j];
+    for (int64_t r = 0; r < R; ++r) {
+      const float* qr = q + r * Dq;
+      __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+      int64_t d = 0;
+      for (; d + 16 <= Dq; d += 16) {
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), load8(k + d), a);
+        b = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d + 8), load8(k + d + 8), b);
+      }
+      if (d + 8 <= Dq) {
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), load8(k + d), a);
+        d += 8;
+      }
+      float s = hsum8(_mm256_add_ps(a, b));
+      for (; d < Dq; ++d) s += qr[d] * load(k, d);
+      sc[r * kBlockKeys + j] = s;
+    }
+  }
+}
+
+// s0/s1[j] = q0/q1 . K[j] for the block's kBlockKeys (= 32) keys, kt = K transposed [Dq][32].
+inline void qk_two_rows(const float* q0, const float* q1, const float* kt, int64_t Dq,
+                        float* s0, float* s1) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  for (int64_t d = 0; d < Dq; ++d) {
+    const float* k = kt + d * kBlockKeys;
+    const __m256 k0 = _mm256_loadu_ps(k), k1 = _mm256_loadu_ps(k + 8),
+                 k2 = _mm256_loadu_ps(k + 16), k3 = _mm256_loadu_ps(k + 24);
+    const __m256 x = _mm256_broadcast_ss(q0 + d), y = _mm256_broadcast_ss(q1 + d);
+    a0 = _mm256_fmadd_ps(x, k0, a0); a1 = _mm256_fmadd_ps(x, k1, a1);
+    a2 = _mm256_fmadd_ps(x, k2, a2); a3 = _mm256_fmadd_ps(x, k3, a3);
+    b0 = _mm256_fmadd_ps(y, k0, b0); b1 = _mm256_fmadd_ps(y, k1, b1);
+    b2 = _mm256_fmadd_ps(y, k2, b2); b3 = _mm256_fmadd_ps(y, k3, b3);
+  }
+  _mm256_storeu_ps(s0, a0); _mm256_storeu_ps(s0 + 8, a1);
+  _mm256_storeu_ps(s0 + 16, a2); _mm256_storeu_ps(s0 + 24, a3);
+  _mm256_storeu_ps(s1, b0); _mm256_storeu_ps(s1 + 8, b1);
+  _mm256_storeu_ps(s1 + 16, b2); _mm256_storeu_ps(s1 + 24, b3);
+}
+
+// Online-softmax step over keys [jlo, jhi) of the block: s becomes the weights (0 outside),
+// m and l are updated; returns the factor the row's accumulator must be scaled by.
+inline float softmax_block(float* s, int jlo, int jhi, float* m, float* l) {
+  const __m256i lo = _mm256_set1_epi32(jlo - 1), hi = _mm256_set1_epi32(jhi);
+  __m256 in[kBlockKeys / 8], mv = _mm256_set1_ps(*m);
+  for (int b = 0; b < kBlockKeys / 8; ++b) {
+    const __m256i j =
+        _mm256_add_epi32(_mm256_set1_epi32(8 * b), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    in[b] = _mm256_castsi256_ps(
+        _mm256_and_si256(_mm256_cmpgt_epi32(j, lo), _mm256_cmpgt_epi32(hi, j)));
+    mv = _mm256_max_ps(
+        mv, _mm256_blendv_ps(_mm256_set1_ps(kNegInf), _mm256_loadu_ps(s + 8 * b), in[b]));
+  }
+  const float mx = hmax8(mv);
+  const __m256 mxv = _mm256_set1_ps(mx);
+  __m256 sum = _mm256_setzero_ps();
+  for (int b = 0; b < kBlockKeys / 8; ++b) {
+    const __m256 p =
+        _mm256_and_ps(exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(s + 8 * b), mxv)), in[b]);
+    _mm256_storeu_ps(s + 8 * b, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  const float corr = *m == kNegInf ? 0.0f : exp_nonpos(*m - mx);
+  *m = mx;
+  *l = *l * corr + hsum8(sum);
+  return corr;
+}
+
+// acc[0:Dq] = acc * corr + sum_j p[j] * V[j], 64 (then 8) columns at a time in registers.
+inline void pv_row(float* acc, const float* p, const float* const* vrow, int64_t jlo,
+                   int64_t jhi, int64_t Dq, float corr) {
+  const __m256 c = _mm256_set1_ps(corr);
+  int64_t d0 = 0;
+  for (; d0 + 64 <= Dq; d0 += 64) {
+    __m256 a[8];
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 8 * i), c);
+    for (int64_t j = jlo; j < jhi; ++j) {
+      const __m256 w = _mm256_broadcast_ss(p + j);
+      const float* v = vrow[j] + d0;
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), a[i]);
+    }
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(acc + d0 + 8 * i, a[i]);
+  }
+  for (; d0 + 8 <= Dq; d0 += 8) {
+    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + d0), c);
+    for (int64_t j = jlo; j < jhi; ++j) {
+      a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(vrow[j] + d0), a);
+    }
+    _mm256_storeu_ps(acc + d0, a);
+  }
+  for (; d0 < Dq; ++d0) {
+    float a = acc[d0] * corr;
+    for (int64_t j = jlo; j < jhi; ++j) a += p[j] * vrow[j][d0];
+    acc[d0] = a;
+  }
+}
+#else
+template <typename KV>
+inline void qk_direct(const KV* const* krow, int64_t nk, const float* q, int64_t R, int64_t Dq,
+                      float* sc) {
+  for (int64_t j = 0; j < nk; ++j) {
+    for (int64_t r = 0; r < R; ++r) {
+      float s = 0.0f;
+      for (int64_t d = 0; d < Dq; ++d) s += q[r * Dq + d] * load(krow[j], d);
+      sc[r * kBlockKeys + j] = s;
+    }
+  }
+}
+
+inline void qk_two_rows(const float* q0, const float* q1, const float* kt, int64_t Dq,
+                        float* s0, float* s1) {
+  std::fill(s0, s0 + kBlockKeys, 0.0f);
+  std::fill(s1, s1 + kBlockKeys, 0.0f);
+  for (int64_t d = 0; d < Dq; ++d) {
+    const float* k = kt + d * kBlockKeys;
+    for (int j = 0; j < kBlockKeys; ++j) {
+      s0[j] += q0[d] * k[j];
+      s1[j] += q1[d] * k[j];
+    }
+  }
+}
+
+inline float softmax_block(float* s, int jlo, int jhi, float* m, float* l) {
+  float mx = *m, sum = 0.0f;
+  for (int j = jlo; j < jhi; ++j) mx = std::max(mx, s[j]);
+  for (int j = 0; j < kBlockKeys; ++j) {
+    s[j] = j >= jlo && j < jhi ? exp_nonpos(s[j] - mx) : 0.0f;
+    sum += s[j];
+  }
+  const float corr = *m == kNegInf ? 0.0f : exp_nonpos(*m - mx);
+  *m = mx;
+  *l = *l * corr + sum;
+  return corr;
+}
+
+inline void pv_row(float* acc, const float* p, const float* const* vrow, int64_t jlo,
+                   int64_t jhi, int64_t Dq, float corr) {
+  for (int64_t d = 0; d < Dq; ++d) acc[d] *= corr;
+  for (int64_t j = jlo; j < jhi; ++j) {
+    for (int64_t d = 0; d < Dq; ++d) acc[d] += p[j] * vrow[j][d];
+  }
+}
+#endif
+
+}  // namespace jaxserve_cpu_attention

@@ -1,0 +1,398 @@
+// Ragged paged attention on CPU, registered with XLA as an FFI custom call.
+//
+// Data flow (one call = one layer of one engine step; kernels_pallas/common.py is the
+// contract): q f32[T, Hq, Dq] and the pages kv[P, 2*Hkv, page_size, D] (f32/bf16/f16, K of kv
+// head h on row 2h, V on 2h+1) -> out f32[T, Hq, Dq]. The work is cut into items of
+// (sequence, kv head, query tile[, key range]); a query tile holds up to kMaxRows rows, each
+// row one (token, query head of the group), so a tile reads each K/V row of its key range
+// once for all query heads of the group. Per item, keys are visited in blocks of kBlockKeys
+// straight from the pages through the block table: tiles of up to 8 rows (decode) score the
+// K rows where they lie; taller tiles (prefill) transpose the block's K rows into a small
+// scratch so the QK product vectorises over keys. V rows are read where they lie (f32) or
+// converted into a block-sized scratch (bf16/f16); nothing of the cache is copied beyond one
+// block. QK, an f32 online softmax and PV are fused per block (block_math.h). Items run on
+// XLA's intra-op thread pool, largest first; when there are fewer items than threads (few
+// long sequences) their key ranges are split and the partial softmax states merged at the
+// end. Tokens outside every live sequence get zeros.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "block_math.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using namespace jaxserve_cpu_attention;  // NOLINT: the block arithmetic of this kernel
+
+constexpr int kMaxRows = 64;          // query rows per tile (tokens x heads of a group)
+constexpr int64_t kMinSplitKeys = 512;  // a split key range is at least this long
+
+
+// Static sizes and raw pointers of one call.
+struct Problem {
+  const float* q;       // [T, Hq, Dq]
+  const void* kv;       // [P, 2*Hkv, ps, D]
+  const int32_t* block_tables;  // [S, max_pages]
+  float* out;           // [T, Hq, Dq]
+  int64_t T, Hq, Dq, P, Hkv, ps, D, S, max_pages, G;
+  float sm_scale, soft_cap;  // soft_cap 0: none
+  int64_t window;            // 0: none
+};
+
+// One unit of work: query tokens [tok0, tok0 + ntok) of sequence `seq` at positions
+// pos0.., kv head `head`, keys [klo, khi). partial < 0: write out; else partial-state slot.
+struct Item {
+  int64_t seq, head, tok0, ntok, pos0, klo, khi, cost;
+  int64_t partial;
+};
+
+template <typename KV>
+void run_item(const Problem& pb, const Item& it, float* partial_base) {
+  const int64_t G = pb.G, Dq = pb.Dq, R = it.ntok * G;
+  const KV* kv = static_cast<const KV*>(pb.kv);
+  const int32_t* table = pb.block_tables + it.seq * pb.max_pages;
+  const int64_t row_stride = pb.ps * pb.D;  // between rows 2h / 2h+1 of a page
+  // Scratch: q tile (pre-scaled), K block transposed [Dq][kBlockKeys] (tall tiles), V block
+  // (bf16/f16), scores [R][kBlockKeys].
+  const bool direct = R <= kDirectRows;
+  std::vector<float> qt(R * Dq), kt(direct ? 0 : Dq * kBlockKeys, 0.0f), vb;
+  std::vector<float> sc(R * kBlockKeys);
+  float spare[kBlockKeys];
+  std::vector<float> acc(R * Dq, 0.0f);
+  float m[kMaxRows], l[kMaxRows];
+  const float* vrow[kBlockKeys];
+  constexpr bool kF32 = std::is_same<KV, float>::value;
+  if (!kF32) vb.resize(kBlockKeys * Dq);
+  for (int64_t t = 0; t < it.ntok; ++t) {
+    const float* src = pb.q + ((it.tok0 + t) * pb.Hq + it.head * G) * Dq;
+    for (int64_t i = 0; i < G * Dq; ++i) qt[t * G * Dq + i] = src[i] * pb.sm_scale;
+  }
+  for (int64_t r = 0; r < R; ++r) { m[r] = kNegInf; l[r] = 0.0f; }
+
+  for (int64_t k0 = it.klo; k0 < it.khi; k0 += kBlockKeys) {
+    const int64_t nk = std::min<int64_t>(kBlockKeys, it.khi - k0);
+    // Rows of the block's keys, page by page through the block table. Tiles of a few rows
+    // (decode: the query heads of one group) take their scores straight from the K rows in
+    // the pages; taller tiles stage K transposed so the products vectorise over keys. V is
+    // read in place (f32) or converted into a block-sized scratch.
+    const KV* krow[kBlockKeys];
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t k = k0 + j;
+      const int64_t page = table[k / pb.ps];
+      const int64_t base = ((page * 2 * pb.Hkv + 2 * it.head) * pb.ps + k % pb.ps) * pb.D;
+      krow[j] = kv + base;
+      // Pages are scattered, so the hardware prefetcher stops at each one: ask for the next
+      // block's K and V rows while this block computes.
+      if (k + kBlockKeys < it.khi) {
+        const int64_t kn = k + kBlockKeys;
+        const int64_t next = ((int64_t{table[kn / pb.ps]} * 2 * pb.Hkv + 2 * it.head) * pb.ps +
+                              kn % pb.ps) * pb.D;
+        for (int64_t off = 0; off < Dq * int64_t{sizeof(KV)}; off += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(kv + next) + off);
+          __builtin_prefetch(reinterpret_cast<const char*>(kv + next + row_stride) + off);
+        }
+      }
+      if (!direct) {
+        for (int64_t d = 0; d < Dq; ++d) kt[d * kBlockKeys + j] = load(kv, base + d);
+      }
+      if constexpr (kF32) {
+        vrow[j] = reinterpret_cast<const float*>(kv) + base + row_stride;
+      } else {
+        float* dst = vb.data() + j * Dq;
+        for (int64_t d = 0; d < Dq; ++d) dst[d] = load(kv, base + row_stride + d);
+        vrow[j] = dst;
+      }
+    }
+    if (direct) {
+      qk_direct(krow, nk, qt.data(), R, Dq, sc.data());
+    } else {
+      for (int64_t r = 0; r < R; r += 2) {  // two rows per K load
+        const float* q0 = qt.data() + r * Dq;
+        qk_two_rows(q0, r + 1 < R ? q0 + Dq : q0, kt.data(), Dq, sc.data() + r * kBlockKeys,
+                    r + 1 < R ? sc.data() + (r + 1) * kBlockKeys : spare);
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      // Keys row r may see: causal end qpos, sliding-window start, this item's range.
+      const int64_t qpos = it.pos0 + r / G;
+      int64_t lo = std::max(k0, it.klo), hi = std::min(k0 + nk, qpos + 1);
+      if (pb.window > 0) lo = std::max(lo, qpos - pb.window + 1);
+      if (lo >= hi) continue;
+      float* s = sc.data() + r * kBlockKeys;
+      if (pb.soft_cap > 0.0f) {
+        for (int64_t j = lo - k0; j < hi - k0; ++j) {
+          s[j] = pb.soft_cap * std::tanh(s[j] / pb.soft_cap);
+        }
+      }
+      const float corr = softmax_block(s, static_cast<int>(lo - k0), static_cast<int>(hi - k0),
+                                       &m[r], &l[r]);
+      pv_row(acc.data() + r * Dq, s, vrow, lo - k0, hi - k0, Dq, corr);
+    }
+  }
+
+  if (it.partial >= 0) {  // split key range: keep (m, l, acc) for the merge
+    float* dst = partial_base + it.partial * (kMaxRows * (Dq + 2));
+    std::memcpy(dst, m, R * sizeof(float));
+    std::memcpy(dst + kMaxRows, l, R * sizeof(float));
+    std::memcpy(dst + 2 * kMaxRows, acc.data(), R * Dq * sizeof(float));
+    return;
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = r / G, g = r % G;
+    float* dst = pb.out + ((it.tok0 + t) * pb.Hq + it.head * G + g) * Dq;
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    for (int64_t d = 0; d < Dq; ++d) dst[d] = acc[r * Dq + d] * inv;
+  }
+}
+
+// Merge the partial states of items [first, first + n) (same tile, disjoint key ranges).
+void merge_partials(const Problem& pb, const std::vector<Item>& items, size_t first, size_t n,
+                    const float* partial_base) {
+  const Item& it = items[first];
+  const int64_t G = pb.G, Dq = pb.Dq, R = it.ntok * G, stride = kMaxRows * (Dq + 2);
+  for (int64_t r = 0; r < R; ++r) {
+    float mx = kNegInf;
+    for (size_t i = 0; i < n; ++i) {
+      mx = std::max(mx, partial_base[items[first + i].partial * stride + r]);
+    }
+    const int64_t t = r / G, g = r % G;
+    float* dst = pb.out + ((it.tok0 + t) * pb.Hq + it.head * G + g) * Dq;
+    std::fill(dst, dst + Dq, 0.0f);
+    float l = 0.0f;
+    for (size_t i = 0; i < n; ++i) {
+      const float* st = partial_base + items[first + i].partial * stride;
+      if (st[r] == kNegInf) continue;  // this part saw no key of row r
+      const float w = exp_nonpos(st[r] - mx);
+      l += w * st[kMaxRows + r];
+      const float* a = st + 2 * kMaxRows + r * Dq;
+      for (int64_t d = 0; d < Dq; ++d) dst[d] += w * a[d];
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int64_t d = 0; d < Dq; ++d) dst[d] *= inv;
+  }
+}
+
+// Plan the call's items: tiles of every live sequence and kv head, split by key range when
+// there are fewer tiles than 2 per thread. Returns the number of partial-state slots used.
+int64_t plan_items(const Problem& pb, const int32_t* kv_lens, const int32_t* cu, int64_t live,
+                   int64_t threads, std::vector<Item>* items) {
+  const int64_t tile_tokens = std::max<int64_t>(1, kMaxRows / pb.G);
+  const int64_t key_cap = pb.max_pages * pb.ps;
+  for (int64_t s = 0; s < live; ++s) {
+    const int64_t start = std::clamp<int64_t>(cu[s], 0, pb.T);
+    const int64_t end = std::clamp<int64_t>(cu[s + 1], start, pb.T);
+    const int64_t kv_len = std::min<int64_t>(kv_lens[s], key_cap);
+    const int64_t q_len = end - start;
+    if (q_len <= 0 || kv_len <= 0) continue;
+    for (int64_t t0 = 0; t0 < q_len; t0 += tile_tokens) {
+      const int64_t ntok = std::min(tile_tokens, q_len - t0);
+      const int64_t pos0 = std::max<int64_t>(0, kv_len - q_len + t0);
+      const int64_t khi = std::min(pos0 + ntok, kv_len);
+      const int64_t klo = pb.window > 0 ? std::max<int64_t>(0, pos0 - pb.window + 1) : 0;
+      if (khi <= klo) continue;
+      for (int64_t h = 0; h < pb.Hkv; ++h) {
+        items->push_back({s, h, start + t0, ntok, pos0, klo, khi, (khi - klo) * ntok, -1});
+      }
+    }
+  }
+  const int64_t want = 2 * threads, n = static_cast<int64_t>(items->size());
+  int64_t slots = 0;
+  if (n == 0 || n >= want) return 0;
+  std::vector<Item> split;
+  for (const Item& it : *items) {
+    const int64_t keys = it.khi - it.klo;
+    const int64_t parts = std::clamp<int64_t>(keys / kMinSplitKeys, 1, (want + n - 1) / n);
+    if (parts == 1) { split.push_back(it); continue; }
+    const int64_t step = (keys + parts - 1) / parts;
+    for (int64_t lo = it.klo; lo < it.khi; lo += step) {
+      Item part = it;
+      part.klo = lo;
+      part.khi = std::min(it.khi, lo + step);
+      part.cost = (part.khi - part.klo) * it.ntok;
+      part.partial = slots++;
+      split.push_back(part);
+    }
+  }
+  items->swap(split);
+  return slots;
+}
+
+// Shared by the caller and the helper tasks; a helper that starts after all items were
+// claimed touches nothing but this (kept alive by its shared_ptr).
+struct Work {
+  Problem pb;
+  std::vector<Item> items;
+  std::vector<size_t> order;  // items by decreasing cost
+  std::vector<float> partials;
+  ffi::DataType dtype;
+  std::atomic<size_t> next{0}, done{0};
+
+  void drain() {
+    for (size_t i; (i = next.fetch_add(1)) < order.size();) {
+      const Item& it = items[order[i]];
+      switch (dtype) {
+        case ffi::DataType::F32: run_item<float>(pb, it, partials.data()); break;
+        case ffi::DataType::BF16: run_item<Bf16>(pb, it, partials.data()); break;
+        default: run_item<F16>(pb, it, partials.data()); break;
+      }
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv,
+                     ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
+                     ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                     ffi::Result<ffi::Buffer<ffi::F32>> out, float sm_scale,
+                     int64_t sliding_window, float soft_cap) {
+  auto qd = q.dimensions(), kd = kv.dimensions(), bd = block_tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2 || kd[1] % 2 || qd[1] % (kd[1] / 2) ||
+      qd[2] > kd[3]) {
+    return ffi::Error::InvalidArgument(
+        "paged attention: inconsistent q / kv_pages / block_tables shapes");
+  }
+  const ffi::DataType dt = kv.element_type();
+  if (dt != ffi::DataType::F32 && dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) {
+    return ffi::Error::InvalidArgument("paged attention: kv_pages must be f32, bf16 or f16");
+  }
+  auto work = std::make_shared<Work>();
+  Problem& pb = work->pb;
+  pb = {q.typed_data(), kv.untyped_data(), block_tables.typed_data(), out->typed_data(),
+        qd[0], qd[1], qd[2], kd[0], kd[1] / 2, kd[2], kd[3], bd[0], bd[1], qd[1] / (kd[1] / 2),
+        sm_scale, soft_cap, sliding_window};
+  if (pb.G > kMaxRows) {
+    return ffi::Error::InvalidArgument("paged attention: more than 64 query heads per kv head");
+  }
+  std::fill(pb.out, pb.out + pb.T * pb.Hq * pb.Dq, 0.0f);  // padding tokens stay zero
+  const int64_t live = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, pb.S);
+  const int64_t pool_threads = pool.num_threads();
+  const int64_t threads = std::max<int64_t>(1, pool_threads);
+  const int64_t slots = plan_items(pb, kv_lens.typed_data(), cu_q_lens.typed_data(), live,
+                                   threads, &work->items);
+  // A page id outside the array would read out of bounds: refuse the call instead.
+  for (const Item& it : work->items) {
+    const int32_t* row = pb.block_tables + it.seq * pb.max_pages;
+    for (int64_t p = it.klo / pb.ps; p <= (it.khi - 1) / pb.ps; ++p) {
+      if (row[p] < 0 || row[p] >= pb.P) {
+        return ffi::Error::InvalidArgument(
+            "paged attention: block table holds a page id out of range");
+      }
+    }
+  }
+  work->dtype = dt;
+  work->partials.resize(slots * kMaxRows * (pb.Dq + 2));
+  work->order.resize(work->items.size());
+  for (size_t i = 0; i < work->order.size(); ++i) work->order[i] = i;
+  std::stable_sort(work->order.begin(), work->order.end(),
+                   [&](size_t a, size_t b) { return work->items[a].cost > work->items[b].cost; });
+  const int64_t helpers =
+      std::min<int64_t>(pool_threads, static_cast<int64_t>(work->items.size())) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
+  work->drain();
+  while (work->done.load(std::memory_order_acquire) < work->items.size()) std::this_thread::yield();
+  // Merge split tiles: their parts are consecutive in `items`, all with partial >= 0.
+  const auto& items = work->items;
+  for (size_t i = 0; i < items.size();) {
+    if (items[i].partial < 0) { ++i; continue; }
+    size_t n = 1;
+    while (i + n < items.size() && items[i + n].partial >= 0 && items[i + n].seq == items[i].seq &&
+           items[i + n].head == items[i].head && items[i + n].tok0 == items[i].tok0) ++n;
+    merge_partials(pb, items, i, n, work->partials.data());
+    i += n;
+  }
+  return ffi::Error::Success();
+}
+
+
+// write_kv's contract in place: each token's K/V row [Hkv, Dk] goes to its slot (rows 2h /
+// 2h + 1 of the page), zero-padded to the pages' head dim; negative or out-of-range slots
+// are dropped. kv_out aliases kv_in (input_output_aliases), so only T * Hkv rows move.
+ffi::Error WriteKv(ffi::AnyBuffer k_new, ffi::AnyBuffer v_new, ffi::Buffer<ffi::S32> slots,
+                   ffi::AnyBuffer kv_in, ffi::AnyBuffer kv_out) {
+  auto nd = k_new.dimensions(), kd = kv_out.dimensions();
+  if (nd.size() != 3 || kd.size() != 4 || nd[1] * 2 != kd[1] || nd[2] > kd[3] ||
+      k_new.element_type() != kv_out.element_type() ||
+      v_new.element_type() != kv_out.element_type() ||
+      v_new.element_count() != k_new.element_count() ||
+      slots.element_count() != static_cast<size_t>(nd[0])) {
+    return ffi::Error::InvalidArgument(
+        "paged attention: k_new / v_new / slot_mapping do not fit kv_pages");
+  }
+  if (kv_in.untyped_data() != kv_out.untyped_data()) {  // not aliased after all: keep the pages
+    std::memcpy(kv_out.untyped_data(), kv_in.untyped_data(), kv_in.size_bytes());
+  }
+  const int64_t T = nd[0], Hkv = nd[1], Dk = nd[2], P = kd[0], ps = kd[2], D = kd[3];
+  const size_t esz = ffi::ByteWidth(kv_out.element_type());
+  char* pages = static_cast<char*>(kv_out.untyped_data());
+  const char* src[2] = {static_cast<const char*>(k_new.untyped_data()),
+                        static_cast<const char*>(v_new.untyped_data())};
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = slots.typed_data()[t];
+    if (slot < 0 || slot / ps >= P) continue;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      for (int kvi = 0; kvi < 2; ++kvi) {
+        char* dst = pages + (((slot / ps) * 2 * Hkv + 2 * h + kvi) * ps + slot % ps) * D * esz;
+        std::memcpy(dst, src[kvi] + (t * Hkv + h) * Dk * esz, Dk * esz);
+        std::memset(dst + Dk * esz, 0, (D - Dk) * esz);
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error WriteAndAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_new,
+                          ffi::AnyBuffer v_new, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> slots,
+                          ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
+                          ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                          ffi::Result<ffi::Buffer<ffi::F32>> out,
+                          ffi::Result<ffi::AnyBuffer> kv_out, float sm_scale,
+                          int64_t sliding_window, float soft_cap) {
+  ffi::Error err = WriteKv(k_new, v_new, slots, kv, *kv_out);
+  if (err.failure()) return err;
+  return Attention(pool, q, *kv_out, block_tables, kv_lens, cu_q_lens, num_seqs, out, sm_scale,
+                   sliding_window, soft_cap);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionCpu, Attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::AnyBuffer>()          // kv_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionWriteCpu, WriteAndAttend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::AnyBuffer>()          // k_new
+                                  .Arg<ffi::AnyBuffer>()          // v_new
+                                  .Arg<ffi::AnyBuffer>()          // kv_pages (aliased to out 1)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slot_mapping
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out
+                                  .Ret<ffi::AnyBuffer>()          // kv_pages, written
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap"));
