@@ -10,11 +10,51 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 # The CLI turns on JAX's persistent compilation cache (default ~/.cache/jaxserve/xla) for the
-# whole process. A test that calls the CLI in-process would leave it on for every later test,
-# sharing one directory with the servers other tests start and with earlier runs: CI aborted
-# inside XLA's deserializer on such an entry. Tests that exercise the cache give their own
-# subprocess a private directory; everything else runs uncached unless the caller says so.
+# whole process; a test that calls the CLI in-process would leave it on for every later test,
+# in a directory shared with the user and with the servers other tests start. Tests that
+# exercise the cache give their own subprocess a private directory; the rest run uncached.
 os.environ.setdefault("JAXSERVE_COMPILATION_CACHE_DIR", "")
+
+
+def _num_memory_maps() -> int | None:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return None
+
+
+def _max_map_count() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+# Every XLA:CPU executable holds a few memory maps, and Linux caps a process's maps
+# (vm.max_map_count, 65530 by default). The suite compiles thousands of executables in one
+# process; past the cap LLVM cannot allocate ("LLVM compilation error: Cannot allocate memory")
+# and the process dies: a segfault inside a compile, an abort inside a cache read (both seen
+# on CI). So between test modules, once the count passes half the cap, JAX's compiled
+# executables are dropped (their engines went with the module's fixtures; later modules
+# compile what they need again).
+_CLEAR_ABOVE = _max_map_count() // 2
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):  # noqa: ANN201
+    yield  # the fixtures of `item` (its module's too, at a module's end) are torn down here
+    if nextitem is not None and nextitem.module is item.module:
+        return
+    maps = _num_memory_maps()
+    if maps is not None and maps > _CLEAR_ABOVE:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
 
 
 def _has_accelerator() -> bool:
