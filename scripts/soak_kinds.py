@@ -174,7 +174,7 @@ GRPC_BAD: tuple[Callable[[Ctx], Any], ...] = (
     lambda c: pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5]),
                                   sampling=pb2.SamplingParams(logprobs=1000)),
     lambda c: pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5]),
-                                  sampling=pb2.SamplingParams(max_tokens=0)),
+                                  sampling=pb2.SamplingParams(max_tokens=-1)),
     lambda c: pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5]),
                                   sampling=pb2.SamplingParams(max_tokens=2, min_tokens=5)),
     lambda c: pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5]),
