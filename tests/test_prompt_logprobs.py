@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_fixtures import VOCAB, tiny_engine, tiny_model, tiny_model_config, tiny_tokenizer
+from engine_fixtures import VOCAB, tiny_engine, tiny_model
+from test_async_engine import fake_engine as async_fake_engine
 
 from jaxserve import SamplingParams
-from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.fake_runner import ArithmeticRunner, arithmetic_prompt_logprobs
+from jaxserve.engine.fake_runner import arithmetic_prompt_logprobs
 from jaxserve.engine.outputs import RequestOutputKind
 from jaxserve.engine.request import FinishReason
-from jaxserve.engine.sizing import plan_engine
 from jaxserve.models import llama
 from jaxserve.models.loading import LoadedModel
 
@@ -26,12 +25,9 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 def fake_engine(**cfg: object) -> Engine:
-    base = dict(max_num_seqs=4, max_num_batched_tokens=16, page_size=4, max_model_len=128,
-                attention_impl="reference")
-    base.update(cfg)
-    config = EngineConfig(**base)  # type: ignore[arg-type]
-    plan = plan_engine(config, tiny_model_config(), 4, 1 << 30)
-    return Engine(config, plan, ArithmeticRunner(VOCAB), tiny_tokenizer(), (2,))
+    """test_async_engine's fake-runner engine, with small steps and pages: prompts span
+    several prefill chunks and pages."""
+    return async_fake_engine(**{"max_num_batched_tokens": 16, "page_size": 4, **cfg})
 
 
 def run(engine: Engine, requests: dict, kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
