@@ -119,6 +119,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for KV pages; None: a fraction of free memory
     kv_cache_memory_fraction: float = 0.8
     enable_prefix_caching: bool = True
+    # Overlap host and device: dispatch step N+1 (its decode tokens fed on the device from step
+    # N's sampler) before applying step N's results. Off: one step at a time (debugging).
+    async_scheduling: bool = True
     attention_impl: str = "auto"  # auto | reference | cpu | pallas_tpu | pallas_gpu
     token_buckets: tuple[int, ...] | None = None  # None: powers of two up to the budget
     # None: one per token bucket, min(tokens, max_num_seqs); else every (tokens, seqs) pair

@@ -34,16 +34,16 @@ class GatedRunner(ArithmeticRunner):
         for _ in range(steps):
             self._permits.release()
 
-    def execute(self, batch):  # noqa: ANN001, ANN201 - the Runner protocol
+    def dispatch(self, batch):  # noqa: ANN001, ANN201 - the Runner protocol
         self.blocked.set()
         if not self._permits.acquire(timeout=DEADLINE_S):
             raise TimeoutError("the test never allowed this step")
         self.blocked.clear()
-        return super().execute(batch)
+        return super().dispatch(batch)
 
 
 class FailingRunner(ArithmeticRunner):
-    def execute(self, batch):  # noqa: ANN001, ANN201
+    def dispatch(self, batch):  # noqa: ANN001, ANN201
         raise RuntimeError("device lost")
 
 
@@ -138,7 +138,7 @@ def test_leaving_a_stream_aborts_and_frees_pages_within_a_step() -> None:
 
     async def main() -> int:
         stream = ae.submit("long", [5] * 20, SamplingParams(max_tokens=100, ignore_eos=True))
-        runner.allow(1)
+        runner.allow(2)  # overlapped steps: a step's output comes once the next is dispatched
         got = 0
         async for out in stream:  # one step per output
             got += len(out.outputs[0].delta_token_ids)

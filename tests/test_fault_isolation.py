@@ -381,7 +381,7 @@ def test_multihost_leader_step_failures_are_fatal() -> None:
     class Broken:  # a runner whose step fails before touching the device
         compiles_after_warmup = 0
 
-        def execute(self, batch):  # noqa: ANN001, ANN202
+        def dispatch(self, batch):  # noqa: ANN001, ANN202
             raise ValueError("bad input")
 
         def close(self) -> None:

@@ -44,8 +44,8 @@ K = RequestOutputKind
 class TopLogprobsRunner(ArithmeticRunner):
     """Arithmetic tokens, plus distinct top-N ids and logprobs derived from them."""
 
-    def execute(self, batch):  # noqa: ANN001, ANN201 - the Runner protocol
-        r = super().execute(batch)
+    def collect(self, pending):  # noqa: ANN001, ANN201 - the Runner protocol
+        r = super().collect(pending)
         k = r.top_ids.shape[1]
         base = r.tokens.astype(np.int64)[:, None]
         r.top_ids[:] = (base + 1 + np.arange(k)) % self.vocab_size
@@ -73,13 +73,13 @@ class SteppedRunner(TopLogprobsRunner):
             if not self._cond.wait_for(lambda: self.entered >= count, DEADLINE_S):
                 raise AssertionError(f"step {count} never began")
 
-    def execute(self, batch):  # noqa: ANN001, ANN201
+    def dispatch(self, batch):  # noqa: ANN001, ANN201
         with self._cond:
             self.entered += 1
             self._cond.notify_all()
         if not self._permits.acquire(timeout=DEADLINE_S):
             raise TimeoutError("the test never allowed this step")
-        return super().execute(batch)
+        return super().dispatch(batch)
 
 
 def fake_engine(runner: ArithmeticRunner | None = None, **cfg: object) -> Engine:
@@ -183,10 +183,11 @@ def test_unread_stream_holds_one_coalesced_output() -> None:
         tracemalloc.start()
         try:
             sizes = []
+            runner.allow()  # overlapped steps: step i is applied once step i+1 is dispatched
             for i in range(steps - 1):
                 runner.allow()
-                runner.wait_entered(i + 2)  # step i's output is in the sink
-                # (the engine thread waits in step i+2: its state can be read)
+                runner.wait_entered(i + 3)  # step i+1's output is in the sink
+                # (the engine thread waits in step i+3: its state can be read)
                 generated = sum(s.num_output_tokens for s in engine._groups["slow"].seqs)
                 assert sink.holds_output and sink.unread_tokens == generated > i
                 assert len(ae._sinks) == 1
@@ -335,9 +336,9 @@ class DeviceTimeRunner(TopLogprobsRunner):
     would outrun the server's own handler (which then lags by more than FRONT_LIMIT tokens
     whatever the client does), not what these tests are about."""
 
-    def execute(self, batch):  # noqa: ANN001, ANN201
+    def collect(self, pending):  # noqa: ANN001, ANN201
         time.sleep(0.002)  # simulated device time, not synchronisation
-        return super().execute(batch)
+        return super().collect(pending)
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,9 @@ _ENGINE_HELP = {
     "kv_cache_memory_fraction": "fraction of free memory for KV pages when --kv-cache-memory "
                                 "is not given",
     "enable_prefix_caching": "reuse KV pages of shared prompt prefixes",
+    "async_scheduling": "overlap the host's work with the device step (dispatch the next step "
+                        "before reading this one's tokens); --no-async-scheduling: one at a "
+                        "time",
     "attention_impl": "auto | reference | cpu | pallas_tpu | pallas_gpu",
     "token_buckets": "comma-separated step token buckets (default: powers of two)",
     "seq_buckets": "comma-separated sequence buckets (default: one per token bucket)",

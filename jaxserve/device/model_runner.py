@@ -2,10 +2,12 @@
 
 Data flow: StepBatch (numpy, from `batch.py`) -> one `jax.device_put` of the whole
 `StepInputs` pytree -> `forward_step` (module-level, jitted once per (tokens, seqs) bucket,
-KV pages donated so XLA updates them in place) -> logits f32[S, V] stay on device ->
-`sample_step` (jitted once per seqs bucket, penalties on/off and logit bias width 0 / on)
--> one `jax.device_get` of the sampled ids and logprobs -> StepResult (numpy). On a step that
-scores prompt tokens, `prompt_logprobs` (jitted once per token bucket) also runs on the
+KV pages donated so XLA updates them in place; fed tokens taken from the previous step's
+sampled tokens, still on device) -> logits f32[S, V] stay on device -> `sample_step` (jitted
+once per seqs bucket, penalties on/off and logit bias width 0 / on; also the sampled tokens
+padded to `max_num_seqs`, the next step's feed) -> `dispatch` returns with all of it queued
+-> `collect`: one `jax.device_get` of the sampled ids and logprobs -> StepResult (numpy).
+On a step that scores prompt tokens, `prompt_logprobs` (jitted once per token bucket) also runs on the
 forward's hidden states and its rows come back with the same `device_get`. Nothing else in
 the engine touches jax arrays. The sampler is its own executable so that its penalties and
 bias variants multiply only the (cheap) sampler compiles, not the model's.
@@ -22,6 +24,7 @@ guard, and any further compile is counted (and is a bug).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable
 
@@ -33,8 +36,9 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 from jaxserve.device.compile_guard import CompileGuard
-from jaxserve.device.prompt_logprobs import PromptLogprobsInputs, prompt_logprobs
-from jaxserve.device.sampler import SamplingTensors, sample
+from jaxserve.device.prompt_logprobs import (PromptLogprobsInputs, PromptLogprobsOutput,
+                                           prompt_logprobs)
+from jaxserve.device.sampler import SampleOutput, SamplingTensors, sample
 from jaxserve.engine.batch import BatchShape, StepBatch, pad_bias, pad_rows
 from jaxserve.engine.runner import RunnerFailed, StepResult
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
@@ -51,24 +55,36 @@ log = logging.getLogger(__name__)
 @struct.dataclass
 class StepInputs:
     token_ids: jax.Array  # i32[T]
+    feed_rows: jax.Array  # i32[T] -1, or the row of the previous step's token this one is
     positions: jax.Array  # i32[T]
     md: AttentionMetadata
     logits_indices: jax.Array  # i32[S]
 
 
-def forward_step(params: LlamaParams, kv_pages: jax.Array, inputs: StepInputs, cfg: ModelConfig,
-                 attn_impl: str, mesh: Mesh | None = None
+def forward_step(params: LlamaParams, kv_pages: jax.Array, inputs: StepInputs, feed: jax.Array,
+                 cfg: ModelConfig, attn_impl: str, mesh: Mesh | None = None
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """-> (updated kv_pages, f32[S, vocab] logits of each sequence's sampling position,
-    [T, hidden] every token's last hidden state, for the prompt logprobs pass)."""
-    hidden, kv_pages = paged_hidden(params, kv_pages, inputs.token_ids, inputs.positions,
+    """`feed` i32[max_num_seqs]: the previous step's sampled tokens. -> (updated kv_pages,
+    f32[S, vocab] logits of each sequence's sampling position, [T, hidden] every token's last
+    hidden state, for the prompt logprobs pass)."""
+    fed = feed[jnp.maximum(inputs.feed_rows, 0)]
+    token_ids = jnp.where(inputs.feed_rows >= 0, fed, inputs.token_ids)
+    hidden, kv_pages = paged_hidden(params, kv_pages, token_ids, inputs.positions,
                                     inputs.md, cfg, attn_impl, mesh)
     return kv_pages, lm_logits(cfg, params, hidden[inputs.logits_indices]), hidden
 
 
+def sample_step(logits: jax.Array, st: SamplingTensors, apply_penalty: bool, feed_len: int
+                ) -> tuple[SampleOutput, jax.Array]:
+    """The sampler, plus its tokens zero-padded to i32[feed_len]: the next step's `feed`, one
+    shape whatever this step's bucket (so the forward never recompiles for it)."""
+    out = sample(logits, st, apply_penalty=apply_penalty)
+    return out, jnp.zeros(feed_len, jnp.int32).at[:out.tokens.shape[0]].set(out.tokens)
+
+
 _forward_jit = jax.jit(forward_step, static_argnames=("cfg", "attn_impl", "mesh"),
                        donate_argnames=("kv_pages",))
-_sample_jit = jax.jit(sample, static_argnames=("apply_penalty",))
+_sample_jit = jax.jit(sample_step, static_argnames=("apply_penalty", "feed_len"))
 _prompt_logprobs_jit = jax.jit(prompt_logprobs, static_argnames=("cfg",))
 
 
@@ -88,8 +104,8 @@ def to_step_inputs(b: StepBatch) -> StepTree:
     if len(b.prompt_lp_indices):
         plp = PromptLogprobsInputs(indices=b.prompt_lp_indices, targets=b.prompt_lp_targets,
                                    num=b.num_prompt_lp)
-    return StepInputs(token_ids=b.token_ids, positions=b.positions, md=md,
-                      logits_indices=b.logits_indices), st, plp
+    return StepInputs(token_ids=b.token_ids, feed_rows=b.feed_rows, positions=b.positions,
+                      md=md, logits_indices=b.logits_indices), st, plp
 
 
 def empty_batch(shape: BatchShape, num_tokens: int, num_seqs: int, penalties: bool,
@@ -102,7 +118,8 @@ def empty_batch(shape: BatchShape, num_tokens: int, num_seqs: int, penalties: bo
     i32 = np.int32
     bias_ids, bias_values = pad_bias(S, bias)
     return StepBatch(
-        token_ids=np.zeros(num_tokens, i32), positions=np.zeros(num_tokens, i32),
+        token_ids=np.zeros(num_tokens, i32), feed_rows=np.full(num_tokens, -1, i32),
+        positions=np.zeros(num_tokens, i32),
         slot_mapping=np.zeros(num_tokens, i32),
         block_tables=np.zeros((S, shape.max_pages_per_seq), i32), kv_lens=np.zeros(S, i32),
         cu_q_lens=np.zeros(S + 1, i32), num_seqs=np.zeros(1, i32),
@@ -137,6 +154,14 @@ def compile_buckets(runner: "ModelRunner", execute: Callable[[StepBatch], StepRe
     jax.block_until_ready(runner.kv_pages)
 
 
+@dataclasses.dataclass
+class ModelPending:
+    """A dispatched step: its device outputs (not yet copied to the host)."""
+
+    out: SampleOutput
+    scored: PromptLogprobsOutput | None
+
+
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, params: LlamaParams, shape: BatchShape,
                  num_pages: int, kv_dtype: jnp.dtype, attn_impl: str = "reference",
@@ -159,6 +184,10 @@ class ModelRunner:
             self.kv_pages = jax.jit(lambda: jnp.zeros(kv_shape, kv_dtype),
                                     out_shardings=placement.kv_sharding(mesh))()
             self.inputs_sharding = placement.replicated(mesh)
+        # The last dispatched step's sampled tokens, i32[max_num_seqs] (one shape for every
+        # bucket), which the next step's fed rows read; placed like the step's inputs.
+        self.feed_len = max(s for _, s in shape.buckets)
+        self._feed = jax.device_put(np.zeros(self.feed_len, np.int32), self.inputs_sharding)
         self.guard = CompileGuard()
 
     @property
@@ -187,7 +216,11 @@ class ModelRunner:
         self.guard.arm()
 
     def execute(self, batch: StepBatch) -> StepResult:
-        """One step; RunnerFailed (fatal or not, see the module docstring) when it fails."""
+        return self.collect(self.dispatch(batch))
+
+    def dispatch(self, batch: StepBatch) -> "ModelPending":
+        """Queue one step (returns before the device finishes it); RunnerFailed (fatal or not,
+        see the module docstring) when it fails."""
         try:
             # Replicated on the mesh under tensor parallelism, the same at warmup and
             # serving, so the compiled step's input shardings never change (no recompile).
@@ -200,15 +233,30 @@ class ModelRunner:
             raise self._failed("the compiled step", e) from e
 
     def _run(self, inputs: StepInputs, sampling: SamplingTensors,
-             plp: PromptLogprobsInputs | None, penalties: bool) -> StepResult:
+             plp: PromptLogprobsInputs | None, penalties: bool) -> "ModelPending":
         self.kv_pages, logits, hidden = _forward_jit(
-            self.params, self.kv_pages, inputs, cfg=self.model_cfg, attn_impl=self.attn_impl,
-            mesh=self.mesh)
-        out = _sample_jit(logits, sampling, apply_penalty=penalties)
+            self.params, self.kv_pages, inputs, self._feed, cfg=self.model_cfg,
+            attn_impl=self.attn_impl, mesh=self.mesh)
+        out, feed = _sample_jit(logits, sampling, apply_penalty=penalties,
+                                feed_len=self.feed_len)
+        # Committed to the inputs' placement: the forward is compiled for that one sharding
+        # (a no-op where the sampler's output already has it).
+        self._feed = feed if self.inputs_sharding is None else \
+            jax.device_put(feed, self.inputs_sharding)
         scored = None if plp is None else _prompt_logprobs_jit(self.params, hidden, plp,
                                                                cfg=self.model_cfg)
-        tokens, logprob, top_ids, top_lps, scored = jax.device_get(
-            (out.tokens, out.logprob, out.top_ids, out.top_logprobs, scored))
+        return ModelPending(out, scored)
+
+    def collect(self, pending: "ModelPending") -> StepResult:
+        """Wait for a dispatched step and copy its result to the host (any failure here is
+        fatal: the device ran the step, or failed in it)."""
+        out, scored = pending.out, pending.scored
+        try:
+            tokens, logprob, top_ids, top_lps, scored = jax.device_get(
+                (out.tokens, out.logprob, out.top_ids, out.top_logprobs, scored))
+        except Exception as e:  # noqa: BLE001 - classified for the engine
+            raise RunnerFailed(f"the compiled step failed on the device: {e!r}",
+                               fatal=True) from e
         if scored is None:
             return StepResult(tokens, logprob, top_ids, top_lps)
         return StepResult(tokens, logprob, top_ids, top_lps, prompt_logprob=scored.logprob,

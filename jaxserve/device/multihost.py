@@ -5,14 +5,16 @@ global mesh and feeds it the same inputs, and XLA's collectives (NCCL / ICI / gl
 join the devices. jaxserve keeps everything host-side on process 0 (scheduler, allocator,
 detokenizer, gRPC / HTTP fronts) and makes the other processes mirror its device calls:
 
-  process 0: Engine.step -> StepBatch -> LeaderRunner.execute:
+  process 0: Engine.step -> StepBatch -> LeaderRunner.dispatch:
                broadcast header i32[6] = (STEP, T_b, S_b, P, B, L)  -- which bucket,
                                                           sampler and prompt logprobs variant
                broadcast the forward arrays of that bucket     -- token ids, block tables, ...
                broadcast the sampling arrays (S_b, P, B)      -- knob matrix, keys, history,
                                                                   logit bias
                broadcast the prompt logprobs arrays (L > 0 only)
-               ModelRunner.execute(batch)                      -- the compiled step
+               ModelRunner.dispatch(batch)                     -- the compiled step
+             LeaderRunner.collect -> ModelRunner.collect (local: the followers' results
+             are the same and stay with them)
   process i: follow(runner): receive the header; STEP -> receive the arrays (shapes from the
              header) -> the same ModelRunner.execute; ARM -> arm the compile guard (warmup
              done); STOP -> return.
@@ -49,7 +51,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxserve.config import DistributedConfig
-from jaxserve.device.model_runner import ModelRunner, compile_buckets, empty_batch
+from jaxserve.device.model_runner import ModelPending, ModelRunner, compile_buckets, empty_batch
 from jaxserve.engine.batch import StepBatch
 from jaxserve.engine.runner import RunnerFailed, StepResult
 
@@ -59,7 +61,7 @@ STEP, ARM, STOP, KEEPALIVE = 1, 2, 3, 4
 # Each StepBatch field travels in exactly one of the three broadcasts: the forward's inputs
 # (shapes from tokens x seqs), the prompt logprobs pass's (L, sent only when L > 0) and every
 # other field, the sampler's (seqs x penalty history x logit bias width).
-_FORWARD = ("token_ids", "positions", "slot_mapping", "block_tables", "kv_lens", "cu_q_lens",
+_FORWARD = ("token_ids", "feed_rows", "positions", "slot_mapping", "block_tables", "kv_lens", "cu_q_lens",
             "num_seqs", "logits_indices")
 _PROMPT_LP = ("prompt_lp_indices", "prompt_lp_targets", "num_prompt_lp")
 _SAMPLING = tuple(f.name for f in dataclasses.fields(StepBatch)
@@ -175,6 +177,16 @@ class LeaderRunner:
             self._last = time.monotonic()
 
     def execute(self, batch: StepBatch) -> StepResult:
+        return self.collect(self.dispatch(batch))
+
+    def collect(self, pending: ModelPending) -> StepResult:
+        try:
+            return self.runner.collect(pending)
+        except BaseException:
+            self._broken = True
+            raise
+
+    def dispatch(self, batch: StepBatch) -> ModelPending:
         with self._lock:
             try:
                 self._check()
@@ -182,7 +194,7 @@ class LeaderRunner:
                 raise RunnerFailed(str(e), fatal=True) from e
             try:
                 _send_batch(batch)
-                result = self.runner.execute(batch)
+                pending = self.runner.dispatch(batch)
             except BaseException as e:
                 # The followers may be inside this step's collectives: announcing anything
                 # more would hang both sides. The job is over; JAX's coordination service
@@ -192,7 +204,7 @@ class LeaderRunner:
                     raise RunnerFailed(f"a multi-host step failed: {e}", fatal=True) from e
                 raise
             self._last = time.monotonic()
-            return result
+            return pending
 
     def close(self) -> None:
         """Release the followers (they return from `follow`); idempotent. After a failed

@@ -3,6 +3,10 @@
 Plain numpy (no jax); `model_runner` is the only place these cross to the device. Layout, in
 vLLM's vocabulary, for the T_b padded tokens of the S_b padded sequences of one step:
   token_ids, positions   i32[T_b]  the new tokens, sequence after sequence
+  feed_rows              i32[T_b]  -1, or for a token still in flight (`ScheduledSeq.fed`:
+                                    sampled by the previous dispatched step, not yet on the
+                                    host) that step's batch row: the device takes the token
+                                    from that step's sampler output (token_ids holds 0 there)
   slot_mapping           i32[T_b]  page * page_size + offset where each new token's K/V goes;
                                     padding tokens write into the trash page 0
   block_tables           i32[S_b, max_pages_per_seq]  each sequence's pages (0-padded)
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -88,6 +92,7 @@ def rng_key_data(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
 @dataclasses.dataclass
 class StepBatch:
     token_ids: np.ndarray  # i32[T_b]
+    feed_rows: np.ndarray  # i32[T_b] -1, or the previous step's row whose token this is
     positions: np.ndarray  # i32[T_b]
     slot_mapping: np.ndarray  # i32[T_b]
     block_tables: np.ndarray  # i32[S_b, max_pages_per_seq]
@@ -117,8 +122,11 @@ class BatchShape:
     history_len: int  # P when penalties are on (max_model_len)
 
 
-def build_batch(out: SchedulerOutput, shape: BatchShape) -> StepBatch:
-    """Pack one scheduled step; rows follow `out.seqs` order.
+def build_batch(out: SchedulerOutput, shape: BatchShape,
+                prev_rows: Mapping[int, int] | None = None) -> StepBatch:
+    """Pack one scheduled step; rows follow `out.seqs` order. `prev_rows`: seq_id -> batch
+    row in the step dispatched before this one, for the sequences it sampled (the source of
+    each fed row's token; ValueError when a fed row's sequence is not there).
 
     Per-row Python work is kept to list appends; the arrays are built with a few vectorised
     numpy calls (this runs every step, for hundreds of sequences).
@@ -127,6 +135,7 @@ def build_batch(out: SchedulerOutput, shape: BatchShape) -> StepBatch:
     ps = shape.page_size
     num = out.num_seqs
     tok: list[int] = []
+    feeds: list[tuple[int, int]] = []  # (token index, previous step's row)
     pos: list[int] = []
     slot: list[int] = []
     q_lens: list[int] = []
@@ -144,7 +153,15 @@ def build_batch(out: SchedulerOutput, shape: BatchShape) -> StepBatch:
         n = seq.num_new_tokens
         start = seq.start
         pages = req.pages
-        if n == 1:
+        if seq.fed:
+            if prev_rows is None or req.seq_id not in prev_rows:
+                raise ValueError(f"sequence {req.seq_id} feeds on a token the previous step "
+                                 "did not sample")
+            feeds.append((len(tok), prev_rows[req.seq_id]))
+            tok_append(0)
+            pos_append(start)
+            slot_append(pages[start // ps] * ps + start % ps)
+        elif n == 1:
             tok_append(req.all_token_ids[start])
             pos_append(start)
             slot_append(pages[start // ps] * ps + start % ps)
@@ -159,7 +176,9 @@ def build_batch(out: SchedulerOutput, shape: BatchShape) -> StepBatch:
         sp = req.sampling_params
         rows.append(sp.row)
         seeds.append(req.seed)
-        counters.append(len(req.output_token_ids))
+        # Draw number = output tokens before the one sampled here (counting any in flight),
+        # the same whether or not the step overlapped the previous one.
+        counters.append(max(start + n - req.num_prompt_tokens, 0))
         if sp.uses_penalties:
             penalised.append(row)
         if sp.logit_bias:
@@ -171,6 +190,9 @@ def build_batch(out: SchedulerOutput, shape: BatchShape) -> StepBatch:
     positions = np.zeros(T, np.int32)
     slot_mapping = np.zeros(T, np.int32)  # padding -> trash page 0, offset 0
     token_ids[:t] = tok
+    feed_rows = np.full(T, -1, np.int32)
+    for i, r in feeds:
+        feed_rows[i] = r
     positions[:t] = pos
     slot_mapping[:t] = slot
     kv_lens = np.zeros(S, np.int32)
@@ -203,8 +225,8 @@ def build_batch(out: SchedulerOutput, shape: BatchShape) -> StepBatch:
         bias_values[row, : len(ids)] = values
     scored = prompt_logprobs.spans(out, scoring, cu_q_lens) if scoring else []
     lp_indices, lp_targets, num_lp = prompt_logprobs.pack(out, scored, T if scored else 0)
-    return StepBatch(token_ids, positions, slot_mapping, block_tables, kv_lens, cu_q_lens,
-                     np.array([num], np.int32), logits_indices, sampling=sampling,
+    return StepBatch(token_ids, feed_rows, positions, slot_mapping, block_tables, kv_lens,
+                     cu_q_lens, np.array([num], np.int32), logits_indices, sampling=sampling,
                      rng_key=rng_key, history=history, history_is_output=is_output,
                      bias_ids=bias_ids, bias_values=bias_values, prompt_lp_indices=lp_indices,
                      prompt_lp_targets=lp_targets, num_prompt_lp=num_lp)

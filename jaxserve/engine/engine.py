@@ -1,11 +1,22 @@
 """The synchronous engine: add_request / abort / step. No threads; the caller drives steps.
 
 Data flow of `step()`:
-  scheduler.schedule() -> batch.build_batch() (numpy, bucketed) -> runner.execute() (one
-  compiled device step, one device->host copy) -> scheduler.update() (tokens appended, token
-  stop rules, pages freed) -> per sequence: logprobs recorded, incremental detokenization and
-  stop strings -> RequestOutputs shaped by each request's `RequestOutputKind` (cumulative
-  copies, deltas only, or nothing until the final one; see `outputs.py`).
+  scheduler.schedule() -> batch.build_batch() (numpy, bucketed) -> runner.dispatch() (one
+  compiled device step, queued) -> runner.collect() (one device->host copy) ->
+  scheduler.update() (tokens appended, token stop rules, pages freed) -> per sequence:
+  logprobs recorded, incremental detokenization and stop strings -> RequestOutputs shaped by
+  each request's `RequestOutputKind` (cumulative copies, deltas only, or nothing until the
+  final one; see `outputs.py`).
+
+Overlap (`EngineConfig.async_scheduling`, on by default): `step()` schedules and dispatches
+step N+1 while step N runs on the device, then collects and applies step N, so the device
+never idles while the host schedules, builds batches, detokenizes and streams. Step N+1's
+decode rows feed on step N's sampled tokens on the device (`StepBatch.feed_rows`); what
+only a token's value can end (EOS, stop ids, stop strings) ends one step late and the extra
+token is discarded, so outputs are the same as without overlap (see `scheduler.py`). When
+the step in flight samples a row that uses penalties (the next batch needs its token history
+on the host), step N is applied before step N+1 is scheduled. Each `step()` returns the
+outputs of the step it applied.
 
 The engine owns the requests' host-side extras (prompt text, detokenizers, n-sample groups);
 the scheduler owns their KV state; the runner owns everything on the device. Callers outside
@@ -34,10 +45,12 @@ When a step fails (see `runner.RunnerFailed` and the README's "When a step fails
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import random
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import prompt_logprobs
@@ -49,13 +62,32 @@ from jaxserve.engine.limits import (Admitted, EngineLimits, EngineStats, check_n
                                     check_priority, check_request_id)
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind, TokenLogprobs
 from jaxserve.engine.request import FinishReason, Request
-from jaxserve.engine.runner import Runner, RunnerFailed, StepResult
+from jaxserve.engine.runner import PendingStep, Runner, RunnerFailed, StepResult
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.sizing import EnginePlan
 from jaxserve.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Dispatched:
+    """A step on the device whose results the engine has not applied yet."""
+
+    out: SchedulerOutput
+    pending: PendingStep
+
+    @functools.cached_property
+    def sampled_rows(self) -> dict[int, int]:
+        """seq_id -> batch row of each sequence this step samples (the next step's feeds)."""
+        return {s.request.seq_id: i for i, s in enumerate(self.out.seqs) if s.samples}
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """A row it samples uses penalties: the next batch needs that token's history."""
+        return any(s.samples and s.request.sampling_params.uses_penalties
+                   for s in self.out.seqs)
 
 
 class Engine:
@@ -79,6 +111,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids, max_token_bytes=tokenizer.max_token_bytes)
         self.num_steps = 0
         self.last_step_tokens = 0
+        self._in_flight: _Dispatched | None = None  # dispatched, not yet applied
         # Groups with news for the next step's outputs besides this step's tokens (aborts).
         self._touched: dict[str, Group] = {}
         self._dead: str | None = None  # why the engine cannot step any more
@@ -151,7 +184,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._groups)
+        return bool(self._groups) or self._in_flight is not None
 
     def close(self) -> None:
         """Release the runner (multi-host: the other processes stop following)."""
@@ -181,19 +214,33 @@ class Engine:
         some requests finishes them with ERROR (module docstring); EngineDead when the
         engine cannot go on."""
         self._check_alive()
-        try:
-            out = self.scheduler.schedule()
-        except Exception as e:  # noqa: BLE001 - the scheduler's state is unknown
-            raise self._die("scheduling a step failed", e) from e
         touched = self._touched
         self._touched = {}
-        if out.seqs:
+        prev, self._in_flight = self._in_flight, None
+        try:
+            if prev is not None and prev.needs_host_tokens:
+                self._apply(prev, touched)  # the next batch needs its tokens on the host
+                prev = None
             try:
-                self._run(out, touched)
-            except EngineDead:
-                raise
-            except Exception as e:  # noqa: BLE001 - a failed recovery: state unknown
-                raise self._die("recovering from a failed step failed", e) from e
+                out = self.scheduler.schedule()
+            except Exception as e:  # noqa: BLE001 - the scheduler's state is unknown
+                raise self._die("scheduling a step failed", e) from e
+            failed: list[tuple[Request, str]] = []
+            launched = self._launch(out, prev, failed) if out.seqs else None
+            if prev is not None:
+                self._apply(prev, touched)
+            # After `prev`'s tokens are in (they were computed), and not for sequences that
+            # `prev` finished (their row in the failed step was a discarded extra).
+            self._fail([(r, m) for r, m in failed if not r.is_finished], touched)
+            if launched is not None:
+                if self.config.async_scheduling:
+                    self._in_flight = launched
+                else:
+                    self._apply(launched, touched)
+        except EngineDead:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failed recovery: state unknown
+            raise self._die("recovering from a failed step failed", e) from e
         outputs = []
         for g in touched.values():
             try:
@@ -209,21 +256,36 @@ class Engine:
                 del self._groups[g.request_id]
         return outputs
 
-    def _run(self, out: SchedulerOutput, touched: dict[str, Group]) -> None:
-        """Build, execute and apply one scheduled step; failed rows finish with ERROR."""
-        batch = self._build(out, touched)
+    def _launch(self, out: SchedulerOutput, prev: "_Dispatched | None",
+                failed: list[tuple[Request, str]]) -> "_Dispatched | None":
+        """Build and dispatch one scheduled step (fed rows read `prev`'s sampled tokens);
+        None when it did not run: its rows are rolled back to be scheduled again, and the
+        failed ones are added to `failed` (for the caller to finish with ERROR)."""
+        prev_rows = None if prev is None else prev.sampled_rows
+        batch = self._build(out, prev_rows, failed)
         if batch is None:
-            return
+            return None
         try:
-            result = self.runner.execute(batch)
+            pending = self.runner.dispatch(batch)
         except RunnerFailed as e:
             if e.fatal:
                 raise self._die("the model step failed", e) from e
             rows = range(len(out.seqs)) if e.rows is None else e.rows
-            self._fail([(out.seqs[i].request, f"the model step failed: {e}") for i in rows],
-                       touched)
-            return
+            failed.extend((out.seqs[i].request, f"the model step failed: {e}") for i in rows)
+            self.scheduler.unschedule(out.seqs)
+            return None
         except Exception as e:  # noqa: BLE001 - the device state is unknown
+            raise self._die("the model step failed", e) from e
+        self.num_steps += 1
+        self.last_step_tokens = out.num_tokens
+        return _Dispatched(out, pending)
+
+    def _apply(self, step: "_Dispatched", touched: dict[str, Group]) -> None:
+        """Collect a dispatched step's result and apply it: tokens, stops, outputs."""
+        out = step.out
+        try:
+            result = self.runner.collect(step.pending)
+        except Exception as e:  # noqa: BLE001 - later steps may have read its outputs
             raise self._die("the model step failed", e) from e
         if result.prompt_logprob is not None:
             self._take_prompt_logprobs(out, result, touched)
@@ -249,8 +311,6 @@ class Engine:
                 self._on_token(req, group, result, rows[id(req)])
             except Exception as e:  # noqa: BLE001 - this request's tokens only
                 self._fail([(req, f"processing the sampled token failed: {e!r}")], touched)
-        self.num_steps += 1
-        self.last_step_tokens = out.num_tokens
 
     def _take_prompt_logprobs(self, out: SchedulerOutput, result: StepResult,
                               touched: dict[str, Group]) -> None:
@@ -262,23 +322,25 @@ class Engine:
             self._fail([(out.seqs[s.row].request, f"the step's prompt logprobs are unusable: "
                          f"{e!r}") for s in scored], touched)
 
-    def _build(self, out: SchedulerOutput, touched: dict[str, Group]) -> StepBatch | None:
+    def _build(self, out: SchedulerOutput, prev_rows: Mapping[int, int] | None,
+               failed: list[tuple[Request, str]]) -> StepBatch | None:
         """The step's batch, or None when it could not be built: then the rows that fail
-        alone (else every row) are finished with ERROR and the others wait for the next
-        step, their pages reserved and nothing computed."""
+        alone (else every row) go to `failed` and every row is rolled back to wait for the
+        next step, its pages reserved and nothing computed."""
         shape = self.plan.batch_shape
         try:
-            return build_batch(out, shape)
+            return build_batch(out, shape, prev_rows)
         except Exception as e:  # noqa: BLE001 - find the culprit rows
             error = e
         culprits = []
         for s in out.seqs:
             try:
-                build_batch(SchedulerOutput([s], s.num_new_tokens, []), shape)
+                build_batch(SchedulerOutput([s], s.num_new_tokens, []), shape, prev_rows)
             except Exception as e:  # noqa: BLE001
                 culprits.append((s.request, f"building the step's batch failed: {e!r}"))
-        self._fail(culprits or [(s.request, f"building the step's batch failed: {error!r}")
-                                for s in out.seqs], touched)
+        failed.extend(culprits or [(s.request, f"building the step's batch failed: {error!r}")
+                                   for s in out.seqs])
+        self.scheduler.unschedule(out.seqs)
         return None
 
     def _group_of(self, req: Request) -> Group | None:

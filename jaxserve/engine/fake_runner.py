@@ -3,7 +3,13 @@
 Implements the `runner.Runner` protocol on numpy alone (no jax): each sequence's next
 token is a function of the token it just fed and that token's position, so a test can
 predict every output and a benchmark can time the host side (schedule + batch build) with
-no device work in the way.
+no device work in the way. Like the model runner it keeps each step's sampled tokens for the
+next step's fed rows (`StepBatch.feed_rows`), so overlapped scheduling is tested against the
+same arithmetic.
+
+`device_time_s` > 0 simulates a device: each step takes that long after the previous one
+ends (or after its dispatch, if later), `collect` waits until then, and `host_gaps` records
+how long the simulated device sat idle before each step (the host-gap benchmark's measure).
 
 Fault injection (`fault_injection.InjectedFault`): a step whose new tokens include a marker
 token id raises `RunnerFailed`, fatal or not, naming the culprit rows or not, so tests can
@@ -13,6 +19,9 @@ as a lost device would.
 
 from __future__ import annotations
 
+
+import dataclasses
+import time
 
 import numpy as np
 
@@ -26,12 +35,23 @@ def arithmetic_next_token(last_token: int, position: int, vocab_size: int) -> in
     return (last_token * 31 + position * 7 + 1) % vocab_size
 
 
+@dataclasses.dataclass
+class FakePending:
+    result: StepResult
+    ready_at: float  # when the simulated device finishes the step (monotonic seconds)
+
+
 class ArithmeticRunner:
-    def __init__(self, vocab_size: int, fault: InjectedFault | None = None):
+    def __init__(self, vocab_size: int, fault: InjectedFault | None = None,
+                 device_time_s: float = 0.0):
         self.vocab_size = vocab_size
         self.fault = fault
         self._injector = FaultInjector(fault) if fault is not None else None
         self.steps = 0
+        self.device_time_s = device_time_s
+        self.host_gaps: list[float] = []  # simulated device idle time before each step (s)
+        self._busy_until: float | None = None
+        self._prev_tokens = np.zeros(0, np.int32)  # i32[S_b] of the last dispatched step
 
     @property
     def compiles_after_warmup(self) -> int:
@@ -47,19 +67,41 @@ class ArithmeticRunner:
         return None
 
     def execute(self, batch: StepBatch) -> StepResult:
+        return self.collect(self.dispatch(batch))
+
+    def dispatch(self, batch: StepBatch) -> FakePending:
         if self._injector is not None:
             self._injector.check(batch)
+        result = self._compute(batch)
+        now = time.monotonic()
+        start = now if self._busy_until is None else max(now, self._busy_until)
+        if self._busy_until is not None:
+            self.host_gaps.append(start - self._busy_until)
+        self._busy_until = start + self.device_time_s
+        return FakePending(result, self._busy_until)
+
+    def collect(self, pending: FakePending) -> StepResult:
+        wait = pending.ready_at - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)  # the simulated device is still running the step
+        return pending.result
+
+    def _compute(self, batch: StepBatch) -> StepResult:
+        fed = batch.feed_rows >= 0
+        token_ids = batch.token_ids.copy()
+        token_ids[fed] = self._prev_tokens[batch.feed_rows[fed]]
         last = np.maximum(batch.cu_q_lens[1:] - 1, 0)
-        tokens = (batch.token_ids[last].astype(np.int64) * 31 + batch.positions[last] * 7 + 1) \
+        tokens = (token_ids[last].astype(np.int64) * 31 + batch.positions[last] * 7 + 1) \
             % self.vocab_size
+        self._prev_tokens = tokens.astype(np.int32)
         S = len(batch.kv_lens)
         self.steps += 1
         result = StepResult(tokens=tokens.astype(np.int32), logprob=np.zeros(S, np.float32),
                             top_ids=np.zeros((S, MAX_LOGPROBS), np.int32),
                             top_logprobs=np.zeros((S, MAX_LOGPROBS), np.float32))
         if len(batch.prompt_lp_indices):
-            fed = batch.token_ids[batch.prompt_lp_indices]
-            lp, ids, tops = arithmetic_prompt_logprobs(fed, batch.prompt_lp_targets,
+            lp, ids, tops = arithmetic_prompt_logprobs(token_ids[batch.prompt_lp_indices],
+                                                       batch.prompt_lp_targets,
                                                        self.vocab_size)
             result.prompt_logprob, result.prompt_top_ids, result.prompt_top_logprobs = \
                 lp, ids, tops

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.engine.batch import StepBatch
-from jaxserve.engine.runner import Runner, RunnerFailed, StepResult
+from jaxserve.engine.runner import PendingStep, Runner, RunnerFailed, StepResult
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,5 +83,11 @@ class FaultInjectingRunner:
         self.inner.close()
 
     def execute(self, batch: StepBatch) -> StepResult:
+        return self.collect(self.dispatch(batch))
+
+    def dispatch(self, batch: StepBatch) -> PendingStep:
         self.injector.check(batch)
-        return self.inner.execute(batch)
+        return self.inner.dispatch(batch)
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        return self.inner.collect(pending)

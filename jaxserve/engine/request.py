@@ -11,8 +11,15 @@ string can collide with another request's sequences.
 
 State: WAITING -> RUNNING -> FINISHED, with RUNNING -> WAITING on preemption (its pages are
 freed and its tokens recomputed later). `num_computed_tokens` counts the tokens whose K/V are
-in pages; `all_token_ids` = prompt + generated tokens; the next step computes
-`all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]`.
+in pages (steps whose results were applied); `all_token_ids` = prompt + generated tokens.
+
+Overlapped steps (the engine dispatches step N+1 before it applies step N's results):
+`num_scheduled_tokens` >= `num_computed_tokens` also counts the positions of steps dispatched
+but not yet applied, and `num_in_flight` the tokens those steps sample, known only on the
+device until applied. The next step computes positions [num_scheduled_tokens, ...) of the
+`num_tokens + num_in_flight` tokens; a position >= `num_tokens` is an in-flight token, which
+the device feeds from the previous step's sampler output. Without a step in flight the two
+counters agree and `num_in_flight` is 0.
 """
 
 from __future__ import annotations
@@ -82,6 +89,8 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None  # why the sequence finished with ERROR
     num_computed_tokens: int = 0
+    num_scheduled_tokens: int = 0  # >= num_computed_tokens: includes dispatched steps
+    num_in_flight: int = 0  # tokens sampled by dispatched steps, not yet applied
     pages: list[int] = dataclasses.field(default_factory=list)
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of full pages
     num_registered_pages: int = 0  # pages already entered into the prefix cache

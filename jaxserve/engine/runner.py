@@ -1,16 +1,25 @@
 """The engine <-> runner contract, jax-free: the Runner protocol and what a step returns.
 
+A step is `dispatch(batch)` (queued on the device, returns at once with a `PendingStep`) then
+`collect(pending)` (waits for it, one device->host copy). Between the two the engine schedules
+and dispatches the next step, so the device never waits for the host: the runner keeps each
+step's sampled tokens on the device, and the next batch's `feed_rows` read them from there.
+Steps run in dispatch order; a runner may have one step in flight besides the one being
+dispatched. `execute(batch)` = `collect(dispatch(batch))` (warmup, followers, scripts).
+
 Implementations: `model_runner.ModelRunner` (the model on a device), `multihost.LeaderRunner`
 (the same on several hosts) and `fake_runner.ArithmeticRunner` (arithmetic outputs, for
 scheduler tests and host benchmarks).
 
-Failures: `execute` raises `RunnerFailed`, whose `fatal` says whether the runner can run
+Failures: `dispatch` raises `RunnerFailed`, whose `fatal` says whether the runner can run
 another step. Not fatal: the step did not run or its KV writes do not matter (the batch could
 not be converted or placed, a trace-time error before the donated KV pages were consumed); the
 engine finishes the step's requests (or only `rows`, when the runner knows the culprits) with
 ERROR and carries on. Fatal: the device state is gone or unknown (the donated KV buffer was
 consumed by a failed step, an XLA runtime error, a broken multi-host job); the engine raises
-`EngineDead`. Any other exception out of `execute` counts as fatal.
+`EngineDead`. Any other exception out of `dispatch` counts as fatal, and so does any failure
+out of `collect` (the step ran, or failed, on the device: a later step that was already
+dispatched may have read its outputs).
 """
 
 from __future__ import annotations
@@ -46,6 +55,10 @@ class RunnerFailed(RuntimeError):
         self.rows = rows
 
 
+class PendingStep(Protocol):
+    """A dispatched step (runner-specific): what `Runner.collect` takes."""
+
+
 class Runner(Protocol):
     def warmup(self, progress: bool = True) -> None:
         """Compile every bucket (compiles are counted only after `arm`)."""
@@ -53,8 +66,14 @@ class Runner(Protocol):
     def arm(self) -> None:
         """Warmup is over (for every engine of the process): count compiles from now on."""
 
+    def dispatch(self, batch: StepBatch) -> PendingStep:
+        """Queue one step on the device; RunnerFailed when it fails (module docstring)."""
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        """Wait for a dispatched step's result (steps are collected in dispatch order)."""
+
     def execute(self, batch: StepBatch) -> StepResult:
-        """Run one step; RunnerFailed when it fails (see the module docstring)."""
+        """`collect(dispatch(batch))`."""
 
     @property
     def compiles_after_warmup(self) -> int: ...

@@ -7,6 +7,17 @@ Plain Python (no jax). Data flow per step:
   sampled)` appends sampled tokens, advances `num_computed_tokens`, registers full pages in the
   prefix cache, applies token stop rules and frees the pages of finished sequences.
 
+Overlap: the engine may call `schedule()` for step N+1 before `update()` of step N (whose
+sampled tokens are still on the device). `schedule()` therefore plans from
+`Request.num_scheduled_tokens` and counts each token a dispatched step samples as in flight
+(`Request.num_in_flight`): a sequence whose step N samples is scheduled in step N+1 as a
+decode of that unknown token (`ScheduledSeq.fed`: the device feeds it from step N's sampler
+output), unless the in-flight token is already its last by `max_tokens` / `max_model_len`.
+A stop that only the token's value reveals (EOS, stop ids, stop strings) lands one step late:
+the sequence is finished by step N's update and step N+1's row for it is discarded (its
+update skips sequences that are no longer running, or were preempted since: `ScheduledSeq.
+epoch`). A step that never ran is rolled back by `unschedule()`.
+
 Policy:
 - Running sequences are served in (priority, arrival) order, decodes before prefill chunks, so
   a long prompt never stalls the streams already generating; a prompt is spread over steps in
@@ -43,9 +54,13 @@ from jaxserve.engine.request import FinishReason, Request, RequestStatus
 @dataclasses.dataclass
 class ScheduledSeq:
     request: Request
-    start: int  # position of the first new token (= num_computed_tokens before the step)
+    start: int  # position of the first new token (= num_scheduled_tokens before the step)
     num_new_tokens: int
     samples: bool  # this chunk reaches the end of the sequence: sample its next token
+    # The chunk's (single) token is still in flight: sampled by the step dispatched before
+    # this one, on the device only; the batch feeds it from that step's sampler output.
+    fed: bool = False
+    epoch: int = 0  # the request's preemption count when scheduled (stale rows are skipped)
 
 
 @dataclasses.dataclass
@@ -125,18 +140,20 @@ class Scheduler:
         preempted: list[Request] = []
         self.running.sort(key=self._rank)
         # Decodes (exactly one token left to compute) first, then running prefill chunks.
-        order = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        order += [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        todo = [(r, self._to_schedule(r)) for r in self.running]
+        order = [r for r, left in todo if left == 1] + [r for r, left in todo if left > 1]
         for req in order:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._reserve(req, req.num_computed_tokens + n, preempted, may_self=True):
+            start = req.num_scheduled_tokens
+            total = req.num_tokens + req.num_in_flight
+            n = min(total - start, budget)
+            if not self._reserve(req, start + n, preempted, may_self=True):
                 continue
-            seq = ScheduledSeq(req, req.num_computed_tokens, n,
-                               samples=req.num_computed_tokens + n == req.num_tokens)
+            seq = ScheduledSeq(req, start, n, samples=start + n == total,
+                               fed=start >= req.num_tokens, epoch=req.metrics.num_preemptions)
             (decodes if n == 1 and seq.samples else prefills).append(seq)
             budget -= n
 
@@ -151,7 +168,7 @@ class Scheduler:
                 self._match_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._reserve(req, req.num_computed_tokens + n, preempted, may_self=False):
-                break
+                break  # (a waiting sequence has nothing in flight: scheduled == computed)
             heapq.heappop(self._waiting)
             self._num_waiting -= 1
             req.status = RequestStatus.RUNNING
@@ -159,13 +176,37 @@ class Scheduler:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
             prefills.append(ScheduledSeq(req, req.num_computed_tokens, n,
-                                         samples=req.num_computed_tokens + n == req.num_tokens))
+                                         samples=req.num_computed_tokens + n == req.num_tokens,
+                                         epoch=req.metrics.num_preemptions))
             budget -= n
         # A sequence scheduled early in this step may have been preempted by a later one.
         gone = {id(r) for r in preempted}
         seqs = [s for s in decodes + prefills if id(s.request) not in gone]
+        for s in seqs:
+            s.request.num_scheduled_tokens = s.start + s.num_new_tokens
+            s.request.num_in_flight += s.samples
         return SchedulerOutput(seqs=seqs, num_tokens=sum(s.num_new_tokens for s in seqs),
                                preempted=preempted)
+
+    def _to_schedule(self, req: Request) -> int:
+        """How many of a running sequence's tokens are left to schedule: 0 while its only
+        one is an in-flight token that will end it anyway (max_tokens / max_model_len; its
+        update finishes it), or a prefill-only request's last chunk is in flight."""
+        if req.num_in_flight and (
+                req.num_output_tokens + req.num_in_flight >= req.max_tokens
+                or req.num_tokens + req.num_in_flight >= self.cfg.max_model_len):
+            return 0
+        return req.num_tokens + req.num_in_flight - req.num_scheduled_tokens
+
+    def unschedule(self, seqs: Iterable[ScheduledSeq]) -> None:
+        """Roll back scheduled rows whose step never ran (its build or dispatch failed): each
+        still-running sequence is scheduled again for the same tokens (its pages stay)."""
+        for seq in seqs:
+            req = seq.request
+            if req.status is RequestStatus.RUNNING and \
+                    seq.epoch == req.metrics.num_preemptions:
+                req.num_scheduled_tokens = seq.start
+                req.num_in_flight -= seq.samples
 
     def _rank(self, req: Request) -> tuple[int, int]:
         return req.priority, self._arrival_order[req.seq_id]
@@ -198,7 +239,7 @@ class Scheduler:
         self.running.remove(req)
         self.allocator.free(req.pages)
         req.pages = []
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_scheduled_tokens = req.num_in_flight = 0
         req.num_registered_pages = 0
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
@@ -224,7 +265,7 @@ class Scheduler:
         hashes = self._full_page_hashes(req, req.num_tokens - 1)
         pages = self.allocator.match_prefix(hashes)
         req.pages = pages
-        req.num_computed_tokens = len(pages) * self.cfg.page_size
+        req.num_computed_tokens = req.num_scheduled_tokens = len(pages) * self.cfg.page_size
         req.num_registered_pages = len(pages)
         if req.metrics.first_scheduled_time is None:
             req.metrics.num_cached_tokens = req.num_computed_tokens
@@ -234,7 +275,7 @@ class Scheduler:
             # Matched pages only (nothing computed yet): give the references back.
             self.allocator.free(req.pages)
             req.pages = []
-            req.num_computed_tokens = 0
+            req.num_computed_tokens = req.num_scheduled_tokens = 0
             req.num_registered_pages = 0
 
     def _register_pages(self, req: Request) -> None:
@@ -273,9 +314,10 @@ class Scheduler:
     def _update_seq(self, seq: ScheduledSeq, token: int | None, now: float) -> bool:
         """One sequence's result; True when it got a new token."""
         req = seq.request
-        if req.status is not RequestStatus.RUNNING:
-            return False  # aborted while the step ran
+        if req.status is not RequestStatus.RUNNING or seq.epoch != req.metrics.num_preemptions:
+            return False  # finished (aborted, a stop) or preempted since it was scheduled
         req.num_computed_tokens = seq.start + seq.num_new_tokens
+        req.num_in_flight -= seq.samples
         self._register_pages(req)
         if req.num_computed_tokens >= req.num_prompt_tokens and \
                 req.seq_id in self._fork_children:
@@ -320,7 +362,7 @@ class Scheduler:
             if shared:
                 self.allocator.share(shared)
                 child.pages = list(shared)
-                child.num_computed_tokens = len(shared) * ps
+                child.num_computed_tokens = child.num_scheduled_tokens = len(shared) * ps
                 child.num_registered_pages = len(shared)
                 child.metrics.num_cached_tokens = child.num_computed_tokens
             self._push_waiting(child, front=False)
