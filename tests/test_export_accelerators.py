@@ -1,0 +1,194 @@
+"""The accelerator paths lowered on CPU: `jax.export` for platforms that are not present.
+
+`jax.export.export(jitted, platforms=["tpu"])` (or `["cuda"]`) traces and lowers a function
+for that platform on this machine, running the Pallas -> Mosaic TPU and Pallas -> Mosaic GPU
+lowering and every trace-time check, so shape, layout and API breakage in the kernels or the
+engine's step shows up here without a device. Exported, for both platforms:
+  - both Pallas kernels at realistic shapes (dtypes, head dims, GQA, page sizes, decode /
+    prefill / mixed step shapes, sliding window, soft cap);
+  - the engine's compiled step exactly as `ModelRunner` jits it (`_forward_jit`: embed,
+    layers, KV write, attention, LM head; `_sample_jit`) for every bucket `plan_engine` makes,
+    for a Llama-3-8B-shaped and a Qwen3-shaped config (abstract weights: ShapeDtypeStructs,
+    nothing allocated), with `attention_impl="auto"` resolved as on that platform, and under
+    tensor parallelism over an abstract 8-device mesh.
+Each exported module must hold the platform's kernel custom call, once per layer body (the
+layers run in a scan), and the jnp reference attention must never be traced (the `no_reference`
+fixture makes any call to it fail the test).
+The default run exports three buckets per (model, platform); JAXSERVE_RUN_SLOW=1 exports all.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractMesh, NamedSharding
+
+from jaxserve.config import EngineConfig
+from jaxserve.device import model_runner as mr
+from jaxserve.engine.sizing import plan_engine
+from jaxserve.kernels_pallas import AttentionMetadata, padded_head_dim, select_impl
+from jaxserve.kernels_pallas import selector
+from jaxserve.kernels_pallas.selector import ragged_paged_attention
+from jaxserve.models import placement
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.llama import abstract_params
+from jaxserve.models.paged import kv_cache_shape
+
+PLATFORMS = ("tpu", "cuda")
+KERNEL_CALL = {"tpu": "tpu_custom_call", "cuda": "mosaic_gpu_v2"}
+ALL_BUCKETS = os.environ.get("JAXSERVE_RUN_SLOW") == "1"
+SDS = jax.ShapeDtypeStruct
+
+
+def custom_calls(exported: jax.export.Exported) -> list[str]:
+    return re.findall(r"custom_call @(\w+)", exported.mlir_module())
+
+
+def assert_kernel_only(exported: jax.export.Exported, platform: str, count: int) -> None:
+    calls = custom_calls(exported)
+    assert calls.count(KERNEL_CALL[platform]) == count, calls
+
+
+@pytest.fixture(autouse=True)
+def no_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accelerator path may not fall back to the jnp reference attention."""
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the jnp reference attention was traced on an accelerator path")
+
+    monkeypatch.setattr(selector, "ragged_paged_attention_reference", refuse)
+
+
+# --------------------------------------------------------------------------- kernels
+def metadata(num_tokens: int, num_seqs: int, max_pages: int) -> AttentionMetadata:
+    i32 = jnp.int32
+    return AttentionMetadata(slot_mapping=SDS((num_tokens,), i32),
+                             block_tables=SDS((num_seqs, max_pages), i32),
+                             kv_lens=SDS((num_seqs,), i32), cu_q_lens=SDS((num_seqs + 1,), i32),
+                             num_seqs=SDS((1,), i32))
+
+
+# (dtype, head_dim, q heads, kv heads, page size, tokens, seqs, window, soft cap): decode
+# (tokens = seqs), prefill (few seqs, many tokens) and mixed shapes; GQA 1 / 4 / 8.
+KERNEL_CASES = [
+    ("bfloat16", 128, 32, 8, 16, 64, 64, None, None),      # Llama-3-8B decode, GQA 4
+    ("bfloat16", 128, 32, 8, 32, 2048, 4, None, None),     # its prefill
+    ("bfloat16", 128, 32, 32, 64, 512, 32, None, None),    # Llama-2 MHA, mixed, GQA 1
+    ("float32", 128, 64, 8, 16, 256, 16, None, None),      # f32 pages, GQA 8
+    ("bfloat16", 64, 16, 2, 16, 128, 128, None, None),     # head dim 64, GQA 8, decode
+    ("bfloat16", 256, 16, 4, 32, 512, 8, None, 50.0),      # head dim 256, Gemma-style soft cap
+    ("bfloat16", 128, 32, 8, 16, 384, 24, 4096, None),     # Mistral sliding window, mixed
+    ("float32", 64, 8, 8, 64, 64, 8, 128, 30.0),           # window + cap together
+]
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_kernel_lowers_for_platform(platform: str, case: tuple) -> None:
+    dtype, d, hq, hkv, ps, tokens, seqs, window, cap = case
+    impl = select_impl("auto", platform)
+    assert impl == {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}[platform]
+    max_pages = 4096 // ps
+    num_pages = 1 + seqs * max_pages
+
+    def attend(q, kv, md):  # noqa: ANN001, ANN202
+        return ragged_paged_attention(q, kv, md, sm_scale=d ** -0.5, sliding_window=window,
+                                      soft_cap=cap, impl=impl)
+
+    exported = jax.export.export(jax.jit(attend), platforms=[platform])(
+        SDS((tokens, hq, d), jnp.dtype(dtype)),
+        SDS((num_pages, 2 * hkv, ps, padded_head_dim(d)), jnp.dtype(dtype)),
+        metadata(tokens, seqs, max_pages))
+    assert exported.platforms == (platform,)
+    assert_kernel_only(exported, platform, 1)
+
+
+# --------------------------------------------------------------------------- whole step
+def _cfg(**kw: object) -> ModelConfig:
+    return ModelConfig(**kw)  # type: ignore[arg-type]
+
+
+MODELS = {
+    "llama3-8b": _cfg(model_type="llama", vocab_size=128256, hidden_size=4096,
+                      intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                      head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+                      max_position_embeddings=8192, tie_word_embeddings=False,
+                      attention_bias=False, qk_norm=False, bos_token_id=128000,
+                      eos_token_ids=(128001, 128009)),
+    "qwen3-8b": _cfg(model_type="qwen3", vocab_size=151936, hidden_size=4096,
+                     intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8,
+                     head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                     max_position_embeddings=40960, tie_word_embeddings=False,
+                     attention_bias=False, qk_norm=True, bos_token_id=151643,
+                     eos_token_ids=(151645,)),
+}
+ENGINE = EngineConfig(dtype="bfloat16", max_num_seqs=128, max_num_batched_tokens=1024,
+                      max_model_len=4096, kv_cache_memory=8 << 30)
+
+
+def exported_buckets(cfg: ModelConfig, tp: int) -> tuple[list[tuple[int, int]], object]:
+    plan = plan_engine(ENGINE, cfg, 2, 1 << 40, padded_head_dim(cfg.head_dim))
+    buckets = list(plan.batch_shape.buckets)
+    if not ALL_BUCKETS:  # the smallest, a middle and the largest
+        buckets = sorted({buckets[0], buckets[len(buckets) // 2], buckets[-1]})
+    return buckets, plan
+
+
+def export_step(cfg: ModelConfig, platform: str, tp: int) -> None:
+    """Export `_forward_jit` and `_sample_jit` for the chosen buckets; asserts the kernel."""
+    impl = select_impl("auto", platform)
+    buckets, plan = exported_buckets(cfg, tp)
+    mesh = None
+    run_cfg = cfg
+    params = abstract_params(cfg, jnp.bfloat16)
+    kv_shape = kv_cache_shape(cfg, plan.scheduler.num_pages, plan.scheduler.page_size,
+                              padded_head_dim(cfg.head_dim))
+    kv = SDS(kv_shape, jnp.bfloat16)
+
+    def replicated(a):  # noqa: ANN001, ANN202
+        return SDS(a.shape, a.dtype)
+
+    if tp > 1:
+        mesh = AbstractMesh((tp,), (placement.MODEL_AXIS,))
+        run_cfg = placement.tp_model_config(cfg, tp)
+        params = jax.tree.map(lambda a, spec: SDS(a.shape, a.dtype,
+                                                  sharding=NamedSharding(mesh, spec)),
+                              abstract_params(run_cfg, jnp.bfloat16),
+                              placement.param_specs(cfg, tp))
+        kv_shape = kv_cache_shape(run_cfg, plan.scheduler.num_pages,
+                                  plan.scheduler.page_size, padded_head_dim(cfg.head_dim))
+        kv = SDS(kv_shape, jnp.bfloat16, sharding=placement.kv_sharding(mesh))
+        rep = placement.replicated(mesh)
+
+        def replicated(a):  # noqa: ANN001, ANN202, F811
+            return SDS(a.shape, a.dtype, sharding=rep)
+
+    feed_len = max(s for _, s in plan.batch_shape.buckets)
+    for t, s in buckets:
+        batch = mr.empty_batch(plan.batch_shape, t, s, penalties=False)
+        inputs, sampling, _ = jax.tree.map(replicated, mr.to_step_inputs(batch))
+        feed = replicated(SDS((feed_len,), jnp.int32))
+        fwd = jax.export.export(mr._forward_jit, platforms=[platform])(
+            params, kv, inputs, feed, cfg=run_cfg, attn_impl=impl, mesh=mesh)
+        assert fwd.nr_devices == tp
+        assert_kernel_only(fwd, platform, 1)  # one layer body, scanned over the layers
+        out_avals = fwd.out_avals
+        assert out_avals[0].shape == kv_shape and out_avals[1].shape == (s, cfg.vocab_size)
+        logits = replicated(SDS((s, cfg.vocab_size), jnp.float32))
+        sample = jax.export.export(mr._sample_jit, platforms=[platform])(
+            logits, sampling, apply_penalty=False, feed_len=feed_len)
+        assert [a.shape for a in sample.out_avals][-1] == (feed_len,)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_engine_step_lowers_for_platform(model: str, platform: str) -> None:
+    export_step(MODELS[model], platform, tp=1)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_engine_step_lowers_under_tensor_parallelism(platform: str) -> None:
+    export_step(MODELS["llama3-8b"], platform, tp=8)
