@@ -18,6 +18,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.limits import check_priority
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.models.loading import LoadedModel
 from jaxserve.serving.admission import render_chat
 from jaxserve.serving.build import build_engine, build_offline_engine
 
@@ -27,9 +28,15 @@ Prompt = str | Sequence[int]
 class LLM:
     """Offline batch generation. Keyword arguments are EngineConfig fields."""
 
-    def __init__(self, model: str | None = None, **kwargs: object):
+    def __init__(self, model: str | None = None, *, loaded: LoadedModel | None = None,
+                 **kwargs: object):
+        """`model`: a path (None: the bundled model). `loaded`: weights already in memory
+        instead (a `LoadedModel`: config, params, tokenizer; e.g. a researcher's JAX
+        checkpoint, or random weights for a benchmark), used as they are."""
+        if loaded is not None and model is not None:
+            raise ValueError(f"give model={model!r} or loaded=..., not both")
         self.config = EngineConfig(model=model, **kwargs)  # type: ignore[arg-type]
-        self.engine = build_offline_engine(self.config)
+        self.engine = build_offline_engine(self.config, loaded)
         self._ids = itertools.count()
 
     def close(self) -> None:

@@ -40,6 +40,11 @@ MIXES = {
 }
 
 
+# --check tolerance on max |kernel - reference|, relative to max |reference| (at least 1):
+# online-softmax rounding in the page dtype.
+CHECK_TOL = {"float32": 2e-3, "bfloat16": 3e-2, "float16": 5e-3}
+
+
 def build_step(specs: list[tuple[int, int]], *, hq: int, hkv: int, d: int, ps: int,
                dtype: jnp.dtype, seed: int = 0) -> tuple[Any, ...]:
     """A step with pages scattered at random (fragmented cache) and random contents."""
@@ -121,6 +126,19 @@ def run_config(mix: str, specs, args, impl: str, tuning: dict[str, int]) -> dict
     attn = jax.jit(lambda q, p, m: ragged_paged_attention(
         q, p, m, sm_scale=args.head_dim ** -0.5, sliding_window=args.sliding_window,
         impl=impl, interpret=args.interpret, **tuning))
+    check = None
+    if args.check and impl != "reference":  # correctness at this very shape, before timing
+        ref = jax.jit(lambda q, p, m: ragged_paged_attention(
+            q, p, m, sm_scale=args.head_dim ** -0.5, sliding_window=args.sliding_window,
+            impl="reference"))(q, pages, md)
+        got = attn(q, pages, md)
+        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref.astype(jnp.float32))))
+        scale = float(jnp.max(jnp.abs(ref.astype(jnp.float32))))
+        # The GPU kernel's WGMMA takes 16-bit operands: f32 pages are rounded to bf16.
+        tol = CHECK_TOL["bfloat16" if impl == "pallas_gpu" else dtype.name] * max(scale, 1.0)
+        check = {"max_abs_err": err, "ref_max_abs": scale, "tol": tol,
+                 "ok": bool(err <= tol and np.isfinite(err))}
+        del ref, got
     secs = timed(attn, q, pages, md, iters=args.iters)
     n_bytes, flops = step_cost(specs, hq=args.num_q_heads, hkv=args.num_kv_heads,
                                d=args.head_dim, itemsize=dtype.itemsize,
@@ -129,7 +147,8 @@ def run_config(mix: str, specs, args, impl: str, tuning: dict[str, int]) -> dict
             "num_tokens": int(q.shape[0]), "num_seqs": len(specs),
             "max_kv_len": max(c + n for c, n in specs), "ms": secs * 1e3,
             "gbps": n_bytes / secs / 1e9, "tflops": flops / secs / 1e12,
-            "write_kv_ms": statistics.median(write_times[1:]) * 1e3}
+            "write_kv_ms": statistics.median(write_times[1:]) * 1e3,
+            **({"check": check} if check else {})}
 
 
 def parse_tuning(items: list[str]) -> list[dict[str, int]]:
@@ -162,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interpret", action="store_true",
                     help="run a Pallas kernel in its CPU interpreter (smoke test; slow timings)")
     ap.add_argument("--measure-ceilings", action="store_true")
+    ap.add_argument("--check", action="store_true",
+                    help="compare each kernel's output with the jnp reference at the same "
+                         "shape before timing it (max abs error vs a dtype tolerance)")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args(argv)
 
@@ -202,15 +224,19 @@ def main(argv: list[str] | None = None) -> int:
             continue
         frac = (f"{100 * r['bw_fraction']:6.1f} {100 * r['flops_fraction']:6.1f}"
                 if ceilings else f"{'-':>6s} {'-':>6s}")
+        chk = "" if "check" not in r else \
+            f"  check {'ok' if r['check']['ok'] else 'FAILED'} (err {r['check']['max_abs_err']:.2e})"
         print(f"{r['mix']:8s} {r['impl']:11s} {tun:24s} {r['num_tokens']:6d} {r['num_seqs']:4d} "
-              f"{r['ms']:9.3f} {r['gbps']:8.1f} {r['tflops']:8.3f} {frac} {r['write_kv_ms']:11.3f}")
+              f"{r['ms']:9.3f} {r['gbps']:8.1f} {r['tflops']:8.3f} {frac} {r['write_kv_ms']:11.3f}"
+              f"{chk}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "platform": platform, "jax": jax.__version__,
                        "args": vars(args), "ceilings": ceilings, "results": results}, f,
                       indent=2)
         print(f"wrote {args.json}")
-    return 1 if any("error" in r for r in results) else 0
+    failed = any("error" in r or not r.get("check", {"ok": True})["ok"] for r in results)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
-# Device check for the attention kernels on a lent GPU (or TPU) machine with JAX preinstalled.
-#   bash scripts/device_check.sh     # 3-6 min, at most ~7.5 (per-phase timeouts); results in $OUT
+# Device check on a lent GPU (or TPU) machine with JAX preinstalled.
+#   bash scripts/device_check.sh            # 4-7 min (per-phase timeouts); results in $OUT
+#   bash scripts/device_check.sh --dry-run  # the same phases CPU-sized (CI rehearses it)
+# 0. versions: python, jax, jaxlib, devices, CUDA / ptxas / driver where there are GPUs
 # 1. the kernel tests compiled on the device:  pytest -m device tests/test_attention_kernels.py
-# 2. the benchmark at full size (bf16, Hq 32, Hkv 8, D 128, page 16): decode 64 x 2048,
-#    prefill 4 x 2048, mixed; measured HBM/matmul ceilings; a small tuning sweep on decode;
-#    the jnp reference as a baseline
-# 3. a summary table, printed last (target: decode >= 70% of the measured HBM bandwidth).
+# 2. the kernels at full size (bf16, Hq 32, Hkv 8, D 128, page 16): decode 64 x 2048,
+#    prefill 4 x 2048, mixed; each first checked against the jnp reference at that shape
+#    (--check), then timed against the measured HBM/matmul ceilings; a small tuning sweep on
+#    decode; the jnp reference as a baseline
+# 3. the whole engine (scripts/device_engine_check.py): a Llama-3-8B-shaped model with random
+#    bf16 weights through LLM.generate: warmup, a 64-sequence decode step against
+#    (weights + KV bytes) / measured bandwidth, a mixed chunked-prefill workload, compiles
+# 4. a summary table, printed last (target: decode >= 70% of the measured HBM bandwidth).
 # Works without network: no installs. If jaxserve is not installed, a shim package maps
-# jaxserve.kernels_pallas onto this checkout; if pytest is missing, a stub runs the tests.
+# jaxserve.kernels_pallas onto this checkout (phase 3 then needs the installed package and
+# says so); if pytest is missing, a stub runs the tests.
 set -uo pipefail
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then DRY=1; fi
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 OUT_DIR=${OUT:-/tmp/device_check_out}
@@ -24,19 +33,36 @@ if ! $PY -c "import jaxserve.kernels_pallas" 2>/dev/null; then
   ln -s "$REPO/kernels_pallas" "$SHIM/jaxserve/kernels_pallas"
   export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 fi
+echo "== 0 versions =="
 $PY - <<'EOF' | tee "$OUT_DIR/env.txt"
-import jax, sys
-print(f"python {sys.version.split()[0]}, jax {jax.__version__}, backend {jax.default_backend()}, "
-      f"devices {[d.device_kind for d in jax.devices()]}")
+import jax, jaxlib, sys
+print(f"python {sys.version.split()[0]}, jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
+      f"backend {jax.default_backend()}, devices {[d.device_kind for d in jax.devices()]}")
+if jax.default_backend() == "gpu":
+    d = jax.devices()[0]
+    print(f"compute capability {getattr(d, 'compute_capability', '?')}; "
+          f"platform version {getattr(d.client, 'platform_version', '?')}")
 EOF
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader \
+    | tee -a "$OUT_DIR/env.txt"
+fi
+# ptxas: on PATH, or the one jax's CUDA wheels ship (nvidia/cuda_nvcc in site-packages).
+PTXAS=$(command -v ptxas || $PY -c "import glob, site
+hits = [h for d in site.getsitepackages() for h in glob.glob(d + '/nvidia/cuda_nvcc/bin/ptxas')]
+print(hits[0] if hits else '')" 2>/dev/null)
+if [ -n "$PTXAS" ]; then
+  "$PTXAS" --version | tail -1 | sed 's/^/ptxas: /' | tee -a "$OUT_DIR/env.txt"
+fi
 SIZE=full
 case "$($PY -c 'import jax; print(jax.default_backend())')" in
   tpu) IMPL=pallas_tpu ;;
   gpu) IMPL=pallas_gpu ;;
-  *) IMPL=reference; SIZE=small; echo "no accelerator: device tests skip, CPU-sized benchmark" ;;
+  *) IMPL=cpu; SIZE=small; echo "no accelerator: device tests skip, CPU-sized benchmark" ;;
 esac
+if [ $DRY = 1 ]; then SIZE=small; fi
 
-echo "== 1/2 kernel tests on the device ($IMPL) =="
+echo "== 1 kernel tests on the device ($IMPL) =="
 if $PY -c "import pytest" 2>/dev/null; then
   timeout 210 $PY -m pytest -m device tests/test_attention_kernels.py -q -rs -p no:cacheprovider \
     --junitxml="$OUT_DIR/device_tests.xml" 2>&1 | tee "$OUT_DIR/device_tests.log" | tail -25
@@ -71,19 +97,30 @@ open(sys.argv[1] + "/device_tests.counts", "w").write(f"{passed} {failed} {skipp
 EOF
 fi
 
-echo "== 2/2 benchmark =="
+echo "== 2 kernels: checked against the reference, then timed =="
 BENCH=(--dtype bfloat16 --num-q-heads 32 --num-kv-heads 8 --head-dim 128 --page-size 16
        --size "$SIZE")
 timeout 100 $PY scripts/bench_attention.py "${BENCH[@]}" --impl "$IMPL" --measure-ceilings \
-  --json "$OUT_DIR/bench_kernel.json" 2>&1 | tee "$OUT_DIR/bench_kernel.log" | tail -8
+  --check --json "$OUT_DIR/bench_kernel.json" 2>&1 | tee "$OUT_DIR/bench_kernel.log" | tail -8
 if [ "$IMPL" = pallas_gpu ]; then   # decode tuning sweep: ring depth x block size
-  timeout 80 $PY scripts/bench_attention.py "${BENCH[@]}" --impl pallas_gpu --mix decode \
+  timeout 60 $PY scripts/bench_attention.py "${BENCH[@]}" --impl pallas_gpu --mix decode \
     --measure-ceilings --tuning block_kv=64,num_stages=3 --tuning block_kv=64,num_stages=4 \
     --tuning block_kv=128,num_stages=1 --tuning block_kv=128,num_stages=2 \
     --json "$OUT_DIR/bench_sweep.json" 2>&1 | tee "$OUT_DIR/bench_sweep.log" | tail -8
 fi
-timeout 60 $PY scripts/bench_attention.py "${BENCH[@]}" --impl reference --iters 5 \
+timeout 40 $PY scripts/bench_attention.py "${BENCH[@]}" --impl reference --iters 5 \
   --json "$OUT_DIR/bench_reference.json" 2>&1 | tee "$OUT_DIR/bench_reference.log" | tail -6
+
+echo "== 3 the whole engine =="
+if $PY -c "import jaxserve.engine" 2>/dev/null; then
+  ENGINE=(--json "$OUT_DIR/engine_check.json")
+  if [ $DRY = 1 ] || [ "$SIZE" = small ]; then ENGINE+=(--dry-run); fi
+  timeout 170 $PY scripts/device_engine_check.py "${ENGINE[@]}" 2>&1 \
+    | tee "$OUT_DIR/engine_check.log" | grep -v "compiling step buckets" | tail -8
+else
+  echo "jaxserve is not installed here (pip install --no-deps -e . from wheels): skipped" \
+    | tee "$OUT_DIR/engine_check.log"
+fi
 
 echo
 $PY - "$OUT_DIR" "$T0" <<'EOF' | tee "$OUT_DIR/summary.txt"
@@ -136,5 +173,23 @@ if best:
     tun = ",".join(f"{k}={v}" for k, v in best["tuning"].items()) or "default"
     print(f"decode 64x2048 target >= 70% of measured HBM: {verdict} "
           f"(best {100 * best['bw_fraction']:.1f}% with {tun})")
+checked = [r for r, _ in rows if "check" in r]
+print(f"kernel vs reference at each timed shape: {sum(r['check']['ok'] for r in checked)} ok, "
+      f"{sum(not r['check']['ok'] for r in checked)} failed")
+for r, _ in rows:
+    if "check" in r and not r["check"]["ok"]:
+        print(f"CHECK FAILED: {r['mix']} {r['impl']} max abs err {r['check']['max_abs_err']:.3e}"
+              f" > {r['check']['tol']:.1e}")
+e = load("engine_check.json")
+if e:
+    d, m = e["decode"], e["mixed"]
+    print(f"engine ({'dry run, ' if e['dry_run'] else ''}{e['weight_gb']:.1f} GB weights): "
+          f"load+warmup {e['load_and_warmup_s']:.0f} s; decode {d['seqs']} x {d['context']}: "
+          f"{d['step_ms']:.2f} ms/step vs floor {d['floor_ms']:.2f} ms "
+          f"({100 * d['fraction_of_bandwidth']:.0f}% of bandwidth), {d['output_tok_s']:.0f} "
+          f"out tok/s; mixed: {m['output_tok_s']:.0f} out / {m['total_tok_s']:.0f} total tok/s; "
+          f"compiles after warmup {e['compiles_after_warmup']}")
+else:
+    print("engine: not run (see engine_check.log)")
 print(f"wall time {time.time() - t0:.0f} s; files in {out}")
 EOF
