@@ -259,7 +259,10 @@ def ragged_paged_attention_gpu(q: jax.Array, kv_pages: jax.Array, md: AttentionM
         ],
         grid=(num_kv_heads, plan.max_tiles),
         grid_names=("kv_head", "tile"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # Lane semantics pinned: the kernel is written per thread (layout casts, WGMMA
+        # layouts), and the default changes to Warpgroup in jax 0.11.
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
     )(plan.info.reshape(-1), bt.reshape(-1), q_tiles, kv_pages)
     return scatter_out_tiles(out_tiles, plan, num_q_heads, q.dtype)[..., :q_head_dim]

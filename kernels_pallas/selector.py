@@ -2,7 +2,7 @@
 
 ``select_impl`` maps a config value ('auto' or an implementation name) and the platform to
 'reference' | 'cpu' | 'pallas_tpu' | 'pallas_gpu'. 'auto' gives the TPU kernel on TPU, the
-Mosaic GPU kernel on NVIDIA GPUs of compute capability >= 9.0 (it needs TMA and WGMMA), the
+Mosaic GPU kernel on NVIDIA Hopper GPUs (compute capability 9.x: it needs WGMMA), the
 C++ kernel on CPU (built on first use; cpu_build) and the jnp reference everywhere else (older
 or non-NVIDIA GPUs, or a CPU host where the C++ kernel cannot be built: 'cpu' then maps to
 'reference' too, after one warning). ``ragged_paged_attention``
@@ -25,18 +25,25 @@ from .reference import ragged_paged_attention_reference
 IMPLEMENTATIONS = ("reference", "cpu", "pallas_tpu", "pallas_gpu")
 
 
+def gpu_kernel_supported(compute_capability: str) -> bool:
+    """The Mosaic GPU kernel is built on WGMMA, which only Hopper (sm_90, compute capability
+    9.x) has: Blackwell (10.x data-centre, 12.x consumer) replaced it with tcgen05 / other
+    MMA paths, and older GPUs have neither WGMMA nor TMA. Those get the jnp reference."""
+    try:
+        return int(float(compute_capability)) == 9
+    except ValueError:
+        return False
+
+
 def _gpu_kernel_supported() -> bool:
-    """Mosaic GPU targets Hopper+ (sm_90): TMA and WGMMA. ROCm devices have no such backend."""
+    """Whether this machine's first GPU runs the Mosaic GPU kernel (ROCm devices: no)."""
     try:
         dev = jax.devices("gpu")[0]
     except RuntimeError:
         return False
     if "rocm" in str(getattr(dev.client, "platform_version", "")).lower():
         return False
-    try:
-        return float(getattr(dev, "compute_capability", "0")) >= 9.0
-    except ValueError:
-        return False
+    return gpu_kernel_supported(str(getattr(dev, "compute_capability", "0")))
 
 
 def select_impl(name: str = "auto", platform: str | None = None) -> str:

@@ -192,3 +192,31 @@ def test_engine_step_lowers_for_platform(model: str, platform: str) -> None:
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_engine_step_lowers_under_tensor_parallelism(platform: str) -> None:
     export_step(MODELS["llama3-8b"], platform, tp=8)
+
+
+# --------------------------------------------------------------------------- GPU selection
+@pytest.mark.parametrize("cc,supported", [("9.0", True), ("8.9", False),
+                                          ("8.0", False), ("10.0", False), ("12.0", False),
+                                          ("", False)])
+def test_gpu_kernel_only_on_hopper(cc: str, supported: bool) -> None:
+    # WGMMA is Hopper-only: Blackwell (10.x, 12.x) and older GPUs get the jnp reference.
+    assert selector.gpu_kernel_supported(cc) is supported
+
+
+def test_gpu_kernel_pins_lane_lowering_semantics(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel is written for Lane semantics; jax 0.11 changed the default to Warpgroup,
+    so the exported module must come from CompilerParams that name Lane explicitly."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    seen = []
+    real = plgpu.CompilerParams
+
+    def recording(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.append(kwargs.get("lowering_semantics"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(plgpu, "CompilerParams", recording)
+    jax.export.export(jax.jit(lambda q, kv, md: ragged_paged_attention(
+        q, kv, md, sm_scale=0.1, impl="pallas_gpu")), platforms=["cuda"])(
+        SDS((8, 8, 64), jnp.bfloat16), SDS((33, 4, 16, 64), jnp.bfloat16), metadata(8, 8, 4))
+    assert seen == [plgpu.LoweringSemantics.Lane]
