@@ -4,11 +4,14 @@ writes JSON.
 
 Sections (--sections, default all three):
   cost     the bundled model's (or --model's) compiled step on this machine, per bucket, best of
-           --runs runs taken round robin: `pad_ms` for an all-padding batch of bucket (T, S)
-           (what padding rows cost: the dense layers, norms and lm_head on T / S rows, nothing
-           in attention), `decode_ms` for T = S live decode sequences at context --context
-           (what a real decode step costs). Also each variant's first-call seconds (its
-           compile). The curve decides where finer buckets pay.
+           --runs runs taken round robin, as wall ms and as CPU ms (the process's CPU time over
+           all threads: steadier than wall time on a shared host, and what padding costs in
+           work): kind `pad` for an all-padding batch of bucket (T, S) (what padding rows cost:
+           the dense layers and norms on T rows, lm_head and sampler on S rows, nothing in
+           attention), kind `decode` for T = S live decode sequences at context --context (a
+           real decode step). Also each variant's first call (its compile; a new S compiles
+           the sampler too) and a least-squares fit cpu_ms ~ a + b * T + r * S. The curve
+           decides where finer buckets pay.
   padding  the scheduler over the benchmark workloads (BENCHMARKS.md: 256-token prompts and
            128 new tokens at concurrency 1, 8, 32; 2048-token prompts at concurrency 8; closed
            loop, random prompts, every request to its max_tokens) with the arithmetic fake runner
@@ -16,16 +19,17 @@ Sections (--sections, default all three):
            (tokens, seqs) and the bucket it ran in give
              token padding = sum(T_b - tokens) / sum(T_b)
              time padding  = sum(D(T_b, S_b) - D(tokens, seqs)) / sum(D(T_b, S_b))
-           where D is the all-padding cost curve (`pad_ms`, interpolated linearly between the
-           measured points). D leaves out attention, which only live rows cost and padding
-           does not change, so the time fraction is an upper bound on the share of each step's
-           time spent on padding. Also the worst step of each workload.
+           where D is the all-padding cost curve (CPU ms, interpolated linearly between the
+           measured points; `CostCurve`). D leaves out attention, which only live rows cost
+           and padding does not change, so the time fraction is an upper bound on the share
+           of the steps' time spent on padding. Also the worst step of each workload.
   startup  a fresh process per bucket set builds the serving engine (load, size, compile every
            bucket: `ModelRunner.buckets()`), twice with one new persistent compilation cache
            dir: cold (empty cache) and warm (second start); seconds from process start to ready.
 
 Bucket sets (--sets): `pow2` the former default (powers of two up to the token budget, one
-seqs bucket per token bucket, min(T, max_num_seqs)); `default` what `plan_engine` derives now.
+seqs bucket per token bucket, min(T, max_num_seqs)); `default` what `plan_engine` derives now;
+`octN` the default rule with N buckets per octave above 64 tokens (the default is oct8).
 
     python scripts/bench_buckets.py --json buckets.json
     python scripts/bench_buckets.py --sections padding --cost-from buckets.json
@@ -38,6 +42,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import resource
 import subprocess
 import sys
 import tempfile
@@ -145,6 +150,18 @@ def measure_cost(args: argparse.Namespace) -> dict:
             "rows": rows}
 
 
+def fit_cost(cost: dict) -> dict:
+    """Least squares cpu_ms ~ a + b * T + r * S over the all-padding rows with T >= 2 (one
+    token runs a cheaper matrix-vector path): the fixed part, per token, per sequence row."""
+    rows = [r for r in cost["rows"] if r["kind"] == "pad" and r["tokens"] >= 2]
+    x = np.array([[1.0, r["tokens"], r["seqs"]] for r in rows])
+    y = np.array([r["cpu_ms"] for r in rows])
+    (a, b, r), *_ = np.linalg.lstsq(x, y, rcond=None)
+    worst = float(np.max(np.abs(x @ np.array([a, b, r]) - y) / y))
+    return {"a_ms": float(a), "b_ms_per_token": float(b), "r_ms_per_seq": float(r),
+            "worst_relative_error": worst}
+
+
 def print_cost(cost: dict) -> None:
     print(f"\nstep time per bucket, best of {cost['runs']} (decode: live sequences at context "
           f"{cost['context']}; pad: all padding)")
@@ -153,6 +170,9 @@ def print_cost(cost: dict) -> None:
     for r in sorted(cost["rows"], key=lambda r: (r["kind"], r["tokens"], r["seqs"])):
         print(f"{r['kind']:7s} {r['tokens']:5d} {r['seqs']:4d} {r['ms']:9.1f} {r['cpu_ms']:9.1f} "
               f"{r['cpu_ms'] / r['tokens']:13.2f} {r['first_call_s']:13.1f}")
+    f = fit_cost(cost)
+    print(f"fit (all padding, T >= 2): cpu ms = {f['a_ms']:.1f} + {f['b_ms_per_token']:.2f} * T "
+          f"+ {f['r_ms_per_seq']:.2f} * S (worst error {100 * f['worst_relative_error']:.0f}%)")
 
 
 # ------------------------------------------------------------------------------------ padding
@@ -257,6 +277,35 @@ def padding_figures(steps: list[tuple[int, int, int, int]], curve: CostCurve | N
     return out
 
 
+def worst_steps(cfg: EngineConfig, curve: CostCurve) -> dict:
+    """The worst time padding over every step the scheduler can produce under `cfg` (tokens
+    <= max_num_batched_tokens, 1 <= seqs <= min(tokens, max_num_seqs)): of decode steps
+    (tokens = seqs), of steps whose seqs fill their bucket's (seqs = min(tokens, max seqs)),
+    of any step; each with the step and its bucket."""
+    from jaxserve.engine.batch import bucket_for
+    from jaxserve.engine.sizing import plan_engine
+    from jaxserve.models.config import ModelConfig
+
+    model = ModelConfig(model_type="llama", vocab_size=4096, hidden_size=64,
+                        intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                        head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                        max_position_embeddings=8192, tie_word_embeddings=False,
+                        attention_bias=False, qk_norm=False, bos_token_id=1,
+                        eos_token_ids=(2,))
+    buckets = plan_engine(cfg, model, 4, 1 << 40).batch_shape.buckets
+    worst = {"decode": (0.0, None), "full": (0.0, None), "any": (0.0, None)}
+    for t in range(1, cfg.max_num_batched_tokens + 1):
+        most = min(t, cfg.max_num_seqs)
+        for s in range(1, most + 1):
+            bt, bs = bucket_for(t, s, buckets)
+            share = (curve(bt, bs) - curve(t, s)) / curve(bt, bs)
+            for kind, applies in (("decode", t == s), ("full", s == most), ("any", True)):
+                if applies and share > worst[kind][0]:
+                    worst[kind] = (share, [t, s, bt, bs])
+    return {"forward_buckets": len(buckets),
+            **{k: {"time_padding": v, "step_and_bucket": w} for k, (v, w) in worst.items()}}
+
+
 def measure_padding(args: argparse.Namespace, base: EngineConfig,
                     curve: CostCurve | None) -> dict:
     out: dict = {}
@@ -266,6 +315,8 @@ def measure_padding(args: argparse.Namespace, base: EngineConfig,
         for wl, prompt, new, conc, num in WORKLOADS:
             steps = run_workload(cfg, prompt, new, conc, num)
             out[name][wl] = padding_figures(steps, curve)
+        if curve is not None:
+            out[name]["every step"] = worst_steps(cfg, curve)
     return out
 
 
@@ -276,28 +327,41 @@ def print_padding(padding: dict) -> None:
           f"{'worst':>6s} {'time pad':>9s} {'worst':>6s}")
     for name, wls in padding.items():
         for wl, r in wls.items():
+            if wl == "every step":
+                continue
             tp = f"{100 * r['time_padding']:8.1f}%" if "time_padding" in r else f"{'-':>9s}"
             tw = (f"{100 * r['worst_step_time_padding']:5.1f}%"
                   if "time_padding" in r else f"{'-':>6s}")
             print(f"{name:8s} {wl:16s} {r['steps']:6d} {r['tokens']:8d} "
                   f"{100 * r['token_padding']:7.1f}% {100 * r['worst_step_token_padding']:5.1f}% "
                   f"{tp} {tw}")
+    print("\nworst time padding over every (tokens, seqs) a step can have (step -> bucket)")
+    for name, wls in padding.items():
+        w = wls.get("every step")
+        if w:
+            print(f"{name:8s} {w['forward_buckets']:3d} forward buckets  " + "  ".join(
+                f"{kind} {100 * w[kind]['time_padding']:4.1f}% {tuple(w[kind]['step_and_bucket'])}"
+                for kind in ("decode", "full", "any")))
 
 
 # ------------------------------------------------------------------------------------ startup
 
 # Run in a fresh process: build the serving engine (load, size, compile every bucket, arm the
-# compile guard) and print what warmup ran. Seconds are taken by the parent, from the child's
-# start to its answer, so imports and JAX's start count as they do for a server.
+# compile guard) and print what warmup ran and how long it took. The whole start is timed by
+# the parent, from the child's start to its exit, so imports and JAX's start count as they do
+# for a server; also its CPU seconds (steadier than wall time on a shared host).
 _CHILD = """
-import json, sys
+import json, sys, time
 from jaxserve.config import EngineConfig
-from jaxserve.serving.build import build_engine
+from jaxserve.serving.build import _warm_up, build_engine
 cfg = EngineConfig(**json.loads(sys.argv[1]))
-engine = build_engine(cfg, progress=False)
+engine = build_engine(cfg, warmup=False, progress=False)
+t0 = time.perf_counter()
+_warm_up([engine], False)
+warmup_s = time.perf_counter() - t0
 runner = engine.runner
 print("RESULT " + json.dumps({"forward_buckets": len(runner.shape.buckets),
-      "warmup_runs": len(runner.buckets()),
+      "warmup_runs": len(runner.buckets()), "warmup_s": warmup_s,
       "seq_buckets": len({s for _, s in runner.shape.buckets}),
       "compiles_after_warmup": runner.compiles_after_warmup}), flush=True)
 """
@@ -310,14 +374,17 @@ def start_once(cfg: EngineConfig, cache_dir: str) -> dict:
               "compilation_cache_dir": cache_dir, "max_model_len": cfg.max_model_len,
               "kv_cache_memory": cfg.kv_cache_memory}
     env = dict(os.environ, JAXSERVE_COMPILATION_CACHE_DIR=cache_dir)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(fields)], env=env,
                           capture_output=True, text=True, check=False)
     wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"start-up child failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return {"seconds": wall, **json.loads(lines[-1][len("RESULT "):])}
+    return {"seconds": wall, "cpu_s": cpu, **json.loads(lines[-1][len("RESULT "):])}
 
 
 def measure_startup(args: argparse.Namespace, base: EngineConfig) -> dict:
@@ -329,19 +396,25 @@ def measure_startup(args: argparse.Namespace, base: EngineConfig) -> dict:
             cold = start_once(cfg, cache)
             warm = start_once(cfg, cache)
         out[name] = {"cold_s": cold["seconds"], "warm_s": warm["seconds"],
-                     **{k: v for k, v in cold.items() if k != "seconds"}}
-        print(f"  {name}: cold {cold['seconds']:.1f} s, warm {warm['seconds']:.1f} s", flush=True)
+                     "cold_cpu_s": cold["cpu_s"], "warm_cpu_s": warm["cpu_s"],
+                     "cold_warmup_s": cold["warmup_s"], "warm_warmup_s": warm["warmup_s"],
+                     **{k: v for k, v in cold.items()
+                        if k not in ("seconds", "cpu_s", "warmup_s")}}
+        print(f"  {name}: cold {cold['seconds']:.1f} s, warm {warm['seconds']:.1f} s",
+              flush=True)
     return out
 
 
 def print_startup(startup: dict) -> None:
     print("\nstart-up: fresh process to ready (every bucket compiled); warm = second start "
-          "with the persistent compilation cache")
-    print(f"{'set':8s} {'forward buckets':>15s} {'seq buckets':>11s} {'warmup compiles':>15s} "
-          f"{'cold s':>7s} {'warm s':>7s}")
+          "with the persistent compilation cache; (of which warmup); CPU s of the process")
+    print(f"{'set':8s} {'forward':>7s} {'seqs':>4s} {'warmup runs':>11s} "
+          f"{'cold s':>14s} {'warm s':>14s} {'cold cpu s':>10s} {'warm cpu s':>10s}")
     for name, r in startup.items():
-        print(f"{name:8s} {r['forward_buckets']:15d} {r['seq_buckets']:11d} "
-              f"{r['warmup_runs']:15d} {r['cold_s']:7.1f} {r['warm_s']:7.1f}")
+        print(f"{name:8s} {r['forward_buckets']:7d} {r['seq_buckets']:4d} {r['warmup_runs']:11d} "
+              f"{r['cold_s']:6.1f} ({r['cold_warmup_s']:5.1f}) "
+              f"{r['warm_s']:6.1f} ({r['warm_warmup_s']:5.1f}) "
+              f"{r['cold_cpu_s']:10.1f} {r['warm_cpu_s']:10.1f}")
 
 
 # ------------------------------------------------------------------------------------- main
