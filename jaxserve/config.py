@@ -123,7 +123,8 @@ class EngineConfig:
     # N's sampler) before applying step N's results. Off: one step at a time (debugging).
     async_scheduling: bool = True
     attention_impl: str = "auto"  # auto | reference | cpu | pallas_tpu | pallas_gpu
-    token_buckets: tuple[int, ...] | None = None  # None: powers of two up to the budget
+    # None: 1, 2, 4, 8, multiples of 8 to 64, then 4 per octave up to the token budget
+    token_buckets: tuple[int, ...] | None = None
     # None: one per token bucket, min(tokens, max_num_seqs); else every (tokens, seqs) pair
     seq_buckets: tuple[int, ...] | None = None
     seed: int = 0  # seeds drawn for requests that give none

@@ -39,7 +39,8 @@ _ENGINE_HELP = {
                         "before reading this one's tokens); --no-async-scheduling: one at a "
                         "time",
     "attention_impl": "auto | reference | cpu | pallas_tpu | pallas_gpu",
-    "token_buckets": "comma-separated step token buckets (default: powers of two)",
+    "token_buckets": "comma-separated step token buckets (default: 1, 2, 4, 8, multiples of 8 "
+                     "to 64, then 4 per octave up to the token budget)",
     "seq_buckets": "comma-separated sequence buckets (default: one per token bucket)",
     "seed": "seed of the seeds drawn for requests that give none",
     "tensor_parallel_size": "devices one engine's step is split over (weights by head, MLP "

@@ -72,6 +72,39 @@ def default_buckets(limit: int, smallest: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+# Default token buckets (`default_token_buckets`): powers of two up to 8, then steps of
+# max(8, 1/STEPS_PER_OCTAVE of the octave): 8, 16, 24, ..., 64, 80, ..., 128, 160, ..., 256,
+# 320, ... Why (scripts/bench_buckets.py and BENCHMARKS.md, bundled model on a 2-core CPU):
+# a step's cost is about a + b*T + r*S (T tokens, S sequence rows) with a fixed part a (the
+# weights are read whatever T is) worth ~70 tokens, so below 64 tokens the next multiple of
+# 8 costs a decode step under ~12% of its time; above, the cost is nearly linear in T and the
+# gap between buckets is the padding: a quarter octave keeps a step with its seqs bucket full
+# under ~16% padded (8 per octave: ~12%, for 12 more compiled forwards at a budget of 512
+# and a slower start) where powers of two padded up to ~45% (a 257-token step ran as 512).
+# Each token bucket is one compile of the whole model (and of the prompt-logprobs pass).
+FINE_FROM = 8
+FINE_STEP = 8
+STEPS_PER_OCTAVE = 4
+
+
+def default_token_buckets(limit: int, steps_per_octave: int = STEPS_PER_OCTAVE
+                          ) -> tuple[int, ...]:
+    """Token buckets up to a step budget of `limit` tokens (the last is `limit` itself)."""
+    if limit < 1 or steps_per_octave < 1:
+        raise ValueError(f"limit={limit} and steps_per_octave={steps_per_octave} must be >= 1")
+    out = []
+    b = 1
+    while b < limit:
+        out.append(b)
+        if b < FINE_FROM:
+            b *= 2
+        else:
+            octave = 1 << (b.bit_length() - 1)  # the power of two at or below b
+            b += max(FINE_STEP, octave // steps_per_octave)
+    out.append(limit)
+    return tuple(out)
+
+
 def rng_key_data(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
     """u32[N, 2] threefry key data for draw number `counters[i]` of a request seeded
     `seeds[i]` (both u64[N]).

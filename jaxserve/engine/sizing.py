@@ -16,7 +16,7 @@ import os
 from typing import TYPE_CHECKING
 
 from jaxserve.config import EngineConfig, SchedulerConfig
-from jaxserve.engine.batch import BatchShape, default_buckets
+from jaxserve.engine.batch import BatchShape, default_token_buckets
 from jaxserve.models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -73,12 +73,11 @@ def plan_engine(cfg: EngineConfig, model: ModelConfig, kv_itemsize: int,
                             max_num_batched_tokens=cfg.max_num_batched_tokens,
                             max_model_len=max_model_len, page_size=ps, num_pages=usable + 1,
                             enable_prefix_caching=cfg.enable_prefix_caching)
-    # Smallest bucket: 1 token. A decode step of a few streams pads to the next power of two;
-    # padding costs real compute and attention work on CPU and GPU (bundled model, 2-core CPU,
-    # compiled decode step of 1 sequence at context 256: 75-117 ms with the smallest bucket
-    # at 16, 31.8 ms at 1; scripts/bench_offline.py --sections decode), for four more compiled
-    # buckets than starting at 16.
-    token_buckets = cfg.token_buckets or default_buckets(cfg.max_num_batched_tokens, 1)
+    # Token buckets: 1, 2, 4, 8, multiples of 8 to 64, then 4 per octave
+    # (`batch.default_token_buckets`, where the measurements behind it are). The smallest is
+    # 1: a lone stream pays for no padding rows (bundled model, 2-core CPU, decode step of
+    # 1 sequence at context 256: 75-117 ms with the smallest bucket at 16, 31.8 ms at 1).
+    token_buckets = cfg.token_buckets or default_token_buckets(cfg.max_num_batched_tokens)
     if token_buckets[-1] < cfg.max_num_batched_tokens:
         raise ValueError(f"token_buckets end at {token_buckets[-1]} < max_num_batched_tokens="
                          f"{cfg.max_num_batched_tokens}")
