@@ -68,11 +68,14 @@ def _has_accelerator() -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     run_slow = os.environ.get("JAXSERVE_RUN_SLOW") == "1"
-    skip_slow = pytest.mark.skip(reason="slow test: set JAXSERVE_RUN_SLOW=1 to run it")
     has_device = None
     for item in items:
-        if "slow" in item.keywords and not run_slow:
-            item.add_marker(skip_slow)
+        slow = item.get_closest_marker("slow")
+        if slow is not None and not run_slow:
+            # `@pytest.mark.slow(reason="...")` says why in the skip line
+            why = f" ({slow.kwargs['reason']})" if "reason" in slow.kwargs else ""
+            item.add_marker(pytest.mark.skip(
+                reason=f"slow test{why}: set JAXSERVE_RUN_SLOW=1 to run it"))
         if "device" in item.keywords:
             if has_device is None:
                 has_device = _has_accelerator()

@@ -4,7 +4,8 @@ attention under tensor parallelism, printed as one JSON document for test_attent
 1. The kernel alone inside `jax.shard_map` over 8 devices (one KV head and its query heads
    per device, metadata replicated: the engine's specs) against the unsharded reference.
 2. A tiny engine whose paged_forward runs it inside its shard_map: TP 4 (one KV head per
-   device) with impl 'cpu' against TP 1 with the reference.
+   device) with impl 'cpu' against TP 1 with the reference; two token buckets (the default
+   buckets with JAXSERVE_RUN_SLOW=1).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from engine_fixtures import tiny_engine, tiny_model  # noqa: E402 - run with tests/ on the path
+from engine_fixtures import (  # noqa: E402 - run with tests/ on the path
+    FEW_TOKEN_BUCKETS, run_slow, tiny_engine, tiny_model)
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as PS
 from kernel_cases import random_batch
@@ -45,7 +47,8 @@ def kernel_under_shard_map() -> float:
 def engine_outputs(impl: str, tp: int) -> dict:
     model = tiny_model(num_heads=8, num_kv_heads=4, head_dim=8, hidden_size=64,
                        intermediate_size=128, vocab_size=256)
-    eng = tiny_engine(model, tensor_parallel_size=tp, attention_impl=impl)
+    few = {} if run_slow() else {"token_buckets": FEW_TOKEN_BUCKETS}
+    eng = tiny_engine(model, tensor_parallel_size=tp, attention_impl=impl, **few)
     return {"impl": eng.runner.attn_impl, "outputs": greedy_outputs(eng, PROMPTS),
             "compiles_after_warmup": eng.runner.compiles_after_warmup}
 

@@ -10,6 +10,9 @@ and per-device bytes of each replica, and how many steps each replica ran. `LLM(
 data_parallel_size=2, tensor_parallel_size=2)` loads each replica from a saved checkpoint.
 Served: a DP 2 x TP 2 gRPC server (metrics on) answers the same prompts; which replica served
 what comes from the metrics' `engine` label.
+
+By default the offline rows are DEFAULT_ROWS only and every engine compiles FEW_TOKEN_BUCKETS;
+with JAXSERVE_RUN_SLOW=1 both models at DP 2 x TP 2 and DP 2 x TP 1, with the default buckets.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import urllib.request
 
 import jax
 import numpy as np
-from engine_fixtures import tiny_engine, tiny_model  # noqa: E402 - run with tests/ on the path
+from engine_fixtures import (  # noqa: E402 - run with tests/ on the path
+    FEW_TOKEN_BUCKETS, run_slow, tiny_engine, tiny_model)
 from prometheus_client.parser import text_string_to_metric_families
 from tp_worker import greedy_outputs, shard_bytes
 
@@ -34,9 +38,14 @@ from jaxserve.serving.build import build_offline_engine
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 70)), [3, 1, 4, 1, 5, 9, 2, 6],
            list(range(100, 140)), [42]]
 BASE = dict(max_num_seqs=8, max_num_batched_tokens=64, page_size=8, max_model_len=256,
-            attention_impl="reference")
+            attention_impl="reference",
+            **({} if run_slow() else {"token_buckets": FEW_TOKEN_BUCKETS}))
 MODELS = {"kv_divides": dict(num_heads=8, num_kv_heads=8), "kv_replicated":
           dict(num_heads=8, num_kv_heads=1)}
+SIZES = ((1, 1), (2, 2), (2, 1))  # (dp, tp); (1, 1) is the oracle
+# (model, dp, tp) of the default run: DP 2 x TP 2 (each replica's KV heads replicated over its
+# two devices) and its TP 1 oracle, which the served and checkpoint runs compare with too.
+DEFAULT_ROWS = (("kv_replicated", 1, 1), ("kv_replicated", 2, 2))
 
 
 def model_of(name: str):  # noqa: ANN201 - LoadedModel
@@ -62,7 +71,7 @@ def run(name: str, dp: int, tp: int) -> dict:
     model = model_of(name)
     if dp == 1 and tp == 1:
         return {"model": name, "dp": 1, "tp": 1,
-                "outputs": greedy_outputs(tiny_engine(model), PROMPTS)}
+                "outputs": greedy_outputs(tiny_engine(model, **BASE), PROMPTS)}
     # DP x TP 1 sizes its KV pages from a sliver of host memory (below what the sequences
     # could use): the replicas must still agree on one page count.
     extra = {}
@@ -145,6 +154,7 @@ def serve_grpc(dp: int, tp: int) -> dict:
 
 if __name__ == "__main__":
     assert jax.device_count() == 8, jax.devices()
-    rows = [run(name, dp, tp) for name in MODELS for dp, tp in ((1, 1), (2, 2), (2, 1))]
+    rows = [run(name, dp, tp) for name in MODELS for dp, tp in SIZES] if run_slow() else \
+        [run(*row) for row in DEFAULT_ROWS]
     json.dump({"offline": rows, "llm_dir_dp2_tp2": offline_llm_from_dir(2, 2),
                "grpc_dp2_tp2": serve_grpc(2, 2)}, sys.stdout)

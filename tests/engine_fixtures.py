@@ -25,6 +25,19 @@ from jaxserve.serving.build import build_engine
 
 VOCAB = 211
 
+# Token buckets of the device workers' default runs (tp_worker, dp_worker, ...): a decode
+# bucket and the whole step of max_num_batched_tokens=64. Warmup compiles each bucket several
+# times (its forward, the sampler variants, the prompt logprobs pass): 7 compiles instead of
+# the default powers of two's 26, and compiles are most of those runs' time on CPU. The full
+# grids (JAXSERVE_RUN_SLOW=1) keep the default buckets.
+FEW_TOKEN_BUCKETS = (8, 64)
+
+
+def run_slow() -> bool:
+    """JAXSERVE_RUN_SLOW=1 (conftest's switch): the device workers then run their full grids;
+    they inherit the variable from the test process."""
+    return os.environ.get("JAXSERVE_RUN_SLOW") == "1"
+
 
 def tiny_model_config(**overrides: object) -> ModelConfig:
     base = dict(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,

@@ -12,6 +12,8 @@ import json
 import sys
 import time
 
+from engine_fixtures import FEW_TOKEN_BUCKETS  # tests/ is on the path
+
 from jaxserve import LLM, EngineConfig, SamplingParams
 from jaxserve.config import DistributedConfig
 from jaxserve.device import multihost
@@ -20,7 +22,8 @@ from jaxserve.serving.build import build_follower
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 70))]
 ENGINE = dict(tensor_parallel_size=4, attention_impl="reference", max_num_seqs=8,
               max_num_batched_tokens=64, page_size=8, max_model_len=256,
-              kv_cache_memory=1 << 20, multihost_keepalive_s=0.2)
+              kv_cache_memory=1 << 20, multihost_keepalive_s=0.2,
+              token_buckets=FEW_TOKEN_BUCKETS)
 
 if __name__ == "__main__":
     rank, coordinator, model = int(sys.argv[1]), sys.argv[2], sys.argv[3]

@@ -68,6 +68,26 @@ CASES = [
 CASE_IDS = [f"{c[0]}-ps{c[1]}-g{c[2] // c[3]}-d{c[4]}-{c[5]}" + ("-win" if c[6] else "")
             + ("-cap" if c[7] else "") for c in CASES]
 
+# The cases the interpreters run by default (each interpreted case costs 2-20 s on 2 CPU
+# cores): together every kind, page size, GQA ratio (3 too), head dim, dtype, the sliding
+# window and the soft cap. The other cases run interpreted with JAXSERVE_RUN_SLOW=1, and
+# compiled on a device; the CPU kernel (test_attention_cpu) runs every case.
+INTERPRET_BY_DEFAULT = {"decode-ps16-g1-d64-float32", "decode-ps32-g4-d128-bfloat16",
+                        "prefill-ps64-g8-d64-bfloat16", "q1-ps16-g8-d128-bfloat16",
+                        "mixed-ps16-g2-d64-float32-win-cap", "mixed-ps16-g3-d64-float32"}
+assert INTERPRET_BY_DEFAULT <= set(CASE_IDS)
+_SLOW_INTERPRETED = pytest.mark.slow(reason="more interpreted kernel cases")
+
+
+def case_params() -> list:
+    """(case, interpret): each case interpreted (slow unless in INTERPRET_BY_DEFAULT) and
+    compiled on its device."""
+    return [p for case, cid in zip(CASES, CASE_IDS) for p in (
+        pytest.param(case, True, id=f"{cid}-interpret",
+                     marks=() if cid in INTERPRET_BY_DEFAULT else _SLOW_INTERPRETED),
+        pytest.param(case, False, id=f"{cid}-device", marks=pytest.mark.device))]
+
+
 # Small blocks so even these short sequences cross several KV blocks and ring slots.
 TUNING = {"pallas_tpu": dict(pages_per_block=2, tile_tokens=4),
           "pallas_gpu": dict(num_stages=2)}
@@ -113,9 +133,7 @@ def skip_unless_platform(impl: str, interpret: bool) -> None:
         pytest.skip(f"{impl} compiled needs a {want.upper()}; this is {jax.default_backend()}")
 
 
-@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.device)],
-                         ids=["interpret", "device"])
-@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("case,interpret", case_params())
 @pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
 def test_kernel_matches_reference(impl: str, case: tuple, interpret: bool) -> None:
     skip_unless_platform(impl, interpret)

@@ -30,8 +30,11 @@ from jaxserve.cli.bench.workload import (TOKEN_LOW, BenchRequest, LengthDist, Wo
                                          build_requests, parse_length_dist)
 from jaxserve.config import EngineConfig
 
+# Two token buckets: each costs several compiles at warmup (forward, sampler variants, prompt
+# logprobs pass), most of these end-to-end tests' time; the tune grid's budgets (8, 32) fit.
+FEW_BUCKETS = (8, 32)
 TINY = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, page_size=8, max_model_len=256,
-                    attention_impl="reference")
+                    attention_impl="reference", token_buckets=FEW_BUCKETS)
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -284,7 +287,9 @@ def test_chunked_prefill_scenario_runs_both_budgets() -> None:
                               long_interval_s=0.3, tail_s=0.2, chat_concurrency=2, chat_out=4,
                               small_budget=16)
     assert spec.budgets == (16, 256)
-    base = dataclasses.replace(TINY, max_num_batched_tokens=16, max_model_len=None)
+    # Both budgets' engines compile the same two buckets (16 and 256), which fit either budget.
+    base = dataclasses.replace(TINY, max_num_batched_tokens=16, max_model_len=None,
+                               token_buckets=spec.budgets)
     doc = asyncio.run(run_chunked_prefill(base, tiny_model(), spec, progress=False))
     assert [p["label"] for p in doc["points"]] == ["budget=16 (chunked)",
                                                    "budget=256 (whole prompt)"]
@@ -325,14 +330,16 @@ def served():  # noqa: ANN201 - a BackgroundServer
     from jaxserve.serving.build import ServedModel
 
     srv = BackgroundServer(ServerConfig(port=0, http_port=0), lambda: ServedModel(
-        tiny_engine(max_num_seqs=4, max_num_batched_tokens=32, fault_injection_token=FAULT),
+        tiny_engine(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=FEW_BUCKETS,
+                    fault_injection_token=FAULT),
         "tiny", "hf")).start()
     yield srv
     srv.stop()
 
 
 ENGINE_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--page-size", "8",
-                "--max-model-len", "128", "--attention-impl", "reference"]
+                "--max-model-len", "128", "--attention-impl", "reference",
+                "--token-buckets", ",".join(map(str, FEW_BUCKETS))]
 
 
 def test_cli_bench_against_a_server_then_compare(tmp_path, served, capsys) -> None:  # noqa: ANN001

@@ -19,8 +19,9 @@ from jaxserve.server.background import BackgroundServer
 from jaxserve.server.config import ServerConfig
 from jaxserve.serving.build import ServedModel
 
+# One token bucket, as FLAGS: the served engine's warmup compiles 5 executables, not 21.
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=8, max_model_len=64,
-              attention_impl="reference")
+              attention_impl="reference", token_buckets=(32,))
 FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--page-size", "8",
          "--max-model-len", "64", "--kv-cache-memory", "1MiB", "--attention-impl", "reference",
          "--token-buckets", "32", "--temperature", "0"]

@@ -7,6 +7,10 @@ jax starts: DP 2 x TP 2 and DP 2 x TP 1, for a model whose KV heads divide TP an
 not, give the TP 1 greedy tokens and top-5 logprobs within 1e-5 relative, compile nothing
 after warmup on any replica, hold each replica's weights and pages on its own devices only,
 and share the work; a DP 2 x TP 2 gRPC server streams the same tokens.
+
+The default run checks DP 2 x TP 2 of the model whose KV heads TP replicates (and its TP 1),
+with two token buckets; the other three offline configurations, with the default buckets,
+are marked slow (JAXSERVE_RUN_SLOW=1): the whole grid costs ~6 minutes of compiles on 2 cores.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from dp_worker import DEFAULT_ROWS, MODELS, SIZES
 from engine_fixtures import run_device_worker
 from test_async_engine import GatedRunner, fake_engine
 
@@ -212,13 +217,19 @@ def worker() -> dict:
     return run_device_worker("dp_worker.py")
 
 
+def grid() -> list:
+    """(model, dp, tp) of the DP runs; those outside dp_worker's default run are marked slow."""
+    slow = pytest.mark.slow(reason="the rest of the DP grid: ~5 min of compiles on 2 cores")
+    return [pytest.param(m, dp, tp, marks=() if (m, dp, tp) in DEFAULT_ROWS else slow)
+            for m in MODELS for dp, tp in SIZES if dp > 1]
+
+
 def _row(worker: dict, model: str, dp: int, tp: int) -> dict:
     return next(r for r in worker["offline"]
                 if r["model"] == model and r["dp"] == dp and r["tp"] == tp)
 
 
-@pytest.mark.parametrize("model", ["kv_divides", "kv_replicated"])
-@pytest.mark.parametrize("dp,tp", [(2, 2), (2, 1)])
+@pytest.mark.parametrize("model,dp,tp", grid())
 def test_dp_tp_matches_tp1(worker: dict, model: str, dp: int, tp: int) -> None:
     base, got = _row(worker, model, 1, 1), _row(worker, model, dp, tp)
     assert got["outputs"].keys() == base["outputs"].keys()
@@ -239,8 +250,7 @@ def test_dp_tp_matches_tp1(worker: dict, model: str, dp: int, tp: int) -> None:
     assert all(r["steps"] > 0 for r in reps), "every replica must have served requests"
 
 
-@pytest.mark.parametrize("model", ["kv_divides", "kv_replicated"])
-@pytest.mark.parametrize("dp,tp", [(2, 2), (2, 1)])
+@pytest.mark.parametrize("model,dp,tp", grid())
 def test_each_replica_lives_on_its_own_devices(worker: dict, model: str, dp: int,
                                                tp: int) -> None:
     reps = _row(worker, model, dp, tp)["replicas"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from cached_generate import generate
 
@@ -21,10 +22,15 @@ def tiny_config(**overrides: object) -> ModelConfig:
 
 
 def rollout(params: llama.LlamaParams, cfg: ModelConfig, prompt: list[int], n: int) -> list[int]:
-    """Oracle: re-run the whole sequence each step and take the argmax of the last logits."""
+    """Oracle: re-run the whole sequence each step and take the argmax of the last logits.
+    The sequence is right-padded to one power-of-two length (causal: the padding cannot
+    reach the last real position): one compile per rollout, not one per step."""
     seq = list(prompt)
+    T = 1 << (len(prompt) + n - 1).bit_length()
     for _ in range(n):
-        logits = llama.forward_jit(params, jnp.asarray([seq], jnp.int32),
+        tokens = np.zeros((1, T), np.int32)
+        tokens[0, :len(seq)] = seq
+        logits = llama.forward_jit(params, jnp.asarray(tokens),
                                    jnp.asarray([len(seq)], jnp.int32), cfg=cfg)
         seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
     return seq[len(prompt):]

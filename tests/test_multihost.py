@@ -9,6 +9,10 @@ process 1 really ran the steps; and that it exits 0 when process 0 drains on SIG
 
 In-process (one process, where a broadcast is the identity): the leader's runner gives the
 plain runner's results, and every StepBatch field travels in exactly one broadcast.
+
+Each two-process test costs two JAX processes' start-up, distributed init and warmup: the
+served one runs by default; `jaxserve batch` and the offline LLM recipe over two processes are
+marked slow (JAXSERVE_RUN_SLOW=1).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import urllib.request
 
 import pytest
 import numpy as np
-from engine_fixtures import rollout, tiny_model
+from engine_fixtures import FEW_TOKEN_BUCKETS, rollout, tiny_model
 from hf_models import save_tiny_tokenizer
 from test_prompt_logprobs import oracle as prompt_logprobs_oracle
 
@@ -40,9 +44,12 @@ from jaxserve.server.client import Client
 VOCAB = 211
 START_DEADLINE_S = 600.0
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 70))]
+# Two token buckets (engine_fixtures.FEW_TOKEN_BUCKETS): each process compiles 7 executables
+# at warmup instead of the default powers of two's 26, most of these tests' time.
 SERVE_FLAGS = ("--tensor-parallel-size", "4", "--attention-impl", "reference",
                "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--page-size", "8",
-               "--max-model-len", "256", "--kv-cache-memory", "1MiB")
+               "--max-model-len", "256", "--kv-cache-memory", "1MiB",
+               "--token-buckets", ",".join(map(str, FEW_TOKEN_BUCKETS)))
 
 
 def free_port() -> int:
@@ -136,6 +143,7 @@ def test_two_processes_serve_tp4_and_stop_together(model_dir: pathlib.Path) -> N
     assert re.search(r"^jaxserve:compiles_after_warmup\{[^}]*\} 0\.0$", metrics, re.M), metrics
 
 
+@pytest.mark.slow(reason="a second two-process job; the served one runs by default")
 def test_two_processes_run_a_batch_job(model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
     """`jaxserve batch` over the same two-process TP 4 job: process 0 writes OUT."""
     from jaxserve.models.tokenizer import Tokenizer
@@ -165,6 +173,7 @@ def test_two_processes_run_a_batch_job(model_dir: pathlib.Path, tmp_path: pathli
     assert [r["text"] for r in records] == [tok.decode(rollout(model, p, 8)) for p in PROMPTS]
 
 
+@pytest.mark.slow(reason="a third two-process job; the served one runs by default")
 def test_two_processes_offline_llm(model_dir: pathlib.Path) -> None:
     """The README's Python recipe: LLM on process 0, multihost.follow on process 1, with an
     idle spell in between that process 0 bridges with keepalives."""
@@ -228,8 +237,10 @@ def test_leader_runner_sends_every_field_and_returns_the_runner_results() -> Non
     # added to one of them, or the followers would run with its default).
     sent = multihost._FORWARD + multihost._SAMPLING + multihost._PROMPT_LP  # noqa: SLF001
     assert sorted(sent) == sorted(fields) and len(set(sent)) == len(sent)
-    plain = tiny_engine(tiny_model())
-    lead = tiny_engine(tiny_model())
+    # Two token buckets: what travels is the same for every bucket; warmup compiles 7
+    # executables, not 26.
+    plain = tiny_engine(tiny_model(), token_buckets=FEW_TOKEN_BUCKETS)
+    lead = tiny_engine(tiny_model(), token_buckets=FEW_TOKEN_BUCKETS)
     lead.runner = multihost.LeaderRunner(lead.runner)
     outs, scored = [], []
     for eng in (plain, lead):

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from engine_fixtures import rollout, tiny_engine, tiny_model
+from engine_fixtures import FEW_TOKEN_BUCKETS, rollout, tiny_engine, tiny_model
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve import SamplingParams
@@ -26,7 +26,10 @@ from jaxserve.server.openai_http import OpenAIHttpFront
 from jaxserve.serving.async_engine import EngineStopped, QueueFull
 from jaxserve.serving.build import ServedModel
 
-CONFIG = dict(max_num_seqs=8, max_num_batched_tokens=64, page_size=8, max_model_len=512)
+# The engine config of every OpenAI front test module (chat, echo, sdk, serving, README too):
+# two token buckets, 7 warmup compiles per engine instead of 26.
+CONFIG = dict(max_num_seqs=8, max_num_batched_tokens=64, page_size=8, max_model_len=512,
+              token_buckets=FEW_TOKEN_BUCKETS)
 DEADLINE_S = 30.0
 GREEDY = dict(temperature=0, ignore_eos=True)
 

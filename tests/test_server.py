@@ -10,7 +10,7 @@ import urllib.request
 
 import grpc
 import pytest
-from engine_fixtures import tiny_engine
+from engine_fixtures import FEW_TOKEN_BUCKETS, tiny_engine
 from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -22,7 +22,9 @@ from jaxserve.server.client import AsyncClient, Client, fold
 from jaxserve.server.config import ServerConfig
 from jaxserve.serving.build import ServedModel
 
-CONFIG = dict(max_num_seqs=8, max_num_batched_tokens=64, page_size=8, max_model_len=512)
+# test_openai_http.CONFIG's engine (two token buckets): one process compiles it once for both.
+CONFIG = dict(max_num_seqs=8, max_num_batched_tokens=64, page_size=8, max_model_len=512,
+              token_buckets=FEW_TOKEN_BUCKETS)
 DEADLINE_S = 30.0
 
 

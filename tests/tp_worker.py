@@ -4,6 +4,10 @@ at several tensor-parallel sizes, printed as one JSON document for tests/test_te
 For each model (heads/KV heads) and TP size: greedy tokens, top-5 logprobs and top-3 prompt
 logprobs of 3 prompts,
 compiles after warmup, per-device and total bytes of the parameters and of the KV pages.
+
+By default one sharded configuration against its TP 1 (DEFAULT_ROWS, with FEW_TOKEN_BUCKETS)
+and the gRPC server over it; with JAXSERVE_RUN_SLOW=1 the full grid (MODELS x TP_SIZES, the
+default buckets) and the gRPC server over TP 4 with replicated KV heads.
 """
 
 from __future__ import annotations
@@ -12,11 +16,20 @@ import json
 import sys
 
 import jax
-from engine_fixtures import tiny_engine, tiny_model  # noqa: E402 - run with tests/ on the path
+from engine_fixtures import (  # noqa: E402 - run with tests/ on the path
+    FEW_TOKEN_BUCKETS, run_slow, tiny_engine, tiny_model)
 
 from jaxserve.engine.sampling_params import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 70))]
+# kv_heads -> (heads, vocab): KV heads dividing every TP size, replicated ones (2), and a
+# vocabulary no TP size divides (211: replicated embeddings).
+MODELS = {8: (8, 256), 2: (8, 256), 4: (8, 211)}
+TP_SIZES = (1, 2, 4, 8)
+# (kv_heads, tp) of the default run: KV pages, heads and the vocabulary-sharded LM head split
+# in two (sharded attention, the sampler and the prompt logprobs pass over shards), and its
+# TP 1 oracle. The rest of the grid runs with JAXSERVE_RUN_SLOW=1.
+DEFAULT_ROWS = ((8, 1), (8, 2))
 
 
 def shard_bytes(tree, device=None) -> tuple[int, int]:  # noqa: ANN001
@@ -46,10 +59,20 @@ def greedy_outputs(engine, prompts: list[list[int]]) -> dict:  # noqa: ANN001
     return outs
 
 
-def run(heads: int, kv_heads: int, tp: int, vocab: int) -> dict:
-    model = tiny_model(num_heads=heads, num_kv_heads=kv_heads, head_dim=8, hidden_size=64,
-                       intermediate_size=128, vocab_size=vocab)
-    eng = tiny_engine(model, tensor_parallel_size=tp)
+def engine_options() -> dict:
+    """The default run compiles FEW_TOKEN_BUCKETS; the full grid the default buckets."""
+    return {} if run_slow() else {"token_buckets": FEW_TOKEN_BUCKETS}
+
+
+def model_of(kv_heads: int):  # noqa: ANN201 - LoadedModel
+    heads, vocab = MODELS[kv_heads]
+    return tiny_model(num_heads=heads, num_kv_heads=kv_heads, head_dim=8, hidden_size=64,
+                      intermediate_size=128, vocab_size=vocab)
+
+
+def run(kv_heads: int, tp: int) -> dict:
+    heads = MODELS[kv_heads][0]
+    eng = tiny_engine(model_of(kv_heads), tensor_parallel_size=tp, **engine_options())
     outs = greedy_outputs(eng, PROMPTS)
     p_dev, p_all = shard_bytes(eng.runner.params)
     kv_dev, kv_all = shard_bytes(eng.runner.kv_pages)
@@ -60,24 +83,30 @@ def run(heads: int, kv_heads: int, tp: int, vocab: int) -> dict:
             "num_pages": eng.plan.scheduler.num_pages}
 
 
-def serve_grpc(tp: int) -> dict:
+def serve_grpc(kv_heads: int, tp: int) -> dict:
     """The gRPC server over a TP engine: greedy streams of the same prompts."""
     from jaxserve.server.background import BackgroundServer
     from jaxserve.server.client import Client
     from jaxserve.server.config import ServerConfig
     from jaxserve.serving.build import ServedModel
 
-    model = tiny_model(num_heads=8, num_kv_heads=2, head_dim=8, hidden_size=64,
-                       intermediate_size=128, vocab_size=256)
-    factory = lambda: ServedModel(tiny_engine(model, tensor_parallel_size=tp), "tiny", "hf")  # noqa: E731
+    model = model_of(kv_heads)
+    factory = lambda: ServedModel(tiny_engine(model, tensor_parallel_size=tp,  # noqa: E731
+                                              **engine_options()), "tiny", "hf")
     with BackgroundServer(ServerConfig(port=0, http_port=None), factory) as srv, \
             Client(srv.target) as client:
         params = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
-        return {f"r{i}": client.generate(p, params)[0].token_ids for i, p in enumerate(PROMPTS)}
+        tokens = {f"r{i}": client.generate(p, params)[0].token_ids
+                  for i, p in enumerate(PROMPTS)}
+    return {"kv_heads": kv_heads, "tp": tp, "tokens": tokens}
 
 
 if __name__ == "__main__":
     assert jax.device_count() == 8, jax.devices()
-    rows = [run(h, kv, tp, vocab) for h, kv, vocab in ((8, 8, 256), (8, 2, 256), (8, 4, 211))
-            for tp in (1, 2, 4, 8)]
-    json.dump({"offline": rows, "grpc_tp4": serve_grpc(4)}, sys.stdout)
+    if run_slow():
+        rows = [run(kv, tp) for kv in MODELS for tp in TP_SIZES]
+        grpc = serve_grpc(2, 4)  # KV heads replicated
+    else:
+        rows = [run(kv, tp) for kv, tp in DEFAULT_ROWS]
+        grpc = serve_grpc(*DEFAULT_ROWS[-1])
+    json.dump({"offline": rows, "grpc": grpc}, sys.stdout)
