@@ -16,6 +16,7 @@ import numpy as np
 from hf_models import save_tiny_tokenizer
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine.batch import default_buckets
 from jaxserve.engine.engine import Engine
 from jaxserve.models import llama
 from jaxserve.models.config import ModelConfig
@@ -69,8 +70,15 @@ def tiny_engine(model: LoadedModel | None = None, warmup: bool = True,
     base = dict(max_num_seqs=8, max_num_batched_tokens=64, page_size=8,
                 kv_cache_memory=None, max_model_len=256, attention_impl="reference")
     base.update(cfg)
-    return build_engine(EngineConfig(**base), model or tiny_model(), warmup=warmup,  # type: ignore[arg-type]
-                        progress=False)
+    if "token_buckets" not in cfg:
+        # Powers of two: every compiled shape is a whole-model compile, and what these tests
+        # check (outputs against oracles) does not depend on the bucket set; the default set
+        # is tested in test_buckets, test_llm_api and test_logit_bias.
+        budget = base["max_num_batched_tokens"]
+        assert isinstance(budget, int)
+        base["token_buckets"] = default_buckets(budget, 1)
+    config = EngineConfig(**base)  # type: ignore[arg-type]
+    return build_engine(config, model or tiny_model(), warmup=warmup, progress=False)
 
 
 def rollout(model: LoadedModel, prompt: list[int], n: int) -> list[int]:

