@@ -59,7 +59,7 @@ run_workload() {  # $1: server, $2: workload
     --max-concurrency $conc --request-rate inf --ignore-eos --temperature 0 --seed 0 \
     --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
     --save-result --result-dir "$OUT" --result-filename "$1_$2.json" \
-    2>&1 | tail -30 | tee "$OUT/$1_$2.log"
+    2>&1 | grep -v -e "leaked" -e "nanobind" | tail -30 | tee "$OUT/$1_$2.log"
 }
 
 for server in $SERVERS; do
