@@ -77,7 +77,7 @@ def test_grpc_client_id_cannot_collide_with_sample_ids() -> None:
         fake_engine(runner), "fake")).start()
     try:
         with Client(srv.target, timeout=DEADLINE_S) as client:
-            runner.allow(1)
+            runner.allow(2)  # overlapped steps: step 1's output comes once step 2 is dispatched
             held = client.stream([8, 9], SamplingParams(max_tokens=6, **GREEDY),
                                  request_id="x#1")
             first = next(held)  # "x#1" is running

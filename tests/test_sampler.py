@@ -255,8 +255,8 @@ def test_sampler_with_logit_bias_lowers_for_tpu_and_cuda(platform: str, penaltie
                                      spec((S, 2), "uint32"), spec((S, P), "int32"),
                                      spec((S, P), "bool"), spec((S, B), "int32"),
                                      spec((S, B), "float32"))
-        text = _sample_jit.trace(spec((S, Vb), "float32"), st, apply_penalty=penalties).lower(
-            lowering_platforms=(platform,)).as_text()
+        text = _sample_jit.trace(spec((S, Vb), "float32"), st, apply_penalty=penalties,
+                                 feed_len=S).lower(lowering_platforms=(platform,)).as_text()
         return len(re.findall(r'"?stablehlo\.scatter"?\(', text))
 
     plain, biased = scatters(bias_width(False)), scatters(bias_width(True))

@@ -79,7 +79,7 @@ def sample_step(logits: jax.Array, st: SamplingTensors, apply_penalty: bool, fee
     """The sampler, plus its tokens zero-padded to i32[feed_len]: the next step's `feed`, one
     shape whatever this step's bucket (so the forward never recompiles for it)."""
     out = sample(logits, st, apply_penalty=apply_penalty)
-    return out, jnp.zeros(feed_len, jnp.int32).at[:out.tokens.shape[0]].set(out.tokens)
+    return out, jnp.pad(out.tokens, (0, feed_len - out.tokens.shape[0]))  # a pad, no scatter
 
 
 _forward_jit = jax.jit(forward_step, static_argnames=("cfg", "attn_impl", "mesh"),

@@ -7,16 +7,14 @@ Plain Python (no jax). Data flow per step:
   sampled)` appends sampled tokens, advances `num_computed_tokens`, registers full pages in the
   prefix cache, applies token stop rules and frees the pages of finished sequences.
 
-Overlap: the engine may call `schedule()` for step N+1 before `update()` of step N (whose
-sampled tokens are still on the device). `schedule()` therefore plans from
-`Request.num_scheduled_tokens` and counts each token a dispatched step samples as in flight
-(`Request.num_in_flight`): a sequence whose step N samples is scheduled in step N+1 as a
-decode of that unknown token (`ScheduledSeq.fed`: the device feeds it from step N's sampler
-output), unless the in-flight token is already its last by `max_tokens` / `max_model_len`.
-A stop that only the token's value reveals (EOS, stop ids, stop strings) lands one step late:
-the sequence is finished by step N's update and step N+1's row for it is discarded (its
-update skips sequences that are no longer running, or were preempted since: `ScheduledSeq.
-epoch`). A step that never ran is rolled back by `unschedule()`.
+Overlap: `schedule()` for step N+1 may run before `update()` of step N, whose tokens are
+still on the device: it plans from `Request.num_scheduled_tokens`, counting each token a
+dispatched step samples as in flight (`num_in_flight`), so a sequence step N samples decodes
+that unknown token in N+1 (`ScheduledSeq.fed`: fed on the device) unless it is already its
+last by max_tokens / max_model_len. A stop only its value reveals (EOS, stop ids / strings)
+lands a step late: N's update finishes the sequence and N+1's row is discarded (updates skip
+rows no longer running or preempted since, `ScheduledSeq.epoch`). `unschedule()` rolls back
+a step that never ran.
 
 Policy:
 - Running sequences are served in (priority, arrival) order, decodes before prefill chunks, so
@@ -57,8 +55,7 @@ class ScheduledSeq:
     start: int  # position of the first new token (= num_scheduled_tokens before the step)
     num_new_tokens: int
     samples: bool  # this chunk reaches the end of the sequence: sample its next token
-    # The chunk's (single) token is still in flight: sampled by the step dispatched before
-    # this one, on the device only; the batch feeds it from that step's sampler output.
+    # Its one token is in flight (sampled by the step dispatched before, on the device only).
     fed: bool = False
     epoch: int = 0  # the request's preemption count when scheduled (stale rows are skipped)
 
@@ -189,9 +186,8 @@ class Scheduler:
                                preempted=preempted)
 
     def _to_schedule(self, req: Request) -> int:
-        """How many of a running sequence's tokens are left to schedule: 0 while its only
-        one is an in-flight token that will end it anyway (max_tokens / max_model_len; its
-        update finishes it), or a prefill-only request's last chunk is in flight."""
+        """Tokens of a running sequence left to schedule: 0 when its in-flight token ends it
+        anyway (max_tokens / max_model_len; prefill only), its update finishing it."""
         if req.num_in_flight and (
                 req.num_output_tokens + req.num_in_flight >= req.max_tokens
                 or req.num_tokens + req.num_in_flight >= self.cfg.max_model_len):
@@ -199,8 +195,7 @@ class Scheduler:
         return req.num_tokens + req.num_in_flight - req.num_scheduled_tokens
 
     def unschedule(self, seqs: Iterable[ScheduledSeq]) -> None:
-        """Roll back scheduled rows whose step never ran (its build or dispatch failed): each
-        still-running sequence is scheduled again for the same tokens (its pages stay)."""
+        """Roll back the rows of a step that never ran: rescheduled for the same tokens."""
         for seq in seqs:
             req = seq.request
             if req.status is RequestStatus.RUNNING and \
@@ -292,13 +287,10 @@ class Scheduler:
     # ----------------------------------------------------------------------- update
     def update(self, out: SchedulerOutput, sampled: Sequence[int | None],
                errors: list[tuple[Request, Exception]] | None = None) -> list[Request]:
-        """Apply one step's results; `sampled[i]` is the token of `out.seqs[i]` (None if the
-        chunk did not sample). Returns the requests that got a new token this step.
-
-        `errors`: a failure while applying one sequence's result is appended there as
-        (request, exception) and the other sequences are still applied (the caller finishes
-        the failed ones); without it the first failure is raised.
-        """
+        """Apply one step's results (`sampled[i]`: the token of `out.seqs[i]`, None if it did
+        not sample); returns the requests that got a token. `errors`: each sequence's failure
+        is appended as (request, exception) and the others still applied (the caller finishes
+        the failed ones); without it the first failure is raised."""
         now = self.clock()
         progressed: list[Request] = []
         for seq, token in zip(out.seqs, sampled):
