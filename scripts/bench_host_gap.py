@@ -112,25 +112,14 @@ def drive(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> t
 
 def run_fake(overlap: bool, args: argparse.Namespace) -> dict:
     from jaxserve.engine.sizing import plan_engine
-    from jaxserve.models.config import ModelConfig
-    from jaxserve.models.tiny import save_word_tokenizer
-    from jaxserve.models.tokenizer import Tokenizer
-    import pathlib
-    import tempfile
+    from jaxserve.models.tiny import tiny_config, word_tokenizer
 
     vocab = 4096
-    d = pathlib.Path(tempfile.mkdtemp(prefix="jaxserve-gap-"))
-    save_word_tokenizer(d, vocab)
-    tok = Tokenizer.from_hf_dir(d)
+    tok = word_tokenizer(vocab)
     # A budget that prefills every prompt in a few steps, so all sequences then decode together.
     cfg = EngineConfig(max_num_seqs=args.fake_seqs, max_num_batched_tokens=8192, page_size=16,
                        max_model_len=1024, async_scheduling=overlap)
-    model = ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=64,
-                        intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                        head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-                        max_position_embeddings=1024, tie_word_embeddings=False,
-                        attention_bias=False, qk_norm=False, bos_token_id=1,
-                        eos_token_ids=(2,))
+    model = tiny_config(vocab, max_position_embeddings=1024)
     plan = plan_engine(cfg, model, 4, 1 << 34)
     runner = ArithmeticRunner(vocab, device_time_s=args.fake_device_ms / 1e3)
     steady: list[bool] = []

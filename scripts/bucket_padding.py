@@ -4,9 +4,6 @@ measured step-cost curve (`CostCurve`). Imported by bench_buckets.py (same folde
 
 from __future__ import annotations
 
-import pathlib
-import tempfile
-
 import numpy as np
 
 from jaxserve.config import EngineConfig
@@ -50,20 +47,11 @@ def run_workload(cfg: EngineConfig, prompt_len: int, max_tokens: int, concurrenc
     from jaxserve.engine.engine import Engine
     from jaxserve.engine.fake_runner import ArithmeticRunner
     from jaxserve.engine.sizing import plan_engine
-    from jaxserve.models.config import ModelConfig
-    from jaxserve.models.tiny import save_word_tokenizer
-    from jaxserve.models.tokenizer import Tokenizer
+    from jaxserve.models.tiny import tiny_config, word_tokenizer
 
     vocab = 4096
-    d = pathlib.Path(tempfile.mkdtemp(prefix="jaxserve-buckets-"))
-    save_word_tokenizer(d, vocab)
-    tok = Tokenizer.from_hf_dir(d)
-    model = ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=64,
-                        intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                        head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-                        max_position_embeddings=8192, tie_word_embeddings=False,
-                        attention_bias=False, qk_norm=False, bos_token_id=1,
-                        eos_token_ids=(2,))
+    tok = word_tokenizer(vocab)
+    model = tiny_config(vocab, max_position_embeddings=8192)
     plan = plan_engine(cfg, model, 4, 1 << 40)
     runner = ArithmeticRunner(vocab)
     steps: list[tuple[int, int, int, int]] = []
@@ -119,14 +107,9 @@ def worst_steps(cfg: EngineConfig, curve: CostCurve) -> dict:
     of any step; each with the step and its bucket."""
     from jaxserve.engine.batch import bucket_for
     from jaxserve.engine.sizing import plan_engine
-    from jaxserve.models.config import ModelConfig
+    from jaxserve.models.tiny import tiny_config
 
-    model = ModelConfig(model_type="llama", vocab_size=4096, hidden_size=64,
-                        intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                        head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-                        max_position_embeddings=8192, tie_word_embeddings=False,
-                        attention_bias=False, qk_norm=False, bos_token_id=1,
-                        eos_token_ids=(2,))
+    model = tiny_config(4096, max_position_embeddings=8192)
     buckets = plan_engine(cfg, model, 4, 1 << 40).batch_shape.buckets
     worst = {"decode": (0.0, None), "full": (0.0, None), "any": (0.0, None)}
     for t in range(1, cfg.max_num_batched_tokens + 1):

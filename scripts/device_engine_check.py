@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import tempfile
 import time
 
 import jax
@@ -36,8 +35,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import init_random_params
 from jaxserve.models.loading import LoadedModel
-from jaxserve.models.tiny import save_word_tokenizer
-from jaxserve.models.tokenizer import Tokenizer
+from jaxserve.models.tiny import word_tokenizer
 
 LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096,
                  intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
@@ -61,10 +59,8 @@ def hbm_gbps(n_bytes: int, iters: int = 10) -> float:
 
 def random_model(cfg: ModelConfig) -> LoadedModel:
     params = jax.jit(lambda k: init_random_params(cfg, k, jnp.bfloat16))(jax.random.key(0))
-    d = pathlib.Path(tempfile.mkdtemp(prefix="jaxserve-devcheck-"))
-    save_word_tokenizer(d, cfg.vocab_size)
-    return LoadedModel(config=cfg, params=params, tokenizer=Tokenizer.from_hf_dir(d),
-                       source=d, format="hf")
+    return LoadedModel(config=cfg, params=params, tokenizer=word_tokenizer(cfg.vocab_size),
+                       source=pathlib.Path("random"), format="hf")
 
 
 def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
