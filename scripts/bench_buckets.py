@@ -300,7 +300,8 @@ def main() -> int:
     ap.add_argument("--sets", default=f"{POW2},{DEFAULT}")
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M")
     ap.add_argument("--max-num-seqs", type=int, default=32)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int,
+                    default=EngineConfig().max_num_batched_tokens)
     ap.add_argument("--context", type=int, default=256, help="decode steps' context (cost)")
     ap.add_argument("--cost-tokens", default=",".join(map(str, COST_TOKENS)))
     ap.add_argument("--cost-prefill-tokens", default="64,256,512",

@@ -22,6 +22,7 @@ OUT=${OUT:-side_by_side}
 SERVERS=${SERVERS:-"jaxserve vllm"}
 WORKLOADS=${WORKLOADS:-"A1 A8 A32 C8"}
 JAXSERVE=${JAXSERVE:-jaxserve}  # the jaxserve command (e.g. a venv's bin/jaxserve)
+JAXSERVE_ARGS=${JAXSERVE_ARGS:-}  # extra `jaxserve serve` flags (policy experiments)
 PORT=8011
 mkdir -p "$OUT"
 [ -f "$HF_DIR/config.json" ] || $JAXSERVE convert bundled "$HF_DIR" --format hf
@@ -31,7 +32,7 @@ start_server() {  # $1: server name; sets PID, writes startup seconds
   local t0=$SECONDS
   case $1 in
     jaxserve) $JAXSERVE serve --http-port $PORT --port 0 --max-model-len 4096 \
-                --served-model-name smollm2 > "$OUT/$1_server.log" 2>&1 & ;;
+                --served-model-name smollm2 $JAXSERVE_ARGS > "$OUT/$1_server.log" 2>&1 & ;;
     vllm) "$VENV/bin/python" scripts/vllm_cpu_serve.py serve "$HF_DIR" --dtype float32 \
             --port $PORT --max-model-len 4096 --served-model-name smollm2 \
             --gpu-memory-utilization 0.5 \

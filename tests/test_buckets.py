@@ -67,8 +67,8 @@ def test_default_token_buckets() -> None:
 
 
 def test_default_plan_buckets_and_seqs() -> None:
-    buckets = plan_buckets()  # max_num_seqs 32, max_num_batched_tokens 512
-    assert [t for t, _ in buckets] == list(default_token_buckets(512))
+    buckets = plan_buckets()  # max_num_seqs 32, max_num_batched_tokens 2048
+    assert [t for t, _ in buckets] == list(default_token_buckets(2048))
     # One seqs bucket per token bucket: as many rows as tokens, up to max_num_seqs.
     assert all(s == min(t, 32) for t, s in buckets)
 
@@ -103,7 +103,7 @@ def test_padding_share_of_the_step_under_the_default_config() -> None:
     Powers of two spent up to 46% (a 257-token step ran as 512)."""
     buckets = plan_buckets()
     worst_decode = worst_full = worst_any = 0.0
-    for t, s in steps(32, 512):
+    for t, s in steps(32, 512):  # steps with decodes (decode_token_budget 512)
         bt, bs = bucket_for(t, s, buckets)
         share = (cost(bt, bs) - cost(t, s)) / cost(bt, bs)
         worst_any = max(worst_any, share)
@@ -112,7 +112,7 @@ def test_padding_share_of_the_step_under_the_default_config() -> None:
         if s == min(t, 32):
             worst_full = max(worst_full, share)
     assert worst_decode < 0.12 and worst_full < 0.16 and worst_any < 0.22
-    pow2 = plan_buckets(token_buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+    pow2 = plan_buckets(token_buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048))
     assert bucket_for(257, 32, pow2) == (512, 32)
     assert bucket_for(257, 32, buckets) == (320, 32)
 
@@ -132,18 +132,29 @@ def test_overrides_are_honoured() -> None:
                                          token_buckets=(2, 8, 32), seq_buckets=(1, 4))) == (8, 4)
 
 
+def test_decode_token_budget_is_clamped_to_the_seats_and_the_budget() -> None:
+    def plan(**cfg: object) -> int | None:
+        return plan_engine(EngineConfig(**cfg), model_config(), 4,  # type: ignore[arg-type]
+                           1 << 34).scheduler.decode_token_budget
+
+    assert plan() == 512  # the default: steps with decodes hold 512 of the 2048 tokens
+    assert plan(max_num_batched_tokens=256) == 256
+    assert plan(max_num_seqs=64, max_num_batched_tokens=4096, decode_token_budget=16) == 64
+    assert plan(decode_token_budget=None) is None
+
+
 def test_bucket_errors() -> None:
     with pytest.raises(ValueError, match=r"token_buckets end at 256 < max_num_batched_tokens=512"):
-        plan_buckets(token_buckets=(64, 256))
+        plan_buckets(max_num_batched_tokens=512, token_buckets=(64, 256))
     with pytest.raises(ValueError, match=r"seq_buckets end at 16 < max_num_seqs=32"):
-        plan_buckets(seq_buckets=(8, 16))
+        plan_buckets(max_num_batched_tokens=512, seq_buckets=(8, 16))
     with pytest.raises(ValueError, match="strictly increasing"):
         EngineConfig(token_buckets=(64, 32, 512))
     with pytest.raises(ValueError, match="strictly increasing"):
         EngineConfig(seq_buckets=(0, 32))
     with pytest.raises(ValueError, match=r"a step of 600 tokens in 3 sequences exceeds every "
                                          r"compiled bucket \(largest \(512, 32\)\)"):
-        bucket_for(600, 3, plan_buckets())
+        bucket_for(600, 3, plan_buckets(max_num_batched_tokens=512))
     with pytest.raises(ValueError, match="exceeds every compiled bucket"):
         bucket_for(8, 5, ((8, 4), (32, 4)))
 
@@ -158,7 +169,7 @@ def test_warmup_compile_count_of_the_default_config() -> None:
     runs = ModelRunner.buckets(types.SimpleNamespace(  # type: ignore[arg-type]
         shape=types.SimpleNamespace(buckets=buckets)))
     seqs = {s for _, s in buckets}
-    assert len(buckets) == 23 and seqs == {1, 2, 4, 8, 16, 24, 32}
-    assert len(runs) == len(buckets) + 3 * len(seqs) + len(buckets) == 67
+    assert len(buckets) == 31 and seqs == {1, 2, 4, 8, 16, 24, 32}
+    assert len(runs) == len(buckets) + 3 * len(seqs) + len(buckets) == 83
     assert {(t, s) for t, s, *_ in runs} == set(buckets)
     assert sorted((t, s) for t, s, p, b, lp in runs if not (p or b or lp)) == list(buckets)

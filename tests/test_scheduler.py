@@ -138,6 +138,70 @@ def test_decodes_are_never_starved_by_a_long_prompt():
     assert long.output_token_ids == reference_output(long.prompt_token_ids, 2)
 
 
+def test_decode_token_budget_caps_steps_with_decodes_only():
+    """A burst of prompts is prefilled in one step of the full budget; once streams decode,
+    a step holds at most decode_token_budget tokens, so a late prompt is chunked around them."""
+    sched = Scheduler(config(max_num_batched_tokens=64, decode_token_budget=16,
+                             max_num_seqs=8, num_pages=200))
+    burst = [make_req(f"b{i}", list(range(i, i + 15)), max_tokens=6) for i in range(4)]
+    for r in burst:
+        sched.add_request(r)
+    late = make_req("late", list(range(40)), max_tokens=3)
+    sizes: list[tuple[int, bool]] = []
+
+    def check(step: int, out: SchedulerOutput) -> None:
+        if step == 2:
+            sched.add_request(late)
+        # Decodes of streams past their first token hold the step to 16 tokens.
+        decodes = any(s.num_new_tokens == 1 and s.samples and s.start > 0
+                      and s.start == s.request.num_tokens - 1
+                      and s.request.num_output_tokens >= 2 for s in out.seqs)
+        sizes.append((out.num_tokens, decodes))
+        assert out.num_tokens <= (16 if decodes else 64)
+
+    drive(sched, on_step=check)
+    assert sizes[0] == (60, False)  # the whole burst in one step: they decode in lockstep
+    late_steps = [n for n, d in sizes if d and n > 4]
+    assert late_steps and max(late_steps) == 16  # the late prompt in chunks of 16 - 4 decodes
+    for r in burst + [late]:
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, r.max_tokens)
+    assert sched.allocator.num_free_pages == sched.allocator.num_usable_pages
+
+
+def test_prompts_a_step_apart_are_still_prefilled_together():
+    """Streams with only their first token let one more full-budget step through: prompts
+    that arrive a moment after the first ones join them instead of trickling in at the
+    decode budget (and staying a step apart for good)."""
+    sched = Scheduler(config(max_num_batched_tokens=64, decode_token_budget=16,
+                             max_num_seqs=8, num_pages=200))
+    first = [make_req(f"a{i}", list(range(i, i + 10)), max_tokens=5) for i in range(2)]
+    later = [make_req(f"b{i}", list(range(100 + 20 * i, 114 + 20 * i)), max_tokens=5)
+             for i in range(3)]
+    for r in first:
+        sched.add_request(r)
+    steps: list[SchedulerOutput] = []
+
+    def check(step: int, out: SchedulerOutput) -> None:
+        steps.append(out)
+        if step == 0:
+            for r in later:
+                sched.add_request(r)
+
+    drive(sched, on_step=check)
+    assert steps[0].num_tokens == 20
+    assert steps[1].num_tokens == 2 + 42  # two first-token streams decode, all three prefill
+    # Then all five decode together (the first two end a step earlier).
+    assert [o.num_tokens for o in steps[2:]] == [5, 5, 5, 3]
+    for r in first + later:
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, r.max_tokens)
+
+
+@pytest.mark.parametrize("budget", [4, 65])
+def test_decode_token_budget_bounds(budget):
+    with pytest.raises(ValueError, match="decode_token_budget"):
+        config(max_num_batched_tokens=64, max_num_seqs=8, decode_token_budget=budget)
+
+
 def test_priority_order_and_fcfs_within_level():
     sched = Scheduler(config(max_num_seqs=1, max_num_batched_tokens=64))
     order = []

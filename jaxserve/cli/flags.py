@@ -28,6 +28,11 @@ _ENGINE_HELP = {
     "kv_cache_dtype": "KV cache dtype (default: --dtype)",
     "max_num_seqs": "sequences in one step",
     "max_num_batched_tokens": "tokens (decodes + prefill chunks) in one step",
+    "decode_token_budget": "tokens in a step that carries decodes (bounds how long a prefill "
+                           "chunk stalls running streams); a step of prefills alone may use "
+                           "--max-num-batched-tokens; 'none': no separate cap",
+    "idle_batch_window_ms": "serving: an idle engine woken by a request waits this long for "
+                            "others arriving with it, so a burst is prefilled in one step",
     "max_model_len": "prompt + generated tokens of one sequence (default: the model's, "
                      "capped at 4096)",
     "page_size": "tokens per KV page",
@@ -73,10 +78,21 @@ def parse_int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers")
 
 
+def parse_optional_int(text: str) -> int | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or 'none'") from None
+
+
 def _engine_flag_type(field: dataclasses.Field) -> Any:
     kind = str(field.type)
     if field.name == "kv_cache_memory":
         return parse_bytes
+    if kind == "int | None":
+        return parse_optional_int
     if kind.startswith("tuple"):
         return parse_int_list
     if kind.startswith("int"):

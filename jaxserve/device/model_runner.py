@@ -144,10 +144,11 @@ def place_inputs(tree: StepTree, sharding: NamedSharding | None) -> StepTree:
         x.shape, sharding, lambda index: x[index]), tree)
 
 
-def compile_buckets(runner: "ModelRunner", execute: Callable[[StepBatch], StepResult],
+def compile_buckets(runner: "ModelRunner", execute: Callable[[StepBatch], object],
                     progress: bool) -> None:
-    """Run an all-padding batch of every bucket of `runner` through `execute` (the runner's
-    own, or one that first announces the step to other processes)."""
+    """Hand an all-padding batch of every bucket of `runner` to `execute`: the runner's
+    `compile_step` (compiles without running), or a step that first announces itself to the
+    other processes and runs."""
     for t, s, p, b, lp in tqdm(runner.buckets(), desc="compiling step buckets",
                                disable=not progress, unit="bucket"):
         execute(empty_batch(runner.shape, t, s, p, b, lp))
@@ -210,7 +211,29 @@ class ModelRunner:
     def warmup(self, progress: bool = True) -> None:
         """Compile every bucket. The caller then calls `arm()`, once every engine of the
         process has compiled (the compile guard counts the whole process's compiles)."""
-        compile_buckets(self, self.execute, progress)
+        compile_buckets(self, self.compile_step, progress)
+
+    def compile_step(self, batch: StepBatch) -> None:
+        """Compile (ahead of time, without running) the executables a step of `batch`'s
+        shapes calls, exactly as `dispatch` will call them: the same arguments and shardings,
+        so jit's cache then holds them and serving compiles nothing. Running an all-padding
+        batch would compile the same, but costs a full forward per bucket at start-up (seconds
+        each for the large token buckets on a CPU)."""
+        inputs, sampling, plp = place_inputs(to_step_inputs(batch), self.inputs_sharding)
+        fwd = _forward_jit.lower(self.params, self.kv_pages, inputs, self._feed,
+                                 cfg=self.model_cfg, attn_impl=self.attn_impl, mesh=self.mesh)
+        compiled = fwd.compile()
+        # The forward's outputs as the sampler will receive them: placed by the mesh under
+        # tensor parallelism, else uncommitted like everything else on one device (a
+        # committed placeholder would key a different executable than serving calls).
+        _, logits, hidden = jax.tree.map(
+            lambda info, sharding: jax.ShapeDtypeStruct(
+                info.shape, info.dtype, sharding=None if self.mesh is None else sharding),
+            fwd.out_info, compiled.output_shardings)
+        _sample_jit.lower(logits, sampling, apply_penalty=batch.history.shape[1] > 0,
+                          feed_len=self.feed_len).compile()
+        if plp is not None:
+            _prompt_logprobs_jit.lower(self.params, hidden, plp, cfg=self.model_cfg).compile()
 
     def arm(self) -> None:
         self.guard.arm()

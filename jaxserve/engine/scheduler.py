@@ -2,7 +2,8 @@
 
 Plain Python (no jax). Data flow per step:
   `schedule()` -> SchedulerOutput (decodes first, then prefill chunks, under the step's token
-  budget `max_num_batched_tokens` and `max_num_seqs`; pages allocated as KV grows; preemption
+  budget (`max_num_batched_tokens`; `decode_token_budget` when it carries decodes) and
+  `max_num_seqs`; pages allocated as KV grows; preemption
   when pages run out) -> the engine builds the device batch and runs it -> `update(output,
   sampled)` appends sampled tokens, advances `num_computed_tokens`, registers full pages in the
   prefix cache, applies token stop rules and frees the pages of finished sequences.
@@ -130,7 +131,6 @@ class Scheduler:
 
     # ----------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
-        budget = self.cfg.max_num_batched_tokens
         now = self.clock()
         decodes: list[ScheduledSeq] = []
         prefills: list[ScheduledSeq] = []
@@ -139,6 +139,7 @@ class Scheduler:
         # Decodes (exactly one token left to compute) first, then running prefill chunks.
         todo = [(r, self._to_schedule(r)) for r in self.running]
         order = [r for r, left in todo if left == 1] + [r for r, left in todo if left > 1]
+        budget = self._step_budget(todo)
         for req in order:
             if budget == 0:
                 break
@@ -184,6 +185,15 @@ class Scheduler:
             s.request.num_in_flight += s.samples
         return SchedulerOutput(seqs=seqs, num_tokens=sum(s.num_new_tokens for s in seqs),
                                preempted=preempted)
+
+    def _step_budget(self, todo: list[tuple[Request, int]]) -> int:
+        """The whole budget, unless the step carries a decode of a stream past its first
+        token: then `decode_token_budget` (how long a prefill chunk may stall it). A stream
+        that has only its first token may wait one big step more, so that prompts arriving
+        a moment apart are still prefilled together (and then decode in lockstep)."""
+        if any(left == 1 and r.num_output_tokens + r.num_in_flight >= 2 for r, left in todo):
+            return self.cfg.step_budget_with_decodes
+        return self.cfg.max_num_batched_tokens
 
     def _to_schedule(self, req: Request) -> int:
         """Tokens of a running sequence left to schedule: 0 when its in-flight token ends it

@@ -69,8 +69,11 @@ def plan_engine(cfg: EngineConfig, model: ModelConfig, kv_itemsize: int,
         raise ValueError(
             f"the KV cache budget of {budget} bytes holds no page of {per_page} bytes; "
             "raise kv_cache_memory (or kv_cache_memory_fraction)")
+    decode_budget = None if cfg.decode_token_budget is None else min(
+        max(cfg.decode_token_budget, cfg.max_num_seqs), cfg.max_num_batched_tokens)
     sched = SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                             max_num_batched_tokens=cfg.max_num_batched_tokens,
+                            decode_token_budget=decode_budget,
                             max_model_len=max_model_len, page_size=ps, num_pages=usable + 1,
                             enable_prefix_caching=cfg.enable_prefix_caching)
     # Token buckets: 1, 2, 4, 8, multiples of 8 to 64, then 4 per octave

@@ -11,7 +11,8 @@ Data flow:
   `loop.call_soon_threadsafe` per asyncio loop per step -> `RequestStream` (an async
   iterator) yields them; leaving it early aborts the request. Requests are added with the
   caller's `RequestOutputKind` (DELTA by default: outputs carry only what is new).
-  When nothing is in flight the loop thread sleeps on a condition variable (no busy spin).
+  When nothing is in flight the loop thread sleeps on a condition variable (no busy spin);
+  woken from idle by a request, it waits `idle_batch_window_ms` for others that arrive with it.
 
 Admission errors come back through the same sink: a ValueError from `Engine.add_request`
 (naming the field) is raised by the stream's first `__anext__`. `QueueFull` is raised by
@@ -110,6 +111,7 @@ class AsyncEngine:
         self._waiting_seqs = 0  # the scheduler's waiting count as of the last iteration
         self._stopping = False
         self._error: BaseException | None = None
+        self._idle_window_s = engine.config.idle_batch_window_ms / 1e3
         self._thread: threading.Thread | None = None
         # Loop-thread only: the sinks of requests the engine holds.
         self._sinks: dict[str, RequestSink] = {}
@@ -210,6 +212,8 @@ class AsyncEngine:
                 with self._cond:
                     while not self._commands and not busy and not self._stopping:
                         self._cond.wait()
+                    if not busy:
+                        self._gather_arrivals()
                     commands, self._commands = self._commands, []
                     stopping = self._stopping
                 if stopping:
@@ -228,6 +232,15 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - any failure must reach every caller
             log.exception("engine loop failed; failing every in-flight request")
             self._fail(e)
+
+    def _gather_arrivals(self) -> None:
+        """Idle until a request came: wait `idle_batch_window_ms` more (under `_cond`) so that
+        requests arriving together (a client's burst, a batch) are all in the first step,
+        prefilled together, and then decode in lockstep; one a moment late would trail the
+        others by a step for good, its prefill stalling their streams at every turn."""
+        deadline = time.monotonic() + self._idle_window_s
+        while not self._stopping and (left := deadline - time.monotonic()) > 0:
+            self._cond.wait(left)
 
     def _apply(self, commands: list[_Add | _Abort]) -> None:
         added = 0
