@@ -1,10 +1,9 @@
 #!/usr/bin/env python
 """A roofline model of the engine's step for Llama-3-8B on H200, TPU v5e and TPU v6e.
 
-Plain arithmetic (no jax): what a decode step, a 2k-token prefill step and the output tokens/s
-of the engine should cost on each chip, from the bytes each step moves and the FLOPs it runs,
-so that the first device run can be judged against a stated expectation (BENCHMARKS.md,
-"Performance model on paper", has the formulas, the sources and the assumptions).
+Plain arithmetic (no jax): what a decode step, a 2k prefill step and the output tokens/s should
+cost on each chip, from the bytes a step moves and the FLOPs it runs, so the first device run
+is judged against a stated expectation (BENCHMARKS.md, "Performance model on paper").
 
     step = max(bytes_per_chip / (eta_bw * HBM_BW), flops_per_chip / (eta_flops * peak))
            + all-reduce time (tensor parallelism only) + a fixed per-step overhead
@@ -267,18 +266,20 @@ def serve(cfg: ModelConfig, chip: Chip, fmt: str, conc: int, in_len: int, out_le
 # --------------------------------------------------------------------------- the peers
 # Published figures for Llama-3(.1)-8B; the setting is modelled as closely as it is stated.
 # conc: the stated concurrency (None: unstated, up to 512), cut to what fits in HBM.
+JETSTREAM_PT = ("https://github.com/AI-Hypercomputer/jetstream-pytorch/blob/main/benchmarks/"
+                "summary.md")
+TRTLLM = ("https://github.com/NVIDIA/TensorRT-LLM/blob/v0.12.0/docs/source/performance/"
+          "perf-overview.md")
 PEERS = [
     dict(engine="JetStream-PyTorch", chip="v5e", tp=8, fmt="bf16", kv=2, conc=128,
          in_len=202, out_len=179, measured=8249.0, metric="out",
          setting="v5e-8, Llama-3-8B bf16, batch 128, cache 2048, ShareGPT 2000 prompts "
                  "(max in/out 1024/1024), 2024-04-24",
-         url="https://github.com/AI-Hypercomputer/jetstream-pytorch/blob/main/benchmarks/"
-             "summary.md"),
+         url=JETSTREAM_PT),
     dict(engine="JetStream-PyTorch", chip="v5e", tp=8, fmt="int8", kv=1, conc=256,
          in_len=202, out_len=179, measured=10873.0, metric="out",
          setting="v5e-8, Llama-3-8B int8 weights + int8 KV, batch 256, cache 2048, ShareGPT",
-         url="https://github.com/AI-Hypercomputer/jetstream-pytorch/blob/main/benchmarks/"
-             "summary.md"),
+         url=JETSTREAM_PT),
     dict(engine="vLLM-TPU (tpu-inference)", chip="v6e", tp=1, fmt="bf16", kv=2, conc=128,
          in_len=1199, out_len=123, measured=1415.14, metric="out",
          setting="Llama-3.1-8B, 1000 requests at once, 1199 in / ~123 out per request; chip "
@@ -289,13 +290,11 @@ PEERS = [
          in_len=2048, out_len=2048, measured=11093.62, metric="out",
          setting="H200, LLaMA v3 8B FP8 weights + FP8 KV, 2048/2048, max-load offline "
                  "(trtllm-bench); modelled as 1-byte weights and KV",
-         url="https://github.com/NVIDIA/TensorRT-LLM/blob/v0.12.0/docs/source/performance/"
-             "perf-overview.md"),
+         url=TRTLLM),
     dict(engine="TensorRT-LLM 0.12", chip="h100", tp=1, fmt="bf16", kv=2, conc=None,
          in_len=2048, out_len=2048, measured=3986.83, metric="out",
          setting="H100 80GB, LLaMA v3 8B FP16 ('Mixed'), 2048/2048, max-load offline",
-         url="https://github.com/NVIDIA/TensorRT-LLM/blob/v0.12.0/docs/source/performance/"
-             "perf-overview.md"),
+         url=TRTLLM),
 ]
 
 
