@@ -102,7 +102,8 @@ async def run_chunked_prefill(base: EngineConfig, model: LoadedModel,
     # Room for the long prompts and for the chats (at most 256 prompt tokens).
     max_len = max(spec.long_len + spec.long_out, 256 + spec.chat_out) + 16
     for budget, label in zip(spec.budgets, ("chunked", "whole prompt")):
-        cfg = dataclasses.replace(base, max_num_batched_tokens=budget,
+        # One budget for every step (no separate decode budget): the budget is the point.
+        cfg = dataclasses.replace(base, max_num_batched_tokens=budget, decode_token_budget=None,
                                   max_model_len=max(base.max_model_len or 0, max_len))
         if progress:
             print(f"[chunked-prefill] budget={budget} ({label}): warming up ...", flush=True)

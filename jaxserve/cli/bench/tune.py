@@ -74,7 +74,9 @@ async def tune(base: EngineConfig, model: LoadedModel, workload: WorkloadSpec, l
         if left <= 0:
             rows.append(row)
             continue
-        cfg = dataclasses.replace(base, max_num_batched_tokens=tokens, max_num_seqs=seqs)
+        # One budget for every step: the swept budget is what each point measures.
+        cfg = dataclasses.replace(base, max_num_batched_tokens=tokens, max_num_seqs=seqs,
+                                  decode_token_budget=None)
         if progress:
             print(f"[tune] max_num_batched_tokens={tokens} max_num_seqs={seqs}: warming up",
                   file=sys.stderr, flush=True)
@@ -154,5 +156,5 @@ def verdict(doc: dict) -> str:
                 "the load, or try other grid values")
     s = best["summary"]
     return (f"best: --max-num-batched-tokens {best['max_num_batched_tokens']} --max-num-seqs "
-            f"{best['max_num_seqs']}  ({s['output_throughput']:.1f} output tok/s, TTFT p99 "
+            f"{best['max_num_seqs']} --decode-token-budget none  ({s['output_throughput']:.1f} output tok/s, TTFT p99 "
             f"{_ms(s['ttft_ms']['p99'])} ms, ITL p99 {_ms(s['itl_ms']['p99'])} ms)")
