@@ -23,6 +23,7 @@ Steps (each figure printed and written to --json):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import time
@@ -32,18 +33,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.models import shapes
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import init_random_params
 from jaxserve.models.loading import LoadedModel
 from jaxserve.models.tiny import word_tokenizer
 
-LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096,
-                 intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-                 head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-                 max_position_embeddings=8192, tie_word_embeddings=False,
-                 attention_bias=False, qk_norm=False, bos_token_id=1, eos_token_ids=(2,))
-TINY = dict(LLAMA3_8B, vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
-            num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=1024)
+WORD_IDS = dict(bos_token_id=1, eos_token_ids=(2,))  # the word tokenizer's special ids
+TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+            num_kv_heads=2, head_dim=64, max_position_embeddings=1024)
 
 
 def hbm_gbps(n_bytes: int, iters: int = 10) -> float:
@@ -84,7 +82,7 @@ def main() -> None:
     if args.dry_run:
         args.seqs, args.context, args.decode_tokens = 4, 64, 4
         args.mixed_prompt, args.mixed_tokens, args.max_num_batched_tokens = 48, 4, 64
-    cfg = ModelConfig(**(TINY if args.dry_run else LLAMA3_8B))  # type: ignore[arg-type]
+    cfg = dataclasses.replace(shapes.llama3_8b(), **WORD_IDS, **(TINY if args.dry_run else {}))
     platform = jax.default_backend()
     report: dict = {"platform": platform, "device": str(jax.devices()[0].device_kind),
                     "jax": jax.__version__, "dry_run": args.dry_run, "args": vars(args)}

@@ -8,9 +8,8 @@ is judged against a stated expectation (BENCHMARKS.md, "Performance model on pap
     step = max(bytes_per_chip / (eta_bw * HBM_BW), flops_per_chip / (eta_flops * peak))
            + all-reduce time (tensor parallelism only) + a fixed per-step overhead
 
-What it reuses rather than restates: the model shape is the Llama-3-8B config of
-scripts/device_engine_check.py (read from that file's `LLAMA3_8B = dict(...)` literal, so this
-model runs without importing jax); the padded step shapes come from the engine's own planner
+What it reuses rather than restates: the model shape is `models.shapes.llama3_8b()` (what the
+export tests and the device check use; importing it loads no jax); the padded step shapes come from the engine's own planner
 (`sizing.plan_engine` with `batch.default_token_buckets`, then `batch.bucket_for`), so a batch
 of 32 costs what the 32 bucket costs.
 
@@ -21,7 +20,6 @@ of 32 costs what the 32 bucket costs.
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import json
 import math
@@ -30,21 +28,9 @@ import pathlib
 from jaxserve.config import EngineConfig
 from jaxserve.engine.batch import bucket_for
 from jaxserve.engine.sizing import plan_engine
+from jaxserve.models import shapes
 from jaxserve.models.config import ModelConfig
 
-ENGINE_CHECK = pathlib.Path(__file__).with_name("device_engine_check.py")
-
-
-def llama3_8b() -> ModelConfig:
-    """The Llama-3-8B shape of scripts/device_engine_check.py (its `LLAMA3_8B` literal)."""
-    tree = ast.parse(ENGINE_CHECK.read_text())
-    for node in tree.body:
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1
-                and getattr(node.targets[0], "id", None) == "LLAMA3_8B"
-                and isinstance(node.value, ast.Call)):
-            kw = {k.arg: ast.literal_eval(k.value) for k in node.value.keywords}
-            return ModelConfig(**kw)  # type: ignore[arg-type]
-    raise ValueError(f"no `LLAMA3_8B = dict(...)` literal in {ENGINE_CHECK}")
 
 
 # --------------------------------------------------------------------------- the chips
@@ -365,7 +351,7 @@ def main() -> None:
     ap.add_argument("--eta-flops", type=float, default=Assumptions.eta_flops)
     args = ap.parse_args()
     a = Assumptions(eta_bw=args.eta_bw, eta_flops=args.eta_flops)
-    cfg = llama3_8b()
+    cfg = shapes.llama3_8b()
     w = Weights.of(cfg)
     print(f"Llama-3-8B: {w.params / 1e9:.2f} B params; weights {w.bytes('bf16') / 1e9:.2f} GB "
           f"bf16, {w.bytes('int8') / 1e9:.2f} GB int8; KV {kv_bytes_per_token(cfg) / 1024:.0f}"

@@ -68,7 +68,8 @@ def test_greedy_equals_rollout(budget, page_size, caching, kv_pages, arrive, imp
     max_seqs = min(6, budget)
     kv_mem = None
     eng = tiny_engine(max_num_batched_tokens=budget, max_num_seqs=max_seqs, page_size=page_size,
-                      enable_prefix_caching=caching, max_model_len=128, attention_impl=impl)
+                      enable_prefix_caching=caching, max_model_len=128, attention_impl=impl,
+                      warmup=kv_pages is None)  # only its plan is read when it is rebuilt
     if kv_pages is not None:
         kv_mem = kv_pages * eng.plan.kv_bytes_per_page
         eng = tiny_engine(max_num_batched_tokens=budget, max_num_seqs=max_seqs,

@@ -33,7 +33,7 @@ from jaxserve.engine.sizing import plan_engine
 from jaxserve.kernels_pallas import AttentionMetadata, padded_head_dim, select_impl
 from jaxserve.kernels_pallas import selector
 from jaxserve.kernels_pallas.selector import ragged_paged_attention
-from jaxserve.models import placement
+from jaxserve.models import placement, shapes
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import abstract_params
 from jaxserve.models.paged import kv_cache_shape
@@ -107,24 +107,7 @@ def test_kernel_lowers_for_platform(platform: str, case: tuple) -> None:
 
 
 # --------------------------------------------------------------------------- whole step
-def _cfg(**kw: object) -> ModelConfig:
-    return ModelConfig(**kw)  # type: ignore[arg-type]
-
-
-MODELS = {
-    "llama3-8b": _cfg(model_type="llama", vocab_size=128256, hidden_size=4096,
-                      intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-                      head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-                      max_position_embeddings=8192, tie_word_embeddings=False,
-                      attention_bias=False, qk_norm=False, bos_token_id=128000,
-                      eos_token_ids=(128001, 128009)),
-    "qwen3-8b": _cfg(model_type="qwen3", vocab_size=151936, hidden_size=4096,
-                     intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8,
-                     head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
-                     max_position_embeddings=40960, tie_word_embeddings=False,
-                     attention_bias=False, qk_norm=True, bos_token_id=151643,
-                     eos_token_ids=(151645,)),
-}
+MODELS = {"llama3-8b": shapes.llama3_8b(), "qwen3-8b": shapes.qwen3_8b()}
 ENGINE = EngineConfig(dtype="bfloat16", max_num_seqs=128, max_num_batched_tokens=1024,
                       max_model_len=4096, kv_cache_memory=8 << 30)
 

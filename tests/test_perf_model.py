@@ -17,7 +17,9 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
 import perf_model as pm  # noqa: E402
 
-CFG = pm.llama3_8b()
+from jaxserve.models import shapes  # noqa: E402
+
+CFG = shapes.llama3_8b()
 A = pm.Assumptions()
 H200 = pm.CHIPS["h200"]
 
