@@ -185,8 +185,14 @@ def written(batch):
 RING_SPECS = [(300, 1), (70, 40), (0, 1), (190, 2)]
 
 
-@pytest.mark.parametrize("stages,block_kv,splits", [(1, 64, 1), (3, 64, 1), (2, 128, 1),
-                                                    (2, 64, 3)])
+# Each interpreted case costs 10-30 s on 2 cores: the redundant ones are slow-marked
+# (JAXSERVE_RUN_SLOW=1), the default run still covers ring depths 1/2, split on/off, a window.
+_SLOW = pytest.mark.slow(reason="more interpreted GPU kernel variants")
+
+
+@pytest.mark.parametrize("stages,block_kv,splits", [
+    (1, 64, 1), pytest.param(3, 64, 1, marks=_SLOW), pytest.param(2, 128, 1, marks=_SLOW),
+    (2, 64, 3)])
 def test_ring_wraps_with_several_pages_per_block(stages: int, block_kv: int, splits: int):
     rng = np.random.default_rng(16 + stages)
     batch = random_batch(rng, RING_SPECS, num_q_heads=4, num_kv_heads=2, head_dim=64,
@@ -195,7 +201,7 @@ def test_ring_wraps_with_several_pages_per_block(stages: int, block_kv: int, spl
                             num_splits=splits)
 
 
-@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("splits", [pytest.param(1, marks=_SLOW), 4])
 def test_sliding_window_boundaries_with_and_without_split(splits: int) -> None:
     """Window 70 over 64-key blocks: masked blocks at the start and the end of each tile's
     range, unmasked ones between, split chunks starting inside either region."""
@@ -236,7 +242,7 @@ def test_page_size_4_is_a_clear_error() -> None:
                        SDS((8, 4, 64), jnp.bfloat16), SDS((9, 4, 4, 64), jnp.bfloat16), md)
 
 
-@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("splits", [pytest.param(1, marks=_SLOW), 2])
 def test_no_live_sequence(splits: int) -> None:
     """num_seqs 0 (an all-padding bucket): every program exits at once; output all zeros."""
     rng = np.random.default_rng(0)
