@@ -158,18 +158,29 @@ def races_found() -> bool:
         return False
 
 
+# Each interpreted test also runs compiled when a GPU is present (``device`` marker).
+MODES = pytest.mark.parametrize("interpret", [
+    True, pytest.param(False, marks=pytest.mark.device)], ids=["interpret", "device"])
+
+
+def mode(interpret: bool):
+    if not interpret and jax.default_backend() != "gpu":
+        pytest.skip(f"the compiled GPU kernel needs a GPU; this is {jax.default_backend()}")
+    return interpret_params() if interpret else False
+
+
 def check_against_reference(batch, pages, *, md=None, tol=3e-2, window=None, cap=None,
-                            **tuning) -> np.ndarray:
+                            interpret=True, **tuning) -> np.ndarray:
     md = md or batch.md
     d = batch.q.shape[-1]
     opts = dict(sm_scale=d ** -0.5, sliding_window=window, soft_cap=cap)
     want = np.asarray(jnp.asarray(ragged_paged_attention_reference(batch.q, pages, md, **opts),
                                   jnp.float32))
-    got = gpu.ragged_paged_attention_gpu(batch.q, pages, md, interpret=interpret_params(),
+    got = gpu.ragged_paged_attention_gpu(batch.q, pages, md, interpret=mode(interpret),
                                          **opts, **tuning)
     assert got.shape == batch.q.shape and got.dtype == batch.q.dtype
     got = np.asarray(jnp.asarray(got, jnp.float32))
-    assert not races_found(), "the interpreter reported a data race"
+    assert not (interpret and races_found()), "the interpreter reported a data race"
     live = int(np.asarray(md.cu_q_lens)[int(np.asarray(md.num_seqs)[0])])
     np.testing.assert_allclose(got[:live], want[:live], atol=tol, rtol=tol)
     assert np.isfinite(got).all() and not got[live:].any(), "padding rows must be zeros"
@@ -193,45 +204,51 @@ _SLOW = pytest.mark.slow(reason="more interpreted GPU kernel variants")
 @pytest.mark.parametrize("stages,block_kv,splits", [
     (1, 64, 1), pytest.param(3, 64, 1, marks=_SLOW), pytest.param(2, 128, 1, marks=_SLOW),
     (2, 64, 3)])
-def test_ring_wraps_with_several_pages_per_block(stages: int, block_kv: int, splits: int):
+@MODES
+def test_ring_wraps_with_several_pages_per_block(stages: int, block_kv: int, splits: int,
+                                                  interpret: bool) -> None:
     rng = np.random.default_rng(16 + stages)
     batch = random_batch(rng, RING_SPECS, num_q_heads=4, num_kv_heads=2, head_dim=64,
                          page_size=16, dtype=jnp.bfloat16, num_tokens=48, num_seqs=5)
-    check_against_reference(batch, written(batch), num_stages=stages, block_kv=block_kv,
-                            num_splits=splits)
+    check_against_reference(batch, written(batch), interpret=interpret, num_stages=stages,
+                            block_kv=block_kv, num_splits=splits)
 
 
 @pytest.mark.parametrize("splits", [pytest.param(1, marks=_SLOW), 4])
-def test_sliding_window_boundaries_with_and_without_split(splits: int) -> None:
+@MODES
+def test_sliding_window_boundaries_with_and_without_split(splits: int, interpret: bool) -> None:
     """Window 70 over 64-key blocks: masked blocks at the start and the end of each tile's
     range, unmasked ones between, split chunks starting inside either region."""
     rng = np.random.default_rng(70)
     batch = random_batch(rng, [(330, 1), (200, 30), (5, 1)], num_q_heads=8, num_kv_heads=2,
                          head_dim=64, page_size=32, num_tokens=34, num_seqs=4)
-    check_against_reference(batch, written(batch), window=70, num_splits=splits,
-                            num_stages=2, block_kv=64)
+    check_against_reference(batch, written(batch), interpret=interpret, window=70,
+                            num_splits=splits, num_stages=2, block_kv=64)
 
 
-def test_float16_pages() -> None:
+@MODES
+def test_float16_pages(interpret: bool) -> None:
     rng = np.random.default_rng(1616)
     batch = random_batch(rng, [(100, 1), (20, 9)], num_q_heads=8, num_kv_heads=2,
                          head_dim=128, page_size=16, dtype=jnp.float16, num_seqs=3)
-    check_against_reference(batch, written(batch), tol=1e-2)
+    check_against_reference(batch, written(batch), interpret=interpret, tol=1e-2)
 
 
-def test_soft_cap_in_bfloat16() -> None:
+@MODES
+def test_soft_cap_in_bfloat16(interpret: bool) -> None:
     rng = np.random.default_rng(50)
     batch = random_batch(rng, [(90, 3), (33, 1)], num_q_heads=4, num_kv_heads=2,
                          head_dim=64, page_size=16, dtype=jnp.bfloat16, num_tokens=6)
-    check_against_reference(batch, written(batch), cap=2.0)
+    check_against_reference(batch, written(batch), interpret=interpret, cap=2.0)
 
 
 @pytest.mark.parametrize("page_size", [8, 128])
-def test_page_sizes_8_and_128(page_size: int) -> None:
+@MODES
+def test_page_sizes_8_and_128(page_size: int, interpret: bool) -> None:
     rng = np.random.default_rng(page_size)
     batch = random_batch(rng, [(150, 1), (3, 20), (129, 2)], num_q_heads=4, num_kv_heads=1,
                          head_dim=64, page_size=page_size, dtype=jnp.bfloat16, num_seqs=4)
-    check_against_reference(batch, written(batch))
+    check_against_reference(batch, written(batch), interpret=interpret)
 
 
 def test_page_size_4_is_a_clear_error() -> None:
@@ -243,7 +260,8 @@ def test_page_size_4_is_a_clear_error() -> None:
 
 
 @pytest.mark.parametrize("splits", [pytest.param(1, marks=_SLOW), 2])
-def test_no_live_sequence(splits: int) -> None:
+@MODES
+def test_no_live_sequence(splits: int, interpret: bool) -> None:
     """num_seqs 0 (an all-padding bucket): every program exits at once; output all zeros."""
     rng = np.random.default_rng(0)
     batch = random_batch(rng, [(40, 1), (9, 3)], num_q_heads=4, num_kv_heads=2, head_dim=64,
@@ -252,11 +270,12 @@ def test_no_live_sequence(splits: int) -> None:
                            batch.md.cu_q_lens * 0, jnp.zeros((1,), jnp.int32))
     q = jnp.nan_to_num(batch.q)
     got = gpu.ragged_paged_attention_gpu(q, batch.kv_pages, md, sm_scale=0.125,
-                                         interpret=interpret_params(), num_splits=splits)
+                                         interpret=mode(interpret), num_splits=splits)
     np.testing.assert_array_equal(np.asarray(got), 0.0)
 
 
-def test_flat_multi_layer_pages_with_offset_block_tables() -> None:
+@MODES
+def test_flat_multi_layer_pages_with_offset_block_tables(interpret: bool) -> None:
     """The engine's layout: L layers' pages end to end, layer i's block table offset by
     i * num_pages (unused entries land on that layer's trash page). Layer 1 of 3 read through
     the offsets must equal the single-layer result, and the other layers' NaN pages (and
@@ -272,9 +291,9 @@ def test_flat_multi_layer_pages_with_offset_block_tables() -> None:
     md = AttentionMetadata(batch.md.slot_mapping + num_pages * layer.shape[2],
                            batch.md.block_tables + num_pages, batch.md.kv_lens,
                            batch.md.cu_q_lens, batch.md.num_seqs)
-    got = check_against_reference(batch, flat, md=md)
+    got = check_against_reference(batch, flat, md=md, interpret=interpret)
     single = gpu.ragged_paged_attention_gpu(batch.q, layer, batch.md, sm_scale=0.125,
-                                            interpret=interpret_params())
+                                            interpret=mode(interpret))
     np.testing.assert_array_equal(got, np.asarray(jnp.asarray(single, jnp.float32)))
 
 
