@@ -84,10 +84,14 @@ def test_auto_takes_the_safe_path_on_bad_ptxas(fake_hopper, caplog, version, wan
     assert selector.select_impl("auto", "cuda") == "pallas_gpu"
 
 
-def test_toolchain_probe_without_cuda_finds_nothing_bad(fake_hopper) -> None:
+def test_toolchain_probe_runs_on_any_host(fake_hopper) -> None:
+    """The real probes (ptxas binaries, CUDA wheels, jax's runtime query) never raise; on a
+    host without CUDA they find nothing, and the guard stays open."""
     fake_hopper.delenv("JAXSERVE_PTXAS_VERSION", raising=False)
-    assert selector.ptxas_guard_tripped(selector.cuda_toolchain_versions()) == [] or \
-        jax.devices()[0].platform == "gpu"
+    found = selector.cuda_toolchain_versions()
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in found.items())
+    if not found:
+        assert selector.select_impl("auto") == "pallas_gpu"
 
 
 # --------------------------------------------------------------------------- tuning
