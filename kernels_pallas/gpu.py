@@ -18,20 +18,49 @@ annotations (dropped when interpreted).
 Data flow (see tiling.py)::
 
     q [T, Hq, D] -> q_tiles [Hkv, NT, 64, D]       (rows = tile_tokens x G query heads)
-    grid (Hkv, NT), one warpgroup (128 threads) per (kv head, tile):
+    grid (Hkv, NT[, NS]), one warpgroup (128 threads) per (kv head, tile[, KV split]):
       TMA  q tile -> SMEM; then ring of ``num_stages`` KV slots: for KV block i, one TMA per
            page for K and one for V, from kv_pages[page, 2h | 2h+1] ([page_size, D] boxes),
-           into slot i % num_stages; block i + num_stages is issued once block i is consumed
-      WGMMA s = q k^T (f32 acc) -> mask (causal end, sliding window) -> online softmax in
+           into slot i % num_stages; block i + num_stages is issued once block i is consumed,
+           with page ids read from the block table at the top of block i (before its waits
+           and matmuls), so that load's latency hides behind block i's compute
+      WGMMA s = q k^T (f32 acc) -> mask (boundary blocks only) -> online softmax in
            registers -> WGMMA acc += p v (p cast to the 16-bit dtype)
       out tile -> SMEM -> TMA -> out_tiles [Hkv, NT, 64, D] -> scatter to [T, Hq, D]
+      split-KV (NS > 1): each split streams a contiguous chunk of the tile's blocks and also
+           writes its rows' log-sum-exp; ``merge_splits`` (jnp) combines the NS partial softmax
+           states before the scatter
 
 Raggedness: the tile plan gives each tile one sequence, its first query position and its KV
 block range, so a CTA only streams the blocks it needs (decode tiles: the sequence's pages
 once; the grid's empty tail tiles exit at once). Block-table rows are padded to whole blocks
-with the trash page. Keys past the causal end of a block are masked to -inf-like logits and,
-on the (one) partial block, V rows past it are zeroed in SMEM before ``p @ v``: 0 * NaN from
-an unused slot would otherwise poison the accumulator.
+with the trash page. Masking: the block loop runs in three parts -- window-boundary blocks
+(masked), interior blocks (every key visible to every row: no iota, compare or select), the
+causal-end blocks (masked) -- as jax's own Mosaic GPU attention splits its loop. Keys past
+the causal end are masked to -inf-like logits and, on the (one) partial block, V rows past it
+are zeroed in SMEM before ``p @ v``: 0 * NaN from an unused slot would otherwise poison the
+accumulator.
+
+Split-KV (flash-decoding): NS = ``default_num_splits``: 1 when Hkv x NT (the bucket's tile
+bound) fills two waves of CTAs over ``num_sms`` SMs (132 on H100/H200), else enough splits to
+do so. A decode bucket of 8 sequences with 8 kv heads is 64 CTAs, under half the SMs: split
+ceil(264 / 64) = 5 ways it is 320.
+
+Expected HBM bandwidth (on paper; no device has run this kernel yet). Decode, Llama-3-8B
+(Hkv 8, D 128, G 4, bf16 pages), 64 sequences at 2048 context, one layer: K+V bytes =
+64 x 2048 x 8 x 128 x 2 (K, V) x 2 B = 537 MB; q, out and block tables add < 0.1 %. At
+H200's 4.8 TB/s that is 112 us per layer (3.6 ms for 32 layers, 8.4 MB per sequence per
+layer). Per CTA: 8 x 64 = 512 CTAs, two per SM (80 KiB SMEM each) -> 264 resident, 1.94
+waves (97 % wave efficiency); each SM must pull 4.8 TB/s / 132 = 36 GB/s, i.e. one 32 KiB
+block (64 keys x 128 x 2 x 2 B) every 0.89 us, while a block's compute is two 64x64x128
+WGMMAs (2.1 MFLOP, 0.28 us at 989 TFLOP/s / 132) plus softmax on a 64 x 64 tile (~0.3 us for
+128 threads), so the two CTAs of an SM can keep its copies busy: expect 70-85 % of 4.8 TB/s
+(3.4-4.1 TB/s) at long contexts, less at short ones where the fixed per-CTA cost (q load,
+output store, launch: a few us) is not amortised over the 1 MiB each CTA streams per 2048
+keys. Bytes in flight needed (Little's law, ~1 us DRAM latency): ~4.8 MB, i.e. ~36 KiB per
+SM; two CTAs with one 32 KiB block each in flight give 64 KiB. Only G = 4 of the 64 rows of
+a decode tile are real queries, so the MMAs run 16x below their rate: fine while
+memory-bound, wasteful if KV were ever resident in cache.
 """
 
 from __future__ import annotations
@@ -53,9 +82,14 @@ from .tiling import (F_BLK_HI, F_BLK_LO, F_KV_HI, F_NQ, F_POS0, F_SEQ, NUM_FIELD
 _ROWS = 64          # WGMMA M: one warpgroup's tile height
 _SWIZZLE = 128      # bytes; 64 bf16 columns per swizzle tile
 _SMEM_BUDGET = 200 * 1024   # hard cap: of H100/H200's 227 KiB per block, room for barriers
-# Default ring depth: what fits in 96 KiB, so two CTAs share an SM and one's softmax overlaps
-# the other's copies (a single warpgroup per CTA cannot overlap with itself). Untuned guess.
-_DEFAULT_SMEM = 96 * 1024
+NUM_SMS = 132       # H100 / H200 SXM; split-KV aims at two waves of CTAs over them
+_MAX_SPLITS = 16
+# head_dim -> (block_kv, num_stages) for 16-bit pages. SMEM per CTA = stages * 2 * block_kv *
+# D * 2 B + the q tile: D 64: 3 x 32 KiB + 8 KiB = 104 KiB; D 128: 2 x 32 + 16 = 80 KiB; both
+# leave room for two CTAs per SM (one's softmax overlaps the other's copies: a single
+# warpgroup per CTA cannot overlap with itself). D 256: 2 x 64 + 32 = 160 KiB, one CTA per SM.
+# Untuned: chosen on paper (see the bandwidth arithmetic above) until a device measures them.
+_DEFAULTS = {64: (128, 3), 128: (64, 2), 256: (64, 2)}
 
 
 def _smem(shape: tuple[int, ...], dtype: jnp.dtype) -> Any:
@@ -65,29 +99,51 @@ def _smem(shape: tuple[int, ...], dtype: jnp.dtype) -> Any:
                                                 plgpu.SwizzleTransform(_SWIZZLE)))
 
 
-def _kernel(info_ref, bt_ref, q_ref, kv_ref, o_ref,
-            q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, *staging,
+def _kernel(info_ref, bt_ref, q_ref, kv_ref, o_ref, *refs,
             group: int, page_size: int, pages_per_block: int, pages_per_row: int,
-            num_stages: int, sm_scale: float, sliding_window: int | None,
+            num_stages: int, num_splits: int, sm_scale: float, sliding_window: int | None,
             soft_cap: float | None, interpreted: bool):
+    if num_splits > 1:
+        lse_ref, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, lse_smem, *staging = refs
+    else:
+        q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, *staging = refs
     block_kv = pages_per_block * page_size
     head_dim = q_smem.shape[-1]
     h = lax.axis_index("kv_head")
     tile = lax.axis_index("tile")
+    split = lax.axis_index("split") if num_splits > 1 else 0
 
     def field(f):
         return info_ref[tile * NUM_FIELDS + f]
 
     seq, pos0, kv_hi = field(F_SEQ), field(F_POS0), field(F_KV_HI)
+    # This program's share of the tile's KV blocks: [lo, lo + num_blocks) (split-KV cuts the
+    # tile's range into num_splits near-equal chunks; a chunk may be empty).
     blk_lo, blk_hi = field(F_BLK_LO), field(F_BLK_HI)
-    num_blocks = blk_hi - blk_lo
+    chunk = lax.div(blk_hi - blk_lo + num_splits - 1, num_splits)
+    lo = jnp.minimum(blk_lo + split * chunk, blk_hi)
+    num_blocks = jnp.minimum(lo + chunk, blk_hi) - lo
+    # Only boundary blocks are masked: blocks ending at or before the tile's first query
+    # (pos0) are fully visible to every row (causal), and with a window so are blocks
+    # starting past kv_hi - 1 - window. Masked: [0, mid_lo) and [mid_hi, num_blocks).
+    mid_hi = jnp.clip(lax.div(pos0 + 1, block_kv) - lo, 0, num_blocks)
+    if sliding_window is None:
+        mid_lo = jnp.int32(0)
+    else:
+        first_free = lax.div(jnp.maximum(kv_hi - sliding_window, 0) + block_kv - 1, block_kv)
+        mid_lo = jnp.clip(first_free - lo, 0, num_blocks)
+        mid_hi = jnp.maximum(mid_hi, mid_lo)
+    last_entry = bt_ref.shape[0] - 1
 
-    def issue(i):
+    def page_ids(i):
+        """Block i's page ids (clamped in range: ids of a block past the end go unused)."""
+        base = seq * pages_per_row + (lo + i) * pages_per_block
+        return [bt_ref[jnp.minimum(base + j, last_entry)] for j in range(pages_per_block)]
+
+    def issue(i, pages):
         """Start the TMA copies of the tile's i-th KV block into slot i % num_stages."""
         slot = lax.rem(i, num_stages)
-        base = seq * pages_per_row + (blk_lo + i) * pages_per_block
-        for j in range(pages_per_block):
-            page = bt_ref[base + j]
+        for j, page in enumerate(pages):
             rows = pl.ds(j * page_size, page_size)
             plgpu.copy_gmem_to_smem(kv_ref.at[page, 2 * h], k_smem.at[slot, rows],
                                     k_bars.at[slot])
@@ -98,7 +154,7 @@ def _kernel(info_ref, bt_ref, q_ref, kv_ref, o_ref,
     def _live_tile():
         plgpu.copy_gmem_to_smem(q_ref.at[h, tile], q_smem, q_bar)
         for i in range(num_stages):
-            pl.when(i < num_blocks)(functools.partial(issue, i))
+            pl.when(i < num_blocks)(lambda i=i: issue(i, page_ids(i)))
         plgpu.barrier_wait(q_bar)
 
         # Register layouts: WGMMA's fragment layout for tiles, its row-reduction for vectors.
@@ -133,10 +189,14 @@ def _kernel(info_ref, bt_ref, q_ref, kv_ref, o_ref,
                 plgpu.wgmma(acc_ref, p, v)
             return pl.run_state(accumulate)(plgpu.ACC.init(acc))
 
-        def body(i, carry):
+        def body(i, carry, *, masked: bool):
             acc, m_i, l_i = carry
             slot = lax.rem(i, num_stages)
-            first_key = (blk_lo + i) * block_kv
+            first_key = (lo + i) * block_kv
+            # The refill's page ids are read now, before this block's waits and matmuls, so
+            # their global-memory latency hides behind the compute instead of delaying the
+            # next TMA issue.
+            refill_pages = page_ids(i + num_stages)
             plgpu.barrier_wait(k_bars.at[slot])
             if staging:                   # float32 pages: round K to the MMA dtype first
                 k = staging[0]
@@ -147,60 +207,126 @@ def _kernel(info_ref, bt_ref, q_ref, kv_ref, o_ref,
             s = matmul_qk(k) * sm_scale
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
-            # Index tiles are rebuilt per block, not hoisted: as loop constants they would pin
-            # ~100 registers per thread next to acc, s and p.
-            kpos = first_key + iota((_ROWS, block_kv), 1)
-            qpos = pos0 + row_to_token(iota((_ROWS, block_kv), 0), group)   # row r: token r//G
-            mask = (kpos <= qpos) & (kpos < kv_hi)
-            if sliding_window is not None:
-                mask = mask & (kpos > qpos - sliding_window)
-            s = jnp.where(mask, s, MASK_VALUE)
+            mask = None
+            if masked:
+                # Index tiles are rebuilt per block, not hoisted: as loop constants they
+                # would pin ~100 registers per thread next to acc, s and p.
+                kpos = first_key + iota((_ROWS, block_kv), 1)
+                qpos = pos0 + row_to_token(iota((_ROWS, block_kv), 0), group)   # r: token r//G
+                mask = (kpos <= qpos) & (kpos < kv_hi)
+                if sliding_window is not None:
+                    mask = mask & (kpos > qpos - sliding_window)
+                s = jnp.where(mask, s, MASK_VALUE)
             m_new = jnp.maximum(m_i, s.max(axis=1))
             alpha = jnp.exp(m_i - m_new)
-            p = jnp.where(mask, jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
+            p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            if masked:
+                p = jnp.where(mask, p, 0.0)
             l_i = l_i * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             plgpu.barrier_wait(v_bars.at[slot])
 
-            def zero_v_tail(dst):
+            def stage_v(dst, zero_tail):
                 v = v_smem.at[slot][...]
-                key = first_key + iota((block_kv, head_dim), 0)
-                dst[...] = jnp.where(key < kv_hi, v, 0.0).astype(dst.dtype)
+                if zero_tail:
+                    key = first_key + iota((block_kv, head_dim), 0)
+                    v = jnp.where(key < kv_hi, v, 0.0)
+                dst[...] = v.astype(dst.dtype)
                 plgpu.commit_smem()
 
             if staging:
                 v = staging[1]
-                zero_v_tail(v)
+                stage_v(v, masked)
             else:                         # only a tile's last block can reach past kv_hi
                 v = v_smem.at[slot]
-                pl.when(first_key + block_kv > kv_hi)(functools.partial(zero_v_tail, v))
+                if masked:
+                    pl.when(first_key + block_kv > kv_hi)(functools.partial(stage_v, v, True))
             acc = matmul_pv(acc, p.astype(v.dtype), v)
 
             @pl.when(i + num_stages < num_blocks)
             def _refill():                # the slot's WGMMAs are done: reuse it
-                issue(i + num_stages)
+                issue(i + num_stages, refill_pages)
             return acc, m_new, l_i
 
-        acc0 = with_layout(jnp.zeros((_ROWS, head_dim), jnp.float32), wgmma)
-        m0 = with_layout(jnp.full((_ROWS,), MASK_VALUE, jnp.float32), wgmma.reduce(1))
-        l0 = with_layout(jnp.zeros((_ROWS,), jnp.float32), wgmma.reduce(1))
-        acc, _, l_i = lax.fori_loop(0, num_blocks, body, (acc0, m0, l0))
-        l_i = jnp.where(l_i == 0.0, 1.0, l_i)
+        carry = (with_layout(jnp.zeros((_ROWS, head_dim), jnp.float32), wgmma),
+                 with_layout(jnp.full((_ROWS,), MASK_VALUE, jnp.float32), wgmma.reduce(1)),
+                 with_layout(jnp.zeros((_ROWS,), jnp.float32), wgmma.reduce(1)))
+        masked_body = functools.partial(body, masked=True)
+        carry = lax.fori_loop(0, mid_lo, masked_body, carry)          # window boundary
+        carry = lax.fori_loop(mid_lo, mid_hi, functools.partial(body, masked=False), carry)
+        acc, m_i, l_i = lax.fori_loop(mid_hi, num_blocks, masked_body, carry)   # causal end
+        empty = l_i == 0.0
+        l_i = jnp.where(empty, 1.0, l_i)
         q_smem[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(q_smem.dtype)
+        if num_splits > 1:                # log-sum-exp of the chunk, for the merge
+            lse_smem[...] = jnp.where(empty, MASK_VALUE, m_i + jnp.log(l_i))
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[h, tile])
+        if num_splits > 1:
+            plgpu.copy_smem_to_gmem(q_smem, o_ref.at[h, tile, split])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[h, tile, split])
+        else:
+            plgpu.copy_smem_to_gmem(q_smem, o_ref.at[h, tile])
         plgpu.wait_smem_to_gmem(0)
+
+
+def default_tuning(head_dim: int, page_size: int, dtype: Any, *, block_kv: int | None = None,
+                   num_stages: int | None = None) -> tuple[int, int]:
+    """(block_kv, num_stages): the per-head-dim defaults (see ``_DEFAULTS``) for what is not
+    given, block_kv raised to the page size, the ring shrunk (to 1 at worst) until it fits
+    shared memory. Raises ValueError naming the bad value when nothing fits."""
+    default_block, default_stages = _DEFAULTS[min(k for k in _DEFAULTS if k >= head_dim)]
+    block_kv = block_kv or max(default_block, page_size)
+    if page_size % 8 or page_size > 256:
+        raise ValueError(f"page_size={page_size}: the GPU kernel needs a multiple of 8 (the "
+                         "SMEM tile height) up to 256")
+    if block_kv % page_size or block_kv % 64 or block_kv > 256:
+        raise ValueError(f"block_kv={block_kv} must be a multiple of page_size={page_size} and "
+                         "of 64, at most 256")
+    staged = jnp.dtype(dtype).itemsize == 4
+    stage_bytes = 2 * block_kv * head_dim * jnp.dtype(dtype).itemsize
+    fixed_bytes = (_ROWS + (2 * block_kv if staged else 0)) * head_dim * 2 + 4 * _ROWS
+    if num_stages is None:
+        num_stages = max(1, min(default_stages, (_SMEM_BUDGET - fixed_bytes) // stage_bytes))
+    if num_stages < 1 or fixed_bytes + num_stages * stage_bytes > _SMEM_BUDGET:
+        raise ValueError(f"num_stages={num_stages} x block_kv={block_kv} for head_dim "
+                         f"{head_dim} {jnp.dtype(dtype).name} pages overflow shared memory "
+                         f"({fixed_bytes + num_stages * stage_bytes} > {_SMEM_BUDGET} bytes)")
+    return block_kv, num_stages
+
+
+def default_num_splits(num_ctas: int, max_blocks: int, num_sms: int = NUM_SMS) -> int:
+    """Split-KV factor: 1 when the (kv head, tile) programs fill two waves of ``num_sms``
+    (two CTAs per SM), else enough splits to get there, at most one per KV block and
+    ``_MAX_SPLITS``. Static: ``num_ctas`` counts the bucket's tile bound, not live tiles."""
+    if num_ctas >= 2 * num_sms:
+        return 1
+    return max(1, min(-(-2 * num_sms // num_ctas), max_blocks, _MAX_SPLITS))
+
+
+def merge_splits(out: jax.Array, lse: jax.Array) -> jax.Array:
+    """[Hkv, NT, NS, rows, D] partial outputs (each normalised over its chunk of keys) and
+    their log-sum-exps [Hkv, NT, NS, rows] -> [Hkv, NT, rows, D] float32: the softmax over the
+    union of chunks. Empty chunks carry lse = MASK_VALUE, so their weight is 0."""
+    m = lse.max(axis=2, keepdims=True)
+    w = jnp.exp(lse - m)
+    acc = jnp.sum(w[..., None] * out.astype(jnp.float32), axis=2)
+    return acc / jnp.sum(w, axis=2)[..., None]
 
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "interpret", "block_kv", "num_stages",
-    "tile_tokens"))
+    "tile_tokens", "num_splits", "num_sms"))
 def ragged_paged_attention_gpu(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata, *,
                                sm_scale: float, sliding_window: int | None = None,
                                soft_cap: float | None = None, interpret: Any = False,
                                block_kv: int | None = None, num_stages: int | None = None,
-                               tile_tokens: int | None = None) -> jax.Array:
-    """out [T, Hq, Dq]. ``interpret``: True or a ``InterpretGPUParams`` runs on CPU."""
+                               tile_tokens: int | None = None, num_splits: int | None = None,
+                               num_sms: int = NUM_SMS) -> jax.Array:
+    """out [T, Hq, Dq]. ``interpret``: True or a ``InterpretGPUParams`` runs on CPU.
+
+    Tuning (static): ``block_kv`` keys per block, ``num_stages`` ring slots (defaults per head
+    dim: ``default_tuning``), ``tile_tokens`` per query tile, ``num_splits`` split-KV factor
+    (default from ``num_sms``: ``default_num_splits``)."""
     (num_tokens, num_q_heads, q_head_dim, num_kv_heads, page_size, head_dim, group,
      num_seqs_max, max_pages) = check_attention_inputs(
         q, kv_pages, md, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
@@ -210,24 +336,14 @@ def ragged_paged_attention_gpu(q: jax.Array, kv_pages: jax.Array, md: AttentionM
     if head_dim % 64 or head_dim > 256:
         raise ValueError(f"kv_pages shape {tuple(kv_pages.shape)}: head_dim must be a multiple "
                          "of 64 up to 256 (allocate pages with padded_head_dim)")
-    block_kv = block_kv or max(64, page_size)
-    if block_kv % page_size or block_kv % 64 or block_kv > 256:
-        raise ValueError(f"block_kv={block_kv} must be a multiple of page_size={page_size} and "
-                         "of 64, at most 256")
+    block_kv, num_stages = default_tuning(head_dim, page_size, kv_pages.dtype,
+                                          block_kv=block_kv, num_stages=num_stages)
     pages_per_block = block_kv // page_size
     # WGMMA needs 16-bit operands for p @ v: float32 pages are TMA'd as they are and rounded
     # to bfloat16 in SMEM (two extra [block_kv, D] buffers); q is rounded in the wrapper.
     dtype = kv_pages.dtype
     staged = jnp.dtype(dtype).itemsize == 4
     mma_dtype = jnp.bfloat16 if staged else dtype
-    stage_bytes = 2 * block_kv * head_dim * jnp.dtype(dtype).itemsize
-    fixed_bytes = (_ROWS + (2 * block_kv if staged else 0)) * head_dim * 2
-    if num_stages is None:      # ring depth in [2, 4] fitting the default share (1 if must)
-        num_stages = min(4, max(2, (_DEFAULT_SMEM - fixed_bytes) // stage_bytes),
-                         (_SMEM_BUDGET - fixed_bytes) // stage_bytes)
-    if num_stages < 1 or fixed_bytes + num_stages * stage_bytes > _SMEM_BUDGET:
-        raise ValueError(f"num_stages={num_stages} x block_kv={block_kv} for kv_pages shape "
-                         f"{tuple(kv_pages.shape)} {kv_pages.dtype} overflow shared memory")
     tile_tokens = tile_tokens or default_tile_tokens(num_tokens, num_seqs_max, _ROWS // group)
     if tile_tokens * group > _ROWS:
         raise ValueError(f"tile_tokens={tile_tokens} x {group} heads exceed {_ROWS} rows")
@@ -235,7 +351,12 @@ def ragged_paged_attention_gpu(q: jax.Array, kv_pages: jax.Array, md: AttentionM
                       sliding_window=sliding_window)
     q_tiles = gather_q_tiles(pad_head_dim(q, head_dim), plan, num_kv_heads, _ROWS)
     q_tiles = q_tiles.astype(mma_dtype)
-    pages_per_row = -(-max_pages // pages_per_block) * pages_per_block
+    blocks_per_row = -(-max_pages // pages_per_block)
+    pages_per_row = blocks_per_row * pages_per_block
+    if num_splits is None:
+        num_splits = default_num_splits(num_kv_heads * plan.max_tiles, blocks_per_row, num_sms)
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     bt = jnp.pad(md.block_tables, ((0, 0), (0, pages_per_row - max_pages)))
     if interpret is True:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -243,11 +364,18 @@ def ragged_paged_attention_gpu(q: jax.Array, kv_pages: jax.Array, md: AttentionM
 
     kernel = functools.partial(
         _kernel, group=group, page_size=page_size, pages_per_block=pages_per_block,
-        pages_per_row=pages_per_row, num_stages=num_stages, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, interpreted=bool(interpret))
-    out_tiles = plgpu.kernel(
+        pages_per_row=pages_per_row, num_stages=num_stages, num_splits=num_splits,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        interpreted=bool(interpret))
+    tiles_shape = (num_kv_heads, plan.max_tiles)
+    if num_splits > 1:
+        out_type = (jax.ShapeDtypeStruct((*tiles_shape, num_splits, _ROWS, head_dim), mma_dtype),
+                    jax.ShapeDtypeStruct((*tiles_shape, num_splits, _ROWS), jnp.float32))
+    else:
+        out_type = jax.ShapeDtypeStruct(q_tiles.shape, mma_dtype)
+    result = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct(q_tiles.shape, mma_dtype),
+        out_type=out_type,
         scratch_types=[
             _smem((_ROWS, head_dim), mma_dtype),     # q tile, then the output tile
             _smem((num_stages, block_kv, head_dim), dtype),
@@ -255,14 +383,16 @@ def ragged_paged_attention_gpu(q: jax.Array, kv_pages: jax.Array, md: AttentionM
             plgpu.Barrier(num_arrivals=1),
             plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
+            *([plgpu.SMEM((_ROWS,), jnp.float32)] if num_splits > 1 else []),
             *([_smem((block_kv, head_dim), mma_dtype)] * 2 if staged else []),
         ],
-        grid=(num_kv_heads, plan.max_tiles),
-        grid_names=("kv_head", "tile"),
+        grid=(*tiles_shape, num_splits) if num_splits > 1 else tiles_shape,
+        grid_names=("kv_head", "tile", "split") if num_splits > 1 else ("kv_head", "tile"),
         # Lane semantics pinned: the kernel is written per thread (layout casts, WGMMA
         # layouts), and the default changes to Warpgroup in jax 0.11.
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
     )(plan.info.reshape(-1), bt.reshape(-1), q_tiles, kv_pages)
+    out_tiles = merge_splits(*result) if num_splits > 1 else result
     return scatter_out_tiles(out_tiles, plan, num_q_heads, q.dtype)[..., :q_head_dim]

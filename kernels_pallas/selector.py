@@ -10,10 +10,27 @@ validates at trace time and dispatches; every implementation reads the same page
 (common.py) and returns [T, Hq, D] in q's dtype. ``write_kv_and_attend`` is the engine's
 per-layer entry: ``write_kv`` then the attention, fused into one call where the
 implementation has that (cpu).
+
+ptxas guard: jax's own Mosaic GPU flash attention (pallas/ops/gpu/attention_mgpu.py) refuses
+causal masking when the CUDA runtime is in [12.8.0, 12.9.1) because ptxas miscompiles it. Our
+GPU kernel masks causally on every step's boundary blocks, so 'auto' on such a toolchain
+takes the **safe path: the jnp reference attention** (XLA-compiled, no Mosaic GPU masks) and
+logs one warning saying so; naming 'pallas_gpu' explicitly still runs the kernel (after the
+same warning), so a device check can show whether the miscompilation reaches it.
+``ptxas_miscompiles_causal_mask(version)`` is the pure decision on one version string;
+``cuda_toolchain_versions()`` reads what this host has (none without a CUDA install).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.metadata
+import logging
+import os
+import re
+import shutil
+import subprocess
 from typing import Any
 
 import jax
@@ -23,6 +40,97 @@ from .cpu_build import cpu_kernel_target
 from .reference import ragged_paged_attention_reference
 
 IMPLEMENTATIONS = ("reference", "cpu", "pallas_tpu", "pallas_gpu")
+log = logging.getLogger(__name__)
+
+# Bad range of jax's guard, as CUDA releases [12.8.0, 12.9.1); ptxas reports build numbers
+# instead of release patches ("V12.9.41" ships with 12.9.0, "V12.9.86" with 12.9.1).
+_BAD_RELEASES = ((12, 8, 0), (12, 9, 1))
+_BAD_PTXAS_BUILDS = ((12, 8, 0), (12, 9, 86))
+
+
+def ptxas_miscompiles_causal_mask(version: str) -> bool:
+    """Whether a CUDA toolchain version falls in the ptxas causal-mask miscompilation range.
+
+    Accepts what the probes below report: ``ptxas --version`` output or a ptxas / nvJitLink
+    build ('V12.8.93': bad through V12.9.41, fixed from V12.9.86), a CUDA release ('12.8',
+    '12.9.0': bad; '12.9.1': fixed) or cudaRuntimeGetVersion's integer ('12080', '12090': bad;
+    '12091' and up fixed), the same bounds as jax's own check. Raises ValueError otherwise."""
+    text = str(version).strip()
+    if m := re.search(r"V(\d+)\.(\d+)\.(\d+)", text):
+        lo, hi = _BAD_PTXAS_BUILDS
+        return lo <= tuple(map(int, m.groups())) < hi
+    lo, hi = _BAD_RELEASES
+    if re.fullmatch(r"\d{5}", text):
+        n = int(text)
+        return lo <= (n // 1000, n % 1000 // 10, n % 10) < hi
+    if m := re.search(r"(?:release )?(\d+)\.(\d+)(?:\.(\d+))?", text):
+        return lo <= (int(m[1]), int(m[2]), int(m[3] or 0)) < hi
+    raise ValueError(f"unrecognised CUDA / ptxas version {version!r}")
+
+
+def _ptxas_binaries() -> list[str]:
+    """Where jax looks for ptxas (CUDA_ROOT, the nvidia-cuda-nvcc wheel) and PATH."""
+    roots = [os.environ.get("CUDA_ROOT"), "/usr/local/cuda"]
+    for mod in ("nvidia.cu13", "nvidia.cuda_nvcc"):
+        try:
+            roots += list(getattr(importlib.import_module(mod), "__path__", []))
+        except ImportError:
+            pass
+    found = [os.path.join(r, "bin", "ptxas") for r in roots if r]
+    return [p for p in (*found, shutil.which("ptxas")) if p and os.access(p, os.X_OK)]
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_toolchain_versions() -> dict[str, str]:
+    """Every CUDA component version visible here that could assemble the kernel's PTX (jax's
+    Mosaic GPU picks libnvptxcompiler, nvJitLink or a ptxas binary, so all are checked).
+    JAXSERVE_PTXAS_VERSION, when set, replaces the probes. Empty on hosts without CUDA."""
+    if override := os.environ.get("JAXSERVE_PTXAS_VERSION"):
+        return {"JAXSERVE_PTXAS_VERSION": override}
+    found: dict[str, str] = {}
+    for path in _ptxas_binaries()[:1]:
+        try:
+            out = subprocess.run([path, "--version"], capture_output=True, text=True,
+                                 timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if m := re.search(r"V\d+\.\d+\.\d+", out):
+            found[f"ptxas ({path})"] = m[0]
+    for dist in ("nvidia-nvjitlink-cu12", "nvidia-nvjitlink", "nvidia-cuda-nvcc-cu12"):
+        try:
+            found[dist] = "V" + importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    try:
+        from jax._src.lib import cuda_versions   # what jax's own guard reads
+        if cuda_versions is not None:
+            found["cuda runtime"] = str(cuda_versions.cuda_runtime_get_version())
+    except Exception:  # noqa: BLE001 -- private module, or no GPU runtime to ask
+        pass
+    return found
+
+
+def ptxas_guard_tripped(versions: dict[str, str]) -> list[str]:
+    """The components (name=version) in the bad range; unparseable versions are skipped."""
+    bad = []
+    for name, version in versions.items():
+        try:
+            if ptxas_miscompiles_causal_mask(version):
+                bad.append(f"{name}={version}")
+        except ValueError:
+            log.warning("cannot parse %s version %r for the ptxas guard", name, version)
+    return bad
+
+
+@functools.lru_cache(maxsize=1)
+def _ptxas_unsafe() -> bool:
+    bad = ptxas_guard_tripped(cuda_toolchain_versions())
+    if bad:
+        log.warning("CUDA toolchain %s is in the ptxas causal-mask miscompilation range "
+                    "[12.8.0, 12.9.1) that jax's Mosaic GPU attention refuses; attention "
+                    "impl 'auto' uses the jnp reference (safe path), not the Mosaic GPU "
+                    "kernel", ", ".join(bad))
+    return bool(bad)
 
 
 def gpu_kernel_supported(compute_capability: str) -> bool:
@@ -46,11 +154,22 @@ def _gpu_kernel_supported() -> bool:
     return gpu_kernel_supported(str(getattr(dev, "compute_capability", "0")))
 
 
+@functools.lru_cache(maxsize=1)
+def _warn_explicit_gpu_kernel() -> None:
+    if _ptxas_unsafe():
+        log.warning("attention impl 'pallas_gpu' named explicitly: running the Mosaic GPU "
+                    "kernel despite the ptxas causal-mask guard")
+
+
 def select_impl(name: str = "auto", platform: str | None = None) -> str:
     """'auto' -> kernel for the platform ('tpu', 'gpu'/'cuda', 'cpu', else reference); names
-    pass, except 'cpu' where its kernel cannot be built ('reference')."""
+    pass, except 'cpu' where its kernel cannot be built ('reference'). With ``platform=None``
+    (this host's backend) a GPU must be Hopper and pass the ptxas guard for 'auto' to pick
+    the kernel; a named platform (cross-lowering, jax.export) skips the host's probes."""
     if name == "cpu":
         return "cpu" if cpu_kernel_target() is not None else "reference"
+    if name == "pallas_gpu" and platform is None:
+        _warn_explicit_gpu_kernel()
     if name in IMPLEMENTATIONS:
         return name
     if name != "auto":
@@ -58,7 +177,7 @@ def select_impl(name: str = "auto", platform: str | None = None) -> str:
                          f"{IMPLEMENTATIONS}")
     if platform is None:
         platform = jax.default_backend()
-        if platform == "gpu" and not _gpu_kernel_supported():
+        if platform == "gpu" and (not _gpu_kernel_supported() or _ptxas_unsafe()):
             return "reference"
     if platform == "tpu":
         return "pallas_tpu"
