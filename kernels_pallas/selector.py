@@ -84,9 +84,7 @@ def _ptxas_binaries() -> list[str]:
 def cuda_toolchain_versions() -> dict[str, str]:
     """Every CUDA component version visible here that could assemble the kernel's PTX (jax's
     Mosaic GPU picks libnvptxcompiler, nvJitLink or a ptxas binary, so all are checked).
-    JAXSERVE_PTXAS_VERSION, when set, replaces the probes. Empty on hosts without CUDA."""
-    if override := os.environ.get("JAXSERVE_PTXAS_VERSION"):
-        return {"JAXSERVE_PTXAS_VERSION": override}
+    Empty on hosts without CUDA."""
     found: dict[str, str] = {}
     for path in _ptxas_binaries()[:1]:
         try:
