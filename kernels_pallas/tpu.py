@@ -1,37 +1,46 @@
 """Ragged paged attention on TPU: Pallas Mosaic TPU kernel with scalar-prefetched metadata.
 
-Data flow (see tiling.py for the tile plan)::
+Data flow (see tiling.py for the tile plan, tpu_plan.py for the trace-time decisions)::
 
-    q [T, Hq, D] -> q_tiles [Hkv, NT, rows, D]              (XLA gather in the wrapper)
-    grid (Hkv / hb, NT), both "arbitrary" (sequential: DMAs are chained across grid steps)
+    q [T, Hq, D] -> q_tiles [Hkv, NT, rows, D']             (XLA gather; D' = D up to 128s)
+    grid (Hkv / hb, NT): head blocks "parallel" (megacore: one range per TensorCore),
+                         tiles "arbitrary" (sequential: DMAs are chained across tiles)
       SMEM (scalar prefetch): tile info [NT * 8], live tile count, block tables [S * P']
-      VMEM in : q block [hb, rows, D]   (BlockSpec, auto-pipelined)
-      HBM     : kv_pages [num_pages, 2 * Hkv, page_size, D] (memory_space=ANY, manual DMA)
-      VMEM out: out block [hb, rows, D] -> out_tiles -> scatter to [T, Hq, D]
+      VMEM in : q block [hb, rows, D']   (BlockSpec, auto-pipelined)
+      HBM     : kv_pages [num_pages, 2 * Hkv, page_size, D'] (memory_space=ANY, manual DMA)
+      VMEM out: out block [hb, rows, D'] -> out_tiles -> scatter to [T, Hq, D]
 
 Per grid step (kv-head block, tile): loop over the tile's KV blocks ``[blk_lo, blk_hi)``,
 each ``pages_per_block`` pages read through the block table. Every page DMA copies one
-contiguous ``[2 * hb, page_size, D]`` slab (K and V of hb heads) into a double buffer
-``[2, 2 * hb, block_kv, D]``; while block b is computed, block b + 1 -- or, on the tile's last
-block, the *next tile's* first block -- is already in flight, so DMA latency is hidden across
-tile boundaries too (this is why the grid runs sequentially; a "parallel" grid would split
-the chain across TensorCores). The double-buffer slot survives between grid steps in SMEM.
+contiguous ``[2 * hb, page_size, D']`` slab (K and V of hb heads) into a double buffer
+``[2, 2 * hb, block_kv, D']``; pages wholly past the tile's causal end are not copied (the
+last block of a short sequence reads only its live pages). While block b is computed, block
+b + 1 -- or, on the tile's last block, the next tile's first block -- is already in flight.
+The chain stops at head-block boundaries: each head block starts its own first copy, so the
+head-block axis can be split between TensorCores (one exposed DMA latency per head block).
+The double-buffer slot survives between grid steps in SMEM.
 
-Math per head: s = q k^T (f32 on the MXU), optional soft-cap, causal + sliding-window mask,
-online softmax with running max/sum in VMEM scratch (lane-replicated [rows, 128] so no
-unaligned lane slices are needed), acc += p v. V rows past the tile's causal end are zeroed
-before the p v matmul: p is 0 there but 0 * NaN from an unused page slot would not be.
-Empty tiles (past the live count) skip all DMAs and write zeros.
+Math per head: s = q k^T (f32 on the MXU), optional soft-cap, causal + sliding-window mask
+(full-tile boolean, select in f32), online softmax with running max/sum in VMEM scratch
+(lane-replicated [rows, 128] so no unaligned lane slices are needed), acc += p v. On the block
+that crosses the tile's causal end, V rows past it are zeroed in place first (full-tile mask,
+select in f32): p is 0 there, but 0 * NaN from a stale buffer row or an unused page slot would
+not be. Empty tiles (past the live count) skip all DMAs and write zeros.
 
-Limits: the block tables and tile info live in SMEM (scalar prefetch), so S x
-max_pages_per_seq must fit there (tens of thousands of entries). Checked on CPU only: the
-interpreter (DMA/semaphore semantics, race detector) and the Pallas -> Mosaic lowering;
-Mosaic's own layout passes run in libtpu and were not exercised.
+Limits (tpu_plan.py): page_size must fill whole sublane tiles (16 rows for bf16 / f16, 8 for
+f32); pages whose head dim is not a multiple of 128 are zero-padded by the wrapper, which
+copies the whole page array per call (allocate pages with 128-lane head dims on TPU to avoid
+it); when the block table and tile info outgrow the SMEM budget the call is split over
+sequence ranges, and when even one sequence does not fit it falls back to the jnp reference
+with one warning. Checked on CPU only: the interpreter (DMA/semaphore semantics, race
+detector, two simulated cores) and the Pallas -> Mosaic lowering; Mosaic's own layout passes
+run in libtpu and were not exercised.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import jax
@@ -41,11 +50,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .common import MASK_VALUE, AttentionMetadata, check_attention_inputs, pad_head_dim
+from .reference import ragged_paged_attention_reference
 from .tiling import (F_BLK_HI, F_BLK_LO, F_KV_HI, F_POS0, F_SEQ, NUM_FIELDS,
                      default_tile_tokens, gather_q_tiles, plan_tiles, row_to_token,
                      scatter_out_tiles, tile_rows)
+from .tpu_plan import (LANES, check_page_alignment, default_kv_heads_per_block, lane_padded,
+                       seqs_per_call, sublane_multiple, tpu_hardware)
 
-_LANES = 128
+log = logging.getLogger(__name__)
 
 
 def _kernel(info_ref, num_tiles_ref, bt_ref,                  # scalar prefetch (SMEM)
@@ -53,27 +65,39 @@ def _kernel(info_ref, num_tiles_ref, bt_ref,                  # scalar prefetch 
             kv_buf, sems, m_ref, l_ref, acc_ref, slot_ref,    # scratch
             *, group: int, pages_per_block: int, pages_per_row: int, sm_scale: float,
             sliding_window: int | None, soft_cap: float | None):
-    hb, rows, _ = q_ref.shape
-    page_size = kv_buf.shape[2] // pages_per_block
+    hb, rows, head_dim = q_ref.shape
     block_kv = kv_buf.shape[2]
+    page_size = block_kv // pages_per_block
     hblk, tile = pl.program_id(0), pl.program_id(1)
-    num_hblk = pl.num_programs(0)
     num_tiles = num_tiles_ref[0]
 
     def field(t, f):
         return info_ref[t * NUM_FIELDS + f]
 
-    def copies(h_blk, t, blk, slot):
+    def copies(t, blk, slot):
+        """(live, copy) per page of KV block `blk` of tile `t`; a page is live when it holds
+        a key below the tile's causal end. Page 0 of a visited block always is."""
         # Block-table rows are padded to whole blocks in the wrapper: no bounds check here.
         base = field(t, F_SEQ) * pages_per_row + blk * pages_per_block
-        return [pltpu.make_async_copy(
-            kv_hbm.at[bt_ref[base + j], pl.ds(h_blk * 2 * hb, 2 * hb)],
-            kv_buf.at[slot, :, pl.ds(j * page_size, page_size)], sems.at[slot])
+        kv_hi = field(t, F_KV_HI)
+        return [((blk * pages_per_block + j) * page_size < kv_hi, pltpu.make_async_copy(
+            kv_hbm.at[bt_ref[base + j], pl.ds(hblk * 2 * hb, 2 * hb)],
+            kv_buf.at[slot, :, pl.ds(j * page_size, page_size)], sems.at[slot]))
             for j in range(pages_per_block)]
 
-    def start(h_blk, t, blk, slot):
-        for c in copies(h_blk, t, blk, slot):
-            c.start()
+    def start(t, blk, slot):
+        for j, (live, c) in enumerate(copies(t, blk, slot)):
+            if j == 0:
+                c.start()
+            else:
+                pl.when(live)(c.start)
+
+    def wait(t, blk, slot):
+        for j, (live, c) in enumerate(copies(t, blk, slot)):
+            if j == 0:
+                c.wait()
+            else:
+                pl.when(live)(c.wait)
 
     @pl.when(tile >= num_tiles)
     def _empty_tile():
@@ -81,43 +105,47 @@ def _kernel(info_ref, num_tiles_ref, bt_ref,                  # scalar prefetch 
 
     @pl.when(tile < num_tiles)
     def _live_tile():
-        @pl.when((hblk == 0) & (tile == 0))
-        def _first():                      # every later tile was prefetched by its predecessor
+        @pl.when(tile == 0)
+        def _first():                      # later tiles of this head block: prefetched
             slot_ref[0] = 0
-            start(hblk, tile, field(tile, F_BLK_LO), 0)
+            start(tile, field(tile, F_BLK_LO), 0)
 
         m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
         pos0, kv_hi = field(tile, F_POS0), field(tile, F_KV_HI)
         blk_hi = field(tile, F_BLK_HI)
-        # Row r of the tile is token r // group: its causal position.
+        # Row r of the tile is token r // group: its causal position. Masks are built at the
+        # full tile shape (no (n, 1) broadcasts into selects, which Mosaic's layouts dislike).
         qpos = pos0 + row_to_token(lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0), group)
         col = lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
-        vrow = lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
+        vrow = lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)
 
         def body(blk, slot):
             nxt = 1 - slot
-            in_tile = blk + 1 < blk_hi
-            wrap = tile + 1 >= num_tiles     # the next live tile starts the next head block
-            n_tile = jnp.where(wrap, 0, tile + 1)
-            n_hblk = jnp.where(wrap, hblk + 1, hblk)
 
-            @pl.when(in_tile)
+            @pl.when(blk + 1 < blk_hi)
             def _prefetch_same_tile():
-                start(hblk, tile, blk + 1, nxt)
+                start(tile, blk + 1, nxt)
 
-            @pl.when(jnp.logical_not(in_tile) & (n_hblk < num_hblk))
+            @pl.when((blk + 1 >= blk_hi) & (tile + 1 < num_tiles))
             def _prefetch_next_tile():
-                start(n_hblk, n_tile, field(n_tile, F_BLK_LO), nxt)
+                start(tile + 1, field(tile + 1, F_BLK_LO), nxt)
 
-            for c in copies(hblk, tile, blk, slot):
-                c.wait()
+            wait(tile, blk, slot)
+
+            @pl.when((blk + 1) * block_kv > kv_hi)
+            def _zero_v_tail():            # only the block crossing the causal end
+                v_ok = blk * block_kv + vrow < kv_hi
+                for h in range(hb):
+                    v = kv_buf[slot, 2 * h + 1]
+                    kv_buf[slot, 2 * h + 1] = jnp.where(
+                        v_ok, v.astype(jnp.float32), 0.0).astype(v.dtype)
+
             kpos = blk * block_kv + col
             mask = (kpos <= qpos) & (kpos < kv_hi)
             if sliding_window is not None:
                 mask &= kpos > qpos - sliding_window
-            v_ok = blk * block_kv + vrow < kv_hi
             for h in range(hb):
                 q = q_ref[h]
                 k = kv_buf[slot, 2 * h]
@@ -133,9 +161,8 @@ def _kernel(info_ref, num_tiles_ref, bt_ref,                  # scalar prefetch 
                 p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
                 alpha = jnp.exp(m_prev - m_new)
                 l_ref[h] = jnp.broadcast_to(alpha * l_prev + jnp.sum(p, axis=1, keepdims=True),
-                                            (rows, _LANES))
-                m_ref[h] = jnp.broadcast_to(m_new, (rows, _LANES))
-                v = jnp.where(v_ok, v, jnp.zeros((), v.dtype))
+                                            (rows, LANES))
+                m_ref[h] = jnp.broadcast_to(m_new, (rows, LANES))
                 pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
                 acc_ref[h] = alpha * acc_ref[h] + pv
             return nxt
@@ -146,44 +173,22 @@ def _kernel(info_ref, num_tiles_ref, bt_ref,                  # scalar prefetch 
             o_ref[h] = (acc_ref[h] / jnp.where(denom == 0.0, 1.0, denom)).astype(o_ref.dtype)
 
 
-def _divisor_at_most(n: int, cap: int) -> int:
-    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
-
-
-@functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "soft_cap", "interpret", "pages_per_block", "tile_tokens",
-    "kv_heads_per_block", "vmem_limit_bytes"))
-def ragged_paged_attention_tpu(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata, *,
-                               sm_scale: float, sliding_window: int | None = None,
-                               soft_cap: float | None = None, interpret: Any = False,
-                               pages_per_block: int | None = None,
-                               tile_tokens: int | None = None,
-                               kv_heads_per_block: int | None = None,
-                               vmem_limit_bytes: int | None = None) -> jax.Array:
-    """out [T, Hq, Dq]; tuning knobs default to sizes that suit v5e/v6e (untuned guesses)."""
-    (num_tokens, num_q_heads, q_head_dim, num_kv_heads, page_size, head_dim, group,
-     num_seqs_max, max_pages) = check_attention_inputs(
-        q, kv_pages, md, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    pages_per_block = pages_per_block or max(1, min(max_pages, 256 // page_size))
-    hb = kv_heads_per_block or _divisor_at_most(num_kv_heads, 8)
-    if num_kv_heads % hb:
-        raise ValueError(f"kv_heads_per_block={hb} must divide the {num_kv_heads} kv heads of "
-                         f"kv_pages shape {tuple(kv_pages.shape)}")
-    tile_tokens = tile_tokens or default_tile_tokens(num_tokens, num_seqs_max,
-                                                     max(1, 128 // group))
+def _attend(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata, *, group: int,
+            num_q_heads: int, hb: int, pages_per_block: int, tile_tokens: int,
+            sm_scale: float, sliding_window: int | None, soft_cap: float | None,
+            interpret: Any, vmem_limit_bytes: int | None) -> jax.Array:
+    """One kernel call over md's sequences: out [T, Hq, D'] (q and pages lane-padded)."""
+    num_tokens, head_dim = q.shape[0], q.shape[2]
+    num_kv_heads, page_size = kv_pages.shape[1] // 2, kv_pages.shape[2]
+    max_pages = md.block_tables.shape[1]
     block_kv = pages_per_block * page_size
     plan = plan_tiles(md, num_tokens, tile_tokens=tile_tokens, block_kv=block_kv,
                       sliding_window=sliding_window)
-    # Sublane tiling of the rows axis: 8 rows for 32-bit, 16 for 16-bit types.
-    rows = tile_rows(tile_tokens, group, 8 * (4 // jnp.dtype(q.dtype).itemsize))
-    q_tiles = gather_q_tiles(pad_head_dim(q, head_dim), plan, num_kv_heads, rows)
-    n_tiles = plan.max_tiles
+    rows = tile_rows(tile_tokens, group, sublane_multiple(q.dtype))
+    q_tiles = gather_q_tiles(q, plan, num_kv_heads, rows)
     # Pad block-table rows to whole KV blocks (trash page), so the kernel never reads past them.
     pages_per_row = -(-max_pages // pages_per_block) * pages_per_block
     bt = jnp.pad(md.block_tables, ((0, 0), (0, pages_per_row - max_pages)))
-
-    if interpret is True:       # the TPU interpreter: real DMA/semaphore semantics, NaN scratch
-        interpret = pltpu.InterpretParams()
     kernel = functools.partial(_kernel, group=group, pages_per_block=pages_per_block,
                                pages_per_row=pages_per_row, sm_scale=sm_scale,
                                sliding_window=sliding_window, soft_cap=soft_cap)
@@ -193,20 +198,106 @@ def ragged_paged_attention_tpu(q: jax.Array, kv_pages: jax.Array, md: AttentionM
         out_shape=jax.ShapeDtypeStruct(q_tiles.shape, q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
-            grid=(num_kv_heads // hb, n_tiles),
+            grid=(num_kv_heads // hb, plan.max_tiles),
             in_specs=[tile_spec, pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=tile_spec,
             scratch_shapes=[
                 pltpu.VMEM((2, 2 * hb, block_kv, head_dim), kv_pages.dtype),
                 pltpu.SemaphoreType.DMA((2,)),
-                pltpu.VMEM((hb, rows, _LANES), jnp.float32),
-                pltpu.VMEM((hb, rows, _LANES), jnp.float32),
+                pltpu.VMEM((hb, rows, LANES), jnp.float32),
+                pltpu.VMEM((hb, rows, LANES), jnp.float32),
                 pltpu.VMEM((hb, rows, head_dim), jnp.float32),
                 pltpu.SMEM((1,), jnp.int32),
             ]),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
+        # Head blocks share nothing (each starts its own DMA chain): megacore chips may run
+        # them on both TensorCores. Tiles stay sequential: tile t prefetches tile t + 1.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=vmem_limit_bytes),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
     )(plan.info.reshape(-1), plan.num_tiles.reshape(1), bt.reshape(-1), q_tiles, kv_pages)
-    return scatter_out_tiles(out_tiles, plan, num_q_heads)[..., :q_head_dim]
+    return scatter_out_tiles(out_tiles, plan, num_q_heads)
+
+
+def _split_by_sequences(attend: Any, md: AttentionMetadata, num_tokens: int,
+                        seqs: int) -> jax.Array:
+    """attend() over sequence ranges of `seqs` each (so each call's SMEM fits); a range's
+    call sees only its block-table rows, and its output counts only for its own tokens."""
+    num_seqs_max = md.block_tables.shape[0]
+    live = jnp.clip(md.num_seqs[0], 0, num_seqs_max)
+    tok = jnp.arange(num_tokens, dtype=jnp.int32)
+    out = None
+    for s0 in range(0, num_seqs_max, seqs):
+        s1 = min(num_seqs_max, s0 + seqs)
+        part = AttentionMetadata(
+            slot_mapping=md.slot_mapping, block_tables=md.block_tables[s0:s1],
+            kv_lens=md.kv_lens[s0:s1], cu_q_lens=md.cu_q_lens[s0:s1 + 1],
+            num_seqs=jnp.clip(md.num_seqs - s0, 0, s1 - s0))
+        got = attend(part)
+        # cu_q_lens of the range starts at its first token, not 0: tokens before it would map
+        # onto the range's first sequence, so only [first token, last live token) is kept.
+        lo, hi = md.cu_q_lens[jnp.minimum(s0, live)], md.cu_q_lens[jnp.minimum(s1, live)]
+        mine = ((tok >= lo) & (tok < hi))[:, None, None]
+        out = jnp.where(mine, got, jnp.zeros((), got.dtype) if out is None else out)
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "sliding_window", "soft_cap", "interpret", "pages_per_block", "tile_tokens",
+    "kv_heads_per_block", "vmem_limit_bytes", "smem_budget_bytes"))
+def ragged_paged_attention_tpu(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata, *,
+                               sm_scale: float, sliding_window: int | None = None,
+                               soft_cap: float | None = None, interpret: Any = False,
+                               pages_per_block: int | None = None,
+                               tile_tokens: int | None = None,
+                               kv_heads_per_block: int | None = None,
+                               vmem_limit_bytes: int | None = None,
+                               smem_budget_bytes: int | None = None) -> jax.Array:
+    """out [T, Hq, Dq]; tuning knobs default to sizes that suit v5e/v6e (untuned guesses).
+
+    `smem_budget_bytes` bounds the SMEM operands of one kernel call (default: half of this
+    TPU's SMEM, or of 1 MiB off-TPU); larger steps are split over sequence ranges."""
+    (num_tokens, num_q_heads, q_head_dim, num_kv_heads, page_size, head_dim, group,
+     num_seqs_max, max_pages) = check_attention_inputs(
+        q, kv_pages, md, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    check_page_alignment(page_size, kv_pages.dtype, kv_pages.shape)
+    smem_capacity, num_cores = tpu_hardware()
+    budget = smem_budget_bytes or smem_capacity // 2
+    pages_per_block = pages_per_block or max(1, min(max_pages, 256 // page_size))
+    hb = kv_heads_per_block or default_kv_heads_per_block(num_kv_heads, num_cores)
+    if num_kv_heads % hb:
+        raise ValueError(f"kv_heads_per_block={hb} must divide the {num_kv_heads} kv heads of "
+                         f"kv_pages shape {tuple(kv_pages.shape)}")
+    tile_tokens = tile_tokens or default_tile_tokens(num_tokens, num_seqs_max,
+                                                     max(1, 128 // group))
+    pages_per_row = -(-max_pages // pages_per_block) * pages_per_block
+    seqs = seqs_per_call(num_tokens, num_seqs_max, pages_per_row, tile_tokens, budget)
+    opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if seqs is None:
+        log.warning("TPU attention falls back to the jnp reference: the tile info of %d "
+                    "tokens (tile_tokens=%d) plus one block-table row of %d pages exceeds "
+                    "the %d-byte SMEM budget (smem_budget_bytes)", num_tokens, tile_tokens,
+                    pages_per_row, budget)
+        return ragged_paged_attention_reference(q, kv_pages, md, **opts)
+
+    lanes = lane_padded(head_dim)
+    if lanes != head_dim:   # a copy of every page, each call: allocate 128-lane pages instead
+        log.warning("TPU attention pads kv_pages %s to head_dim %d (a copy of the whole array "
+                    "per call); allocate pages with padded_head_dim(D, 128) on TPU",
+                    tuple(kv_pages.shape), lanes)
+        kv_pages = pad_head_dim(kv_pages, lanes)
+    q = pad_head_dim(q, lanes)
+    if interpret is True:       # the TPU interpreter: real DMA/semaphore semantics, NaN scratch
+        interpret = pltpu.InterpretParams()
+    attend = functools.partial(
+        _attend, q, kv_pages, group=group, num_q_heads=num_q_heads, hb=hb,
+        pages_per_block=pages_per_block, tile_tokens=tile_tokens, interpret=interpret,
+        vmem_limit_bytes=vmem_limit_bytes, **opts)
+    if seqs >= num_seqs_max:
+        out = attend(md)
+    else:
+        log.info("TPU attention: block tables of %d sequences x %d pages exceed the %d-byte "
+                 "SMEM budget; %d calls of %d sequences", num_seqs_max, pages_per_row, budget,
+                 -(-num_seqs_max // seqs), seqs)
+        out = _split_by_sequences(attend, md, num_tokens, seqs)
+    return out[..., :q_head_dim]

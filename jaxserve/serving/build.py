@@ -185,10 +185,11 @@ def _make_runner(config: EngineConfig, placed: _Placed,
                  free: int) -> tuple[EnginePlan, ModelRunner]:
     attn_impl = select_impl(config.attention_impl)
     kv_dtype = _DTYPES[config.kv_cache_dtype or config.dtype]
-    # Pallas kernels want lane-aligned head dims; the jnp reference and the C++ CPU kernel
-    # take any.
+    # Pallas kernels want lane-aligned head dims (GPU: multiples of 64; TPU: whole 128-lane
+    # vregs, else its wrapper pads every page per call); the jnp reference and the C++ CPU
+    # kernel take any.
     kv_head_dim = None if attn_impl in ("reference", "cpu") else padded_head_dim(
-        placed.model.config.head_dim)
+        placed.model.config.head_dim, 128 if attn_impl == "pallas_tpu" else 64)
     plan = plan_engine(config, placed.run_cfg, jnp.dtype(kv_dtype).itemsize, free, kv_head_dim)
     devices = placed.mesh.devices.flat if placed.mesh is not None else [placed.device]
     log.info("KV cache: %d pages of %d tokens (%.1f MiB), attention=%s, devices=%s",
