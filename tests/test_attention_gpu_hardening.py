@@ -199,14 +199,15 @@ def written(batch):
 RING_SPECS = [(300, 1), (70, 40), (0, 1), (190, 2)]
 
 
-# Each interpreted case costs 10-30 s on 2 cores: the redundant ones are slow-marked
-# (JAXSERVE_RUN_SLOW=1), the default run still covers ring depths 1/2, split on/off, a window.
-_SLOW = pytest.mark.slow(reason="more interpreted GPU kernel variants")
+# Each interpreted case costs 10-30 s on 2 cores: the default run keeps the ring wrapping at
+# page size 16 with a split, an empty step and the flat multi-layer pages; the rest is
+# slow-marked (JAXSERVE_RUN_SLOW=1; scripts/device_check.sh runs them all compiled on a GPU).
+_SLOW = pytest.mark.slow(reason="more interpreted GPU kernel variants (suite time)")
 
 
 @pytest.mark.parametrize("stages,block_kv,splits", [
-    (1, 64, 1), pytest.param(3, 64, 1, marks=_SLOW), pytest.param(2, 128, 1, marks=_SLOW),
-    (2, 64, 3)])
+    pytest.param(1, 64, 1, marks=_SLOW), pytest.param(3, 64, 1, marks=_SLOW),
+    pytest.param(2, 128, 1, marks=_SLOW), (2, 64, 3)])
 @MODES
 def test_ring_wraps_with_several_pages_per_block(stages: int, block_kv: int, splits: int,
                                                   interpret: bool) -> None:
@@ -217,7 +218,8 @@ def test_ring_wraps_with_several_pages_per_block(stages: int, block_kv: int, spl
                             block_kv=block_kv, num_splits=splits)
 
 
-@pytest.mark.parametrize("splits", [pytest.param(1, marks=_SLOW), 4])
+@_SLOW
+@pytest.mark.parametrize("splits", [1, 4])
 @MODES
 def test_sliding_window_boundaries_with_and_without_split(splits: int, interpret: bool) -> None:
     """Window 70 over 64-key blocks: masked blocks at the start and the end of each tile's
@@ -229,6 +231,7 @@ def test_sliding_window_boundaries_with_and_without_split(splits: int, interpret
                             num_splits=splits, num_stages=2, block_kv=64)
 
 
+@_SLOW
 @MODES
 def test_float16_pages(interpret: bool) -> None:
     rng = np.random.default_rng(1616)
@@ -237,6 +240,7 @@ def test_float16_pages(interpret: bool) -> None:
     check_against_reference(batch, written(batch), interpret=interpret, tol=1e-2)
 
 
+@_SLOW
 @MODES
 def test_soft_cap_in_bfloat16(interpret: bool) -> None:
     rng = np.random.default_rng(50)
@@ -246,6 +250,7 @@ def test_soft_cap_in_bfloat16(interpret: bool) -> None:
 
 
 @pytest.mark.parametrize("page_size", [8, 128])
+@_SLOW
 @MODES
 def test_page_sizes_8_and_128(page_size: int, interpret: bool) -> None:
     rng = np.random.default_rng(page_size)

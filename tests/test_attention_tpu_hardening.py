@@ -26,6 +26,10 @@ from jaxserve.kernels_pallas.tpu_plan import (default_kv_heads_per_block, lane_p
 from kernel_cases import random_batch
 
 SDS = jax.ShapeDtypeStruct
+# Interpreted kernel runs cost 8-23 s each on 2 cores: the default run keeps kv heads per block
+# < Hkv on two simulated cores, an empty step, the live-page clipping, the flat multi-layer
+# pages and the SMEM split's lowering; the rest is slow-marked (JAXSERVE_RUN_SLOW=1).
+_SLOW = pytest.mark.slow(reason="more interpreted TPU kernel variants (suite time)")
 MIXED = [(21, 3), (0, 9), (40, 1), (5, 1), (17, 6)]   # chunk, prefill, decodes, chunk
 
 
@@ -124,6 +128,7 @@ def test_oversized_block_table_lowers_as_split_calls() -> None:
 
 
 # --------------------------------------------------------------------------- SMEM split / fallback
+@_SLOW
 def test_split_over_sequence_ranges_matches_reference(caplog: pytest.LogCaptureFixture) -> None:
     """A budget that fits two sequences' block-table rows: the 7-sequence bucket (5 live, a
     chunk, a prefill and decodes) runs as four calls whose outputs are stitched by token."""
@@ -152,15 +157,18 @@ def test_fewer_kv_heads_per_block_on_two_simulated_cores() -> None:
           pages_per_block=2, tile_tokens=4, cores=2, seed=2)
 
 
+@_SLOW
 def test_float16() -> None:
     check(MIXED, dtype=jnp.float16, num_tokens=21, pages_per_block=2, tile_tokens=4, seed=3)
 
 
+@_SLOW
 def test_soft_cap_and_window_in_bfloat16() -> None:
     check(MIXED, dtype=jnp.bfloat16, cap=5.0, window=13, pages_per_block=2, tile_tokens=4,
           seed=4)
 
 
+@_SLOW
 @pytest.mark.parametrize("ps,dtype", [(8, jnp.float32), (128, jnp.bfloat16)])
 def test_page_sizes_8_and_128(ps: int, dtype) -> None:
     # Page 8 is whole sublane tiles for f32 only (bf16 raises, above); page 128 is one block.
@@ -173,6 +181,7 @@ def test_batch_with_no_live_sequence() -> None:
     assert not got.any()
 
 
+@_SLOW
 def test_head_dim_64_padded_to_128_lanes() -> None:
     """D=64 pages are lane-padded by the wrapper; the engine's 128-lane pages hold D=64
     heads zero-padded by write_kv, and q is padded / the output sliced."""
