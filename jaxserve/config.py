@@ -109,9 +109,14 @@ class SchedulerConfig:
                              f"{self.max_num_seqs}, max_num_batched_tokens="
                              f"{self.max_num_batched_tokens}]")
 
-    @property
-    def step_budget_with_decodes(self) -> int:
-        return self.decode_token_budget or self.max_num_batched_tokens
+    def step_budget(self, established_decodes: bool) -> int:
+        """Tokens of a step: the whole budget, unless it carries a decode of a stream past
+        its first token (then decode_token_budget: how long a prefill chunk may stall that
+        stream). A stream with only its first token may wait one big step more, so prompts
+        arriving a moment apart are still prefilled together (and then decode in lockstep)."""
+        if established_decodes and self.decode_token_budget is not None:
+            return self.decode_token_budget
+        return self.max_num_batched_tokens
 
     @property
     def max_pages_per_seq(self) -> int:

@@ -13,14 +13,12 @@ still on the device: it plans from `Request.num_scheduled_tokens`, counting each
 dispatched step samples as in flight (`num_in_flight`), so a sequence step N samples decodes
 that unknown token in N+1 (`ScheduledSeq.fed`: fed on the device) unless it is already its
 last by max_tokens / max_model_len. A stop only its value reveals (EOS, stop ids / strings)
-lands a step late: N's update finishes the sequence and N+1's row is discarded (updates skip
-rows no longer running or preempted since, `ScheduledSeq.epoch`). `unschedule()` rolls back
-a step that never ran.
+lands a step late: N's update finishes it and N+1's row is discarded (updates skip rows no
+longer running or preempted since, `ScheduledSeq.epoch`). `unschedule()` undoes a lost step.
 
 Policy:
-- Running sequences are served in (priority, arrival) order, decodes before prefill chunks, so
-  a long prompt never stalls the streams already generating; a prompt is spread over steps in
-  chunks of whatever budget is left.
+- Running sequences are served in (priority, arrival) order, decodes before prefill chunks;
+  a prompt is spread over steps in chunks of what is left of `SchedulerConfig.step_budget`.
 - Waiting sequences are admitted in (priority, arrival) order while budget, seats and pages
   allow; a waiting sequence may preempt running ones of strictly lower priority for pages.
 - Out of pages: the lowest-priority, most recently arrived running sequence is preempted: its
@@ -29,11 +27,11 @@ Policy:
 - `n` > 1 samples: child 0 prefills the prompt; the other children wait until it is computed,
   then share its full prompt pages (ref counts) and compute only the partial last page.
 
-Every table here is keyed by `Request.seq_id`, an integer `add_request` assigns; the client's
-request id is only a label. Between `schedule()` and `update()` the state is consistent on its
-own (pages reserved, nothing computed yet): a step whose results never come back (it failed)
-leaves each scheduled sequence to be scheduled again for the same tokens, or to be finished
-(`finish`) by the engine, which frees its pages through the normal path.
+Tables are keyed by `Request.seq_id` (`add_request` assigns it; a request id is a label).
+Between `schedule()` and `update()` the state is consistent on its own (pages reserved, nothing
+computed yet): a step whose results never come back (it failed) leaves each scheduled sequence
+to be scheduled again for the same tokens, or finished (`finish`) by the engine, which frees
+its pages through the normal path.
 """
 
 from __future__ import annotations
@@ -139,7 +137,8 @@ class Scheduler:
         # Decodes (exactly one token left to compute) first, then running prefill chunks.
         todo = [(r, self._to_schedule(r)) for r in self.running]
         order = [r for r, left in todo if left == 1] + [r for r, left in todo if left > 1]
-        budget = self._step_budget(todo)
+        budget = self.cfg.step_budget(any(  # a decode of a stream past its first token?
+            left == 1 and r.num_output_tokens + r.num_in_flight >= 2 for r, left in todo))
         for req in order:
             if budget == 0:
                 break
@@ -185,15 +184,6 @@ class Scheduler:
             s.request.num_in_flight += s.samples
         return SchedulerOutput(seqs=seqs, num_tokens=sum(s.num_new_tokens for s in seqs),
                                preempted=preempted)
-
-    def _step_budget(self, todo: list[tuple[Request, int]]) -> int:
-        """The whole budget, unless the step carries a decode of a stream past its first
-        token: then `decode_token_budget` (how long a prefill chunk may stall it). A stream
-        that has only its first token may wait one big step more, so that prompts arriving
-        a moment apart are still prefilled together (and then decode in lockstep)."""
-        if any(left == 1 and r.num_output_tokens + r.num_in_flight >= 2 for r, left in todo):
-            return self.cfg.step_budget_with_decodes
-        return self.cfg.max_num_batched_tokens
 
     def _to_schedule(self, req: Request) -> int:
         """Tokens of a running sequence left to schedule: 0 when its in-flight token ends it
