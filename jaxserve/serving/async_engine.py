@@ -244,7 +244,7 @@ class AsyncEngine:
 
     def _apply(self, commands: list[_Add | _Abort]) -> None:
         added = 0
-        rejected: list[str] = []
+        rejected: list[tuple[RequestSink, Exception]] = []
         for cmd in commands:
             if isinstance(cmd, _Abort):
                 ids = [cmd.request_id] if cmd.request_id else list(self._sinks)
@@ -258,15 +258,17 @@ class AsyncEngine:
                                         arrival_time=cmd.arrival_time,
                                         output_kind=cmd.output_kind)
             except Exception as e:  # noqa: BLE001 - ValueError: bad input; others: reported
-                rejected.append(rid)
-                cmd.sink.finished = True
-                self._send(cmd.sink, e)
+                rejected.append((cmd.sink, e))
                 continue
             self._sinks[rid] = cmd.sink
         with self._cond:
             self._queued_seqs -= added
-            self._in_flight.difference_update(rejected)
+            # Ids are released before their readers wake, so a caller may reuse one at once.
+            self._in_flight.difference_update(sink.request_id for sink, _ in rejected)
             self._waiting_seqs = self.engine.stats().num_waiting
+        for sink, error in rejected:
+            sink.finished = True
+            self._send(sink, error)
 
     def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
         """Each output into its request's sink; the readers with something new are woken with
@@ -287,14 +289,14 @@ class AsyncEngine:
                 self.engine.abort(out.request_id)
             if woken:
                 wakes[sink.loop].append(sink)
+        if finished:  # before the readers wake: a caller may reuse a finished id at once
+            with self._cond:
+                self._in_flight.difference_update(finished)
         for loop, sinks in wakes.items():
             try:
                 loop.call_soon_threadsafe(set_ready, sinks)
             except RuntimeError:
                 pass  # that loop is closed: nobody is left to read these outputs
-        if finished:
-            with self._cond:
-                self._in_flight.difference_update(finished)
 
     def _send(self, sink: RequestSink, error: BaseException) -> None:
         if sink.fail(error):
