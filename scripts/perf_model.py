@@ -9,7 +9,8 @@ is judged against a stated expectation (BENCHMARKS.md, "Performance model on pap
            + all-reduce time (tensor parallelism only) + a fixed per-step overhead
 
 What it reuses rather than restates: the model shape is `models.shapes.llama3_8b()` (what the
-export tests and the device check use; importing it loads no jax); the padded step shapes come from the engine's own planner
+export tests and the device check use; importing it loads no jax); the padded step shapes come
+from the engine's own planner
 (`sizing.plan_engine` with `batch.default_token_buckets`, then `batch.bucket_for`), so a batch
 of 32 costs what the 32 bucket costs.
 

@@ -156,5 +156,6 @@ def verdict(doc: dict) -> str:
                 "the load, or try other grid values")
     s = best["summary"]
     return (f"best: --max-num-batched-tokens {best['max_num_batched_tokens']} --max-num-seqs "
-            f"{best['max_num_seqs']} --decode-token-budget none  ({s['output_throughput']:.1f} output tok/s, TTFT p99 "
+            f"{best['max_num_seqs']} --decode-token-budget none  "
+            f"({s['output_throughput']:.1f} output tok/s, TTFT p99 "
             f"{_ms(s['ttft_ms']['p99'])} ms, ITL p99 {_ms(s['itl_ms']['p99'])} ms)")
