@@ -13,6 +13,7 @@ import pathlib
 from typing import Mapping
 
 DTYPES = ("float32", "bfloat16", "float16")
+DENSE_IMPLS = ("auto", "xla", "cpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +151,10 @@ class EngineConfig:
     # N's sampler) before applying step N's results. Off: one step at a time (debugging).
     async_scheduling: bool = True
     attention_impl: str = "auto"  # auto | reference | cpu | pallas_tpu | pallas_gpu
+    # Dense projections: "cpu" packs the weights for the C++ kernel (kernels_pallas/dense_cpu);
+    # "xla" keeps XLA's dot; "auto": cpu on a CPU host with float32 weights and no tensor
+    # parallelism, else xla.
+    dense_impl: str = "auto"
     # None: 1, 2, 4, 8, multiples of 8 to 64, then 4 per octave up to the token budget
     token_buckets: tuple[int, ...] | None = None
     # None: one per token bucket, min(tokens, max_num_seqs); else every (tokens, seqs) pair
@@ -197,6 +202,8 @@ class EngineConfig:
         if self.fault_injection_token is not None and self.fault_injection_token < 0:
             raise ValueError(f"fault_injection_token={self.fault_injection_token} must be a "
                              "token id (>= 0) or None")
+        if self.dense_impl not in DENSE_IMPLS:
+            raise ValueError(f"dense_impl={self.dense_impl!r} must be one of {DENSE_IMPLS}")
         if not 0 <= self.idle_batch_window_ms <= 1000:
             raise ValueError(f"idle_batch_window_ms={self.idle_batch_window_ms!r} must be in "
                              "[0, 1000]")

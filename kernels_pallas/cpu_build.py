@@ -1,14 +1,15 @@
-"""Build, load and register the C++ CPU attention (csrc/paged_attention_cpu.cc) on first use.
+"""Build, load and register the C++ CPU kernels (csrc/*.cc: the paged attention and the dense
+projections over packed weights) on first use, as one library.
 
 Flow: the sources (csrc/*.cc, *.h), jaxlib's version, the compiler command, the flags and this
-CPU's feature flags hash to a key -> ``<cache>/paged_attention_cpu-<key>.so`` (cache:
+CPU's feature flags hash to a key -> ``<cache>/jaxserve_cpu_kernels-<key>.so`` (cache:
 $JAXSERVE_KERNEL_CACHE_DIR, default ~/.cache/jaxserve/kernels). A missing library is compiled
 into a temporary file in the cache dir and renamed onto its name (atomic: processes building at
 once each rename identical bytes). ctypes loads it and ``jax.ffi.register_ffi_target`` registers
-its two handlers (attention; write_kv + attention) for the CPU platform, once per process
+its handlers (attention; write_kv + attention; dense) for the CPU platform, once per process
 (lru_cache). Where anything fails -- no compiler, a compile error, a load error --
 ``cpu_kernel_target`` logs one warning saying why and returns None, and callers use the jnp
-reference.
+reference (``dense_kernel_target`` likewise).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ log = logging.getLogger(__name__)
 
 TARGET = "jaxserve_ragged_paged_attention_cpu"
 WRITE_TARGET = "jaxserve_write_kv_and_attend_cpu"  # the same plus write_kv, pages in place
-SOURCE = pathlib.Path(__file__).parent / "csrc" / "paged_attention_cpu.cc"
+DENSE_TARGET = "jaxserve_dense_cpu"  # x @ panel-packed weights (csrc/dense_cpu.cc)
+CSRC = pathlib.Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "paged_attention_cpu.cc", CSRC / "dense_cpu.cc")
 CACHE_ENV = "JAXSERVE_KERNEL_CACHE_DIR"
 # Built on the machine that runs it, so -march=native is safe (the key holds the CPU flags).
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
@@ -76,19 +79,20 @@ def _cpu_flags() -> str:
 
 def library_path(compiler: list[str]) -> pathlib.Path:
     key = hashlib.sha256()
-    sources = b"".join(p.name.encode() + p.read_bytes() for p in sorted(SOURCE.parent.iterdir())
+    sources = b"".join(p.name.encode() + p.read_bytes() for p in sorted(CSRC.iterdir())
                        if p.suffix in (".cc", ".h"))
     for part in (sources, jaxlib.__version__.encode(), " ".join(compiler).encode(),
                  " ".join(FLAGS).encode(), _cpu_flags().encode(), platform.machine().encode()):
         key.update(part)
         key.update(b"\0")
-    return cache_dir() / f"paged_attention_cpu-{key.hexdigest()[:20]}.so"
+    return cache_dir() / f"jaxserve_cpu_kernels-{key.hexdigest()[:20]}.so"
 
 
 def build_library() -> pathlib.Path:
     """Path of the compiled library, compiling it if the cache lacks it."""
-    if not SOURCE.exists():
-        raise BuildError(f"kernel source {SOURCE} is missing from the installation")
+    missing = [str(p) for p in SOURCES if not p.exists()]
+    if missing:
+        raise BuildError(f"kernel sources {missing} are missing from the installation")
     compiler = find_compiler()
     path = library_path(compiler)
     if path.exists():
@@ -96,8 +100,8 @@ def build_library() -> pathlib.Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.stem + "-", suffix=".tmp", dir=path.parent)
     os.close(fd)
-    cmd = [*compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", "-o", tmp, str(SOURCE)]
-    log.info("building the CPU attention kernel: %s", " ".join(cmd))
+    cmd = [*compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", "-o", tmp, *map(str, SOURCES)]
+    log.info("building the CPU kernels: %s", " ".join(cmd))
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if res.returncode != 0:
@@ -118,7 +122,8 @@ def _register(path: str) -> None:
     try:
         lib = ctypes.cdll.LoadLibrary(path)
         handlers = {TARGET: jax.ffi.pycapsule(lib.JaxservePagedAttentionCpu),
-                    WRITE_TARGET: jax.ffi.pycapsule(lib.JaxservePagedAttentionWriteCpu)}
+                    WRITE_TARGET: jax.ffi.pycapsule(lib.JaxservePagedAttentionWriteCpu),
+                    DENSE_TARGET: jax.ffi.pycapsule(lib.JaxserveDenseCpu)}
     except (OSError, AttributeError) as e:
         raise BuildError(f"could not load {path}: {e}") from e
     for name, handler in handlers.items():
@@ -136,3 +141,9 @@ def cpu_kernel_target() -> str | None:
                     "attention instead: %s", e)
         return None
     return TARGET
+
+
+def dense_kernel_target() -> str | None:
+    """The dense projection's FFI target name, or None (after cpu_kernel_target's one warning)
+    where the library could not be built."""
+    return DENSE_TARGET if cpu_kernel_target() is not None else None

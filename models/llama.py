@@ -9,6 +9,9 @@ the same layer code serves the full-sequence oracle forward below and the paged 
 (`models/paged.py`); the tests add a contiguous-cache generation loop on it.
 
 Linear weights are stored `[in_features, out_features]` (x @ w), stacked over layers on axis 0.
+On a CPU host the engine may hold them packed instead (`PackedWeight`, `models/packing.py`):
+`_linear` then runs the C++ dense kernel, and `scan_layers` hands each layer the whole stack
+and its index rather than a slice (a slice is a copy of the layer's weights every step).
 """
 
 from __future__ import annotations
@@ -20,7 +23,28 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from ..kernels_pallas.dense_cpu import PANEL, dense_packed
 from .config import ModelConfig
+
+
+@struct.dataclass
+class PackedWeight:
+    """A linear weight W [in, out] (or a stack of them) in the CPU dense kernel's 16-column
+    panels (`kernels_pallas.dense_cpu`); `x @ W` runs that kernel."""
+
+    panels: jax.Array  # f32[(L,) ceil(out / 16), in, 16]
+    out_features: int = struct.field(pytree_node=False)
+    layer: jax.Array | None = None  # i32[]: the layer of a stack (set by scan_layers)
+
+    def matmul(self, x: jax.Array) -> jax.Array:
+        return dense_packed(x, self.panels, self.layer, self.out_features)
+
+    def rows(self, ids: jax.Array) -> jax.Array:
+        """W^T[ids] -> [..., in]: rows of the transposed weight (a tied embedding's lookup)."""
+        return self.panels[ids // PANEL, :, ids % PANEL]
+
+
+Weight = jax.Array | PackedWeight
 
 
 @struct.dataclass
@@ -28,14 +52,14 @@ class LayerParams:
     """Per-layer weights stacked on a leading layer axis L (scanned)."""
 
     attn_norm: jax.Array  # f[L, hidden]
-    wq: jax.Array  # f[L, hidden, num_heads * head_dim]
-    wk: jax.Array  # f[L, hidden, num_kv_heads * head_dim]
-    wv: jax.Array  # f[L, hidden, num_kv_heads * head_dim]
-    wo: jax.Array  # f[L, num_heads * head_dim, hidden]
+    wq: Weight  # f[L, hidden, num_heads * head_dim]
+    wk: Weight  # f[L, hidden, num_kv_heads * head_dim]
+    wv: Weight  # f[L, hidden, num_kv_heads * head_dim]
+    wo: Weight  # f[L, num_heads * head_dim, hidden]
     mlp_norm: jax.Array  # f[L, hidden]
-    w_gate: jax.Array  # f[L, hidden, intermediate]
-    w_up: jax.Array  # f[L, hidden, intermediate]
-    w_down: jax.Array  # f[L, intermediate, hidden]
+    w_gate: Weight  # f[L, hidden, intermediate]
+    w_up: Weight  # f[L, hidden, intermediate]
+    w_down: Weight  # f[L, intermediate, hidden]
     bq: jax.Array | None = None  # f[L, num_heads * head_dim]   (attention_bias)
     bk: jax.Array | None = None  # f[L, num_kv_heads * head_dim] (attention_bias)
     bv: jax.Array | None = None  # f[L, num_kv_heads * head_dim] (attention_bias)
@@ -47,10 +71,10 @@ class LayerParams:
 class LlamaParams:
     """All weights of one model. `lm_head` is None when the embeddings are tied."""
 
-    embed: jax.Array  # f[vocab, hidden]
+    embed: Weight  # f[vocab, hidden]; packed: its transpose [hidden, vocab] (tied lm_head)
     layers: LayerParams
     final_norm: jax.Array  # f[hidden]
-    lm_head: jax.Array | None = None  # f[hidden, vocab]
+    lm_head: Weight | None = None  # f[hidden, vocab]
 
 
 class AttnFn(Protocol):
@@ -161,8 +185,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return out.astype(x.dtype)
 
 
-def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype))
+def _linear(x: jax.Array, w: Weight, b: jax.Array | None = None) -> jax.Array:
+    if isinstance(w, PackedWeight):
+        y = w.matmul(x)
+    else:
+        y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype))
     return y if b is None else y + b.astype(x.dtype)
 
 
@@ -187,25 +214,50 @@ def decoder_layer(cfg: ModelConfig, lp: LayerParams, x: jax.Array, positions: ja
     return x + _linear(mlp, lp.w_down), layer_state
 
 
+def scan_layers(body: Callable[[object, tuple[LayerParams, jax.Array, object]],
+                                tuple[object, object]],
+                carry: object, layers: LayerParams, xs: object = None) -> tuple[object, object]:
+    """`lax.scan` of body(carry, (layer params, layer index i32[], xs slice)) over the layers.
+    A `PackedWeight` field is not sliced: the body gets the whole stack with `layer` set."""
+    names = [f for f in LayerParams.__dataclass_fields__
+             if isinstance(getattr(layers, f), PackedWeight)]
+    packed = {f: getattr(layers, f) for f in names}
+    sliced = layers.replace(**{f: None for f in names})
+    num_layers = layers.attn_norm.shape[0]
+
+    def step(c: object, s: tuple[LayerParams, jax.Array, object]) -> tuple[object, object]:
+        lp, i, x = s
+        lp = lp.replace(**{f: w.replace(layer=i) for f, w in packed.items()})
+        return body(c, (lp, i, x))
+
+    return jax.lax.scan(step, carry, (sliced, jnp.arange(num_layers, dtype=jnp.int32), xs))
+
+
 def run_layers(cfg: ModelConfig, layers: LayerParams, x: jax.Array, positions: jax.Array,
                attn: AttnFn, layer_states: object = None) -> tuple[jax.Array, object]:
     """Scan `decoder_layer` over the stacked layers; `layer_states` is scanned alongside."""
 
-    def body(carry: jax.Array, xs: tuple[LayerParams, object]) -> tuple[jax.Array, object]:
-        lp, state = xs
+    def body(carry: jax.Array, xs: tuple[LayerParams, jax.Array, object]
+             ) -> tuple[jax.Array, object]:
+        lp, _, state = xs
         return decoder_layer(cfg, lp, carry, positions, attn, state)
 
-    return jax.lax.scan(body, x, (layers, layer_states))
+    return scan_layers(body, x, layers, layer_states)
 
 
 def embed(params: LlamaParams, tokens: jax.Array) -> jax.Array:
+    if isinstance(params.embed, PackedWeight):
+        return params.embed.rows(tokens)
     return jnp.take(params.embed, tokens, axis=0)
 
 
 def lm_logits(cfg: ModelConfig, params: LlamaParams, hidden: jax.Array) -> jax.Array:
     """Final norm + vocabulary projection, logits in float32. hidden: [..., hidden]."""
     h = rms_norm(hidden, params.final_norm, cfg.rms_norm_eps)
-    if params.lm_head is None:
+    head = params.embed if params.lm_head is None else params.lm_head
+    if isinstance(head, PackedWeight):  # the tied embedding is packed transposed
+        logits = head.matmul(h.astype(jnp.float32))
+    elif params.lm_head is None:
         logits = jnp.einsum("...h,vh->...v", h, params.embed.astype(h.dtype),
                             preferred_element_type=jnp.float32)
     else:

@@ -1,8 +1,8 @@
 """The engine's model step over paged KV: one ragged batch of new tokens -> logits to sample.
 
 Data flow: token_ids i32[T] (prefill chunks and decode tokens of S sequences end to end) ->
-embed -> for each layer (a `lax.scan` over the stacked params, the whole KV array in the carry
-so XLA updates it in place): q/k/v + RoPE at each token's position -> `write_kv_and_attend`:
+embed -> for each layer (`llama.scan_layers` over the stacked params, the whole KV array in
+the carry so XLA updates it in place): q/k/v + RoPE at each token's position -> `write_kv_and_attend`:
 the new K/V go into their slots, then ragged paged attention reads each sequence's pages
 through its block table (one custom call on CPU) -> ... -> final norm -> logits only at
 `logits_indices` (one row per sequence). `paged_hidden` stops before the final norm: the
@@ -24,14 +24,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as PS
 
 from ..kernels_pallas import AttentionMetadata, kv_pages_shape, write_kv_and_attend
 from .config import ModelConfig
-from .llama import LayerParams, LlamaParams, decoder_layer, embed, lm_logits
+from .llama import LayerParams, LlamaParams, decoder_layer, embed, lm_logits, scan_layers
 
 
 MODEL_AXIS = "model"  # the tensor-parallel mesh axis (models/placement.py)
@@ -76,10 +75,10 @@ def paged_hidden(params: LlamaParams, kv_pages: jax.Array, token_ids: jax.Array,
                          f"{cfg.num_layers} (expected kv_cache_shape's layout)")
     num_pages = total_pages // cfg.num_layers
 
-    def layer(carry: tuple[jax.Array, jax.Array],
-              xs: tuple[LayerParams, jax.Array]) -> tuple[tuple[jax.Array, jax.Array], None]:
+    def layer(carry: tuple[jax.Array, jax.Array], xs: tuple[LayerParams, jax.Array, None]
+              ) -> tuple[tuple[jax.Array, jax.Array], None]:
         x, kv = carry
-        lp, i = xs
+        lp, i, _ = xs
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array, flat: jax.Array,
                    layer_md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
@@ -108,6 +107,5 @@ def paged_hidden(params: LlamaParams, kv_pages: jax.Array, token_ids: jax.Array,
         return (x, kv), None
 
     x = embed(params, token_ids)
-    idx = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, kv_pages), _ = jax.lax.scan(layer, (x, kv_pages), (params.layers, idx))
+    (x, kv_pages), _ = scan_layers(layer, (x, kv_pages), params.layers)
     return x, kv_pages

@@ -15,6 +15,7 @@ XLA:CPU f32 GEMM rate at M = S.
 
     python scripts/profile_step.py --seqs 1,8,32 --context 256 --json profile.json
     python scripts/profile_step.py --seqs 32 --impl reference,cpu     # before / after
+    python scripts/profile_step.py --seqs 1,8,32 --dense xla,cpu      # XLA's dot / C++ dense
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from jaxserve.kernels_pallas import AttentionMetadata, select_impl, write_kv
 from jaxserve.models import loading
 from jaxserve.models import paged as P
 from jaxserve.models.llama import lm_logits
+from jaxserve.models.packing import pack_params
 
 
 def decode_metadata(seqs: int, ctx: int, page_size: int) -> AttentionMetadata:
@@ -45,8 +47,11 @@ def decode_metadata(seqs: int, ctx: int, page_size: int) -> AttentionMetadata:
 
 
 def profile(model: loading.LoadedModel, seqs: int, ctx: int, impl: str,
-            page_size: int = 16, runs: int = 6, kv_dtype: str = "float32") -> dict:
+            page_size: int = 16, runs: int = 6, kv_dtype: str = "float32",
+            dense: str = "xla") -> dict:
     cfg, params = model.config, model.params
+    if dense == "cpu":
+        params = pack_params(params)
     md = decode_metadata(seqs, ctx, page_size)
     num_pages = 1 + seqs * (ctx // page_size + 1)
     tok = jnp.ones(seqs, jnp.int32)
@@ -76,7 +81,7 @@ def profile(model: loading.LoadedModel, seqs: int, ctx: int, impl: str,
                 "no_attn_ms": compiled(True, True)}
     # Round robin, best of `runs` (after one warm-up round): a burst of load on a shared host
     # then hits every variant alike instead of one.
-    out = {"seqs": seqs, "context": ctx, "impl": impl, "kv_dtype": kv_dtype,
+    out = {"seqs": seqs, "context": ctx, "impl": impl, "kv_dtype": kv_dtype, "dense": dense,
            **{k: float("inf") for k in variants}}
     for i in range(runs + 1):
         for name, step in variants.items():
@@ -117,6 +122,9 @@ def main() -> int:
                     help="comma-separated attention impls to profile (auto | reference | cpu)")
     ap.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16"],
                     help="dtype of the KV pages (the model runs in float32 either way)")
+    ap.add_argument("--dense", default="cpu",
+                    help="comma-separated dense impls: xla (XLA's dot) | cpu (packed weights, "
+                         "the C++ kernel: what the engine runs on CPU)")
     ap.add_argument("--runs", type=int, default=6,
                     help="timed runs per variant (the best counts; raise it on a busy host)")
     ap.add_argument("--json", default=None)
@@ -124,12 +132,14 @@ def main() -> int:
     model = loading.load_model(args.model, "float32")
     rows = []
     impls = [select_impl(name) for name in args.impl.split(",")]
-    for s, impl in ((int(x), i) for x in args.seqs.split(",") for i in impls):
-        r = profile(model, s, args.context, impl, runs=args.runs, kv_dtype=args.kv_dtype)
+    for s, impl, dense in ((int(x), i, d) for x in args.seqs.split(",") for i in impls
+                           for d in args.dense.split(",")):
+        r = profile(model, s, args.context, impl, runs=args.runs, kv_dtype=args.kv_dtype,
+                    dense=dense)
         r["gemm_gflops_at_m"] = gemm_gflops(s)
         rows.append(r)
         share = r["attention_and_kv_write_ms"] / r["full_ms"]
-        print(f"S={s:3d} ctx={args.context} {impl} KV {args.kv_dtype}: step "
+        print(f"S={s:3d} ctx={args.context} {impl} dense {dense} KV {args.kv_dtype}: step "
               f"{r['full_ms']:.1f} ms = attention + KV "
               f"write {r['attention_and_kv_write_ms']:.1f} ({100 * share:.0f}%; XLA scatter "
               f"{r['kv_write_ms']:.1f}) "

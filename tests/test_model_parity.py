@@ -1,7 +1,9 @@
 """Full-sequence logits of jaxserve's models vs HF transformers (torch, CPU, float32).
 
 Each architecture is built at random by transformers, saved as safetensors, loaded by
-jaxserve's HF loader, and run on a right-padded batch of several lengths.
+jaxserve's HF loader, and run on a right-padded batch of several lengths; with the weights as
+loaded (XLA's dot) and packed for the CPU dense kernel (models/packing.py), as the engine
+runs them on a CPU host.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ pytest.importorskip("transformers")
 import jax.numpy as jnp  # noqa: E402
 from hf_models import ARCHS, build_hf_model  # noqa: E402
 
+from jaxserve.kernels_pallas import cpu_build  # noqa: E402
 from jaxserve.models import hf_loader, llama  # noqa: E402
+from jaxserve.models.packing import pack_params  # noqa: E402
 
 LENGTHS = [13, 7, 1, 10]
 
@@ -29,11 +33,16 @@ def _batch(vocab: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return tokens, np.array(LENGTHS, np.int32)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["xla_dot", "packed"])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_logits_match_transformers(arch: str, tmp_path) -> None:
+def test_logits_match_transformers(arch: str, packed: bool, tmp_path) -> None:
+    if packed and cpu_build.dense_kernel_target() is None:
+        pytest.skip("the CPU kernels could not be built here (see the log)")
     hf_model = build_hf_model(arch, tmp_path)
     cfg = hf_loader.read_hf_config(tmp_path)
     params = hf_loader.params_from_hf(cfg, hf_loader.read_hf_tensors(tmp_path), jnp.float32)
+    if packed:
+        params = pack_params(params)
     tokens, lengths = _batch(cfg.vocab_size, seed=hash(arch) % 1000)
 
     ours = np.asarray(llama.forward_jit(params, jnp.asarray(tokens), jnp.asarray(lengths), cfg=cfg))

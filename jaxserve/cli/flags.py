@@ -15,7 +15,7 @@ import logging
 import re
 from typing import Any, Callable, Mapping, Sequence
 
-from jaxserve.config import DTYPES, DistributedConfig, EngineConfig
+from jaxserve.config import DENSE_IMPLS, DTYPES, DistributedConfig, EngineConfig
 from jaxserve.engine import sampling_params
 
 # The serve command raises this logger to INFO: the follower lines show like the lifecycle ones.
@@ -44,6 +44,9 @@ _ENGINE_HELP = {
                         "before reading this one's tokens); --no-async-scheduling: one at a "
                         "time",
     "attention_impl": "auto | reference | cpu | pallas_tpu | pallas_gpu",
+    "dense_impl": "dense projections: cpu packs the weights for jaxserve's C++ kernel, xla "
+                  "keeps XLA's dot; auto: cpu on a CPU host with float32 weights and no "
+                  "tensor parallelism",
     "token_buckets": "comma-separated step token buckets (default: 1, 2, 4, 8, multiples of 8 "
                      "to 64, then 4 per octave up to the token budget)",
     "seq_buckets": "comma-separated sequence buckets (default: one per token bucket)",
@@ -59,7 +62,7 @@ _ENGINE_HELP = {
     "compilation_cache_dir": "JAX persistent compilation cache directory (default: "
                              "$JAXSERVE_COMPILATION_CACHE_DIR or ~/.cache/jaxserve/xla)",
 }
-_CHOICES = {"dtype": DTYPES, "kv_cache_dtype": DTYPES}
+_CHOICES = {"dtype": DTYPES, "kv_cache_dtype": DTYPES, "dense_impl": DENSE_IMPLS}
 _UNITS = {"": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 

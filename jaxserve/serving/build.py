@@ -37,10 +37,12 @@ from jaxserve.engine.runner import Runner
 from jaxserve.engine.sizing import (EnginePlan, available_host_memory, free_device_memory,
                                     plan_engine)
 from jaxserve.kernels_pallas import padded_head_dim, select_impl
+from jaxserve.kernels_pallas.cpu_build import dense_kernel_target
 from jaxserve.models import placement
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import LlamaParams
 from jaxserve.models.loading import LoadedModel, detect_format, load_model, resolve_model_path
+from jaxserve.models.packing import can_pack, pack_params
 from jaxserve.models.paged import MODEL_AXIS
 from jaxserve.serving.async_engine import AsyncEngine
 from jaxserve.serving.async_replica_pool import AsyncReplicaPool, AsyncServing
@@ -156,12 +158,33 @@ def _place(config: EngineConfig, model: LoadedModel | None,
         mesh = placement.make_tp_mesh(tp, None if devices is None else list(devices))
     # A model not given loads straight into its shardings (each device reads only its own
     # slice of the checkpoint); place_params then hands those params back unchanged.
+    loaded_here = model is None
     model = model or load_model(config.model, config.dtype, mesh=mesh)
     if mesh is None:
-        return _Placed(model, model.config, model.params, None, jax.local_devices()[0])
+        params = _dense_params(config, model.params)
+        if loaded_here:  # nothing else holds the unpacked weights: let them go
+            model = dataclasses.replace(model, params=params)
+        return _Placed(model, model.config, params, None, jax.local_devices()[0])
     return _Placed(model, placement.tp_model_config(model.config, tp),
                    placement.place_params(model.params, model.config, mesh), mesh,
                    next(d for d in mesh.devices.flat if d.process_index == jax.process_index()))
+
+
+def _dense_params(config: EngineConfig, params: LlamaParams) -> LlamaParams:
+    """`params` packed for the C++ dense kernel where `config.dense_impl` picks it (auto: on a
+    CPU host with float32 weights), else as they are."""
+    if config.dense_impl == "xla":
+        return params
+    why = can_pack(params)
+    if why is None and jax.local_devices()[0].platform != "cpu":
+        why = f"the device is {jax.local_devices()[0].platform}, not cpu"
+    if why is None and dense_kernel_target() is None:
+        why = "the C++ kernels could not be built (logged above)"
+    if why is not None:
+        if config.dense_impl == "cpu":
+            log.warning("dense_impl=cpu: using XLA's dot instead, because %s", why)
+        return params
+    return pack_params(params)
 
 
 def _kv_budget(placed: list[_Placed]) -> int:
