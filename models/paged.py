@@ -3,9 +3,9 @@
 Data flow: token_ids i32[T] (prefill chunks and decode tokens of S sequences end to end) ->
 embed -> for each layer (`llama.scan_layers` over the stacked params, the whole KV array in
 the carry so XLA updates it in place): q/k/v + RoPE at each token's position ->
-`write_kv_and_attend`: the new K/V go into their slots, then ragged paged attention reads each sequence's pages
-through its block table (one custom call on CPU) -> ... -> final norm -> logits only at
-`logits_indices` (one row per sequence). `paged_hidden` stops before the final norm: the
+`write_kv_and_attend`: the new K/V go into their slots, then ragged paged attention reads each
+sequence's pages through its block table (one custom call on CPU) -> ... -> final norm ->
+logits only at `logits_indices` (one row per sequence). `paged_hidden` stops before the final norm: the
 runner keeps every token's hidden state for the prompt logprobs pass
 (`jaxserve.device.prompt_logprobs`).
 
