@@ -5,8 +5,8 @@ embed -> for each layer (`llama.scan_layers` over the stacked params, the whole 
 the carry so XLA updates it in place): q/k/v + RoPE at each token's position ->
 `write_kv_and_attend`: the new K/V go into their slots, then ragged paged attention reads each
 sequence's pages through its block table (one custom call on CPU) -> ... -> final norm ->
-logits only at `logits_indices` (one row per sequence). `paged_hidden` stops before the final norm: the
-runner keeps every token's hidden state for the prompt logprobs pass
+logits only at `logits_indices` (one row per sequence). `paged_hidden` stops before the final
+norm: the runner keeps every token's hidden state for the prompt logprobs pass
 (`jaxserve.device.prompt_logprobs`).
 
 KV layout: f[L * num_pages, 2 * Hkv, page_size, D_pages]: the `kernels_pallas` per-layer
