@@ -13,7 +13,8 @@ Modules: common (metadata, page layout ``[num_pages, 2*Hkv, page_size, D]`` with
 interleaved on axis 1, input checks, write_kv), tiling (ragged batch -> fixed-shape query
 tiles), reference (pure jnp; the oracle, and the CPU attention where no C++ compiler is
 found), cpu (C++ kernel through XLA's FFI; cpu_build compiles csrc/ on first use), tpu (Mosaic
-TPU kernel), gpu (Mosaic GPU kernel), selector (picks one from platform + config).
+TPU kernel), gpu (Mosaic GPU kernel), selector (picks one from platform + config). Beside the
+attention: dense_cpu, the models' projections on CPU over panel-packed weights (C++, FFI).
 This package imports nothing else from jaxserve.
 """
 
