@@ -78,10 +78,9 @@ class StructuredOutputs:
 
 @dataclasses.dataclass(frozen=True)
 class CompiledGrammar:
-    """A validated llguidance grammar (serialized), and the spec field it came from."""
+    """A validated llguidance grammar (serialized)."""
 
     text: str
-    field: str
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -120,7 +119,7 @@ class GrammarCompiler:
             text, self.ll_tokenizer)
         if is_error:
             raise InvalidRequest(f"{name} is not a usable grammar: {messages[0]}", field=name)
-        return CompiledGrammar(text, field)
+        return CompiledGrammar(text)
 
     def matcher(self, grammar: CompiledGrammar) -> "SequenceGrammar":
         return SequenceGrammar(llguidance.LLMatcher(self.ll_tokenizer, grammar.text,
