@@ -18,11 +18,13 @@ each Completion carries the request's PromptLogprobs, as `prompt_logprobs_of` re
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 import grpc
 
 from jaxserve.engine.sampling_params import FIELDS as SAMPLING_FIELDS
+from jaxserve.engine.sampling_params import SPECS as SAMPLING_SPECS
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.server import stubs
 
@@ -63,6 +65,19 @@ def prompt_logprobs_of(msg: Any) -> list[dict[int, float] | None]:
     return out
 
 
+def _fill_spec(msg: Any, fields: Mapping[str, Any]) -> None:
+    """Set a spec message's fields: a JSON value as its text, a list into the one repeated
+    field of its wrapper message."""
+    for name, value in fields.items():
+        if isinstance(value, (list, tuple)):
+            sub = getattr(msg, name)
+            getattr(sub, sub.DESCRIPTOR.fields[0].name).extend(value)
+        elif name == "json":  # a schema travels as its JSON text
+            setattr(msg, name, json.dumps(value))
+        else:
+            setattr(msg, name, value)
+
+
 def sampling_to_proto(params: SamplingParams) -> Any:
     """The proto form of `params` (every registry field under its own name): the server
     rebuilds an equal SamplingParams. None stays unset (max_tokens: up to max_model_len, as
@@ -74,6 +89,8 @@ def sampling_to_proto(params: SamplingParams) -> Any:
             continue
         if f.type is dict:  # stored as (key, value) pairs
             getattr(sp, f.name).update(dict(value))
+        elif f in SAMPLING_SPECS:  # a nested message of the spec's one set field
+            _fill_spec(getattr(sp, f.name), value.as_mapping())
         elif f.type is tuple:
             getattr(sp, f.name).extend(value)
         else:

@@ -6,9 +6,9 @@
 roles, template); the sampling fields through `openai_schema.sampling_params` (the
 registry), with chat's own names: `max_completion_tokens` (or the older `max_tokens`; unset:
 up to max_model_len), `logprobs` (a boolean) + `top_logprobs` (how many), vLLM's
-`prompt_logprobs` and `echo`. Fields this server
-does not implement (tools, response_format other than text) are refused by name
-rather than ignored.
+`prompt_logprobs` and `echo`; `response_format` and vLLM's structured-output fields through
+`openai_schema.structured`. Fields this server does not implement (tools) are refused by
+name rather than ignored.
 The response helpers build `chat.completion` choices, `chat.completion.chunk` deltas and
 chat-format logprobs (`{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`).
 """
@@ -70,8 +70,10 @@ def parse_chat(body: object) -> ChatRequest:
         raise schema.bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     wanted = (0 if top is None else top) if body.get("logprobs") else None
     budget, rename = _max_tokens(body)
-    names = {**rename, "logprobs": "top_logprobs"}  # chat's names of registry fields
-    params = schema.sampling_params(body, budget, names, logprobs=wanted)
+    spec, spec_names = schema.structured(body)
+    # chat's names of registry fields
+    names = {**rename, **spec_names, "logprobs": "top_logprobs"}
+    params = schema.sampling_params(body, budget, names, logprobs=wanted, **spec)
     return ChatRequest(prompt, params, bool(body.get("stream")), include_usage, continuous,
                        schema.priority_of(body), names, bool(body.get("echo")))
 

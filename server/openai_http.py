@@ -252,7 +252,8 @@ class OpenAIHttpFront:
         try:
             rid = f"cmpl-{uuid.uuid4().hex}"
             run = await openai_stream.start(engine, admit, rid, req.prompt, req.params,
-                                            req.priority, arrival, req.stream, streams.append)
+                                            req.priority, arrival, req.stream, streams.append,
+                                            req.rename)
             head = {"id": rid, "object": "text_completion", "created": int(time.time()),
                     "model": served.name}
             decode = openai_stream.decoder(admit)

@@ -22,6 +22,7 @@ from jaxserve.engine.outputs import CompletionOutput
 from jaxserve.engine.request import FinishReason
 from jaxserve.engine.sampling_params import FIELDS as SAMPLING_FIELDS
 from jaxserve.engine.sampling_params import SamplingField, SamplingParams
+from jaxserve.server.openai_structured import structured_outputs_of
 from jaxserve.serving import admission
 
 FINISH_REASONS = {FinishReason.EOS: "stop", FinishReason.STOP: "stop",
@@ -84,6 +85,9 @@ class CompletionRequest:
     # vLLM's prompt_logprobs as the client asked (`params.prompt_logprobs` is what the
     # engine computes: echo with logprobs raises it to cover the legacy object).
     prompt_logprobs: int | None = None
+    # The client's names of registry fields it gave under another name (response_format for
+    # structured_outputs), for the `param` of a refusal at admission.
+    rename: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _is_int(v: object) -> bool:
@@ -116,31 +120,11 @@ def parse_prompt(prompt: object) -> admission.PromptInput:
     raise bad_request("prompt must be a string or a list of token ids", "prompt")
 
 
-# vLLM's structured-output fields: not implemented yet, so refused by name rather than
-# ignored (a client that asked for JSON must not silently get free text).
-_STRUCTURED_OUTPUT = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                      "structural_tag", "structured_outputs")
-
-
-def refuse_structured_output(body: dict[str, Any]) -> None:
-    """400 naming the field for any structured-output request (`response_format` other than
-    text, vLLM's guided_* / structured_outputs extras)."""
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad_request("response_format is not supported (only {\"type\": \"text\"})",
-                          "response_format")
-    for name in _STRUCTURED_OUTPUT:
-        if body.get(name) is not None:
-            raise bad_request(f"{name} is not supported (no structured output yet)", name)
-
-
 def check_common(body: object, bools: tuple[str, ...] = ()) -> dict[str, Any]:
     """The wire-type checks every body gets: a JSON object, booleans (the registry's and
-    `bools`), `model` a string, `user` a string (`priority` is admission's: `priority_of`),
-    and no structured-output request (`refuse_structured_output`)."""
+    `bools`), `model` a string, `user` a string (`priority` is admission's: `priority_of`)."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    refuse_structured_output(body)
     for name in _BOOL_FIELDS + bools:
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise bad_request(f"{name}={body[name]!r} must be a boolean", name)
@@ -196,6 +180,16 @@ def sampling_params(body: dict[str, Any], max_tokens: int | None,
         raise bad_request(admission.InvalidRequest.of(e).message_as(wire), wire) from None
 
 
+def structured(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """A body's structured-output request (`openai_structured`) as `sampling_params` fields
+    ({} or {"structured_outputs": spec}) and the client's names of the spec's fields."""
+    try:
+        spec, names = structured_outputs_of(body)
+    except ValueError as e:
+        raise invalid(e) from None
+    return ({} if spec is None else {"structured_outputs": spec}), names
+
+
 def _echo_prompt_logprobs(body: dict[str, Any]) -> int | None:
     """The top-N the engine computes for each prompt token: vLLM's `prompt_logprobs`, and
     with `echo` and `logprobs` at least `logprobs` (the legacy object then covers the prompt
@@ -217,11 +211,12 @@ def parse_completion(body: object) -> CompletionRequest:
     stream = bool(body.get("stream"))
     include_usage, continuous = parse_stream_options(body)
     prompt = parse_prompt(body.get("prompt"))
-    params = sampling_params(body, body.get("max_tokens", DEFAULT_MAX_TOKENS),
-                             prompt_logprobs=_echo_prompt_logprobs(body))
+    spec, names = structured(body)
+    params = sampling_params(body, body.get("max_tokens", DEFAULT_MAX_TOKENS), names,
+                             prompt_logprobs=_echo_prompt_logprobs(body), **spec)
     return CompletionRequest(prompt, params, stream, include_usage, continuous,
                              priority_of(body), bool(body.get("echo")),
-                             body.get("prompt_logprobs"))
+                             body.get("prompt_logprobs"), names)
 
 
 def choice(c: CompletionOutput, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from jaxserve.engine.outputs import CompletionOutput, RequestOutput
 from jaxserve.engine.request import FinishReason, RequestMetrics
 from jaxserve.engine.sampling_params import BY_NAME as SAMPLING_BY_NAME
 from jaxserve.engine.sampling_params import FIELDS as SAMPLING_FIELDS
-from jaxserve.engine.sampling_params import SamplingField, SamplingParams
+from jaxserve.engine.sampling_params import SPECS, SamplingField, SamplingParams
 from jaxserve.server import stubs
 from jaxserve.serving.admission import InvalidRequest, PromptInput
 
@@ -57,6 +57,17 @@ def _is_repeated(d: Any) -> bool:
 _PROTO_FIELDS = _proto_fields()
 
 
+def _spec_fields(msg: Any) -> dict[str, Any]:
+    """A spec message's set fields (a repeated-field wrapper as its list)."""
+    out: dict[str, Any] = {}
+    for d, value in msg.ListFields():
+        inner = getattr(value, "DESCRIPTOR", None)
+        if inner is not None and len(inner.fields) == 1 and _is_repeated(inner.fields[0]):
+            value = list(getattr(value, inner.fields[0].name))
+        out[d.name] = value
+    return out
+
+
 def sampling_from_proto(sp: Any) -> SamplingParams:
     """SamplingParams from the proto message, one registry field at a time. Unset means the
     default (`_UNSET_DEFAULTS`, else SamplingParams'): a field with presence not set, a plain
@@ -74,6 +85,8 @@ def sampling_from_proto(sp: Any) -> SamplingParams:
             value = getattr(sp, f.name)
             if not presence and value == zero:
                 continue
+        if f in SPECS:  # a nested message: its set fields, as SamplingParams takes them
+            value = _spec_fields(value)
         kwargs[f.name] = value
     return SamplingParams(**kwargs)  # type: ignore[arg-type]
 

@@ -21,6 +21,7 @@ shrink to the case that did it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import http.client
 import json
 import os
@@ -116,6 +117,12 @@ json_values = st.recursive(scalars, lambda inner: st.one_of(
     max_leaves=12)
 
 
+SCHEMAS = st.sampled_from([{"type": "object"}, {"type": "integer", "minimum": 5},
+                           {"type": "nope"}, {"enum": []}, {"$ref": "#/nowhere"},
+                           {"type": "string", "pattern": "(("}, True, False])
+REGEXES = st.sampled_from(["[a-z]+", "((", "w[0-9]{1,3}", "a{99999}", "(?<=x)y", ""])
+
+
 def typed(kind: type, item: type | None) -> st.SearchStrategy[Any]:
     """Values of a sampling field's declared type (most cases), or anything at all."""
     if kind is tuple:
@@ -124,6 +131,15 @@ def typed(kind: type, item: type | None) -> st.SearchStrategy[Any]:
     if kind is dict:  # logit_bias: JSON objects with id-like or junk keys
         keys = st.one_of(ints.map(str), texts)
         return st.one_of(st.dictionaries(keys, st.one_of(floats, ints), max_size=6),
+                         json_values)
+    if dataclasses.is_dataclass(kind):  # structured_outputs: its fields, junk values too
+        fields = {"json": st.one_of(SCHEMAS, json_values), "regex": st.one_of(REGEXES, texts),
+                  "choice": st.one_of(st.lists(texts, max_size=3), json_values),
+                  "grammar": st.one_of(texts, st.just('start: "a" | "b"')),
+                  "json_object": st.one_of(st.booleans(), json_values)}
+        return st.one_of(st.dictionaries(st.sampled_from(sorted(fields)), json_values,
+                                         max_size=2),
+                         *[st.fixed_dictionaries({k: v}) for k, v in fields.items()],
                          json_values)
     own = {int: ints, float: st.one_of(floats, ints), bool: st.booleans()}[kind]
     return st.one_of(own, own, own, json_values)
@@ -140,6 +156,11 @@ FRONT_FIELDS = {
     "best_of": st.one_of(ints, json_values), "user": json_values,
     "logit_bias": st.one_of(st.dictionaries(st.text(max_size=4), floats, max_size=3),
                             json_values),
+    "response_format": st.one_of(
+        st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "xml"}]),
+        st.builds(lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}},
+                  st.one_of(SCHEMAS, json_values)), json_values),
+    "guided_regex": st.one_of(REGEXES, json_values), "guided_choice": json_values,
 }
 SAMPLING = {f.name: typed(f.type, getattr(f, "item", None)) for f in SAMPLING_FIELDS}
 _BODY_FIELDS = {**SAMPLING, **FRONT_FIELDS}

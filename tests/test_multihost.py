@@ -233,9 +233,10 @@ def test_leader_runner_sends_every_field_and_returns_the_runner_results() -> Non
 
     want = rollout(tiny_model(), [5, 6, 7, 8], 6)  # first: the guard counts every compile
     fields = [f.name for f in dataclasses.fields(StepBatch)]
-    # Each field travels in exactly one of the two broadcasts (a new StepBatch field must be
+    # Each field travels in exactly one of the broadcasts (a new StepBatch field must be
     # added to one of them, or the followers would run with its default).
-    sent = multihost._FORWARD + multihost._SAMPLING + multihost._PROMPT_LP  # noqa: SLF001
+    sent = (multihost._FORWARD + multihost._SAMPLING + multihost._PROMPT_LP  # noqa: SLF001
+            + multihost._MASK)  # noqa: SLF001
     assert sorted(sent) == sorted(fields) and len(set(sent)) == len(sent)
     # Two token buckets: what travels is the same for every bucket; warmup compiles 7
     # executables, not 26.

@@ -1,5 +1,5 @@
-"""echo, prompt_logprobs, suffix and best_of on the OpenAI HTTP front (and the structured-output
-fields it refuses by name).
+"""echo, prompt_logprobs, suffix and best_of on the OpenAI HTTP front (and the mapping of the
+structured-output fields).
 
 The shape helpers (`server.openai_choices`) and the body mapping (`openai_schema`) are tested
 on hand-built values; the rest goes through the official `openai` SDK (vLLM's extras in
@@ -92,21 +92,32 @@ def test_suffix_and_best_of() -> None:
         assert e.value.status == 400 and e.value.body["error"]["param"] == field
 
 
-@pytest.mark.parametrize("field,value", [
-    ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}),
-    ("guided_regex", "[a-z]+"), ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= x"),
-    ("structured_outputs", {"json": {}})])
-def test_structured_output_is_refused_by_name_not_ignored(field: str, value: object) -> None:
-    """On both endpoints: a client that asked for constrained output must not silently get
-    free text."""
+@pytest.mark.parametrize("field,value,want", [
+    ("response_format", {"type": "json_object"}, {"json_object": True}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+        "type": "array"}}}, {"json": {"type": "array"}}),
+    ("guided_json", {"type": "object"}, {"json": {"type": "object"}}),
+    ("guided_regex", "[a-z]+", {"regex": "[a-z]+"}),
+    ("guided_choice", ["a", "b"], {"choice": ["a", "b"]}),
+    ("guided_grammar", 'start: "x"', {"grammar": 'start: "x"'}),
+    ("structured_outputs", {"json": {}}, {"json": {}})])
+def test_structured_output_fields_map_to_one_spec(field: str, value: object, want: dict
+                                                   ) -> None:
+    """On both endpoints every structured-output source becomes the same StructuredOutputs
+    (a client that asked for constrained output never silently gets free text)."""
+    from jaxserve.engine.structured_outputs import StructuredOutputs
     from jaxserve.server.openai_chat_schema import parse_chat
 
     for parse, body in ((schema.parse_completion, {"prompt": "w5"}),
                         (parse_chat, {"messages": [{"role": "user", "content": "hi"}]})):
-        with pytest.raises(schema.ApiError) as e:
-            parse({**body, field: value})
-        assert e.value.status == 400 and e.value.body["error"]["param"] == field
-        parse({**body, "response_format": {"type": "text"}})  # plain text is fine
+        got = parse({**body, field: value}).params.structured_outputs
+        assert got == StructuredOutputs.from_mapping(want)
+        assert parse({**body, "response_format": {"type": "text"}}
+                     ).params.structured_outputs is None  # plain text
+        with pytest.raises(schema.ApiError) as e:  # two sources: refused, the second named
+            parse({**body, field: value, "structural_tag" if field == "guided_json" else
+                   "guided_json": {"type": "object"}})
+        assert e.value.status == 400
 
 
 # --------------------------------------------------------------------------- the SDK

@@ -238,8 +238,8 @@ def test_logit_bias_comes_before_penalties_and_filters_and_logprobs_stay_raw() -
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 @pytest.mark.parametrize("penalties", [False, True])
 def test_sampler_with_logit_bias_lowers_for_tpu_and_cuda(platform: str, penalties: bool) -> None:
-    """The serving sampler executable (model_runner's) at both bias widths a step can have,
-    lowered without a device: catches ops a backend cannot take, and shows that a step with no
+    """The serving sampler executable (model_runner's, with its grammar bitmask) at both bias
+    widths a step can have, lowered without a device: catches ops a backend cannot take, and shows that a step with no
     biased row (width 0) has no bias scatter in it at all."""
     from jaxserve.device.model_runner import _sample_jit  # noqa: PLC2701 - the shipped jit
     from jaxserve.engine.batch import bias_width
@@ -254,12 +254,14 @@ def test_sampler_with_logit_bias_lowers_for_tpu_and_cuda(platform: str, penaltie
         st = sampler.SamplingTensors(spec((S, len(DEVICE_FIELDS)), "float32"),
                                      spec((S, 2), "uint32"), spec((S, P), "int32"),
                                      spec((S, P), "bool"), spec((S, B), "int32"),
-                                     spec((S, B), "float32"))
+                                     spec((S, B), "float32"), spec((S, Vb // 32), "int32"),
+                                     spec((S,), "bool"))
         text = _sample_jit.trace(spec((S, Vb), "float32"), st, apply_penalty=penalties,
                                  feed_len=S).lower(lowering_platforms=(platform,)).as_text()
         return len(re.findall(r'"?stablehlo\.scatter"?\(', text))
 
     plain, biased = scatters(bias_width(False)), scatters(bias_width(True))
     assert bias_width(False) == 0 < bias_width(True)
-    assert biased == plain + 1  # exactly the bias scatter-add
+    # exactly the bias scatter-add, once in each of the grammar mask's two branches
+    assert biased == plain + 2
     assert (plain > 0) == penalties  # width 0: only the penalties' own scatters, if any

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -19,13 +20,16 @@ from jaxserve.engine.batch import BIAS_PAD_ID, BatchShape, StepBatch, build_batc
 from jaxserve.engine.request import Request
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from jaxserve.engine.structured_outputs import StructuredOutputs
 
 # A non-default value of every field; floats exact in float32 (the proto's float).
 VALUES = dict(n=3, temperature=0.75, top_p=0.5, top_k=7, min_p=0.125, seed=2**63 + 5,
               max_tokens=40, min_tokens=2, stop=("xy", "z"), stop_token_ids=(4, 9),
               ignore_eos=True, logprobs=3, repetition_penalty=1.25, presence_penalty=-0.5,
               frequency_penalty=0.25, prompt_logprobs=2, include_stop_str_in_output=True,
-              skip_special_tokens=False, logit_bias=((3, 0.5), (9, -100.0)))
+              skip_special_tokens=False, logit_bias=((3, 0.5), (9, -100.0)),
+              structured_outputs=StructuredOutputs(json={"type": "object", "properties": {
+                  "a": {"enum": ["x", 1]}}}))
 FULL = SamplingParams(**VALUES)
 
 
@@ -111,6 +115,7 @@ def test_http_body_round_trip() -> None:
 
     body = {k: list(v) if isinstance(v, tuple) else v for k, v in VALUES.items()}
     body["logit_bias"] = {str(t): b for t, b in VALUES["logit_bias"]}  # JSON keys are strings
+    body["structured_outputs"] = VALUES["structured_outputs"].as_mapping()  # a JSON object
     assert parse_completion({"prompt": "w5", **body}).params == FULL
     # Front defaults: max_tokens 16 when absent, null = up to max_model_len; top_k 0 = off.
     assert parse_completion({"prompt": "w5"}).params == SamplingParams()
@@ -144,6 +149,8 @@ def _argv(values: dict) -> list[str]:
         elif name == "logit_bias":
             for k, v in value:
                 argv += [flag, f"{k}={v}"]
+        elif isinstance(value, StructuredOutputs):
+            argv += [flag, json.dumps(value.as_mapping())]
         elif isinstance(value, tuple):
             for v in value:
                 argv += [flag, str(v)]
@@ -162,7 +169,9 @@ def test_cli_flags_round_trip() -> None:
     lines = argparse.ArgumentParser()
     flags.add_sampling_flags(lines, for_lines=True)
     assert flags.sampling_kwargs_from_args(lines.parse_args([])) == {}
-    assert flags.sampling_kwargs_from_args(lines.parse_args(_argv(VALUES))) == VALUES
+    got = flags.sampling_kwargs_from_args(lines.parse_args(_argv(VALUES)))
+    spec = StructuredOutputs.from_mapping(got["structured_outputs"])  # the flag's JSON object
+    assert {**got, "structured_outputs": spec} == VALUES
 
 
 def test_command_sampling_flags_keep_their_defaults() -> None:
@@ -252,7 +261,8 @@ def test_empty_batch_and_multihost_lists_are_derived() -> None:
     b = empty_batch(shape, 8, 4, False, prompt_lp=True)  # the prompt logprobs pass's shapes
     assert b.prompt_lp_indices.shape == b.prompt_lp_targets.shape == (8,)
     assert b.num_prompt_lp.tolist() == [0]
-    sent = multihost._FORWARD + multihost._SAMPLING + multihost._PROMPT_LP  # noqa: SLF001
+    sent = (multihost._FORWARD + multihost._SAMPLING + multihost._PROMPT_LP  # noqa: SLF001
+            + multihost._MASK)  # noqa: SLF001
     assert sorted(sent) == sorted(f.name for f in dataclasses.fields(StepBatch))
     assert len(set(sent)) == len(sent)
 
@@ -266,13 +276,15 @@ def test_sampler_reads_every_column_by_name_and_padding_is_greedy() -> None:
     knobs = np.arange(S * len(sp_mod.DEVICE_FIELDS), dtype=np.float32).reshape(S, -1)
     st = sampler.SamplingTensors(jnp.asarray(knobs), jnp.zeros((S, 2), jnp.uint32),
                                  jnp.zeros((S, 0), jnp.int32), jnp.zeros((S, 0), bool),
-                                 jnp.zeros((S, 0), jnp.int32), jnp.zeros((S, 0), jnp.float32))
+                                 jnp.zeros((S, 0), jnp.int32), jnp.zeros((S, 0), jnp.float32),
+                                 jnp.zeros((S, 1), jnp.int32), jnp.zeros((S,), bool))
     for name, col in sp_mod.DEVICE_COLUMN.items():
         np.testing.assert_array_equal(np.asarray(st.knob(name)), knobs[:, col])
     logits = np.random.default_rng(0).normal(size=(S, V)).astype(np.float32)
     pad = sampler.SamplingTensors(jnp.asarray(np.float32([sp_mod.PAD_ROW] * S)),
                                   jnp.zeros((S, 2), jnp.uint32), jnp.zeros((S, 0), jnp.int32),
                                   jnp.zeros((S, 0), bool),
-                                  *map(jnp.asarray, pad_bias(S, True)))
+                                  *map(jnp.asarray, pad_bias(S, True)),
+                                  jnp.zeros((S, 1), jnp.int32), jnp.zeros((S,), bool))
     out = sampler.sample(jnp.asarray(logits), pad, False)
     np.testing.assert_array_equal(np.asarray(out.tokens), logits.argmax(-1))

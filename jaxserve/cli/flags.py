@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import re
 from typing import Any, Callable, Mapping, Sequence
@@ -166,6 +167,9 @@ def add_sampling_flags(p: argparse.ArgumentParser, defaults: Mapping[str, Any] |
             g.add_argument(flag, dest=f.name, type=_pair(f.item), action="append",
                            default=None if default is None else list(default),
                            metavar="KEY=VALUE", help=f"{help_} (repeatable)")
+        elif f in sampling_params.SPECS:  # `--structured-outputs '{"regex": "[0-9]+"}'`
+            g.add_argument(flag, dest=f.name, type=_json_object, default=default,
+                           metavar="JSON", help=f"{help_} (a JSON object)")
         elif f.type is tuple:
             g.add_argument(flag, dest=f.name, type=f.item, action="append",
                            default=None if default is None else list(default),
@@ -173,6 +177,17 @@ def add_sampling_flags(p: argparse.ArgumentParser, defaults: Mapping[str, Any] |
         else:
             g.add_argument(flag, dest=f.name, type=f.type, default=default,
                            metavar=f.name.upper(), help=help_)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """argparse type of a spec field: a JSON object (SamplingParams checks its fields)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
 
 
 def _pair(value_type: type) -> Callable[[str], tuple[Any, Any]]:

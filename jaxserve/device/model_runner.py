@@ -39,7 +39,7 @@ from jaxserve.device.compile_guard import CompileGuard
 from jaxserve.device.prompt_logprobs import (PromptLogprobsInputs, PromptLogprobsOutput,
                                            prompt_logprobs)
 from jaxserve.device.sampler import SampleOutput, SamplingTensors, sample
-from jaxserve.engine.batch import BatchShape, StepBatch, pad_bias, pad_rows
+from jaxserve.engine.batch import BatchShape, StepBatch, bitmask_words, pad_bias, pad_rows
 from jaxserve.engine.runner import RunnerFailed, StepResult
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.kernels_pallas import AttentionMetadata
@@ -99,7 +99,8 @@ def to_step_inputs(b: StepBatch) -> StepTree:
                            kv_lens=b.kv_lens, cu_q_lens=b.cu_q_lens, num_seqs=b.num_seqs)
     st = SamplingTensors(knobs=b.sampling, rng_key=b.rng_key, history=b.history,
                          history_is_output=b.history_is_output, bias_ids=b.bias_ids,
-                         bias_values=b.bias_values)
+                         bias_values=b.bias_values, bitmask=b.bitmask,  # None: the runner's
+                         constrained=b.constrained)
     plp = None
     if len(b.prompt_lp_indices):
         plp = PromptLogprobsInputs(indices=b.prompt_lp_indices, targets=b.prompt_lp_targets,
@@ -126,7 +127,7 @@ def empty_batch(shape: BatchShape, num_tokens: int, num_seqs: int, penalties: bo
         logits_indices=np.zeros(S, i32), sampling=pad_rows(S),
         rng_key=np.zeros((S, 2), np.uint32), history=np.full((S, P), -1, i32),
         history_is_output=np.zeros((S, P), bool), bias_ids=bias_ids, bias_values=bias_values,
-        prompt_lp_indices=np.zeros(num_tokens if prompt_lp else 0, i32),
+        bitmask=None, constrained=np.zeros(S, bool), prompt_lp_indices=np.zeros(num_tokens if prompt_lp else 0, i32),
         prompt_lp_targets=np.zeros(num_tokens if prompt_lp else 0, i32),
         num_prompt_lp=np.zeros(1, i32))
 
@@ -190,6 +191,7 @@ class ModelRunner:
         self.feed_len = max(s for _, s in shape.buckets)
         self._feed = jax.device_put(np.zeros(self.feed_len, np.int32), self.inputs_sharding)
         self.guard = CompileGuard()
+        self._no_mask: dict[int, jax.Array] = {}  # seqs bucket -> i32[S, W] unused bitmask
 
     @property
     def compiles_after_warmup(self) -> int:
@@ -213,13 +215,26 @@ class ModelRunner:
         process has compiled (the compile guard counts the whole process's compiles)."""
         compile_buckets(self, self.compile_step, progress)
 
+    def _place(self, batch: StepBatch) -> StepTree:
+        """The batch's inputs on device; a batch without a grammar mask gets this bucket's
+        device-resident one (never sent: `constrained` is all False, so it is not read)."""
+        inputs, sampling, plp = place_inputs(to_step_inputs(batch), self.inputs_sharding)
+        if sampling.bitmask is None:
+            S = len(batch.kv_lens)
+            if S not in self._no_mask:
+                self._no_mask[S] = place_inputs(
+                    np.zeros((S, bitmask_words(self.shape.vocab_size)), np.int32),
+                    self.inputs_sharding)
+            sampling = sampling.replace(bitmask=self._no_mask[S])
+        return inputs, sampling, plp
+
     def compile_step(self, batch: StepBatch) -> None:
         """Compile (ahead of time, without running) the executables a step of `batch`'s
         shapes calls, exactly as `dispatch` will call them: the same arguments and shardings,
         so jit's cache then holds them and serving compiles nothing. Running an all-padding
         batch would compile the same, but costs a full forward per bucket at start-up (seconds
         each for the large token buckets on a CPU)."""
-        inputs, sampling, plp = place_inputs(to_step_inputs(batch), self.inputs_sharding)
+        inputs, sampling, plp = self._place(batch)
         fwd = _forward_jit.lower(self.params, self.kv_pages, inputs, self._feed,
                                  cfg=self.model_cfg, attn_impl=self.attn_impl, mesh=self.mesh)
         compiled = fwd.compile()
@@ -247,7 +262,7 @@ class ModelRunner:
         try:
             # Replicated on the mesh under tensor parallelism, the same at warmup and
             # serving, so the compiled step's input shardings never change (no recompile).
-            inputs, sampling, plp = place_inputs(to_step_inputs(batch), self.inputs_sharding)
+            inputs, sampling, plp = self._place(batch)
         except Exception as e:  # noqa: BLE001 - classified for the engine
             raise self._failed("placing the step's inputs on the device", e) from e
         try:

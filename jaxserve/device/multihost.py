@@ -6,12 +6,14 @@ join the devices. jaxserve keeps everything host-side on process 0 (scheduler, a
 detokenizer, gRPC / HTTP fronts) and makes the other processes mirror its device calls:
 
   process 0: Engine.step -> StepBatch -> LeaderRunner.dispatch:
-               broadcast header i32[6] = (STEP, T_b, S_b, P, B, L)  -- which bucket,
-                                                          sampler and prompt logprobs variant
+               broadcast header i32[7] = (STEP, T_b, S_b, P, B, L, M)  -- which bucket,
+                                                 sampler and prompt logprobs variant; M = 1:
+                                                 the step has a grammar bitmask
                broadcast the forward arrays of that bucket     -- token ids, block tables, ...
                broadcast the sampling arrays (S_b, P, B)      -- knob matrix, keys, history,
                                                                   logit bias
                broadcast the prompt logprobs arrays (L > 0 only)
+               broadcast the grammar bitmask i32[S_b, W] (M = 1 only)
                ModelRunner.dispatch(batch)                     -- the compiled step
              LeaderRunner.collect -> ModelRunner.collect (local: the followers' results
              are the same and stay with them)
@@ -52,7 +54,7 @@ from jax.experimental import multihost_utils
 
 from jaxserve.config import DistributedConfig
 from jaxserve.device.model_runner import ModelPending, ModelRunner, compile_buckets, empty_batch
-from jaxserve.engine.batch import StepBatch
+from jaxserve.engine.batch import StepBatch, bitmask_words
 from jaxserve.engine.runner import RunnerFailed, StepResult
 
 log = logging.getLogger(__name__)
@@ -64,8 +66,9 @@ STEP, ARM, STOP, KEEPALIVE = 1, 2, 3, 4
 _FORWARD = ("token_ids", "feed_rows", "positions", "slot_mapping", "block_tables", "kv_lens", "cu_q_lens",
             "num_seqs", "logits_indices")
 _PROMPT_LP = ("prompt_lp_indices", "prompt_lp_targets", "num_prompt_lp")
+_MASK = ("bitmask",)  # None (not sent) when no row of the step is constrained
 _SAMPLING = tuple(f.name for f in dataclasses.fields(StepBatch)
-                  if f.name not in _FORWARD + _PROMPT_LP)
+                  if f.name not in _FORWARD + _PROMPT_LP + _MASK)
 
 
 def initialize(cfg: DistributedConfig) -> None:
@@ -97,10 +100,11 @@ def _broadcast(arrays: list[np.ndarray], is_source: bool) -> list[np.ndarray]:
 
 
 def _header(op: int, batch: StepBatch | None, is_source: bool) -> np.ndarray:
-    h = np.zeros(6, np.int32)
+    h = np.zeros(7, np.int32)
     if batch is not None:
         h[:] = (op, len(batch.token_ids), len(batch.kv_lens), batch.history.shape[1],
-                batch.bias_ids.shape[1], len(batch.prompt_lp_indices))
+                batch.bias_ids.shape[1], len(batch.prompt_lp_indices),
+                batch.bitmask is not None)
     else:
         h[0] = op
     return _broadcast([h], is_source)[0]
@@ -112,10 +116,12 @@ def _send_batch(batch: StepBatch) -> None:
     _broadcast([getattr(batch, n) for n in _SAMPLING], True)
     if len(batch.prompt_lp_indices):
         _broadcast([getattr(batch, n) for n in _PROMPT_LP], True)
+    if batch.bitmask is not None:
+        _broadcast([batch.bitmask], True)
 
 
 def _receive_batch(runner: ModelRunner, num_tokens: int, num_seqs: int, history_len: int,
-                   bias_width: int, prompt_lp_len: int) -> StepBatch:
+                   bias_width: int, prompt_lp_len: int, masked: int) -> StepBatch:
     """The leader's batch of this bucket (an empty batch of the same shapes is the mold)."""
     mold = empty_batch(runner.shape, num_tokens, num_seqs, history_len > 0, bias_width > 0,
                        prompt_lp_len > 0)
@@ -129,6 +135,10 @@ def _receive_batch(runner: ModelRunner, num_tokens: int, num_seqs: int, history_
         _broadcast([getattr(mold, n) for n in _SAMPLING], False)
     if prompt_lp_len:
         got_arrays += _broadcast([getattr(mold, n) for n in _PROMPT_LP], False)
+    if masked:
+        fields += _MASK
+        got_arrays += _broadcast([np.zeros((num_seqs, bitmask_words(runner.shape.vocab_size)),
+                                           np.int32)], False)
     return dataclasses.replace(mold, **dict(zip(fields, got_arrays)))
 
 
@@ -242,9 +252,9 @@ def follow(runner: ModelRunner) -> FollowStats:
     """Mirror the leader's device calls until it says STOP."""
     stats = FollowStats()
     while True:
-        op, t, s, p, b, lp = (int(x) for x in _header(0, None, False))
+        op, t, s, p, b, lp, m = (int(x) for x in _header(0, None, False))
         if op == STEP:
-            runner.execute(_receive_batch(runner, t, s, p, b, lp))
+            runner.execute(_receive_batch(runner, t, s, p, b, lp, m))
             stats.steps += 1
         elif op == KEEPALIVE:
             stats.keepalives += 1

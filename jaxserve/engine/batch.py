@@ -24,6 +24,14 @@ vLLM's vocabulary, for the T_b padded tokens of the S_b padded sequences of one 
                                     `sampling_params.MAX_LOGIT_BIAS` whatever the entry counts,
                                     so a bias never recompiles: 8 * S_b * B bytes sent (600 KiB
                                     at S_b = 256) and an S_b x B scatter-add on such steps only.
+  bitmask                i32[S_b, W] or None  the allowed next tokens of each row under a grammar
+                                    (`grammar.SequenceGrammar.fill`: bit t % 32 of word t // 32
+                                    set = token t allowed; W = ceil(vocab / 32)); None when no
+                                    row is constrained: nothing is sent, the runner hands the
+                                    sampler a device-resident mask of that shape instead, and
+                                    `constrained` (all False) makes it skip the masking at run
+                                    time (one executable either way, no recompile)
+  constrained            bool[S_b]  the rows the bitmask applies to
   prompt_lp_indices, prompt_lp_targets  i32[L]  the tokens whose next-token logprob is a
                                     prompt logprob, and that next prompt token; num_prompt_lp
                                     i32[1] the count (`engine.prompt_logprobs.pack`). L = 0 when
@@ -42,6 +50,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from jaxserve.engine import prompt_logprobs
+from jaxserve.engine.request import Request
 from jaxserve.engine.sampling_params import MAX_LOGIT_BIAS, PAD_ROW
 from jaxserve.engine.scheduler import SchedulerOutput
 
@@ -139,6 +148,8 @@ class StepBatch:
     history_is_output: np.ndarray  # bool[S_b, P]
     bias_ids: np.ndarray  # i32[S_b, B] (B = 0 when no row has a logit_bias, else MAX_LOGIT_BIAS)
     bias_values: np.ndarray  # f32[S_b, B]
+    bitmask: np.ndarray | None  # i32[S_b, W] allowed tokens of constrained rows; None: no row
+    constrained: np.ndarray  # bool[S_b] rows under a grammar (the bitmask applies)
     prompt_lp_indices: np.ndarray  # i32[L] (L = 0 when no row wants prompt logprobs, else T_b)
     prompt_lp_targets: np.ndarray  # i32[L]
     num_prompt_lp: np.ndarray  # i32[1]
@@ -179,6 +190,7 @@ def build_batch(out: SchedulerOutput, shape: BatchShape,
     block_tables = np.zeros((S, shape.max_pages_per_seq), np.int32)
     penalised: list[int] = []
     biased: list[int] = []
+    grammars: list[tuple[int, Request]] = []  # rows that sample under a grammar
     scoring: list[int] = []  # rows whose request asked for prompt logprobs
     tok_append, pos_append, slot_append = tok.append, pos.append, slot.append
     for row, seq in enumerate(out.seqs):
@@ -216,6 +228,8 @@ def build_batch(out: SchedulerOutput, shape: BatchShape,
             penalised.append(row)
         if sp.logit_bias:
             biased.append(row)
+        if req.grammar is not None and seq.samples:
+            grammars.append((row, req))
         if sp.prompt_logprobs is not None:
             scoring.append(row)
     t = len(tok)
@@ -256,13 +270,42 @@ def build_batch(out: SchedulerOutput, shape: BatchShape,
         ids, values = out.seqs[row].request.logit_bias_arrays
         bias_ids[row, : len(ids)] = ids
         bias_values[row, : len(ids)] = values
+    bitmask, constrained = fill_bitmask(S, shape.vocab_size, grammars)
     scored = prompt_logprobs.spans(out, scoring, cu_q_lens) if scoring else []
     lp_indices, lp_targets, num_lp = prompt_logprobs.pack(out, scored, T if scored else 0)
     return StepBatch(token_ids, feed_rows, positions, slot_mapping, block_tables, kv_lens,
                      cu_q_lens, np.array([num], np.int32), logits_indices, sampling=sampling,
                      rng_key=rng_key, history=history, history_is_output=is_output,
-                     bias_ids=bias_ids, bias_values=bias_values, prompt_lp_indices=lp_indices,
+                     bias_ids=bias_ids, bias_values=bias_values, bitmask=bitmask,
+                     constrained=constrained, prompt_lp_indices=lp_indices,
                      prompt_lp_targets=lp_targets, num_prompt_lp=num_lp)
+
+
+def fill_bitmask(num_seqs: int, vocab_size: int, rows: Sequence[tuple[int, Request]]
+                 ) -> tuple[np.ndarray | None, np.ndarray]:
+    """(i32[S, W] or None, bool[S]): the allowed next tokens of each (row, sequence) under a
+    grammar; ValueError for a sequence whose grammar no token can continue (llguidance then
+    allows only EOS and reports an error; the engine fails that row alone with the reason,
+    see `Engine._build`)."""
+    constrained = np.zeros(num_seqs, bool)
+    if not rows:
+        return None, constrained
+    bitmask = np.zeros((num_seqs, bitmask_words(vocab_size)), np.int32)
+    for row, req in rows:
+        grammar = req.grammar
+        assert grammar is not None
+        grammar.fill(bitmask, row)
+        if grammar.error is not None or not bitmask[row].any():
+            raise ValueError(f"structured_outputs: no token of the vocabulary can continue the "
+                             f"grammar after {req.num_output_tokens} output tokens (llguidance: "
+                             f"{(grammar.error or 'no token allowed').splitlines()[0]})")
+        constrained[row] = True
+    return bitmask, constrained
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """W, the width of a packed token mask row: one bit per token, 32 tokens an int32 word."""
+    return -(-vocab_size // 32)
 
 
 _PAD_ROW = np.asarray(PAD_ROW, np.float32)  # f32[K]

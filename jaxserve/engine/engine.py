@@ -14,9 +14,9 @@ never idles while the host schedules, builds batches, detokenizes and streams. S
 decode rows feed on step N's sampled tokens on the device (`StepBatch.feed_rows`); what
 only a token's value can end (EOS, stop ids, stop strings) ends one step late and the extra
 token is discarded, so outputs are the same as without overlap (see `scheduler.py`). When
-the step in flight samples a row that uses penalties (the next batch needs its token history
-on the host), step N is applied before step N+1 is scheduled. Each `step()` returns the
-outputs of the step it applied.
+the step in flight samples a row that uses penalties or a grammar (the next batch needs that
+token on the host: history, token mask), step N is applied before step N+1 is scheduled.
+Each `step()` returns the outputs of the step it applied.
 
 The engine owns the requests' host-side extras (prompt text, detokenizers, n-sample groups);
 the scheduler owns their KV state; the runner owns everything on the device. Callers outside
@@ -57,10 +57,11 @@ from jaxserve.engine import prompt_logprobs
 from jaxserve.engine.batch import StepBatch, build_batch
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.errors import EngineDead
+from jaxserve.engine.grammar import grammar_compiler
 from jaxserve.engine.group import Group
 from jaxserve.engine.limits import (Admitted, EngineLimits, EngineStats, check_not_in_flight,
                                     check_priority, check_request_id)
-from jaxserve.engine.outputs import RequestOutput, RequestOutputKind, TokenLogprobs
+from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.request import FinishReason, Request
 from jaxserve.engine.runner import PendingStep, Runner, RunnerFailed, StepResult
 from jaxserve.engine.sampling_params import SamplingParams
@@ -85,9 +86,10 @@ class _Dispatched:
 
     @property
     def needs_host_tokens(self) -> bool:
-        """A row it samples uses penalties: the next batch needs that token's history."""
-        return any(s.samples and s.request.sampling_params.uses_penalties
-                   for s in self.out.seqs)
+        """A row it samples uses penalties or a grammar: the next batch needs that token on
+        the host (its history, or its grammar advanced to fill the next token mask)."""
+        return any(s.samples and (s.request.sampling_params.uses_penalties or
+                                  s.request.grammar is not None) for s in self.out.seqs)
 
 
 class Engine:
@@ -108,7 +110,8 @@ class Engine:
             max_model_len=sc.max_model_len, vocab_size=plan.batch_shape.vocab_size,
             page_size=sc.page_size, num_kv_pages=sc.num_pages - 1,
             max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
-            eos_token_ids=self.eos_token_ids, max_token_bytes=tokenizer.max_token_bytes)
+            eos_token_ids=self.eos_token_ids, max_token_bytes=tokenizer.max_token_bytes,
+            grammars=grammar_compiler(tokenizer, plan.batch_shape.vocab_size))
         self.num_steps = 0
         self.last_step_tokens = 0
         self._in_flight: _Dispatched | None = None  # dispatched, not yet applied
@@ -166,6 +169,9 @@ class Engine:
         seqs = [Request(request_id, list(ids), params, self.eos_token_ids, now,
                         priority=priority, sample_index=i, max_tokens=req.max_tokens,
                         seed=(base_seed + i) % (1 << 64)) for i in range(params.n)]
+        if req.grammar is not None:  # one matcher per sample, from the admitted grammar
+            for seq in seqs:
+                seq.grammar = self._limits.grammars.matcher(req.grammar)  # type: ignore
         backend = self.tokenizer.backend
         group = Group(request_id, req.prompt, ids, params, seqs,
                        [IncrementalDetokenizer(backend, params) for _ in seqs],
@@ -187,8 +193,7 @@ class Engine:
         return bool(self._groups) or self._in_flight is not None
 
     def close(self) -> None:
-        """Release the runner (multi-host: the other processes stop following)."""
-        self.runner.close()
+        self.runner.close()  # multi-host: the other processes stop following
 
     @property
     def num_requests(self) -> int:
@@ -371,18 +376,17 @@ class Engine:
     def _on_token(self, req: Request, group: Group, result: StepResult, row: int) -> None:
         if not req.output_token_ids:
             return  # a prefill-only request (max_tokens=0) finished without a token
-        k = req.sampling_params.logprobs
-        if k is not None:
-            entry: TokenLogprobs = {int(req.output_token_ids[-1]): float(result.logprob[row])}
-            for tid, lp in zip(result.top_ids[row][:k], result.top_logprobs[row][:k]):
-                entry.setdefault(int(tid), float(lp))
-            req.output_logprobs.append((float(result.logprob[row]), list(entry.items())))
+        if req.sampling_params.logprobs is not None:
+            req.record_logprobs(result.logprob[row], result.top_ids[row], result.top_logprobs[row])
         detok = group.detoks[req.sample_index]
         token = req.output_token_ids[-1]
         if req.is_finished and req.finish_reason in (FinishReason.EOS, FinishReason.STOP):
             return  # the stop token's own text is never shown
+        ended = req.grammar is not None and req.grammar.advance(token, req.num_output_tokens)
         if detok.add_token(token):
             self.scheduler.finish(req, FinishReason.STOP_STRING)
+        elif ended and not req.is_finished:  # the grammar's last token: its text is shown
+            self.scheduler.finish(req, FinishReason.STOP)
 
     def _error_output(self, g: Group, message: str) -> RequestOutput:
         """A final output for a request whose output could not be built: its unfinished

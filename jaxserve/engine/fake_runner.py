@@ -11,6 +11,9 @@ same arithmetic.
 ends (or after its dispatch, if later), `collect` waits until then, and `host_gaps` records
 how long the simulated device sat idle before each step (the host-gap benchmark's measure).
 
+A step's grammar bitmask is honoured (`allowed_tokens`): a constrained row whose arithmetic
+token is forbidden takes the next allowed one, so structured outputs run on it too.
+
 Fault injection (`fault_injection.InjectedFault`): a step whose new tokens include a marker
 token id raises `RunnerFailed`, fatal or not, naming the culprit rows or not, so tests can
 drive the engine's recovery paths. A fatal fault leaves the runner refusing every later step,
@@ -93,6 +96,8 @@ class ArithmeticRunner:
         last = np.maximum(batch.cu_q_lens[1:] - 1, 0)
         tokens = (token_ids[last].astype(np.int64) * 31 + batch.positions[last] * 7 + 1) \
             % self.vocab_size
+        if batch.bitmask is not None:
+            tokens = allowed_tokens(tokens, batch.bitmask, batch.constrained, self.vocab_size)
         self._prev_tokens = tokens.astype(np.int32)
         S = len(batch.kv_lens)
         self.steps += 1
@@ -106,6 +111,21 @@ class ArithmeticRunner:
             result.prompt_logprob, result.prompt_top_ids, result.prompt_top_logprobs = \
                 lp, ids, tops
         return result
+
+
+def allowed_tokens(tokens: np.ndarray, bitmask: np.ndarray, constrained: np.ndarray,
+                   vocab_size: int) -> np.ndarray:
+    """A grammar's say over the arithmetic tokens: a constrained row whose token its bitmask
+    (i32[S, W]) forbids takes the next allowed id after it, wrapping around (a row that
+    allows nothing keeps its token)."""
+    out = tokens.copy()
+    for row in np.flatnonzero(constrained):
+        bits = np.unpackbits(bitmask[row].view(np.uint8), bitorder="little")[:vocab_size]
+        allowed = np.flatnonzero(bits)
+        if len(allowed) and not bits[tokens[row]]:
+            after = allowed[allowed > tokens[row]]
+            out[row] = after[0] if len(after) else allowed[0]
+    return out
 
 
 def arithmetic_prompt_logprobs(fed: np.ndarray, targets: np.ndarray, vocab_size: int

@@ -22,11 +22,14 @@ bad input reads the same everywhere.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Container, Sequence
+from typing import TYPE_CHECKING, Callable, Container, Sequence
 
 from jaxserve.engine.errors import InvalidRequest
 from jaxserve.engine.sampling_params import (MAX_LOGPROBS, MAX_N, SamplingParams, check_text,
                                             show)
+
+if TYPE_CHECKING:  # the grammar library loads with the engine that owns a compiler
+    from jaxserve.engine.grammar import CompiledGrammar, GrammarCompiler
 
 MAX_REQUEST_ID_LEN = 256  # characters
 # The offline API is a trusted caller: any priority the scheduler's ordering can hold.
@@ -131,6 +134,10 @@ class EngineLimits:
     # UTF-8 bytes one token covers at most (`Tokenizer.max_token_bytes`); None: unknown, the
     # prompt byte bound falls back to FALLBACK_TOKEN_BYTES per token.
     max_token_bytes: int | None = None
+    # Compiles `structured_outputs` specs against the model's vocabulary (None: this engine's
+    # tokenizer has no vocabulary llguidance can read, and such requests are refused).
+    grammars: "GrammarCompiler | None" = dataclasses.field(default=None, compare=False,
+                                                           repr=False)
 
     @property
     def max_prompt_bytes(self) -> int:
@@ -188,7 +195,20 @@ class EngineLimits:
             text, ids = prompt, self.check_prompt_ids(encode(prompt), from_text=True)
         else:
             ids = self.check_prompt_ids(prompt)
-        return Admitted(text, tuple(ids), params, self.check_fits(len(ids), params.max_tokens))
+        max_tokens = self.check_fits(len(ids), params.max_tokens)
+        return Admitted(text, tuple(ids), params, max_tokens, self.compile_grammar(params))
+
+    def compile_grammar(self, params: SamplingParams) -> "CompiledGrammar | None":
+        """The request's grammar (None: no structured_outputs); InvalidRequest naming the
+        field when the spec does not compile against this model's vocabulary."""
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        if self.grammars is None:
+            raise InvalidRequest("structured_outputs needs a tokenizer whose vocabulary the "
+                                 "grammar library can read; this model's cannot be",
+                                 "structured_outputs")
+        return self.grammars.compile(spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +220,7 @@ class Admitted:
     token_ids: tuple[int, ...]
     params: SamplingParams
     max_tokens: int  # resolved
+    grammar: "CompiledGrammar | None" = None  # params.structured_outputs, compiled
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,10 +27,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the grammar library loads only where a compiler is built
+    from jaxserve.engine.grammar import SequenceGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -40,7 +44,7 @@ class RequestStatus(enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"  # a stop_token_id was generated
+    STOP = "stop"  # a stop_token_id was generated, or the output's grammar reached its end
     LENGTH = "length"  # max_tokens (or max_model_len) reached
     EOS = "eos"  # the model's end-of-sequence token
     STOP_STRING = "stop_string"  # a stop string appeared in the text
@@ -103,6 +107,9 @@ class Request:
     # chunks compute them (`engine.prompt_logprobs.unpack`); entry 0 stays None (no context).
     prompt_logprobs: list[dict[int, float] | None] | None = None
     metrics: RequestMetrics = dataclasses.field(default_factory=lambda: RequestMetrics(0.0))
+    # Its position in its structured_outputs grammar (None: unconstrained). It advances as
+    # tokens are applied and is kept across preemption (the output tokens are kept too).
+    grammar: "SequenceGrammar | None" = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -139,6 +146,16 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def record_logprobs(self, logprob: float, top_ids: np.ndarray, top_logprobs: np.ndarray
+                        ) -> None:
+        """The last output token's logprobs entry: its own logprob, then the top
+        `sampling_params.logprobs` (ids already listed keep their first value)."""
+        k = self.sampling_params.logprobs or 0
+        entry = {int(self.output_token_ids[-1]): float(logprob)}
+        for tid, lp in zip(top_ids[:k], top_logprobs[:k]):
+            entry.setdefault(int(tid), float(lp))
+        self.output_logprobs.append((float(logprob), list(entry.items())))
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

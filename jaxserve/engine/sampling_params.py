@@ -3,7 +3,8 @@
 Plain Python (no jax). This module is the one registry of sampling fields: each field is
 declared once below, with `knob(default, rule=..., help=..., device=...)`, and everything
 else is derived from that declaration:
-  - validation (`Rule`: the allowed values and the text error messages state them in);
+  - validation (`Rule`, in `sampling_rules`: the allowed values and the text error messages
+    state them in);
   - the gRPC mapping (`server/proto_map.sampling_from_proto`, `server/client.sampling_to_proto`:
     proto field names equal these names);
   - the HTTP body parsing (`server/openai_http.parse_completion`: type checks from the
@@ -12,221 +13,33 @@ else is derived from that declaration:
   - a mapping field (`logit_bias`, type `dict` in the registry) is stored as a sorted tuple of
     (key, value) pairs, so SamplingParams stays frozen and hashable; the sampler reads it as
     a sparse per-row bias (`jaxserve.engine.batch` packs it into i32/f32[S, MAX_LOGIT_BIAS]);
+  - a spec field (`structured_outputs`, a frozen dataclass type in the registry) is given as
+    that dataclass or as a mapping of its fields (a JSON object, a proto message's set fields);
+    it travels as one nested message / object and has no CLI flag;
   - for fields with `device=Column(pad=...)`: one column of the step's f32[S, K] sampling
     matrix (`DEVICE_FIELDS` gives the column order, `PAD_ROW` the padding / warmup row, which
     must sample greedily with every filter and penalty off), and so the multi-host broadcast.
 Every bad value raises ValueError naming the field and the allowed range, so the offline API
 raises it and the servers map it to INVALID_ARGUMENT / 400. Checks across fields
-(min_tokens <= max_tokens) are explicit code in `_validate`. The ranges here are the ones that
-hold whatever the model: every integer fits the type the engine stores it in (int32 token ids
-and counts, uint64 seeds) and every float a device column carries stays finite in float32, and
-in a range where the sampler's arithmetic stays finite (see `TEMPERATURE`); checks against
-the model (top_k and stop_token_ids within the vocabulary) are `EngineLimits.check_params`.
+(min_tokens <= max_tokens) are explicit code in `_validate`; checks against the model (top_k
+and stop_token_ids within the vocabulary, a grammar against the vocabulary) are
+`EngineLimits.check_params` and `EngineLimits.admit`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import re
 import typing
-from typing import Any, Callable
+from typing import Any, Mapping
 
 from jaxserve.engine.errors import InvalidRequest
-
-MAX_LOGPROBS = 20  # top-N logprobs computed per sampled token (the sampler's static width)
-MAX_N = 16
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_LEN = 256  # characters
-MAX_STOP_TOKEN_IDS = 64
-# logit_bias: OpenAI's limits (at most 300 entries, each bias in [-100, 100]). The entry limit
-# is also the static width of the step's sparse bias arrays (see `jaxserve.engine.batch`).
-MAX_LOGIT_BIAS = 300
-MAX_ABS_LOGIT_BIAS = 100.0
-INT32_MAX = 2**31 - 1  # token ids, top_k and token counts are int32 on the device and host
-# Sampler arithmetic in float32: logits are divided by the temperature and by the repetition
-# penalty (or multiplied by it), so both are kept where the result stays finite for any
-# realistic logit (|logit| < 1e6): no overflow to inf, no 0 * inf = NaN. vLLM treats
-# temperatures below 1e-5 as greedy; here they are refused rather than silently changed.
-MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-5, 100.0
-MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
-
-
-def show(value: object, limit: int = 40) -> str:
-    """`value` as an error message quotes it: repr, cut to `limit` characters (a client's
-    value may be a 4,000-digit integer or a long string)."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int past Python's int -> str digit limit
-        digits = int(value.bit_length() * math.log10(2))  # type: ignore[attr-defined]
-        return f"<an integer of about {digits} digits>"
-    return text if len(text) <= limit else f"{text[:limit - 5]}...{text[-2:]}"
-
-
-def check_text(field: str, text: str, where: str = "") -> int:
-    """`text` (field `field`, at `where` in it, e.g. "[2]") is valid Unicode: no lone UTF-16
-    surrogate, which has no UTF-8 form and which the tokenizer cannot take. Returns its UTF-8
-    size in bytes."""
-    try:
-        return len(text.encode("utf-8"))
-    except UnicodeEncodeError as e:
-        raise InvalidRequest(f"{field}{where} is not valid Unicode: character {e.start} is a "
-                             f"lone UTF-16 surrogate {e.object[e.start]!r}", field) from None
-
-
-# ----------------------------------------------------------------------------- declarations
-class Rule:
-    """The allowed values of one field. `text` states them as error messages do."""
-
-    text: str
-
-    def check(self, name: str, value: Any) -> None:
-        raise NotImplementedError
-
-
-@dataclasses.dataclass(frozen=True)
-class IntIn(Rule):
-    lo: int
-    hi: int
-
-    @property
-    def text(self) -> str:  # type: ignore[override]
-        return f"an integer in [{self.lo}, {self.hi}]"
-
-    def check(self, name: str, value: Any) -> None:
-        if not _is_int(value) or not self.lo <= value <= self.hi:
-            raise InvalidRequest(f"{name}={show(value)} must be {self.text}", name)
-
-
-@dataclasses.dataclass(frozen=True)
-class Finite(Rule):
-    """A finite number satisfying `ok`; a non-finite value gets its own message first."""
-
-    text: str  # e.g. "in (0, 1]"
-    ok: Callable[[float], bool]
-
-    def check(self, name: str, value: Any) -> None:
-        finite = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if finite:
-            try:
-                finite = math.isfinite(value)
-            except OverflowError:  # an int too large for a float (e.g. 10**400 from JSON)
-                finite = False
-        if not finite:
-            raise InvalidRequest(f"{name}={show(value)} must be a finite number {self.text}",
-                                 name)
-        if not self.ok(value):
-            raise InvalidRequest(f"{name}={value} must be {self.text}", name)
-
-
-@dataclasses.dataclass(frozen=True)
-class ZeroOrFinite(Finite):
-    """0 (the knob's off value), or a finite number satisfying `ok`."""
-
-    def check(self, name: str, value: Any) -> None:
-        if not (value == 0 and not isinstance(value, bool) and isinstance(value, (int, float))):
-            super().check(name, value)
-
-
-@dataclasses.dataclass(frozen=True)
-class TopK(Rule):
-    """-1 and 0 both mean "the whole vocabulary" (the sampler reads k <= 0 so, as vLLM does);
-    the upper bound here is int32, the vocabulary bound is `EngineLimits.check_params`."""
-
-    text: str = f"-1 or 0 (disabled) or an integer in [1, {INT32_MAX}]"
-
-    def check(self, name: str, value: Any) -> None:
-        if not _is_int(value) or not -1 <= value <= INT32_MAX:
-            raise InvalidRequest(f"{name}={show(value)} must be {self.text}", name)
-
-
-@dataclasses.dataclass(frozen=True)
-class StopStrings(Rule):
-    text: str = "a string or a list of strings"
-
-    def check(self, name: str, value: Any) -> None:
-        if len(value) > MAX_STOP_STRINGS:
-            raise InvalidRequest(f"{name} has {len(value)} strings; at most {MAX_STOP_STRINGS}",
-                                 name)
-        for i, s in enumerate(value):
-            if not isinstance(s, str) or not s:
-                raise InvalidRequest(f"{name}[{i}]={show(s)} must be a non-empty string", name)
-            check_text(name, s, f"[{i}]")
-            if len(s) > MAX_STOP_STRING_LEN:
-                raise InvalidRequest(
-                    f"{name}[{i}] is {len(s)} characters long; at most {MAX_STOP_STRING_LEN}",
-                    name)
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenIds(Rule):
-    text: str = "a list of token ids"
-
-    def check(self, name: str, value: Any) -> None:
-        if len(value) > MAX_STOP_TOKEN_IDS:
-            raise InvalidRequest(f"{name} has {len(value)} ids; at most {MAX_STOP_TOKEN_IDS}",
-                                 name)
-        for i, t in enumerate(value):
-            if not _is_int(t) or not 0 <= t <= INT32_MAX:
-                raise InvalidRequest(f"{name}[{i}]={show(t)} must be an integer in "
-                                     f"[0, {INT32_MAX}]", name)
-
-
-@dataclasses.dataclass(frozen=True)
-class LogitBias(Rule):
-    """token id -> bias added to that token's logit before any other processing (OpenAI's
-    `logit_bias`). Ids may be given as decimal strings (JSON object keys); the vocabulary
-    bound is `EngineLimits.check_params`."""
-
-    text: str = (f"a mapping of at most {MAX_LOGIT_BIAS} token ids (integers in "
-                 f"[0, {INT32_MAX}]) to biases in [-{MAX_ABS_LOGIT_BIAS:g}, "
-                 f"{MAX_ABS_LOGIT_BIAS:g}]")
-
-    def check(self, name: str, value: Any) -> None:
-        if not isinstance(value, tuple) or not all(
-                isinstance(p, tuple) and len(p) == 2 for p in value):
-            raise InvalidRequest(f"{name}={show(value)} must be {self.text}", name)
-        if len(value) > MAX_LOGIT_BIAS:
-            raise InvalidRequest(f"{name} has {len(value)} entries; at most {MAX_LOGIT_BIAS}",
-                                 name)
-        seen: set[int] = set()
-        for key, b in value:
-            if not _is_int(key) or not 0 <= key <= INT32_MAX:
-                raise InvalidRequest(f"{name} key {show(key)} must be a token id: an integer "
-                                     f"in [0, {INT32_MAX}]", name)
-            if key in seen:
-                raise InvalidRequest(f"{name} gives token id {key} more than once", name)
-            seen.add(key)
-            try:
-                _BIAS.check(f"{name}[{key}]", b)
-            except InvalidRequest as e:  # the field is the mapping, not its entry
-                raise InvalidRequest(str(e), name) from None
-
-
-_BIAS = Finite(f"in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]",
-               lambda v: -MAX_ABS_LOGIT_BIAS <= v <= MAX_ABS_LOGIT_BIAS)
-
-
-def token_key(key: Any) -> Any:
-    """A mapping key as a token id: an int, or a decimal string as JSON object keys are
-    (\"50256\"); anything else is returned unchanged for the rule to refuse."""
-    if isinstance(key, str) and re.fullmatch(r"-?[0-9]{1,100}", key):
-        return int(key)
-    return key
-
-
-def _pairs(value: Any) -> Any:
-    """A mapping field's value as a tuple of (key, value) pairs (a Mapping, or an iterable
-    of pairs); a value of another shape is returned as it is for the rule to refuse."""
-    if isinstance(value, typing.Mapping):
-        items: Any = value.items()
-    elif isinstance(value, (list, tuple)):
-        items = value
-    else:
-        return value
-    return tuple((token_key(p[0]), p[1]) if isinstance(p, (list, tuple)) and len(p) == 2
-                 else p for p in items)
+from jaxserve.engine.sampling_rules import (  # noqa: F401 - the limits, re-exported
+    INT32_MAX, MAX_ABS_LOGIT_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_REPETITION_PENALTY,
+    MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
+    MIN_REPETITION_PENALTY, MIN_TEMPERATURE, Finite, IntIn, LogitBias, Rule, Spec,
+    StopStrings, TokenIds, TopK, ZeroOrFinite, _is_int, _pairs, check_text, show, token_key)
+from jaxserve.engine.structured_outputs import StructuredOutputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,12 +134,22 @@ class SamplingParams:
     # reported logprobs stay those of the unbiased model distribution.
     logit_bias: tuple[tuple[int, float], ...] = knob(
         (), rule=LogitBias(), help="add VALUE to the logit of token id KEY before sampling")
+    # Grammar-constrained decoding (`jaxserve.engine.grammar`): compiled at admission, applied
+    # on the device as a token mask before every other transform (logit bias included). The
+    # reported logprobs stay those of the unconstrained model distribution, as with logit_bias.
+    structured_outputs: StructuredOutputs | None = knob(
+        None, rule=Spec(StructuredOutputs, "one of json / regex / choice / grammar / "
+                        "json_object"), help="what the output must match")
 
     def __post_init__(self) -> None:
         # Accept lists / a single string / a dict from callers; store tuples (frozen,
         # hashable); a mapping sorted by key once valid, so equal mappings compare equal.
         for f in _MAPPINGS:
             object.__setattr__(self, f.name, _pairs(getattr(self, f.name)))
+        for f in SPECS:  # a JSON object / proto message's fields -> the spec dataclass
+            value = getattr(self, f.name)
+            if isinstance(value, Mapping):
+                object.__setattr__(self, f.name, f.type.from_mapping(value))  # type: ignore
         for f in _SEQUENCES:
             value = getattr(self, f.name)
             if isinstance(value, str) and f.item is str:
@@ -364,9 +187,6 @@ class SamplingParams:
                    if f.device.penalty)  # type: ignore[union-attr]
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
 
 def _registry() -> tuple[SamplingField, ...]:
     hints = typing.get_type_hints(SamplingParams)
@@ -392,6 +212,7 @@ FIELDS: tuple[SamplingField, ...] = _registry()  # every field, in declaration o
 BY_NAME: dict[str, SamplingField] = {f.name: f for f in FIELDS}
 _SEQUENCES = tuple(f for f in FIELDS if f.type is tuple)
 _MAPPINGS = tuple(f for f in FIELDS if f.type is dict)
+SPECS = tuple(f for f in FIELDS if dataclasses.is_dataclass(f.type))  # nested specs
 DEVICE: tuple[SamplingField, ...] = tuple(f for f in FIELDS if f.device is not None)
 DEVICE_FIELDS: tuple[str, ...] = tuple(f.name for f in DEVICE)  # sampling matrix columns
 DEVICE_COLUMN: dict[str, int] = {name: i for i, name in enumerate(DEVICE_FIELDS)}

@@ -1,16 +1,17 @@
 """Grammar-constrained decoding, host side: specs compiled by llguidance, a matcher per sequence.
 
-Data flow (issue 17; this module is its host half, not yet wired into requests):
-  `StructuredOutputs` (vLLM's shape: exactly one of json / regex / choice / grammar /
-  json_object) -> `GrammarCompiler.compile` once per request, at admission: the spec becomes an
+Data flow:
+  `StructuredOutputs` (`structured_outputs.py`: exactly one of json / regex / choice / grammar
+  / json_object) -> `GrammarCompiler.compile` once per request, at admission: the spec becomes an
   llguidance grammar, validated against the model's vocabulary, and a bad one raises
   InvalidRequest naming the field (`structured_outputs.json`, ...) -> `GrammarCompiler.matcher`
-  once per sequence (n > 1: one each; a recomputed sequence replays its output tokens) -> each
+  once per sequence (n > 1: one each; kept across preemption, since a recomputed sequence
+  keeps its output tokens) -> each
   step: `SequenceGrammar.fill(bitmask, row)` writes the row's allowed tokens into the step's
   packed mask i32[S, ceil(vocab / 32)] (bit t % 32 of word t // 32: token t allowed), the
   sampler masks with it, then `accept(token)` advances the matcher. `finished` (the grammar
-  reached its end) finishes the sequence with STOP; a row with no allowed token
-  (`allows_nothing`) finishes it with an error rather than sampling from nothing.
+  reached its end) finishes the sequence with STOP; a row with no allowed token finishes it
+  with ERROR and the reason (`batch.fill_bitmask`) rather than sampling from nothing.
 
 llguidance builds its token trie from the model's `tokenizers` JSON (`Tokenizer.backend`), so
 HF and GGUF-loaded tokenizers work alike. EOS is allowed exactly where the grammar may end.
@@ -19,61 +20,29 @@ HF and GGUF-loaded tokenizers work alike. EOS is allowed exactly where the gramm
 from __future__ import annotations
 
 import dataclasses
-import json
-from typing import Any
+import logging
 
 import llguidance
 import llguidance.numpy
 import numpy as np
 
+from jaxserve.engine.batch import bitmask_words
 from jaxserve.engine.errors import InvalidRequest
+from jaxserve.engine.structured_outputs import StructuredOutputs
 from jaxserve.models.tokenizer import Tokenizer
 
-FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class StructuredOutputs:
-    """What a request's output must match: exactly one field set. `json` is a JSON schema (a
-    dict or its JSON text; stored as canonical text so the spec stays hashable)."""
-
-    json: Any = None
-    regex: str | None = None
-    choice: tuple[str, ...] | None = None
-    grammar: str | None = None  # Lark syntax, as llguidance reads it
-    json_object: bool = False  # any JSON object
-
-    def __post_init__(self) -> None:
-        given = [f for f in FIELDS if getattr(self, f) not in (None, False)]
-        if len(given) != 1:
-            raise InvalidRequest(f"structured_outputs: give exactly one of {', '.join(FIELDS)}; "
-                                 f"got {', '.join(given) or 'none'}", field="structured_outputs")
-        if self.json is not None:
-            try:
-                schema = json.loads(self.json) if isinstance(self.json, str) else self.json
-                text = json.dumps(schema, sort_keys=True)
-            except (TypeError, ValueError) as e:
-                raise InvalidRequest(f"structured_outputs.json is not JSON: {e}",
-                                     field="structured_outputs.json") from e
-            if not isinstance(schema, (dict, bool)):
-                raise InvalidRequest("structured_outputs.json must be a JSON schema object",
-                                     field="structured_outputs.json")
-            object.__setattr__(self, "json", text)
-        if self.choice is not None:
-            choice = tuple(self.choice) if isinstance(self.choice, (list, tuple)) else None
-            if not choice or not all(isinstance(c, str) and c for c in choice):
-                raise InvalidRequest("structured_outputs.choice must be a non-empty list of "
-                                     "non-empty strings", field="structured_outputs.choice")
-            object.__setattr__(self, "choice", choice)
-        for name in ("regex", "grammar"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise InvalidRequest(f"structured_outputs.{name} must be a non-empty string",
-                                     field=f"structured_outputs.{name}")
-
-    @property
-    def field(self) -> str:
-        return next(f for f in FIELDS if getattr(self, f) not in (None, False))
+def grammar_compiler(tokenizer: Tokenizer, vocab_size: int) -> "GrammarCompiler | None":
+    """The engine's compiler, or None (logged) when llguidance cannot read the tokenizer's
+    vocabulary: structured_outputs requests are then refused at admission, nothing else
+    changes."""
+    try:
+        return GrammarCompiler(tokenizer, vocab_size)
+    except Exception as e:  # noqa: BLE001 - any tokenizer llguidance cannot take
+        log.warning("structured outputs are off: llguidance cannot read this tokenizer: %r", e)
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,11 +50,6 @@ class CompiledGrammar:
     """A validated llguidance grammar (serialized)."""
 
     text: str
-
-
-def bitmask_words(vocab_size: int) -> int:
-    """Width of a packed mask row: one bit per token, 32 tokens an int32 word."""
-    return -(-vocab_size // 32)
 
 
 class GrammarCompiler:
@@ -113,10 +77,13 @@ class GrammarCompiler:
                 text = llguidance.grammar_from("choice", list(spec.choice))
             else:
                 text = llguidance.LLMatcher.grammar_from_lark(spec.grammar)
-        except ValueError as e:
+        except Exception as e:  # noqa: BLE001 - whatever the library refuses a spec with
             raise InvalidRequest(f"{name}: {e}", field=name) from e
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            text, self.ll_tokenizer)
+        try:
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+                text, self.ll_tokenizer)
+        except Exception as e:  # noqa: BLE001 - as above
+            is_error, messages = True, [str(e)]
         if is_error:
             raise InvalidRequest(f"{name} is not a usable grammar: {messages[0]}", field=name)
         return CompiledGrammar(text)
@@ -145,6 +112,15 @@ class SequenceGrammar:
         then in its error state: `error` says why)."""
         return bool(self._m.consume_token(int(token))) and not self._m.is_error()
 
+    def advance(self, token: int, num_output_tokens: int) -> bool:
+        """`accept`, raising ValueError with the reason when the token was not allowed (the
+        sampler masks with this grammar, so it means a bug or a corrupt step). Returns
+        whether the grammar has now ended."""
+        if not self.accept(token):
+            raise ValueError(f"structured_outputs: output token {num_output_tokens - 1} (id "
+                             f"{token}) is not allowed by the grammar: {self.error}")
+        return self.finished
+
     @property
     def finished(self) -> bool:
         """The grammar reached its end: nothing may follow (the sequence stops)."""
@@ -154,6 +130,3 @@ class SequenceGrammar:
     def error(self) -> str | None:
         return self._m.get_error() if self._m.is_error() else None
 
-    @staticmethod
-    def allows_nothing(bitmask: np.ndarray, row: int) -> bool:
-        return not bitmask[row].any()
