@@ -123,8 +123,8 @@ def error_message(error: ValueError, text_field: str = "prompt") -> str:
     field = error.field
     if field is None:
         return str(error)
-    wire = {"prompt": text_field, **_WIRE_NAMES}.get(field) or (
-        f"sampling.{field}" if field in SAMPLING_BY_NAME else field)
+    wire = {"prompt": text_field, **_WIRE_NAMES}.get(field) or (  # a spec's field: its own
+        f"sampling.{field}" if field.split(".")[0] in SAMPLING_BY_NAME else field)
     return error.message_as(wire)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+from jaxserve.models.tiny import CHAT_TEMPLATE
 from jaxserve.models.tokenizer import Tokenizer
 
 CORPUS = ['{"name": "Ada", "age": 36, "tags": ["x", "y"]}', "true false null 0123456789",
@@ -18,8 +19,9 @@ EOS = "<eos>"
 
 
 def train_bpe_tokenizer(directory: pathlib.Path, vocab_size: int = 400) -> Tokenizer:
-    """Train, save under `directory` (tokenizer.json + tokenizer_config.json naming EOS) and
-    load it the way a served model's tokenizer is loaded."""
+    """Train, save under `directory` (tokenizer.json + tokenizer_config.json naming EOS, with
+    the tiny models' plain chat template) and load it the way a served model's tokenizer is
+    loaded."""
     from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
 
     backend = Backend(models.BPE())
@@ -30,5 +32,6 @@ def train_bpe_tokenizer(directory: pathlib.Path, vocab_size: int = 400) -> Token
     backend.train_from_iterator(CORPUS, trainer)
     directory.mkdir(parents=True, exist_ok=True)
     backend.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": EOS, "chat_template": CHAT_TEMPLATE}))
     return Tokenizer.from_hf_dir(directory)

@@ -7,8 +7,9 @@ greedy tokens identical to TP 1; top-5 logprobs and top-3 prompt logprobs (the p
 pass over vocabulary-sharded LM heads) within 1e-5 relative (max|diff| / max|ref|
 per step, as the logits parity tests measure; a top-N id may differ only where two ranks tie
 within that tolerance); no compile after warmup;
-per-device parameter and KV bytes exactly the sharded share; and the gRPC server over a TP 4
-engine streams the TP 1 tokens.
+per-device parameter and KV bytes exactly the sharded share; seeded structured-output requests
+(the grammar mask over a vocabulary-sharded LM head) give TP 1's tokens; and the gRPC server
+over a TP 4 engine streams the TP 1 tokens.
 
 The default run checks one configuration, 8 KV heads at TP 2 against TP 1 (sharded attention,
 KV pages and vocabulary-sharded LM head; the sampler, prompt logprobs and the compile guard
@@ -51,6 +52,32 @@ def test_grpc_server_over_a_tp_engine(worker: dict) -> None:
     assert served["tp"] > 1
     base = _by(worker["offline"], served["kv_heads"], 1)["outputs"]
     assert served["tokens"] == {rid: o["tokens"] for rid, o in base.items()}
+
+
+@pytest.mark.parametrize("tp", [pytest.param(tp, marks=() if (8, tp) in DEFAULT_ROWS else
+                                              pytest.mark.slow(reason="the rest of the TP grid"))
+                                for tp in (2, 4, 8)])
+def test_structured_output_under_tp(rows: list[dict], tp: int) -> None:
+    """The grammar mask over a vocabulary-sharded LM head: the seeded constrained requests
+    give TP 1's tokens, and their texts satisfy their specs."""
+    import json
+    import re
+
+    from tp_worker import STRUCTURED
+
+    base, got = _by(rows, 8, 1)["structured"], _by(rows, 8, tp)["structured"]
+    assert len(base) == len(STRUCTURED)
+    assert {k: v["tokens"] for k, v in got.items()} == {k: v["tokens"] for k, v in base.items()}
+    for i, spec in enumerate(STRUCTURED):
+        out = got[f"s{i}"]
+        assert out["finish_reason"] == "stop", out
+        if spec.json is not None:
+            value = json.loads(out["text"])
+            assert set(value) == {"n", "ok"} and 0 <= value["n"] <= 99
+        elif spec.regex is not None:
+            assert re.fullmatch(spec.regex, out["text"]), out
+        else:
+            assert out["text"] in spec.choice, out
 
 
 def _by(rows: list[dict], kv_heads: int, tp: int) -> dict:

@@ -2,7 +2,7 @@
 at several tensor-parallel sizes, printed as one JSON document for tests/test_tensor_parallel.py.
 
 For each model (heads/KV heads) and TP size: greedy tokens, top-5 logprobs and top-3 prompt
-logprobs of 3 prompts,
+logprobs of 3 prompts, seeded structured-output requests (the 8-KV-head model),
 compiles after warmup, per-device and total bytes of the parameters and of the KV pages.
 
 By default one sharded configuration against its TP 1 (DEFAULT_ROWS, with FEW_TOKEN_BUCKETS)
@@ -12,19 +12,31 @@ default buckets) and the gRPC server over TP 4 with replicated KV heads.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
+import pathlib
 import sys
+import tempfile
 
 import jax
-from engine_fixtures import (  # noqa: E402 - run with tests/ on the path
-    FEW_TOKEN_BUCKETS, run_slow, tiny_engine, tiny_model)
+from bpe_tokenizer import train_bpe_tokenizer  # noqa: E402 - run with tests/ on the path
+from engine_fixtures import FEW_TOKEN_BUCKETS, run_slow, tiny_engine, tiny_model
 
 from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.structured_outputs import StructuredOutputs
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 70))]
 # kv_heads -> (heads, vocab): KV heads dividing every TP size, replicated ones (2), and a
 # vocabulary no TP size divides (211: replicated embeddings).
-MODELS = {8: (8, 256), 2: (8, 256), 4: (8, 211)}
+MODELS = {8: (8, 320), 2: (8, 256), 4: (8, 211)}
+# The 8-KV-head model speaks a byte-level BPE tokenizer (its 320 ids), so grammars can spell
+# JSON: its rows also run seeded structured-output requests (the grammar mask over a
+# vocabulary-sharded LM head), whose tokens TP must not change.
+STRUCTURED = (StructuredOutputs(json={"type": "object", "properties": {
+    "n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+    "required": ["n", "ok"], "additionalProperties": False}),
+    StructuredOutputs(regex=r"[a-z]{2,5}-[0-9]{1,3}"), StructuredOutputs(choice=("yes", "no")))
 TP_SIZES = (1, 2, 4, 8)
 # (kv_heads, tp) of the default run: KV pages, heads and the vocabulary-sharded LM head split
 # in two (sharded attention, the sampler and the prompt logprobs pass over shards), and its
@@ -64,19 +76,43 @@ def engine_options() -> dict:
     return {} if run_slow() else {"token_buckets": FEW_TOKEN_BUCKETS}
 
 
+@functools.lru_cache(maxsize=None)
 def model_of(kv_heads: int):  # noqa: ANN201 - LoadedModel
     heads, vocab = MODELS[kv_heads]
-    return tiny_model(num_heads=heads, num_kv_heads=kv_heads, head_dim=8, hidden_size=64,
-                      intermediate_size=128, vocab_size=vocab)
+    if kv_heads != 8:
+        return tiny_model(num_heads=heads, num_kv_heads=kv_heads, head_dim=8, hidden_size=64,
+                          intermediate_size=128, vocab_size=vocab)
+    tok = train_bpe_tokenizer(pathlib.Path(tempfile.mkdtemp(prefix="tp-bpe-")), vocab)
+    model = tiny_model(num_heads=heads, num_kv_heads=kv_heads, head_dim=8, hidden_size=64,
+                       intermediate_size=128, vocab_size=vocab,
+                       eos_token_ids=tok.eos_token_ids)
+    return dataclasses.replace(model, tokenizer=tok)
+
+
+def structured_outputs(engine) -> dict:  # noqa: ANN001
+    """{request id: tokens and text} of seeded temperature-1 requests under `STRUCTURED`."""
+    for i, spec in enumerate(STRUCTURED):
+        engine.add_request(f"s{i}", [5, 6, 7], SamplingParams(
+            temperature=1.0, seed=i, max_tokens=48, structured_outputs=spec))
+    outs: dict = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                c = o.outputs[0]
+                outs[o.request_id] = {"tokens": list(c.token_ids), "text": c.text,
+                                      "finish_reason": c.finish_reason.value}
+    return outs
 
 
 def run(kv_heads: int, tp: int) -> dict:
     heads = MODELS[kv_heads][0]
     eng = tiny_engine(model_of(kv_heads), tensor_parallel_size=tp, **engine_options())
     outs = greedy_outputs(eng, PROMPTS)
+    structured = structured_outputs(eng) if kv_heads == 8 else {}
     p_dev, p_all = shard_bytes(eng.runner.params)
     kv_dev, kv_all = shard_bytes(eng.runner.kv_pages)
     return {"heads": heads, "kv_heads": kv_heads, "tp": tp, "outputs": outs,
+            "structured": structured,
             "compiles_after_warmup": eng.runner.compiles_after_warmup,
             "param_bytes_device0": p_dev, "param_bytes_total": p_all,
             "kv_bytes_device0": kv_dev, "kv_bytes_total": kv_all,
