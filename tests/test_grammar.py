@@ -125,4 +125,18 @@ def test_exactly_one_field() -> None:
     with pytest.raises(InvalidRequest, match="got none"):
         StructuredOutputs()
     spec = StructuredOutputs(json={"b": 1, "a": {"type": "string"}})
-    assert spec.json == '{"a": {"type": "string"}, "b": 1}' and hash(spec)
+    assert spec.json == '{"b": 1, "a": {"type": "string"}}' and hash(spec)  # order kept
+
+
+def test_object_properties_come_in_the_schemas_order(compiler, tokenizer) -> None:
+    """The schema's key order is the order the output gives the properties in: storing the
+    schema with sorted keys would force "age" before "name" here."""
+    schema = {"type": "object", "properties": {"name": {"enum": ["Ada"]},
+                                               "age": {"enum": [36]}},
+              "required": ["name", "age"], "additionalProperties": False}
+    rng = np.random.default_rng(2)
+    for _ in range(5):
+        text = walk(compiler, tokenizer, StructuredOutputs(json=schema), rng)
+        assert list(json.loads(text)) == ["name", "age"], text
+    seq = compiler.matcher(compiler.compile(StructuredOutputs(json=json.dumps(schema))))
+    assert all(seq.accept(t) for t in tokenizer.encode('{"name": "Ada", "age": 36}'))

@@ -292,14 +292,15 @@ def fill_bitmask(num_seqs: int, vocab_size: int, rows: Sequence[tuple[int, Reque
         return None, constrained
     bitmask = np.zeros((num_seqs, bitmask_words(vocab_size)), np.int32)
     for row, req in rows:
-        grammar = req.grammar
-        assert grammar is not None
-        grammar.fill(bitmask, row)
-        if grammar.error is not None or not bitmask[row].any():
+        req.grammar.fill(bitmask, row)  # type: ignore[union-attr]
+        constrained[row] = True
+    empty = ~bitmask[constrained].any(axis=1)
+    for (row, req), none in zip(rows, empty):
+        error = req.grammar.error  # type: ignore[union-attr]
+        if error is not None or none:
             raise ValueError(f"structured_outputs: no token of the vocabulary can continue the "
                              f"grammar after {req.num_output_tokens} output tokens (llguidance: "
-                             f"{(grammar.error or 'no token allowed').splitlines()[0]})")
-        constrained[row] = True
+                             f"{(error or 'no token allowed').splitlines()[0]})")
     return bitmask, constrained
 
 

@@ -27,7 +27,7 @@ NAME = "structured_outputs"
 @dataclasses.dataclass(frozen=True)
 class StructuredOutputs:
     """Exactly one field set. `json` is a JSON schema (a dict, a bool or its JSON text; stored as
-    canonical text so the spec stays frozen and hashable); `grammar` is Lark syntax, as
+    JSON text, key order kept, so the spec stays frozen and hashable); `grammar` is Lark syntax, as
     llguidance reads it; `json_object` asks for any JSON object."""
 
     json: Any = None
@@ -96,7 +96,7 @@ def coerce(value: Any) -> Any:
 
 
 def _schema_text(schema: Any) -> str:
-    """A JSON schema given as an object, a bool or JSON text, as canonical JSON text."""
+    """A JSON schema given as an object, a bool or JSON text, as JSON text (keys in order)."""
     field = f"{NAME}.json"
     if isinstance(schema, str):
         _check_size("json", check_text(field, schema))
@@ -108,7 +108,8 @@ def _schema_text(schema: Any) -> str:
         raise InvalidRequest(f"{field} must be a JSON schema (an object or a boolean), got "
                              f"{type(schema).__name__}", field=field)
     try:
-        text = json.dumps(schema, sort_keys=True, allow_nan=False)
+        # Key order is kept: it is the order the grammar emits an object's properties in.
+        text = json.dumps(schema, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise InvalidRequest(f"{field} is not JSON: {e}", field=field) from e
     _check_size("json", check_text(field, text))
