@@ -22,7 +22,7 @@ import jsonschema
 import numpy as np
 import pytest
 from bpe_tokenizer import train_bpe_tokenizer
-from engine_fixtures import tiny_engine, tiny_model
+from engine_fixtures import tiny_engine, tiny_model, tiny_model_config
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.request import FinishReason
@@ -202,3 +202,43 @@ def test_bad_specs_are_refused_naming_the_field(llm: LLM, spec: dict, field: str
     ok = llm.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
     assert len(ok[0].outputs[0].token_ids) > 0  # the engine carries on
     assert llm.engine.stats().kv_pages_used == 0
+
+
+def test_a_grammar_no_token_can_continue_ends_with_the_reason(tmp_path: pathlib.Path) -> None:
+    """A vocabulary with no "Q" at all (a BPE trained without the byte alphabet) and a regex
+    of Qs: llguidance allows nothing but EOS and reports why; the request ends with ERROR and
+    that reason instead of sampling, its pages come back, and a neighbour is untouched."""
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.engine import Engine
+    from jaxserve.engine.fake_runner import ArithmeticRunner
+    from jaxserve.engine.sizing import plan_engine
+    from jaxserve.models.tiny import CHAT_TEMPLATE
+    from jaxserve.models.tokenizer import Tokenizer
+
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(["abc abd"] * 5, trainers.BpeTrainer(
+        vocab_size=30, special_tokens=["<eos>"]))
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<eos>", "chat_template": CHAT_TEMPLATE}))
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, page_size=4,
+                          max_model_len=64, attention_impl="reference")
+    plan = plan_engine(config, tiny_model_config(vocab_size=tok.vocab_size,
+                                                 eos_token_ids=tok.eos_token_ids), 4, 1 << 30)
+    engine = Engine(config, plan, ArithmeticRunner(tok.vocab_size), tok, tok.eos_token_ids)
+    engine.add_request("q", "abc", SamplingParams(max_tokens=8, structured_outputs={
+        "regex": "Q+"}))
+    engine.add_request("ok", "abc", SamplingParams(max_tokens=4, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    q = done["q"].outputs[0]
+    assert q.finish_reason is FinishReason.ERROR and q.token_ids == []
+    assert "no token of the vocabulary can continue the grammar" in q.error
+    assert len(done["ok"].outputs[0].token_ids) == 4
+    assert engine.stats().kv_pages_used == 0

@@ -5,7 +5,9 @@ Data flow: StepBatch (numpy, from `batch.py`) -> one `jax.device_put` of the who
 KV pages donated so XLA updates them in place; fed tokens taken from the previous step's
 sampled tokens, still on device) -> logits f32[S, V] stay on device -> `sample_step` (jitted
 once per seqs bucket, penalties on/off and logit bias width 0 / on; also the sampled tokens
-padded to `max_num_seqs`, the next step's feed) -> `dispatch` returns with all of it queued
+padded to `max_num_seqs`, the next step's feed; a step without a grammar bitmask gets a
+device-resident one of its bucket, never sent, so masked and unmasked steps share one
+executable) -> `dispatch` returns with all of it queued
 -> `collect`: one `jax.device_get` of the sampled ids and logprobs -> StepResult (numpy).
 On a step that scores prompt tokens, `prompt_logprobs` (jitted once per token bucket) also runs on the
 forward's hidden states and its rows come back with the same `device_get`. Nothing else in
