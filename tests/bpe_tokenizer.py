@@ -17,9 +17,10 @@ CORPUS = ['{"name": "Ada", "age": 36, "tags": ["x", "y"]}', "true false null 012
 EOS = "<eos>"
 
 
-def train_bpe_tokenizer(directory: pathlib.Path, vocab_size: int = 400) -> Tokenizer:
-    """Train, save under `directory` (tokenizer.json + tokenizer_config.json naming EOS) and
-    load it the way a served model's tokenizer is loaded."""
+def train_bpe_tokenizer(directory: pathlib.Path, vocab_size: int = 400,
+                        chat_template: str | None = None) -> Tokenizer:
+    """Train, save under `directory` (tokenizer.json + tokenizer_config.json naming EOS and
+    the chat template, if any) and load it the way a served model's tokenizer is loaded."""
     from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
 
     backend = Backend(models.BPE())
@@ -30,5 +31,8 @@ def train_bpe_tokenizer(directory: pathlib.Path, vocab_size: int = 400) -> Token
     backend.train_from_iterator(CORPUS, trainer)
     directory.mkdir(parents=True, exist_ok=True)
     backend.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
+    config = {"eos_token": EOS}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return Tokenizer.from_hf_dir(directory)
