@@ -15,11 +15,13 @@ underscore attributes and mutation of the values it gets; nothing else from the 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 from typing import Mapping, Sequence
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.utils
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -182,3 +184,14 @@ def render_chat_template(template: str, messages: object, add_generation_prompt:
     """Compile `template` and render `messages` once (use `ChatTemplate` to reuse the compile)."""
     return ChatTemplate(template).render(messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=bos_token, eos_token=eos_token, **extra)
+
+
+@functools.lru_cache(maxsize=32)
+def template_variables(source: str) -> frozenset[str]:
+    """The variables `source` reads from its context (jinja's static analysis: nothing runs),
+    e.g. whether a template renders `tools`; empty when it does not compile."""
+    env = ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
+    except jinja2.TemplateSyntaxError:
+        return frozenset()
