@@ -1,5 +1,5 @@
 """Tool calling without a model: the output parsers (hermes, llama3_json, the forced shapes),
-the request checks and the grammar of a forced call.
+the request checks, the grammar of a forced call and the wire deltas.
 
 Oracles: hand-written expected content and calls for each text; the same text fed whole and
 in pieces of every small size (a stream's deltas must add up to the whole message); jsonschema
@@ -22,6 +22,7 @@ from bpe_tokenizer import train_bpe_tokenizer
 from jaxserve.engine.errors import InvalidRequest
 from jaxserve.engine.grammar import GrammarCompiler
 from jaxserve.engine.structured_outputs import StructuredOutputs
+from jaxserve.server.openai_tools import delta, message
 from jaxserve.serving import tools
 from jaxserve.serving.tool_parsers import (CallDelta, HermesParser, Llama3JsonParser,
                                            NamedParser, RequiredParser, ToolParser, assemble)
@@ -146,6 +147,31 @@ def test_required_streams_arguments_before_the_call_ends() -> None:
     assert p.feed('ty": "Oslo"}}]') + p.finish() == [CallDelta(0, 'ty": "Oslo"}')]
 
 
+def test_wire_message_and_deltas() -> None:
+    events = [" Hi", CallDelta(0, "", "call_a", "f"), CallDelta(0, '{"x"'),
+              CallDelta(0, ": 1}"), CallDelta(1, "{}", "call_b", "g")]
+    assert delta(events) == {"content": " Hi", "tool_calls": [
+        {"index": 0, "id": "call_a", "type": "function",
+         "function": {"name": "f", "arguments": '{"x": 1}'}},
+        {"index": 1, "id": "call_b", "type": "function",
+         "function": {"name": "g", "arguments": "{}"}}]}
+    assert delta([CallDelta(1, "]")]) == {"tool_calls": [{"index": 1,
+                                                          "function": {"arguments": "]"}}]}
+    assert delta([]) == {}
+    msg = message(HermesParser(new_id=lambda: "call_z"),
+                  '<tool_call>{"name": "f", "arguments": {}}</tool_call>')
+    assert msg == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_z", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    assert message(HermesParser(), "just text")["content"] == "just text"
+    assert "tool_calls" not in message(HermesParser(), "just text")
+    assert isinstance(tools.parser(tools.check_tools([TIME]), "hermes"), HermesParser)
+    assert isinstance(tools.parser(tools.check_tools([TIME]), "llama3_json"), Llama3JsonParser)
+    assert isinstance(tools.parser(tools.check_tools([TIME], "required"), "hermes"),
+                      RequiredParser)
+    assert tools.parser(tools.check_tools([TIME], "none"), "hermes") is None
+    assert tools.parser(None, "hermes") is None
+
+
 # ----------------------------------------------------------------------------- requests
 BAD = [
     (dict(tools={"type": "function"}), "tools"),
@@ -261,3 +287,13 @@ def test_schemas_are_checked_by_the_grammar_compiler(compiler: GrammarCompiler) 
         spec, _ = tools.guide(tools.check_tools([WEATHER, TIME], choice))
         compiler.compile(StructuredOutputs(json=spec["json"]))
     assert json.loads(json.dumps(spec))  # plain JSON, as the wire carries it
+
+
+def test_forced_call_refuses_another_structured_output() -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        with pytest.raises(InvalidRequest) as e:
+            tools.guide(tools.check_tools([WEATHER], choice), "response_format")
+        assert e.value.field == "response_format"
+        assert str(e.value).startswith("response_format cannot be combined")
+    assert tools.guide(tools.check_tools([WEATHER], "auto"), "response_format") == (None, {})

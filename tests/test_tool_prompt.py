@@ -18,9 +18,11 @@ import pytest
 from bpe_tokenizer import train_bpe_tokenizer
 
 from jaxserve.engine.errors import InvalidRequest
+from jaxserve.engine.limits import EngineLimits
 from jaxserve.models.tokenizer import Tokenizer
+from jaxserve.server.config import ServerConfig
 from jaxserve.serving import tool_prompt, tools
-from jaxserve.serving.admission import render_chat
+from jaxserve.serving.admission import Admission, render_chat
 
 QWEN_LIKE = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}"
@@ -211,3 +213,28 @@ def test_bad_tool_turns_are_refused(tok: Tokenizer) -> None:
     with pytest.raises(InvalidRequest) as e:
         text_of(tok, FOLLOW_UP, QWEN_LIKE, tools=TOOLS, chat_template_kwargs={"tools": []})
     assert e.value.field == "chat_template_kwargs"
+
+
+def test_tool_call_parser_flag_reaches_the_admission(tok: Tokenizer) -> None:
+    from jaxserve.cli.main import build_parser
+    from jaxserve.cli.serve import server_config_from_args
+
+    def config(*argv: str) -> ServerConfig:
+        return server_config_from_args(build_parser().parse_args(["serve", *argv]))
+
+    assert config().tool_call_parser == "auto"
+    assert config("--tool-call-parser", "llama3_json").tool_call_parser == "llama3_json"
+    with pytest.raises(SystemExit):
+        config("--tool-call-parser", "mistral")
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ServerConfig(tool_call_parser="mistral")
+    limits = EngineLimits(max_model_len=64, vocab_size=tok.vocab_size, page_size=8,
+                          num_kv_pages=16, max_num_seqs=4, max_num_batched_tokens=64,
+                          eos_token_ids=(0,))
+    llama = Tokenizer(tok.backend, eos_token=tok.eos_token, chat_template=LLAMA31_LIKE)
+    for template_tok, flag, want in ((tok, "auto", "hermes"), (llama, "auto", "llama3_json"),
+                                     (llama, "hermes", "hermes"),
+                                     (tok, "llama3_json", "llama3_json")):
+        admit = Admission(limits, template_tok, tool_call_parser=flag)
+        admit.close()
+        assert admit.tool_format == want, (flag, want)

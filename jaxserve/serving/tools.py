@@ -163,11 +163,18 @@ def check_schemas(tools: Sequence[Mapping[str, Any]],
             raise InvalidRequest(e.message_as(field), field) from None
 
 
-def guide(request: ToolRequest | None) -> tuple[dict[str, Any] | None, dict[str, str]]:
+def guide(request: ToolRequest | None, structured: str | None = None
+          ) -> tuple[dict[str, Any] | None, dict[str, str]]:
     """The grammar of a forced call as a StructuredOutputs mapping (None: free text) and the
-    client's names of its fields, for a refusal's `param`."""
+    client's names of its fields, for a refusal's `param`. `structured`: the client's name
+    of a structured output the request also asks for, which a forced call cannot honour
+    (InvalidRequest naming it); under auto the two combine (the output is parsed as usual)."""
     if request is None or request.choice in ("none", "auto"):
         return None, {}
+    if structured is not None:
+        choice = "required" if request.choice == "required" else "naming a function"
+        raise InvalidRequest(f"{structured} cannot be combined with tool_choice {choice}: a "
+                             "forced tool call shapes the output itself", structured)
     if request.choice == "function":
         i = request.names.index(request.function)  # type: ignore[arg-type]
         return {"json": {**COMPACT, **request.parameters(i)}}, {
