@@ -11,14 +11,18 @@ from the code under test:
     structured output under auto), so the text is known; a free run's content equals the
     text of the same seeded request under tool_choice "none";
   - a follow-up conversation's prompt is the offline `render_chat` of the same messages;
-  - bad tools: the 400's `param`, and the server still answers afterwards.
+  - bad tools: the 400's `param`, and the server still answers afterwards;
+  - the README's tool-calling example runs as written and prints a call of its tool.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import pathlib
+import re
 import tempfile
 
 import jsonschema
@@ -258,3 +262,14 @@ def test_llama3_json_server() -> None:
         assert not got.choices[0].message.tool_calls
         assert got.choices[0].message.content == hermes.replace("\\", "")
 
+
+def test_readme_tool_calling_example_runs(server: BackgroundServer) -> None:
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("### Tool calling\n", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "from openai import OpenAI" not in code  # it continues the SDK example
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "README.md:tool-calling", "exec"), {"client": client(server)})  # noqa: S102
+    first = printed.getvalue().splitlines()[0]
+    assert first.startswith("get_weather {'city': ")
