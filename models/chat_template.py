@@ -7,6 +7,8 @@ HF transformers renders templates (trim_blocks, lstrip_blocks, loopcontrols, its
 `tokenizer.apply_chat_template(..., tokenize=False)` -> `render(messages, ...)` validates the messages
 and copies them (and every extra variable) into plain JSON-like python values, so the template
 can reach no caller object's methods -> the prompt string, which the tokenizer then encodes.
+`template_variables(source)` lists the variables a template reads (jinja's static analysis,
+nothing runs): whether it renders `tools`, for instance.
 
 The template is untrusted text from the checkpoint: it runs only inside the sandbox, which denies
 underscore attributes and mutation of the values it gets; nothing else from the checkpoint runs.

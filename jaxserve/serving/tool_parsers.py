@@ -25,6 +25,7 @@ without calls it is the text exactly. `parallel=False` keeps the first call only
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 import re
@@ -96,8 +97,9 @@ def _call_of(obj: Any, keys: tuple[str, ...]) -> tuple[str, str] | None:
     return obj["name"], json.dumps(args, ensure_ascii=False)
 
 
-class ToolParser:
-    """Feed a sample's text in pieces, then `finish`; each returns the events it completed."""
+class ToolParser(abc.ABC):
+    """Feed a sample's text in pieces, then `finish`; each returns the events it completed.
+    `calls`: how many calls it has started (a response made calls when > 0)."""
 
     def __init__(self, parallel: bool = True, new_id: Callable[[], str] = new_call_id):
         self.parallel = parallel
@@ -105,11 +107,13 @@ class ToolParser:
         self._new_id = new_id
         self._held_ws = ""  # trailing whitespace of the content, not sent yet
 
+    @abc.abstractmethod
     def feed(self, text: str) -> list[Event]:
-        raise NotImplementedError
+        """The events the text so far completes (a piece may complete none)."""
 
+    @abc.abstractmethod
     def finish(self) -> list[Event]:
-        raise NotImplementedError
+        """The events of the text still held, the output having ended."""
 
     def _content(self, text: str) -> list[Event]:
         """Content text, its trailing whitespace held until more text follows."""
