@@ -4,7 +4,8 @@ the request checks, the grammar of a forced call and the wire deltas.
 Oracles: hand-written expected content and calls for each text; the same text fed whole and
 in pieces of every small size (a stream's deltas must add up to the whole message); jsonschema
 for the forced call's schema (instances written by hand, valid and not); the engine's own
-grammar compiler (llguidance) for the schema checks.
+grammar compiler (llguidance) for the schema checks. Fuzz (hypothesis, derandomized): texts
+built from the markers, fed in random pieces, and random JSON in every tool field.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from typing import Callable
 import jsonschema
 import pytest
 from bpe_tokenizer import train_bpe_tokenizer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxserve.engine.errors import InvalidRequest
 from jaxserve.engine.grammar import GrammarCompiler
 from jaxserve.engine.structured_outputs import StructuredOutputs
 from jaxserve.server.openai_tools import delta, message
-from jaxserve.serving import tools
+from jaxserve.serving import tool_prompt, tools
 from jaxserve.serving.tool_parsers import (CallDelta, HermesParser, Llama3JsonParser,
                                            NamedParser, RequiredParser, ToolParser, assemble)
 
@@ -297,3 +300,110 @@ def test_forced_call_refuses_another_structured_output() -> None:
         assert e.value.field == "response_format"
         assert str(e.value).startswith("response_format cannot be combined")
     assert tools.guide(tools.check_tools([WEATHER], "auto"), "response_format") == (None, {})
+
+
+# ----------------------------------------------------------------------------- fuzz
+# Texts made of the pieces the parsers look for, in any order: a parser never raises, and
+# the text fed in any pieces reads as the text fed whole.
+_PIECES = st.sampled_from(["<tool_call>", "</tool_call>", "<tool_", "<|python_tag|>",
+                           '{"name": "f", "arguments": {"a": 1}}',
+                           '{"name": "g", "parameters": {}}', '{"name": "f", "parameters":',
+                           '{"a": "}"}', "{", "}", "[", "]", ";", ",", '"', "\\", " ", "\n",
+                           "x", "é"])
+_PARSERS = [HermesParser, Llama3JsonParser, RequiredParser,
+            lambda **kw: NamedParser("f", **kw)]
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(st.lists(_PIECES, max_size=12), st.lists(st.integers(1, 40), max_size=8),
+       st.sampled_from(range(len(_PARSERS))))
+def test_parsers_never_raise_and_read_pieces_alike(pieces: list[str], cuts: list[int],
+                                                   which: int) -> None:
+    text = "".join(pieces)
+    counter = itertools.count()
+    p = _PARSERS[which](new_id=lambda: f"call_{next(counter)}")
+    events, at = [], 0
+    for n in cuts:
+        events += p.feed(text[at:at + n])
+        at += n
+    events += p.feed(text[at:]) + p.finish()
+    content, calls = assemble(events)
+    pairs = [(c["name"], c["arguments"]) for c in calls]
+    assert (content, pairs) == parse(_PARSERS[which], text)
+    if not calls:  # no call: the text is the content, exactly
+        assert content == text
+    if isinstance(p, NamedParser):
+        assert pairs == [("f", text)]
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+                     lambda inner: st.lists(inner, max_size=3) |
+                     st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=8)
+_NAMES = st.sampled_from(["f", "g", "bad name", ""]) | st.text(max_size=3)
+_TOOL = st.fixed_dictionaries({"type": st.sampled_from(["function", "x"]) | _JSON,
+                               "function": st.fixed_dictionaries(
+                                   {"name": _NAMES | _JSON},
+                                   optional={"parameters": st.just({"type": "object"}) | _JSON,
+                                             "description": _JSON})}) | _JSON
+
+
+@settings(max_examples=120, derandomize=True, deadline=None)
+@given(st.lists(_TOOL, max_size=3) | _JSON,
+       st.sampled_from(["auto", "none", "required", {"type": "function",
+                                                     "function": {"name": "f"}}]) | _JSON,
+       st.booleans() | _JSON, _JSON)
+def test_any_tools_are_accepted_or_refused_by_name(tools_: object, choice: object,
+                                                   parallel: object, args: object) -> None:
+    """Any JSON in the tool fields (and in an assistant call's arguments): a ToolRequest or
+    an InvalidRequest naming a field, never another error."""
+    try:
+        req = tools.check_tools(tools_, choice, parallel)
+    except InvalidRequest as e:
+        assert e.field and str(e).startswith(e.field.split("[")[0])
+        return
+    tools.guide(req)
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": args}}
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": "", "tool_calls": [call]}]
+    for fmt in ("hermes", "llama3_json"):
+        try:
+            tool_prompt.prepare(msgs, req.tools if req else None, None, fmt)
+        except InvalidRequest as e:
+            assert e.field == "messages"
+
+
+_ARGS = st.dictionaries(st.text(max_size=4), _JSON, max_size=3)
+_CALLS = st.lists(st.tuples(st.sampled_from(["f", "get_time"]), _ARGS), min_size=1, max_size=3)
+_SPACING = st.sampled_from([(None, None), (None, (",", ":")), (1, None), (2, (", ", ": "))])
+
+
+@settings(max_examples=60, derandomize=True, deadline=None)
+@given(_CALLS, _SPACING, st.lists(st.integers(1, 9), max_size=12), st.booleans())
+def test_written_calls_read_back(calls: list, spacing: tuple, cuts: list[int],
+                                 prose: bool) -> None:
+    """Calls written the way each format writes them (json.dumps with any spacing), fed in
+    random pieces, read back as the same names and arguments."""
+    indent, seps = spacing
+
+    def dumps(value: object) -> str:
+        return json.dumps(value, indent=indent, separators=seps, ensure_ascii=False)
+
+    texts = {
+        RequiredParser: dumps([{"name": n, "parameters": a} for n, a in calls]),
+        HermesParser: "".join(("Let me see. " if prose else "") + "<tool_call>\n"
+                              + dumps({"name": n, "arguments": a}) + "\n</tool_call>\n"
+                              for n, a in calls),
+        Llama3JsonParser: "; ".join(dumps({"name": n, "parameters": a}) for n, a in calls),
+    }
+    for make, text in texts.items():
+        p = make()
+        events, at = [], 0
+        for n in cuts:
+            events += p.feed(text[at:at + n])
+            at += n
+        content, got = assemble(events + p.feed(text[at:]) + p.finish())
+        assert [(c["name"], json.loads(c["arguments"])) for c in got] == calls, make
+        if prose and make is HermesParser:  # the text around the calls, stripped at the end
+            assert content == ("Let me see. " + "\nLet me see. " * (len(calls) - 1)).rstrip()
+        else:
+            assert content is None, (make, content)
