@@ -24,6 +24,7 @@ import json
 import pathlib
 import re
 import tempfile
+import urllib.request
 
 import jsonschema
 import pytest
@@ -212,6 +213,13 @@ def test_follow_up_with_tool_results(server: BackgroundServer) -> None:
     want = render_chat(messages, tok, tools=tool_checks.check_tools(TOOLS).tools)
     assert got.usage.prompt_tokens == len(want)
     assert "<tool_response>\n18 C\n</tool_response>" in tok.decode(want)
+    # vLLM's /tokenize renders the same prompt when given the tools.
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{server.server.http_port}/tokenize",
+        json.dumps({"messages": messages, "tools": TOOLS}).encode(),
+        {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        assert json.loads(resp.read())["tokens"] == want
 
 
 BAD = [
