@@ -4,9 +4,10 @@ Data flow: template source (from GGUF metadata `tokenizer.chat_template` or toke
 -> `ChatTemplate` compiles it once in jinja2's `ImmutableSandboxedEnvironment`, configured the way
 HF transformers renders templates (trim_blocks, lstrip_blocks, loopcontrols, its `tojson`,
 `raise_exception`, `strftime_now`), so a prompt renders byte-identically to
-`tokenizer.apply_chat_template(..., tokenize=False)` -> `render(messages, ...)` validates the messages
-and copies them (and every extra variable) into plain JSON-like python values, so the template
-can reach no caller object's methods -> the prompt string, which the tokenizer then encodes.
+`tokenizer.apply_chat_template(..., tokenize=False)` -> `render(messages, ...)` validates the
+messages and copies them (and every extra variable) into plain JSON-like python values, so the
+template can reach no caller object's methods -> the prompt string, which the tokenizer then
+encodes.
 `template_variables(source)` lists the variables a template reads (jinja's static analysis,
 nothing runs): whether it renders `tools`, for instance.
 
@@ -81,7 +82,8 @@ class _Namespace(jinja2.utils.Namespace):
     @staticmethod
     def _check(name: object) -> None:
         if isinstance(name, str) and name.startswith("_"):
-            raise ChatTemplateSecurityError(f"chat template may not set namespace attribute {name!r}")
+            raise ChatTemplateSecurityError(
+                f"chat template may not set namespace attribute {name!r}")
 
 
 def _plain(value: object, where: str) -> object:

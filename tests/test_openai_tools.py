@@ -278,6 +278,7 @@ def test_readme_tool_calling_example_runs(server: BackgroundServer) -> None:
     assert "from openai import OpenAI" not in code  # it continues the SDK example
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(compile(code, "README.md:tool-calling", "exec"), {"client": client(server)})  # noqa: S102
+        live = compile(code, "README.md:tool-calling", "exec")
+        exec(live, {"client": client(server)})  # noqa: S102 - the README's own code
     first = printed.getvalue().splitlines()[0]
     assert first.startswith("get_weather {'city': ")
