@@ -4,9 +4,12 @@ Data flow: template source (from GGUF metadata `tokenizer.chat_template` or toke
 -> `ChatTemplate` compiles it once in jinja2's `ImmutableSandboxedEnvironment`, configured the way
 HF transformers renders templates (trim_blocks, lstrip_blocks, loopcontrols, its `tojson`,
 `raise_exception`, `strftime_now`), so a prompt renders byte-identically to
-`tokenizer.apply_chat_template(..., tokenize=False)` -> `render(messages, ...)` validates the messages
-and copies them (and every extra variable) into plain JSON-like python values, so the template
-can reach no caller object's methods -> the prompt string, which the tokenizer then encodes.
+`tokenizer.apply_chat_template(..., tokenize=False)` -> `render(messages, ...)` validates the
+messages and copies them (and every extra variable) into plain JSON-like python values, so the
+template can reach no caller object's methods -> the prompt string, which the tokenizer then
+encodes.
+`template_variables(source)` lists the variables a template reads (jinja's static analysis,
+nothing runs): whether it renders `tools`, for instance.
 
 The template is untrusted text from the checkpoint: it runs only inside the sandbox, which denies
 underscore attributes and mutation of the values it gets; nothing else from the checkpoint runs.
@@ -15,11 +18,13 @@ underscore attributes and mutation of the values it gets; nothing else from the 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 from typing import Mapping, Sequence
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.utils
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -77,7 +82,8 @@ class _Namespace(jinja2.utils.Namespace):
     @staticmethod
     def _check(name: object) -> None:
         if isinstance(name, str) and name.startswith("_"):
-            raise ChatTemplateSecurityError(f"chat template may not set namespace attribute {name!r}")
+            raise ChatTemplateSecurityError(
+                f"chat template may not set namespace attribute {name!r}")
 
 
 def _plain(value: object, where: str) -> object:
@@ -182,3 +188,14 @@ def render_chat_template(template: str, messages: object, add_generation_prompt:
     """Compile `template` and render `messages` once (use `ChatTemplate` to reuse the compile)."""
     return ChatTemplate(template).render(messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=bos_token, eos_token=eos_token, **extra)
+
+
+@functools.lru_cache(maxsize=32)
+def template_variables(source: str) -> frozenset[str]:
+    """The variables `source` reads from its context (jinja's static analysis: nothing runs),
+    e.g. whether a template renders `tools`; empty when it does not compile."""
+    env = ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
+    except jinja2.TemplateSyntaxError:
+        return frozenset()

@@ -16,6 +16,7 @@ import pathlib
 
 from jaxserve.engine.limits import DEFAULT_CLIENT_PRIORITY_RANGE
 from jaxserve.serving.request_stream import DEFAULT_MAX_STREAM_BUFFER_TOKENS
+from jaxserve.serving.tool_prompt import PARSER_CHOICES
 
 DEFAULT_PORT = 50051  # gRPC
 DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible front, where vLLM listens
@@ -70,6 +71,9 @@ class ServerConfig:
     # RESOURCE_EXHAUSTED / an error event naming this knob; outputs that arrive while the
     # client is not reading are coalesced up to it. None: no bound (coalescing only).
     max_stream_buffer_tokens: int | None = DEFAULT_MAX_STREAM_BUFFER_TOKENS
+    # How the model writes tool calls (vLLM's --tool-call-parser): "hermes" (<tool_call>
+    # tags), "llama3_json" (a bare JSON object), or "auto": the format its chat template shows.
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port", "http_port"):
@@ -112,6 +116,9 @@ class ServerConfig:
             if not MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S:  # also refuses NaN
                 raise ValueError(f"{name}={value} must be in [{MIN_TIMEOUT_S}, "
                                  f"{MAX_TIMEOUT_S:g}] seconds")
+        if self.tool_call_parser not in PARSER_CHOICES:
+            raise ValueError(f"tool_call_parser={self.tool_call_parser!r} must be one of "
+                             f"{', '.join(PARSER_CHOICES)}")
         if self.max_stream_buffer_tokens is not None and self.max_stream_buffer_tokens < 1:
             raise ValueError(f"max_stream_buffer_tokens={self.max_stream_buffer_tokens} must "
                              "be >= 1 (or None: unbounded)")

@@ -12,6 +12,9 @@ parts, roles, the chat template, every request check; then the engine: 429 / 503
                 (and with `continuous_usage_stats` usage in every chunk); `data: [DONE]`;
   stream=false: one FINAL_ONLY output -> a `chat.completion` object, usage with
                 `prompt_tokens_details.cached_tokens` (the prefix cache's share of the prompt).
+With tools (tool_choice other than none), each sample's text goes through its tool-call
+parser (`openai_tools`): the message's `content` and `tool_calls`, in a stream `delta.content`
+and `delta.tool_calls` pieces, `finish_reason` "tool_calls" once a call was made.
 vLLM's extras: `prompt_logprobs` comes back as the response's top-level `prompt_logprobs`
 (in a stream: on the first chunk once the prefill is done); `echo` prepends the last
 message's content when that message is an assistant's (`openai_choices.echo_of_chat`).
@@ -30,9 +33,10 @@ from aiohttp import web
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.server import openai_chat_schema as chat_schema
 from jaxserve.server import openai_schema as schema
-from jaxserve.server import openai_stream
+from jaxserve.server import openai_stream, openai_tools
 from jaxserve.server.http_body import read_json
 from jaxserve.server.openai_choices import echo_of_chat, vllm_prompt_logprobs
+from jaxserve.serving import tools
 from jaxserve.serving.async_engine import RequestStream
 
 if TYPE_CHECKING:
@@ -59,10 +63,20 @@ async def chat_completions(front: "OpenAIHttpFront", request: web.Request
         # Admitted: the messages are valid by now.
         echo = echo_of_chat(req.prompt.chat or ()) if req.echo else ""
         if req.stream:
-            return await _stream(front, request, req, head, run, decode, echo)
+            calls = openai_tools.ToolStream(req.tools, admit.tool_format) \
+                if req.tools is not None and tools.parses(req.tools) else None
+            return await _stream(front, request, req, head, run, decode, echo, calls)
         got = await openai_stream.collect(rid, run.outputs)
-        choices = [chat_schema.choice(c, None if top is None else chat_schema.logprobs_json(
-            c.logprobs or [], top, decode), echo + c.text) for c in got.outputs]
+        choices = []
+        for c in got.outputs:
+            lps = None if top is None else chat_schema.logprobs_json(c.logprobs or [], top,
+                                                                      decode)
+            choice = chat_schema.choice(c, lps, echo + c.text)
+            parser = tools.parser(req.tools, admit.tool_format)
+            if parser is not None:
+                choice["message"] = openai_tools.message(parser, c.text, echo)
+                choice["finish_reason"] = openai_tools.finish_reason(c, parser.calls)
+            choices.append(choice)
         usage = schema.usage(run.prompt_tokens, sum(c.num_tokens for c in got.outputs),
                              got.cached_tokens)
         body = {**head, "object": "chat.completion", "choices": choices, "usage": usage}
@@ -79,8 +93,8 @@ async def chat_completions(front: "OpenAIHttpFront", request: web.Request
 
 async def _stream(front: "OpenAIHttpFront", request: web.Request,
                   req: chat_schema.ChatRequest, head: dict[str, Any],
-                  run: openai_stream.Started, decode: Callable[[int], str], echo: str
-                  ) -> web.StreamResponse:
+                  run: openai_stream.Started, decode: Callable[[int], str], echo: str,
+                  calls: openai_tools.ToolStream | None) -> web.StreamResponse:
     head = {**head, "object": "chat.completion.chunk"}
     top = req.params.logprobs
     n_prompt = req.params.prompt_logprobs or 0
@@ -113,8 +127,15 @@ async def _stream(front: "OpenAIHttpFront", request: web.Request,
             counts[c.index] = c.num_tokens
             lp = None if top is None else chat_schema.logprobs_json(c.delta_logprobs, top,
                                                                      decode)
-            delta = {"content": c.delta_text} if c.delta_text or c.finish_reason is None else {}
-            events.append({**head, "choices": [chat_schema.delta_choice(c, delta, lp)]})
+            if calls is None:
+                delta = {"content": c.delta_text} if c.delta_text or c.finish_reason is None \
+                    else {}
+                events.append({**head, "choices": [chat_schema.delta_choice(c, delta, lp)]})
+                continue
+            delta, reason = calls.step(c)  # a tool call's text may be held back
+            if delta or lp is not None or reason is not None:
+                events.append({**head, "choices": [
+                    chat_schema.delta_choice(c, delta, lp, reason)]})
         if prompt_lps_due[0] and out.prompt_logprobs is not None and events:
             prompt_lps_due[0] = False  # on the first chunk that can carry them
             events[0]["prompt_logprobs"] = vllm_prompt_logprobs(

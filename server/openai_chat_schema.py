@@ -7,8 +7,11 @@ roles, template); the sampling fields through `openai_schema.sampling_params` (t
 registry), with chat's own names: `max_completion_tokens` (or the older `max_tokens`; unset:
 up to max_model_len), `logprobs` (a boolean) + `top_logprobs` (how many), vLLM's
 `prompt_logprobs` and `echo`; `response_format` and vLLM's structured-output fields through
-`openai_schema.structured`. Fields this server does not implement (tools) are refused by
-name rather than ignored.
+`openai_schema.structured`; `tools`, `tool_choice` and `parallel_tool_calls` through
+`serving.tools.check_tools` (a forced call becomes the request's structured output:
+`tools.guide`; the tools travel with the messages to admission's template). Fields this
+server does not implement (the deprecated `functions` / `function_call`) are refused by name
+rather than ignored.
 The response helpers build `chat.completion` choices, `chat.completion.chunk` deltas and
 chat-format logprobs (`{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`).
 """
@@ -20,8 +23,9 @@ from typing import Any, Callable
 
 from jaxserve.engine.outputs import CompletionOutput, TokenLogprobs
 from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.structured_outputs import NAME as STRUCTURED
 from jaxserve.server import openai_schema as schema
-from jaxserve.serving import admission
+from jaxserve.serving import admission, tools
 
 _BOOLS = ("stream", "logprobs", "add_generation_prompt", "continue_final_message", "echo")
 
@@ -38,15 +42,38 @@ class ChatRequest:
     # `param` of a refusal at admission.
     rename: dict[str, str] = dataclasses.field(default_factory=dict)
     echo: bool = False  # vLLM's: prepend the last message's content (an assistant's)
+    tools: tools.ToolRequest | None = None  # None: no tools given
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
-    if body.get("tools"):
-        raise schema.bad_request("tools are not supported", "tools")
-    if body.get("functions"):
-        raise schema.bad_request("functions are not supported", "functions")
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise schema.bad_request("tool_choice is not supported (tools are not)", "tool_choice")
+    for name in ("functions", "function_call"):  # OpenAI's deprecated form of tools
+        if body.get(name):
+            raise schema.bad_request(f"{name} is not supported: use tools and tool_choice",
+                                     name)
+
+
+def tools_of(body: dict[str, Any]) -> tools.ToolRequest | None:
+    """The body's tools, tool_choice and parallel_tool_calls, checked (400 naming the
+    field)."""
+    try:
+        return tools.check_tools(body.get("tools"), body.get("tool_choice"),
+                                 body.get("parallel_tool_calls"))
+    except ValueError as e:
+        raise schema.invalid(e) from None
+
+
+def _output_spec(body: dict[str, Any], request: tools.ToolRequest | None
+                 ) -> tuple[dict[str, Any], dict[str, str]]:
+    """The request's structured output (`sampling_params` fields) and the client's names of
+    its fields: a forced tool call's grammar, or the client's own structured output."""
+    spec, names = schema.structured(body)
+    given = names.get(STRUCTURED) or (STRUCTURED if body.get(STRUCTURED) is not None
+                                      else None)  # the client's name of its own
+    try:
+        forced, forced_names = tools.guide(request, given)
+    except ValueError as e:
+        raise schema.invalid(e) from None
+    return (spec, names) if forced is None else ({STRUCTURED: forced}, forced_names)
 
 
 def _max_tokens(body: dict[str, Any]) -> tuple[Any, dict[str, str]]:
@@ -64,24 +91,26 @@ def parse_chat(body: object) -> ChatRequest:
     if body.get("messages") is None:  # absent or null
         raise schema.bad_request("messages is required: a list of {role, content} objects",
                                  "messages")
-    prompt = chat_input(body)
+    request = tools_of(body)
+    prompt = chat_input(body, request)
     top = body.get("top_logprobs")
     if top is not None and not body.get("logprobs"):
         raise schema.bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     wanted = (0 if top is None else top) if body.get("logprobs") else None
     budget, rename = _max_tokens(body)
-    spec, spec_names = schema.structured(body)
+    spec, spec_names = _output_spec(body, request)
     # chat's names of registry fields
     names = {**rename, **spec_names, "logprobs": "top_logprobs"}
     params = schema.sampling_params(body, budget, names, logprobs=wanted, **spec)
     return ChatRequest(prompt, params, bool(body.get("stream")), include_usage, continuous,
-                       schema.priority_of(body), names, bool(body.get("echo")))
+                       schema.priority_of(body), names, bool(body.get("echo")), request)
 
 
-def chat_input(body: dict[str, Any]) -> admission.PromptInput:
+def chat_input(body: dict[str, Any], request: tools.ToolRequest | None = None
+               ) -> admission.PromptInput:
     """`messages` and vLLM's rendering fields as they are (admission checks their shapes:
-    messages a list of objects, chat_template_kwargs an object); a null boolean is its
-    default, as OpenAI's unset."""
+    messages a list of objects, chat_template_kwargs an object), with the checked tools; a
+    null boolean is its default, as OpenAI's unset."""
     messages = body["messages"]
     generation_prompt = body.get("add_generation_prompt")
     return admission.PromptInput(
@@ -89,7 +118,8 @@ def chat_input(body: dict[str, Any]) -> admission.PromptInput:
         add_generation_prompt=generation_prompt is not False,
         chat_template=body.get("chat_template"),
         chat_template_kwargs=body.get("chat_template_kwargs"),
-        continue_final_message=bool(body.get("continue_final_message")))
+        continue_final_message=bool(body.get("continue_final_message")),
+        tools=request.tools if request is not None else None)
 
 
 # ----------------------------------------------------------------------------- responses
@@ -124,6 +154,9 @@ def choice(c: CompletionOutput, logprobs: dict[str, Any] | None,
 
 
 def delta_choice(c: CompletionOutput, delta: dict[str, Any],
-                 logprobs: dict[str, Any] | None) -> dict[str, Any]:
+                 logprobs: dict[str, Any] | None,
+                 reason: str | None = None) -> dict[str, Any]:
+    """A chat.completion.chunk choice; `reason`: the finish reason when not the engine's
+    (tool_calls)."""
     return {"index": c.index, "delta": delta, "logprobs": logprobs,
-            "finish_reason": _reason(c)}
+            "finish_reason": reason or _reason(c)}

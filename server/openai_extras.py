@@ -3,7 +3,7 @@ POST /detokenize, in vLLM's shapes.
 
   /tokenize    {"prompt": TEXT, "add_special_tokens": true} or {"messages": [...],
                "add_generation_prompt": true, "continue_final_message", "chat_template",
-               "chat_template_kwargs"} -> {"count", "max_model_len", "tokens",
+               "chat_template_kwargs", "tools"} -> {"count", "max_model_len", "tokens",
                "token_strs"} (token_strs with "return_token_strs": true, else null). Text and
                chat go through admission's tokenization (the same rendering and size checks
                as a generation request, off the event loop).
@@ -44,7 +44,7 @@ def _tokenize_input(body: dict[str, Any]) -> admission.PromptInput:
             raise schema.bad_request("prompt must be a string", "prompt")
         return admission.PromptInput(
             text=body["prompt"], add_special_tokens=body.get("add_special_tokens") is not False)
-    return chat_schema.chat_input(body)
+    return chat_schema.chat_input(body, chat_schema.tools_of(body))
 
 
 async def tokenize(front: "OpenAIHttpFront", request: web.Request) -> web.Response:

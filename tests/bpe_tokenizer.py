@@ -18,10 +18,11 @@ CORPUS = ['{"name": "Ada", "age": 36, "tags": ["x", "y"]}', "true false null 012
 EOS = "<eos>"
 
 
-def train_bpe_tokenizer(directory: pathlib.Path, vocab_size: int = 400) -> Tokenizer:
-    """Train, save under `directory` (tokenizer.json + tokenizer_config.json naming EOS, with
-    the tiny models' plain chat template) and load it the way a served model's tokenizer is
-    loaded."""
+def train_bpe_tokenizer(directory: pathlib.Path, vocab_size: int = 400,
+                        chat_template: str = CHAT_TEMPLATE) -> Tokenizer:
+    """Train, save under `directory` (tokenizer.json + tokenizer_config.json naming EOS and
+    the chat template: by default the tiny models' plain one) and load it the way a served
+    model's tokenizer is loaded."""
     from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
 
     backend = Backend(models.BPE())
@@ -33,5 +34,5 @@ def train_bpe_tokenizer(directory: pathlib.Path, vocab_size: int = 400) -> Token
     directory.mkdir(parents=True, exist_ok=True)
     backend.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": EOS, "chat_template": CHAT_TEMPLATE}))
+        {"eos_token": EOS, "chat_template": chat_template}))
     return Tokenizer.from_hf_dir(directory)

@@ -126,21 +126,25 @@ def test_small_request_is_not_held_behind_large_ones() -> None:
 
 
 def test_chat_extras_count_toward_the_bound_and_the_lane() -> None:
-    """Every string a template may render counts: extra message keys (`name`, ...) and
-    chat_template_kwargs values, not only the contents (keys are names: not counted)."""
+    """Every string a template may render counts: extra message keys (`name`, ...), the
+    tools and chat_template_kwargs values, not only the contents (keys are names: not
+    counted)."""
+    tool = {"type": "function", "function": {"name": "f", "description": "d" * 20}}
     inp = PromptInput(chat=({"role": "user", "content": "w5", "name": "n" * 100},),
-                      chat_template_kwargs={"a": "y" * 50, "b": ["z" * 7, 3]})
-    assert input_chars(inp) == len("user") + len("w5") + 100 + 50 + 7
+                      chat_template_kwargs={"a": "y" * 50, "b": ["z" * 7, 3]}, tools=(tool,))
+    assert input_chars(inp) == len("user") + len("w5") + 100 + 50 + 7 + len("function") + 21
     tok = CountingTokenizer(max_token_bytes=5)
     engine = engine_with(tok, max_model_len=1024)  # bound: 5120 bytes
     params = SamplingParams(max_tokens=4)
     user = {"role": "user", "content": "w5"}
     adm = Admission(engine.limits, tok, 2)
     try:
+        wordy = {"type": "function", "function": {"name": "f", "description": "d" * 6000}}
         for big in (PromptInput(chat=({**user, "name": "n" * 6000},)),
-                    PromptInput(chat=(user,), chat_template_kwargs={"k": "v" * 6000})):
-            with pytest.raises(InvalidRequest, match=r"^messages \(every string of the messages "
-                                                     r"and chat_template_kwargs\) is at least"):
+                    PromptInput(chat=(user,), chat_template_kwargs={"k": "v" * 6000}),
+                    PromptInput(chat=(user,), tools=(wordy,))):
+            with pytest.raises(InvalidRequest, match=r"^messages \(every string of the messages, "
+                                                     r"tools and chat_template_kwargs\) is at"):
                 asyncio.run(adm.admit("c", big, params))
         assert tok.calls == []  # refused on the loop, before any tokenizer work
     finally:

@@ -31,6 +31,7 @@ from jaxserve.engine.limits import DEFAULT_CLIENT_PRIORITY_RANGE
 from jaxserve.server.config import (DEFAULT_HTTP_PORT, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PORT,
                                     ServerConfig)
 from jaxserve.serving.request_stream import DEFAULT_MAX_STREAM_BUFFER_TOKENS
+from jaxserve.serving.tool_prompt import PARSER_CHOICES
 
 log = logging.getLogger("jaxserve.server")
 API_KEY_ENV = "JAXSERVE_API_KEY"
@@ -117,6 +118,11 @@ def _add_connection_flags(n: Any) -> None:
                    help="let chat requests bring their own chat_template (default: refused). "
                         "Trusted clients only: a template is code, and one can hang a "
                         "tokenizer thread or OOM the server")
+    n.add_argument("--tool-call-parser", choices=PARSER_CHOICES, default=d.tool_call_parser,
+                   help="how the model writes tool calls, read back for tool_choice auto: "
+                        "hermes (<tool_call>{...}</tool_call>) or llama3_json (a bare JSON "
+                        "object); auto: the format its chat template shows (hermes when it "
+                        f"shows none; default {d.tool_call_parser})")
 
 
 def add_client_parser(sub: Any) -> None:
@@ -158,6 +164,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         grpc_keepalive_time=args.grpc_keepalive_time, metrics_no_auth=args.metrics_no_auth,
         client_priority_range=(args.client_priority_min, args.client_priority_max),
         trust_request_chat_template=args.trust_request_chat_template,
+        tool_call_parser=args.tool_call_parser,
         max_stream_buffer_tokens=args.max_stream_buffer_tokens or None)
 
 

@@ -3,9 +3,11 @@
 Both fronts (gRPC, OpenAI HTTP) admit requests through one `Admission` per served model, and
 the offline API (`LLM`, `jaxserve batch`) through the same functions, synchronously, so the same
 bad input gets the same error text everywhere. Data flow: a `PromptInput` (text, token ids or
-chat messages) -> `admit_input` (chat roles, count and size, then `EngineLimits.admit`:
-sampling fields against the vocabulary, empty prompt, valid Unicode, the prompt byte bound,
-tokenization, vocabulary, max_model_len / max_tokens, KV fit) -> an `Admitted` request, which
+chat messages, with a chat's tools) -> `admit_input` (chat roles, count and size, the tools'
+parameter schemas, the chat template with the tools and tool turns (`tool_prompt`), then
+`EngineLimits.admit`: sampling fields against the vocabulary, empty prompt, valid Unicode,
+the prompt byte bound, tokenization, vocabulary, max_model_len / max_tokens, KV fit, the
+structured-output grammar) -> an `Admitted` request, which
 the engine queues without checking again. Duplicate in-flight ids are refused by what the
 request is submitted to (`AsyncEngine`, `AsyncReplicaPool`, `Engine`), through the one
 `limits.check_not_in_flight`.
@@ -33,6 +35,8 @@ from jaxserve.engine.limits import (DEFAULT_CLIENT_PRIORITY_RANGE, Admitted, Eng
 from jaxserve.engine.sampling_params import SamplingParams, check_text, show
 from jaxserve.models.chat_template import ChatTemplate
 from jaxserve.models.tokenizer import Tokenizer
+from jaxserve.serving import tool_prompt
+from jaxserve.serving.tools import check_schemas, check_tools
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 # OpenAI's newer name for the system role: rendered as "system", which every chat template
@@ -65,6 +69,9 @@ class PromptInput:
     chat_template: str | None = None
     chat_template_kwargs: Mapping[str, Any] | None = None
     continue_final_message: bool = False
+    # Chat only: OpenAI tool objects the template renders (`tools.check_tools` shapes them;
+    # each one's parameters schema is compiled at admission).
+    tools: tuple[dict[str, Any], ...] | None = None
 
 
 def _content(i: int, role: str, content: object) -> str:
@@ -140,6 +147,7 @@ def _template_vars(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
 
 def _render_text(msgs: list[dict[str, Any]], tokenizer: Tokenizer, add_generation_prompt: bool,
                  template: str | None, variables: dict[str, Any]) -> str:
+    """The prompt text; `template`: the request's own (None: the tokenizer's)."""
     if template is None:
         return tokenizer.apply_chat_template(msgs, add_generation_prompt, **variables)
     # The request's own template gets the variables the tokenizer's would (special tokens).
@@ -167,11 +175,15 @@ def render_chat(messages: Sequence[Any], tokenizer: Tokenizer,
                 add_generation_prompt: bool = True,
                 limits: EngineLimits | None = None, *, chat_template: str | None = None,
                 chat_template_kwargs: Mapping[str, Any] | None = None,
-                continue_final_message: bool = False) -> list[int]:
+                continue_final_message: bool = False,
+                tools: Sequence[Mapping[str, Any]] | None = None,
+                tool_format: str | None = None) -> list[int]:
     """The token ids of a conversation through the model's chat template, or `chat_template`
     (with `chat_template_kwargs` as extra variables; `continue_final_message`: end inside the
     final message, which needs add_generation_prompt=False). `limits`: its contents bounded by
-    the prompt byte bound first."""
+    the prompt byte bound first. `tools`: OpenAI tool objects, rendered with the messages'
+    tool turns (`tool_prompt`) for a model that calls them in `tool_format` (None: the one
+    its template shows)."""
     msgs = check_chat(messages, limits.max_prompt_bytes if limits is not None else None)
     variables = _template_vars(chat_template_kwargs)
     if continue_final_message and add_generation_prompt:
@@ -182,23 +194,31 @@ def render_chat(messages: Sequence[Any], tokenizer: Tokenizer,
     if chat_template is not None and len(chat_template) > MAX_CHAT_TEMPLATE_CHARS:
         raise InvalidRequest(f"chat_template is {len(chat_template)} characters long; at most "
                              f"{MAX_CHAT_TEMPLATE_CHARS}", "chat_template")
+    request = check_tools(tools) if tools else None
+    if request is not None and "tools" in variables:
+        raise InvalidRequest("chat_template_kwargs cannot set tools when the request gives "
+                             "tools", "chat_template_kwargs")
+    fmt = tool_format or tool_prompt.detect_format(tokenizer.chat_template)
+    source = chat_template if chat_template is not None else tokenizer.chat_template
+    turns, extra = tool_prompt.prepare(msgs, request.tools if request else None, source, fmt)
+    variables.update(extra)
     try:
-        text = _render_text([dict(m) for m in msgs], tokenizer, add_generation_prompt,
-                            chat_template, variables)
+        text = _render_text(turns, tokenizer, add_generation_prompt, chat_template, variables)
     except Exception as e:  # noqa: BLE001 - ChatTemplateError, message shapes: the caller's
         field = "messages" if chat_template is None else "chat_template"
         raise InvalidRequest(f"{field} could not be rendered with the "
                              f"{'chat' if chat_template is None else 'request'} template: "
                              f"{type(e).__name__}: {e}", field) from None
     if continue_final_message:
-        text = _continue_final(text, list(msgs))
+        text = _continue_final(text, turns)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def tokenize(inp: PromptInput, tokenizer: Tokenizer,
-             limits: EngineLimits | None = None) -> list[int]:
+def tokenize(inp: PromptInput, tokenizer: Tokenizer, limits: EngineLimits | None = None,
+             tool_format: str | None = None) -> list[int]:
     """Token ids of the input exactly as the offline API computes them (blocking); `limits`:
-    texts bounded by the prompt byte bound before they are tokenized."""
+    texts bounded by the prompt byte bound before they are tokenized; `tool_format`: the
+    served model's tool-call format (`render_chat`)."""
     max_bytes = limits.max_prompt_bytes if limits is not None else None
     if inp.token_ids is not None:
         return list(inp.token_ids)
@@ -209,30 +229,35 @@ def tokenize(inp: PromptInput, tokenizer: Tokenizer,
     return render_chat(inp.chat, tokenizer, inp.add_generation_prompt, limits,
                        chat_template=inp.chat_template,
                        chat_template_kwargs=inp.chat_template_kwargs,
-                       continue_final_message=inp.continue_final_message)
+                       continue_final_message=inp.continue_final_message,
+                       tools=inp.tools, tool_format=tool_format)
 
 
 def admit_input(inp: PromptInput, params: SamplingParams, limits: EngineLimits,
-                tokenizer: Tokenizer) -> Admitted:
+                tokenizer: Tokenizer, tool_format: str | None = None) -> Admitted:
     """Every request check of one prompt (blocking: it tokenizes)."""
     if inp.text is not None:
         return limits.admit(inp.text, params, lambda text: tokenizer.encode(
             text, add_special_tokens=inp.add_special_tokens))
     if inp.chat is not None:
         limits.check_params(params)  # before the template runs
-    return limits.admit(tokenize(inp, tokenizer, limits), params)
+    request = check_tools(inp.tools) if inp.tools else None
+    if request is not None and limits.grammars is not None:  # without: no grammar at all
+        check_schemas(request.tools, limits.grammars.compile)
+    return limits.admit(tokenize(inp, tokenizer, limits, tool_format), params)
 
 
 def input_chars(inp: PromptInput) -> int:
     """The input's text length in characters (cheap: no encoding): a lower bound of its
     UTF-8 size, used to refuse oversized inputs on the event loop and to pick a lane. A
     chat counts every string value a template may render: the messages' (contents, names,
-    tool ids, ...) and chat_template_kwargs'."""
+    tool ids, ...), the tools' and chat_template_kwargs'."""
     if inp.text is not None:
         return len(inp.text)
     if inp.chat is None:
         return 0
-    return _string_chars(inp.chat) + _string_chars(inp.chat_template_kwargs)
+    return _string_chars(inp.chat) + _string_chars(inp.chat_template_kwargs) + \
+        _string_chars(inp.tools)
 
 
 def _string_chars(value: object) -> int:
@@ -272,8 +297,10 @@ class Admission:
 
     def __init__(self, limits: EngineLimits, tokenizer: Tokenizer, threads: int = 2,
                  client_priority_range: tuple[int, int] = DEFAULT_CLIENT_PRIORITY_RANGE,
-                 trust_request_chat_template: bool = False):
+                 trust_request_chat_template: bool = False, tool_call_parser: str = "auto"):
         self.limits = limits
+        # How this model's tool calls read (--tool-call-parser; auto: from its template).
+        self.tool_format = tool_prompt.resolve_format(tool_call_parser, tokenizer.chat_template)
         # A request's own chat template runs arbitrary (sandboxed) Jinja on a tokenizer
         # thread: the sandbox bounds neither time nor memory, so a template that loops for
         # hours would hold that lane and one that builds a huge string could OOM the server.
@@ -299,7 +326,7 @@ class Admission:
             _template_vars(inp.chat_template_kwargs)  # its shape, before counting it
             check_chat(inp.chat, self.limits.max_prompt_bytes)
             check_size("messages", input_chars(inp), self.limits.max_prompt_bytes,
-                       " (every string of the messages and chat_template_kwargs)")
+                       " (every string of the messages, tools and chat_template_kwargs)")
         else:
             check_prompt_text(inp.text, self.limits.max_prompt_bytes)
         return self._large_pool if input_chars(inp) > LARGE_INPUT_CHARS else self._pool
@@ -308,7 +335,7 @@ class Admission:
         if inp.token_ids is not None:
             return list(inp.token_ids)  # nothing to tokenize: skip the thread hop
         return await asyncio.get_running_loop().run_in_executor(
-            self._lane(inp), tokenize, inp, self.tokenizer, self.limits)
+            self._lane(inp), tokenize, inp, self.tokenizer, self.limits, self.tool_format)
 
     async def admit(self, request_id: str, inp: PromptInput, params: SamplingParams,
                     priority: int = 0) -> Admitted:
@@ -320,7 +347,8 @@ class Admission:
             return admit_input(inp, params, self.limits, self.tokenizer)
         self.limits.check_params(params)
         return await asyncio.get_running_loop().run_in_executor(
-            self._lane(inp), admit_input, inp, params, self.limits, self.tokenizer)
+            self._lane(inp), admit_input, inp, params, self.limits, self.tokenizer,
+            self.tool_format)
 
     async def detokenize(self, token_ids: Sequence[Any]) -> str:
         """The text of prompt-like token ids (checked as a prompt's: non-empty, within
