@@ -29,6 +29,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 
 from jaxserve.config import EngineConfig
 from jaxserve.device import model_runner as mr
+from jaxserve.engine.batch import bitmask_words
 from jaxserve.engine.sizing import plan_engine
 from jaxserve.kernels_pallas import AttentionMetadata, padded_head_dim, select_impl
 from jaxserve.kernels_pallas import selector
@@ -161,6 +162,9 @@ def export_step(cfg: ModelConfig, platform: str, tp: int) -> None:
         out_avals = fwd.out_avals
         assert out_avals[0].shape == kv_shape and out_avals[1].shape == (s, cfg.vocab_size)
         logits = replicated(SDS((s, cfg.vocab_size), jnp.float32))
+        # The grammar bitmask the runner always hands the sampler (its own when none is sent).
+        sampling = sampling.replace(bitmask=replicated(
+            SDS((s, bitmask_words(cfg.vocab_size)), jnp.int32)))
         sample = jax.export.export(mr._sample_jit, platforms=[platform])(
             logits, sampling, apply_penalty=False, feed_len=feed_len)
         assert [a.shape for a in sample.out_avals][-1] == (feed_len,)

@@ -265,3 +265,31 @@ def test_sampler_with_logit_bias_lowers_for_tpu_and_cuda(platform: str, penaltie
     # exactly the bias scatter-add, once in each of the grammar mask's two branches
     assert biased == plain + 2
     assert (plain > 0) == penalties  # width 0: only the penalties' own scatters, if any
+
+
+@pytest.mark.parametrize("S,V", [(3, 211), (48, 96), (5, 64), (64, 200)])
+def test_greedy_tokens_are_the_masked_argmax(S: int, V: int) -> None:
+    """The two-level argmax (32-token words; on a CPU 16 rows at a time when masked, S=48 and
+    64) against numpy's argmax of the masked logits: ties resolved to the first index, rows
+    without a grammar unmasked, a vocabulary 32 does not divide padded."""
+    rng = np.random.default_rng(S * V)
+    logits = rng.integers(-3, 3, size=(S, V)).astype(np.float32)  # many ties
+    words = -(-V // 32)
+    bits = rng.random((S, words * 32)) < 0.3
+    bits[:, 0] = True  # a row allows at least one token
+    weights = np.uint64(1) << np.arange(32, dtype=np.uint64)  # bit j of word w: token 32w+j
+    bitmask = (bits.reshape(S, words, 32) * weights).sum(-1).astype(np.uint32).view(np.int32)
+    constrained = rng.random(S) < 0.6
+    st = tensors(S).replace(bitmask=jnp.asarray(bitmask), constrained=jnp.asarray(constrained))
+    want = np.where(bits[:, :V] | ~constrained[:, None], logits, -np.inf).argmax(-1)
+    got = jax.jit(sampler.greedy_tokens, static_argnums=2)(jnp.asarray(logits), st, True)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    plain = jax.jit(sampler.greedy_tokens, static_argnums=2)(jnp.asarray(logits), st, False)
+    np.testing.assert_array_equal(np.asarray(plain), logits.argmax(-1))
+    np.testing.assert_array_equal(np.asarray(sampler.first_argmax(jnp.asarray(logits))),
+                                  logits.argmax(-1))
+    # The packed layout is llguidance's: bit t % 32 of word t // 32 (checked on one token).
+    one = np.zeros((1, words), np.int32)
+    one[0, 37 // 32] = np.int32(1 << (37 % 32))
+    assert np.asarray(sampler.allowed_bits(jnp.asarray(one), jnp.ones(1, bool))
+                      ).reshape(-1)[:V].nonzero()[0].tolist() == [37]
