@@ -33,7 +33,7 @@ import urllib.request
 import pytest
 import numpy as np
 from engine_fixtures import FEW_TOKEN_BUCKETS, rollout, tiny_model
-from hf_models import save_tiny_tokenizer
+from bpe_tokenizer import train_bpe_tokenizer
 from test_prompt_logprobs import oracle as prompt_logprobs_oracle
 
 from jaxserve.config import DistributedConfig
@@ -41,7 +41,9 @@ from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.models.hf_loader import save_hf_dir
 from jaxserve.server.client import Client
 
-VOCAB = 211
+# The job's model speaks a byte-level BPE tokenizer (its 320 ids, EOS 0), so a grammar can
+# run through the two processes: the followers get each step's token mask after its forward.
+VOCAB = 320
 START_DEADLINE_S = 600.0
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 70))]
 # Two token buckets (engine_fixtures.FEW_TOKEN_BUCKETS): each process compiles 7 executables
@@ -103,11 +105,15 @@ class Process:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     d = tmp_path_factory.mktemp("tiny-mh")
-    model = tiny_model(num_heads=8, num_kv_heads=2, head_dim=8, hidden_size=64,
-                       intermediate_size=128, vocab_size=VOCAB)
+    model = mh_model()
     save_hf_dir(d, model.config, model.params)
-    save_tiny_tokenizer(d, VOCAB)
+    train_bpe_tokenizer(d, VOCAB)
     return d
+
+
+def mh_model():  # noqa: ANN201 - LoadedModel
+    return tiny_model(num_heads=8, num_kv_heads=2, head_dim=8, hidden_size=64,
+                      intermediate_size=128, vocab_size=VOCAB, eos_token_ids=(0,))
 
 
 def test_two_processes_serve_tp4_and_stop_together(model_dir: pathlib.Path) -> None:
@@ -123,6 +129,9 @@ def test_two_processes_serve_tp4_and_stop_together(model_dir: pathlib.Path) -> N
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         with Client(ready.group(1)) as client:
             got = [client.generate(p, params)[0].token_ids for p in PROMPTS]
+            tied = client.generate("id:", {"max_tokens": 24, "temperature": 1.0, "seed": 1,
+                                           "structured_outputs": {"regex": r"[a-z]{2,4}-\d{2}"}})
+        assert re.fullmatch(r"[a-z]{2,4}-\d{2}", tied[0].text), tied[0].text
         metrics = urllib.request.urlopen(ready.group(2), timeout=10).read().decode()
         procs[0].proc.send_signal(signal.SIGTERM)
         rc0 = procs[0].wait_exit()
@@ -132,8 +141,7 @@ def test_two_processes_serve_tp4_and_stop_together(model_dir: pathlib.Path) -> N
     finally:
         for p in procs:
             p.proc.kill()
-    model = tiny_model(num_heads=8, num_kv_heads=2, head_dim=8, hidden_size=64,
-                       intermediate_size=128, vocab_size=VOCAB)
+    model = mh_model()
     assert got == [rollout(model, p, 8) for p in PROMPTS]
     assert rc0 == 0, "".join(procs[0].log)
     assert rc1 == 0, "".join(procs[1].log)
@@ -165,8 +173,7 @@ def test_two_processes_run_a_batch_job(model_dir: pathlib.Path, tmp_path: pathli
         for p in procs:
             p.proc.kill()
     assert rcs == [0, 0], "".join(procs[0].log + procs[1].log)
-    model = tiny_model(num_heads=8, num_kv_heads=2, head_dim=8, hidden_size=64,
-                       intermediate_size=128, vocab_size=VOCAB)
+    model = mh_model()
     tok = Tokenizer.from_hf_dir(model_dir)
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in records] == ["q0", "q1", "q2"]
@@ -191,8 +198,7 @@ def test_two_processes_offline_llm(model_dir: pathlib.Path) -> None:
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
-    model = tiny_model(num_heads=8, num_kv_heads=2, head_dim=8, hidden_size=64,
-                       intermediate_size=128, vocab_size=VOCAB)
+    model = mh_model()
     # The last stdout line: gloo prints its connection lines to stdout too.
     lead, follower = (json.loads(o[0].splitlines()[-1]) for o in outs)
     assert lead["tokens"] == [rollout(model, p, 8) for p in PROMPTS[:2]] + [[123] * 8]

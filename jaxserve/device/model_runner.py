@@ -42,7 +42,7 @@ from jaxserve.device.prompt_logprobs import (PromptLogprobsInputs, PromptLogprob
                                            prompt_logprobs)
 from jaxserve.device.sampler import SampleOutput, SamplingTensors, sample
 from jaxserve.engine.batch import BatchShape, StepBatch, bitmask_words, pad_bias, pad_rows
-from jaxserve.engine.runner import RunnerFailed, StepResult
+from jaxserve.engine.runner import LateMask, RunnerFailed, StepResult
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.kernels_pallas import AttentionMetadata
 from jaxserve.models import placement
@@ -222,13 +222,16 @@ class ModelRunner:
         device-resident one (never sent: `constrained` is all False, so it is not read)."""
         inputs, sampling, plp = place_inputs(to_step_inputs(batch), self.inputs_sharding)
         if sampling.bitmask is None:
-            S = len(batch.kv_lens)
-            if S not in self._no_mask:
-                self._no_mask[S] = place_inputs(
-                    np.zeros((S, bitmask_words(self.shape.vocab_size)), np.int32),
-                    self.inputs_sharding)
-            sampling = sampling.replace(bitmask=self._no_mask[S])
+            sampling = sampling.replace(bitmask=self._no_mask_of(len(batch.kv_lens)))
         return inputs, sampling, plp
+
+    def _no_mask_of(self, S: int) -> jax.Array:
+        """i32[S, W] on device, made once per seqs bucket: the mask of a step without one."""
+        if S not in self._no_mask:
+            self._no_mask[S] = place_inputs(  # type: ignore[assignment]
+                np.zeros((S, bitmask_words(self.shape.vocab_size)), np.int32),
+                self.inputs_sharding)
+        return self._no_mask[S]
 
     def compile_step(self, batch: StepBatch) -> None:
         """Compile (ahead of time, without running) the executables a step of `batch`'s
@@ -258,9 +261,11 @@ class ModelRunner:
     def execute(self, batch: StepBatch) -> StepResult:
         return self.collect(self.dispatch(batch))
 
-    def dispatch(self, batch: StepBatch) -> "ModelPending":
+    def dispatch(self, batch: StepBatch, late_mask: LateMask | None = None
+                 ) -> "ModelPending":
         """Queue one step (returns before the device finishes it); RunnerFailed (fatal or not,
-        see the module docstring) when it fails."""
+        see the module docstring) when it fails. `late_mask` (`runner.LateMask`): called after
+        the forward is queued, for the sampler's grammar mask (its own errors pass through)."""
         try:
             # Replicated on the mesh under tensor parallelism, the same at warmup and
             # serving, so the compiled step's input shardings never change (no recompile).
@@ -268,24 +273,37 @@ class ModelRunner:
         except Exception as e:  # noqa: BLE001 - classified for the engine
             raise self._failed("placing the step's inputs on the device", e) from e
         try:
-            return self._run(inputs, sampling, plp, batch.history.shape[1] > 0)
+            self.kv_pages, logits, hidden = _forward_jit(
+                self.params, self.kv_pages, inputs, self._feed, cfg=self.model_cfg,
+                attn_impl=self.attn_impl, mesh=self.mesh)
+            scored = None if plp is None else _prompt_logprobs_jit(self.params, hidden, plp,
+                                                                   cfg=self.model_cfg)
         except Exception as e:  # noqa: BLE001 - classified for the engine
             raise self._failed("the compiled step", e) from e
-
-    def _run(self, inputs: StepInputs, sampling: SamplingTensors,
-             plp: PromptLogprobsInputs | None, penalties: bool) -> "ModelPending":
-        self.kv_pages, logits, hidden = _forward_jit(
-            self.params, self.kv_pages, inputs, self._feed, cfg=self.model_cfg,
-            attn_impl=self.attn_impl, mesh=self.mesh)
-        out, feed = _sample_jit(logits, sampling, apply_penalty=penalties,
-                                feed_len=self.feed_len)
+        if late_mask is not None:
+            bitmask, constrained = late_mask()  # the host works while the forward runs
+            try:
+                sampling = self._mask(sampling, bitmask, constrained)
+            except Exception as e:  # noqa: BLE001 - classified for the engine
+                raise self._failed("placing the step's grammar mask", e) from e
+        try:
+            out, feed = _sample_jit(logits, sampling, apply_penalty=batch.history.shape[1] > 0,
+                                    feed_len=self.feed_len)
+        except Exception as e:  # noqa: BLE001 - classified for the engine
+            raise self._failed("the compiled step", e) from e
         # Committed to the inputs' placement: the forward is compiled for that one sharding
         # (a no-op where the sampler's output already has it).
         self._feed = feed if self.inputs_sharding is None else \
             jax.device_put(feed, self.inputs_sharding)
-        scored = None if plp is None else _prompt_logprobs_jit(self.params, hidden, plp,
-                                                               cfg=self.model_cfg)
         return ModelPending(out, scored)
+
+    def _mask(self, sampling: SamplingTensors, bitmask: np.ndarray | None,
+              constrained: np.ndarray) -> SamplingTensors:
+        """`sampling` with a late grammar mask (None: this bucket's unused one)."""
+        S = len(constrained)
+        placed = place_inputs((bitmask, constrained), self.inputs_sharding)  # type: ignore
+        return sampling.replace(bitmask=self._no_mask_of(S) if bitmask is None else placed[0],
+                                constrained=placed[1])
 
     def collect(self, pending: "ModelPending") -> StepResult:
         """Wait for a dispatched step and copy its result to the host (any failure here is

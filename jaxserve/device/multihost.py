@@ -13,8 +13,10 @@ detokenizer, gRPC / HTTP fronts) and makes the other processes mirror its device
                broadcast the sampling arrays (S_b, P, B)      -- knob matrix, keys, history,
                                                                   logit bias
                broadcast the prompt logprobs arrays (L > 0 only)
-               broadcast the grammar bitmask i32[S_b, W] (M = 1 only)
-               ModelRunner.dispatch(batch)                     -- the compiled step
+               ModelRunner.dispatch(batch)  -- M = 1: after the forward is queued, the
+                                  engine's late mask (`runner.LateMask`), then broadcast
+                                  the grammar bitmask i32[S_b, W] and constrained rows;
+                                  the compiled step
              LeaderRunner.collect -> ModelRunner.collect (local: the followers' results
              are the same and stay with them)
   process i: follow(runner): receive the header; STEP -> receive the arrays (shapes from the
@@ -55,7 +57,7 @@ from jax.experimental import multihost_utils
 from jaxserve.config import DistributedConfig
 from jaxserve.device.model_runner import ModelPending, ModelRunner, compile_buckets, empty_batch
 from jaxserve.engine.batch import StepBatch, bitmask_words
-from jaxserve.engine.runner import RunnerFailed, StepResult
+from jaxserve.engine.runner import LateMask, RunnerFailed, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +68,7 @@ STEP, ARM, STOP, KEEPALIVE = 1, 2, 3, 4
 _FORWARD = ("token_ids", "feed_rows", "positions", "slot_mapping", "block_tables", "kv_lens", "cu_q_lens",
             "num_seqs", "logits_indices")
 _PROMPT_LP = ("prompt_lp_indices", "prompt_lp_targets", "num_prompt_lp")
-_MASK = ("bitmask",)  # None (not sent) when no row of the step is constrained
+_MASK = ("bitmask",)  # sent after the forward is queued (M = 1), with the constrained rows
 _SAMPLING = tuple(f.name for f in dataclasses.fields(StepBatch)
                   if f.name not in _FORWARD + _PROMPT_LP + _MASK)
 
@@ -99,29 +101,37 @@ def _broadcast(arrays: list[np.ndarray], is_source: bool) -> list[np.ndarray]:
             for a, o in zip(arrays, out)]
 
 
-def _header(op: int, batch: StepBatch | None, is_source: bool) -> np.ndarray:
+def _header(op: int, batch: StepBatch | None, is_source: bool, late: bool = False
+            ) -> np.ndarray:
     h = np.zeros(7, np.int32)
     if batch is not None:
         h[:] = (op, len(batch.token_ids), len(batch.kv_lens), batch.history.shape[1],
                 batch.bias_ids.shape[1], len(batch.prompt_lp_indices),
-                batch.bitmask is not None)
+                late or batch.bitmask is not None)
     else:
         h[0] = op
     return _broadcast([h], is_source)[0]
 
 
-def _send_batch(batch: StepBatch) -> None:
-    _header(STEP, batch, True)
+def _send_batch(batch: StepBatch, late: bool) -> None:
+    _header(STEP, batch, True, late)
     _broadcast([getattr(batch, n) for n in _FORWARD], True)
     _broadcast([getattr(batch, n) for n in _SAMPLING], True)
     if len(batch.prompt_lp_indices):
         _broadcast([getattr(batch, n) for n in _PROMPT_LP], True)
-    if batch.bitmask is not None:
-        _broadcast([batch.bitmask], True)
+
+
+def _mask_wire(num_seqs: int, vocab_size: int, bitmask: np.ndarray | None,
+               constrained: np.ndarray, is_source: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Broadcast a step's grammar mask (None: zeros, which no constrained row reads)."""
+    if bitmask is None:
+        bitmask = np.zeros((num_seqs, bitmask_words(vocab_size)), np.int32)
+    got = _broadcast([bitmask, constrained], is_source)
+    return got[0], got[1]
 
 
 def _receive_batch(runner: ModelRunner, num_tokens: int, num_seqs: int, history_len: int,
-                   bias_width: int, prompt_lp_len: int, masked: int) -> StepBatch:
+                   bias_width: int, prompt_lp_len: int) -> StepBatch:
     """The leader's batch of this bucket (an empty batch of the same shapes is the mold)."""
     mold = empty_batch(runner.shape, num_tokens, num_seqs, history_len > 0, bias_width > 0,
                        prompt_lp_len > 0)
@@ -135,10 +145,6 @@ def _receive_batch(runner: ModelRunner, num_tokens: int, num_seqs: int, history_
         _broadcast([getattr(mold, n) for n in _SAMPLING], False)
     if prompt_lp_len:
         got_arrays += _broadcast([getattr(mold, n) for n in _PROMPT_LP], False)
-    if masked:
-        fields += _MASK
-        got_arrays += _broadcast([np.zeros((num_seqs, bitmask_words(runner.shape.vocab_size)),
-                                           np.int32)], False)
     return dataclasses.replace(mold, **dict(zip(fields, got_arrays)))
 
 
@@ -176,8 +182,14 @@ class LeaderRunner:
         return self.runner.compiles_after_warmup
 
     def warmup(self, progress: bool = True) -> None:
-        # Through `execute`, so the followers compile every bucket (and every broadcast) too.
+        # Through `execute`, so the followers compile every bucket (and every broadcast) too;
+        # then a step per seqs bucket with a (zero) late mask: its broadcast's shapes.
         compile_buckets(self.runner, self.execute, progress)
+        smallest = {s: t for t, s in reversed(self.runner.shape.buckets)}
+        for s, t in sorted(smallest.items()):
+            no_rows = np.zeros(s, bool)
+            self.collect(self.dispatch(empty_batch(self.runner.shape, t, s, False),
+                                       late_mask=lambda: (None, no_rows)))
 
     def arm(self) -> None:
         with self._lock:
@@ -196,15 +208,30 @@ class LeaderRunner:
             self._broken = True
             raise
 
-    def dispatch(self, batch: StepBatch) -> ModelPending:
+    def _late(self, batch: StepBatch, late_mask: LateMask | None) -> LateMask | None:
+        """The late mask the followers also get (M = 1): the engine's, or the batch's own."""
+        if late_mask is None and batch.bitmask is None:
+            return None
+        S, vocab = len(batch.kv_lens), self.runner.shape.vocab_size
+
+        def send() -> tuple[np.ndarray | None, np.ndarray]:
+            bitmask, constrained = late_mask() if late_mask is not None else \
+                (batch.bitmask, batch.constrained)
+            _mask_wire(S, vocab, bitmask, constrained, True)
+            return bitmask, constrained
+        return send
+
+    def dispatch(self, batch: StepBatch, late_mask: LateMask | None = None) -> ModelPending:
         with self._lock:
             try:
                 self._check()
             except RuntimeError as e:
                 raise RunnerFailed(str(e), fatal=True) from e
             try:
-                _send_batch(batch)
-                pending = self.runner.dispatch(batch)
+                _send_batch(batch, late_mask is not None)
+                late = self._late(batch, late_mask)
+                pending = self.runner.dispatch(batch) if late is None else \
+                    self.runner.dispatch(batch, late_mask=late)
             except BaseException as e:
                 # The followers may be inside this step's collectives: announcing anything
                 # more would hang both sides. The job is over; JAX's coordination service
@@ -254,7 +281,10 @@ def follow(runner: ModelRunner) -> FollowStats:
     while True:
         op, t, s, p, b, lp, m = (int(x) for x in _header(0, None, False))
         if op == STEP:
-            runner.execute(_receive_batch(runner, t, s, p, b, lp, m))
+            batch = _receive_batch(runner, t, s, p, b, lp)
+            late = (lambda: _mask_wire(s, runner.shape.vocab_size, None, batch.constrained,
+                                       False)) if m else None
+            runner.collect(runner.dispatch(batch, late_mask=late))
             stats.steps += 1
         elif op == KEEPALIVE:
             stats.keepalives += 1

@@ -167,10 +167,13 @@ class BatchShape:
 
 
 def build_batch(out: SchedulerOutput, shape: BatchShape,
-                prev_rows: Mapping[int, int] | None = None) -> StepBatch:
+                prev_rows: Mapping[int, int] | None = None,
+                fill_grammars: bool = True) -> StepBatch:
     """Pack one scheduled step; rows follow `out.seqs` order. `prev_rows`: seq_id -> batch
     row in the step dispatched before this one, for the sequences it sampled (the source of
     each fed row's token; ValueError when a fed row's sequence is not there).
+    `fill_grammars=False`: the grammar rows are only marked `constrained`, and the runner
+    gets their mask late (`late_bitmask`, once the previous step's tokens are in).
 
     Per-row Python work is kept to list appends; the arrays are built with a few vectorised
     numpy calls (this runs every step, for hundreds of sequences).
@@ -270,7 +273,11 @@ def build_batch(out: SchedulerOutput, shape: BatchShape,
         ids, values = out.seqs[row].request.logit_bias_arrays
         bias_ids[row, : len(ids)] = ids
         bias_values[row, : len(ids)] = values
-    bitmask, constrained = fill_bitmask(S, shape.vocab_size, grammars)
+    if fill_grammars:
+        bitmask, constrained = fill_bitmask(S, shape.vocab_size, grammars)
+    else:
+        bitmask, constrained = None, np.zeros(S, bool)
+        constrained[[row for row, _ in grammars]] = True
     scored = prompt_logprobs.spans(out, scoring, cu_q_lens) if scoring else []
     lp_indices, lp_targets, num_lp = prompt_logprobs.pack(out, scored, T if scored else 0)
     return StepBatch(token_ids, feed_rows, positions, slot_mapping, block_tables, kv_lens,
@@ -281,12 +288,13 @@ def build_batch(out: SchedulerOutput, shape: BatchShape,
                      prompt_lp_targets=lp_targets, num_prompt_lp=num_lp)
 
 
-def fill_bitmask(num_seqs: int, vocab_size: int, rows: Sequence[tuple[int, Request]]
+def fill_bitmask(num_seqs: int, vocab_size: int, rows: Sequence[tuple[int, Request]],
+                 errors: list[tuple[Request, str]] | None = None
                  ) -> tuple[np.ndarray | None, np.ndarray]:
     """(i32[S, W] or None, bool[S]): the allowed next tokens of each (row, sequence) under a
-    grammar; ValueError for a sequence whose grammar no token can continue (llguidance then
-    allows only EOS and reports an error; the engine fails that row alone with the reason,
-    see `Engine._build`)."""
+    grammar. A sequence whose grammar no token can continue (llguidance then allows only EOS
+    and reports an error) raises ValueError (the engine fails that row alone with the reason,
+    see `Engine._build`), or with `errors` is added there and left unconstrained."""
     constrained = np.zeros(num_seqs, bool)
     if not rows:
         return None, constrained
@@ -298,10 +306,24 @@ def fill_bitmask(num_seqs: int, vocab_size: int, rows: Sequence[tuple[int, Reque
     for (row, req), none in zip(rows, empty):
         error = req.grammar.error  # type: ignore[union-attr]
         if error is not None or none:
-            raise ValueError(f"structured_outputs: no token of the vocabulary can continue the "
-                             f"grammar after {req.num_output_tokens} output tokens (llguidance: "
-                             f"{(error or 'no token allowed').splitlines()[0]})")
+            message = (f"structured_outputs: no token of the vocabulary can continue the "
+                       f"grammar after {req.num_output_tokens} output tokens (llguidance: "
+                       f"{(error or 'no token allowed').splitlines()[0]})")
+            if errors is None:
+                raise ValueError(message)
+            errors.append((req, message))
+            constrained[row] = False
     return bitmask, constrained
+
+
+def late_bitmask(out: SchedulerOutput, num_seqs: int, vocab_size: int,
+                 errors: list[tuple[Request, str]]) -> tuple[np.ndarray | None, np.ndarray]:
+    """The mask of a step built with `fill_grammars=False`, filled once the previous step's
+    tokens have advanced the grammars: rows whose sequence has finished meanwhile (its
+    grammar ended, a stop string) are left free (their token is discarded)."""
+    rows = [(i, s.request) for i, s in enumerate(out.seqs) if s.samples and
+            s.request.grammar is not None and not s.request.is_finished]
+    return fill_bitmask(num_seqs, vocab_size, rows, errors)
 
 
 def bitmask_words(vocab_size: int) -> int:

@@ -14,19 +14,18 @@ never idles while the host schedules, builds batches, detokenizes and streams. S
 decode rows feed on step N's sampled tokens on the device (`StepBatch.feed_rows`); what
 only a token's value can end (EOS, stop ids, stop strings) ends one step late and the extra
 token is discarded, so outputs are the same as without overlap (see `scheduler.py`). When
-the step in flight samples a row that uses penalties or a grammar (the next batch needs that
-token on the host: history, token mask), step N is applied before step N+1 is scheduled.
-Each `step()` returns the outputs of the step it applied.
+step N samples a row with penalties (step N+1 needs its history), N is applied before N+1 is
+scheduled; rows under a grammar get their token mask late (`_launch`). Each `step()` returns
+the outputs of the step it applied.
 
-The engine owns the requests' host-side extras (prompt text, detokenizers, n-sample groups);
-the scheduler owns their KV state; the runner owns everything on the device. Callers outside
-read `limits` (what a request must fit in) and `stats()` (a snapshot of the counters), never
-the scheduler or allocator. `admit()` runs every request check (`limits.EngineLimits`) without
-queueing; `add_request` runs it unless handed the `Admitted` result.
+The engine owns the requests' host-side extras (prompt text, detokenizers, n-sample groups,
+grammar matchers); the scheduler their KV state; the runner everything on the device. Callers
+read `limits` and `stats()`, never the scheduler. `admit()` runs every request check
+(`limits.EngineLimits`, the grammar compile) without queueing; `add_request` runs it unless
+handed the `Admitted` result.
 
-Identity: the client's request id names a group (one per user request, the duplicate check
-is on it whatever `n` is); each of its n sequences gets an integer `seq_id` from the
-scheduler, the only key below this class. A request is queued whole or not at all.
+Identity: the client's request id names a group (the duplicate check is on it whatever `n`);
+each of its n sequences gets an integer `seq_id`, the only key below this class.
 
 When a step fails (see `runner.RunnerFailed` and the README's "When a step fails"):
   per request (the engine carries on): the batch build fails (each scheduled row is then
@@ -52,10 +51,11 @@ import random
 import time
 from typing import Callable, Mapping, Sequence
 
+import numpy as np
+
 from jaxserve.config import EngineConfig
 from jaxserve.engine import prompt_logprobs
-from jaxserve.engine.batch import StepBatch, build_batch
-from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.batch import StepBatch, build_batch, late_bitmask
 from jaxserve.engine.errors import EngineDead
 from jaxserve.engine.grammar import grammar_compiler
 from jaxserve.engine.group import Group
@@ -78,6 +78,7 @@ class _Dispatched:
 
     out: SchedulerOutput
     pending: PendingStep
+    applied: bool = False  # by the next step's late mask (`_launch`)
 
     @functools.cached_property
     def sampled_rows(self) -> dict[int, int]:
@@ -86,10 +87,9 @@ class _Dispatched:
 
     @property
     def needs_host_tokens(self) -> bool:
-        """A row it samples uses penalties or a grammar: the next batch needs that token on
-        the host (its history, or its grammar advanced to fill the next token mask)."""
-        return any(s.samples and (s.request.sampling_params.uses_penalties or
-                                  s.request.grammar is not None) for s in self.out.seqs)
+        """A row it samples uses penalties: the next batch needs that token's history."""
+        return any(s.samples and s.request.sampling_params.uses_penalties
+                   for s in self.out.seqs)
 
 
 class Engine:
@@ -121,13 +121,11 @@ class Engine:
 
     # ----------------------------------------------------------------------- read-only views
     @property
-    def limits(self) -> EngineLimits:
-        """What a request must fit in (and what callers are told about the model)."""
+    def limits(self) -> EngineLimits:  # what a request must fit in; what callers are told
         return self._limits
 
     def stats(self) -> EngineStats:
-        """A snapshot of the running state and cumulative counters (call it from the thread
-        that drives the engine)."""
+        """A snapshot of the state and counters (from the thread that drives the engine)."""
         sched = self.scheduler
         alloc = sched.allocator
         total = alloc.num_usable_pages
@@ -143,8 +141,7 @@ class Engine:
     # ----------------------------------------------------------------------- intake
     def admit(self, prompt: str | Sequence[int], params: SamplingParams | None = None
               ) -> Admitted:
-        """Every limit check of one request, without queueing it (thread-safe: it reads only
-        the limits and the tokenizer)."""
+        """Every check of one request, without queueing it (thread-safe: limits, tokenizer)."""
         return self._limits.admit(prompt, params or SamplingParams(), self._encode)
 
     def _encode(self, text: str) -> list[int]:
@@ -166,16 +163,14 @@ class Engine:
         params, ids = req.params, list(req.token_ids)
         now = self.clock() if arrival_time is None else arrival_time
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        grammars = self._limits.grammars  # one matcher per sample, of the admitted grammar
         seqs = [Request(request_id, list(ids), params, self.eos_token_ids, now,
                         priority=priority, sample_index=i, max_tokens=req.max_tokens,
-                        seed=(base_seed + i) % (1 << 64)) for i in range(params.n)]
-        if req.grammar is not None:  # one matcher per sample, from the admitted grammar
-            for seq in seqs:
-                seq.grammar = self._limits.grammars.matcher(req.grammar)  # type: ignore
-        backend = self.tokenizer.backend
-        group = Group(request_id, req.prompt, ids, params, seqs,
-                       [IncrementalDetokenizer(backend, params) for _ in seqs],
-                       [0] * params.n, [0] * params.n, [0.0] * params.n, output_kind)
+                        seed=(base_seed + i) % (1 << 64), grammar=None if req.grammar is None
+                        else grammars.matcher(req.grammar))  # type: ignore[union-attr]
+                for i in range(params.n)]
+        group = Group.create(request_id, req.prompt, ids, params, seqs, self.tokenizer.backend,
+                             output_kind)
         for i, seq in enumerate(seqs):  # cannot fail: checked, and fresh sequences
             self.scheduler.add_request(seq, fork_of=seqs[0] if i else None, checked=True)
         self._groups[request_id] = group
@@ -200,8 +195,7 @@ class Engine:
         return len(self._groups)
 
     @property
-    def dead(self) -> str | None:
-        """Why the engine cannot step any more (None: it can)."""
+    def dead(self) -> str | None:  # why the engine cannot step any more (None: it can)
         return self._dead
 
     def _check_alive(self) -> None:
@@ -231,8 +225,8 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - the scheduler's state is unknown
                 raise self._die("scheduling a step failed", e) from e
             failed: list[tuple[Request, str]] = []
-            launched = self._launch(out, prev, failed) if out.seqs else None
-            if prev is not None:
+            launched = self._launch(out, prev, failed, touched) if out.seqs else None
+            if prev is not None and not prev.applied:
                 self._apply(prev, touched)
             # After `prev`'s tokens are in (they were computed), and not for sequences that
             # `prev` finished (their row in the failed step was a discarded extra).
@@ -262,16 +256,27 @@ class Engine:
         return outputs
 
     def _launch(self, out: SchedulerOutput, prev: "_Dispatched | None",
-                failed: list[tuple[Request, str]]) -> "_Dispatched | None":
+                failed: list[tuple[Request, str]], touched: dict[str, Group]
+                ) -> "_Dispatched | None":
         """Build and dispatch one scheduled step (fed rows read `prev`'s sampled tokens);
         None when it did not run: its rows are rolled back to be scheduled again, and the
-        failed ones are added to `failed` (for the caller to finish with ERROR)."""
-        prev_rows = None if prev is None else prev.sampled_rows
-        batch = self._build(out, prev_rows, failed)
+        failed ones are added to `failed` (for the caller to finish with ERROR). Grammar rows
+        behind a step in flight get their mask late: once the forward is queued, `prev` is
+        applied and the mask filled while the device runs it."""
+        late = prev is not None and any(s.samples and s.request.grammar is not None
+                                        for s in out.seqs)
+        batch = self._build(out, None if prev is None else prev.sampled_rows, failed, late)
         if batch is None:
             return None
+
+        def late_mask() -> tuple[np.ndarray | None, np.ndarray]:
+            self._apply(prev, touched)  # type: ignore[arg-type]
+            prev.applied = True  # type: ignore[union-attr]
+            return late_bitmask(out, len(batch.kv_lens), self.plan.batch_shape.vocab_size,
+                                failed)
         try:
-            pending = self.runner.dispatch(batch)
+            pending = self.runner.dispatch(batch, late_mask) if late else \
+                self.runner.dispatch(batch)
         except RunnerFailed as e:
             if e.fatal:
                 raise self._die("the model step failed", e) from e
@@ -328,19 +333,20 @@ class Engine:
                          f"{e!r}") for s in scored], touched)
 
     def _build(self, out: SchedulerOutput, prev_rows: Mapping[int, int] | None,
-               failed: list[tuple[Request, str]]) -> StepBatch | None:
+               failed: list[tuple[Request, str]], late: bool = False) -> StepBatch | None:
         """The step's batch, or None when it could not be built: then the rows that fail
         alone (else every row) go to `failed` and every row is rolled back to wait for the
         next step, its pages reserved and nothing computed."""
         shape = self.plan.batch_shape
         try:
-            return build_batch(out, shape, prev_rows)
+            return build_batch(out, shape, prev_rows, fill_grammars=not late)
         except Exception as e:  # noqa: BLE001 - find the culprit rows
             error = e
         culprits = []
         for s in out.seqs:
             try:
-                build_batch(SchedulerOutput([s], s.num_new_tokens, []), shape, prev_rows)
+                build_batch(SchedulerOutput([s], s.num_new_tokens, []), shape, prev_rows,
+                            fill_grammars=not late)
             except Exception as e:  # noqa: BLE001
                 culprits.append((s.request, f"building the step's batch failed: {e!r}"))
         failed.extend(culprits or [(s.request, f"building the step's batch failed: {error!r}")
@@ -350,10 +356,7 @@ class Engine:
 
     def _group_of(self, req: Request) -> Group | None:
         group = self._groups.get(req.request_id)
-        if group is None or req.sample_index >= len(group.seqs) or \
-                group.seqs[req.sample_index] is not req:
-            return None
-        return group
+        return group if group is not None and group.holds(req) else None
 
     def _fail(self, failures: list[tuple[Request, str]], touched: dict[str, Group]) -> None:
         """Finish each failed sequence with ERROR and its message, and the other samples of
@@ -389,8 +392,8 @@ class Engine:
             self.scheduler.finish(req, FinishReason.STOP)
 
     def _error_output(self, g: Group, message: str) -> RequestOutput:
-        """A final output for a request whose output could not be built: its unfinished
-        samples end with ERROR (finished ones keep their reason; no sample is blamed)."""
+        """The final output of a request whose output failed: unfinished samples end with
+        ERROR, finished ones keep their reason."""
         for seq in g.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, FinishReason.ERROR, message)

@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxserve.engine.batch import StepBatch
 from jaxserve.engine.fault_injection import FaultInjector, InjectedFault
-from jaxserve.engine.runner import StepResult
+from jaxserve.engine.runner import LateMask, StepResult
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 
 
@@ -72,9 +72,12 @@ class ArithmeticRunner:
     def execute(self, batch: StepBatch) -> StepResult:
         return self.collect(self.dispatch(batch))
 
-    def dispatch(self, batch: StepBatch) -> FakePending:
+    def dispatch(self, batch: StepBatch, late_mask: LateMask | None = None) -> FakePending:
         if self._injector is not None:
             self._injector.check(batch)
+        if late_mask is not None:  # between the (here, no) forward and the sampler
+            bitmask, constrained = late_mask()
+            batch = dataclasses.replace(batch, bitmask=bitmask, constrained=constrained)
         result = self._compute(batch)
         now = time.monotonic()
         start = now if self._busy_until is None else max(now, self._busy_until)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.engine.batch import StepBatch
-from jaxserve.engine.runner import PendingStep, Runner, RunnerFailed, StepResult
+from jaxserve.engine.runner import LateMask, PendingStep, Runner, RunnerFailed, StepResult
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +85,10 @@ class FaultInjectingRunner:
     def execute(self, batch: StepBatch) -> StepResult:
         return self.collect(self.dispatch(batch))
 
-    def dispatch(self, batch: StepBatch) -> PendingStep:
+    def dispatch(self, batch: StepBatch, late_mask: LateMask | None = None) -> PendingStep:
         self.injector.check(batch)
-        return self.inner.dispatch(batch)
+        return self.inner.dispatch(batch, late_mask) if late_mask is not None else \
+            self.inner.dispatch(batch)
 
     def collect(self, pending: PendingStep) -> StepResult:
         return self.inner.collect(pending)

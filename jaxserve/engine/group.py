@@ -10,6 +10,7 @@ sequences' KV state stays the scheduler's; a Group only reads the sequences.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.outputs import (CompletionOutput, RequestOutput, RequestOutputKind,
@@ -34,6 +35,20 @@ class Group:
     kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     done_reported: bool = False
     prompt_logprobs_sent: bool = False  # a DELTA request's prompt logprobs went out
+
+    @classmethod
+    def create(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+               params: SamplingParams, seqs: list[Request], backend: Any,
+               kind: RequestOutputKind) -> "Group":
+        """A new request's group: a detokenizer per sample (`backend`: the tokenizer's)."""
+        n = len(seqs)
+        return cls(request_id, prompt, prompt_token_ids, params, seqs,
+                   [IncrementalDetokenizer(backend, params) for _ in seqs], [0] * n, [0] * n,
+                   [0.0] * n, kind)
+
+    def holds(self, req: Request) -> bool:
+        """Whether `req` is this group's sample (not a stale or foreign sequence)."""
+        return req.sample_index < len(self.seqs) and self.seqs[req.sample_index] is req
 
     def error_output(self, message: str) -> RequestOutput:
         """A final output for a request whose output could not be built (the caller has

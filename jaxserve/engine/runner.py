@@ -7,6 +7,12 @@ step's sampled tokens on the device, and the next batch's `feed_rows` read them 
 Steps run in dispatch order; a runner may have one step in flight besides the one being
 dispatched. `execute(batch)` = `collect(dispatch(batch))` (warmup, followers, scripts).
 
+A step whose sampler needs the host to see the previous step's tokens first (a grammar's
+token mask) is dispatched with `late_mask`: the runner queues the step's forward, then calls
+`late_mask()` (the engine applies the previous step there and fills the mask, while the
+device runs the forward) and queues the sampler with the (bitmask, constrained) it returns in
+place of the batch's. So grammar-constrained steps keep the device busy too.
+
 Implementations: `model_runner.ModelRunner` (the model on a device), `multihost.LeaderRunner`
 (the same on several hosts) and `fake_runner.ArithmeticRunner` (arithmetic outputs, for
 scheduler tests and host benchmarks).
@@ -25,7 +31,7 @@ dispatched may have read its outputs).
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -43,6 +49,11 @@ class StepResult:
     prompt_logprob: np.ndarray | None = None  # f32[L]
     prompt_top_ids: np.ndarray | None = None  # i32[L, MAX_LOGPROBS]
     prompt_top_logprobs: np.ndarray | None = None  # f32[L, MAX_LOGPROBS]
+
+
+# Called between a step's forward and its sampler: (i32[S_b, W] bitmask or None, bool[S_b]
+# constrained rows), replacing the batch's `bitmask` / `constrained`.
+LateMask = Callable[[], tuple["np.ndarray | None", np.ndarray]]
 
 
 class RunnerFailed(RuntimeError):
@@ -66,8 +77,9 @@ class Runner(Protocol):
     def arm(self) -> None:
         """Warmup is over (for every engine of the process): count compiles from now on."""
 
-    def dispatch(self, batch: StepBatch) -> PendingStep:
-        """Queue one step on the device; RunnerFailed when it fails (module docstring)."""
+    def dispatch(self, batch: StepBatch, late_mask: LateMask | None = None) -> PendingStep:
+        """Queue one step on the device; RunnerFailed when it fails (module docstring).
+        `late_mask`: called once the forward is queued, for the sampler's grammar mask."""
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Wait for a dispatched step's result (steps are collected in dispatch order)."""
