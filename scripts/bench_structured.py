@@ -46,10 +46,10 @@ class FillTimer:
         if self._real is None:  # a build without structured output (--fractions 0 only)
             return self
 
-        def timed(num_seqs, vocab_size, rows):  # noqa: ANN001, ANN202
+        def timed(num_seqs, vocab_size, rows, *rest):  # noqa: ANN001, ANN002, ANN202
             t0 = time.perf_counter()
             try:
-                return self._real(num_seqs, vocab_size, rows)
+                return self._real(num_seqs, vocab_size, rows, *rest)
             finally:
                 if rows:
                     self.seconds += time.perf_counter() - t0
