@@ -140,3 +140,27 @@ def test_object_properties_come_in_the_schemas_order(compiler, tokenizer) -> Non
         assert list(json.loads(text)) == ["name", "age"], text
     seq = compiler.matcher(compiler.compile(StructuredOutputs(json=json.dumps(schema))))
     assert all(seq.accept(t) for t in tokenizer.encode('{"name": "Ada", "age": 36}'))
+
+
+def test_the_bundled_gguf_tokenizer_takes_a_grammar() -> None:
+    """llguidance's vocabulary from a GGUF-loaded tokenizer (the bundled SmolLM2's): a JSON
+    text in the schema's shape is accepted token by token and ends the grammar; a token that
+    breaks it is refused."""
+    from jaxserve.models.bundled import BundledModelMissing, bundled_model_path
+
+    try:
+        path = bundled_model_path()
+    except BundledModelMissing as e:
+        pytest.skip(str(e))
+    tok = Tokenizer.from_gguf(path)
+    gguf = GrammarCompiler(tok, tok.vocab_size)
+    schema = {"type": "object", "properties": {"city": {"type": "string"},
+                                               "n": {"type": "integer"}},
+              "required": ["city", "n"], "additionalProperties": False}
+    grammar = gguf.compile(StructuredOutputs(json=schema))
+    seq = gguf.matcher(grammar)
+    assert all(seq.accept(t) for t in tok.encode('{"city": "Paris", "n": 2}',
+                                                 add_special_tokens=False))
+    assert seq.accept(tok.eos_token_ids[0]) and seq.finished
+    bad = gguf.matcher(grammar)
+    assert not bad.accept(tok.encode("[", add_special_tokens=False)[0])
