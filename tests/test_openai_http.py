@@ -380,7 +380,9 @@ def test_queue_full_and_engine_stopped_statuses() -> None:
         for exc in (QueueFull("7 sequences are waiting"), EngineStopped("stopping")):
             front = OpenAIHttpFront()
             port = await front.start("127.0.0.1", 0)
-            engine = types.SimpleNamespace(limits=limits, tokenizer=None)
+            # A stand-in engine: admission reads only the tokenizer's chat template here.
+            engine = types.SimpleNamespace(
+                limits=limits, tokenizer=types.SimpleNamespace(chat_template=None))
             front.attach(Refusing(exc), ServedModel(engine, "fake"))
             out.append(await post(f"http://127.0.0.1:{port}", {"prompt": [5, 6]}))
             front.calls.draining = True
