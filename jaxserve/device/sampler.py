@@ -115,7 +115,8 @@ def _masked_word_max(words: jax.Array, st: SamplingTensors) -> jax.Array:
 def _masked_word_max_rows(words: jax.Array, st: SamplingTensors) -> jax.Array:
     """`_masked_word_max` 16 rows at a time: XLA:CPU writes the masked words out before its
     reduction, and at 256 rows of a 49k vocabulary that 50 MB pass cost 45 ms against 11 ms
-    in cache-sized pieces (scripts/bench_sampler.py)."""
+    in cache-sized pieces (a scratch timing of this reduction alone; the whole masked
+    sampler: `scripts/bench_sampler.py`)."""
     S, W, _ = words.shape
     if S <= ROW_CHUNK or S % ROW_CHUNK:
         return _masked_word_max(words, st)
@@ -143,7 +144,7 @@ def greedy_tokens(logits: jax.Array, st: SamplingTensors, masked: bool) -> jax.A
     maximum of each word (a vectorised reduction, into which the mask's bits fold), the first
     best word, then the first best token inside it. XLA:CPU's argmax is a scalar loop: 2.1 ->
     1.3 ms at 32 rows of a 49k vocabulary, 15.6 -> 5.5 ms at 256, and a fused mask made its
-    loop 3x slower still."""
+    loop 3x slower still (scratch timings of the argmax alone)."""
     words = _as_words(logits)
     if masked:
         word_max = jax.lax.platform_dependent(words, st, cpu=_masked_word_max_rows,

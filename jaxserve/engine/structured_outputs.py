@@ -89,12 +89,6 @@ class StructuredOutputs:
                 list(value) if name == "choice" else value}
 
 
-def coerce(value: Any) -> Any:
-    """A spec field's value as StructuredOutputs (from a mapping); anything else unchanged, for
-    the rule to refuse."""
-    return StructuredOutputs.from_mapping(value) if isinstance(value, Mapping) else value
-
-
 def _schema_text(schema: Any) -> str:
     """A JSON schema given as an object, a bool or JSON text, as JSON text (keys in order)."""
     field = f"{NAME}.json"
