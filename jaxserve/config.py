@@ -14,6 +14,11 @@ from typing import Mapping
 
 DTYPES = ("float32", "bfloat16", "float16")
 DENSE_IMPLS = ("auto", "xla", "cpu")
+# Weight storage (`jaxserve.models.quant`): auto keeps a checkpoint's own quantization (GGUF
+# blocks) and float weights float; none dequantizes everything; a scheme quantizes at load.
+QUANTIZATION_SCHEMES = ("int8", "fp8", "int4")
+QUANTIZATIONS = ("auto", "none", *QUANTIZATION_SCHEMES)
+FP8_ACTIVATIONS = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +160,15 @@ class EngineConfig:
     # "xla" keeps XLA's dot; "auto": cpu on a CPU host with float32 weights and no tensor
     # parallelism, else xla.
     dense_impl: str = "auto"
+    # Dense weights: auto | none | int8 | fp8 | int4 (QUANTIZATIONS above; README
+    # "Quantization"). Group size: input rows per scale (None: int8 / fp8 one scale per output
+    # column, int4 the first of 128 / 64 / 32 that divides the layer's input size).
+    quantization: str = "auto"
+    quantization_group_size: int | None = None
+    quantize_lm_head: bool = False  # the lm_head (a tied embedding) too, with --quantization
+    # fp8 only: quantize activations per token too and run fp8 x fp8 dots (W8A8); auto: where
+    # the device has fp8 matmuls (CUDA compute capability >= 8.9: Ada, Hopper, Blackwell).
+    fp8_activations: str = "auto"
     # None: 1, 2, 4, 8, multiples of 8 to 64, then 4 per octave up to the token budget
     token_buckets: tuple[int, ...] | None = None
     # None: one per token bucket, min(tokens, max_num_seqs); else every (tokens, seqs) pair
@@ -204,6 +218,18 @@ class EngineConfig:
                              "token id (>= 0) or None")
         if self.dense_impl not in DENSE_IMPLS:
             raise ValueError(f"dense_impl={self.dense_impl!r} must be one of {DENSE_IMPLS}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r} must be one of "
+                             f"{QUANTIZATIONS}")
+        g = self.quantization_group_size
+        if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g < 2 or g % 2):
+            raise ValueError(f"quantization_group_size={g!r} must be an even integer >= 2")
+        if self.fp8_activations not in FP8_ACTIVATIONS:
+            raise ValueError(f"fp8_activations={self.fp8_activations!r} must be one of "
+                             f"{FP8_ACTIVATIONS}")
+        if self.fp8_activations == "on" and self.quantization != "fp8":
+            raise ValueError(f"fp8_activations='on' needs quantization='fp8', not "
+                             f"{self.quantization!r}")
         if not 0 <= self.idle_batch_window_ms <= 1000:
             raise ValueError(f"idle_batch_window_ms={self.idle_batch_window_ms!r} must be in "
                              "[0, 1000]")

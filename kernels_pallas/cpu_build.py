@@ -6,7 +6,7 @@ CPU's feature flags hash to a key -> ``<cache>/jaxserve_cpu_kernels-<key>.so`` (
 $JAXSERVE_KERNEL_CACHE_DIR, default ~/.cache/jaxserve/kernels). A missing library is compiled
 into a temporary file in the cache dir and renamed onto its name (atomic: processes building at
 once each rename identical bytes). ctypes loads it and ``jax.ffi.register_ffi_target`` registers
-its handlers (attention; write_kv + attention; dense) for the CPU platform, once per process
+its handlers (attention; write_kv + attention; dense, float and quantized) for the CPU platform, once per process
 (lru_cache). Where anything fails -- no compiler, a compile error, a load error --
 ``cpu_kernel_target`` logs one warning saying why and returns None, and callers use the jnp
 reference (``dense_kernel_target`` likewise).
@@ -34,8 +34,12 @@ log = logging.getLogger(__name__)
 TARGET = "jaxserve_ragged_paged_attention_cpu"
 WRITE_TARGET = "jaxserve_write_kv_and_attend_cpu"  # the same plus write_kv, pages in place
 DENSE_TARGET = "jaxserve_dense_cpu"  # x @ panel-packed weights (csrc/dense_cpu.cc)
+# x @ quantized panel-packed weights, by scheme (csrc/dense_quant_cpu.cc)
+DENSE_QUANT_TARGETS = {"int8": "jaxserve_dense_int8_cpu", "fp8": "jaxserve_dense_fp8_cpu",
+                       "int4": "jaxserve_dense_int4_cpu"}
 CSRC = pathlib.Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention_cpu.cc", CSRC / "dense_cpu.cc")
+SOURCES = tuple(CSRC / name for name in ("paged_attention_cpu.cc", "dense_cpu.cc",
+                                         "dense_quant_cpu.cc"))
 CACHE_ENV = "JAXSERVE_KERNEL_CACHE_DIR"
 # Built on the machine that runs it, so -march=native is safe (the key holds the CPU flags).
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
@@ -123,7 +127,10 @@ def _register(path: str) -> None:
         lib = ctypes.cdll.LoadLibrary(path)
         handlers = {TARGET: jax.ffi.pycapsule(lib.JaxservePagedAttentionCpu),
                     WRITE_TARGET: jax.ffi.pycapsule(lib.JaxservePagedAttentionWriteCpu),
-                    DENSE_TARGET: jax.ffi.pycapsule(lib.JaxserveDenseCpu)}
+                    DENSE_TARGET: jax.ffi.pycapsule(lib.JaxserveDenseCpu),
+                    DENSE_QUANT_TARGETS["int8"]: jax.ffi.pycapsule(lib.JaxserveDenseInt8Cpu),
+                    DENSE_QUANT_TARGETS["fp8"]: jax.ffi.pycapsule(lib.JaxserveDenseFp8Cpu),
+                    DENSE_QUANT_TARGETS["int4"]: jax.ffi.pycapsule(lib.JaxserveDenseInt4Cpu)}
     except (OSError, AttributeError) as e:
         raise BuildError(f"could not load {path}: {e}") from e
     for name, handler in handlers.items():

@@ -9,9 +9,11 @@ the same layer code serves the full-sequence oracle forward below and the paged 
 (`models/paged.py`); the tests add a contiguous-cache generation loop on it.
 
 Linear weights are stored `[in_features, out_features]` (x @ w), stacked over layers on axis 0.
-On a CPU host the engine may hold them packed instead (`PackedWeight`, `models/packing.py`):
-`_linear` then runs the C++ dense kernel, and `scan_layers` hands each layer the whole stack
-and its index rather than a slice (a slice is a copy of the layer's weights every step).
+Quantized, they are `QuantizedWeight`s (`models/quant.py`; a quantized tied embedding is
+stored transposed, as the lm_head it also is). On a CPU host the engine may hold them packed
+instead (`PackedWeight`, `models/packing.py`): `_linear` then runs the C++ dense kernel, and
+`scan_layers` hands each layer the whole stack and its index rather than a slice (a slice is a
+copy of the layer's weights every step).
 """
 
 from __future__ import annotations
@@ -24,27 +26,35 @@ import numpy as np
 from flax import struct
 
 from ..kernels_pallas.dense_cpu import PANEL, dense_packed
+from ..kernels_pallas.dense_quant_cpu import QuantPanels, dense_quant_packed, dequantize_columns
 from .config import ModelConfig
+from .quant import QuantizedWeight
 
 
 @struct.dataclass
 class PackedWeight:
     """A linear weight W [in, out] (or a stack of them) in the CPU dense kernel's 16-column
-    panels (`kernels_pallas.dense_cpu`); `x @ W` runs that kernel."""
+    panels (`kernels_pallas.dense_cpu`), float or quantized (`dense_quant_cpu`); `x @ W`
+    runs that kernel."""
 
-    panels: jax.Array  # f32[(L,) ceil(out / 16), in, 16]
+    panels: jax.Array | QuantPanels  # f32[(L,) ceil(out / 16), in, 16] or quantized panels
     out_features: int = struct.field(pytree_node=False)
     layer: jax.Array | None = None  # i32[]: the layer of a stack (set by scan_layers)
 
     def matmul(self, x: jax.Array) -> jax.Array:
+        if isinstance(self.panels, QuantPanels):
+            return dense_quant_packed(x.astype(jnp.float32), self.panels, self.layer,
+                                      self.out_features).astype(x.dtype)
         return dense_packed(x, self.panels, self.layer, self.out_features)
 
     def rows(self, ids: jax.Array) -> jax.Array:
         """W^T[ids] -> [..., in]: rows of the transposed weight (a tied embedding's lookup)."""
+        if isinstance(self.panels, QuantPanels):
+            return dequantize_columns(self.panels, ids)
         return self.panels[ids // PANEL, :, ids % PANEL]
 
 
-Weight = jax.Array | PackedWeight
+Weight = jax.Array | PackedWeight | QuantizedWeight
 
 
 @struct.dataclass
@@ -186,7 +196,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 
 def _linear(x: jax.Array, w: Weight, b: jax.Array | None = None) -> jax.Array:
-    if isinstance(w, PackedWeight):
+    if isinstance(w, (PackedWeight, QuantizedWeight)):
         y = w.matmul(x)
     else:
         y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype))
@@ -246,8 +256,12 @@ def run_layers(cfg: ModelConfig, layers: LayerParams, x: jax.Array, positions: j
 
 
 def embed(params: LlamaParams, tokens: jax.Array) -> jax.Array:
+    # Packed or quantized, the embedding is stored transposed (as the tied lm_head) and its
+    # rows come back in f32: cast to the activations' dtype, the norms'.
     if isinstance(params.embed, PackedWeight):
-        return params.embed.rows(tokens)
+        return params.embed.rows(tokens).astype(params.final_norm.dtype)
+    if isinstance(params.embed, QuantizedWeight):
+        return params.embed.columns(tokens).astype(params.final_norm.dtype)
     return jnp.take(params.embed, tokens, axis=0)
 
 
@@ -255,7 +269,7 @@ def lm_logits(cfg: ModelConfig, params: LlamaParams, hidden: jax.Array) -> jax.A
     """Final norm + vocabulary projection, logits in float32. hidden: [..., hidden]."""
     h = rms_norm(hidden, params.final_norm, cfg.rms_norm_eps)
     head = params.embed if params.lm_head is None else params.lm_head
-    if isinstance(head, PackedWeight):  # the tied embedding is packed transposed
+    if isinstance(head, (PackedWeight, QuantizedWeight)):  # a tied embedding: transposed
         logits = head.matmul(h.astype(jnp.float32))
     elif params.lm_head is None:
         logits = jnp.einsum("...h,vh->...v", h, params.embed.astype(h.dtype),

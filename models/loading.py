@@ -5,6 +5,9 @@ Data flow: PATH (or None for the bundled SmolLM2 GGUF) -> `detect_format` -> one
   hf:    config.json + memory-mapped safetensors -> `host_params_from_hf`
   orbax: jaxserve.json marker + config.json + `params/` -> `orbax_io.restore_params`
 and the tokenizer from the same place. The first two give LlamaParams of lazy host leaves; then
+Then `quantize_params` turns the dense weights into `QuantizedWeight`s where `quant` asks (or,
+by default, where the checkpoint is stored quantized: GGUF Q8_0 / Q4_0 / Q4_1 blocks as they
+are), one field at a time on the host, before anything is placed:
   no mesh: each leaf read whole onto the first device (the host holds one leaf at a time;
            GGUF tensors are dequantized one at a time);
   mesh:    `placement.place_params`: per leaf, each addressable device's slice is read from the
@@ -45,6 +48,8 @@ from .llama import LlamaParams
 from .orbax_io import restore_params, save_params
 from .paged import MODEL_AXIS
 from .placement import kv_head_replication, param_shardings, place_params
+from .quant import WeightQuant
+from .quantized_params import quantize_params
 from .safetensors_io import CheckpointError
 from .tokenizer import Tokenizer
 
@@ -92,12 +97,15 @@ def detect_format(path: pathlib.Path) -> Format:
 
 
 def load_model(path: str | pathlib.Path | None = None, dtype: str = "float32",
-               mesh: Mesh | None = None) -> LoadedModel:
+               mesh: Mesh | None = None, quant: WeightQuant | None = None) -> LoadedModel:
     """Load weights and tokenizer from PATH (None: the bundled SmolLM2-135M-Instruct).
 
     mesh: a tensor-parallel mesh (axis "model"); the params come back placed on their
     shardings, each device having read only its own slice (see the module docstring).
+    quant: how the dense weights are stored (`models/quantized_params.py`); None: "auto" (a
+    pre-quantized checkpoint keeps its quantization, a float one stays float).
     """
+    quant = quant or WeightQuant()
     jdtype = parse_dtype(dtype)
     path = resolve_model_path(path)
     fmt = detect_format(path)
@@ -108,15 +116,17 @@ def load_model(path: str | pathlib.Path | None = None, dtype: str = "float32",
         tokenizer = Tokenizer.from_gguf(gguf_file)
         cfg = _with_tokenizer_eos(cfg, tokenizer)
         host = host_params_from_hf(cfg, ckpt.tensors, jdtype, source=str(gguf_file))
-        params = _place(host, cfg, mesh)
+        params = _place(quantize_params(host, quant), cfg, mesh)
     elif fmt == "hf":
         cfg = read_hf_config(path)
         host = host_params_from_hf(cfg, read_hf_tensors(path), jdtype, source=str(path))
-        params = _place(host, cfg, mesh)
+        params = _place(quantize_params(host, quant), cfg, mesh)
         tokenizer = Tokenizer.from_hf_dir(path)
     else:
         cfg = read_hf_config(path)
         params = _restore(path / "params", cfg, jdtype, mesh)
+        if quant.quantizes:  # an Orbax checkpoint holds float weights
+            params = _place(quantize_params(params, quant), cfg, mesh)
         tokenizer = Tokenizer.from_hf_dir(path)
     return LoadedModel(config=cfg, params=params, tokenizer=tokenizer, source=path, format=fmt)
 
@@ -164,7 +174,7 @@ def convert(src: str | pathlib.Path | None, dst: str | pathlib.Path,
         if not overwrite:
             raise FileExistsError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
         shutil.rmtree(dst)
-    model = load_model(src, dtype)
+    model = load_model(src, dtype, quant=WeightQuant("none"))  # both formats hold floats
     dst.mkdir(parents=True)
     model.tokenizer.save(dst)
     if fmt == "hf":

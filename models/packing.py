@@ -5,7 +5,9 @@ Data flow: LlamaParams as loaded (f32 on one CPU device, weights [L, in, out]) -
 (f32[L, ceil(out / 16), in, 16]; `kernels_pallas.dense_cpu` says why) -> the engine's step,
 where `_linear` runs the C++ kernel and `scan_layers` reads each layer in place. A tied
 embedding is packed transposed, as the lm_head it also is; token lookups read its columns.
-Norms and biases stay as they are. Packing runs leaf by leaf on the host; the unpacked tree
+A `QuantizedWeight` (`models/quant.py`) is packed the same way into quantized panels
+(`kernels_pallas.dense_quant_cpu`; a quantized tied embedding is already transposed). Norms
+and biases stay as they are. Packing runs leaf by leaf on the host; the unpacked tree
 lives until the caller drops it (at load, the peak is twice the weights).
 """
 
@@ -16,29 +18,40 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..kernels_pallas.dense_cpu import pack_panels
+from ..kernels_pallas.dense_quant_cpu import pack_quant
 from .llama import LayerParams, LlamaParams, PackedWeight
+from .quant import QuantizedWeight
 
 LINEAR_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 def can_pack(params: LlamaParams) -> str | None:
-    """None if `params` can be packed, else why not (the kernel is float32, one device)."""
-    for leaf in jax.tree_util.tree_leaves(params):
-        if leaf.dtype != jnp.float32:
-            return f"the weights are {leaf.dtype}, the CPU dense kernel takes float32"
-        if len(leaf.sharding.device_set) != 1:
+    """None if `params` can be packed, else why not (the kernel takes float32 or quantized
+    weights on one device)."""
+    for node in jax.tree_util.tree_leaves(params,
+                                          is_leaf=lambda x: isinstance(x, QuantizedWeight)):
+        arrays = jax.tree_util.tree_leaves(node)
+        if not isinstance(node, QuantizedWeight) and node.dtype != jnp.float32:
+            return f"the weights are {node.dtype}, the CPU dense kernel takes float32"
+        if any(len(a.sharding.device_set) != 1 for a in arrays):
             return "the weights are sharded over several devices"
     return None
 
 
-def _pack(w: jax.Array, transpose: bool = False) -> PackedWeight:
-    host = np.asarray(w).T if transpose else np.asarray(w)
-    panels = pack_panels(host)
+def _pack(w: jax.Array | QuantizedWeight, transpose: bool = False) -> PackedWeight:
+    if isinstance(w, QuantizedWeight):  # a quantized tied embedding is already transposed
+        panels = pack_quant(np.asarray(w.values), np.asarray(w.scales),
+                            None if w.zeros is None else np.asarray(w.zeros), w.scheme)
+        out_features, like = w.shape[-1], w.values
+    else:
+        host = np.asarray(w).T if transpose else np.asarray(w)
+        panels, out_features, like = pack_panels(host), host.shape[-1], w
     # Placed as the weight was: committed to its device, or not (an uncommitted step's
     # outputs are uncommitted, and the sampler is compiled for those).
-    placed = (jax.device_put(panels, next(iter(w.sharding.device_set))) if w.committed
-              else jnp.asarray(panels))
-    return PackedWeight(panels=placed, out_features=int(host.shape[-1]))
+    device = next(iter(like.sharding.device_set))
+    placed = jax.tree.map(lambda a: jax.device_put(a, device) if like.committed
+                          else jnp.asarray(a), panels)
+    return PackedWeight(panels=placed, out_features=int(out_features))
 
 
 def pack_params(params: LlamaParams) -> LlamaParams:

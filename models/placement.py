@@ -43,6 +43,7 @@ from .config import ModelConfig
 from .host_arrays import RepeatedHeads
 from .llama import LayerParams, LlamaParams
 from .paged import KV_PAGES_SPEC, MODEL_AXIS
+from .quant import QuantizedWeight
 from .safetensors_io import CheckpointError
 
 _KV_FIELDS = ("wk", "wv", "bk", "bv")
@@ -60,8 +61,41 @@ def kv_head_replication(cfg: ModelConfig, tp: int) -> int:
     return tp // cfg.num_kv_heads
 
 
-def param_specs(cfg: ModelConfig, tp: int) -> LlamaParams:
-    """A LlamaParams of PartitionSpecs (None where the config has no such leaf)."""
+def _quant_spec(spec: P, w: QuantizedWeight, tp: int, name: str) -> QuantizedWeight:
+    """The specs of a quantized weight's arrays, from its float weight's `spec`: values split
+    as the weight; scales (and zeros) [.., K / G, N] split on N alike, and on K when the
+    groups divide by tp (per-column scales: replicated over a split K)."""
+    parts = list(spec) + [None] * (len(w.shape) - len(spec))
+    groups = w.scales.shape[-2]
+    if parts[-2] is not None and groups % tp:
+        if groups != 1:
+            raise ValueError(f"{name}: {groups} quantization groups of {w.group_size} rows do "
+                             f"not split over tensor_parallel_size={tp}; choose a group size "
+                             "that leaves a multiple of tp groups")
+        parts[-2] = None
+    scale_spec = P(*parts)
+    return QuantizedWeight(spec, scale_spec, None if w.zeros is None else scale_spec,
+                           w.scheme, w.act_fp8)
+
+
+def _with_quant_specs(specs: LlamaParams, params: LlamaParams, tp: int) -> LlamaParams:
+    """`specs` with each field that `params` holds quantized expanded to its arrays' specs."""
+    layers = {f: _quant_spec(getattr(specs.layers, f), w, tp, f"layers.{f}")
+              for f in LayerParams.__dataclass_fields__
+              if isinstance(w := getattr(params.layers, f), QuantizedWeight)}
+    out = dataclasses.replace(specs, layers=dataclasses.replace(specs.layers, **layers))
+    if isinstance(params.lm_head, QuantizedWeight):
+        out = dataclasses.replace(out, lm_head=_quant_spec(specs.lm_head, params.lm_head, tp,
+                                                           "lm_head"))
+    if isinstance(params.embed, QuantizedWeight):  # stored transposed: [hidden, vocab]
+        transposed = P(*reversed(tuple(specs.embed) + (None,) * (2 - len(specs.embed))))
+        out = dataclasses.replace(out, embed=_quant_spec(transposed, params.embed, tp, "embed"))
+    return out
+
+
+def param_specs(cfg: ModelConfig, tp: int, params: LlamaParams | None = None) -> LlamaParams:
+    """A LlamaParams of PartitionSpecs (None where the config has no such leaf); with `params`,
+    its quantized weights get one spec per array (`_quant_spec`)."""
     col = P(None, None, MODEL_AXIS)   # [L, in, out]: split outputs
     row = P(None, MODEL_AXIS, None)   # [L, in, out]: split inputs
     vec = P(None, MODEL_AXIS)         # [L, out] biases of split outputs
@@ -74,14 +108,16 @@ def param_specs(cfg: ModelConfig, tp: int) -> LlamaParams:
     # A vocabulary that tp does not divide (only toy ones) stays replicated.
     by_vocab = cfg.vocab_size % tp == 0
     lm_head = None if cfg.tie_word_embeddings else (P(None, MODEL_AXIS) if by_vocab else rep)
-    return LlamaParams(embed=P(MODEL_AXIS, None) if by_vocab else rep, layers=layers,
-                       final_norm=rep, lm_head=lm_head)
+    specs = LlamaParams(embed=P(MODEL_AXIS, None) if by_vocab else rep, layers=layers,
+                        final_norm=rep, lm_head=lm_head)
+    return specs if params is None else _with_quant_specs(specs, params, tp)
 
 
-def param_shardings(cfg: ModelConfig, mesh: Mesh) -> LlamaParams:
-    """A LlamaParams of the NamedSharding each leaf is placed on."""
+def param_shardings(cfg: ModelConfig, mesh: Mesh,
+                    params: LlamaParams | None = None) -> LlamaParams:
+    """A LlamaParams of the NamedSharding each leaf is placed on (`params`: see param_specs)."""
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec),
-                        param_specs(cfg, mesh.shape[MODEL_AXIS]),
+                        param_specs(cfg, mesh.shape[MODEL_AXIS], params),
                         is_leaf=lambda x: isinstance(x, P))
 
 
@@ -103,7 +139,8 @@ def with_replicated_kv_heads(params: LlamaParams, cfg: ModelConfig, tp: int) -> 
         if leaf.shape[-1] != cfg.kv_size:
             raise ValueError(f"layers.{field} has last axis {leaf.shape[-1]}; expected "
                              f"{cfg.kv_size} (num_kv_heads={cfg.num_kv_heads} x head_dim)")
-        views[field] = RepeatedHeads(leaf, cfg.num_kv_heads, rep)
+        # A quantized weight's arrays all end in the output axis: each is repeated alike.
+        views[field] = jax.tree.map(lambda a: RepeatedHeads(a, cfg.num_kv_heads, rep), leaf)
     return dataclasses.replace(params, layers=dataclasses.replace(lp, **views))
 
 
@@ -131,7 +168,7 @@ def place_leaf(leaf: object, sharding: NamedSharding, name: str = "leaf") -> jax
 def place_params(params: LlamaParams, cfg: ModelConfig, mesh: Mesh) -> LlamaParams:
     """Every leaf of `params` (host sources or jax arrays) onto its tensor-parallel sharding."""
     params = with_replicated_kv_heads(params, cfg, mesh.shape[MODEL_AXIS])
-    shardings = param_shardings(cfg, mesh)
+    shardings = param_shardings(cfg, mesh, params)
     named = jax.tree_util.tree_flatten_with_path(params)[0]
     leaves, treedef = jax.tree_util.tree_flatten(params)
     targets = treedef.flatten_up_to(shardings)

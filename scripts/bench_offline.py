@@ -128,11 +128,13 @@ def bench_decode(llm, batch_sizes: list[int], ctx: int) -> list[dict]:
     from jaxserve.device.model_runner import to_step_inputs
     from jaxserve.engine.batch import build_batch
     from jaxserve.engine.sampling_params import SamplingParams
+    from jaxserve.models.llama import param_shapes
 
     eng = llm.engine
     cfg = eng.runner.model_cfg
     params_bytes = sum(x.nbytes for x in jax.tree.leaves(eng.runner.params))
-    non_embed = params_bytes - eng.runner.params.embed.nbytes
+    # Weights counted from the config: a quantized embedding's bytes are not its size.
+    non_embed = sum(int(np.prod(s)) for name, s in param_shapes(cfg).items() if name != "embed")
     bw = measure_bandwidth_gbs()
     gflops = measure_matmul_gflops()
     forward = forward_only()
@@ -166,8 +168,7 @@ def bench_decode(llm, batch_sizes: list[int], ctx: int) -> list[dict]:
         while eng.has_unfinished():
             eng.step()
         kv_bytes = bs * (ctx + 1) * eng.plan.kv_bytes_per_page / eng.plan.scheduler.page_size
-        flops = 2 * bs * (non_embed / r.params.embed.dtype.itemsize + cfg.vocab_size *
-                          cfg.hidden_size)
+        flops = 2 * bs * (non_embed + cfg.vocab_size * cfg.hidden_size)
         rows.append({"num_seqs": bs, "context": ctx, "step_ms": 1e3 * min(times),
                      "decode_tok_s": bs / min(times),
                      "bandwidth_floor_ms": 1e3 * (params_bytes + kv_bytes) / (bw * 1e9),

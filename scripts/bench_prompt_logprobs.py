@@ -45,7 +45,7 @@ def e2e(llm: LLM, prompts: list[list[int]], k: int | None, rounds: int) -> float
 def device_pass(llm: LLM, T: int, runs: int) -> dict:
     r = llm.engine.runner
     hidden = jax.device_put(np.random.default_rng(T).normal(
-        0, 1, (T, r.model_cfg.hidden_size)).astype(r.params.embed.dtype))
+        0, 1, (T, r.model_cfg.hidden_size)).astype(r.params.final_norm.dtype))
     plp = jax.device_put(PromptLogprobsInputs(
         indices=np.arange(T, dtype=np.int32), targets=np.full(T, 5, np.int32),
         num=np.array([T], np.int32)))

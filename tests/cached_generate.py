@@ -115,7 +115,7 @@ def generate(params: LlamaParams, cfg: ModelConfig, prompts: Sequence[Sequence[i
     T = _bucket(int(lens.max()))
     S = min(_bucket(total, 128), max(cfg.max_position_embeddings, T))
     S = max(S, T)
-    cache = init_cache(cfg, B, S, params.embed.dtype)
+    cache = init_cache(cfg, B, S, params.final_norm.dtype)
     tokens = np.zeros((B, T), np.int32)
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = p

@@ -16,7 +16,8 @@ import logging
 import re
 from typing import Any, Callable, Mapping, Sequence
 
-from jaxserve.config import DENSE_IMPLS, DTYPES, DistributedConfig, EngineConfig
+from jaxserve.config import (DENSE_IMPLS, DTYPES, FP8_ACTIVATIONS, QUANTIZATIONS,
+                             DistributedConfig, EngineConfig)
 from jaxserve.engine import sampling_params
 
 # The serve command raises this logger to INFO: the follower lines show like the lifecycle ones.
@@ -48,6 +49,15 @@ _ENGINE_HELP = {
     "dense_impl": "dense projections: cpu packs the weights for jaxserve's C++ kernel, xla "
                   "keeps XLA's dot; auto: cpu on a CPU host with float32 weights and no "
                   "tensor parallelism",
+    "quantization": "dense weights: auto keeps a checkpoint's own quantization (GGUF Q8_0 / "
+                    "Q4_0 / Q4_1 blocks) and float weights float; none dequantizes to --dtype; "
+                    "int8 (per-channel, W8A16), fp8 (e4m3, per-channel) or int4 (grouped) "
+                    "quantize at load",
+    "quantization_group_size": "input rows per quantization scale (default: int8 / fp8 one "
+                               "per output column, int4 128, 64 or 32)",
+    "quantize_lm_head": "with --quantization, quantize the lm_head (a tied embedding) too",
+    "fp8_activations": "--quantization fp8: also quantize activations (W8A8 fp8 dots); auto: "
+                       "on GPUs with fp8 matmuls (compute capability >= 8.9)",
     "token_buckets": "comma-separated step token buckets (default: 1, 2, 4, 8, multiples of 8 "
                      "to 64, then 4 per octave up to the token budget)",
     "seq_buckets": "comma-separated sequence buckets (default: one per token bucket)",
@@ -63,7 +73,8 @@ _ENGINE_HELP = {
     "compilation_cache_dir": "JAX persistent compilation cache directory (default: "
                              "$JAXSERVE_COMPILATION_CACHE_DIR or ~/.cache/jaxserve/xla)",
 }
-_CHOICES = {"dtype": DTYPES, "kv_cache_dtype": DTYPES, "dense_impl": DENSE_IMPLS}
+_CHOICES = {"dtype": DTYPES, "kv_cache_dtype": DTYPES, "dense_impl": DENSE_IMPLS,
+            "quantization": QUANTIZATIONS, "fp8_activations": FP8_ACTIVATIONS}
 _UNITS = {"": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 

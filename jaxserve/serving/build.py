@@ -43,6 +43,8 @@ from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import LlamaParams
 from jaxserve.models.loading import LoadedModel, detect_format, load_model, resolve_model_path
 from jaxserve.models.packing import can_pack, pack_params
+from jaxserve.models.quant import WeightQuant, weight_bytes, weight_quant
+from jaxserve.models.quantized_params import quantize_params
 from jaxserve.models.paged import MODEL_AXIS
 from jaxserve.serving.async_engine import AsyncEngine
 from jaxserve.serving.async_replica_pool import AsyncReplicaPool, AsyncServing
@@ -159,7 +161,14 @@ def _place(config: EngineConfig, model: LoadedModel | None,
     # A model not given loads straight into its shardings (each device reads only its own
     # slice of the checkpoint); place_params then hands those params back unchanged.
     loaded_here = model is None
-    model = model or load_model(config.model, config.dtype, mesh=mesh)
+    quant = _weight_quant(config)
+    if model is None:
+        model = load_model(config.model, config.dtype, mesh=mesh, quant=quant)
+    elif quant.quantizes:  # a model loaded by the caller: quantize its float weights now
+        params = jax.tree.map(jnp.asarray, quantize_params(model.params, quant))
+        model = dataclasses.replace(model, params=params)
+    log.info("weights: %.1f MiB (quantization=%s)", weight_bytes(model.params) / 2**20,
+             quant.scheme + ("+fp8 activations" if quant.act_fp8 else ""))
     if mesh is None:
         params = _dense_params(config, model.params)
         if loaded_here:  # nothing else holds the unpacked weights: let them go
@@ -168,6 +177,11 @@ def _place(config: EngineConfig, model: LoadedModel | None,
     return _Placed(model, placement.tp_model_config(model.config, tp),
                    placement.place_params(model.params, model.config, mesh), mesh,
                    next(d for d in mesh.devices.flat if d.process_index == jax.process_index()))
+
+
+def _weight_quant(config: EngineConfig) -> WeightQuant:
+    return weight_quant(config.quantization, config.quantization_group_size,
+                        config.quantize_lm_head, config.fp8_activations, jax.local_devices()[0])
 
 
 def _dense_params(config: EngineConfig, params: LlamaParams) -> LlamaParams:

@@ -1,0 +1,113 @@
+"""A whole model's weights quantized at load: LlamaParams -> LlamaParams with `QuantizedWeight`s.
+
+Data flow (`load_model`, before the leaves are placed on devices): params whose leaves are
+host sources (the lazy checkpoint views of `host_arrays`, or arrays of a model already loaded)
+and a `WeightQuant` -> per linear field (wq, wk, wv, wo, w_gate, w_up, w_down), one layer at a
+time:
+  - a GGUF tensor whose blocks map exactly onto the asked scheme (or any, under "auto")
+    becomes that scheme's values and scales as stored (`gguf_quant`): no float round trip;
+  - else, if a scheme is asked, the layer is read as float and quantized (`quant.quantize_weight`);
+    under "auto", a stored quantization with no exact mapping (K-quants, mixed types) is
+    dequantized and quantized to int8 in groups of 32, with a log line;
+  - else the field stays as it is (a float checkpoint under "auto").
+The layers are stacked into one QuantizedWeight of numpy arrays (host peak: one field's
+quantized stack plus one float layer), which placement then puts on the devices like any leaf.
+The lm_head and the embedding follow the same rules, but an explicit scheme quantizes them only
+with `WeightQuant.lm_head`; a quantized embedding is stored transposed ([hidden, vocab], the
+tied lm_head's layout), which `llama.embed` reads by columns.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from .gguf_quant import block_scheme, quantized_blocks
+from .host_arrays import LazyLeaf
+from .llama import LayerParams, LlamaParams
+from .packing import LINEAR_FIELDS
+from .quant import QuantizedWeight, WeightQuant, quantize_weight
+
+log = logging.getLogger(__name__)
+
+_FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")
+FALLBACK_GROUP = 32  # int8 groups for stored quantizations with no exact mapping
+
+
+def _stack(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    first = parts[0]
+    zeros = None if first.zeros is None else np.stack([p.zeros for p in parts])
+    return QuantizedWeight(np.stack([p.values for p in parts]),
+                           np.stack([p.scales for p in parts]), zeros, first.scheme,
+                           first.act_fp8)
+
+
+def _stored(leaf: object) -> list[object] | None:
+    """The checkpoint tensors behind a lazy leaf (one per layer, or one), else None."""
+    return list(leaf.parts) if isinstance(leaf, LazyLeaf) else None
+
+
+def _is_quantized_storage(tensor: object) -> bool:
+    name = getattr(tensor, "type_name", None)
+    return name is not None and name not in _FLOAT_GGUF_TYPES
+
+
+def _float_layers(leaf: object, stacked: bool, transpose: bool) -> list[np.ndarray]:
+    """The leaf as float32 [in, out] weights, one per layer (read one at a time)."""
+    n = leaf.shape[0] if stacked else 1
+    out = []
+    for i in range(n):
+        a = np.asarray(leaf[i:i + 1] if stacked else leaf[...], np.float32)
+        a = a[0] if stacked else a
+        out.append(np.ascontiguousarray(a.T) if transpose else a)
+    return out
+
+
+def quantize_leaf(leaf: object, wq: WeightQuant, name: str, stacked: bool = True,
+                  transpose: bool = False, asked: bool = True) -> QuantizedWeight | None:
+    """One field as a QuantizedWeight of numpy arrays, or None to leave it as it is.
+
+    `transpose`: the leaf is [out, in] (an embedding); `asked`: an explicit scheme applies
+    to this field (False: the lm_head / embedding without `WeightQuant.lm_head`)."""
+    if wq.scheme == "none":
+        return None
+    stored = _stored(leaf) or []
+    kinds = {block_scheme(t) for t in stored}
+    kind = kinds.pop() if len(kinds) == 1 else None  # every layer maps onto this scheme
+    want = wq.scheme if wq.quantizes and asked else None
+    exact = kind is not None and (want is None or (want == kind and wq.group_size in (None, 32)))
+    if exact and (want is not None or wq.scheme == "auto"):
+        layers = [quantized_blocks(t) for t in stored]
+        return _stack(layers) if stacked else layers[0]
+    scheme, group = want, wq.group_size
+    if scheme is None:
+        if wq.scheme != "auto" or not any(_is_quantized_storage(t) for t in stored):
+            return None
+        scheme, group = "int8", FALLBACK_GROUP
+        types = sorted({getattr(t, "type_name", "?") for t in stored})
+        log.info("%s: stored as %s, which maps onto no jaxserve scheme exactly; dequantized "
+                 "and quantized to int8 in groups of %d", name, "/".join(types), group)
+    layers = [quantize_weight(w, scheme, group, wq.act_fp8, name)
+              for w in _float_layers(leaf, stacked, transpose)]
+    return _stack(layers) if stacked else layers[0]
+
+
+def quantize_params(params: LlamaParams, wq: WeightQuant) -> LlamaParams:
+    """`params` with each dense weight quantized as `wq` says (module docstring)."""
+    if wq.scheme == "none":
+        return params
+    layers: LayerParams = params.layers
+    for field in LINEAR_FIELDS:
+        q = quantize_leaf(getattr(layers, field), wq, f"layers.{field}")
+        if q is not None:
+            layers = layers.replace(**{field: q})
+    params = params.replace(layers=layers)
+    if params.lm_head is not None:
+        head = quantize_leaf(params.lm_head, wq, "lm_head", stacked=False, asked=wq.lm_head)
+        if head is not None:
+            params = params.replace(lm_head=head)
+    tied = params.lm_head is None
+    embed = quantize_leaf(params.embed, wq, "embed", stacked=False, transpose=True,
+                          asked=wq.lm_head and tied)
+    return params if embed is None else params.replace(embed=embed)
