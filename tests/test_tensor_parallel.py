@@ -20,6 +20,8 @@ compiles on a 2-core machine.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from engine_fixtures import run_device_worker
@@ -87,6 +89,27 @@ def _by(rows: list[dict], kv_heads: int, tp: int) -> dict:
 @pytest.mark.parametrize("kv_heads,tp", grid((2, 4, 8)))
 def test_same_tokens_and_logprobs_as_tp1(rows: list[dict], kv_heads: int, tp: int) -> None:
     base, got = _by(rows, kv_heads, 1), _by(rows, kv_heads, tp)
+    _assert_same_outputs(base, got, tp)
+
+
+def test_quantized_weights_under_tp(worker: dict) -> None:
+    """Quantized values and scales split like the float weights: TP 2 gives TP 1's greedy
+    tokens and logprobs (same tolerance), compiles nothing after warmup, and device 0 holds
+    less than the whole quantized model (the split values and scales)."""
+    quant = worker["quantized"]
+    assert quant
+    for options in {json.dumps(r["options"], sort_keys=True) for r in quant}:
+        base, got = (next(r for r in quant if json.dumps(r["options"], sort_keys=True) ==
+                          options and r["tp"] == tp) for tp in (1, 2))
+        _assert_same_outputs(base, got, 2)
+        assert got["param_bytes_device0"] < 0.75 * got["param_bytes_total"], options
+        assert got["param_bytes_total"] == base["param_bytes_total"]
+        # Stored quantized, not as floats: int4 in groups of 32 is 0.75 bytes per weight
+        # against float32's 4 (only the untied embedding stays float).
+        assert got["param_bytes_total"] < 0.5 * _by(worker["offline"], 8, 1)["param_bytes_total"]
+
+
+def _assert_same_outputs(base: dict, got: dict, tp: int) -> None:
     for rid, want in base["outputs"].items():
         have = got["outputs"][rid]
         assert have["tokens"] == want["tokens"], (rid, tp)

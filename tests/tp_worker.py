@@ -5,6 +5,7 @@ For each model (heads/KV heads) and TP size: greedy tokens, top-5 logprobs and t
 logprobs of 3 prompts, seeded structured-output requests (the 8-KV-head model),
 compiles after warmup, per-device and total bytes of the parameters and of the KV pages.
 
+Quantized weights (QUANT_ROWS) at TP 1 and 2: the same greedy outputs and bytes.
 By default one sharded configuration against its TP 1 (DEFAULT_ROWS, with FEW_TOKEN_BUCKETS)
 and the gRPC server over it; with JAXSERVE_RUN_SLOW=1 the full grid (MODELS x TP_SIZES, the
 default buckets) and the gRPC server over TP 4 with replicated KV heads.
@@ -119,6 +120,23 @@ def run(kv_heads: int, tp: int) -> dict:
             "num_pages": eng.plan.scheduler.num_pages}
 
 
+# Quantized weights under TP (the 8-KV-head model): int4 in groups of 32 (wo / w_down split by
+# input rows: 2 and 4 groups per layer, split with them) with the vocabulary-sharded lm_head
+# quantized too; with JAXSERVE_RUN_SLOW=1 also int8 per column (scales replicated over the
+# split rows) and fp8.
+QUANT_ROWS = ({"quantization": "int4", "quantization_group_size": 32, "quantize_lm_head": True},)
+QUANT_SLOW_ROWS = ({"quantization": "int8"}, {"quantization": "fp8"})
+
+
+def run_quantized(options: dict, tp: int) -> dict:
+    eng = tiny_engine(model_of(8), tensor_parallel_size=tp, **options, **engine_options())
+    outs = greedy_outputs(eng, PROMPTS)
+    p_dev, p_all = shard_bytes(eng.runner.params)
+    return {"options": options, "tp": tp, "outputs": outs,
+            "compiles_after_warmup": eng.runner.compiles_after_warmup,
+            "param_bytes_device0": p_dev, "param_bytes_total": p_all}
+
+
 def serve_grpc(kv_heads: int, tp: int) -> dict:
     """The gRPC server over a TP engine: greedy streams of the same prompts."""
     from jaxserve.server.background import BackgroundServer
@@ -142,7 +160,10 @@ if __name__ == "__main__":
     if run_slow():
         rows = [run(kv, tp) for kv in MODELS for tp in TP_SIZES]
         grpc = serve_grpc(2, 4)  # KV heads replicated
+        quant_options = QUANT_ROWS + QUANT_SLOW_ROWS
     else:
         rows = [run(kv, tp) for kv, tp in DEFAULT_ROWS]
         grpc = serve_grpc(*DEFAULT_ROWS[-1])
-    json.dump({"offline": rows, "grpc": grpc}, sys.stdout)
+        quant_options = QUANT_ROWS
+    quant = [run_quantized(o, tp) for o in quant_options for tp in (1, 2)]
+    json.dump({"offline": rows, "grpc": grpc, "quantized": quant}, sys.stdout)
