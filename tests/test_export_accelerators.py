@@ -36,7 +36,9 @@ from jaxserve.kernels_pallas import selector
 from jaxserve.kernels_pallas.selector import ragged_paged_attention
 from jaxserve.models import placement, shapes
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.llama import abstract_params
+from jaxserve.models.llama import LlamaParams, abstract_params
+from jaxserve.models.packing import LINEAR_FIELDS
+from jaxserve.models.quant import QuantizedWeight
 from jaxserve.models.paged import kv_cache_shape
 
 PLATFORMS = ("tpu", "cuda")
@@ -121,13 +123,36 @@ def exported_buckets(cfg: ModelConfig, tp: int) -> tuple[list[tuple[int, int]], 
     return buckets, plan
 
 
-def export_step(cfg: ModelConfig, platform: str, tp: int) -> None:
-    """Export `_forward_jit` and `_sample_jit` for the chosen buckets; asserts the kernel."""
+def abstract_quantized(params: LlamaParams, scheme: str, group: int | None,
+                       act_fp8: bool = False) -> LlamaParams:
+    """`params` with every dense layer weight an abstract QuantizedWeight of `scheme`."""
+    def one(w: SDS) -> QuantizedWeight:
+        *lead, k, n = w.shape
+        groups = 1 if group is None else k // group
+        values = {"int8": SDS((*lead, k, n), jnp.int8), "int4": SDS((*lead, k // 2, n), jnp.uint8),
+                  "fp8": SDS((*lead, k, n), jnp.float8_e4m3fn)}[scheme]
+        scales = SDS((*lead, groups, n), jnp.float32)
+        return QuantizedWeight(values, scales, scales if scheme == "int4" else None, scheme,
+                               act_fp8)
+
+    layers = params.layers.replace(**{f: one(getattr(params.layers, f)) for f in LINEAR_FIELDS})
+    return params.replace(layers=layers)
+
+
+def export_step(cfg: ModelConfig, platform: str, tp: int,
+                quant: tuple[str, int | None, bool] | None = None) -> None:
+    """Export `_forward_jit` and `_sample_jit` for the chosen buckets; asserts the kernel.
+    `quant`: (scheme, group size, fp8 activations) of the dense weights, else bf16."""
     impl = select_impl("auto", platform)
     buckets, plan = exported_buckets(cfg, tp)
     mesh = None
     run_cfg = cfg
-    params = abstract_params(cfg, jnp.bfloat16)
+
+    def weights(c: ModelConfig) -> LlamaParams:
+        params = abstract_params(c, jnp.bfloat16)
+        return params if quant is None else abstract_quantized(params, *quant)
+
+    params = weights(cfg)
     kv_shape = kv_cache_shape(cfg, plan.scheduler.num_pages, plan.scheduler.page_size,
                               padded_head_dim(cfg.head_dim))
     kv = SDS(kv_shape, jnp.bfloat16)
@@ -138,10 +163,10 @@ def export_step(cfg: ModelConfig, platform: str, tp: int) -> None:
     if tp > 1:
         mesh = AbstractMesh((tp,), (placement.MODEL_AXIS,))
         run_cfg = placement.tp_model_config(cfg, tp)
+        run_params = weights(run_cfg)
         params = jax.tree.map(lambda a, spec: SDS(a.shape, a.dtype,
                                                   sharding=NamedSharding(mesh, spec)),
-                              abstract_params(run_cfg, jnp.bfloat16),
-                              placement.param_specs(cfg, tp))
+                              run_params, placement.param_specs(cfg, tp, run_params))
         kv_shape = kv_cache_shape(run_cfg, plan.scheduler.num_pages,
                                   plan.scheduler.page_size, padded_head_dim(cfg.head_dim))
         kv = SDS(kv_shape, jnp.bfloat16, sharding=placement.kv_sharding(mesh))
@@ -179,6 +204,22 @@ def test_engine_step_lowers_for_platform(model: str, platform: str) -> None:
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_engine_step_lowers_under_tensor_parallelism(platform: str) -> None:
     export_step(MODELS["llama3-8b"], platform, tp=8)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("quant", [("int8", None, False), ("int4", 128, False),
+                                   ("fp8", None, False), ("fp8", None, True)],
+                         ids=["int8", "int4-g128", "fp8", "fp8-w8a8"])
+def test_quantized_step_lowers_for_platform(quant: tuple, platform: str) -> None:
+    """Quantized dense weights (values converted and scaled inside the step; W8A8: fp8 x fp8
+    dots) lower for TPU and CUDA, with the attention kernel still the only custom call."""
+    export_step(MODELS[sorted(MODELS)[0]], platform, tp=1, quant=quant)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_quantized_step_lowers_under_tensor_parallelism(platform: str) -> None:
+    """int4 values, scales and zeros of the 8B model split over 8 devices as the weights."""
+    export_step(MODELS["llama3-8b"], platform, tp=8, quant=("int4", 128, False))
 
 
 # --------------------------------------------------------------------------- GPU selection

@@ -110,7 +110,9 @@ inline v8 fp8x8(const uint8_t* p) {
   const u16x8 b = __builtin_convertvector(*reinterpret_cast<const u8x8*>(p), u16x8);
   const u16x8 h = ((b & 0x80) << 8) | ((b & 0x7F) << 7);
   v8 out;
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<float>(*reinterpret_cast<const _Float16*>(&h[i]));
+  for (int i = 0; i < 8; ++i) {
+    out[i] = static_cast<float>(*reinterpret_cast<const _Float16*>(&h[i]));
+  }
   return out;
 #endif
 }
