@@ -7,9 +7,9 @@ $JAXSERVE_KERNEL_CACHE_DIR, default ~/.cache/jaxserve/kernels). A missing librar
 into a temporary file in the cache dir and renamed onto its name (atomic: processes building at
 once each rename identical bytes). ctypes loads it and ``jax.ffi.register_ffi_target`` registers
 its handlers (attention; write_kv + attention; dense, float and quantized) for the CPU
-platform, once per process (lru_cache). Where anything fails -- no compiler, a compile error, a load error --
-``cpu_kernel_target`` logs one warning saying why and returns None, and callers use the jnp
-reference (``dense_kernel_target`` likewise).
+platform, once per process (lru_cache). Where anything fails -- no compiler, a compile error,
+a load error -- ``cpu_kernel_target`` logs one warning saying why and returns None, and
+callers use the jnp reference (``dense_kernel_target`` likewise).
 """
 
 from __future__ import annotations
