@@ -61,17 +61,15 @@ def kv_head_replication(cfg: ModelConfig, tp: int) -> int:
     return tp // cfg.num_kv_heads
 
 
-def _quant_spec(spec: P, w: QuantizedWeight, tp: int, name: str) -> QuantizedWeight:
+def _quant_spec(spec: P, w: QuantizedWeight, tp: int) -> QuantizedWeight:
     """The specs of a quantized weight's arrays, from its float weight's `spec`: values split
     as the weight; scales (and zeros) [.., K / G, N] split on N alike, and on K when the
-    groups divide by tp (per-column scales: replicated over a split K)."""
+    groups divide by tp. Otherwise (per-column scales, or groups a device's rows cut through:
+    a 32-row GGUF block over 16 rows per device) the scales stay whole on every device over
+    the split K, and each device reads the rows of them its values need: they are small
+    (int4 in groups of 32: 1/4 of the values' bytes, f32 scales and zeros)."""
     parts = list(spec) + [None] * (len(w.shape) - len(spec))
-    groups = w.scales.shape[-2]
-    if parts[-2] is not None and groups % tp:
-        if groups != 1:
-            raise ValueError(f"{name}: {groups} quantization groups of {w.group_size} rows do "
-                             f"not split over tensor_parallel_size={tp}; choose a group size "
-                             "that leaves a multiple of tp groups")
+    if parts[-2] is not None and w.scales.shape[-2] % tp:
         parts[-2] = None
     scale_spec = P(*parts)
     return QuantizedWeight(spec, scale_spec, None if w.zeros is None else scale_spec,
@@ -80,16 +78,15 @@ def _quant_spec(spec: P, w: QuantizedWeight, tp: int, name: str) -> QuantizedWei
 
 def _with_quant_specs(specs: LlamaParams, params: LlamaParams, tp: int) -> LlamaParams:
     """`specs` with each field that `params` holds quantized expanded to its arrays' specs."""
-    layers = {f: _quant_spec(getattr(specs.layers, f), w, tp, f"layers.{f}")
+    layers = {f: _quant_spec(getattr(specs.layers, f), w, tp)
               for f in LayerParams.__dataclass_fields__
               if isinstance(w := getattr(params.layers, f), QuantizedWeight)}
     out = dataclasses.replace(specs, layers=dataclasses.replace(specs.layers, **layers))
     if isinstance(params.lm_head, QuantizedWeight):
-        out = dataclasses.replace(out, lm_head=_quant_spec(specs.lm_head, params.lm_head, tp,
-                                                           "lm_head"))
+        out = dataclasses.replace(out, lm_head=_quant_spec(specs.lm_head, params.lm_head, tp))
     if isinstance(params.embed, QuantizedWeight):  # stored transposed: [hidden, vocab]
         transposed = P(*reversed(tuple(specs.embed) + (None,) * (2 - len(specs.embed))))
-        out = dataclasses.replace(out, embed=_quant_spec(transposed, params.embed, tp, "embed"))
+        out = dataclasses.replace(out, embed=_quant_spec(transposed, params.embed, tp))
     return out
 
 

@@ -8,6 +8,8 @@ params on each device, and, for the host-sliced formats, every box the loader as
 checkpoint tensor (recorded by wrapping the tensors that `load_model` reads), and whether
 placing the loaded params again (as `build_engine` does) leaves them as they are. Plus the
 greedy tokens of a TP 4 engine over a GGUF loaded straight onto its mesh, and of TP 1.
+The loads are float (quantization none: the per-device reads); the engine's GGUF keeps its
+quant blocks (quantization auto).
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ from jaxserve.models import loading, placement
 from jaxserve.models.gguf_loader import LazyGGUF
 from jaxserve.models.hf_loader import hf_tensors_from_params, save_hf_dir
 from jaxserve.models.loading import LoadedModel
+from jaxserve.models.quant import QuantizedWeight, WeightQuant
+
+# The float path: every leaf read per device from the checkpoint (GGUF blocks dequantized).
+# Quantized fields are assembled on the host per field (models/quantized_params.py) instead.
+FLOAT = WeightQuant("none")
 
 MODELS = {  # heads 8 / KV heads 2: TP 4 replicates each KV head twice
     "llama_bias": dict(num_heads=8, num_kv_heads=2, head_dim=8, hidden_size=64,
@@ -130,7 +137,7 @@ def recorded_load(path: pathlib.Path, mesh: jax.sharding.Mesh, log: list) -> Loa
 
     loading.read_hf_tensors, loading.open_gguf = hf_tensors, gguf_file  # type: ignore[assignment]
     try:
-        return loading.load_model(path, mesh=mesh)
+        return loading.load_model(path, mesh=mesh, quant=FLOAT)
     finally:
         loading.read_hf_tensors, loading.open_gguf = real_hf, real_gguf
 
@@ -145,7 +152,7 @@ def check(name: str, fmt: str, path: pathlib.Path, tp: int) -> dict:
     mesh = placement.make_tp_mesh(tp)
     log: list = []
     got = recorded_load(path, mesh, log)
-    ref_model = loading.load_model(path)
+    ref_model = loading.load_model(path, quant=FLOAT)
     ref = placement.place_params(ref_model.params, ref_model.config, mesh)
     mismatched = []
     for (kp, a), b in zip(jax.tree_util.tree_leaves_with_path(got.params), jax.tree.leaves(ref)):
@@ -179,10 +186,14 @@ def greedy_tokens(model: LoadedModel, tp: int) -> list[int]:
 
 
 def engine_over_sharded_load(path: pathlib.Path, tp: int) -> dict:
-    """An engine over a model loaded straight onto its TP mesh generates the TP 1 tokens."""
+    """An engine over a model loaded straight onto its TP mesh generates the TP 1 tokens. The
+    GGUF's Q8_0 / Q4_0 blocks load as they are stored (quantization auto): 32-row groups over
+    16 rows per device keep their scales whole on each device (placement._quant_spec)."""
+    sharded = loading.load_model(path, mesh=placement.make_tp_mesh(tp))
     return {"tp1": greedy_tokens(loading.load_model(path), 1),
-            "sharded_load": greedy_tokens(loading.load_model(path, mesh=placement.make_tp_mesh(tp)),
-                                          tp)}
+            "sharded_load": greedy_tokens(sharded, tp),
+            "quantized": [f for f in ("wq", "wo", "w_down")
+                          if isinstance(getattr(sharded.params.layers, f), QuantizedWeight)]}
 
 
 if __name__ == "__main__":

@@ -2,13 +2,14 @@
 
 In a subprocess with 8 virtual devices (`tests/sharded_load_worker.py`; the device count is
 fixed when jax starts): tiny models saved as HF safetensors, Orbax and GGUF (mixed quant types),
-one with KV heads that TP 4 must replicate, loaded with `load_model(path, mesh=...)` at TP 2 / 4.
+one with KV heads that TP 4 must replicate, loaded with `load_model(path, mesh=..., quant=none)` (float: the per-device reads) at TP 2 / 4.
 Checked: every leaf equals the reference path (`place_params(load_model(path).params)`) exactly,
 with the same sharding; each device holds exactly its share of the bytes; and every box asked of
 a checkpoint tensor is exactly one device's slice of it (no tensor of a split leaf read whole,
 each read once per device). In-process: the lazy views read exactly what a full read then a
 slice would give, and GGUF dequantizes only the rows and quant blocks a box covers. And a TP 4
-engine over a GGUF loaded onto its mesh generates the TP 1 greedy tokens.
+engine over a GGUF loaded onto its mesh (its quant blocks as stored) generates the TP 1
+greedy tokens.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def test_engine_over_a_gguf_loaded_onto_its_mesh(worker: dict) -> None:
     """TP 4 (KV heads replicated) straight from a quantized GGUF: the TP 1 greedy tokens."""
     got = worker["engine_tp4"]
     assert len(got["tp1"]) == 8 and got["sharded_load"] == got["tp1"]
+    assert got["quantized"] == ["wq", "wo", "w_down"]  # its blocks as stored (auto)
 
 
 def _leaf_bytes(c: dict, tp: int) -> tuple[int, int]:
