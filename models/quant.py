@@ -51,6 +51,9 @@ class WeightQuant:
     group_size: int | None = None  # None: int8 / fp8 per column, int4 INT4_GROUPS
     lm_head: bool = False  # also the lm_head (a tied embedding: both its uses)
     act_fp8: bool = False  # fp8 only: W8A8 (activations quantized per token)
+    # The platform runs fp8 dots (and fp8 activations are not turned off): under "auto", a
+    # checkpoint made for dynamic fp8 activations (compressed-tensors W8A8) keeps them.
+    fp8_matmuls: bool = False
 
     def __post_init__(self) -> None:
         if self.scheme not in CHOICES:
@@ -142,9 +145,10 @@ def has_fp8_matmuls(device: jax.Device) -> bool:
 def weight_quant(scheme: str, group_size: int | None, lm_head: bool, fp8_activations: str,
                  device: jax.Device) -> WeightQuant:
     """The WeightQuant of the engine options (fp8_activations auto | on | off)."""
+    fp8_matmuls = fp8_activations != "off" and has_fp8_matmuls(device)
     act = fp8_activations == "on" or (fp8_activations == "auto" and scheme == "fp8"
-                                      and group_size is None and has_fp8_matmuls(device))
-    return WeightQuant(scheme, group_size, lm_head, act)
+                                      and group_size is None and fp8_matmuls)
+    return WeightQuant(scheme, group_size, lm_head, act, fp8_matmuls)
 
 
 # ------------------------------------------------------------------ host quantizers (numpy)
