@@ -138,14 +138,13 @@ def parse_config(qc: object, source: str = "config.json") -> CompressedConfig:
 
 
 class PackedInt8:
-    """pack-quantized 8-bit values, i32 [out, ceil(in / 4)] -> an i8 [out, in] HostArray."""
+    """pack-quantized 8-bit values, i32 [out, ceil(in / 4)] -> an i8 [out, in] HostArray (a box
+    reads only the int32 columns that cover it)."""
 
     dtype = np.dtype(np.int8)
 
-    def __init__(self, packed: np.ndarray, in_features: int) -> None:
-        # The file's bytes in order: byte 4 i + j of a row is column 4 i + j (little-endian).
-        self.bytes = packed.view(np.uint8)  # u8 [out, 4 * ceil(in / 4)]
-        self.shape = (packed.shape[0], in_features)
+    def __init__(self, packed: HostArray, in_features: int) -> None:
+        self.packed, self.shape = packed, (packed.shape[0], in_features)
 
     @property
     def ndim(self) -> int:
@@ -153,7 +152,11 @@ class PackedInt8:
 
     def __getitem__(self, index: object) -> np.ndarray:
         rows, cols = normalize_box(index, self.shape, "pack-quantized weight")
-        return (self.bytes[rows, cols] ^ np.uint8(0x80)).view(np.int8)  # q + 128 -> q
+        w0, w1 = cols.start // 4, -(-cols.stop // 4)
+        words = np.ascontiguousarray(np.asarray(self.packed[rows, w0:w1]), dtype="<i4")
+        # Byte 4 i + j of a row of little-endian int32s is column 4 i + j, stored as q + 128.
+        raw = words.view(np.uint8).reshape(words.shape[0], 4 * (w1 - w0))
+        return (raw[:, cols.start - 4 * w0:cols.stop - 4 * w0] ^ np.uint8(0x80)).view(np.int8)
 
 
 class CompressedTensor:
@@ -215,7 +218,7 @@ def _values(tensors: Mapping[str, HostArray], prefix: str, cfg: CompressedConfig
             raise CheckpointError(f"{source}: tensor {shape_name!r} = {shape.tolist()} does not "
                                   f"match {name!r} of shape {list(packed.shape)} (4 values "
                                   "per int32)")
-        return PackedInt8(np.asarray(packed), int(shape[1])), [name, shape_name]
+        return PackedInt8(packed, int(shape[1])), [name, shape_name]
     name = f"{prefix}.weight"
     if name not in tensors:
         raise CheckpointError(f"{source}: tensor {prefix}.weight_scale has no {name!r}")

@@ -1,7 +1,7 @@
 """HF-format checkpoints <-> `LlamaParams`.
 
 Data flow (load): directory -> `config.json` -> ModelConfig; `model.safetensors` or the shards
-named by `model.safetensors.index.json` -> {HF tensor name: read-only memmap} (`read_hf_weights`:
+named by `model.safetensors.index.json` -> {HF tensor name: read-only memmap} (`with_quantized_views`:
 with a compressed-tensors `quantization_config`, each quantized linear's values and scale as one
 lazy `compressed_tensors.CompressedTensor`) ->
 `host_params_from_hf` (checks every name, shape and dtype; reads nothing) -> LlamaParams of
@@ -130,14 +130,14 @@ def read_hf_tensors(model_dir: pathlib.Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def read_hf_weights(model_dir: pathlib.Path) -> dict[str, HostArray]:
-    """`read_hf_tensors`, with a pre-quantized checkpoint's linears (config.json's
+def with_quantized_views(model_dir: pathlib.Path,
+                         tensors: Mapping[str, HostArray]) -> dict[str, HostArray]:
+    """`tensors` (`read_hf_tensors`) with a pre-quantized checkpoint's linears (config.json's
     `quantization_config`) wrapped as `CompressedTensor`s (float32 to the float path)."""
-    tensors = read_hf_tensors(model_dir)
     config = model_dir / "config.json"
     qc = _read_json_object(config).get("quantization_config")
     if qc is None:
-        return tensors
+        return dict(tensors)
     return wrap_tensors(tensors, parse_config(qc, str(config)), str(model_dir))
 
 
@@ -257,5 +257,5 @@ def save_hf_dir(out_dir: pathlib.Path, cfg: ModelConfig, params: LlamaParams,
 
 
 __all__ = ["ConfigError", "CheckpointError", "read_hf_config", "read_hf_tensors",
-           "read_hf_weights", "params_from_hf", "host_params_from_hf", "hf_tensors_from_params",
+           "with_quantized_views", "params_from_hf", "host_params_from_hf", "hf_tensors_from_params",
            "save_hf_dir"]

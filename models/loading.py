@@ -43,7 +43,8 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from .bundled import bundled_model_path
 from .config import ModelConfig
 from .gguf_loader import open_gguf
-from .hf_loader import host_params_from_hf, read_hf_config, read_hf_weights, save_hf_dir
+from .hf_loader import (host_params_from_hf, read_hf_config, read_hf_tensors, save_hf_dir,
+                        with_quantized_views)
 from .host_arrays import read_all
 from .llama import LlamaParams
 from .orbax_io import restore_params, save_params
@@ -120,7 +121,8 @@ def load_model(path: str | pathlib.Path | None = None, dtype: str = "float32",
         params = _place(quantize_params(host, quant), cfg, mesh)
     elif fmt == "hf":
         cfg = read_hf_config(path)
-        host = host_params_from_hf(cfg, read_hf_weights(path), jdtype, source=str(path))
+        tensors = with_quantized_views(path, read_hf_tensors(path))
+        host = host_params_from_hf(cfg, tensors, jdtype, source=str(path))
         params = _place(quantize_params(host, quant), cfg, mesh)
         tokenizer = Tokenizer.from_hf_dir(path)
     else:
