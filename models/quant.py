@@ -1,8 +1,9 @@
 """Weight-only quantization of the dense layers: the format, the host quantizers, the matmul.
 
 Data flow: a float weight W [(L,) K, N] (``x @ W``, layers stacked on axis 0) ->
-``quantize_weight`` (host numpy, once per leaf at load; or a pre-quantized checkpoint's blocks
-taken as they are, `gguf_quant`) -> ``QuantizedWeight``: values + one scale (and for int4 one
+``quantize_weight`` (host numpy, once per leaf at load; or a pre-quantized checkpoint's values
+taken as they are: GGUF blocks, `gguf_quant`; compressed-tensors, `compressed_tensors`) ->
+``QuantizedWeight``: values + one scale (and for int4 one
 zero) per group of G consecutive input rows and output column -> the step's ``_linear``
 (`llama.py`) calls ``QuantizedWeight.matmul``: the values are converted and scaled inside the
 jitted computation, one layer at a time (XLA fuses the conversion into the dot's operand on
@@ -10,7 +11,9 @@ TPU / GPU), so no float copy of the weights is ever stored. On a CPU host the en
 them instead for the C++ kernel (`packing.py`, `kernels_pallas.dense_quant_cpu`).
 
 Schemes (vLLM's names):
-  int8: symmetric, q in [-127, 127], W = q * s; default one group per output column (W8A16).
+  int8: symmetric, q in [-127, 127] (a pre-quantized checkpoint's may use all of int8: -128
+        in compressed-tensors, -32..31 for GGUF Q6_K), W = q * s; default one group per output
+        column (W8A16).
   fp8:  e4m3fn values, W = fp8(q) * s, per column; with ``act_fp8`` the activations are
         quantized per token to e4m3fn as well and the dot runs in fp8 (W8A8, for platforms
         with fp8 matmuls: H100 / H200); otherwise weight-only.

@@ -19,6 +19,7 @@ import gguf
 import numpy as np
 import pytest
 
+from jaxserve.kernels_pallas.dense_quant_cpu import dense_quant_packed, pack_quant
 from jaxserve.models import gguf_quant, quantized_params
 from jaxserve.models.gguf_tensor import GGUFTensor, TensorInfo
 from jaxserve.models.host_arrays import LazyLeaf
@@ -137,3 +138,17 @@ def test_an_explicit_other_group_size_requantizes_with_a_log_line(tensors, caplo
     assert w.group_size == 32 and "stored as Q6_K; dequantized and quantized to int8" in caplog.text
     none = quantized_params.quantize_leaf(leaf, WeightQuant("none"), "layers.w_up")
     assert none is None  # "none": the float views stay
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_cpu_dense_kernel_takes_the_k_quant_layouts(tensors, qtype) -> None:
+    """int4 groups of 32 and int8 groups of 16 through the C++ kernel (or its jnp reference
+    where it is not built): x @ the dequantized weight, in f64 (both row-count paths)."""
+    w = gguf_quant.quantized_blocks(tensors.make(
+        random_blocks(np.random.default_rng(3), qtype, 40, 512), qtype, (40, 512)))
+    panels = pack_quant(w.values, w.scales, w.zeros, w.scheme)
+    x = np.random.default_rng(4).standard_normal((9, 512)).astype(np.float32)
+    for rows in (3, 9):  # past 6 rows the kernel dequantizes panels to scratch
+        got = np.asarray(dense_quant_packed(x[:rows], panels, None, 40))
+        ref = x[:rows].astype(np.float64) @ np.asarray(w.dequantize(), np.float64)
+        assert np.max(np.abs(got - ref)) <= 1e-5 * np.max(np.abs(ref))
