@@ -3,8 +3,8 @@
 Data flow: a float weight W [(L,) K, N] (``x @ W``, layers stacked on axis 0) ->
 ``quantize_weight`` (host numpy, once per leaf at load; or a pre-quantized checkpoint's values
 taken as they are: GGUF blocks, `gguf_quant`; compressed-tensors, `compressed_tensors`) ->
-``QuantizedWeight``: values + one scale (and for int4 one
-zero) per group of G consecutive input rows and output column -> the step's ``_linear``
+``QuantizedWeight``: values + one scale (and for int4 one zero) per group of G consecutive
+input rows and output column -> the step's ``_linear``
 (`llama.py`) calls ``QuantizedWeight.matmul``: the values are converted and scaled inside the
 jitted computation, one layer at a time (XLA fuses the conversion into the dot's operand on
 TPU / GPU), so no float copy of the weights is ever stored. On a CPU host the engine packs

@@ -10,6 +10,9 @@ time:
     weights (`compressed_tensors`, values left a lazy view of the file): no float round trip.
     A compressed-tensors checkpoint made for dynamic fp8 activations keeps them under "auto"
     where the platform has fp8 matmuls (`WeightQuant.fp8_matmuls`), else runs weight-only;
+  - a field of compressed-tensors layers and float ones (layers the checkpoint's `ignore`
+    names), under "auto" or its own scheme: the stored layers as they are, the float ones
+    quantized per column to that scheme (a log line);
   - else, if a scheme is asked, the layer is read as float and quantized (`quant.quantize_weight`;
     a stored quantization is thereby dequantized and requantized, with a log line);
     under "auto", a stored quantization with no exact mapping (Q5_*, Q2_K, mixed types) is
@@ -69,14 +72,46 @@ def _exact_kind(tensor: object) -> tuple[str, int] | None:
     return None if scheme is None else (scheme, block_group(tensor))
 
 
+def _act_fp8(parts: list[CompressedTensor], wq: WeightQuant) -> bool:
+    """Whether compressed-tensors fp8 weights run W8A8: as asked under an explicit "fp8", as
+    the checkpoint was made (dynamic fp8 activations) under "auto" where fp8 dots run."""
+    made_for_fp8 = all(t.activations == "fp8" for t in parts)
+    act = wq.act_fp8 if wq.quantizes else made_for_fp8 and wq.fp8_matmuls
+    return act and parts[0].scheme == "fp8"
+
+
 def _exact(stored: list[object], wq: WeightQuant, stacked: bool, name: str) -> QuantizedWeight:
     """The stored quantization as it is (`_exact_kind` says which, the same for every part)."""
     if isinstance(stored[0], CompressedTensor):
-        made_for_fp8 = all(t.activations == "fp8" for t in stored)
-        act = wq.act_fp8 if wq.quantizes else made_for_fp8 and wq.fp8_matmuls
-        return quantized_weight(stored, stacked, name, act and stored[0].scheme == "fp8")
+        return quantized_weight(stored, stacked, name, _act_fp8(stored, wq))
     layers = [quantized_blocks(t) for t in stored]
     return _stack(layers) if stacked else layers[0]
+
+
+def _partly_compressed(leaf: object, stored: list[object], wq: WeightQuant, want: str | None,
+                       name: str) -> QuantizedWeight | None:
+    """A field whose layers are partly compressed-tensors of one scheme, partly float (layers
+    the checkpoint's `ignore` names): the stored layers as they are, the float ones quantized
+    per column to that scheme, in one stack (read whole here: no lazy values). Else None."""
+    comp = [t for t in stored if isinstance(t, CompressedTensor)]
+    schemes = {t.scheme for t in comp}
+    if (not comp or len(comp) == len(stored) or len(schemes) != 1 or wq.group_size is not None
+            or want not in (None, *schemes) or any(
+                _is_quantized_storage(t) for t in stored if not isinstance(t, CompressedTensor))):
+        return None
+    scheme, act = schemes.pop(), _act_fp8(comp, wq)
+    layers = []
+    for i, t in enumerate(stored):
+        if isinstance(t, CompressedTensor):
+            values = np.ascontiguousarray(np.asarray(t.values[...]).T)
+            layers.append(QuantizedWeight(values, t.scale[None, :], None, scheme, act))
+        else:
+            layer = np.asarray(leaf[i:i + 1], np.float32)[0]
+            layers.append(quantize_weight(layer, scheme, None, act, name))
+    log.info("%s: %d of %d layers stored as %s, the others float (the checkpoint's ignore list): "
+             "those quantized to %s per column", name, len(comp), len(stored),
+             comp[0].type_name, scheme)
+    return _stack(layers)
 
 
 def _float_layers(leaf: object, stacked: bool, transpose: bool) -> list[np.ndarray]:
@@ -104,8 +139,12 @@ def quantize_leaf(leaf: object, wq: WeightQuant, name: str, stacked: bool = True
     want = wq.scheme if wq.quantizes and asked else None
     exact = kind is not None and (want is None or (
         want == kind[0] and wq.group_size in (None, kind[1])))
-    if exact and (want is not None or wq.scheme == "auto"):
-        return _exact(stored, wq, stacked, name)
+    if want is not None or wq.scheme == "auto":
+        if exact:
+            return _exact(stored, wq, stacked, name)
+        partly = _partly_compressed(leaf, stored, wq, want, name)
+        if partly is not None:
+            return partly
     scheme, group = want, wq.group_size
     types = "/".join(sorted({getattr(t, "type_name", "?") for t in stored
                              if _is_quantized_storage(t)}))

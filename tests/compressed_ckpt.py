@@ -79,7 +79,7 @@ def write_compressed(src: pathlib.Path, dst: pathlib.Path, scheme: str, strategy
     for name, w in tensors.items():
         module = name.removesuffix(".weight")
         linear = name.endswith("_proj.weight") or name == "lm_head.weight"
-        if not linear or module.rsplit(".", 1)[-1] in ignore:
+        if not linear or module in ignore or module.rsplit(".", 1)[-1] in ignore:
             out[name] = deq[name] = w
             continue
         q, scale = quantize(w, scheme, strategy)

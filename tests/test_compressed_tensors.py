@@ -53,12 +53,18 @@ def src(tmp_path_factory) -> pathlib.Path:
     return d
 
 
+def _variant(src: pathlib.Path, name: str) -> pathlib.Path:
+    """The compressed dir of VARIANTS[name] (written once per module)."""
+    dst = src.parent / name
+    if not dst.exists():
+        write_compressed(src, dst, *VARIANTS[name])
+    return dst
+
+
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def ckpt(request, src) -> tuple[str, pathlib.Path, pathlib.Path]:
     """(variant, compressed dir, float dir of its dequantized weights)."""
-    dst = src.parent / request.param
-    if not dst.exists():
-        write_compressed(src, dst, *VARIANTS[request.param])
+    dst = _variant(src, request.param)
     return request.param, dst, pathlib.Path(f"{dst}-float")
 
 
@@ -108,6 +114,15 @@ def test_logits_are_the_dequantized_float_models(ckpt) -> None:
     np.testing.assert_array_equal(_logits(none), want)
 
 
+def test_convert_writes_the_dequantized_floats(src, tmp_path) -> None:
+    """`jaxserve convert` of a compressed checkpoint: a float HF directory of q * scale."""
+    dst = _variant(src, "w8a16_packed")
+    out = loading.convert(dst, tmp_path / "out", fmt="hf")
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    np.testing.assert_array_equal(_logits(loading.load_model(out)),
+                                  _logits(loading.load_model(f"{dst}-float")))
+
+
 def test_an_other_scheme_requantizes_the_dequantized_weights(ckpt, caplog) -> None:
     variant, dst, ref = ckpt
     other = "int4" if VARIANTS[variant][0] == "fp8" else "fp8"
@@ -129,21 +144,38 @@ def test_an_other_scheme_requantizes_the_dequantized_weights(ckpt, caplog) -> No
                                   _bits(loading.load_model(dst).params.layers.wq.values))
 
 
+def test_layers_the_ignore_list_names_are_quantized_to_the_stored_scheme(src, tmp_path,
+                                                                        caplog) -> None:
+    """One layer's down_proj left float: the field keeps layer 0 as stored and quantizes
+    layer 1 per column to fp8 (one stack holds one scheme)."""
+    dst = tmp_path / "partly"
+    ref = write_compressed(src, dst, "fp8", "channel", ignore=("lm_head",
+                                                                "model.layers.1.mlp.down_proj"))
+    with caplog.at_level(logging.INFO, logger=quantized_params.__name__):
+        w = loading.load_model(dst).params.layers.w_down
+    assert "layers.w_down: 1 of 2 layers stored as compressed-tensors fp8" in caplog.text
+    assert w.scheme == "fp8" and w.group_size == 96
+    stored = np.load(dst / "stored.npz")
+    np.testing.assert_array_equal(_bits(w.values[0]), stored["model.layers.0.mlp.down_proj.q"].T)
+    np.testing.assert_array_equal(np.asarray(w.scales[0, 0]),
+                                  stored["model.layers.0.mlp.down_proj.scale"][:, 0])
+    layer1 = read_safetensors(ref / "model.safetensors")["model.layers.1.mlp.down_proj.weight"]
+    expect = quantize_weight(np.asarray(layer1).T, "fp8")
+    np.testing.assert_array_equal(_bits(w.values[1]), _bits(expect.values))
+    np.testing.assert_array_equal(np.asarray(w.scales[1]), expect.scales)
+
+
 @pytest.mark.parametrize("fp8_matmuls", [False, True])
 def test_auto_keeps_dynamic_fp8_activations_only_with_fp8_matmuls(src, fp8_matmuls,
                                                                    caplog) -> None:
-    dst = src.parent / "fp8_dynamic"
-    if not dst.exists():
-        write_compressed(src, dst, *VARIANTS["fp8_dynamic"])
+    dst = _variant(src, "fp8_dynamic")
     host = loading.host_params_from_hf(loading.read_hf_config(dst), _views(dst))
     with caplog.at_level(logging.INFO, logger=quantized_params.__name__):
         params = quantized_params.quantize_params(host, WeightQuant(fp8_matmuls=fp8_matmuls))
     assert all(getattr(params.layers, f).act_fp8 is fp8_matmuls for f in HF_NAMES)
     assert ("W8A8" in caplog.text) and (("no fp8 matmuls" in caplog.text) is not fp8_matmuls)
     # A weight-only checkpoint stays weight-only on any platform.
-    plain = src.parent / "fp8_tensor"
-    if not plain.exists():
-        write_compressed(src, plain, *VARIANTS["fp8_tensor"])
+    plain = _variant(src, "fp8_tensor")
     host = loading.host_params_from_hf(loading.read_hf_config(plain), _views(plain))
     params = quantized_params.quantize_params(host, WeightQuant(fp8_matmuls=True))
     assert not params.layers.wq.act_fp8
@@ -151,9 +183,7 @@ def test_auto_keeps_dynamic_fp8_activations_only_with_fp8_matmuls(src, fp8_matmu
 
 def test_views_read_only_their_box(src) -> None:
     """The lazy views behind placement: any box equals the same box of the whole."""
-    dst = src.parent / "w8a16_packed"
-    if not dst.exists():
-        write_compressed(src, dst, *VARIANTS["w8a16_packed"])
+    dst = _variant(src, "w8a16_packed")
     stored = np.load(dst / "stored.npz")
     t = _views(dst)["model.layers.1.mlp.down_proj.weight"]
     assert isinstance(t, compressed_tensors.CompressedTensor) and t.shape == (64, 96)
