@@ -19,8 +19,9 @@ things at once:
     (f32 [out], a per-tensor scale repeated): `quantized_weight` makes the layers' values one
     transposed, stacked `LazyLeaf` ([L, in, out], read per device box like any leaf) and the
     scales one f32 [L, 1, out] array: a per-column `QuantizedWeight`, no float round trip.
-Linears the checkpoint leaves float (`ignore`, e.g. the lm_head) have no scale and stay as
-they are. Activations: the checkpoint's dynamic per-token fp8 activations (W8A8) are kept
+The tensors say which linears are quantized (a weight_scale beside them): those the checkpoint
+leaves float (`ignore`, e.g. the lm_head) have none and stay as they are, so `targets` and
+`ignore` need no interpreting here. Activations: the checkpoint's dynamic per-token fp8 activations (W8A8) are kept
 where the platform has fp8 matmuls (`quantized_params` decides); int8 activations run
 weight-only.
 """
@@ -68,6 +69,7 @@ def _args(d: object, key: str, source: str, activations: bool) -> tuple[str, str
     if not isinstance(d, dict):
         raise _bad(source, key, d, "must be an object of quantization arguments")
     num_bits, kind = d.get("num_bits", 8), d.get("type", "int")
+    kind = kind.lower() if isinstance(kind, str) else kind  # the format's own parser lowercases
     strategy = d.get("strategy") or "tensor"
     if num_bits != 8:
         raise _bad(source, f"{key}.num_bits", num_bits, "is not supported (only 8-bit)")
