@@ -1,7 +1,9 @@
 """HF-format checkpoints <-> `LlamaParams`.
 
 Data flow (load): directory -> `config.json` -> ModelConfig; `model.safetensors` or the shards
-named by `model.safetensors.index.json` -> {HF tensor name: read-only memmap} ->
+named by `model.safetensors.index.json` -> {HF tensor name: read-only memmap} (`with_quantized_views`:
+with a compressed-tensors `quantization_config`, each quantized linear's values and scale as one
+lazy `compressed_tensors.CompressedTensor`) ->
 `host_params_from_hf` (checks every name, shape and dtype; reads nothing) -> LlamaParams of
 `LazyLeaf`s that transpose linears to [in, out], stack layers and cast only the boxes asked of
 them. Then either `params_from_hf` reads each leaf whole onto the default device (the host holds
@@ -24,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .compressed_tensors import parse_config, wrap_tensors
 from .config import ConfigError, ModelConfig
 from .host_arrays import HostArray, LazyLeaf, read_all
 from .llama import LayerParams, LlamaParams, param_shapes
@@ -125,6 +128,17 @@ def read_hf_tensors(model_dir: pathlib.Path) -> dict[str, np.ndarray]:
     for f in files:
         tensors.update(read_safetensors(f))
     return tensors
+
+
+def with_quantized_views(model_dir: pathlib.Path,
+                         tensors: Mapping[str, HostArray]) -> dict[str, HostArray]:
+    """`tensors` (`read_hf_tensors`) with a pre-quantized checkpoint's linears (config.json's
+    `quantization_config`) wrapped as `CompressedTensor`s (float32 to the float path)."""
+    config = model_dir / "config.json"
+    qc = _read_json_object(config).get("quantization_config")
+    if qc is None:
+        return dict(tensors)
+    return wrap_tensors(tensors, parse_config(qc, str(config)), str(model_dir))
 
 
 def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, HostArray],
@@ -243,4 +257,5 @@ def save_hf_dir(out_dir: pathlib.Path, cfg: ModelConfig, params: LlamaParams,
 
 
 __all__ = ["ConfigError", "CheckpointError", "read_hf_config", "read_hf_tensors",
-           "params_from_hf", "host_params_from_hf", "hf_tensors_from_params", "save_hf_dir"]
+           "with_quantized_views", "params_from_hf", "host_params_from_hf", "hf_tensors_from_params",
+           "save_hf_dir"]

@@ -6,8 +6,9 @@ Data flow: PATH (or None for the bundled SmolLM2 GGUF) -> `detect_format` -> one
   orbax: jaxserve.json marker + config.json + `params/` -> `orbax_io.restore_params`
 and the tokenizer from the same place. The first two give LlamaParams of lazy host leaves; then
 Then `quantize_params` turns the dense weights into `QuantizedWeight`s where `quant` asks (or,
-by default, where the checkpoint is stored quantized: GGUF Q8_0 / Q4_0 / Q4_1 blocks as they
-are), one field at a time on the host, before anything is placed:
+by default, where the checkpoint is stored quantized: GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K
+blocks and compressed-tensors FP8 / INT8 weights as they are), one field at a time on the host,
+before anything is placed:
   no mesh: each leaf read whole onto the first device (the host holds one leaf at a time;
            GGUF tensors are dequantized one at a time);
   mesh:    `placement.place_params`: per leaf, each addressable device's slice is read from the
@@ -42,7 +43,8 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from .bundled import bundled_model_path
 from .config import ModelConfig
 from .gguf_loader import open_gguf
-from .hf_loader import host_params_from_hf, read_hf_config, read_hf_tensors, save_hf_dir
+from .hf_loader import (host_params_from_hf, read_hf_config, read_hf_tensors, save_hf_dir,
+                        with_quantized_views)
 from .host_arrays import read_all
 from .llama import LlamaParams
 from .orbax_io import restore_params, save_params
@@ -119,7 +121,8 @@ def load_model(path: str | pathlib.Path | None = None, dtype: str = "float32",
         params = _place(quantize_params(host, quant), cfg, mesh)
     elif fmt == "hf":
         cfg = read_hf_config(path)
-        host = host_params_from_hf(cfg, read_hf_tensors(path), jdtype, source=str(path))
+        tensors = with_quantized_views(path, read_hf_tensors(path))
+        host = host_params_from_hf(cfg, tensors, jdtype, source=str(path))
         params = _place(quantize_params(host, quant), cfg, mesh)
         tokenizer = Tokenizer.from_hf_dir(path)
     else:

@@ -1,16 +1,19 @@
 """Weight-only quantization of the dense layers: the format, the host quantizers, the matmul.
 
 Data flow: a float weight W [(L,) K, N] (``x @ W``, layers stacked on axis 0) ->
-``quantize_weight`` (host numpy, once per leaf at load; or a pre-quantized checkpoint's blocks
-taken as they are, `gguf_quant`) -> ``QuantizedWeight``: values + one scale (and for int4 one
-zero) per group of G consecutive input rows and output column -> the step's ``_linear``
+``quantize_weight`` (host numpy, once per leaf at load; or a pre-quantized checkpoint's values
+taken as they are: GGUF blocks, `gguf_quant`; compressed-tensors, `compressed_tensors`) ->
+``QuantizedWeight``: values + one scale (and for int4 one zero) per group of G consecutive
+input rows and output column -> the step's ``_linear``
 (`llama.py`) calls ``QuantizedWeight.matmul``: the values are converted and scaled inside the
 jitted computation, one layer at a time (XLA fuses the conversion into the dot's operand on
 TPU / GPU), so no float copy of the weights is ever stored. On a CPU host the engine packs
 them instead for the C++ kernel (`packing.py`, `kernels_pallas.dense_quant_cpu`).
 
 Schemes (vLLM's names):
-  int8: symmetric, q in [-127, 127], W = q * s; default one group per output column (W8A16).
+  int8: symmetric, q in [-127, 127] (a pre-quantized checkpoint's may use all of int8: -128
+        in compressed-tensors, -32..31 for GGUF Q6_K), W = q * s; default one group per output
+        column (W8A16).
   fp8:  e4m3fn values, W = fp8(q) * s, per column; with ``act_fp8`` the activations are
         quantized per token to e4m3fn as well and the dot runs in fp8 (W8A8, for platforms
         with fp8 matmuls: H100 / H200); otherwise weight-only.
@@ -51,6 +54,9 @@ class WeightQuant:
     group_size: int | None = None  # None: int8 / fp8 per column, int4 INT4_GROUPS
     lm_head: bool = False  # also the lm_head (a tied embedding: both its uses)
     act_fp8: bool = False  # fp8 only: W8A8 (activations quantized per token)
+    # The platform runs fp8 dots (and fp8 activations are not turned off): under "auto", a
+    # checkpoint made for dynamic fp8 activations (compressed-tensors W8A8) keeps them.
+    fp8_matmuls: bool = False
 
     def __post_init__(self) -> None:
         if self.scheme not in CHOICES:
@@ -142,9 +148,10 @@ def has_fp8_matmuls(device: jax.Device) -> bool:
 def weight_quant(scheme: str, group_size: int | None, lm_head: bool, fp8_activations: str,
                  device: jax.Device) -> WeightQuant:
     """The WeightQuant of the engine options (fp8_activations auto | on | off)."""
+    fp8_matmuls = fp8_activations != "off" and has_fp8_matmuls(device)
     act = fp8_activations == "on" or (fp8_activations == "auto" and scheme == "fp8"
-                                      and group_size is None and has_fp8_matmuls(device))
-    return WeightQuant(scheme, group_size, lm_head, act)
+                                      and group_size is None and fp8_matmuls)
+    return WeightQuant(scheme, group_size, lm_head, act, fp8_matmuls)
 
 
 # ------------------------------------------------------------------ host quantizers (numpy)

@@ -4,14 +4,22 @@ Data flow (`load_model`, before the leaves are placed on devices): params whose 
 host sources (the lazy checkpoint views of `host_arrays`, or arrays of a model already loaded)
 and a `WeightQuant` -> per linear field (wq, wk, wv, wo, w_gate, w_up, w_down), one layer at a
 time:
-  - a GGUF tensor whose blocks map exactly onto the asked scheme (or any, under "auto")
-    becomes that scheme's values and scales as stored (`gguf_quant`): no float round trip;
-  - else, if a scheme is asked, the layer is read as float and quantized (`quant.quantize_weight`);
-    under "auto", a stored quantization with no exact mapping (K-quants, mixed types) is
+  - stored tensors whose quantization maps exactly onto the asked scheme and group size (or
+    any, under "auto") become that scheme's values and scales as stored: GGUF Q8_0 / Q4_0 /
+    Q4_1 / Q4_K / Q6_K blocks (`gguf_quant`, numpy arrays) and compressed-tensors FP8 / INT8
+    weights (`compressed_tensors`, values left a lazy view of the file): no float round trip.
+    A compressed-tensors checkpoint made for dynamic fp8 activations keeps them under "auto"
+    where the platform has fp8 matmuls (`WeightQuant.fp8_matmuls`), else runs weight-only;
+  - a field of compressed-tensors layers and float ones (layers the checkpoint's `ignore`
+    names), under "auto" or its own scheme: the stored layers as they are, the float ones
+    quantized per column to that scheme (a log line);
+  - else, if a scheme is asked, the layer is read as float and quantized (`quant.quantize_weight`;
+    a stored quantization is thereby dequantized and requantized, with a log line);
+    under "auto", a stored quantization with no exact mapping (Q5_*, Q2_K, mixed types) is
     dequantized and quantized to int8 in groups of 32, with a log line;
-  - else the field stays as it is (a float checkpoint under "auto").
-The layers are stacked into one QuantizedWeight of numpy arrays (host peak: one field's
-quantized stack plus one float layer), which placement then puts on the devices like any leaf.
+  - else the field stays as it is (a float checkpoint under "auto"; "none": the float views).
+The layers are stacked into one QuantizedWeight (host peak: one field's quantized stack plus one
+float layer), which placement then puts on the devices like any leaf.
 The lm_head and the embedding follow the same rules, but an explicit scheme quantizes them only
 with `WeightQuant.lm_head`; a quantized embedding is stored transposed ([hidden, vocab], the
 tied lm_head's layout), which `llama.embed` reads by columns.
@@ -23,7 +31,8 @@ import logging
 
 import numpy as np
 
-from .gguf_quant import block_scheme, quantized_blocks
+from .compressed_tensors import CompressedTensor, quantized_weight
+from .gguf_quant import block_group, block_scheme, quantized_blocks
 from .host_arrays import LazyLeaf
 from .llama import LayerParams, LlamaParams
 from .packing import LINEAR_FIELDS
@@ -49,8 +58,60 @@ def _stored(leaf: object) -> list[object] | None:
 
 
 def _is_quantized_storage(tensor: object) -> bool:
+    if isinstance(tensor, CompressedTensor):
+        return True
     name = getattr(tensor, "type_name", None)
     return name is not None and name not in _FLOAT_GGUF_TYPES
+
+
+def _exact_kind(tensor: object) -> tuple[str, int] | None:
+    """(scheme, group size) a stored tensor maps onto exactly, else None."""
+    if isinstance(tensor, CompressedTensor):
+        return tensor.scheme, tensor.shape[1]  # one scale per output column
+    scheme = block_scheme(tensor)
+    return None if scheme is None else (scheme, block_group(tensor))
+
+
+def _act_fp8(parts: list[CompressedTensor], wq: WeightQuant) -> bool:
+    """Whether compressed-tensors fp8 weights run W8A8: as asked under an explicit "fp8", as
+    the checkpoint was made (dynamic fp8 activations) under "auto" where fp8 dots run."""
+    made_for_fp8 = all(t.activations == "fp8" for t in parts)
+    act = wq.act_fp8 if wq.quantizes else made_for_fp8 and wq.fp8_matmuls
+    return act and parts[0].scheme == "fp8"
+
+
+def _exact(stored: list[object], wq: WeightQuant, stacked: bool, name: str) -> QuantizedWeight:
+    """The stored quantization as it is (`_exact_kind` says which, the same for every part)."""
+    if isinstance(stored[0], CompressedTensor):
+        return quantized_weight(stored, stacked, name, _act_fp8(stored, wq))
+    layers = [quantized_blocks(t) for t in stored]
+    return _stack(layers) if stacked else layers[0]
+
+
+def _partly_compressed(leaf: object, stored: list[object], wq: WeightQuant, want: str | None,
+                       name: str) -> QuantizedWeight | None:
+    """A field whose layers are partly compressed-tensors of one scheme, partly float (layers
+    the checkpoint's `ignore` names): the stored layers as they are, the float ones quantized
+    per column to that scheme, in one stack (read whole here: no lazy values). Else None."""
+    comp = [t for t in stored if isinstance(t, CompressedTensor)]
+    schemes = {t.scheme for t in comp}
+    if (not comp or len(comp) == len(stored) or len(schemes) != 1 or wq.group_size is not None
+            or want not in (None, *schemes) or any(
+                _is_quantized_storage(t) for t in stored if not isinstance(t, CompressedTensor))):
+        return None
+    scheme, act = schemes.pop(), _act_fp8(comp, wq)
+    layers = []
+    for i, t in enumerate(stored):
+        if isinstance(t, CompressedTensor):
+            values = np.ascontiguousarray(np.asarray(t.values[...]).T)
+            layers.append(QuantizedWeight(values, t.scale[None, :], None, scheme, act))
+        else:
+            layer = np.asarray(leaf[i:i + 1], np.float32)[0]
+            layers.append(quantize_weight(layer, scheme, None, act, name))
+    log.info("%s: %d of %d layers stored as %s, the others float (the checkpoint's ignore list): "
+             "those quantized to %s per column", name, len(comp), len(stored),
+             comp[0].type_name, scheme)
+    return _stack(layers)
 
 
 def _float_layers(leaf: object, stacked: bool, transpose: bool) -> list[np.ndarray]:
@@ -73,30 +134,57 @@ def quantize_leaf(leaf: object, wq: WeightQuant, name: str, stacked: bool = True
     if wq.scheme == "none":
         return None
     stored = _stored(leaf) or []
-    kinds = {block_scheme(t) for t in stored}
+    kinds = {_exact_kind(t) for t in stored}
     kind = kinds.pop() if len(kinds) == 1 else None  # every layer maps onto this scheme
     want = wq.scheme if wq.quantizes and asked else None
-    exact = kind is not None and (want is None or (want == kind and wq.group_size in (None, 32)))
-    if exact and (want is not None or wq.scheme == "auto"):
-        layers = [quantized_blocks(t) for t in stored]
-        return _stack(layers) if stacked else layers[0]
+    exact = kind is not None and (want is None or (
+        want == kind[0] and wq.group_size in (None, kind[1])))
+    if want is not None or wq.scheme == "auto":
+        if exact:
+            return _exact(stored, wq, stacked, name)
+        partly = _partly_compressed(leaf, stored, wq, want, name)
+        if partly is not None:
+            return partly
     scheme, group = want, wq.group_size
+    types = "/".join(sorted({getattr(t, "type_name", "?") for t in stored
+                             if _is_quantized_storage(t)}))
     if scheme is None:
-        if wq.scheme != "auto" or not any(_is_quantized_storage(t) for t in stored):
+        if wq.scheme != "auto" or not types:
             return None
         scheme, group = "int8", FALLBACK_GROUP
-        types = sorted({getattr(t, "type_name", "?") for t in stored})
         log.info("%s: stored as %s, which maps onto no jaxserve scheme exactly; dequantized "
-                 "and quantized to int8 in groups of %d", name, "/".join(types), group)
+                 "and quantized to int8 in groups of %d", name, types, group)
+    elif types:
+        log.info("%s: stored as %s; dequantized and quantized to %s (quantization=%s, "
+                 "group size %s)", name, types, scheme, wq.scheme, group or "default")
     layers = [quantize_weight(w, scheme, group, wq.act_fp8, name)
               for w in _float_layers(leaf, stacked, transpose)]
     return _stack(layers) if stacked else layers[0]
+
+
+def _note_activations(params: LlamaParams, wq: WeightQuant) -> None:
+    """A log line when a compressed-tensors checkpoint was made for quantized activations."""
+    leaves = [getattr(params.layers, f) for f in LINEAR_FIELDS] + [params.lm_head]
+    acts = {t.activations for leaf in leaves for t in _stored(leaf) or []
+            if isinstance(t, CompressedTensor)}
+    if "fp8" in acts and wq.scheme == "auto":
+        if wq.fp8_matmuls:
+            log.info("checkpoint made for dynamic fp8 activations: activations quantized per "
+                     "token to fp8, fp8 x fp8 dots (W8A8)")
+        else:
+            log.info("checkpoint made for dynamic fp8 activations (W8A8), but this platform "
+                     "has no fp8 matmuls (or fp8_activations=off): fp8 weights, activations "
+                     "in the model dtype")
+    if "int8" in acts:
+        log.info("checkpoint made for dynamic int8 activations (W8A8), which jaxserve does not "
+                 "run: int8 activations are not implemented, the weights serve weight-only")
 
 
 def quantize_params(params: LlamaParams, wq: WeightQuant) -> LlamaParams:
     """`params` with each dense weight quantized as `wq` says (module docstring)."""
     if wq.scheme == "none":
         return params
+    _note_activations(params, wq)
     layers: LayerParams = params.layers
     for field in LINEAR_FIELDS:
         q = quantize_leaf(getattr(layers, field), wq, f"layers.{field}")
