@@ -22,6 +22,7 @@ from hf_models import build_hf_model, save_tiny_tokenizer
 from sharded_load_worker import greedy_tokens, recorded_load
 
 from jaxserve.models import llama, loading, placement
+from jaxserve.models.quant import WeightQuant
 
 TOKENS = np.array([[5, 17, 99, 3, 42, 8, 150, 7]], np.int32)
 VARIANTS = {"fp8_dynamic": ("fp8", "channel", False, "fp8", ("lm_head",)),
@@ -55,7 +56,7 @@ def check(variant: str, root: pathlib.Path, src: pathlib.Path) -> dict:
     one = loading.load_model(dst)
     mesh = placement.make_tp_mesh(2)
     log: list = []
-    two = recorded_load(dst, mesh, log)
+    two = recorded_load(dst, mesh, log, WeightQuant())  # auto: the stored scheme
     ref = placement.place_params(one.params, one.config, mesh)
     mismatched = [jax.tree_util.keystr(kp) for (kp, a), b in zip(
         jax.tree_util.tree_leaves_with_path(two.params), jax.tree.leaves(ref))

@@ -123,8 +123,10 @@ def save_all(root: pathlib.Path, name: str) -> dict[str, pathlib.Path]:
     return paths
 
 
-def recorded_load(path: pathlib.Path, mesh: jax.sharding.Mesh, log: list) -> LoadedModel:
-    """`load_model(path, mesh=mesh)` with every checkpoint tensor it reads wrapped in a Recorder."""
+def recorded_load(path: pathlib.Path, mesh: jax.sharding.Mesh, log: list,
+                  quant: WeightQuant = FLOAT) -> LoadedModel:
+    """`load_model(path, mesh=mesh, quant=quant)` with every checkpoint tensor it reads wrapped
+    in a Recorder."""
     real_hf, real_gguf = loading.read_hf_tensors, loading.open_gguf
 
     def hf_tensors(d: pathlib.Path) -> dict:
@@ -137,7 +139,7 @@ def recorded_load(path: pathlib.Path, mesh: jax.sharding.Mesh, log: list) -> Loa
 
     loading.read_hf_tensors, loading.open_gguf = hf_tensors, gguf_file  # type: ignore[assignment]
     try:
-        return loading.load_model(path, mesh=mesh, quant=FLOAT)
+        return loading.load_model(path, mesh=mesh, quant=quant)
     finally:
         loading.read_hf_tensors, loading.open_gguf = real_hf, real_gguf
 
