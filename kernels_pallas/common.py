@@ -86,7 +86,7 @@ def is_quantized_dtype(dtype: object) -> bool:
 def quantize_rows(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     """x [..., D] float -> (values [..., D] of `dtype`, f32 scales [...]), symmetric per row.
 
-    scale = max|row| / QUANT_MAX; values = row * (QUANT_MAX / max|row|) clipped to
+    scale = max|row| * (1 / QUANT_MAX); values = row * (QUANT_MAX / max|row|) clipped to
     +-QUANT_MAX, rounded half to even (int8) or to the nearest float8_e4m3fn. An all-zero row
     gets scale 0 and zeros. The C++ CPU kernel's write does the same f32 operations in the
     same order (a reciprocal, then one multiply), so both writes store the same bits."""
@@ -97,7 +97,9 @@ def quantize_rows(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]
     y = jnp.clip(xf * inv[..., None], -qmax, qmax)
     if jnp.dtype(dtype) == jnp.int8:
         y = jnp.round(y)
-    return y.astype(dtype), (amax / jnp.float32(qmax)).astype(jnp.float32)
+    # amax * (1 / qmax), not amax / qmax: XLA turns division by a constant into that multiply
+    # anyway, and the C++ write must match it bit for bit.
+    return y.astype(dtype), (amax * jnp.float32(1.0 / qmax)).astype(jnp.float32)
 
 
 def dequantize(kv: QuantizedKV, dtype: jnp.dtype = jnp.float32) -> jax.Array:

@@ -136,3 +136,80 @@ def test_reference_matches_reference_on_dequantized_pages(qname: str, kind: str,
                                               batch.md.slot_mapping), batch.md, **opts)
     err = np.abs(np.asarray(want)[:n] - np.asarray(exact)[:n]).max()
     assert 0 < err < (0.05 if qname == "int8" else 0.2), err
+
+
+# --------------------------------------------------------------------------- CPU kernel
+def _cpu_kernel_or_skip() -> None:
+    from jaxserve.kernels_pallas import cpu_build
+    if cpu_build.cpu_kernel_target() is None:
+        pytest.skip("the CPU kernel could not be built here (see the log)")
+
+
+# (kind, q dtype, Hq, Hkv, D, page_size, window, cap); "long": one 3000-key decode whose key
+# range the kernel splits over threads, next to a prefill.
+CPU_CASES = [("mixed", "float32", 4, 2, 64, 16, None, None),
+             ("decode", "bfloat16", 8, 2, 64, 16, None, None),
+             ("prefill", "float32", 8, 1, 128, 32, None, None),
+             ("mixed", "float32", 6, 2, 64, 16, 19, 4.0),
+             ("long", "float32", 4, 1, 32, 16, None, None)]
+
+
+def cpu_batch(case: tuple, seed: int):
+    kind, dtype, hq, hkv, d, ps, _, _ = case
+    opts = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps,
+                dtype=jnp.dtype(dtype))
+    if kind != "long":
+        return quantized_batch(kind, seed, **opts)
+    return random_batch(np.random.default_rng(seed), [(3000, 1), (0, 40)], num_tokens=43,
+                        num_seqs=3, **opts)
+
+
+@pytest.mark.parametrize("qname", sorted(QDTYPES))
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"{c[0]}-{c[1]}-g{c[2] // c[3]}"
+                         + ("-win-cap" if c[6] else ""))
+def test_cpu_kernel_matches_reference_on_dequantized_pages(qname: str, case: tuple) -> None:
+    _cpu_kernel_or_skip()
+    from jaxserve.kernels_pallas.cpu import ragged_paged_attention_cpu
+    batch = cpu_batch(case, seed_of("cpu", qname, case))
+    kv = written(batch, QDTYPES[qname])
+    opts = dict(sm_scale=case[4] ** -0.5, sliding_window=case[6], soft_cap=case[7])
+    got = ragged_paged_attention_cpu(batch.q, kv, batch.md, **opts)
+    assert got.dtype == batch.q.dtype
+    want = ragged_paged_attention_reference(batch.q.astype(jnp.float32), dequantize(kv),
+                                            batch.md, **opts)
+    n = live_rows(batch)
+    tol = 2e-5 if case[1] == "float32" else 2e-2
+    got = np.asarray(got, np.float32)
+    np.testing.assert_allclose(got[:n], np.asarray(want)[:n], atol=tol, rtol=tol)
+    np.testing.assert_array_equal(got[n:], 0.0, err_msg="padding tokens must be zeros")
+
+
+@pytest.mark.parametrize("qname", sorted(QDTYPES))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_fused_write_and_attend_stores_what_write_kv_stores(qname: str, dtype: str) -> None:
+    """The kernel's own quantizing write: the same values and scales, bit for bit, as
+    write_kv's (live slots, dropped slots, a head dim stored padded), then the same output."""
+    _cpu_kernel_or_skip()
+    from jaxserve.kernels_pallas import AttentionMetadata, write_kv_and_attend
+    rng = np.random.default_rng(seed_of("fused", qname, dtype))
+    batch = random_batch(rng, [(37, 1), (0, 20), (50, 7), (16, 1)], num_q_heads=8,
+                         num_kv_heads=2, head_dim=80, page_size=16, dtype=jnp.dtype(dtype),
+                         num_tokens=33, num_seqs=6, fill_nan=False)
+    d = 64       # rows of 64 into pages of head dim 80: zero-padded
+    q, k_new, v_new = batch.q[..., :d], batch.k_new[..., :d], batch.v_new[..., :d]
+    slots = np.asarray(batch.md.slot_mapping).copy()
+    slots[30:] = [-5, batch.kv_pages.shape[0] * 16 + 3, 2]        # dropped, dropped, trash
+    md = AttentionMetadata(jnp.asarray(slots), batch.md.block_tables, batch.md.kv_lens,
+                           batch.md.cu_q_lens, batch.md.num_seqs)
+    kv = quantized_pages(batch.kv_pages, QDTYPES[qname])
+    want_kv = write_kv(kv, k_new, v_new, md.slot_mapping)
+    out, got_kv = write_kv_and_attend(q, k_new, v_new, kv, md, sm_scale=0.125, impl="cpu")
+    assert isinstance(got_kv, QuantizedKV)
+    np.testing.assert_array_equal(np.asarray(got_kv.pages).view(np.uint8),
+                                  np.asarray(want_kv.pages).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(got_kv.scales), np.asarray(want_kv.scales))
+    want = ragged_paged_attention_reference(q.astype(jnp.float32), dequantize(want_kv), md,
+                                            sm_scale=0.125)
+    tol = 2e-5 if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(np.asarray(out, np.float32)[:29], np.asarray(want)[:29],
+                               atol=tol, rtol=tol)

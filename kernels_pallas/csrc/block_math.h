@@ -1,7 +1,9 @@
 // Arithmetic of one key block of the CPU paged attention (paged_attention_cpu.cc): scores
 // of query rows against the block's keys, the online-softmax step, the weighted sum of V.
 // With AVX2 + FMA these are written with intrinsics (8 score / 8 accumulator registers in
-// flight); elsewhere portable loops compute the same thing.
+// flight); elsewhere portable loops compute the same thing. Page values load as f32 from
+// f32, bf16, f16, int8 or float8_e4m3fn (kv_quant.h); quantized pages' scales are applied by
+// the caller (scores x K scale, weights x V scale).
 #pragma once
 
 #include <algorithm>
@@ -9,6 +11,8 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+
+#include "kv_quant.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -104,6 +108,12 @@ template <typename KV>
 inline __m256 load8(const KV* p) {
   if constexpr (std::is_same<KV, float>::value) {
     return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same<KV, I8>::value) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  } else if constexpr (std::is_same<KV, F8>::value) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_i32gather_ps(e4m3fn_table(), _mm256_cvtepu8_epi32(b), 4);
   } else if constexpr (std::is_same<KV, Bf16>::value) {
     const __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
