@@ -213,3 +213,43 @@ def test_cpu_fused_write_and_attend_stores_what_write_kv_stores(qname: str, dtyp
     tol = 2e-5 if dtype == "float32" else 2e-2
     np.testing.assert_allclose(np.asarray(out, np.float32)[:29], np.asarray(want)[:29],
                                atol=tol, rtol=tol)
+
+
+# --------------------------------------------------------------------------- Pallas kernels
+# (kind, q dtype, Hq, Hkv, D, page_size, window, cap): page_size 32, the smallest both kernels
+# take for 8-bit pages (TPU sublane packing; GPU 128-byte aligned scale copies).
+PALLAS_CASES = [("mixed", "float32", 4, 2, 64, 32, None, None),
+                ("decode", "bfloat16", 8, 2, 128, 32, 40, None)]
+
+
+@pytest.mark.parametrize("qname", sorted(QDTYPES))
+@pytest.mark.parametrize("case", PALLAS_CASES, ids=lambda c: f"{c[0]}-{c[1]}-d{c[4]}")
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+def test_pallas_kernel_interpreted_matches_reference_on_dequantized_pages(
+        impl: str, case: tuple, qname: str) -> None:
+    from test_attention_kernels import interpret_params, races_found, run_kernel
+    batch = cpu_batch(case, seed_of(impl, qname, case))
+    kv = written(batch, QDTYPES[qname])
+    opts = dict(sm_scale=case[4] ** -0.5, sliding_window=case[6], soft_cap=case[7])
+    got = run_kernel(impl, batch.q, kv, batch.md, interpret=interpret_params(impl), **opts)
+    assert not races_found(impl), "the interpreter reported a data race"
+    assert got.shape == batch.q.shape and got.dtype == batch.q.dtype
+    want = ragged_paged_attention_reference(batch.q.astype(jnp.float32), dequantize(kv),
+                                            batch.md, **opts)
+    n = live_rows(batch)
+    # TPU interpreted: float32 rounding (K/V converted to q's dtype, exact for int8 / e4m3 in
+    # bfloat16 too), or bfloat16 outputs; GPU: its bfloat16 MMA operands, as for float pages.
+    tol = 2e-5 if impl == "pallas_tpu" and case[1] == "float32" else 3e-2
+    got = np.asarray(got, np.float32)
+    np.testing.assert_allclose(got[:n], np.asarray(want)[:n], atol=tol, rtol=tol)
+    assert np.isfinite(got).all()
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+def test_pallas_kernels_refuse_8bit_pages_of_16_tokens(impl: str) -> None:
+    from test_attention_kernels import run_kernel
+    batch = cpu_batch(("decode", "float32", 4, 2, 64, 16, None, None), 3)
+    kv = written(batch, jnp.int8)
+    with pytest.raises(ValueError, match="page_size.* 16.*32|page_size=16"):
+        jax.eval_shape(lambda q, p, m: run_kernel(impl, q, p, m, sm_scale=0.1), batch.q, kv,
+                       batch.md)
