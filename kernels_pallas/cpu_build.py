@@ -6,8 +6,8 @@ CPU's feature flags hash to a key -> ``<cache>/jaxserve_cpu_kernels-<key>.so`` (
 $JAXSERVE_KERNEL_CACHE_DIR, default ~/.cache/jaxserve/kernels). A missing library is compiled
 into a temporary file in the cache dir and renamed onto its name (atomic: processes building at
 once each rename identical bytes). ctypes loads it and ``jax.ffi.register_ffi_target`` registers
-its handlers (attention; write_kv + attention; both again for quantized pages; dense) for the CPU platform, once per process
-(lru_cache). Where anything fails -- no compiler, a compile error, a load error --
+its handlers (attention; write_kv + attention; both again for quantized pages; dense) for
+the CPU platform, once per process (lru_cache). Where anything fails -- no compiler, a compile error, a load error --
 ``cpu_kernel_target`` logs one warning saying why and returns None, and callers use the jnp
 reference (``dense_kernel_target`` likewise).
 """

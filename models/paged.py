@@ -47,7 +47,9 @@ KV_SCALES_SPEC = PS(None, MODEL_AXIS, None)
 
 def kv_specs(quantized: bool) -> PS | QuantizedKV:
     """The partition spec pytree of a KV cache: one spec, or a QuantizedKV of two."""
-    return QuantizedKV(KV_PAGES_SPEC, KV_SCALES_SPEC) if quantized else KV_PAGES_SPEC  # type: ignore[arg-type]
+    if quantized:
+        return QuantizedKV(KV_PAGES_SPEC, KV_SCALES_SPEC)  # type: ignore[arg-type]
+    return KV_PAGES_SPEC
 
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: object,
