@@ -286,5 +286,14 @@ def write_kv(kv_pages: KVPages, k_new: jax.Array, v_new: jax.Array,
     if not quantized:
         return kv_pages.at[where].set(kv, mode="drop")
     values, scales = quantize_rows(kv, kv_pages.dtype)          # [T, 2Hkv, D], [T, 2Hkv]
-    return QuantizedKV(kv_pages.pages.at[where].set(values, mode="drop"),
-                       kv_pages.scales.at[where].set(scales, mode="drop"))
+    pages = kv_pages.pages
+    if pages.dtype != jnp.int8:
+        # float8 scattered as its bytes: XLA:CPU converts a whole float8 array to scatter into
+        # it (profile_step's write_only step, S=32 at context 1024: 10 s; as uint8 2.6 s, still
+        # far from int8's 9 ms, so the CPU engine writes fp8 pages in its C++ kernel).
+        u8 = jax.lax.bitcast_convert_type(pages, jnp.uint8).at[where].set(
+            jax.lax.bitcast_convert_type(values, jnp.uint8), mode="drop")
+        pages = jax.lax.bitcast_convert_type(u8, pages.dtype)
+    else:
+        pages = pages.at[where].set(values, mode="drop")
+    return QuantizedKV(pages, kv_pages.scales.at[where].set(scales, mode="drop"))

@@ -99,7 +99,7 @@ void run_item(const Problem& pb, const Item& it, float* partial_base) {
         vrow[j] = reinterpret_cast<const float*>(kv) + base + row_stride;
       } else {
         float* dst = vb.data() + j * Dq;
-        for (int64_t d = 0; d < Dq; ++d) dst[d] = load(kv, base + row_stride + d);
+        convert_row(kv + base + row_stride, Dq, dst);
         vrow[j] = dst;
       }
     }
