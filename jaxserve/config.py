@@ -13,6 +13,9 @@ import pathlib
 from typing import Mapping
 
 DTYPES = ("float32", "bfloat16", "float16")
+# KV cache: "auto" (or None) = the model's dtype; int8 / fp8 (float8_e4m3fn) pages are stored
+# quantized with one f32 scale per token, KV head and K-or-V (kernels_pallas.QuantizedKV).
+KV_CACHE_DTYPES = ("auto", *DTYPES, "int8", "fp8")
 DENSE_IMPLS = ("auto", "xla", "cpu")
 # Weight storage (`jaxserve.models.quant`): auto keeps a checkpoint's own quantization (GGUF
 # blocks) and float weights float; none dequantizes everything; a scheme quantizes at load.
@@ -135,7 +138,7 @@ class EngineConfig:
 
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     dtype: str = "float32"
-    kv_cache_dtype: str | None = None  # None: same as dtype
+    kv_cache_dtype: str | None = None  # None / "auto": same as dtype; int8 / fp8: quantized
     max_num_seqs: int = 32
     # A burst of arrivals is prefilled in one step of up to 2048 tokens (vLLM-CPU's server
     # default), which keeps requests that arrive together in step with each other; a step
@@ -199,9 +202,9 @@ class EngineConfig:
                 raise ValueError(f"{name}={v!r} must be a positive integer")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {DTYPES}")
-        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPES:
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; "
-                             f"choose one of {DTYPES}")
+                             f"choose one of {KV_CACHE_DTYPES}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

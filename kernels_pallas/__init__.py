@@ -9,6 +9,9 @@ context through a block table of shared KV pages.
     ragged_paged_attention(q, kv_pages, md, sm_scale=...) -> out    reads the written pages
     write_kv_and_attend(q, k_new, v_new, kv_pages, md, ...)          both (one call on CPU)
 
+Quantized KV (int8 / float8_e4m3fn pages): ``QuantizedKV(pages, scales)`` goes wherever the
+float page array goes; write_kv quantizes, every implementation dequantizes on the fly.
+
 Modules: common (metadata, page layout ``[num_pages, 2*Hkv, page_size, D]`` with K/V
 interleaved on axis 1, input checks, write_kv), tiling (ragged batch -> fixed-shape query
 tiles), reference (pure jnp; the oracle, and the CPU attention where no C++ compiler is
@@ -18,8 +21,9 @@ attention: dense_cpu, the models' projections on CPU over panel-packed weights (
 This package imports nothing else from jaxserve.
 """
 
-from .common import (MASK_VALUE, TRASH_PAGE, AttentionMetadata, init_kv_pages, kv_pages_shape,
-                     padded_head_dim, write_kv)
+from .common import (MASK_VALUE, QUANT_MAX, TRASH_PAGE, AttentionMetadata, KVPages,
+                     QuantizedKV, dequantize, init_kv_pages, is_quantized_dtype, kv_pages_shape,
+                     padded_head_dim, quantize_rows, write_kv)
 from .reference import ragged_paged_attention_reference
 from .selector import (IMPLEMENTATIONS, ragged_paged_attention, select_impl,
                        write_kv_and_attend)
@@ -27,7 +31,8 @@ from .selector import (IMPLEMENTATIONS, ragged_paged_attention, select_impl,
 # The kernels themselves (cpu/tpu/gpu.ragged_paged_attention_*) are
 # imported lazily by the selector so a host only loads the Pallas backend it can run.
 __all__ = [
-    "IMPLEMENTATIONS", "MASK_VALUE", "TRASH_PAGE", "AttentionMetadata", "init_kv_pages",
-    "kv_pages_shape", "padded_head_dim", "ragged_paged_attention",
+    "IMPLEMENTATIONS", "KVPages", "MASK_VALUE", "QUANT_MAX", "QuantizedKV", "TRASH_PAGE",
+    "AttentionMetadata", "dequantize", "init_kv_pages", "is_quantized_dtype", "kv_pages_shape",
+    "padded_head_dim", "quantize_rows", "ragged_paged_attention",
     "ragged_paged_attention_reference", "select_impl", "write_kv", "write_kv_and_attend",
 ]

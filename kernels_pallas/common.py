@@ -15,6 +15,13 @@ scattered over 2 * Hkv rows of a page, which costs the (small, T-sized) write no
 Page 0 is the trash page: padding tokens write there and unused block-table entries point
 there; no live sequence may own it.
 
+Quantized pages (``QuantizedKV``: int8 or float8_e4m3fn values plus one f32 scale per token,
+KV head and K-or-V, ``scales [num_pages, 2 * Hkv, page_size]``, the page layout minus D):
+``write_kv`` quantizes each new row symmetrically (scale = max|row| / 127 for int8, / 448 for
+fp8) and scatters values and scales to the same slots; readers dequantize on the fly (scores
+times the K scale of their key, softmax weights times the V scale before ``p @ v``), never
+making a full-precision copy of the pages. Float pages stay a plain array.
+
 Head dims other than the kernels' (multiples of 64 on GPU) go through padding: allocate the
 pages with ``padded_head_dim(D)``; ``write_kv`` zero-pads K/V and the attention zero-pads q
 and slices the output, which leaves q.k and p.v unchanged (pass ``sm_scale`` for the true D).
@@ -34,6 +41,70 @@ import numpy as np
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 TRASH_PAGE = 0
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Quantized page dtype -> the largest magnitude a quantized value takes (symmetric scales).
+QUANT_MAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedKV:
+    """KV pages stored quantized, their scales beside them: row r of (page, 2h | 2h+1, slot)
+    holds ``pages[...] * scales[..., None]``. What the model step carries and donates.
+
+    pages: int8 | float8_e4m3fn[num_pages, 2 * Hkv, page_size, D]  (the float pages' layout)
+    scales: f32[num_pages, 2 * Hkv, page_size]  one per (token, KV head, K-or-V); 0 for an
+        all-zero row.
+    """
+
+    pages: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The pages' shape (what every reader sizes itself from)."""
+        return tuple(self.pages.shape)
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.pages.dtype
+
+    def is_deleted(self) -> bool:
+        return self.pages.is_deleted() or self.scales.is_deleted()
+
+
+KVPages = jax.Array | QuantizedKV  # float pages, or quantized pages with their scales
+
+
+def is_quantized_dtype(dtype: object) -> bool:
+    """Whether pages of `dtype` are quantized (int8 / float8_e4m3fn, with scales)."""
+    try:
+        return jnp.dtype(dtype) in QUANT_MAX
+    except TypeError:
+        return False
+
+
+def quantize_rows(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """x [..., D] float -> (values [..., D] of `dtype`, f32 scales [...]), symmetric per row.
+
+    scale = max|row| * (1 / QUANT_MAX); values = row * (QUANT_MAX / max|row|) clipped to
+    +-QUANT_MAX, rounded half to even (int8) or to the nearest float8_e4m3fn. An all-zero row
+    gets scale 0 and zeros. The C++ CPU kernel's write does the same f32 operations in the
+    same order (a reciprocal, then one multiply), so both writes store the same bits."""
+    qmax = QUANT_MAX[jnp.dtype(dtype)]
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1)
+    inv = jnp.where(amax > 0, jnp.float32(qmax) / jnp.where(amax > 0, amax, 1.0), 0.0)
+    y = jnp.clip(xf * inv[..., None], -qmax, qmax)
+    if jnp.dtype(dtype) == jnp.int8:
+        y = jnp.round(y)
+    # amax * (1 / qmax), not amax / qmax: XLA turns division by a constant into that multiply
+    # anyway, and the C++ write must match it bit for bit.
+    return y.astype(dtype), (amax * jnp.float32(1.0 / qmax)).astype(jnp.float32)
+
+
+def dequantize(kv: QuantizedKV, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """The float pages `kv` stands for (a full copy: for tests and oracles, not for serving)."""
+    return (kv.pages.astype(jnp.float32) * kv.scales[..., None]).astype(dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -68,9 +139,13 @@ def padded_head_dim(head_dim: int, multiple: int = 64) -> int:
 
 
 def init_kv_pages(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                  dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
-    """Zero-filled pages (zeros keep the trash page finite for every reader)."""
-    return jnp.zeros(kv_pages_shape(num_pages, page_size, num_kv_heads, head_dim), dtype)
+                  dtype: jnp.dtype = jnp.bfloat16) -> KVPages:
+    """Zero-filled pages (zeros keep the trash page finite for every reader); a QuantizedKV
+    (zero values and scales) for int8 / float8_e4m3fn."""
+    shape = kv_pages_shape(num_pages, page_size, num_kv_heads, head_dim)
+    if is_quantized_dtype(dtype):
+        return QuantizedKV(jnp.zeros(shape, dtype), jnp.zeros(shape[:3], jnp.float32))
+    return jnp.zeros(shape, dtype)
 
 
 def _check_int_vector(name: str, x: jax.Array, shape: tuple[int, ...]) -> None:
@@ -80,14 +155,25 @@ def _check_int_vector(name: str, x: jax.Array, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{name} must be int32, got dtype {x.dtype}")
 
 
-def check_kv_pages(kv_pages: jax.Array) -> tuple[int, int, int, int]:
-    """Validate the page array; returns (num_pages, num_kv_heads, page_size, head_dim)."""
-    if kv_pages.ndim != 4 or kv_pages.shape[1] % 2:
+def check_kv_pages(kv_pages: KVPages) -> tuple[int, int, int, int]:
+    """Validate the page array (or QuantizedKV); returns (num_pages, num_kv_heads, page_size,
+    head_dim)."""
+    if len(kv_pages.shape) != 4 or kv_pages.shape[1] % 2:
         raise ValueError(
             "kv_pages must be [num_pages, 2 * num_kv_heads, page_size, head_dim], got shape "
             f"{tuple(kv_pages.shape)}")
-    if jnp.dtype(kv_pages.dtype) not in _FLOAT_DTYPES:
-        raise ValueError(f"kv_pages dtype must be float32/bfloat16/float16, got {kv_pages.dtype}")
+    if isinstance(kv_pages, QuantizedKV):
+        if jnp.dtype(kv_pages.dtype) not in QUANT_MAX:
+            raise ValueError(f"QuantizedKV pages dtype must be int8/float8_e4m3fn, got "
+                             f"{kv_pages.dtype}")
+        if (tuple(kv_pages.scales.shape) != kv_pages.shape[:3]
+                or kv_pages.scales.dtype != jnp.float32):
+            raise ValueError(f"QuantizedKV scales must be float32{list(kv_pages.shape[:3])} "
+                             f"(the pages' shape {kv_pages.shape} minus head_dim), got "
+                             f"{kv_pages.scales.dtype}{list(kv_pages.scales.shape)}")
+    elif jnp.dtype(kv_pages.dtype) not in _FLOAT_DTYPES:
+        raise ValueError(f"kv_pages dtype must be float32/bfloat16/float16 (int8 / "
+                         f"float8_e4m3fn pages come as a QuantizedKV), got {kv_pages.dtype}")
     num_pages, two_hkv, page_size, head_dim = kv_pages.shape
     if num_pages < 2:
         raise ValueError(f"kv_pages needs the trash page 0 plus live pages, got shape "
@@ -123,7 +209,7 @@ class AttentionGeometry(NamedTuple):
     max_pages: int
 
 
-def check_attention_inputs(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata, *,
+def check_attention_inputs(q: jax.Array, kv_pages: KVPages, md: AttentionMetadata, *,
                            sm_scale: float, sliding_window: int | None,
                            soft_cap: float | None) -> AttentionGeometry:
     """Trace-time checks shared by every implementation; raise ValueError naming the culprit.
@@ -137,7 +223,7 @@ def check_attention_inputs(q: jax.Array, kv_pages: jax.Array, md: AttentionMetad
     num_tokens, num_q_heads, q_head_dim = q.shape
     if num_tokens < 1:
         raise ValueError(f"q must hold at least one token, got shape {tuple(q.shape)}")
-    if q.dtype != kv_pages.dtype:
+    if not isinstance(kv_pages, QuantizedKV) and q.dtype != kv_pages.dtype:
         raise ValueError(f"q dtype {q.dtype} differs from kv_pages dtype {kv_pages.dtype}")
     if q_head_dim > head_dim:
         raise ValueError(f"q head_dim {q_head_dim} (shape {tuple(q.shape)}) exceeds the pages' "
@@ -165,20 +251,25 @@ def pad_head_dim(x: jax.Array, head_dim: int) -> jax.Array:
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, head_dim - x.shape[-1])])
 
 
-def write_kv(kv_pages: jax.Array, k_new: jax.Array, v_new: jax.Array,
-             slot_mapping: jax.Array) -> jax.Array:
-    """Scatter the step's new K/V [T, Hkv, D] into their slots; exact (no arithmetic).
+def write_kv(kv_pages: KVPages, k_new: jax.Array, v_new: jax.Array,
+             slot_mapping: jax.Array) -> KVPages:
+    """Scatter the step's new K/V [T, Hkv, D] into their slots; exact for float pages (no
+    arithmetic), quantized per row (``quantize_rows``) for a QuantizedKV, whose values and
+    scales are scattered to the same slots.
 
     One XLA scatter writes each token's 2 * Hkv rows; under jit with ``kv_pages`` donated XLA
     updates the buffer in place, so the cost is O(T * Hkv * D) whatever the cache size.
     Padding tokens must map to trash-page slots; out-of-range slots are dropped, never wrapped.
     """
     _, num_kv_heads, page_size, head_dim = check_kv_pages(kv_pages)
+    quantized = isinstance(kv_pages, QuantizedKV)
     for name, x in (("k_new", k_new), ("v_new", v_new)):
         if x.ndim != 3 or x.shape[1] != num_kv_heads or x.shape[2] > head_dim:
             raise ValueError(f"{name} must be [T, {num_kv_heads}, <= {head_dim}] to match kv_pages "
                              f"shape {tuple(kv_pages.shape)}, got shape {tuple(x.shape)}")
-        if x.dtype != kv_pages.dtype:
+        if quantized and jnp.dtype(x.dtype) not in _FLOAT_DTYPES:
+            raise ValueError(f"{name} dtype must be float32/bfloat16/float16, got {x.dtype}")
+        if not quantized and x.dtype != kv_pages.dtype:
             raise ValueError(f"{name} dtype {x.dtype} differs from kv_pages dtype {kv_pages.dtype}")
     if k_new.shape != v_new.shape:
         raise ValueError(f"k_new shape {tuple(k_new.shape)} differs from v_new shape "
@@ -191,4 +282,18 @@ def write_kv(kv_pages: jax.Array, k_new: jax.Array, v_new: jax.Array,
     page = jnp.where(slot_mapping < 0, kv_pages.shape[0], slot_mapping // page_size)
     offset = slot_mapping % page_size
     rows = jnp.arange(2 * num_kv_heads, dtype=jnp.int32)
-    return kv_pages.at[page[:, None], rows[None, :], offset[:, None]].set(kv, mode="drop")
+    where = (page[:, None], rows[None, :], offset[:, None])
+    if not quantized:
+        return kv_pages.at[where].set(kv, mode="drop")
+    values, scales = quantize_rows(kv, kv_pages.dtype)          # [T, 2Hkv, D], [T, 2Hkv]
+    pages = kv_pages.pages
+    if pages.dtype != jnp.int8:
+        # float8 scattered as its bytes: XLA:CPU converts a whole float8 array to scatter into
+        # it (profile_step's write_only step, S=32 at context 1024: 10 s; as uint8 2.6 s, still
+        # far from int8's 9 ms, so the CPU engine writes fp8 pages in its C++ kernel).
+        u8 = jax.lax.bitcast_convert_type(pages, jnp.uint8).at[where].set(
+            jax.lax.bitcast_convert_type(values, jnp.uint8), mode="drop")
+        pages = jax.lax.bitcast_convert_type(u8, pages.dtype)
+    else:
+        pages = pages.at[where].set(values, mode="drop")
+    return QuantizedKV(pages, kv_pages.scales.at[where].set(scales, mode="drop"))

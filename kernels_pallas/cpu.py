@@ -14,6 +14,11 @@ the step's K/V rows into their slots, the pages aliased from input to output
 (``input_output_aliases``), so under jit with the pages donated (the engine's scan carry)
 nothing but the T new rows is written -- XLA:CPU's scatter (``write_kv``) does not always
 manage that (with bfloat16 pages it rewrote the whole cache every layer).
+
+Quantized pages (``QuantizedKV``: int8 / float8_e4m3fn values + f32 row scales): the same two
+calls, with the scales passed beside the pages (and, for the write, aliased and returned
+beside them); the kernel quantizes the new rows as ``write_kv`` does and dequantizes on the
+fly (kv_quant.h). k_new / v_new then stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -24,13 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .common import AttentionMetadata, check_attention_inputs, write_kv
-from .cpu_build import WRITE_TARGET, cpu_kernel_target
+from .common import (AttentionMetadata, KVPages, QuantizedKV, check_attention_inputs,
+                     write_kv)
+from .cpu_build import QUANT_TARGET, WRITE_QUANT_TARGET, WRITE_TARGET, cpu_kernel_target
 from .reference import ragged_paged_attention_reference
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
-def ragged_paged_attention_cpu(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata, *,
+def ragged_paged_attention_cpu(q: jax.Array, kv_pages: KVPages, md: AttentionMetadata, *,
                                sm_scale: float, sliding_window: int | None = None,
                                soft_cap: float | None = None) -> jax.Array:
     """out [T, Hq, Dq] in q's dtype: causal ragged paged attention (see module docstring)."""
@@ -40,17 +46,20 @@ def ragged_paged_attention_cpu(q: jax.Array, kv_pages: jax.Array, md: AttentionM
         return ragged_paged_attention_reference(q, kv_pages, md, sm_scale=sm_scale,
                                                 sliding_window=sliding_window,
                                                 soft_cap=soft_cap)
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    out = call(q.astype(jnp.float32), kv_pages, md.block_tables, md.kv_lens, md.cu_q_lens,
+    quantized = isinstance(kv_pages, QuantizedKV)
+    call = jax.ffi.ffi_call(QUANT_TARGET if quantized else target,
+                            jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    pages = (kv_pages.pages, kv_pages.scales) if quantized else (kv_pages,)
+    out = call(q.astype(jnp.float32), *pages, md.block_tables, md.kv_lens, md.cu_q_lens,
                md.num_seqs, **_attrs(sm_scale, sliding_window, soft_cap))
     return out.astype(q.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
 def write_kv_and_attend_cpu(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
-                            kv_pages: jax.Array, md: AttentionMetadata, *, sm_scale: float,
+                            kv_pages: KVPages, md: AttentionMetadata, *, sm_scale: float,
                             sliding_window: int | None = None, soft_cap: float | None = None
-                            ) -> tuple[jax.Array, jax.Array]:
+                            ) -> tuple[jax.Array, KVPages]:
     """(out [T, Hq, Dq] in q's dtype, kv_pages with k_new/v_new [T, Hkv, <= D] stored at
     md.slot_mapping): write_kv then attention, as one custom call (see module docstring)."""
     _check(q, kv_pages, md, sm_scale, sliding_window, soft_cap)
@@ -61,11 +70,20 @@ def write_kv_and_attend_cpu(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
         return ragged_paged_attention_reference(q, kv_pages, md, sm_scale=sm_scale,
                                                 sliding_window=sliding_window,
                                                 soft_cap=soft_cap), kv_pages
-    call = jax.ffi.ffi_call(WRITE_TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+    metadata = (md.slot_mapping, md.block_tables, md.kv_lens, md.cu_q_lens, md.num_seqs)
+    out_q = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    if isinstance(kv_pages, QuantizedKV):
+        pages, scales = kv_pages.pages, kv_pages.scales
+        call = jax.ffi.ffi_call(WRITE_QUANT_TARGET, (
+            out_q, jax.ShapeDtypeStruct(pages.shape, pages.dtype),
+            jax.ShapeDtypeStruct(scales.shape, scales.dtype)), input_output_aliases={3: 1, 4: 2})
+        out, pages, scales = call(q.astype(jnp.float32), k_new, v_new, pages, scales, *metadata,
+                                  **_attrs(sm_scale, sliding_window, soft_cap))
+        return out.astype(q.dtype), QuantizedKV(pages, scales)
+    call = jax.ffi.ffi_call(WRITE_TARGET, (out_q,
                                            jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype)),
                             input_output_aliases={3: 1})
-    out, kv_pages = call(q.astype(jnp.float32), k_new, v_new, kv_pages, md.slot_mapping,
-                         md.block_tables, md.kv_lens, md.cu_q_lens, md.num_seqs,
+    out, kv_pages = call(q.astype(jnp.float32), k_new, v_new, kv_pages, *metadata,
                          **_attrs(sm_scale, sliding_window, soft_cap))
     return out.astype(q.dtype), kv_pages
 
@@ -77,7 +95,7 @@ def _attrs(sm_scale: float, sliding_window: int | None,
                 soft_cap=np.float32(soft_cap or 0.0))
 
 
-def _check(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata, sm_scale: float,
+def _check(q: jax.Array, kv_pages: KVPages, md: AttentionMetadata, sm_scale: float,
            sliding_window: int | None, soft_cap: float | None) -> None:
     geom = check_attention_inputs(q, kv_pages, md, sm_scale=sm_scale,
                                   sliding_window=sliding_window, soft_cap=soft_cap)

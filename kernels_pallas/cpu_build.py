@@ -6,10 +6,10 @@ CPU's feature flags hash to a key -> ``<cache>/jaxserve_cpu_kernels-<key>.so`` (
 $JAXSERVE_KERNEL_CACHE_DIR, default ~/.cache/jaxserve/kernels). A missing library is compiled
 into a temporary file in the cache dir and renamed onto its name (atomic: processes building at
 once each rename identical bytes). ctypes loads it and ``jax.ffi.register_ffi_target`` registers
-its handlers (attention; write_kv + attention; dense, float and quantized) for the CPU
-platform, once per process (lru_cache). Where anything fails -- no compiler, a compile error,
-a load error -- ``cpu_kernel_target`` logs one warning saying why and returns None, and
-callers use the jnp reference (``dense_kernel_target`` likewise).
+its handlers (attention; write_kv + attention; both again for quantized pages; dense, float
+and quantized) for the CPU platform, once per process (lru_cache). Where anything fails -- no
+compiler, a compile error, a load error -- ``cpu_kernel_target`` logs one warning saying why
+and returns None, and callers use the jnp reference (``dense_kernel_target`` likewise).
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 TARGET = "jaxserve_ragged_paged_attention_cpu"
 WRITE_TARGET = "jaxserve_write_kv_and_attend_cpu"  # the same plus write_kv, pages in place
+# The same two for int8 / float8_e4m3fn pages, with their f32 row scales beside them.
+QUANT_TARGET = "jaxserve_ragged_paged_attention_quant_cpu"
+WRITE_QUANT_TARGET = "jaxserve_write_kv_and_attend_quant_cpu"
 DENSE_TARGET = "jaxserve_dense_cpu"  # x @ panel-packed weights (csrc/dense_cpu.cc)
 # x @ quantized panel-packed weights, by scheme (csrc/dense_quant_cpu.cc)
 DENSE_QUANT_TARGETS = {"int8": "jaxserve_dense_int8_cpu", "fp8": "jaxserve_dense_fp8_cpu",
@@ -127,6 +130,9 @@ def _register(path: str) -> None:
         lib = ctypes.cdll.LoadLibrary(path)
         handlers = {TARGET: jax.ffi.pycapsule(lib.JaxservePagedAttentionCpu),
                     WRITE_TARGET: jax.ffi.pycapsule(lib.JaxservePagedAttentionWriteCpu),
+                    QUANT_TARGET: jax.ffi.pycapsule(lib.JaxservePagedAttentionQuantCpu),
+                    WRITE_QUANT_TARGET: jax.ffi.pycapsule(
+                        lib.JaxservePagedAttentionWriteQuantCpu),
                     DENSE_TARGET: jax.ffi.pycapsule(lib.JaxserveDenseCpu),
                     DENSE_QUANT_TARGETS["int8"]: jax.ffi.pycapsule(lib.JaxserveDenseInt8Cpu),
                     DENSE_QUANT_TARGETS["fp8"]: jax.ffi.pycapsule(lib.JaxserveDenseFp8Cpu),

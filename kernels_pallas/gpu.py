@@ -31,6 +31,13 @@ Data flow (see tiling.py)::
            writes its rows' log-sum-exp; ``merge_splits`` (jnp) combines the NS partial softmax
            states before the scatter
 
+Quantized pages (``QuantizedKV``, int8 / float8_e4m3fn): the values are TMA'd as they are and
+converted to the 16-bit MMA dtype in SMEM (the staging of float32 pages; one block, never the
+cache); each page's K and V scales ([page_size] f32) follow into ``[num_stages, block_kv]``
+SMEM rows on the same barriers (page_size must be a multiple of 32: a TMA lands on 128-byte
+aligned SMEM). s = (q k^T) * k_scale (the scales loaded as a WGMMA column vector), and the
+weights times the V scales go into ``p @ v`` (the denominator sums the unscaled weights).
+
 Raggedness: the tile plan gives each tile one sequence, its first query position and its KV
 block range, so a CTA only streams the blocks it needs (decode tiles: the sequence's pages
 once; the grid's empty tail tiles exit at once). Block-table rows are padded to whole blocks
@@ -74,39 +81,37 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .common import MASK_VALUE, AttentionMetadata, check_attention_inputs, pad_head_dim
+from .common import (MASK_VALUE, AttentionMetadata, KVPages, QuantizedKV, check_attention_inputs,
+                     pad_head_dim)
 from .tiling import (F_BLK_HI, F_BLK_LO, F_KV_HI, F_NQ, F_POS0, F_SEQ, NUM_FIELDS,
                      default_tile_tokens, gather_q_tiles, plan_tiles, row_to_token,
                      scatter_out_tiles)
 
-_ROWS = 64          # WGMMA M: one warpgroup's tile height
-_SWIZZLE = 128      # bytes; 64 bf16 columns per swizzle tile
-_SMEM_BUDGET = 200 * 1024   # hard cap: of H100/H200's 227 KiB per block, room for barriers
-NUM_SMS = 132       # H100 / H200 SXM; split-KV aims at two waves of CTAs over them
-_MAX_SPLITS = 16
-# head_dim -> (block_kv, num_stages) for 16-bit pages. SMEM per CTA = stages * 2 * block_kv *
-# D * 2 B + the q tile: D 64: 3 x 32 KiB + 8 KiB = 104 KiB; D 128: 2 x 32 + 16 = 80 KiB; both
-# leave room for two CTAs per SM (one's softmax overlaps the other's copies: a single
-# warpgroup per CTA cannot overlap with itself). D 256: 2 x 64 + 32 = 160 KiB, one CTA per SM.
-# Untuned: chosen on paper (see the bandwidth arithmetic above) until a device measures them.
-_DEFAULTS = {64: (128, 3), 128: (64, 2), 256: (64, 2)}
-
+from .gpu_plan import _ROWS, _SWIZZLE, NUM_SMS, default_num_splits, default_tuning, merge_splits
 
 def _smem(shape: tuple[int, ...], dtype: jnp.dtype) -> Any:
-    """SMEM buffer laid out for WGMMA / TMA: (8, 128 B) tiles with the 128 B swizzle."""
-    cols = _SWIZZLE // jnp.dtype(dtype).itemsize
+    """SMEM buffer laid out for WGMMA / TMA: (8, 128 B) tiles with the 128 B swizzle (rows
+    narrower than 128 B, as 64 int8 columns: their own width)."""
+    swizzle = min(_SWIZZLE, shape[-1] * jnp.dtype(dtype).itemsize)
+    cols = swizzle // jnp.dtype(dtype).itemsize
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, cols)),
-                                                plgpu.SwizzleTransform(_SWIZZLE)))
+                                                plgpu.SwizzleTransform(swizzle)))
 
 
-def _kernel(info_ref, bt_ref, q_ref, kv_ref, o_ref, *refs,
+def _kernel(info_ref, bt_ref, q_ref, kv_ref, *refs,
             group: int, page_size: int, pages_per_block: int, pages_per_row: int,
             num_stages: int, num_splits: int, sm_scale: float, sliding_window: int | None,
-            soft_cap: float | None, interpreted: bool):
+            soft_cap: float | None, interpreted: bool, quantized: bool):
+    sc_ref = ksc_smem = vsc_smem = None
+    if quantized:                         # the scales [P, 2 * Hkv, page_size] come as input 5
+        sc_ref, *refs = refs
+    o_ref, *refs = refs
     if num_splits > 1:
         lse_ref, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, lse_smem, *staging = refs
     else:
         q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, *staging = refs
+    if quantized:                         # [num_stages, block_kv] f32 K / V scales
+        ksc_smem, vsc_smem, *staging = staging
     block_kv = pages_per_block * page_size
     head_dim = q_smem.shape[-1]
     h = lax.axis_index("kv_head")
@@ -149,6 +154,11 @@ def _kernel(info_ref, bt_ref, q_ref, kv_ref, o_ref, *refs,
                                     k_bars.at[slot])
             plgpu.copy_gmem_to_smem(kv_ref.at[page, 2 * h + 1], v_smem.at[slot, rows],
                                     v_bars.at[slot])
+            if quantized:                 # the rows' scales, on the same barriers
+                plgpu.copy_gmem_to_smem(sc_ref.at[page, 2 * h], ksc_smem.at[slot, rows],
+                                        k_bars.at[slot])
+                plgpu.copy_gmem_to_smem(sc_ref.at[page, 2 * h + 1], vsc_smem.at[slot, rows],
+                                        v_bars.at[slot])
 
     @pl.when(field(F_NQ) > 0)
     def _live_tile():
@@ -168,6 +178,21 @@ def _kernel(info_ref, bt_ref, q_ref, kv_ref, o_ref, *refs,
 
         def with_layout(x, layout):
             return x if interpreted else plgpu.layout_cast(x, layout)
+
+        def to_mma(x, dtype):
+            """Staged values in the MMA dtype. float8_e4m3fn goes through float16 (exact for
+            every e4m3 value): Hopper converts fp8 to f16 only."""
+            if x.dtype == jnp.float8_e4m3fn and jnp.dtype(dtype) != jnp.float16:
+                x = x.astype(jnp.float16)
+            return x.astype(dtype)
+
+        def key_scales(ref, shape):
+            """A block's [block_kv] scales broadcast over the score tile's rows."""
+            if interpreted:
+                row = ref[...]
+            else:
+                row = plgpu.load(ref, (), layout=wgmma.reduce(0), optimized=False)
+            return lax.broadcast_in_dim(row, shape, [1])
 
         # The interpreter's WGMMA only takes untransposed SMEM operands, so interpreted runs
         # do both matmuls on loaded values; everything else (TMA, barriers, masks) is shared.
@@ -198,13 +223,15 @@ def _kernel(info_ref, bt_ref, q_ref, kv_ref, o_ref, *refs,
             # next TMA issue.
             refill_pages = page_ids(i + num_stages)
             plgpu.barrier_wait(k_bars.at[slot])
-            if staging:                   # float32 pages: round K to the MMA dtype first
+            if staging:                   # f32 / 8-bit pages: K to the MMA dtype first
                 k = staging[0]
-                k[...] = k_smem.at[slot][...].astype(k.dtype)
+                k[...] = to_mma(k_smem.at[slot][...], k.dtype)
                 plgpu.commit_smem()       # make the generic-proxy stores visible to WGMMA
             else:
                 k = k_smem.at[slot]
             s = matmul_qk(k) * sm_scale
+            if quantized:                 # (q . k_q) * k_scale per key
+                s = s * key_scales(ksc_smem.at[slot], s.shape)
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             mask = None
@@ -225,13 +252,17 @@ def _kernel(info_ref, bt_ref, q_ref, kv_ref, o_ref, *refs,
             l_i = l_i * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             plgpu.barrier_wait(v_bars.at[slot])
+            if quantized:                 # weights x v_scale (l_i summed them unscaled)
+                p = p * key_scales(vsc_smem.at[slot], p.shape)
+                if masked:                # stale scales past kv_hi: 0 * NaN must not reach acc
+                    p = jnp.where(mask, p, 0.0)
 
             def stage_v(dst, zero_tail):
-                v = v_smem.at[slot][...]
+                v = to_mma(v_smem.at[slot][...], dst.dtype)
                 if zero_tail:
                     key = first_key + iota((block_kv, head_dim), 0)
-                    v = jnp.where(key < kv_hi, v, 0.0)
-                dst[...] = v.astype(dst.dtype)
+                    v = jnp.where(key < kv_hi, v, jnp.zeros((), v.dtype))
+                dst[...] = v
                 plgpu.commit_smem()
 
             if staging:
@@ -269,54 +300,10 @@ def _kernel(info_ref, bt_ref, q_ref, kv_ref, o_ref, *refs,
         plgpu.wait_smem_to_gmem(0)
 
 
-def default_tuning(head_dim: int, page_size: int, dtype: Any, *, block_kv: int | None = None,
-                   num_stages: int | None = None) -> tuple[int, int]:
-    """(block_kv, num_stages): the per-head-dim defaults (see ``_DEFAULTS``) for what is not
-    given, block_kv raised to the page size, the ring shrunk (to 1 at worst) until it fits
-    shared memory. Raises ValueError naming the bad value when nothing fits."""
-    default_block, default_stages = _DEFAULTS[min(k for k in _DEFAULTS if k >= head_dim)]
-    block_kv = block_kv or max(default_block, page_size)
-    if page_size % 8 or page_size > 256:
-        raise ValueError(f"page_size={page_size}: the GPU kernel needs a multiple of 8 (the "
-                         "SMEM tile height) up to 256")
-    if block_kv % page_size or block_kv % 64 or block_kv > 256:
-        raise ValueError(f"block_kv={block_kv} must be a multiple of page_size={page_size} and "
-                         "of 64, at most 256")
-    staged = jnp.dtype(dtype).itemsize == 4
-    stage_bytes = 2 * block_kv * head_dim * jnp.dtype(dtype).itemsize
-    fixed_bytes = (_ROWS + (2 * block_kv if staged else 0)) * head_dim * 2 + 4 * _ROWS
-    if num_stages is None:
-        num_stages = max(1, min(default_stages, (_SMEM_BUDGET - fixed_bytes) // stage_bytes))
-    if num_stages < 1 or fixed_bytes + num_stages * stage_bytes > _SMEM_BUDGET:
-        raise ValueError(f"num_stages={num_stages} x block_kv={block_kv} for head_dim "
-                         f"{head_dim} {jnp.dtype(dtype).name} pages overflow shared memory "
-                         f"({fixed_bytes + num_stages * stage_bytes} > {_SMEM_BUDGET} bytes)")
-    return block_kv, num_stages
-
-
-def default_num_splits(num_ctas: int, max_blocks: int, num_sms: int = NUM_SMS) -> int:
-    """Split-KV factor: 1 when the (kv head, tile) programs fill two waves of ``num_sms``
-    (two CTAs per SM), else enough splits to get there, at most one per KV block and
-    ``_MAX_SPLITS``. Static: ``num_ctas`` counts the bucket's tile bound, not live tiles."""
-    if num_ctas >= 2 * num_sms:
-        return 1
-    return max(1, min(-(-2 * num_sms // num_ctas), max_blocks, _MAX_SPLITS))
-
-
-def merge_splits(out: jax.Array, lse: jax.Array) -> jax.Array:
-    """[Hkv, NT, NS, rows, D] partial outputs (each normalised over its chunk of keys) and
-    their log-sum-exps [Hkv, NT, NS, rows] -> [Hkv, NT, rows, D] float32: the softmax over the
-    union of chunks. Empty chunks carry lse = MASK_VALUE, so their weight is 0."""
-    m = lse.max(axis=2, keepdims=True)
-    w = jnp.exp(lse - m)
-    acc = jnp.sum(w[..., None] * out.astype(jnp.float32), axis=2)
-    return acc / jnp.sum(w, axis=2)[..., None]
-
-
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "interpret", "block_kv", "num_stages",
     "tile_tokens", "num_splits", "num_sms"))
-def ragged_paged_attention_gpu(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata, *,
+def ragged_paged_attention_gpu(q: jax.Array, kv_pages: KVPages, md: AttentionMetadata, *,
                                sm_scale: float, sliding_window: int | None = None,
                                soft_cap: float | None = None, interpret: Any = False,
                                block_kv: int | None = None, num_stages: int | None = None,
@@ -336,14 +323,19 @@ def ragged_paged_attention_gpu(q: jax.Array, kv_pages: jax.Array, md: AttentionM
     if head_dim % 64 or head_dim > 256:
         raise ValueError(f"kv_pages shape {tuple(kv_pages.shape)}: head_dim must be a multiple "
                          "of 64 up to 256 (allocate pages with padded_head_dim)")
+    quantized = isinstance(kv_pages, QuantizedKV)
     block_kv, num_stages = default_tuning(head_dim, page_size, kv_pages.dtype,
-                                          block_kv=block_kv, num_stages=num_stages)
+                                          block_kv=block_kv, num_stages=num_stages,
+                                          quantized=quantized)
     pages_per_block = block_kv // page_size
-    # WGMMA needs 16-bit operands for p @ v: float32 pages are TMA'd as they are and rounded
-    # to bfloat16 in SMEM (two extra [block_kv, D] buffers); q is rounded in the wrapper.
+    # WGMMA needs 16-bit operands for p @ v: float32 and 8-bit pages are TMA'd as they are and
+    # converted in SMEM (two extra [block_kv, D] buffers); q is rounded in the wrapper.
     dtype = kv_pages.dtype
-    staged = jnp.dtype(dtype).itemsize == 4
-    mma_dtype = jnp.bfloat16 if staged else dtype
+    staged = jnp.dtype(dtype).itemsize != 2
+    if quantized:       # the MMAs run in q's dtype where that is 16-bit, else bfloat16
+        mma_dtype = q.dtype if jnp.dtype(q.dtype).itemsize == 2 else jnp.bfloat16
+    else:
+        mma_dtype = jnp.bfloat16 if staged else dtype
     tile_tokens = tile_tokens or default_tile_tokens(num_tokens, num_seqs_max, _ROWS // group)
     if tile_tokens * group > _ROWS:
         raise ValueError(f"tile_tokens={tile_tokens} x {group} heads exceed {_ROWS} rows")
@@ -366,8 +358,10 @@ def ragged_paged_attention_gpu(q: jax.Array, kv_pages: jax.Array, md: AttentionM
         _kernel, group=group, page_size=page_size, pages_per_block=pages_per_block,
         pages_per_row=pages_per_row, num_stages=num_stages, num_splits=num_splits,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        interpreted=bool(interpret))
+        interpreted=bool(interpret), quantized=quantized)
+    pages = (kv_pages.pages, kv_pages.scales) if quantized else (kv_pages,)
     tiles_shape = (num_kv_heads, plan.max_tiles)
+    arrivals = pages_per_block * (2 if quantized else 1)
     if num_splits > 1:
         out_type = (jax.ShapeDtypeStruct((*tiles_shape, num_splits, _ROWS, head_dim), mma_dtype),
                     jax.ShapeDtypeStruct((*tiles_shape, num_splits, _ROWS), jnp.float32))
@@ -381,9 +375,11 @@ def ragged_paged_attention_gpu(q: jax.Array, kv_pages: jax.Array, md: AttentionM
             _smem((num_stages, block_kv, head_dim), dtype),
             _smem((num_stages, block_kv, head_dim), dtype),
             plgpu.Barrier(num_arrivals=1),
-            plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
-            plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
+            # One arrival per TMA: a page's K (V) rows, and with quantized pages their scales.
+            plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),
+            plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),
             *([plgpu.SMEM((_ROWS,), jnp.float32)] if num_splits > 1 else []),
+            *([plgpu.SMEM((num_stages, block_kv), jnp.float32)] * 2 if quantized else []),
             *([_smem((block_kv, head_dim), mma_dtype)] * 2 if staged else []),
         ],
         grid=(*tiles_shape, num_splits) if num_splits > 1 else tiles_shape,
@@ -393,6 +389,6 @@ def ragged_paged_attention_gpu(q: jax.Array, kv_pages: jax.Array, md: AttentionM
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
-    )(plan.info.reshape(-1), bt.reshape(-1), q_tiles, kv_pages)
+    )(plan.info.reshape(-1), bt.reshape(-1), q_tiles, *pages)
     out_tiles = merge_splits(*result) if num_splits > 1 else result
     return scatter_out_tiles(out_tiles, plan, num_q_heads, q.dtype)[..., :q_head_dim]

@@ -13,6 +13,11 @@ elements: proportional to the longest *live* context of the step, not to the blo
 width (max_model_len). Logits memory per iteration is ``NT * Hkv * rows * block`` float32.
 Keys outside a tile's causal / window range are masked and their V rows zeroed, so NaN or
 garbage in unused or trash pages cannot leak into live rows.
+
+Quantized pages (``QuantizedKV``): the block's values are gathered as stored (int8 / fp8) with
+their scales; logits are ``(q . k_q) * k_scale`` per key and the softmax weights are multiplied
+by the key's V scale before ``p @ v_q`` (the denominator sums the unscaled weights), so no
+dequantized copy of the pages is made.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .common import (MASK_VALUE, AttentionMetadata, check_attention_inputs, pad_head_dim)
+from .common import (MASK_VALUE, AttentionMetadata, KVPages, QuantizedKV,
+                     check_attention_inputs, pad_head_dim)
 from .tiling import (F_KV_HI, F_KV_LO, F_NQ, F_POS0, F_SEQ, gather_q_tiles, max_num_tiles,
                      plan_tiles, scatter_out_tiles, tile_rows)
 
@@ -32,7 +38,7 @@ _BLOCK_TOKENS = 128
 _MAX_TILE_TOKENS = 64
 
 
-def _blocked_attention(q_tiles: jax.Array, info: jax.Array, kv_pages: jax.Array,
+def _blocked_attention(q_tiles: jax.Array, info: jax.Array, kv_pages: KVPages,
                        block_tables: jax.Array, *, group: int, block_pages: int, sm_scale: float,
                        sliding_window: int | None, soft_cap: float | None) -> jax.Array:
     """q_tiles [NT, Hkv, rows, D] -> [NT, Hkv, rows, D] f32, online softmax over KV blocks."""
@@ -50,7 +56,10 @@ def _blocked_attention(q_tiles: jax.Array, info: jax.Array, kv_pages: jax.Array,
     first = jnp.min(jnp.where(live, kv_lo // block, n_blocks_max))
     last = jnp.max(jnp.where(live, -(-kv_hi // block), 0))
     qf = q_tiles.astype(jnp.float32)
-    flat = kv_pages.reshape(-1, page_size, head_dim)  # [num_pages * 2Hkv, ps, D], free
+    quantized = isinstance(kv_pages, QuantizedKV)
+    values = kv_pages.pages if quantized else kv_pages
+    flat = values.reshape(-1, page_size, head_dim)  # [num_pages * 2Hkv, ps, D], free
+    flat_scales = kv_pages.scales.reshape(-1, page_size) if quantized else None
     heads = jnp.arange(num_kv_heads, dtype=jnp.int32)
 
     def body(j: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]
@@ -70,6 +79,11 @@ def _blocked_attention(q_tiles: jax.Array, info: jax.Array, kv_pages: jax.Array,
         # Zero V outside the range: p == 0 there, but 0 * NaN would still poison the sum.
         v = jnp.where(ok_k[:, None, :, None], v, 0.0)
         s = jnp.einsum("thrd,thkd->thrk", qf, k) * sm_scale
+        if quantized:       # per-key scales [NT, Hkv, 1, blk]; V's zeroed outside the range
+            k_scale = flat_scales[rows_k].reshape(num_tiles, num_kv_heads, 1, block)
+            v_scale = flat_scales[rows_k + 1].reshape(num_tiles, num_kv_heads, 1, block)
+            v_scale = jnp.where(ok_k[:, None, None, :], v_scale, 0.0)
+            s = s * k_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         s = jnp.where(mask[:, None], s, MASK_VALUE)
@@ -77,7 +91,8 @@ def _blocked_attention(q_tiles: jax.Array, info: jax.Array, kv_pages: jax.Array,
         p = jnp.where(mask[:, None], jnp.exp(s - m_new), 0.0)
         corr = jnp.exp(m - m_new)
         l = l * corr + jnp.sum(p, axis=-1, keepdims=True)
-        acc = acc * corr + jnp.einsum("thrk,thkd->thrd", p, v)
+        pv = p * v_scale if quantized else p
+        acc = acc * corr + jnp.einsum("thrk,thkd->thrd", pv, v)
         return m_new, l, acc
 
     init = (jnp.full((num_tiles, num_kv_heads, rows, 1), MASK_VALUE, jnp.float32),
@@ -89,7 +104,7 @@ def _blocked_attention(q_tiles: jax.Array, info: jax.Array, kv_pages: jax.Array,
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
                                              "tile_tokens"))
-def ragged_paged_attention_reference(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata,
+def ragged_paged_attention_reference(q: jax.Array, kv_pages: KVPages, md: AttentionMetadata,
                                      *, sm_scale: float, sliding_window: int | None = None,
                                      soft_cap: float | None = None,
                                      tile_tokens: int | None = None) -> jax.Array:

@@ -27,6 +27,16 @@ that crosses the tile's causal end, V rows past it are zeroed in place first (fu
 select in f32): p is 0 there, but 0 * NaN from a stale buffer row or an unused page slot would
 not be. Empty tiles (past the live count) skip all DMAs and write zeros.
 
+Quantized pages (``QuantizedKV``, int8 / float8_e4m3fn): each page DMA is joined by one of its
+scale slab ``scales[page, 2 * hb heads]`` ([2 * hb, page_size] f32) into a double buffer
+``[2, pages_per_block, 2 * hb, page_size]`` (a leading page axis: every copy lands on whole
+tiles), on the same semaphore. Per head, the block's K and V scales are joined along lanes
+into ``[1, block_kv]`` rows; K and V are converted to q's dtype in VMEM (one block, never the
+cache); s = (q k^T) * k_scale, and the weights, times the V scales, go into ``p @ v`` (the
+denominator sums the unscaled weights). int8 / fp8 pages need page_size % 32 == 0 (sublane
+packing). The scale rows' lane concatenation of page_size-wide pieces is the part of this
+path Mosaic's layout passes (libtpu) never checked here.
+
 Limits (tpu_plan.py): page_size must fill whole sublane tiles (16 rows for bf16 / f16, 8 for
 f32); pages whose head dim is not a multiple of 128 are zero-padded by the wrapper, which
 copies the whole page array per call (allocate pages with 128-lane head dims on TPU to avoid
@@ -49,7 +59,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .common import MASK_VALUE, AttentionMetadata, check_attention_inputs, pad_head_dim
+from .common import (MASK_VALUE, AttentionMetadata, KVPages, QuantizedKV, check_attention_inputs,
+                     pad_head_dim)
 from .reference import ragged_paged_attention_reference
 from .tiling import (F_BLK_HI, F_BLK_LO, F_KV_HI, F_POS0, F_SEQ, NUM_FIELDS,
                      default_tile_tokens, gather_q_tiles, plan_tiles, row_to_token,
@@ -61,10 +72,14 @@ log = logging.getLogger(__name__)
 
 
 def _kernel(info_ref, num_tiles_ref, bt_ref,                  # scalar prefetch (SMEM)
-            q_ref, kv_hbm, o_ref,                             # q block, pages (HBM), out block
-            kv_buf, sems, m_ref, l_ref, acc_ref, slot_ref,    # scratch
-            *, group: int, pages_per_block: int, pages_per_row: int, sm_scale: float,
-            sliding_window: int | None, soft_cap: float | None):
+            q_ref, kv_hbm, *refs,                             # q block, pages (+ scales), ...
+            group: int, pages_per_block: int, pages_per_row: int, sm_scale: float,
+            sliding_window: int | None, soft_cap: float | None, quantized: bool):
+    if quantized:       # scales (HBM), out block, scratch with the scales' double buffer
+        sc_hbm, o_ref, kv_buf, sc_buf, sems, m_ref, l_ref, acc_ref, slot_ref = refs
+    else:
+        o_ref, kv_buf, sems, m_ref, l_ref, acc_ref, slot_ref = refs
+        sc_hbm = sc_buf = None
     hb, rows, head_dim = q_ref.shape
     block_kv = kv_buf.shape[2]
     page_size = block_kv // pages_per_block
@@ -80,24 +95,39 @@ def _kernel(info_ref, num_tiles_ref, bt_ref,                  # scalar prefetch 
         # Block-table rows are padded to whole blocks in the wrapper: no bounds check here.
         base = field(t, F_SEQ) * pages_per_row + blk * pages_per_block
         kv_hi = field(t, F_KV_HI)
-        return [((blk * pages_per_block + j) * page_size < kv_hi, pltpu.make_async_copy(
-            kv_hbm.at[bt_ref[base + j], pl.ds(hblk * 2 * hb, 2 * hb)],
-            kv_buf.at[slot, :, pl.ds(j * page_size, page_size)], sems.at[slot]))
-            for j in range(pages_per_block)]
+        out = []
+        for j in range(pages_per_block):
+            live = (blk * pages_per_block + j) * page_size < kv_hi
+            heads = (bt_ref[base + j], pl.ds(hblk * 2 * hb, 2 * hb))
+            page = [pltpu.make_async_copy(kv_hbm.at[heads],
+                                          kv_buf.at[slot, :, pl.ds(j * page_size, page_size)],
+                                          sems.at[slot])]
+            if quantized:    # the page's scale slab [2 * hb, page_size], same semaphore
+                page.append(pltpu.make_async_copy(sc_hbm.at[heads], sc_buf.at[slot, j],
+                                                  sems.at[slot]))
+            out.append((live, page))
+        return out
 
     def start(t, blk, slot):
-        for j, (live, c) in enumerate(copies(t, blk, slot)):
-            if j == 0:
-                c.start()
-            else:
-                pl.when(live)(c.start)
+        for j, (live, page) in enumerate(copies(t, blk, slot)):
+            for c in page:
+                if j == 0:
+                    c.start()
+                else:
+                    pl.when(live)(c.start)
 
     def wait(t, blk, slot):
-        for j, (live, c) in enumerate(copies(t, blk, slot)):
-            if j == 0:
-                c.wait()
-            else:
-                pl.when(live)(c.wait)
+        for j, (live, page) in enumerate(copies(t, blk, slot)):
+            for c in page:
+                if j == 0:
+                    c.wait()
+                else:
+                    pl.when(live)(c.wait)
+
+    def scale_row(slot, row):
+        """[1, block_kv] f32: the block's scales of K/V row `row`, page by page on lanes."""
+        return jnp.concatenate([sc_buf[slot, j, pl.ds(row, 1), :]
+                                for j in range(pages_per_block)], axis=1)
 
     @pl.when(tile >= num_tiles)
     def _empty_tile():
@@ -150,8 +180,12 @@ def _kernel(info_ref, num_tiles_ref, bt_ref,                  # scalar prefetch 
                 q = q_ref[h]
                 k = kv_buf[slot, 2 * h]
                 v = kv_buf[slot, 2 * h + 1]
+                if quantized:      # values to q's dtype in VMEM; scales applied below
+                    k, v = k.astype(q.dtype), v.astype(q.dtype)
                 s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                     preferred_element_type=jnp.float32) * sm_scale
+                if quantized:
+                    s = s * scale_row(slot, 2 * h)
                 if soft_cap is not None:
                     s = soft_cap * jnp.tanh(s / soft_cap)
                 s = jnp.where(mask, s, MASK_VALUE)
@@ -163,6 +197,8 @@ def _kernel(info_ref, num_tiles_ref, bt_ref,                  # scalar prefetch 
                 l_ref[h] = jnp.broadcast_to(alpha * l_prev + jnp.sum(p, axis=1, keepdims=True),
                                             (rows, LANES))
                 m_ref[h] = jnp.broadcast_to(m_new, (rows, LANES))
+                if quantized:      # p x V scale; where(): stale scales past kv_hi may be NaN
+                    p = jnp.where(mask, p * scale_row(slot, 2 * h + 1), 0.0)
                 pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
                 acc_ref[h] = alpha * acc_ref[h] + pv
             return nxt
@@ -173,7 +209,7 @@ def _kernel(info_ref, num_tiles_ref, bt_ref,                  # scalar prefetch 
             o_ref[h] = (acc_ref[h] / jnp.where(denom == 0.0, 1.0, denom)).astype(o_ref.dtype)
 
 
-def _attend(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata, *, group: int,
+def _attend(q: jax.Array, kv_pages: KVPages, md: AttentionMetadata, *, group: int,
             num_q_heads: int, hb: int, pages_per_block: int, tile_tokens: int,
             sm_scale: float, sliding_window: int | None, soft_cap: float | None,
             interpret: Any, vmem_limit_bytes: int | None) -> jax.Array:
@@ -189,20 +225,27 @@ def _attend(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata, *, group: 
     # Pad block-table rows to whole KV blocks (trash page), so the kernel never reads past them.
     pages_per_row = -(-max_pages // pages_per_block) * pages_per_block
     bt = jnp.pad(md.block_tables, ((0, 0), (0, pages_per_row - max_pages)))
+    quantized = isinstance(kv_pages, QuantizedKV)
     kernel = functools.partial(_kernel, group=group, pages_per_block=pages_per_block,
                                pages_per_row=pages_per_row, sm_scale=sm_scale,
-                               sliding_window=sliding_window, soft_cap=soft_cap)
+                               sliding_window=sliding_window, soft_cap=soft_cap,
+                               quantized=quantized)
     tile_spec = pl.BlockSpec((hb, None, rows, head_dim), lambda h, t, *_: (h, t, 0, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    pages = (kv_pages.pages, kv_pages.scales) if quantized else (kv_pages,)
+    scale_scratch = [pltpu.VMEM((2, pages_per_block, 2 * hb, page_size), jnp.float32)
+                     ] if quantized else []
     out_tiles = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(q_tiles.shape, q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(num_kv_heads // hb, plan.max_tiles),
-            in_specs=[tile_spec, pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[tile_spec, *[hbm] * len(pages)],
             out_specs=tile_spec,
             scratch_shapes=[
                 pltpu.VMEM((2, 2 * hb, block_kv, head_dim), kv_pages.dtype),
+                *scale_scratch,
                 pltpu.SemaphoreType.DMA((2,)),
                 pltpu.VMEM((hb, rows, LANES), jnp.float32),
                 pltpu.VMEM((hb, rows, LANES), jnp.float32),
@@ -215,7 +258,7 @@ def _attend(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata, *, group: 
                                              vmem_limit_bytes=vmem_limit_bytes),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
-    )(plan.info.reshape(-1), plan.num_tiles.reshape(1), bt.reshape(-1), q_tiles, kv_pages)
+    )(plan.info.reshape(-1), plan.num_tiles.reshape(1), bt.reshape(-1), q_tiles, *pages)
     return scatter_out_tiles(out_tiles, plan, num_q_heads)
 
 
@@ -245,7 +288,7 @@ def _split_by_sequences(attend: Any, md: AttentionMetadata, num_tokens: int,
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "interpret", "pages_per_block", "tile_tokens",
     "kv_heads_per_block", "vmem_limit_bytes", "smem_budget_bytes"))
-def ragged_paged_attention_tpu(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata, *,
+def ragged_paged_attention_tpu(q: jax.Array, kv_pages: KVPages, md: AttentionMetadata, *,
                                sm_scale: float, sliding_window: int | None = None,
                                soft_cap: float | None = None, interpret: Any = False,
                                pages_per_block: int | None = None,
@@ -285,7 +328,8 @@ def ragged_paged_attention_tpu(q: jax.Array, kv_pages: jax.Array, md: AttentionM
         log.warning("TPU attention pads kv_pages %s to head_dim %d (a copy of the whole array "
                     "per call); allocate pages with padded_head_dim(D, 128) on TPU",
                     tuple(kv_pages.shape), lanes)
-        kv_pages = pad_head_dim(kv_pages, lanes)
+        kv_pages = (QuantizedKV(pad_head_dim(kv_pages.pages, lanes), kv_pages.scales)
+                    if isinstance(kv_pages, QuantizedKV) else pad_head_dim(kv_pages, lanes))
     q = pad_head_dim(q, lanes)
     if interpret is True:       # the TPU interpreter: real DMA/semaphore semantics, NaN scratch
         interpret = pltpu.InterpretParams()

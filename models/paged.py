@@ -17,6 +17,10 @@ tables and slots are offset by i * num_pages pages, so the scatter and the atten
 reads touch only the pages they need, in place. The array is stored flat rather than as
 [L, num_pages, ...]: reshaping the scan-carried KV inside the loop, even to a bitcast-able
 shape, made XLA:CPU copy the whole KV once a step (~40 ms for 750 MB on a 2-core host).
+A quantized cache (`kv_cache_dtype` int8 / fp8) is a `QuantizedKV`: the same pages in int8 /
+float8_e4m3fn plus f32 scales [L * num_pages, 2 * Hkv, page_size], carried, offset and sharded
+(by KV head, axis 1) the same way; q, k and v then stay in the model's dtype (write_kv
+quantizes, the attention dequantizes on the fly).
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as PS
 
-from ..kernels_pallas import AttentionMetadata, kv_pages_shape, write_kv_and_attend
+from ..kernels_pallas import (AttentionMetadata, KVPages, QuantizedKV, init_kv_pages,
+                              kv_pages_shape, write_kv_and_attend)
 from .config import ModelConfig
 from .llama import LayerParams, LlamaParams, decoder_layer, embed, lm_logits, scan_layers
 
@@ -36,6 +41,22 @@ from .llama import LayerParams, LlamaParams, decoder_layer, embed, lm_logits, sc
 MODEL_AXIS = "model"  # the tensor-parallel mesh axis (models/placement.py)
 # KV pages [L * num_pages, 2 * Hkv, page_size, D] split by KV head over MODEL_AXIS.
 KV_PAGES_SPEC = PS(None, MODEL_AXIS, None, None)
+# Their scales [L * num_pages, 2 * Hkv, page_size] (quantized caches) split the same way.
+KV_SCALES_SPEC = PS(None, MODEL_AXIS, None)
+
+
+def kv_specs(quantized: bool) -> PS | QuantizedKV:
+    """The partition spec pytree of a KV cache: one spec, or a QuantizedKV of two."""
+    if quantized:
+        return QuantizedKV(KV_PAGES_SPEC, KV_SCALES_SPEC)  # type: ignore[arg-type]
+    return KV_PAGES_SPEC
+
+
+def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: object,
+                  head_dim: int | None = None) -> KVPages:
+    """Zeroed KV cache of `kv_cache_shape` (a QuantizedKV for int8 / float8_e4m3fn)."""
+    return init_kv_pages(cfg.num_layers * num_pages, page_size, cfg.num_kv_heads,
+                         head_dim or cfg.head_dim, dtype)
 
 
 def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int,
@@ -46,20 +67,20 @@ def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int,
                           head_dim or cfg.head_dim)
 
 
-def paged_forward(params: LlamaParams, kv_pages: jax.Array, token_ids: jax.Array,
+def paged_forward(params: LlamaParams, kv_pages: KVPages, token_ids: jax.Array,
                   positions: jax.Array, md: AttentionMetadata, logits_indices: jax.Array,
                   cfg: ModelConfig, attn_impl: str = "reference",
-                  mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
+                  mesh: Mesh | None = None) -> tuple[jax.Array, KVPages]:
     """-> (f32[S, vocab] logits at `logits_indices`, updated kv_pages). Pure; jit it."""
     hidden, kv_pages = paged_hidden(params, kv_pages, token_ids, positions, md, cfg,
                                     attn_impl, mesh)
     return lm_logits(cfg, params, hidden[logits_indices]), kv_pages
 
 
-def paged_hidden(params: LlamaParams, kv_pages: jax.Array, token_ids: jax.Array,
+def paged_hidden(params: LlamaParams, kv_pages: KVPages, token_ids: jax.Array,
                  positions: jax.Array, md: AttentionMetadata, cfg: ModelConfig,
                  attn_impl: str = "reference",
-                 mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
+                 mesh: Mesh | None = None) -> tuple[jax.Array, KVPages]:
     """-> ([T, hidden] last layer's output of every token (before the final norm), updated
     kv_pages). Pure; jit it. `lm_logits` of a row gives that token's next-token logits.
 
@@ -74,22 +95,25 @@ def paged_hidden(params: LlamaParams, kv_pages: jax.Array, token_ids: jax.Array,
         raise ValueError(f"kv_pages has {total_pages} pages, not a multiple of num_layers="
                          f"{cfg.num_layers} (expected kv_cache_shape's layout)")
     num_pages = total_pages // cfg.num_layers
+    quantized = isinstance(kv_pages, QuantizedKV)
+    kv_spec = kv_specs(quantized)
 
-    def layer(carry: tuple[jax.Array, jax.Array], xs: tuple[LayerParams, jax.Array, None]
-              ) -> tuple[tuple[jax.Array, jax.Array], None]:
+    def layer(carry: tuple[jax.Array, KVPages], xs: tuple[LayerParams, jax.Array, None]
+              ) -> tuple[tuple[jax.Array, KVPages], None]:
         x, kv = carry
         lp, i, _ = xs
 
-        def attend(q: jax.Array, k: jax.Array, v: jax.Array, flat: jax.Array,
-                   layer_md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
-            out, flat = write_kv_and_attend(q.astype(flat.dtype), k.astype(flat.dtype),
-                                            v.astype(flat.dtype), flat, layer_md,
-                                            sm_scale=scale, sliding_window=window,
+        def attend(q: jax.Array, k: jax.Array, v: jax.Array, flat: KVPages,
+                   layer_md: AttentionMetadata) -> tuple[jax.Array, KVPages]:
+            # Float pages: everything in the pages' dtype. Quantized: q, k, v stay as they are.
+            dt = q.dtype if quantized else flat.dtype
+            out, flat = write_kv_and_attend(q.astype(dt), k.astype(dt), v.astype(dt), flat,
+                                            layer_md, sm_scale=scale, sliding_window=window,
                                             impl=attn_impl)
             return out.astype(q.dtype), flat
 
         def attn(q: jax.Array, k: jax.Array, v: jax.Array,
-                 flat: jax.Array) -> tuple[jax.Array, jax.Array]:
+                 flat: KVPages) -> tuple[jax.Array, KVPages]:
             base = i * num_pages
             layer_md = dataclasses.replace(md, block_tables=md.block_tables + base,
                                            slot_mapping=md.slot_mapping + base * page_size)
@@ -97,8 +121,8 @@ def paged_hidden(params: LlamaParams, kv_pages: jax.Array, token_ids: jax.Array,
                 return attend(q, k, v, flat, layer_md)
             heads = PS(None, MODEL_AXIS, None)  # [T, H, D] split by head
             return jax.shard_map(attend, mesh=mesh,
-                                 in_specs=(heads, heads, heads, KV_PAGES_SPEC, PS()),
-                                 out_specs=(heads, KV_PAGES_SPEC),
+                                 in_specs=(heads, heads, heads, kv_spec, PS()),
+                                 out_specs=(heads, kv_spec),
                                  # The attention's loops start from replicated zeros and
                                  # end per-shard; each shard is independent, nothing to check.
                                  check_vma=False)(q, k, v, flat, layer_md)

@@ -24,7 +24,8 @@ The layout (Megatron style; the mesh axis is `paged.MODEL_AXIS`):
   embed [vocab, hidden] / lm_head [hidden, vocab]: split by vocabulary, replicated when tp does
   not divide it; norms (and q/k norms): replicated;
   KV pages [L * num_pages, 2 * Hkv, page_size, D]: split on the 2 * Hkv axis, so each device
-  holds the pages of its own KV heads (rows 2h / 2h + 1 stay together).
+  holds the pages of its own KV heads (rows 2h / 2h + 1 stay together); a quantized cache's
+  scales [L * num_pages, 2 * Hkv, page_size] split on the same axis.
 KV heads that tp does not divide: when tp is a multiple of num_kv_heads, each KV head is
 replicated tp / num_kv_heads times (every device holds exactly one, shared by its query heads,
 as in vLLM); per-device KV bytes are then 1 / num_kv_heads of one copy instead of 1 / tp.
@@ -42,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .config import ModelConfig
 from .host_arrays import RepeatedHeads
 from .llama import LayerParams, LlamaParams
-from .paged import KV_PAGES_SPEC, MODEL_AXIS
+from .paged import MODEL_AXIS, kv_specs
 from .quant import QuantizedWeight
 from .safetensors_io import CheckpointError
 
@@ -191,9 +192,11 @@ def tp_model_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     return cfg if rep == 1 else dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * rep)
 
 
-def kv_sharding(mesh: Mesh) -> NamedSharding:
-    """KV pages [L * num_pages, 2 * Hkv, page_size, D] split by KV head."""
-    return NamedSharding(mesh, KV_PAGES_SPEC)
+def kv_sharding(mesh: Mesh, quantized: bool = False) -> NamedSharding:
+    """KV pages [L * num_pages, 2 * Hkv, page_size, D] split by KV head; `quantized`: a
+    QuantizedKV of shardings, the scales [L * num_pages, 2 * Hkv, page_size] split alike."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), kv_specs(quantized),
+                        is_leaf=lambda x: isinstance(x, P))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

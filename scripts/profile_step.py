@@ -16,6 +16,10 @@ XLA:CPU f32 GEMM rate at M = S.
     python scripts/profile_step.py --seqs 1,8,32 --context 256 --json profile.json
     python scripts/profile_step.py --seqs 32 --impl reference,cpu     # before / after
     python scripts/profile_step.py --seqs 1,8,32 --dense xla,cpu      # XLA's dot / C++ dense
+    python scripts/profile_step.py --seqs 1,32 --kv-dtype float32,int8,fp8  # quantized KV
+
+It first prints the KV tokens one GiB holds for each --kv-dtype (values + the f32 row scales
+of int8 / fp8 pages: `sizing.kv_bytes_per_token`). Decode tokens/s of a row = S / full step.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.kernels_pallas import AttentionMetadata, select_impl, write_kv
+from jaxserve.engine.sizing import kv_bytes_per_token
+from jaxserve.kernels_pallas import AttentionMetadata, is_quantized_dtype, select_impl, write_kv
 from jaxserve.models import loading
 from jaxserve.models import paged as P
 from jaxserve.models.llama import lm_logits
@@ -58,7 +63,7 @@ def profile(model: loading.LoadedModel, seqs: int, ctx: int, impl: str,
     pos = jnp.full(seqs, ctx, jnp.int32)
     rows = jnp.arange(seqs, dtype=jnp.int32)
 
-    kv = jnp.zeros(P.kv_cache_shape(cfg, num_pages, page_size), jnp.dtype(kv_dtype))
+    kv = P.init_kv_cache(cfg, num_pages, page_size, KV_DTYPES[kv_dtype])
 
     def compiled(stub_attention: bool, stub_write: bool):  # noqa: ANN202
         """The step compiled with the given parts replaced by identity (traced right here)."""
@@ -102,6 +107,16 @@ def profile(model: loading.LoadedModel, seqs: int, ctx: int, impl: str,
     return out
 
 
+KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
+             "fp8": jnp.float8_e4m3fn}
+
+
+def kv_tokens_per_gib(cfg, kv_dtype: str) -> float:  # noqa: ANN001
+    dt = jnp.dtype(KV_DTYPES[kv_dtype])
+    return 2**30 / kv_bytes_per_token(cfg, dt.itemsize, None,
+                                      4 if is_quantized_dtype(dt) else 0)
+
+
 def gemm_gflops(m: int, k: int = 576, n: int = 1536) -> float:
     w = jnp.ones((k, n), jnp.float32)
     x = jnp.ones((m, k), jnp.float32)
@@ -120,8 +135,9 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--impl", default="auto",
                     help="comma-separated attention impls to profile (auto | reference | cpu)")
-    ap.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="dtype of the KV pages (the model runs in float32 either way)")
+    ap.add_argument("--kv-dtype", default="float32",
+                    help="comma-separated dtypes of the KV pages: float32 | bfloat16 | int8 | "
+                         "fp8 (the model runs in float32 either way)")
     ap.add_argument("--dense", default="cpu",
                     help="comma-separated dense impls: xla (XLA's dot) | cpu (packed weights, "
                          "the C++ kernel: what the engine runs on CPU)")
@@ -132,14 +148,19 @@ def main() -> int:
     model = loading.load_model(args.model, "float32")
     rows = []
     impls = [select_impl(name) for name in args.impl.split(",")]
-    for s, impl, dense in ((int(x), i, d) for x in args.seqs.split(",") for i in impls
-                           for d in args.dense.split(",")):
-        r = profile(model, s, args.context, impl, runs=args.runs, kv_dtype=args.kv_dtype,
-                    dense=dense)
+    kv_dtypes = args.kv_dtype.split(",")
+    per_gib = {d: kv_tokens_per_gib(model.config, d) for d in kv_dtypes}
+    for d, n in per_gib.items():
+        print(f"KV {d}: {n:,.0f} tokens per GiB", flush=True)
+    for s, impl, dense, kvd in ((int(x), i, d, k) for x in args.seqs.split(",") for i in impls
+                                for d in args.dense.split(",") for k in kv_dtypes):
+        r = profile(model, s, args.context, impl, runs=args.runs, kv_dtype=kvd, dense=dense)
         r["gemm_gflops_at_m"] = gemm_gflops(s)
         rows.append(r)
         share = r["attention_and_kv_write_ms"] / r["full_ms"]
-        print(f"S={s:3d} ctx={args.context} {impl} dense {dense} KV {args.kv_dtype}: step "
+        r["decode_tok_s"] = 1e3 * s / r["full_ms"]
+        print(f"S={s:3d} ctx={args.context} {impl} dense {dense} KV {kvd}: "
+              f"{r['decode_tok_s']:.1f} tok/s, step "
               f"{r['full_ms']:.1f} ms = attention + KV "
               f"write {r['attention_and_kv_write_ms']:.1f} ({100 * share:.0f}%; XLA scatter "
               f"{r['kv_write_ms']:.1f}) "
@@ -148,7 +169,8 @@ def main() -> int:
               f"XLA GEMM at M={s}: {r['gemm_gflops_at_m']:.0f} GFLOP/s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "jax": jax.__version__}, f, indent=1)
+            json.dump({"rows": rows, "kv_tokens_per_gib": per_gib, "jax": jax.__version__}, f,
+                  indent=1)
     return 0
 
 

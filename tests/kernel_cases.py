@@ -117,3 +117,11 @@ def expected_pages_after_write(batch: RaggedBatch) -> np.ndarray:
         pages[page, 0::2, off] = k[t]
         pages[page, 1::2, off] = v[t]
     return pages
+
+
+def quantized_pages(pages: jnp.ndarray, dtype: jnp.dtype) -> "QuantizedKV":
+    """`pages` (float, NaN where nobody may read) quantized row by row: NaN rows get NaN
+    scales (and garbage values), so a stray read of a quantized page still shows as NaN."""
+    from jaxserve.kernels_pallas.common import QuantizedKV, quantize_rows
+    values, scales = quantize_rows(jnp.asarray(pages, jnp.float32), dtype)
+    return QuantizedKV(values, scales)

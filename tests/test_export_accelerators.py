@@ -11,6 +11,9 @@ engine's step shows up here without a device. Exported, for both platforms:
     for a Llama-3-8B-shaped and a Qwen3-shaped config (abstract weights: ShapeDtypeStructs,
     nothing allocated), with `attention_impl="auto"` resolved as on that platform, and under
     tensor parallelism over an abstract 8-device mesh.
+Quantized KV pages (int8 / float8_e4m3fn with f32 scales): both kernels at decode and prefill
+shapes, and the whole step with an int8 cache (page_size 32, which 8-bit pages need on both),
+at TP 1 and TP 8.
 Each exported module must hold the platform's kernel custom call, once per layer body (the
 layers run in a scan), and the jnp reference attention must never be traced (the `no_reference`
 fixture makes any call to it fail the test).
@@ -31,7 +34,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.device import model_runner as mr
 from jaxserve.engine.batch import bitmask_words
 from jaxserve.engine.sizing import plan_engine
-from jaxserve.kernels_pallas import AttentionMetadata, padded_head_dim, select_impl
+from jaxserve.kernels_pallas import (AttentionMetadata, QuantizedKV, padded_head_dim,
+                                     select_impl)
 from jaxserve.kernels_pallas import selector
 from jaxserve.kernels_pallas.selector import ragged_paged_attention
 from jaxserve.models import placement, shapes
@@ -109,14 +113,45 @@ def test_kernel_lowers_for_platform(platform: str, case: tuple) -> None:
     assert_kernel_only(exported, platform, 1)
 
 
+# (page dtype, q dtype, head_dim, q heads, kv heads, page size, tokens, seqs, window)
+QUANT_KERNEL_CASES = [
+    ("int8", "bfloat16", 128, 32, 8, 32, 64, 64, None),           # decode, GQA 4
+    ("float8_e4m3fn", "bfloat16", 128, 32, 8, 32, 512, 4, None),  # prefill
+    ("int8", "float32", 64, 16, 2, 64, 128, 16, 256),              # f32 q, window
+    ("float8_e4m3fn", "float16", 64, 8, 8, 32, 64, 8, None),       # MHA, f16 q
+]
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("case", QUANT_KERNEL_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_quantized_kernel_lowers_for_platform(platform: str, case: tuple) -> None:
+    pages_dtype, dtype, d, hq, hkv, ps, tokens, seqs, window = case
+    impl = select_impl("auto", platform)
+    max_pages = 4096 // ps
+    num_pages = 1 + seqs * max_pages
+
+    def attend(q, kv, md):  # noqa: ANN001, ANN202
+        return ragged_paged_attention(q, kv, md, sm_scale=d ** -0.5, sliding_window=window,
+                                      impl=impl)
+
+    shape = (num_pages, 2 * hkv, ps, padded_head_dim(d, 128 if platform == "tpu" else 64))
+    kv = QuantizedKV(SDS(shape, jnp.dtype(pages_dtype)), SDS(shape[:3], jnp.float32))
+    exported = jax.export.export(jax.jit(attend), platforms=[platform])(
+        SDS((tokens, hq, d), jnp.dtype(dtype)), kv, metadata(tokens, seqs, max_pages))
+    assert_kernel_only(exported, platform, 1)
+
+
 # --------------------------------------------------------------------------- whole step
 MODELS = {"llama3-8b": shapes.llama3_8b(), "qwen3-8b": shapes.qwen3_8b()}
 ENGINE = EngineConfig(dtype="bfloat16", max_num_seqs=128, max_num_batched_tokens=1024,
                       max_model_len=4096, kv_cache_memory=8 << 30)
 
 
-def exported_buckets(cfg: ModelConfig, tp: int) -> tuple[list[tuple[int, int]], object]:
-    plan = plan_engine(ENGINE, cfg, 2, 1 << 40, padded_head_dim(cfg.head_dim))
+def exported_buckets(cfg: ModelConfig, tp: int, engine: EngineConfig = ENGINE
+                     ) -> tuple[list[tuple[int, int]], object]:
+    quantized = engine.kv_cache_dtype in ("int8", "fp8")
+    plan = plan_engine(engine, cfg, 1 if quantized else 2, 1 << 40,
+                       padded_head_dim(cfg.head_dim), 4 if quantized else 0)
     buckets = list(plan.batch_shape.buckets)
     if not ALL_BUCKETS:  # the smallest, a middle and the largest
         buckets = sorted({buckets[0], buckets[len(buckets) // 2], buckets[-1]})
@@ -139,12 +174,24 @@ def abstract_quantized(params: LlamaParams, scheme: str, group: int | None,
     return params.replace(layers=layers)
 
 
-def export_step(cfg: ModelConfig, platform: str, tp: int,
+def abstract_kv(shape: tuple[int, ...], int8: bool, sharding=None):  # noqa: ANN001, ANN201
+    """The KV cache's abstract value: bfloat16 pages, or int8 ones with their f32 scales."""
+    if not int8:
+        return SDS(shape, jnp.bfloat16, sharding=sharding)
+    shardings = sharding or QuantizedKV(None, None)
+    return QuantizedKV(SDS(shape, jnp.int8, sharding=shardings.pages),
+                       SDS(shape[:3], jnp.float32, sharding=shardings.scales))
+
+
+def export_step(cfg: ModelConfig, platform: str, tp: int, int8_kv: bool = False,
                 quant: tuple[str, int | None, bool] | None = None) -> None:
     """Export `_forward_jit` and `_sample_jit` for the chosen buckets; asserts the kernel.
     `quant`: (scheme, group size, fp8 activations) of the dense weights, else bf16."""
     impl = select_impl("auto", platform)
-    buckets, plan = exported_buckets(cfg, tp)
+    engine = ENGINE if not int8_kv else EngineConfig(
+        dtype="bfloat16", max_num_seqs=128, max_num_batched_tokens=1024, max_model_len=4096,
+        kv_cache_memory=8 << 30, kv_cache_dtype="int8", page_size=32)
+    buckets, plan = exported_buckets(cfg, tp, engine)
     mesh = None
     run_cfg = cfg
 
@@ -155,7 +202,7 @@ def export_step(cfg: ModelConfig, platform: str, tp: int,
     params = weights(cfg)
     kv_shape = kv_cache_shape(cfg, plan.scheduler.num_pages, plan.scheduler.page_size,
                               padded_head_dim(cfg.head_dim))
-    kv = SDS(kv_shape, jnp.bfloat16)
+    kv = abstract_kv(kv_shape, int8_kv)
 
     def replicated(a):  # noqa: ANN001, ANN202
         return SDS(a.shape, a.dtype)
@@ -169,7 +216,7 @@ def export_step(cfg: ModelConfig, platform: str, tp: int,
                               run_params, placement.param_specs(cfg, tp, run_params))
         kv_shape = kv_cache_shape(run_cfg, plan.scheduler.num_pages,
                                   plan.scheduler.page_size, padded_head_dim(cfg.head_dim))
-        kv = SDS(kv_shape, jnp.bfloat16, sharding=placement.kv_sharding(mesh))
+        kv = abstract_kv(kv_shape, int8_kv, placement.kv_sharding(mesh, int8_kv))
         rep = placement.replicated(mesh)
 
         def replicated(a):  # noqa: ANN001, ANN202, F811
@@ -185,7 +232,8 @@ def export_step(cfg: ModelConfig, platform: str, tp: int,
         assert fwd.nr_devices == tp
         assert_kernel_only(fwd, platform, 1)  # one layer body, scanned over the layers
         out_avals = fwd.out_avals
-        assert out_avals[0].shape == kv_shape and out_avals[1].shape == (s, cfg.vocab_size)
+        assert out_avals[0].shape == kv_shape
+        assert out_avals[1 + int8_kv].shape == (s, cfg.vocab_size)  # after the scales
         logits = replicated(SDS((s, cfg.vocab_size), jnp.float32))
         # The grammar bitmask the runner always hands the sampler (its own when none is sent).
         sampling = sampling.replace(bitmask=replicated(
@@ -218,8 +266,15 @@ def test_quantized_step_lowers_for_platform(quant: tuple, platform: str) -> None
 
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_quantized_step_lowers_under_tensor_parallelism(platform: str) -> None:
-    """int4 values, scales and zeros of the 8B model split over 8 devices as the weights."""
-    export_step(MODELS["llama3-8b"], platform, tp=8, quant=("int4", 128, False))
+    """int4 values, scales and zeros of the 8B model split over 8 devices as the weights, with
+    an int8 KV cache (pages and scales split by KV head)."""
+    export_step(MODELS["llama3-8b"], platform, tp=8, int8_kv=True, quant=("int4", 128, False))
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_engine_step_with_int8_kv_lowers_for_platform(platform: str, tp: int) -> None:
+    export_step(MODELS["llama3-8b"], platform, tp=tp, int8_kv=True)
 
 
 # --------------------------------------------------------------------------- GPU selection

@@ -16,8 +16,8 @@ import logging
 import re
 from typing import Any, Callable, Mapping, Sequence
 
-from jaxserve.config import (DENSE_IMPLS, DTYPES, FP8_ACTIVATIONS, QUANTIZATIONS,
-                             DistributedConfig, EngineConfig)
+from jaxserve.config import (DENSE_IMPLS, DTYPES, FP8_ACTIVATIONS, KV_CACHE_DTYPES,
+                             QUANTIZATIONS, DistributedConfig, EngineConfig)
 from jaxserve.engine import sampling_params
 
 # The serve command raises this logger to INFO: the follower lines show like the lifecycle ones.
@@ -27,7 +27,8 @@ _ENGINE_HELP = {
     "model": "model to load: an HF directory, a GGUF file or a jaxserve checkpoint; "
              "default: the bundled SmolLM2-135M-Instruct",
     "dtype": "parameter dtype",
-    "kv_cache_dtype": "KV cache dtype (default: --dtype)",
+    "kv_cache_dtype": "KV cache dtype: auto (= --dtype), a float dtype, or int8 / fp8 pages "
+                      "quantized with per-token scales (about half the bytes of bfloat16)",
     "max_num_seqs": "sequences in one step",
     "max_num_batched_tokens": "tokens (decodes + prefill chunks) in one step",
     "decode_token_budget": "tokens in a step that carries decodes (bounds how long a prefill "
@@ -73,7 +74,7 @@ _ENGINE_HELP = {
     "compilation_cache_dir": "JAX persistent compilation cache directory (default: "
                              "$JAXSERVE_COMPILATION_CACHE_DIR or ~/.cache/jaxserve/xla)",
 }
-_CHOICES = {"dtype": DTYPES, "kv_cache_dtype": DTYPES, "dense_impl": DENSE_IMPLS,
+_CHOICES = {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "dense_impl": DENSE_IMPLS,
             "quantization": QUANTIZATIONS, "fp8_activations": FP8_ACTIVATIONS}
 _UNITS = {"": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}

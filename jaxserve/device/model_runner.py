@@ -44,12 +44,12 @@ from jaxserve.device.sampler import SampleOutput, SamplingTensors, sample
 from jaxserve.engine.batch import BatchShape, StepBatch, bitmask_words, pad_bias, pad_rows
 from jaxserve.engine.runner import LateMask, RunnerFailed, StepResult
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
-from jaxserve.kernels_pallas import AttentionMetadata
+from jaxserve.kernels_pallas import AttentionMetadata, KVPages, is_quantized_dtype
 from jaxserve.models import placement
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import LlamaParams
 from jaxserve.models.llama import lm_logits
-from jaxserve.models.paged import kv_cache_shape, paged_hidden
+from jaxserve.models.paged import init_kv_cache, paged_hidden
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +63,11 @@ class StepInputs:
     logits_indices: jax.Array  # i32[S]
 
 
-def forward_step(params: LlamaParams, kv_pages: jax.Array, inputs: StepInputs, feed: jax.Array,
+def forward_step(params: LlamaParams, kv_pages: KVPages, inputs: StepInputs, feed: jax.Array,
                  cfg: ModelConfig, attn_impl: str, mesh: Mesh | None = None
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`feed` i32[max_num_seqs]: the previous step's sampled tokens. -> (updated kv_pages,
+                 ) -> tuple[KVPages, jax.Array, jax.Array]:
+    """`feed` i32[max_num_seqs]: the previous step's sampled tokens. `kv_pages`: the float
+    pages, or a QuantizedKV (pages and scales, both donated). -> (updated kv_pages,
     f32[S, vocab] logits of each sequence's sampling position, [T, hidden] every token's last
     hidden state, for the prompt logprobs pass)."""
     fed = feed[jnp.maximum(inputs.feed_rows, 0)]
@@ -179,14 +180,16 @@ class ModelRunner:
         self.shape = shape
         self.attn_impl = attn_impl
         self.mesh = mesh
-        kv_shape = kv_cache_shape(model_cfg, num_pages, shape.page_size, kv_head_dim)
+        def zeros() -> KVPages:  # int8 / fp8: a QuantizedKV (pages + scales)
+            return init_kv_cache(model_cfg, num_pages, shape.page_size, kv_dtype, kv_head_dim)
+
         if mesh is None:
-            self.kv_pages = jnp.zeros(kv_shape, kv_dtype)
+            self.kv_pages: KVPages = zeros()
             self.inputs_sharding = None
         else:
-            # Created sharded: no device ever holds the whole KV array.
-            self.kv_pages = jax.jit(lambda: jnp.zeros(kv_shape, kv_dtype),
-                                    out_shardings=placement.kv_sharding(mesh))()
+            # Created sharded: no device ever holds the whole KV array (nor its scales).
+            self.kv_pages = jax.jit(zeros, out_shardings=placement.kv_sharding(
+                mesh, is_quantized_dtype(kv_dtype)))()
             self.inputs_sharding = placement.replicated(mesh)
         # The last dispatched step's sampled tokens, i32[max_num_seqs] (one shape for every
         # bucket), which the next step's fed rows read; placed like the step's inputs.

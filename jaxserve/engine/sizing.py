@@ -6,7 +6,9 @@ and passes it in), so every derived size is a return value that tests can check.
 KV budget: `kv_cache_memory` bytes if given; else `kv_cache_memory_fraction` of the free
 device memory after the weights (on a CPU host, of the available RAM), never more than
 `max_num_seqs` sequences of `max_model_len` tokens need. Pages = budget // bytes per page,
-plus the trash page 0.
+plus the trash page 0. Bytes per page count the page dtype's values and, for a quantized
+cache, the scales beside them (`kv_scale_bytes` per token, KV head and K-or-V: 4 for int8 /
+fp8 pages' f32 scales), so the same budget holds ~2x the tokens of bfloat16 at head dim 64.
 """
 
 from __future__ import annotations
@@ -48,16 +50,23 @@ def available_host_memory() -> int:
         return 4 << 30
 
 
+def kv_bytes_per_token(model: ModelConfig, kv_itemsize: int, kv_head_dim: int | None = None,
+                       kv_scale_bytes: int = 0) -> int:
+    """KV bytes one token takes over all layers: K and V of every KV head, values + scales."""
+    head_dim = kv_head_dim or model.head_dim
+    return model.num_layers * 2 * model.num_kv_heads * (head_dim * kv_itemsize + kv_scale_bytes)
+
+
 def plan_engine(cfg: EngineConfig, model: ModelConfig, kv_itemsize: int,
-                free_memory: int, kv_head_dim: int | None = None) -> EnginePlan:
+                free_memory: int, kv_head_dim: int | None = None,
+                kv_scale_bytes: int = 0) -> EnginePlan:
     max_model_len = cfg.max_model_len or min(model.max_position_embeddings,
                                              DEFAULT_MAX_MODEL_LEN_CAP)
     if max_model_len > model.max_position_embeddings:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                          f"max_position_embeddings={model.max_position_embeddings}")
     ps = cfg.page_size
-    head_dim = kv_head_dim or model.head_dim
-    per_page = model.num_layers * 2 * model.num_kv_heads * ps * head_dim * kv_itemsize
+    per_page = ps * kv_bytes_per_token(model, kv_itemsize, kv_head_dim, kv_scale_bytes)
     pages_per_seq = -(-max_model_len // ps)
     wanted = cfg.max_num_seqs * pages_per_seq
     if cfg.kv_cache_memory is not None:

@@ -36,7 +36,7 @@ from jaxserve.engine.fault_injection import FaultInjectingRunner, InjectedFault
 from jaxserve.engine.runner import Runner
 from jaxserve.engine.sizing import (EnginePlan, available_host_memory, free_device_memory,
                                     plan_engine)
-from jaxserve.kernels_pallas import padded_head_dim, select_impl
+from jaxserve.kernels_pallas import is_quantized_dtype, padded_head_dim, select_impl
 from jaxserve.kernels_pallas.cpu_build import dense_kernel_target
 from jaxserve.models import placement
 from jaxserve.models.config import ModelConfig
@@ -57,6 +57,15 @@ log = logging.getLogger(__name__)
 
 DATA_AXIS = "data"  # replicas; each row of the mesh is one replica's "model" axis
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# KV cache dtypes beyond the float ones: pages stored quantized, an f32 scale per row beside.
+_KV_DTYPES = {**_DTYPES, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+_KV_SCALE_BYTES = 4
+
+
+def kv_cache_dtype(config: EngineConfig) -> jnp.dtype:
+    """The KV pages' dtype: kv_cache_dtype, or the model's dtype for None / "auto"."""
+    name = config.kv_cache_dtype
+    return jnp.dtype(_KV_DTYPES[config.dtype if name in (None, "auto") else name])
 
 
 def build_engine(config: EngineConfig, model: LoadedModel | None = None,
@@ -221,17 +230,18 @@ def _kv_budget(placed: list[_Placed]) -> int:
 def _make_runner(config: EngineConfig, placed: _Placed,
                  free: int) -> tuple[EnginePlan, ModelRunner]:
     attn_impl = select_impl(config.attention_impl)
-    kv_dtype = _DTYPES[config.kv_cache_dtype or config.dtype]
+    kv_dtype = kv_cache_dtype(config)
     # Pallas kernels want lane-aligned head dims (GPU: multiples of 64; TPU: whole 128-lane
     # vregs, else its wrapper pads every page per call); the jnp reference and the C++ CPU
     # kernel take any.
     kv_head_dim = None if attn_impl in ("reference", "cpu") else padded_head_dim(
         placed.model.config.head_dim, 128 if attn_impl == "pallas_tpu" else 64)
-    plan = plan_engine(config, placed.run_cfg, jnp.dtype(kv_dtype).itemsize, free, kv_head_dim)
+    plan = plan_engine(config, placed.run_cfg, kv_dtype.itemsize, free, kv_head_dim,
+                       _KV_SCALE_BYTES if is_quantized_dtype(kv_dtype) else 0)
     devices = placed.mesh.devices.flat if placed.mesh is not None else [placed.device]
-    log.info("KV cache: %d pages of %d tokens (%.1f MiB), attention=%s, devices=%s",
+    log.info("KV cache: %d pages of %d tokens (%.1f MiB, %s), attention=%s, devices=%s",
              plan.scheduler.num_pages - 1, plan.scheduler.page_size,
-             plan.kv_budget_bytes / 2**20, attn_impl, [d.id for d in devices])
+             plan.kv_budget_bytes / 2**20, kv_dtype.name, attn_impl, [d.id for d in devices])
     runner = ModelRunner(placed.run_cfg, placed.params, plan.batch_shape,
                          plan.scheduler.num_pages, kv_dtype, attn_impl, kv_head_dim, placed.mesh)
     return plan, runner

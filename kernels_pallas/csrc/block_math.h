@@ -1,7 +1,9 @@
 // Arithmetic of one key block of the CPU paged attention (paged_attention_cpu.cc): scores
 // of query rows against the block's keys, the online-softmax step, the weighted sum of V.
 // With AVX2 + FMA these are written with intrinsics (8 score / 8 accumulator registers in
-// flight); elsewhere portable loops compute the same thing.
+// flight); elsewhere portable loops compute the same thing. Page values load as f32 from
+// f32, bf16, f16, int8 or float8_e4m3fn (kv_quant.h); quantized pages' scales are applied by
+// the caller (scores x K scale, weights x V scale).
 #pragma once
 
 #include <algorithm>
@@ -9,6 +11,8 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+
+#include "kv_quant.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -104,6 +108,21 @@ template <typename KV>
 inline __m256 load8(const KV* p) {
   if constexpr (std::is_same<KV, float>::value) {
     return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same<KV, I8>::value) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  } else if constexpr (std::is_same<KV, F8>::value) {
+#if defined(__F16C__)
+    // e4m3fn bits -> f16 bits (sign to bit 15, exponent and mantissa shifted into place):
+    // the f16 is the value x 2^-8 (bias 15 vs 7), subnormals included; x 256 is exact.
+    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                                   _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+#else
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_i32gather_ps(e4m3fn_table(), _mm256_cvtepu8_epi32(b), 4);
+#endif
   } else if constexpr (std::is_same<KV, Bf16>::value) {
     const __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
@@ -115,6 +134,14 @@ inline __m256 load8(const KV* p) {
                           load(p, 5), load(p, 6), load(p, 7));
 #endif
   }
+}
+
+// dst[0:n] = src[0:n] as f32, 8 at a time (V rows of non-f32 pages into the block scratch).
+template <typename KV>
+inline void convert_row(const KV* src, int64_t n, float* dst) {
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) _mm256_storeu_ps(dst + d, load8(src + d));
+  for (; d < n; ++d) dst[d] = load(src, d);
 }
 
 // sc[r][j] = q_r . K[j] for the block's nk keys, K rows read where they lie (short tiles).
@@ -219,6 +246,11 @@ inline void pv_row(float* acc, const float* p, const float* const* vrow, int64_t
   }
 }
 #else
+template <typename KV>
+inline void convert_row(const KV* src, int64_t n, float* dst) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = load(src, d);
+}
+
 template <typename KV>
 inline void qk_direct(const KV* const* krow, int64_t nk, const float* q, int64_t R, int64_t Dq,
                       float* sc) {

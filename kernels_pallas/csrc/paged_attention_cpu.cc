@@ -1,19 +1,23 @@
 // Ragged paged attention on CPU, registered with XLA as an FFI custom call.
 //
 // Data flow (one call = one layer of one engine step; kernels_pallas/common.py is the
-// contract): q f32[T, Hq, Dq] and the pages kv[P, 2*Hkv, page_size, D] (f32/bf16/f16, K of kv
-// head h on row 2h, V on 2h+1) -> out f32[T, Hq, Dq]. The work is cut into items of
+// contract): q f32[T, Hq, Dq] and the pages kv[P, 2*Hkv, page_size, D] (f32/bf16/f16, or
+// int8/float8_e4m3fn with f32 scales[P, 2*Hkv, page_size] beside them; K of kv head h on row
+// 2h, V on 2h+1) -> out f32[T, Hq, Dq]. The work is cut into items of
 // (sequence, kv head, query tile[, key range]); a query tile holds up to kMaxRows rows, each
 // row one (token, query head of the group), so a tile reads each K/V row of its key range
 // once for all query heads of the group. Per item, keys are visited in blocks of kBlockKeys
 // straight from the pages through the block table: tiles of up to 8 rows (decode) score the
 // K rows where they lie; taller tiles (prefill) transpose the block's K rows into a small
 // scratch so the QK product vectorises over keys. V rows are read where they lie (f32) or
-// converted into a block-sized scratch (bf16/f16); nothing of the cache is copied beyond one
-// block. QK, an f32 online softmax and PV are fused per block (block_math.h). Items run on
+// converted into a block-sized scratch (other dtypes); nothing of the cache is copied beyond
+// one block. Quantized pages: the block's scores are multiplied by their keys' K scales and,
+// after the softmax step, the weights by the V scales (the denominator keeps the unscaled
+// weights). QK, an f32 online softmax and PV are fused per block (block_math.h). Items run on
 // XLA's intra-op thread pool, largest first; when there are fewer items than threads (few
 // long sequences) their key ranges are split and the partial softmax states merged at the
-// end. Tokens outside every live sequence get zeros.
+// end. Tokens outside every live sequence get zeros. The write (kv_write.h) stores the step's
+// K/V rows first, quantizing them for int8 / fp8 pages (kv_quant.h).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -25,36 +29,17 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_plan.h"
 #include "block_math.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
+#include "kv_write.h"  // NOLINT: after the ffi alias it uses
+
 namespace {
 
 using namespace jaxserve_cpu_attention;  // NOLINT: the block arithmetic of this kernel
-
-constexpr int kMaxRows = 64;          // query rows per tile (tokens x heads of a group)
-constexpr int64_t kMinSplitKeys = 512;  // a split key range is at least this long
-
-
-// Static sizes and raw pointers of one call.
-struct Problem {
-  const float* q;       // [T, Hq, Dq]
-  const void* kv;       // [P, 2*Hkv, ps, D]
-  const int32_t* block_tables;  // [S, max_pages]
-  float* out;           // [T, Hq, Dq]
-  int64_t T, Hq, Dq, P, Hkv, ps, D, S, max_pages, G;
-  float sm_scale, soft_cap;  // soft_cap 0: none
-  int64_t window;            // 0: none
-};
-
-// One unit of work: query tokens [tok0, tok0 + ntok) of sequence `seq` at positions
-// pos0.., kv head `head`, keys [klo, khi). partial < 0: write out; else partial-state slot.
-struct Item {
-  int64_t seq, head, tok0, ntok, pos0, klo, khi, cost;
-  int64_t partial;
-};
 
 template <typename KV>
 void run_item(const Problem& pb, const Item& it, float* partial_base) {
@@ -71,6 +56,7 @@ void run_item(const Problem& pb, const Item& it, float* partial_base) {
   std::vector<float> acc(R * Dq, 0.0f);
   float m[kMaxRows], l[kMaxRows];
   const float* vrow[kBlockKeys];
+  float kscale[kBlockKeys], vscale[kBlockKeys];  // quantized pages: the block's row scales
   constexpr bool kF32 = std::is_same<KV, float>::value;
   if (!kF32) vb.resize(kBlockKeys * Dq);
   for (int64_t t = 0; t < it.ntok; ++t) {
@@ -91,6 +77,10 @@ void run_item(const Problem& pb, const Item& it, float* partial_base) {
       const int64_t page = table[k / pb.ps];
       const int64_t base = ((page * 2 * pb.Hkv + 2 * it.head) * pb.ps + k % pb.ps) * pb.D;
       krow[j] = kv + base;
+      if (pb.scales != nullptr) {  // row scales sit at the rows' index in the pages / D
+        kscale[j] = pb.scales[base / pb.D];
+        vscale[j] = pb.scales[base / pb.D + pb.ps];
+      }
       // Pages are scattered, so the hardware prefetcher stops at each one: ask for the next
       // block's K and V rows while this block computes.
       if (k + kBlockKeys < it.khi) {
@@ -109,7 +99,7 @@ void run_item(const Problem& pb, const Item& it, float* partial_base) {
         vrow[j] = reinterpret_cast<const float*>(kv) + base + row_stride;
       } else {
         float* dst = vb.data() + j * Dq;
-        for (int64_t d = 0; d < Dq; ++d) dst[d] = load(kv, base + row_stride + d);
+        convert_row(kv + base + row_stride, Dq, dst);
         vrow[j] = dst;
       }
     }
@@ -120,6 +110,12 @@ void run_item(const Problem& pb, const Item& it, float* partial_base) {
         const float* q0 = qt.data() + r * Dq;
         qk_two_rows(q0, r + 1 < R ? q0 + Dq : q0, kt.data(), Dq, sc.data() + r * kBlockKeys,
                     r + 1 < R ? sc.data() + (r + 1) * kBlockKeys : spare);
+      }
+    }
+    if (pb.scales != nullptr) {  // scores of quantized keys: (q . k_q) * k_scale
+      for (int64_t r = 0; r < R; ++r) {
+        float* s = sc.data() + r * kBlockKeys;
+        for (int64_t j = 0; j < nk; ++j) s[j] *= kscale[j];
       }
     }
     for (int64_t r = 0; r < R; ++r) {
@@ -136,6 +132,9 @@ void run_item(const Problem& pb, const Item& it, float* partial_base) {
       }
       const float corr = softmax_block(s, static_cast<int>(lo - k0), static_cast<int>(hi - k0),
                                        &m[r], &l[r]);
+      if (pb.scales != nullptr) {  // l has the unscaled weights; p @ v_q takes p * v_scale
+        for (int64_t j = lo - k0; j < hi - k0; ++j) s[j] *= vscale[j];
+      }
       pv_row(acc.data() + r * Dq, s, vrow, lo - k0, hi - k0, Dq, corr);
     }
   }
@@ -155,78 +154,6 @@ void run_item(const Problem& pb, const Item& it, float* partial_base) {
   }
 }
 
-// Merge the partial states of items [first, first + n) (same tile, disjoint key ranges).
-void merge_partials(const Problem& pb, const std::vector<Item>& items, size_t first, size_t n,
-                    const float* partial_base) {
-  const Item& it = items[first];
-  const int64_t G = pb.G, Dq = pb.Dq, R = it.ntok * G, stride = kMaxRows * (Dq + 2);
-  for (int64_t r = 0; r < R; ++r) {
-    float mx = kNegInf;
-    for (size_t i = 0; i < n; ++i) {
-      mx = std::max(mx, partial_base[items[first + i].partial * stride + r]);
-    }
-    const int64_t t = r / G, g = r % G;
-    float* dst = pb.out + ((it.tok0 + t) * pb.Hq + it.head * G + g) * Dq;
-    std::fill(dst, dst + Dq, 0.0f);
-    float l = 0.0f;
-    for (size_t i = 0; i < n; ++i) {
-      const float* st = partial_base + items[first + i].partial * stride;
-      if (st[r] == kNegInf) continue;  // this part saw no key of row r
-      const float w = exp_nonpos(st[r] - mx);
-      l += w * st[kMaxRows + r];
-      const float* a = st + 2 * kMaxRows + r * Dq;
-      for (int64_t d = 0; d < Dq; ++d) dst[d] += w * a[d];
-    }
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    for (int64_t d = 0; d < Dq; ++d) dst[d] *= inv;
-  }
-}
-
-// Plan the call's items: tiles of every live sequence and kv head, split by key range when
-// there are fewer tiles than 2 per thread. Returns the number of partial-state slots used.
-int64_t plan_items(const Problem& pb, const int32_t* kv_lens, const int32_t* cu, int64_t live,
-                   int64_t threads, std::vector<Item>* items) {
-  const int64_t tile_tokens = std::max<int64_t>(1, kMaxRows / pb.G);
-  const int64_t key_cap = pb.max_pages * pb.ps;
-  for (int64_t s = 0; s < live; ++s) {
-    const int64_t start = std::clamp<int64_t>(cu[s], 0, pb.T);
-    const int64_t end = std::clamp<int64_t>(cu[s + 1], start, pb.T);
-    const int64_t kv_len = std::min<int64_t>(kv_lens[s], key_cap);
-    const int64_t q_len = end - start;
-    if (q_len <= 0 || kv_len <= 0) continue;
-    for (int64_t t0 = 0; t0 < q_len; t0 += tile_tokens) {
-      const int64_t ntok = std::min(tile_tokens, q_len - t0);
-      const int64_t pos0 = std::max<int64_t>(0, kv_len - q_len + t0);
-      const int64_t khi = std::min(pos0 + ntok, kv_len);
-      const int64_t klo = pb.window > 0 ? std::max<int64_t>(0, pos0 - pb.window + 1) : 0;
-      if (khi <= klo) continue;
-      for (int64_t h = 0; h < pb.Hkv; ++h) {
-        items->push_back({s, h, start + t0, ntok, pos0, klo, khi, (khi - klo) * ntok, -1});
-      }
-    }
-  }
-  const int64_t want = 2 * threads, n = static_cast<int64_t>(items->size());
-  int64_t slots = 0;
-  if (n == 0 || n >= want) return 0;
-  std::vector<Item> split;
-  for (const Item& it : *items) {
-    const int64_t keys = it.khi - it.klo;
-    const int64_t parts = std::clamp<int64_t>(keys / kMinSplitKeys, 1, (want + n - 1) / n);
-    if (parts == 1) { split.push_back(it); continue; }
-    const int64_t step = (keys + parts - 1) / parts;
-    for (int64_t lo = it.klo; lo < it.khi; lo += step) {
-      Item part = it;
-      part.klo = lo;
-      part.khi = std::min(it.khi, lo + step);
-      part.cost = (part.khi - part.klo) * it.ntok;
-      part.partial = slots++;
-      split.push_back(part);
-    }
-  }
-  items->swap(split);
-  return slots;
-}
-
 // Shared by the caller and the helper tasks; a helper that starts after all items were
 // claimed touches nothing but this (kept alive by its shared_ptr).
 struct Work {
@@ -243,6 +170,8 @@ struct Work {
       switch (dtype) {
         case ffi::DataType::F32: run_item<float>(pb, it, partials.data()); break;
         case ffi::DataType::BF16: run_item<Bf16>(pb, it, partials.data()); break;
+        case ffi::DataType::S8: run_item<I8>(pb, it, partials.data()); break;
+        case ffi::DataType::F8E4M3FN: run_item<F8>(pb, it, partials.data()); break;
         default: run_item<F16>(pb, it, partials.data()); break;
       }
       done.fetch_add(1, std::memory_order_release);
@@ -250,11 +179,12 @@ struct Work {
   }
 };
 
-ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv,
-                     ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
-                     ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
-                     ffi::Result<ffi::Buffer<ffi::F32>> out, float sm_scale,
-                     int64_t sliding_window, float soft_cap) {
+// scales: the f32 [P, 2*Hkv, ps] row scales of int8 / fp8 pages, nullptr for float pages.
+ffi::Error attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv,
+                  const float* scales, ffi::Buffer<ffi::S32> block_tables,
+                  ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu_q_lens,
+                  ffi::Buffer<ffi::S32> num_seqs, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                  float sm_scale, int64_t sliding_window, float soft_cap) {
   auto qd = q.dimensions(), kd = kv.dimensions(), bd = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2 || kd[1] % 2 || qd[1] % (kd[1] / 2) ||
       qd[2] > kd[3]) {
@@ -262,12 +192,16 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
         "paged attention: inconsistent q / kv_pages / block_tables shapes");
   }
   const ffi::DataType dt = kv.element_type();
-  if (dt != ffi::DataType::F32 && dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) {
-    return ffi::Error::InvalidArgument("paged attention: kv_pages must be f32, bf16 or f16");
+  const bool quantized = dt == ffi::DataType::S8 || dt == ffi::DataType::F8E4M3FN;
+  if (quantized != (scales != nullptr) ||
+      (!quantized && dt != ffi::DataType::F32 && dt != ffi::DataType::BF16 &&
+       dt != ffi::DataType::F16)) {
+    return ffi::Error::InvalidArgument(
+        "paged attention: kv_pages must be f32, bf16 or f16, or int8 / f8e4m3fn with scales");
   }
   auto work = std::make_shared<Work>();
   Problem& pb = work->pb;
-  pb = {q.typed_data(), kv.untyped_data(), block_tables.typed_data(), out->typed_data(),
+  pb = {q.typed_data(), kv.untyped_data(), scales, block_tables.typed_data(), out->typed_data(),
         qd[0], qd[1], qd[2], kd[0], kd[1] / 2, kd[2], kd[3], bd[0], bd[1], qd[1] / (kd[1] / 2),
         sm_scale, soft_cap, sliding_window};
   if (pb.G > kMaxRows) {
@@ -314,40 +248,25 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
 }
 
 
-// write_kv's contract in place: each token's K/V row [Hkv, Dk] goes to its slot (rows 2h /
-// 2h + 1 of the page), zero-padded to the pages' head dim; negative or out-of-range slots
-// are dropped. kv_out aliases kv_in (input_output_aliases), so only T * Hkv rows move.
-ffi::Error WriteKv(ffi::AnyBuffer k_new, ffi::AnyBuffer v_new, ffi::Buffer<ffi::S32> slots,
-                   ffi::AnyBuffer kv_in, ffi::AnyBuffer kv_out) {
-  auto nd = k_new.dimensions(), kd = kv_out.dimensions();
-  if (nd.size() != 3 || kd.size() != 4 || nd[1] * 2 != kd[1] || nd[2] > kd[3] ||
-      k_new.element_type() != kv_out.element_type() ||
-      v_new.element_type() != kv_out.element_type() ||
-      v_new.element_count() != k_new.element_count() ||
-      slots.element_count() != static_cast<size_t>(nd[0])) {
-    return ffi::Error::InvalidArgument(
-        "paged attention: k_new / v_new / slot_mapping do not fit kv_pages");
+ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv,
+                     ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
+                     ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                     ffi::Result<ffi::Buffer<ffi::F32>> out, float sm_scale,
+                     int64_t sliding_window, float soft_cap) {
+  return attend(pool, q, kv, nullptr, block_tables, kv_lens, cu_q_lens, num_seqs, out,
+                sm_scale, sliding_window, soft_cap);
+}
+
+ffi::Error AttentionQ(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv,
+                      ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> block_tables,
+                      ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu_q_lens,
+                      ffi::Buffer<ffi::S32> num_seqs, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                      float sm_scale, int64_t sliding_window, float soft_cap) {
+  if (scales.element_count() * kv.dimensions()[3] != kv.element_count()) {
+    return ffi::Error::InvalidArgument("paged attention: scales do not fit kv_pages");
   }
-  if (kv_in.untyped_data() != kv_out.untyped_data()) {  // not aliased after all: keep the pages
-    std::memcpy(kv_out.untyped_data(), kv_in.untyped_data(), kv_in.size_bytes());
-  }
-  const int64_t T = nd[0], Hkv = nd[1], Dk = nd[2], P = kd[0], ps = kd[2], D = kd[3];
-  const size_t esz = ffi::ByteWidth(kv_out.element_type());
-  char* pages = static_cast<char*>(kv_out.untyped_data());
-  const char* src[2] = {static_cast<const char*>(k_new.untyped_data()),
-                        static_cast<const char*>(v_new.untyped_data())};
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t slot = slots.typed_data()[t];
-    if (slot < 0 || slot / ps >= P) continue;
-    for (int64_t h = 0; h < Hkv; ++h) {
-      for (int kvi = 0; kvi < 2; ++kvi) {
-        char* dst = pages + (((slot / ps) * 2 * Hkv + 2 * h + kvi) * ps + slot % ps) * D * esz;
-        std::memcpy(dst, src[kvi] + (t * Hkv + h) * Dk * esz, Dk * esz);
-        std::memset(dst + Dk * esz, 0, (D - Dk) * esz);
-      }
-    }
-  }
-  return ffi::Error::Success();
+  return attend(pool, q, kv, scales.typed_data(), block_tables, kv_lens, cu_q_lens, num_seqs,
+                out, sm_scale, sliding_window, soft_cap);
 }
 
 ffi::Error WriteAndAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_new,
@@ -357,42 +276,62 @@ ffi::Error WriteAndAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                           ffi::Result<ffi::Buffer<ffi::F32>> out,
                           ffi::Result<ffi::AnyBuffer> kv_out, float sm_scale,
                           int64_t sliding_window, float soft_cap) {
-  ffi::Error err = WriteKv(k_new, v_new, slots, kv, *kv_out);
+  ffi::Error err = WriteKv(k_new, v_new, slots, kv, *kv_out, nullptr, nullptr);
   if (err.failure()) return err;
-  return Attention(pool, q, *kv_out, block_tables, kv_lens, cu_q_lens, num_seqs, out, sm_scale,
-                   sliding_window, soft_cap);
+  return attend(pool, q, *kv_out, nullptr, block_tables, kv_lens, cu_q_lens, num_seqs, out,
+                sm_scale, sliding_window, soft_cap);
+}
+
+ffi::Error WriteAndAttendQ(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_new,
+                           ffi::AnyBuffer v_new, ffi::AnyBuffer kv, ffi::Buffer<ffi::F32> scales,
+                           ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> block_tables,
+                           ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu_q_lens,
+                           ffi::Buffer<ffi::S32> num_seqs, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                           ffi::Result<ffi::AnyBuffer> kv_out,
+                           ffi::Result<ffi::Buffer<ffi::F32>> scales_out, float sm_scale,
+                           int64_t sliding_window, float soft_cap) {
+  if (scales.element_count() * kv.dimensions()[3] != kv.element_count() ||
+      scales_out->element_count() != scales.element_count()) {
+    return ffi::Error::InvalidArgument("paged attention: scales do not fit kv_pages");
+  }
+  ffi::Error err = WriteKv(k_new, v_new, slots, kv, *kv_out, &scales, &*scales_out);
+  if (err.failure()) return err;
+  return attend(pool, q, *kv_out, scales_out->typed_data(), block_tables, kv_lens, cu_q_lens,
+                num_seqs, out, sm_scale, sliding_window, soft_cap);
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionCpu, Attention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
-                                  .Arg<ffi::AnyBuffer>()          // kv_pages
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // out
-                                  .Attr<float>("sm_scale")
-                                  .Attr<int64_t>("sliding_window")
-                                  .Attr<float>("soft_cap"));
+// Arguments of every handler: q, [k_new, v_new,] kv_pages, [scales,] [slot_mapping,]
+// block_tables, kv_lens, cu_q_lens, num_seqs; results: out[, kv_pages[, scales]] (aliased).
+#define JAXSERVE_ATTENTION_ATTRS                                        \
+  .Attr<float>("sm_scale").Attr<int64_t>("sliding_window").Attr<float>("soft_cap")
+#define JAXSERVE_METADATA_ARGS                                          \
+  .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()            \
+      .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionWriteCpu, WriteAndAttend,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
-                                  .Arg<ffi::AnyBuffer>()          // k_new
-                                  .Arg<ffi::AnyBuffer>()          // v_new
-                                  .Arg<ffi::AnyBuffer>()          // kv_pages (aliased to out 1)
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // slot_mapping
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // out
-                                  .Ret<ffi::AnyBuffer>()          // kv_pages, written
-                                  .Attr<float>("sm_scale")
-                                  .Attr<int64_t>("sliding_window")
-                                  .Attr<float>("soft_cap"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxservePagedAttentionCpu, Attention,
+    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::AnyBuffer>()
+        JAXSERVE_METADATA_ARGS.Ret<ffi::Buffer<ffi::F32>>() JAXSERVE_ATTENTION_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxservePagedAttentionQuantCpu, AttentionQ,
+    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::AnyBuffer>()
+        .Arg<ffi::Buffer<ffi::F32>>()
+        JAXSERVE_METADATA_ARGS.Ret<ffi::Buffer<ffi::F32>>() JAXSERVE_ATTENTION_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxservePagedAttentionWriteCpu, WriteAndAttend,
+    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
+        .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+        .Arg<ffi::Buffer<ffi::S32>>() JAXSERVE_METADATA_ARGS
+        .Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::AnyBuffer>() JAXSERVE_ATTENTION_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxservePagedAttentionWriteQuantCpu, WriteAndAttendQ,
+    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
+        .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+        .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::S32>>() JAXSERVE_METADATA_ARGS
+        .Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::AnyBuffer>().Ret<ffi::Buffer<ffi::F32>>()
+            JAXSERVE_ATTENTION_ATTRS);
