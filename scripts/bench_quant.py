@@ -179,8 +179,7 @@ def main() -> None:
     for name in args.models.split(","):
         path = None if name == "bundled" else str(tiny_model_dir(tmp / "tiny"))
         models[name] = path
-        combos = [(w, kv) for w in args.weights.split(",") for kv in args.kv_dtypes.split(",")
-                  if kv == "auto" or w in ("float32", "auto")]
+        combos = [(w, kv) for w in args.weights.split(",") for kv in args.kv_dtypes.split(",")]
         if name == "tiny":  # a float checkpoint: auto is float32
             combos = [c for c in combos if c[0] != "auto"]
         ref = text_logprobs(path, WEIGHTS["float32"], "auto", ids, args.chunk)
