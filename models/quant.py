@@ -24,7 +24,6 @@ Schemes (vLLM's names):
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +35,6 @@ from jaxserve.config import QUANTIZATION_SCHEMES, QUANTIZATIONS
 
 from ..kernels_pallas.dense_quant_cpu import apply_scales, decode_values
 
-log = logging.getLogger(__name__)
 
 SCHEMES = QUANTIZATION_SCHEMES
 # "auto": a pre-quantized checkpoint keeps its scheme, a float one stays float; "none":
