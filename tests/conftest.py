@@ -1,19 +1,53 @@
-"""Shared pytest set-up: test helpers importable, slow/device markers honoured."""
+"""Shared pytest set-up: test helpers importable, one compilation cache per test session,
+slow/device markers honoured.
+
+The tests mirror the package, a folder per layer: kernels/ (kernels_pallas), models/
+(models), engine/ (jaxserve/engine), device/ (jaxserve/device), serving/ (jaxserve/serving
+and jaxserve/llm.py), server/ (server), cli/ (jaxserve/cli) and scripts/ (scripts); a
+module's tests are tests/<layer>/test_<module>.py. Helpers shared across layers live in the
+support/ package (tiny models and engines, fake runners, oracles), the scripts the tests run
+in subprocesses in support/workers/. This folder is on sys.path, so tests, workers and
+scripts import them as `support.<name>`.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-# The CLI turns on JAX's persistent compilation cache (default ~/.cache/jaxserve/xla) for the
-# whole process; a test that calls the CLI in-process would leave it on for every later test,
-# in a directory shared with the user and with the servers other tests start. Tests that
-# exercise the cache give their own subprocess a private directory; the rest run uncached.
+# One persistent XLA compilation cache per test session, private to it (never the user's
+# ~/.cache/jaxserve/xla), shared by every module and by every process the tests start: the
+# subprocess workers, the `jaxserve serve` processes and pytest-xdist workers inherit these
+# variables. Tests build many engines of the same tiny configurations; after the first, each
+# warmup's lowerings find their executables here instead of compiling them again (and so do
+# the modules after conftest's jax.clear_caches below). Every compile is cached, however
+# short: on CPU a tiny model's compiles take 0.1-1 s, under JAX's default 1 s floor.
+# compile_guard counts lowerings, which still happen on a cache hit, so the tests'
+# `compiles_after_warmup == 0` checks are unaffected. Tests of the cache itself give their
+# subprocesses a directory of their own. JAXSERVE_TEST_XLA_CACHE names the directory (a
+# directory that outlives the session, to reuse compiles across runs), or "" for none.
+_OWN_CACHE_DIR: str | None = None
+if "JAXSERVE_TEST_XLA_CACHE" not in os.environ:
+    _OWN_CACHE_DIR = tempfile.mkdtemp(prefix="jaxserve-test-xla-")
+    os.environ["JAXSERVE_TEST_XLA_CACHE"] = _OWN_CACHE_DIR
+if os.environ["JAXSERVE_TEST_XLA_CACHE"]:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["JAXSERVE_TEST_XLA_CACHE"]
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+# The CLI sets JAX's cache directory from JAXSERVE_COMPILATION_CACHE_DIR (default
+# ~/.cache/jaxserve/xla); empty leaves JAX's setting, the session's directory, as it is.
 os.environ.setdefault("JAXSERVE_COMPILATION_CACHE_DIR", "")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # Only the process that made the directory removes it (not an xdist worker).
+    if _OWN_CACHE_DIR is not None and not hasattr(session.config, "workerinput"):
+        shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
 
 
 def _num_memory_maps() -> int | None:

@@ -1,0 +1,194 @@
+"""The engine end to end on tiny random models, against the plain full-sequence rollout.
+
+Greedy outputs must not depend on how the scheduler cut and packed the work: chunk size,
+page size, batch neighbours, preemption, prefix caching, arrival times, aborts.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from support.engine_fixtures import rollout, tiny_engine, tiny_model
+
+from jaxserve import SamplingParams
+from jaxserve.engine.request import FinishReason
+
+MODEL = tiny_model()
+
+
+@functools.lru_cache(maxsize=None)
+def expected(prompt: tuple[int, ...], n: int) -> list[int]:
+    return rollout(MODEL, list(prompt), n)
+
+
+def make_prompts(seed: int, count: int, shared_prefix: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    prefix = [int(x) for x in rng.integers(3, 211, shared_prefix)]
+    return [prefix + [int(x) for x in rng.integers(3, 211, int(rng.integers(1, 60)))]
+            for _ in range(count)]
+
+
+def run_all(engine, prompts, max_tokens, arrive_every: int = 0, abort: dict | None = None,
+            params: SamplingParams | None = None) -> dict:
+    """Drive the engine; prompt i arrives at step i * arrive_every; abort maps id -> step."""
+    params = params or SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    pending = list(enumerate(prompts))
+    finals = {}
+    step = 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] * arrive_every <= step:
+            i, p = pending.pop(0)
+            engine.add_request(f"r{i}", p, params)
+        for rid, at in (abort or {}).items():
+            if at == step:
+                engine.abort(rid)
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        step += 1
+        assert step < 5000
+    return finals
+
+
+# The C++ CPU kernel (the CPU default, impl 'cpu') on every case; the jnp reference (what a
+# host without a compiler runs) on one. Where the kernel cannot be built, 'cpu' runs the
+# reference too (kernels_pallas.select_impl).
+@pytest.mark.parametrize("budget,page_size,caching,kv_pages,arrive,impl", [
+    (16, 8, False, None, 0, "cpu"),        # chunks of 16 cut prompts mid-page
+    (16, 8, False, None, 0, "reference"),
+    (24, 16, True, None, 2, "cpu"),        # staggered arrivals, prefix cache on
+    (64, 32, True, 9, 0, "cpu"),           # little KV: preemptions
+    (512, 8, False, 40, 1, "cpu"),         # one big step per prefill, preemptions
+    (40, 16, True, None, 0, "cpu"),
+])
+def test_greedy_equals_rollout(budget, page_size, caching, kv_pages, arrive, impl) -> None:
+    prompts = make_prompts(seed=budget + page_size, count=10, shared_prefix=20)
+    max_seqs = min(6, budget)
+    kv_mem = None
+    eng = tiny_engine(max_num_batched_tokens=budget, max_num_seqs=max_seqs, page_size=page_size,
+                      enable_prefix_caching=caching, max_model_len=128, attention_impl=impl,
+                      warmup=kv_pages is None)  # only its plan is read when it is rebuilt
+    if kv_pages is not None:
+        kv_mem = kv_pages * eng.plan.kv_bytes_per_page
+        eng = tiny_engine(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                          page_size=page_size, enable_prefix_caching=caching, max_model_len=128,
+                          kv_cache_memory=kv_mem, attention_impl=impl)
+    finals = run_all(eng, prompts, max_tokens=16, arrive_every=arrive)
+    compiles = eng.runner.compiles_after_warmup  # before the oracle compiles anything
+    for i, p in enumerate(prompts):
+        got = finals[f"r{i}"].outputs[0]
+        assert got.finish_reason is FinishReason.LENGTH
+        assert got.token_ids == expected(tuple(p), 16), f"prompt {i}"
+    if kv_pages is not None:
+        assert eng.scheduler.num_preemptions > 0
+    if caching:
+        assert eng.scheduler.allocator.prefix_hits > 0
+    assert compiles == 0
+    assert eng.scheduler.allocator.num_free_pages == eng.scheduler.allocator.num_usable_pages
+
+
+def test_aborts_mid_flight_free_pages_and_leave_others_intact() -> None:
+    eng = tiny_engine(max_num_batched_tokens=16, page_size=8)
+    prompts = make_prompts(seed=7, count=6)
+    finals = run_all(eng, prompts, 12, abort={"r1": 0, "r3": 3, "r5": 9})
+    for i, p in enumerate(prompts):
+        out = finals[f"r{i}"]
+        if i in (1, 3, 5):
+            assert out.outputs[0].finish_reason is FinishReason.ABORT
+        else:
+            assert out.outputs[0].token_ids == expected(tuple(p), 12)
+    assert eng.scheduler.allocator.num_free_pages == eng.scheduler.allocator.num_usable_pages
+    assert not eng.has_unfinished()
+
+
+def test_seeded_sampling_independent_of_batch_neighbours() -> None:
+    eng = tiny_engine()
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12,
+                            ignore_eos=True)
+    target = [5, 9, 11, 40]
+    eng.add_request("alone", target, params)
+    alone = run_until_done(eng)["alone"].outputs[0].token_ids
+    others = make_prompts(seed=3, count=5)
+    for i, p in enumerate(others):
+        eng.add_request(f"o{i}", p, SamplingParams(temperature=0.8, max_tokens=20, seed=i))
+    eng.add_request("crowd", target, params)
+    crowd = run_until_done(eng)["crowd"].outputs[0].token_ids
+    assert alone == crowd
+    eng.add_request("other-seed", target, SamplingParams(temperature=1.0, top_p=0.9, top_k=50,
+                                                         seed=99, max_tokens=12,
+                                                         ignore_eos=True))
+    assert run_until_done(eng)["other-seed"].outputs[0].token_ids != alone
+
+
+def run_until_done(eng) -> dict:
+    finals = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+def test_n_samples_share_prompt_and_logprobs() -> None:
+    eng = tiny_engine(page_size=8)
+    prompt = make_prompts(seed=11, count=1)[0] + [7] * 20
+    eng.add_request("g", prompt, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8,
+                                                logprobs=3, ignore_eos=True))
+    out = run_until_done(eng)["g"]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # seeds differ per sample
+    for c in out.outputs[1:]:
+        assert c.metrics.num_cached_tokens == (len(prompt) - 1) // 8 * 8
+    for c in out.outputs:
+        assert len(c.logprobs) == 8
+        for tok, lp in zip(c.token_ids, c.logprobs):
+            assert tok in lp and len(lp) <= 4 and all(v <= 0 for v in lp.values())
+        assert c.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in
+                                                         zip(c.token_ids, c.logprobs)), rel=1e-5)
+
+
+def test_stop_strings_and_eos() -> None:
+    eng = tiny_engine()
+    prompt = [5, 6, 7]
+    ref = expected(tuple(prompt), 10)
+    text = eng.tokenizer.decode(ref)
+    words = text.split()
+    stop = words[3]
+    eng.add_request("s", prompt, SamplingParams(temperature=0.0, max_tokens=10, stop=[stop],
+                                                ignore_eos=True))
+    eng.add_request("t", prompt, SamplingParams(temperature=0.0, max_tokens=10,
+                                                stop_token_ids=[ref[4]], ignore_eos=True))
+    outs = run_until_done(eng)
+    s = outs["s"].outputs[0]
+    assert s.finish_reason is FinishReason.STOP_STRING
+    assert s.text == text[: text.find(stop)]
+    t = outs["t"].outputs[0]
+    assert t.finish_reason is FinishReason.STOP and t.token_ids == ref[: ref.index(ref[4]) + 1]
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ("", SamplingParams(), "prompt must not be empty"),
+    ([], SamplingParams(), "must not be empty"),
+    ([5, 999], SamplingParams(), r"prompt_token_ids\[1\]=999 is outside the vocabulary"),
+    ([5] * 250, SamplingParams(max_tokens=10), "max_model_len=256"),
+])
+def test_bad_requests_raise_and_engine_carries_on(prompt, params, match) -> None:
+    eng = tiny_engine()
+    eng.add_request("ok", [5, 6], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    with pytest.raises(ValueError, match=match):
+        eng.add_request("bad", prompt, params)
+    outs = run_until_done(eng)
+    assert outs["ok"].outputs[0].token_ids == expected((5, 6), 4)
+    assert eng.scheduler.allocator.num_free_pages == eng.scheduler.allocator.num_usable_pages
+
+
+def test_sampling_params_validation_names_the_field() -> None:
+    for kwargs, field in [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+                          (dict(top_k=-2), "top_k"), (dict(min_p=2), "min_p"),
+                          (dict(max_tokens=-1), "max_tokens"), (dict(logprobs=21), "logprobs"),
+                          (dict(n=17), "n"), (dict(stop=[""]), "stop"),
+                          (dict(temperature=float("nan")), "temperature")]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kwargs)

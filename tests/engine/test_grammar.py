@@ -1,0 +1,166 @@
+"""The host half of structured output (jaxserve/engine/grammar.py and structured_outputs.py).
+
+Oracle: the outputs' own parsers. A byte-level BPE tokenizer trained here (every byte is a
+token, plus merges, so any text is reachable several ways) stands in for a model's; a random
+walk plays the sampler: at each step it picks uniformly among the tokens the filled mask
+allows, or EOS where allowed, until the grammar finishes. Every walk's text must parse as JSON
+and validate against its schema (jsonschema), fully match its regex, or be one of its choices.
+A walk that the mask lets go wrong fails here: the test can fail. Also: bad specs raise
+InvalidRequest naming the field; a token the mask forbids is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+from support.bpe_tokenizer import train_bpe_tokenizer
+
+from jaxserve.engine.batch import bitmask_words
+from jaxserve.engine.errors import InvalidRequest
+from jaxserve.engine.grammar import GrammarCompiler
+from jaxserve.engine.structured_outputs import StructuredOutputs
+from jaxserve.models.tokenizer import Tokenizer
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                      "age": {"type": "integer", "minimum": 0,
+                                              "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {
+        "enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3},
+        "inner": {"type": "object", "properties": {"x": {"type": "number", "minimum": -5,
+                                                         "maximum": 5}},
+                  "required": ["x"], "additionalProperties": False}},
+     "required": ["tags", "inner"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "boolean"}, "maxItems": 4},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return train_bpe_tokenizer(tmp_path_factory.mktemp("bpe"))
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer: Tokenizer) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer, tokenizer.vocab_size)
+
+
+def walk(compiler: GrammarCompiler, tokenizer: Tokenizer, spec: StructuredOutputs,
+         rng: np.random.Generator, max_tokens: int = 200) -> str:
+    seq = compiler.matcher(compiler.compile(spec))
+    mask = np.zeros((3, bitmask_words(compiler.vocab_size)), np.int32)
+    eos = tokenizer.eos_token_ids[0]
+    out: list[int] = []
+    for _ in range(max_tokens):
+        seq.fill(mask, 1)
+        assert mask[1].any()
+        bits = np.unpackbits(mask[1].view(np.uint8), bitorder="little")[:compiler.vocab_size]
+        allowed = np.flatnonzero(bits)
+        token = int(rng.choice(allowed))
+        assert seq.accept(token), seq.error
+        if token == eos:
+            break
+        out.append(token)
+        if seq.finished:  # the grammar's last token: nothing may follow
+            break
+    else:
+        pytest.fail(f"no end after {max_tokens} tokens: {tokenizer.decode(out)!r}")
+    return tokenizer.decode(out)
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["flat", "nested", "array"])
+def test_json_schema_walks_validate(compiler, tokenizer, schema) -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(15):
+        text = walk(compiler, tokenizer, StructuredOutputs(json=schema), rng)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_accepts_objects_only(compiler, tokenizer) -> None:
+    # (A uniform random walk in "any object" rarely closes its strings: checked by tokens.)
+    grammar = compiler.compile(StructuredOutputs(json_object=True))
+    seq = compiler.matcher(grammar)
+    assert all(seq.accept(t) for t in tokenizer.encode('{"a": [1, true], "b": {}}'))
+    assert seq.accept(tokenizer.eos_token_ids[0]) and seq.finished
+    assert not compiler.matcher(grammar).accept(tokenizer.encode("[1]")[0])
+
+
+def test_regex_and_choice(compiler, tokenizer) -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(10):
+        text = walk(compiler, tokenizer, StructuredOutputs(regex=r"[a-c]{2,4}-\d{3}"), rng)
+        assert re.fullmatch(r"[a-c]{2,4}-\d{3}", text), text
+        choices = ("yes", "no", "maybe so")
+        assert walk(compiler, tokenizer, StructuredOutputs(choice=list(choices)),
+                    rng) in choices
+
+
+def test_forbidden_token_is_refused(compiler, tokenizer) -> None:
+    seq = compiler.matcher(compiler.compile(StructuredOutputs(regex=r"\d+")))
+    assert not seq.accept(tokenizer.encode("x")[0])
+    assert seq.error
+
+
+@pytest.mark.parametrize("spec,field", [
+    (dict(json='{"type": "object", "properties": {"a": {"type": "nosuchtype"}}}'), "json"),
+    (dict(regex="(unclosed"), "regex"),
+    (dict(grammar="start: undefined_rule"), "grammar"),
+    (dict(json="{not json"), "json"),
+    (dict(choice=[]), "choice"),
+])
+def test_bad_specs_name_the_field(compiler, spec, field) -> None:
+    with pytest.raises(InvalidRequest, match=rf"^structured_outputs\.{field}") as info:
+        compiler.compile(StructuredOutputs(**spec))
+    assert info.value.field == f"structured_outputs.{field}"
+
+
+def test_exactly_one_field() -> None:
+    with pytest.raises(InvalidRequest, match="exactly one of"):
+        StructuredOutputs(regex="a", choice=["a"])
+    with pytest.raises(InvalidRequest, match="got none"):
+        StructuredOutputs()
+    spec = StructuredOutputs(json={"b": 1, "a": {"type": "string"}})
+    assert spec.json == '{"b": 1, "a": {"type": "string"}}' and hash(spec)  # order kept
+
+
+def test_object_properties_come_in_the_schemas_order(compiler, tokenizer) -> None:
+    """The schema's key order is the order the output gives the properties in: storing the
+    schema with sorted keys would force "age" before "name" here."""
+    schema = {"type": "object", "properties": {"name": {"enum": ["Ada"]},
+                                               "age": {"enum": [36]}},
+              "required": ["name", "age"], "additionalProperties": False}
+    rng = np.random.default_rng(2)
+    for _ in range(5):
+        text = walk(compiler, tokenizer, StructuredOutputs(json=schema), rng)
+        assert list(json.loads(text)) == ["name", "age"], text
+    seq = compiler.matcher(compiler.compile(StructuredOutputs(json=json.dumps(schema))))
+    assert all(seq.accept(t) for t in tokenizer.encode('{"name": "Ada", "age": 36}'))
+
+
+def test_the_bundled_gguf_tokenizer_takes_a_grammar() -> None:
+    """llguidance's vocabulary from a GGUF-loaded tokenizer (the bundled SmolLM2's): a JSON
+    text in the schema's shape is accepted token by token and ends the grammar; a token that
+    breaks it is refused."""
+    from jaxserve.models.bundled import BundledModelMissing, bundled_model_path
+
+    try:
+        path = bundled_model_path()
+    except BundledModelMissing as e:
+        pytest.skip(str(e))
+    tok = Tokenizer.from_gguf(path)
+    gguf = GrammarCompiler(tok, tok.vocab_size)
+    schema = {"type": "object", "properties": {"city": {"type": "string"},
+                                               "n": {"type": "integer"}},
+              "required": ["city", "n"], "additionalProperties": False}
+    grammar = gguf.compile(StructuredOutputs(json=schema))
+    seq = gguf.matcher(grammar)
+    assert all(seq.accept(t) for t in tok.encode('{"city": "Paris", "n": 2}',
+                                                 add_special_tokens=False))
+    assert seq.accept(tok.eos_token_ids[0]) and seq.finished
+    bad = gguf.matcher(grammar)
+    assert not bad.accept(tok.encode("[", add_special_tokens=False)[0])

@@ -1,0 +1,106 @@
+"""The C++ dense kernel over packed weights (kernels_pallas/dense_cpu.py) against numpy.
+
+Oracle: x @ W in float64 numpy on the unpacked weight. Cases cover the kernel's edges: row
+counts around its register block (6) and row chunk (96), a column count that leaves the last
+16-column panel partly empty, a single partial panel, a stack of layers read by index (inside
+a scan, as the engine reads it) and a lone weight, leading batch dims. Tolerance: float32
+accumulation over K terms, rel 1e-5 of the output's scale.
+Also: pack / unpack round trip, the input checks, and that the model with packed params
+gives the unpacked model's logits (test_model_parity checks packed against transformers).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.kernels_pallas import cpu_build
+from jaxserve.kernels_pallas.dense_cpu import (PANEL, dense_packed, dense_packed_reference,
+                                               pack_panels, unpack_panels)
+from jaxserve.models import llama
+from jaxserve.models.packing import pack_params
+
+pytestmark = pytest.mark.skipif(cpu_build.dense_kernel_target() is None,
+                                reason="the CPU kernels could not be built here (see the log)")
+
+CASES = [  # (M, K, N)
+    (1, 64, 48), (5, 64, 48), (6, 64, 48), (7, 64, 48), (13, 40, 24), (96, 32, 16),
+    (97, 32, 40), (200, 72, 96), (3, 24, 8), (2, 576, 192),
+]
+
+
+def _close(got: np.ndarray, want: np.ndarray) -> None:
+    scale = max(1.0, float(np.max(np.abs(want))))
+    np.testing.assert_allclose(got, want, atol=1e-5 * scale, rtol=1e-5)
+
+
+@pytest.mark.parametrize("m,k,n", CASES)
+def test_stacked_weight_by_layer_matches_numpy(m: int, k: int, n: int) -> None:
+    rng = np.random.default_rng(m * 1000 + k + n)
+    w = rng.standard_normal((3, k, n)).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    panels = jnp.asarray(pack_panels(w))
+
+    def body(carry: None, layer: jax.Array) -> tuple[None, jax.Array]:
+        return carry, dense_packed(jnp.asarray(x), panels, layer, n)
+
+    _, got = jax.jit(lambda: jax.lax.scan(body, None, jnp.arange(3, dtype=jnp.int32)))()
+    for layer in range(3):
+        _close(np.asarray(got[layer]), x.astype(np.float64) @ w[layer].astype(np.float64))
+
+
+def test_lone_weight_and_leading_dims() -> None:
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((40, 200)).astype(np.float32)
+    x = rng.standard_normal((2, 9, 40)).astype(np.float32)
+    got = jax.jit(lambda x, p: dense_packed(x, p, None, 200))(jnp.asarray(x),
+                                                              jnp.asarray(pack_panels(w)))
+    assert got.shape == (2, 9, 200)
+    _close(np.asarray(got), x.astype(np.float64) @ w.astype(np.float64))
+    ref = dense_packed_reference(jnp.asarray(x), jnp.asarray(pack_panels(w)), None, 200)
+    _close(np.asarray(ref), x.astype(np.float64) @ w.astype(np.float64))
+
+
+def test_no_rows() -> None:
+    p = jnp.asarray(pack_panels(np.ones((8, 16), np.float32)))
+    assert dense_packed(jnp.zeros((0, 8)), p, None, 16).shape == (0, 16)
+
+
+def test_pack_round_trip_and_layout() -> None:
+    w = np.arange(2 * 5 * 21, dtype=np.float32).reshape(2, 5, 21)
+    p = pack_panels(w)
+    assert p.shape == (2, 2, 5, PANEL)
+    assert p[1, 1, 3, 4] == w[1, 3, 20] and np.all(p[:, 1, :, 5:] == 0)
+    np.testing.assert_array_equal(np.asarray(unpack_panels(jnp.asarray(p), 21)), w)
+
+
+def test_bad_inputs_name_the_problem() -> None:
+    p = jnp.asarray(pack_panels(np.ones((8, 32), np.float32)))
+    with pytest.raises(ValueError, match="last dim 9 != the panels' K 8"):
+        dense_packed(jnp.ones((2, 9)), p, None, 32)
+    with pytest.raises(ValueError, match="out_features=40 does not fit 2 panels"):
+        dense_packed(jnp.ones((2, 8)), p, None, 40)
+    with pytest.raises(ValueError, match="float32 only"):
+        dense_packed(jnp.ones((2, 8), jnp.bfloat16), p, None, 32)
+    with pytest.raises(ValueError, match="panels must be"):
+        dense_packed(jnp.ones((2, 8)), jnp.ones((8, 32)), None, 32)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_model_matches_unpacked(tied: bool) -> None:
+    from support.engine_fixtures import tiny_model_config
+
+    cfg = tiny_model_config(tie_word_embeddings=tied, attention_bias=True, qk_norm=True,
+                            hidden_size=48, head_dim=12)
+    params = llama.init_random_params(cfg, jax.random.key(3), jnp.float32, scale=0.3)
+    packed = pack_params(params)
+    assert isinstance(packed.layers.wq, llama.PackedWeight)
+    assert isinstance(packed.lm_head if not tied else packed.embed, llama.PackedWeight)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (3, 11)),
+                         jnp.int32)
+    lengths = jnp.asarray([11, 4, 7], jnp.int32)
+    want = np.asarray(llama.forward_jit(params, tokens, lengths, cfg=cfg))
+    got = np.asarray(llama.forward_jit(packed, tokens, lengths, cfg=cfg))
+    _close(got, want)

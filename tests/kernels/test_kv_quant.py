@@ -1,0 +1,255 @@
+"""Quantized KV pages (int8 / float8_e4m3fn + per-row f32 scales): write_kv and every reader.
+
+Oracles:
+  - write_kv's round trip against the float rows it was given: each stored row, dequantized,
+    is within the quantizer's own error bound (int8: half a step, max|row| / 254; fp8: half an
+    ulp of e4m3, 2^-4 relative, or the subnormal spacing 2^-9 x scale), live slots only; the
+    slots it must not touch keep their bits.
+  - every attention implementation on a QuantizedKV against the jnp reference run on the
+    *dequantized* float32 pages (``dequantize``: values x scales, a plain float page array, the
+    float path the other tests check against a float64 oracle). Both compute the same
+    products, so the tolerance is float32 rounding (reference, CPU kernel, TPU interpreted),
+    or the GPU kernel's bfloat16 operand rounding (3e-2, as for its float pages).
+Batches come from kernel_cases (random ragged steps; unused slots NaN, which quantizes to NaN
+scales, so a stray read of a quantized page still turns an output NaN).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.kernels_pallas import (QuantizedKV, dequantize, init_kv_pages,
+                                     ragged_paged_attention_reference, write_kv)
+from support.kernel_cases import quantized_pages, random_batch
+
+QDTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+
+
+def seed_of(*parts: object) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+def quantized_batch(kind: str, seed: int, **kw):
+    """A random step whose context pages are quantized, and its write_kv'd QuantizedKV."""
+    rng = np.random.default_rng(seed)
+    specs = {"mixed": [(21, 3), (0, 17), (40, 1), (5, 1)], "decode": [(30, 1), (63, 1), (1, 1)],
+             "prefill": [(0, 33), (0, 9)]}[kind]
+    opts = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16) | kw
+    batch = random_batch(rng, specs, num_tokens=sum(n for _, n in specs) + 2,
+                         num_seqs=len(specs) + 1, **opts)
+    return batch
+
+
+def written(batch, qdtype) -> QuantizedKV:
+    kv = quantized_pages(batch.kv_pages, qdtype)
+    return write_kv(kv, batch.k_new, batch.v_new, batch.md.slot_mapping)
+
+
+def live_rows(batch) -> int:
+    return int(np.asarray(batch.md.cu_q_lens)[len(batch.specs)])
+
+
+@pytest.mark.parametrize("qname", sorted(QDTYPES))
+def test_write_kv_round_trip_within_the_quantizer_bound(qname: str) -> None:
+    qdtype = QDTYPES[qname]
+    batch = quantized_batch("mixed", seed_of("write", qname))
+    before = quantized_pages(batch.kv_pages, qdtype)
+    after = write_kv(before, batch.k_new, batch.v_new, batch.md.slot_mapping)
+    assert isinstance(after, QuantizedKV) and after.pages.dtype == qdtype
+    assert after.scales.dtype == jnp.float32 and after.scales.shape == after.shape[:3]
+    deq = np.asarray(dequantize(after))
+    scales = np.asarray(after.scales)
+    slots = np.asarray(batch.md.slot_mapping)[:live_rows(batch)]
+    k = np.asarray(batch.k_new, np.float32)
+    v = np.asarray(batch.v_new, np.float32)
+    ps = after.shape[2]
+    for t, slot in enumerate(slots):
+        page, off = divmod(int(slot), ps)
+        for x, rows in ((k[t], slice(0, None, 2)), (v[t], slice(1, None, 2))):
+            got, s = deq[page, rows, off], scales[page, rows, off]       # [Hkv, D], [Hkv]
+            amax = np.abs(x).max(-1)
+            np.testing.assert_allclose(s, amax / (127.0 if qname == "int8" else 448.0),
+                                       rtol=1e-6)
+            if qname == "int8":
+                bound = amax[:, None] / 254.0 * (1 + 1e-5)
+            else:
+                bound = np.maximum(np.abs(x) * 2.0 ** -4, s[:, None] * 2.0 ** -10) * (1 + 1e-5)
+            assert (np.abs(got - x) <= bound).all(), (t, np.abs(got - x).max())
+    # Slots nobody wrote keep their bits (values and scales).
+    written_pages = {int(s) // ps for s in np.asarray(batch.md.slot_mapping)}
+    untouched = [p for p in range(after.shape[0]) if p not in written_pages]
+    np.testing.assert_array_equal(np.asarray(after.pages)[untouched].view(np.uint8),
+                                  np.asarray(before.pages)[untouched].view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(after.scales)[untouched],
+                                  np.asarray(before.scales)[untouched])
+
+
+def test_zero_rows_get_zero_scales_and_values() -> None:
+    kv = init_kv_pages(3, 16, 2, 64, jnp.int8)
+    assert isinstance(kv, QuantizedKV)
+    zeros = jnp.zeros((2, 2, 64), jnp.float32)
+    out = write_kv(kv, zeros, zeros, jnp.asarray([17, 18], jnp.int32))
+    assert not np.asarray(out.pages).any() and not np.asarray(out.scales).any()
+    assert np.isfinite(np.asarray(dequantize(out))).all()
+
+
+def test_write_kv_checks_name_the_bad_value() -> None:
+    kv = init_kv_pages(3, 16, 2, 64, jnp.int8)
+    bad = QuantizedKV(kv.pages, kv.scales[:, :, :8])
+    x = jnp.zeros((2, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match=r"scales must be float32\[3, 4, 16\]"):
+        write_kv(bad, x, x, jnp.zeros(2, jnp.int32))
+    with pytest.raises(ValueError, match="k_new dtype must be float32/bfloat16/float16"):
+        write_kv(kv, x.astype(jnp.int32), x, jnp.zeros(2, jnp.int32))
+    with pytest.raises(ValueError, match="come as a QuantizedKV"):
+        write_kv(kv.pages, x, x, jnp.zeros(2, jnp.int32))
+
+
+@pytest.mark.parametrize("qname", sorted(QDTYPES))
+@pytest.mark.parametrize("kind,dtype", [("mixed", "float32"), ("decode", "bfloat16"),
+                                        ("prefill", "float32")])
+def test_reference_matches_reference_on_dequantized_pages(qname: str, kind: str,
+                                                          dtype: str) -> None:
+    batch = quantized_batch(kind, seed_of("ref", qname, kind), dtype=jnp.dtype(dtype))
+    kv = written(batch, QDTYPES[qname])
+    opts = dict(sm_scale=0.125, sliding_window=None, soft_cap=None)
+    got = ragged_paged_attention_reference(batch.q, kv, batch.md, **opts)
+    assert got.dtype == batch.q.dtype and got.shape == batch.q.shape
+    want = ragged_paged_attention_reference(batch.q.astype(jnp.float32), dequantize(kv),
+                                            batch.md, **opts)
+    n = live_rows(batch)
+    tol = 2e-5 if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32)[:n], np.asarray(want)[:n],
+                               atol=tol, rtol=tol)
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+    # And the dequantized pages are close to the float ones: the quantization is not a no-op,
+    # nor garbage (int8: ~1e-2 relative on unit-normal K/V; fp8: ~6e-2).
+    exact = ragged_paged_attention_reference(
+        batch.q.astype(jnp.float32), write_kv(batch.kv_pages.astype(jnp.float32),
+                                              batch.k_new.astype(jnp.float32),
+                                              batch.v_new.astype(jnp.float32),
+                                              batch.md.slot_mapping), batch.md, **opts)
+    err = np.abs(np.asarray(want)[:n] - np.asarray(exact)[:n]).max()
+    assert 0 < err < (0.05 if qname == "int8" else 0.2), err
+
+
+# --------------------------------------------------------------------------- CPU kernel
+def _cpu_kernel_or_skip() -> None:
+    from jaxserve.kernels_pallas import cpu_build
+    if cpu_build.cpu_kernel_target() is None:
+        pytest.skip("the CPU kernel could not be built here (see the log)")
+
+
+# (kind, q dtype, Hq, Hkv, D, page_size, window, cap); "long": one 3000-key decode whose key
+# range the kernel splits over threads, next to a prefill.
+CPU_CASES = [("mixed", "float32", 4, 2, 64, 16, None, None),
+             ("decode", "bfloat16", 8, 2, 64, 16, None, None),
+             ("prefill", "float32", 8, 1, 128, 32, None, None),
+             ("mixed", "float32", 6, 2, 64, 16, 19, 4.0),
+             ("long", "float32", 4, 1, 32, 16, None, None)]
+
+
+def cpu_batch(case: tuple, seed: int):
+    kind, dtype, hq, hkv, d, ps, _, _ = case
+    opts = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps,
+                dtype=jnp.dtype(dtype))
+    if kind != "long":
+        return quantized_batch(kind, seed, **opts)
+    return random_batch(np.random.default_rng(seed), [(3000, 1), (0, 40)], num_tokens=43,
+                        num_seqs=3, **opts)
+
+
+@pytest.mark.parametrize("qname", sorted(QDTYPES))
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"{c[0]}-{c[1]}-g{c[2] // c[3]}"
+                         + ("-win-cap" if c[6] else ""))
+def test_cpu_kernel_matches_reference_on_dequantized_pages(qname: str, case: tuple) -> None:
+    _cpu_kernel_or_skip()
+    from jaxserve.kernels_pallas.cpu import ragged_paged_attention_cpu
+    batch = cpu_batch(case, seed_of("cpu", qname, case))
+    kv = written(batch, QDTYPES[qname])
+    opts = dict(sm_scale=case[4] ** -0.5, sliding_window=case[6], soft_cap=case[7])
+    got = ragged_paged_attention_cpu(batch.q, kv, batch.md, **opts)
+    assert got.dtype == batch.q.dtype
+    want = ragged_paged_attention_reference(batch.q.astype(jnp.float32), dequantize(kv),
+                                            batch.md, **opts)
+    n = live_rows(batch)
+    tol = 2e-5 if case[1] == "float32" else 2e-2
+    got = np.asarray(got, np.float32)
+    np.testing.assert_allclose(got[:n], np.asarray(want)[:n], atol=tol, rtol=tol)
+    np.testing.assert_array_equal(got[n:], 0.0, err_msg="padding tokens must be zeros")
+
+
+@pytest.mark.parametrize("qname", sorted(QDTYPES))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_fused_write_and_attend_stores_what_write_kv_stores(qname: str, dtype: str) -> None:
+    """The kernel's own quantizing write: the same values and scales, bit for bit, as
+    write_kv's (live slots, dropped slots, a head dim stored padded), then the same output."""
+    _cpu_kernel_or_skip()
+    from jaxserve.kernels_pallas import AttentionMetadata, write_kv_and_attend
+    rng = np.random.default_rng(seed_of("fused", qname, dtype))
+    batch = random_batch(rng, [(37, 1), (0, 20), (50, 7), (16, 1)], num_q_heads=8,
+                         num_kv_heads=2, head_dim=80, page_size=16, dtype=jnp.dtype(dtype),
+                         num_tokens=33, num_seqs=6, fill_nan=False)
+    d = 64       # rows of 64 into pages of head dim 80: zero-padded
+    q, k_new, v_new = batch.q[..., :d], batch.k_new[..., :d], batch.v_new[..., :d]
+    slots = np.asarray(batch.md.slot_mapping).copy()
+    slots[30:] = [-5, batch.kv_pages.shape[0] * 16 + 3, 2]        # dropped, dropped, trash
+    md = AttentionMetadata(jnp.asarray(slots), batch.md.block_tables, batch.md.kv_lens,
+                           batch.md.cu_q_lens, batch.md.num_seqs)
+    kv = quantized_pages(batch.kv_pages, QDTYPES[qname])
+    want_kv = write_kv(kv, k_new, v_new, md.slot_mapping)
+    out, got_kv = write_kv_and_attend(q, k_new, v_new, kv, md, sm_scale=0.125, impl="cpu")
+    assert isinstance(got_kv, QuantizedKV)
+    np.testing.assert_array_equal(np.asarray(got_kv.pages).view(np.uint8),
+                                  np.asarray(want_kv.pages).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(got_kv.scales), np.asarray(want_kv.scales))
+    want = ragged_paged_attention_reference(q.astype(jnp.float32), dequantize(want_kv), md,
+                                            sm_scale=0.125)
+    tol = 2e-5 if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(np.asarray(out, np.float32)[:29], np.asarray(want)[:29],
+                               atol=tol, rtol=tol)
+
+
+# --------------------------------------------------------------------------- Pallas kernels
+# (kind, q dtype, Hq, Hkv, D, page_size, window, cap): page_size 32, the smallest both kernels
+# take for 8-bit pages (TPU sublane packing; GPU 128-byte aligned scale copies).
+PALLAS_CASES = [("mixed", "float32", 4, 2, 64, 32, None, None),
+                ("decode", "bfloat16", 8, 2, 128, 32, 40, None)]
+
+
+@pytest.mark.parametrize("qname", sorted(QDTYPES))
+@pytest.mark.parametrize("case", PALLAS_CASES, ids=lambda c: f"{c[0]}-{c[1]}-d{c[4]}")
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+def test_pallas_kernel_interpreted_matches_reference_on_dequantized_pages(
+        impl: str, case: tuple, qname: str) -> None:
+    from test_attention_kernels import interpret_params, races_found, run_kernel
+    batch = cpu_batch(case, seed_of(impl, qname, case))
+    kv = written(batch, QDTYPES[qname])
+    opts = dict(sm_scale=case[4] ** -0.5, sliding_window=case[6], soft_cap=case[7])
+    got = run_kernel(impl, batch.q, kv, batch.md, interpret=interpret_params(impl), **opts)
+    assert not races_found(impl), "the interpreter reported a data race"
+    assert got.shape == batch.q.shape and got.dtype == batch.q.dtype
+    want = ragged_paged_attention_reference(batch.q.astype(jnp.float32), dequantize(kv),
+                                            batch.md, **opts)
+    n = live_rows(batch)
+    # TPU interpreted: float32 rounding (K/V converted to q's dtype, exact for int8 / e4m3 in
+    # bfloat16 too), or bfloat16 outputs; GPU: its bfloat16 MMA operands, as for float pages.
+    tol = 2e-5 if impl == "pallas_tpu" and case[1] == "float32" else 3e-2
+    got = np.asarray(got, np.float32)
+    np.testing.assert_allclose(got[:n], np.asarray(want)[:n], atol=tol, rtol=tol)
+    assert np.isfinite(got).all()
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+def test_pallas_kernels_refuse_8bit_pages_of_16_tokens(impl: str) -> None:
+    from test_attention_kernels import run_kernel
+    batch = cpu_batch(("decode", "float32", 4, 2, 64, 16, None, None), 3)
+    kv = written(batch, jnp.int8)
+    with pytest.raises(ValueError, match="page_size.* 16.*32|page_size=16"):
+        jax.eval_shape(lambda q, p, m: run_kernel(impl, q, p, m, sm_scale=0.1), batch.q, kv,
+                       batch.md)

@@ -1,0 +1,71 @@
+"""serving.build: the process-wide JAX settings are applied once per build, before any
+replica is placed; the weights are packed for the CPU dense kernel where dense_impl picks it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.serving import build
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("dp", [1, 3])
+def test_runtime_applied_once_before_placing(monkeypatch: pytest.MonkeyPatch, tmp_path,
+                                             dp: int) -> None:
+    events = []
+    monkeypatch.setattr(build, "apply_runtime", lambda cfg: events.append(("runtime", cfg)))
+    monkeypatch.setattr(build, "replica_device_rows",
+                        lambda dp, tp: [[jax.local_devices()[0]]] * dp)
+
+    def place(config, model, devices):  # noqa: ANN001, ANN202
+        events.append(("place", devices))
+        if sum(e[0] == "place" for e in events) == dp:
+            raise _Stop  # every replica placed; no need to load a model
+        return None
+
+    monkeypatch.setattr(build, "_place", place)
+    config = EngineConfig(compilation_cache_dir=str(tmp_path / "xla"), data_parallel_size=dp)
+    with pytest.raises(_Stop):
+        build.build_engines(config, warmup=False)
+    assert [e[0] for e in events] == ["runtime"] + ["place"] * dp
+    assert events[0][1].compilation_cache_dir == str(tmp_path / "xla")
+
+
+@pytest.mark.parametrize("dense_impl,dtype,packed", [
+    ("auto", "float32", True), ("xla", "float32", False), ("auto", "bfloat16", False),
+    ("cpu", "bfloat16", False),  # asked for, but the kernel is float32: XLA's dot, a warning
+])
+def test_dense_impl_packs_weights_where_it_applies(dense_impl: str, dtype: str,
+                                                   packed: bool, caplog) -> None:
+    from support.engine_fixtures import tiny_model
+
+    from jaxserve.kernels_pallas import cpu_build
+    from jaxserve.models.llama import PackedWeight
+
+    if packed and cpu_build.dense_kernel_target() is None:
+        pytest.skip("the CPU kernels could not be built here (see the log)")
+    model = tiny_model()
+    if dtype != "float32":
+        model = dataclasses.replace(model, params=jax.tree.map(
+            lambda a: a.astype(dtype), model.params))
+    config = EngineConfig(dense_impl=dense_impl, dtype=dtype, max_num_seqs=4,
+                          max_num_batched_tokens=16, max_model_len=64,
+                          kv_cache_memory=1 << 20)
+    engine = build.build_engine(config, model, warmup=False)
+    params = engine.runner.params
+    assert isinstance(params.layers.w_up, PackedWeight) is packed
+    assert isinstance(params.lm_head, PackedWeight) is packed
+    assert isinstance(model.params.layers.w_up, jax.Array)  # the caller's model is untouched
+    assert ("using XLA's dot instead" in caplog.text) is (dense_impl == "cpu")
+
+
+def test_dense_impl_is_validated() -> None:
+    with pytest.raises(ValueError, match="dense_impl='blas' must be one of"):
+        EngineConfig(dense_impl="blas")
