@@ -294,7 +294,7 @@ def fill_bitmask(num_seqs: int, vocab_size: int, rows: Sequence[tuple[int, Reque
     """(i32[S, W] or None, bool[S]): the allowed next tokens of each (row, sequence) under a
     grammar. A sequence whose grammar no token can continue (llguidance then allows only EOS
     and reports an error) raises ValueError (the engine fails that row alone with the reason,
-    see `Engine._build`), or with `errors` is added there and left unconstrained."""
+    see `Recovery.build`), or with `errors` is added there and left unconstrained."""
     constrained = np.zeros(num_seqs, bool)
     if not rows:
         return None, constrained

@@ -19,57 +19,47 @@ scheduled; rows under a grammar get their token mask late (`_launch`). Each `ste
 the outputs of the step it applied.
 
 The engine owns the requests' host-side extras (prompt text, detokenizers, n-sample groups,
-grammar matchers); the scheduler their KV state; the runner everything on the device. Callers
-read `limits` and `stats()`, never the scheduler. `admit()` runs every request check
+grammar matchers); the scheduler owns their KV state; the runner owns everything on the
+device. Callers outside read `limits` (what a request must fit in) and `stats()` (a snapshot
+of the counters), never the scheduler or allocator. `admit()` runs every request check
 (`limits.EngineLimits`, the grammar compile) without queueing; `add_request` runs it unless
 handed the `Admitted` result.
 
-Identity: the client's request id names a group (the duplicate check is on it whatever `n`);
-each of its n sequences gets an integer `seq_id`, the only key below this class.
+Identity: the client's request id names a group (one per user request, the duplicate check
+is on it whatever `n` is); each of its n sequences gets an integer `seq_id` from the
+scheduler, the only key below this class. A request is queued whole or not at all.
 
-When a step fails (see `runner.RunnerFailed` and the README's "When a step fails"):
-  per request (the engine carries on): the batch build fails (each scheduled row is then
-    built alone to find the culprit rows; none found: every row of the step), the runner
-    raises a non-fatal RunnerFailed (its `rows`, else every row), applying a row's result
-    fails (`Scheduler.update` isolates rows), or a request's token processing fails
-    (logprobs, detokenization, stop strings, its output). Those requests finish with
-    FinishReason.ERROR and `error` set (the n samples of a request fail together); their
-    pages are freed by `Scheduler.finish` like any finish, and the other scheduled rows,
-    whose results never came, are scheduled again for the same tokens (their pages stay
-    reserved, nothing was computed).
-  fatal (`EngineDead`, raised by this and every later `step` / `add_request`): a fatal
-    RunnerFailed or any other exception out of the runner (the device state is unknown),
-    a failing `schedule()`, or a recovery that itself fails (the host state is unknown).
+When a step fails, the requests it cost finish with FinishReason.ERROR and the engine carries
+on, unless the device or host state is unknown: then `EngineDead`, raised by that and every
+later `step` / `add_request`. Which failure costs what, and how: `recovery.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import random
 import time
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import prompt_logprobs
-from jaxserve.engine.batch import StepBatch, build_batch, late_bitmask
+from jaxserve.engine.batch import late_bitmask
 from jaxserve.engine.errors import EngineDead
 from jaxserve.engine.grammar import grammar_compiler
 from jaxserve.engine.group import Group
 from jaxserve.engine.limits import (Admitted, EngineLimits, EngineStats, check_not_in_flight,
                                     check_priority, check_request_id)
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
+from jaxserve.engine.recovery import Failures, Recovery
 from jaxserve.engine.request import FinishReason, Request
 from jaxserve.engine.runner import PendingStep, Runner, RunnerFailed, StepResult
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.sizing import EnginePlan
 from jaxserve.models.tokenizer import Tokenizer
-
-log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -117,15 +107,18 @@ class Engine:
         self._in_flight: _Dispatched | None = None  # dispatched, not yet applied
         # Groups with news for the next step's outputs besides this step's tokens (aborts).
         self._touched: dict[str, Group] = {}
-        self._dead: str | None = None  # why the engine cannot step any more
+        # What a failed step costs; it alone keeps why the engine is dead.
+        self._recovery = Recovery(self.scheduler, self._group_of)
 
     # ----------------------------------------------------------------------- read-only views
     @property
-    def limits(self) -> EngineLimits:  # what a request must fit in; what callers are told
+    def limits(self) -> EngineLimits:
+        """What a request must fit in (and what callers are told about the model)."""
         return self._limits
 
     def stats(self) -> EngineStats:
-        """A snapshot of the state and counters (from the thread that drives the engine)."""
+        """A snapshot of the running state and cumulative counters (call it from the thread
+        that drives the engine)."""
         sched = self.scheduler
         alloc = sched.allocator
         total = alloc.num_usable_pages
@@ -141,7 +134,8 @@ class Engine:
     # ----------------------------------------------------------------------- intake
     def admit(self, prompt: str | Sequence[int], params: SamplingParams | None = None
               ) -> Admitted:
-        """Every check of one request, without queueing it (thread-safe: limits, tokenizer)."""
+        """Every check of one request (its limits, its grammar's compile), without queueing
+        it (thread-safe: it reads only the limits and the tokenizer)."""
         return self._limits.admit(prompt, params or SamplingParams(), self._encode)
 
     def _encode(self, text: str) -> list[int]:
@@ -155,7 +149,7 @@ class Engine:
         cannot run. An `Admitted` prompt (from `admit`) carries its params and is not checked
         again. Every check runs before anything is queued. `output_kind`: what its outputs
         carry (see `outputs.RequestOutputKind`)."""
-        self._check_alive()
+        self._recovery.check_alive()
         check_request_id(request_id)
         check_not_in_flight(request_id, self._groups)
         check_priority(priority)
@@ -188,31 +182,25 @@ class Engine:
         return bool(self._groups) or self._in_flight is not None
 
     def close(self) -> None:
-        self.runner.close()  # multi-host: the other processes stop following
+        """Release the runner (multi-host: the other processes stop following)."""
+        self.runner.close()
 
     @property
     def num_requests(self) -> int:
         return len(self._groups)
 
     @property
-    def dead(self) -> str | None:  # why the engine cannot step any more (None: it can)
-        return self._dead
-
-    def _check_alive(self) -> None:
-        if self._dead is not None:
-            raise EngineDead(self._dead)
-
-    def _die(self, what: str, error: BaseException) -> EngineDead:
-        self._dead = f"{what}: {error!r}"
-        log.error("engine dead: %s", self._dead, exc_info=error)
-        return EngineDead(self._dead)
+    def dead(self) -> str | None:
+        """Why the engine cannot step any more (None: it can)."""
+        return self._recovery.dead
 
     # ----------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Run one scheduler iteration; outputs for every request with news. A failure of
-        some requests finishes them with ERROR (module docstring); EngineDead when the
+        some requests finishes them with ERROR (see `recovery.py`); EngineDead when the
         engine cannot go on."""
-        self._check_alive()
+        recovery = self._recovery
+        recovery.check_alive()
         touched = self._touched
         self._touched = {}
         prev, self._in_flight = self._in_flight, None
@@ -223,14 +211,14 @@ class Engine:
             try:
                 out = self.scheduler.schedule()
             except Exception as e:  # noqa: BLE001 - the scheduler's state is unknown
-                raise self._die("scheduling a step failed", e) from e
-            failed: list[tuple[Request, str]] = []
+                raise recovery.die("scheduling a step failed", e) from e
+            failed: Failures = []
             launched = self._launch(out, prev, failed, touched) if out.seqs else None
             if prev is not None and not prev.applied:
                 self._apply(prev, touched)
             # After `prev`'s tokens are in (they were computed), and not for sequences that
             # `prev` finished (their row in the failed step was a discarded extra).
-            self._fail([(r, m) for r, m in failed if not r.is_finished], touched)
+            recovery.fail([(r, m) for r, m in failed if not r.is_finished], touched)
             if launched is not None:
                 if self.config.async_scheduling:
                     self._in_flight = launched
@@ -239,7 +227,7 @@ class Engine:
         except EngineDead:
             raise
         except Exception as e:  # noqa: BLE001 - a failed recovery: state unknown
-            raise self._die("recovering from a failed step failed", e) from e
+            raise recovery.die("recovering from a failed step failed", e) from e
         outputs = []
         for g in touched.values():
             try:
@@ -248,16 +236,16 @@ class Engine:
                     outputs.append(output)
             except Exception as e:  # noqa: BLE001 - this request's output only
                 try:
-                    outputs.append(self._error_output(g, f"building the output failed: {e!r}"))
+                    outputs.append(recovery.error_output(
+                        g, f"building the output failed: {e!r}"))
                 except Exception as e2:  # noqa: BLE001 - a failed recovery: state unknown
-                    raise self._die("recovering from a failed output failed", e2) from e2
+                    raise recovery.die("recovering from a failed output failed", e2) from e2
             if g.done_reported:
                 del self._groups[g.request_id]
         return outputs
 
     def _launch(self, out: SchedulerOutput, prev: "_Dispatched | None",
-                failed: list[tuple[Request, str]], touched: dict[str, Group]
-                ) -> "_Dispatched | None":
+                failed: Failures, touched: dict[str, Group]) -> "_Dispatched | None":
         """Build and dispatch one scheduled step (fed rows read `prev`'s sampled tokens);
         None when it did not run: its rows are rolled back to be scheduled again, and the
         failed ones are added to `failed` (for the caller to finish with ERROR). Grammar rows
@@ -265,7 +253,8 @@ class Engine:
         applied and the mask filled while the device runs it."""
         late = prev is not None and any(s.samples and s.request.grammar is not None
                                         for s in out.seqs)
-        batch = self._build(out, None if prev is None else prev.sampled_rows, failed, late)
+        batch = self._recovery.build(out, self.plan.batch_shape,
+                                     None if prev is None else prev.sampled_rows, failed, late)
         if batch is None:
             return None
 
@@ -278,38 +267,33 @@ class Engine:
             pending = self.runner.dispatch(batch, late_mask) if late else \
                 self.runner.dispatch(batch)
         except RunnerFailed as e:
-            if e.fatal:
-                raise self._die("the model step failed", e) from e
-            rows = range(len(out.seqs)) if e.rows is None else e.rows
-            failed.extend((out.seqs[i].request, f"the model step failed: {e}") for i in rows)
-            self.scheduler.unschedule(out.seqs)
+            self._recovery.step_lost(out, e, failed)  # EngineDead when it is fatal
             return None
         except Exception as e:  # noqa: BLE001 - the device state is unknown
-            raise self._die("the model step failed", e) from e
+            raise self._recovery.die("the model step failed", e) from e
         self.num_steps += 1
         self.last_step_tokens = out.num_tokens
         return _Dispatched(out, pending)
 
     def _apply(self, step: "_Dispatched", touched: dict[str, Group]) -> None:
         """Collect a dispatched step's result and apply it: tokens, stops, outputs."""
-        out = step.out
+        out, fail = step.out, self._recovery.fail
         try:
             result = self.runner.collect(step.pending)
         except Exception as e:  # noqa: BLE001 - later steps may have read its outputs
-            raise self._die("the model step failed", e) from e
+            raise self._recovery.die("the model step failed", e) from e
         if result.prompt_logprob is not None:
             self._take_prompt_logprobs(out, result, touched)
         try:
             sampled = [int(result.tokens[i]) if s.samples else None
                        for i, s in enumerate(out.seqs)]
         except Exception as e:  # noqa: BLE001 - a malformed result: every row's is suspect
-            self._fail([(s.request, f"the model step's result is unusable: {e!r}")
-                        for s in out.seqs], touched)
+            fail([(s.request, f"the model step's result is unusable: {e!r}")
+                  for s in out.seqs], touched)
             return
         errors: list[tuple[Request, Exception]] = []
         progressed = self.scheduler.update(out, sampled, errors)
-        self._fail([(r, f"applying the step's result failed: {e!r}") for r, e in errors],
-                   touched)
+        fail([(r, f"applying the step's result failed: {e!r}") for r, e in errors], touched)
         rows = {id(s.request): i for i, s in enumerate(out.seqs)}
         for req in progressed:
             group = self._group_of(req)
@@ -320,7 +304,7 @@ class Engine:
             try:
                 self._on_token(req, group, result, rows[id(req)])
             except Exception as e:  # noqa: BLE001 - this request's tokens only
-                self._fail([(req, f"processing the sampled token failed: {e!r}")], touched)
+                fail([(req, f"processing the sampled token failed: {e!r}")], touched)
 
     def _take_prompt_logprobs(self, out: SchedulerOutput, result: StepResult,
                               touched: dict[str, Group]) -> None:
@@ -329,52 +313,12 @@ class Engine:
             prompt_logprobs.unpack(out, scored, result.prompt_logprob, result.prompt_top_ids,
                                    result.prompt_top_logprobs)
         except Exception as e:  # noqa: BLE001 - a malformed result: the scored rows' fail
-            self._fail([(out.seqs[s.row].request, f"the step's prompt logprobs are unusable: "
-                         f"{e!r}") for s in scored], touched)
-
-    def _build(self, out: SchedulerOutput, prev_rows: Mapping[int, int] | None,
-               failed: list[tuple[Request, str]], late: bool = False) -> StepBatch | None:
-        """The step's batch, or None when it could not be built: then the rows that fail
-        alone (else every row) go to `failed` and every row is rolled back to wait for the
-        next step, its pages reserved and nothing computed."""
-        shape = self.plan.batch_shape
-        try:
-            return build_batch(out, shape, prev_rows, fill_grammars=not late)
-        except Exception as e:  # noqa: BLE001 - find the culprit rows
-            error = e
-        culprits = []
-        for s in out.seqs:
-            try:
-                build_batch(SchedulerOutput([s], s.num_new_tokens, []), shape, prev_rows,
-                            fill_grammars=not late)
-            except Exception as e:  # noqa: BLE001
-                culprits.append((s.request, f"building the step's batch failed: {e!r}"))
-        failed.extend(culprits or [(s.request, f"building the step's batch failed: {error!r}")
-                                   for s in out.seqs])
-        self.scheduler.unschedule(out.seqs)
-        return None
+            self._recovery.fail([(out.seqs[s.row].request, f"the step's prompt logprobs are "
+                                  f"unusable: {e!r}") for s in scored], touched)
 
     def _group_of(self, req: Request) -> Group | None:
         group = self._groups.get(req.request_id)
         return group if group is not None and group.holds(req) else None
-
-    def _fail(self, failures: list[tuple[Request, str]], touched: dict[str, Group]) -> None:
-        """Finish each failed sequence with ERROR and its message, and the other samples of
-        its request (already finished ones keep their result); pages go back through
-        `Scheduler.finish`."""
-        for req, message in failures:
-            log.warning("request %r failed: %s", req.request_id, message)
-            group = self._group_of(req)
-            seqs = group.seqs if group is not None else [req]
-            for seq in seqs:
-                text = message if seq is req else \
-                    f"sample {req.sample_index} of this request failed: {message}"
-                if not seq.is_finished:
-                    self.scheduler.finish(seq, FinishReason.ERROR, text)
-                elif seq is req:  # finished by this very step (e.g. its last token)
-                    seq.finish_reason, seq.error = FinishReason.ERROR, text
-            if group is not None:
-                touched[group.request_id] = group
 
     def _on_token(self, req: Request, group: Group, result: StepResult, row: int) -> None:
         if not req.output_token_ids:
@@ -390,11 +334,3 @@ class Engine:
             self.scheduler.finish(req, FinishReason.STOP_STRING)
         elif ended and not req.is_finished:  # the grammar's last token: its text is shown
             self.scheduler.finish(req, FinishReason.STOP)
-
-    def _error_output(self, g: Group, message: str) -> RequestOutput:
-        """The final output of a request whose output failed: unfinished samples end with
-        ERROR, finished ones keep their reason."""
-        for seq in g.seqs:
-            if not seq.is_finished:
-                self.scheduler.finish(seq, FinishReason.ERROR, message)
-        return g.error_output(message)

@@ -3,7 +3,7 @@
 Plain Python/numpy (no jax). An `InjectedFault` names a marker token id; a step whose new
 tokens include it (e.g. one request's prompt) raises `RunnerFailed` before the wrapped runner
 sees the batch, so no device work starts and no donated KV buffer is consumed: the recovery a
-real non-fatal runner failure gets (`engine.py`: the culprit rows finish with ERROR, the rest
+real non-fatal runner failure gets (`recovery.py`: the culprit rows finish with ERROR, the rest
 carry on). A fatal fault then refuses every later step, as a lost device would.
 
 Used by the fake runner's tests (`ArithmeticRunner(vocab, fault)`) and, through

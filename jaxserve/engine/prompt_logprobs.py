@@ -14,7 +14,7 @@ j + 1 (the last prompt position predicts the first generated token: the sampler'
 
 A recomputed prefill (after preemption) scores the same positions again and overwrites them
 with the same values. Prefix-cached positions are never computed, so such requests skip the
-prefix cache (`Scheduler._match_prefix`).
+prefix cache (`PrefixCache.match`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Plain Python (no jax). One `Request` is one sequence the scheduler runs; `n` parallel samples
 of one prompt are `n` Requests that share the client's `request_id` (child 0 prefills the prompt;
-the others fork its full prompt pages, see `scheduler.py`).
+the others fork its full prompt pages, see `forks.py`).
 
 Identity: `request_id` is the client's label and is never used as a key below the Engine;
 `seq_id` is an integer the Scheduler assigns when the sequence is queued (unique for the

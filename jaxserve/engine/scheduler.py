@@ -2,36 +2,43 @@
 
 Plain Python (no jax). Data flow per step:
   `schedule()` -> SchedulerOutput (decodes first, then prefill chunks, under the step's token
-  budget (`max_num_batched_tokens`; `decode_token_budget` when it carries decodes) and
-  `max_num_seqs`; pages allocated as KV grows; preemption
-  when pages run out) -> the engine builds the device batch and runs it -> `update(output,
-  sampled)` appends sampled tokens, advances `num_computed_tokens`, registers full pages in the
-  prefix cache, applies token stop rules and frees the pages of finished sequences.
+  budget (`max_num_batched_tokens`; `decode_token_budget` when it carries decodes,
+  `_step_budget`) and `max_num_seqs`; pages allocated as KV grows (a waiting sequence first
+  matches the prefix cache, `prefix_cache.PrefixCache`); preemption when pages run out) -> the
+  engine builds the device batch and runs it -> `update(output, sampled)` appends sampled
+  tokens, advances `num_computed_tokens`, registers full pages in the prefix cache, releases
+  the forks waiting on a computed prompt (`forks.Forks`), applies token stop rules and frees
+  the pages of finished sequences.
 
-Overlap: `schedule()` for step N+1 may run before `update()` of step N, whose tokens are
-still on the device: it plans from `Request.num_scheduled_tokens`, counting each token a
-dispatched step samples as in flight (`num_in_flight`), so a sequence step N samples decodes
-that unknown token in N+1 (`ScheduledSeq.fed`: fed on the device) unless it is already its
-last by max_tokens / max_model_len. A stop only its value reveals (EOS, stop ids / strings)
-lands a step late: N's update finishes it and N+1's row is discarded (updates skip rows no
-longer running or preempted since, `ScheduledSeq.epoch`). `unschedule()` undoes a lost step.
+Overlap: the engine may call `schedule()` for step N+1 before `update()` of step N (whose
+sampled tokens are still on the device). `schedule()` therefore plans from
+`Request.num_scheduled_tokens` and counts each token a dispatched step samples as in flight
+(`Request.num_in_flight`): a sequence whose step N samples is scheduled in step N+1 as a
+decode of that unknown token (`ScheduledSeq.fed`: the device feeds it from step N's sampler
+output), unless the in-flight token is already its last by `max_tokens` / `max_model_len`.
+A stop that only the token's value reveals (EOS, stop ids, stop strings) lands one step late:
+the sequence is finished by step N's update and step N+1's row for it is discarded (its
+update skips sequences that are no longer running, or were preempted since: `ScheduledSeq.
+epoch`). A step that never ran is rolled back by `unschedule()`.
 
 Policy:
-- Running sequences are served in (priority, arrival) order, decodes before prefill chunks;
-  a prompt is spread over steps in chunks of what is left of `SchedulerConfig.step_budget`.
+- Running sequences are served in (priority, arrival) order, decodes before prefill chunks, so
+  a long prompt never stalls the streams already generating; a prompt is spread over steps in
+  chunks of whatever is left of the step's budget (`_step_budget`).
 - Waiting sequences are admitted in (priority, arrival) order while budget, seats and pages
   allow; a waiting sequence may preempt running ones of strictly lower priority for pages.
 - Out of pages: the lowest-priority, most recently arrived running sequence is preempted: its
   pages are freed and it goes back to the front of its priority level; it recomputes its tokens
   later (mostly from the prefix cache when that is on).
 - `n` > 1 samples: child 0 prefills the prompt; the other children wait until it is computed,
-  then share its full prompt pages (ref counts) and compute only the partial last page.
+  then share its full prompt pages (ref counts) and compute only the partial last page
+  (`forks.py`).
 
-Tables are keyed by `Request.seq_id` (`add_request` assigns it; a request id is a label).
-Between `schedule()` and `update()` the state is consistent on its own (pages reserved, nothing
-computed yet): a step whose results never come back (it failed) leaves each scheduled sequence
-to be scheduled again for the same tokens, or finished (`finish`) by the engine, which frees
-its pages through the normal path.
+Every table here is keyed by `Request.seq_id`, an integer `add_request` assigns; the client's
+request id is only a label. Between `schedule()` and `update()` the state is consistent on its
+own (pages reserved, nothing computed yet): a step whose results never come back (it failed)
+leaves each scheduled sequence to be scheduled again for the same tokens, or to be finished
+(`finish`) by the engine, which frees its pages through the normal path.
 """
 
 from __future__ import annotations
@@ -43,8 +50,10 @@ import time
 from typing import Callable, Iterable, Sequence
 
 from jaxserve.config import SchedulerConfig
-from jaxserve.engine.block_allocator import BlockAllocator, hash_pages
+from jaxserve.engine.block_allocator import BlockAllocator
+from jaxserve.engine.forks import Forks
 from jaxserve.engine.limits import check_fits
+from jaxserve.engine.prefix_cache import PrefixCache
 from jaxserve.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -54,7 +63,8 @@ class ScheduledSeq:
     start: int  # position of the first new token (= num_scheduled_tokens before the step)
     num_new_tokens: int
     samples: bool  # this chunk reaches the end of the sequence: sample its next token
-    # Its one token is in flight (sampled by the step dispatched before, on the device only).
+    # The chunk's (single) token is still in flight: sampled by the step dispatched before
+    # this one, on the device only; the batch feeds it from that step's sampler output.
     fed: bool = False
     epoch: int = 0  # the request's preemption count when scheduled (stale rows are skipped)
 
@@ -75,6 +85,9 @@ class Scheduler:
         self.cfg = cfg
         self.clock = clock
         self.allocator = BlockAllocator(cfg.num_pages, cfg.page_size, cfg.enable_prefix_caching)
+        # The pages are the allocator's, the allocator the scheduler's: these two only call it.
+        self._prefix_cache = PrefixCache(self.allocator, cfg.page_size, cfg.enable_prefix_caching)
+        self._forks = Forks(self.allocator, cfg.page_size)  # n > 1 samples held for a prompt
         self.running: list[Request] = []
         self._waiting: list[tuple[int, int, Request]] = []  # heap of (priority, order, req)
         self._num_waiting = 0
@@ -82,7 +95,6 @@ class Scheduler:
         self._front = itertools.count(-1, -1)
         self._seq_ids = itertools.count()
         self._arrival_order: dict[int, int] = {}  # seq_id -> arrival rank
-        self._fork_children: dict[int, list[Request]] = {}  # child 0 seq_id -> children waiting
         self.requests: dict[int, Request] = {}  # seq_id -> unfinished sequence
         self.num_preemptions = 0
 
@@ -105,9 +117,7 @@ class Scheduler:
         req.seq_id = next(self._seq_ids)
         self.requests[req.seq_id] = req
         self._arrival_order[req.seq_id] = next(self._order)
-        if fork_of is not None and not fork_of.is_finished and \
-                fork_of.num_computed_tokens < fork_of.num_prompt_tokens:
-            self._fork_children.setdefault(fork_of.seq_id, []).append(req)
+        if fork_of is not None and self._forks.hold(req, fork_of):
             return
         self._push_waiting(req, front=False)
 
@@ -118,7 +128,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return self._num_waiting + sum(len(c) for c in self._fork_children.values())
+        return self._num_waiting + self._forks.num_held
 
     @property
     def num_running(self) -> int:
@@ -137,8 +147,7 @@ class Scheduler:
         # Decodes (exactly one token left to compute) first, then running prefill chunks.
         todo = [(r, self._to_schedule(r)) for r in self.running]
         order = [r for r, left in todo if left == 1] + [r for r, left in todo if left > 1]
-        budget = self.cfg.step_budget(any(  # a decode of a stream past its first token?
-            left == 1 and r.num_output_tokens + r.num_in_flight >= 2 for r, left in todo))
+        budget = self._step_budget(todo)
         for req in order:
             if budget == 0:
                 break
@@ -162,7 +171,7 @@ class Scheduler:
             if req in preempted:
                 break  # pages are contended: nothing behind it runs this step either
             if not req.pages:
-                self._match_prefix(req)
+                self._prefix_cache.match(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._reserve(req, req.num_computed_tokens + n, preempted, may_self=False):
                 break  # (a waiting sequence has nothing in flight: scheduled == computed)
@@ -185,9 +194,20 @@ class Scheduler:
         return SchedulerOutput(seqs=seqs, num_tokens=sum(s.num_new_tokens for s in seqs),
                                preempted=preempted)
 
+    def _step_budget(self, todo: list[tuple[Request, int]]) -> int:
+        """The whole budget, unless the step carries a decode of a stream past its first
+        token: then `decode_token_budget` (how long a prefill chunk may stall it). A stream
+        that has only its first token may wait one big step more, so that prompts arriving
+        a moment apart are still prefilled together (and then decode in lockstep). `todo`:
+        each running sequence with its tokens left to schedule (`_to_schedule`); the budget
+        values are the config's (`SchedulerConfig.step_budget`)."""
+        return self.cfg.step_budget(any(
+            left == 1 and r.num_output_tokens + r.num_in_flight >= 2 for r, left in todo))
+
     def _to_schedule(self, req: Request) -> int:
-        """Tokens of a running sequence left to schedule: 0 when its in-flight token ends it
-        anyway (max_tokens / max_model_len; prefill only), its update finishing it."""
+        """How many of a running sequence's tokens are left to schedule: 0 while its only
+        one is an in-flight token that will end it anyway (max_tokens / max_model_len; its
+        update finishes it), or a prefill-only request's last chunk is in flight."""
         if req.num_in_flight and (
                 req.num_output_tokens + req.num_in_flight >= req.max_tokens
                 or req.num_tokens + req.num_in_flight >= self.cfg.max_model_len):
@@ -195,7 +215,8 @@ class Scheduler:
         return req.num_tokens + req.num_in_flight - req.num_scheduled_tokens
 
     def unschedule(self, seqs: Iterable[ScheduledSeq]) -> None:
-        """Roll back the rows of a step that never ran: rescheduled for the same tokens."""
+        """Roll back scheduled rows whose step never ran (its build or dispatch failed): each
+        still-running sequence is scheduled again for the same tokens (its pages stay)."""
         for seq in seqs:
             req = seq.request
             if req.status is RequestStatus.RUNNING and \
@@ -220,10 +241,10 @@ class Scheduler:
                 if may_self and victim is req:
                     self._preempt(req, preempted)
                 elif not may_self:
-                    self._undo_prefix_match(req)
+                    self._prefix_cache.undo_match(req)
                 return False
             if not may_self and victim.priority <= req.priority:
-                self._undo_prefix_match(req)
+                self._prefix_cache.undo_match(req)
                 return False
             self._preempt(victim, preempted)
         if need > 0:
@@ -242,55 +263,16 @@ class Scheduler:
         preempted.append(req)
         self._push_waiting(req, front=True)
 
-    # ----------------------------------------------------------------------- prefix cache
-    def _full_page_hashes(self, req: Request, num_tokens: int) -> list[bytes]:
-        """Chained hashes of the full pages among the first `num_tokens` tokens (memoised)."""
-        ps = self.cfg.page_size
-        have = len(req.page_hashes)
-        want = num_tokens // ps
-        if want > have:
-            parent = req.page_hashes[-1] if have else b""
-            req.page_hashes.extend(hash_pages(req.all_token_ids[have * ps: want * ps], ps, parent))
-        return req.page_hashes[:want]
-
-    def _match_prefix(self, req: Request) -> None:
-        if not self.cfg.enable_prefix_caching or req.wants_prompt_logprobs:
-            return  # (cached positions are never computed, so they would have no logprobs)
-        # At least one token must be computed to produce logits.
-        hashes = self._full_page_hashes(req, req.num_tokens - 1)
-        pages = self.allocator.match_prefix(hashes)
-        req.pages = pages
-        req.num_computed_tokens = req.num_scheduled_tokens = len(pages) * self.cfg.page_size
-        req.num_registered_pages = len(pages)
-        if req.metrics.first_scheduled_time is None:
-            req.metrics.num_cached_tokens = req.num_computed_tokens
-
-    def _undo_prefix_match(self, req: Request) -> None:
-        if req.pages and req.num_computed_tokens == req.num_registered_pages * self.cfg.page_size:
-            # Matched pages only (nothing computed yet): give the references back.
-            self.allocator.free(req.pages)
-            req.pages = []
-            req.num_computed_tokens = req.num_scheduled_tokens = 0
-            req.num_registered_pages = 0
-
-    def _register_pages(self, req: Request) -> None:
-        if not self.cfg.enable_prefix_caching:
-            return
-        full = req.num_computed_tokens // self.cfg.page_size
-        if full <= req.num_registered_pages:
-            return
-        hashes = self._full_page_hashes(req, full * self.cfg.page_size)
-        for i in range(req.num_registered_pages, full):
-            self.allocator.register(req.pages[i], hashes[i])
-        req.num_registered_pages = full
-
     # ----------------------------------------------------------------------- update
     def update(self, out: SchedulerOutput, sampled: Sequence[int | None],
                errors: list[tuple[Request, Exception]] | None = None) -> list[Request]:
-        """Apply one step's results (`sampled[i]`: the token of `out.seqs[i]`, None if it did
-        not sample); returns the requests that got a token. `errors`: each sequence's failure
-        is appended as (request, exception) and the others still applied (the caller finishes
-        the failed ones); without it the first failure is raised."""
+        """Apply one step's results; `sampled[i]` is the token of `out.seqs[i]` (None if the
+        chunk did not sample). Returns the requests that got a new token this step.
+
+        `errors`: a failure while applying one sequence's result is appended there as
+        (request, exception) and the other sequences are still applied (the caller finishes
+        the failed ones); without it the first failure is raised.
+        """
         now = self.clock()
         progressed: list[Request] = []
         for seq, token in zip(out.seqs, sampled):
@@ -310,9 +292,8 @@ class Scheduler:
             return False  # finished (aborted, a stop) or preempted since it was scheduled
         req.num_computed_tokens = seq.start + seq.num_new_tokens
         req.num_in_flight -= seq.samples
-        self._register_pages(req)
-        if req.num_computed_tokens >= req.num_prompt_tokens and \
-                req.seq_id in self._fork_children:
+        self._prefix_cache.register(req)
+        if req.num_computed_tokens >= req.num_prompt_tokens:
             self._release_forks(req)
         if not seq.samples or token is None:
             return False
@@ -343,20 +324,9 @@ class Scheduler:
         return None
 
     def _release_forks(self, parent: Request) -> None:
-        """Children of `parent` share its full prompt pages and compute the rest themselves."""
-        children = self._fork_children.pop(parent.seq_id)
-        ps = self.cfg.page_size
-        shared = parent.pages[: (parent.num_prompt_tokens - 1) // ps] \
-            if parent.status is RequestStatus.RUNNING else []
-        for child in children:
-            if child.status is not RequestStatus.WAITING:
-                continue
-            if shared:
-                self.allocator.share(shared)
-                child.pages = list(shared)
-                child.num_computed_tokens = child.num_scheduled_tokens = len(shared) * ps
-                child.num_registered_pages = len(shared)
-                child.metrics.num_cached_tokens = child.num_computed_tokens
+        """Queue the children `parent` held back (`Forks.release`): they share its full
+        prompt pages and compute the rest themselves."""
+        for child in self._forks.release(parent):
             self._push_waiting(child, front=False)
 
     # ----------------------------------------------------------------------- finish / abort
@@ -366,8 +336,8 @@ class Scheduler:
             return
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req.status is RequestStatus.WAITING:
-            self._num_waiting -= self._drop_from_waiting(req)
+        elif req.status is RequestStatus.WAITING and not self._forks.drop(req):
+            self._num_waiting -= 1  # lazy deletion: its heap entry is skipped at the top
         if req.pages:
             self.allocator.free(req.pages)
             req.pages = []
@@ -377,17 +347,7 @@ class Scheduler:
         req.metrics.finished_time = self.clock()
         self.requests.pop(req.seq_id, None)
         self._arrival_order.pop(req.seq_id, None)
-        children = self._fork_children.get(req.seq_id)
-        if children:
-            self._release_forks(req)
-
-    def _drop_from_waiting(self, req: Request) -> int:
-        for children in self._fork_children.values():
-            if req in children:
-                children.remove(req)
-                return 0
-        # Lazy deletion: the heap entry is skipped when it reaches the top.
-        return 1
+        self._release_forks(req)  # children it held compute the prompt themselves (no pages)
 
     def abort(self, seq_ids: Iterable[int]) -> list[Request]:
         """Finish the given sequences with ABORT, freeing every page they held."""

@@ -1,0 +1,77 @@
+"""Prefix caching, the scheduler's side: which leading full pages of a sequence are computed.
+
+Plain Python (no jax). The scheduler owns one `PrefixCache` and is its only caller.
+
+Data flow:
+  admission: a waiting sequence that holds no pages -> `match(req)` hashes its full pages
+    (chained over every token before them, memoised on `Request.page_hashes`) and takes a
+    reference on the longest cached run (`BlockAllocator.match_prefix`); the sequence starts
+    with those pages as its block table (`Request.pages`) and `num_computed_tokens` past
+    them.
+  not admitted after all (no pages or seat for the rest this step) -> `undo_match(req)` gives
+    the references back, so a sequence that waits holds no pages.
+  after each applied step (`Scheduler.update`) -> `register(req)` enters every page that has
+    become full and computed under its hash (`BlockAllocator.register`), for later sequences
+    (and this one, recomputing after a preemption) to match.
+
+State: the cache itself (hash -> page, the LRU of cached free pages) is the allocator's; per
+sequence, `page_hashes` and `num_registered_pages` live on the `Request` (a preemption resets
+`num_registered_pages`, the hashes stay valid: the tokens do not change). This class keeps no
+state of its own, only the rules.
+"""
+
+from __future__ import annotations
+
+from jaxserve.engine.block_allocator import BlockAllocator, hash_pages
+from jaxserve.engine.request import Request
+
+
+class PrefixCache:
+    def __init__(self, allocator: BlockAllocator, page_size: int, enabled: bool):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.enabled = enabled
+
+    def match(self, req: Request) -> None:
+        """Start a page-less waiting sequence on the longest cached run of its full pages."""
+        if not self.enabled or req.wants_prompt_logprobs:
+            return  # (cached positions are never computed, so they would have no logprobs)
+        # At least one token must be computed to produce logits.
+        hashes = self._full_page_hashes(req, req.num_tokens - 1)
+        pages = self.allocator.match_prefix(hashes)
+        req.pages = pages
+        req.num_computed_tokens = req.num_scheduled_tokens = len(pages) * self.page_size
+        req.num_registered_pages = len(pages)
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.num_cached_tokens = req.num_computed_tokens
+
+    def undo_match(self, req: Request) -> None:
+        """Give back the pages `match` took, if the sequence holds nothing else yet."""
+        if req.pages and req.num_computed_tokens == req.num_registered_pages * self.page_size:
+            # Matched pages only (nothing computed yet): give the references back.
+            self.allocator.free(req.pages)
+            req.pages = []
+            req.num_computed_tokens = req.num_scheduled_tokens = 0
+            req.num_registered_pages = 0
+
+    def register(self, req: Request) -> None:
+        """Enter the sequence's newly full, computed pages into the cache."""
+        if not self.enabled:
+            return
+        full = req.num_computed_tokens // self.page_size
+        if full <= req.num_registered_pages:
+            return
+        hashes = self._full_page_hashes(req, full * self.page_size)
+        for i in range(req.num_registered_pages, full):
+            self.allocator.register(req.pages[i], hashes[i])
+        req.num_registered_pages = full
+
+    def _full_page_hashes(self, req: Request, num_tokens: int) -> list[bytes]:
+        """Chained hashes of the full pages among the first `num_tokens` tokens (memoised)."""
+        ps = self.page_size
+        have = len(req.page_hashes)
+        want = num_tokens // ps
+        if want > have:
+            parent = req.page_hashes[-1] if have else b""
+            req.page_hashes.extend(hash_pages(req.all_token_ids[have * ps: want * ps], ps, parent))
+        return req.page_hashes[:want]
