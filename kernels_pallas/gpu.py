@@ -4,7 +4,7 @@ Backend: Mosaic GPU (``plgpu.kernel``), JAX's recommended GPU backend, not the d
 Triton backend. It can serve this op: TMA copies take dynamic page ids read from the block
 table (the paged gather is one dense ``[page_size, D]`` TMA box per page and K/V), WGMMA runs
 both matmuls from SMEM, and the kernel lowers without a GPU, so CI checks the device code
-path too (tests/test_attention_kernels.py). Its limits shape the design: it needs sm_90+
+path too (tests/kernels/test_attention_kernels.py). Its limits shape the design: it needs sm_90+
 (TMA, WGMMA; the selector falls back to the reference elsewhere); WGMMA tiles are 64 rows;
 a register operand (p in ``p @ v``) must be 16-bit and the tf32 mode allows no operand
 transpose (``q @ k^T`` needs one) -- so float32 pages are TMA'd as they are and rounded to

@@ -183,9 +183,9 @@ def main() -> int:
     apply_runtime(RuntimeConfig.from_env())
     tmp = None
     if args.model == "tiny":
-        sys.path.insert(0, str(ROOT / "tests"))
-        from engine_fixtures import VOCAB, tiny_model
-        from hf_models import save_tiny_tokenizer
+        sys.path.insert(0, str(ROOT / "tests"))  # its support package
+        from support.engine_fixtures import VOCAB, tiny_model
+        from support.hf_models import save_tiny_tokenizer
 
         from jaxserve.models.hf_loader import save_hf_dir
 

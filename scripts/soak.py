@@ -15,7 +15,7 @@ and short deadlines, bad requests), each labelled with its outcome; RSS and fds 
 request and no KV page -> a final snapshot -> `checks`: no unexpected outcome (no 5xx, no
 UNKNOWN / INTERNAL / UNAVAILABLE, bad requests refused), 0 KV pages, 0 running / waiting,
 health SERVING -> summary table (+ JSON with --json); SIGTERM, and the exit code is checked.
-Exit status 0 when every check passed. `tests/test_soak.py` runs a short version through
+Exit status 0 when every check passed. `tests/scripts/test_soak.py` runs a short version through
 `soak(SoakConfig(...))`.
 """
 
@@ -130,10 +130,10 @@ class ServeProcess:
 
 
 def tiny_model_dir(out: pathlib.Path) -> str:
-    """The tests' tiny random-weight model (tests/engine_fixtures.py) saved as an HF folder."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from engine_fixtures import VOCAB, tiny_model
-    from hf_models import save_tiny_tokenizer
+    """The tests' tiny random-weight model (tests/support/engine_fixtures.py) saved as an HF folder."""
+    sys.path.insert(0, str(ROOT / "tests"))  # its support package
+    from support.engine_fixtures import VOCAB, tiny_model
+    from support.hf_models import save_tiny_tokenizer
 
     from jaxserve.models.hf_loader import save_hf_dir
 

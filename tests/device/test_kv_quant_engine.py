@@ -94,6 +94,7 @@ def test_int8_engine_agrees_with_the_float_model(impl: str) -> None:
     assert agree / total >= 0.85, (agree, total)
 
 
+@pytest.mark.timeout(960)  # past the worker's own 900 s subprocess limit
 def test_int8_cache_under_tensor_parallelism() -> None:
     res = run_device_worker("kv_quant_tp_worker.py")
     tp1, tp2 = res["tp1"], res["tp2"]

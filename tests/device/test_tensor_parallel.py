@@ -1,6 +1,6 @@
 """Tensor parallelism on 8 virtual CPU devices: TP 2 / 4 / 8 against TP 1 (the oracle).
 
-The engines run in a subprocess (`tests/tp_worker.py`) because the device count is fixed when
+The engines run in a subprocess (`tests/support/workers/tp_worker.py`) because the device count is fixed when
 jax starts. Checked, for a model whose KV heads divide every TP size (8), one whose do not (2:
 replicated) and one with a vocabulary no TP size divides (211: replicated embeddings):
 greedy tokens identical to TP 1; top-5 logprobs and top-3 prompt logprobs (the prompt logprobs
@@ -27,6 +27,11 @@ import pytest
 from support.engine_fixtures import run_device_worker
 from support.numerics import decoder_reduction_lengths, logprob_tolerance
 from support.workers.tp_worker import DEFAULT_ROWS, MODELS
+
+# The module's fixture runs a subprocess worker with its own 900 s limit; its first test
+# (which builds the fixture) may take that long, and the limit lies past it so that the
+# worker's TimeoutExpired, with its stderr, is what reports a hang.
+pytestmark = pytest.mark.timeout(960)
 
 L, HIDDEN = 2, 64  # tp_worker's tiny models
 

@@ -200,6 +200,7 @@ _WORKER_MODEL_SUMS = decoder_reduction_lengths(
     vocab_size=256, context_len=256)
 
 
+@pytest.mark.timeout(960)  # past the worker's own 900 s subprocess limit
 def test_under_tensor_parallelism_on_8_virtual_devices() -> None:
     """The kernel inside shard_map on 8 devices equals the unsharded reference; an engine at
     TP 4 (one KV head per device) running it gives TP 1 reference's greedy tokens exactly and

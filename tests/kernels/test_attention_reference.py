@@ -195,7 +195,7 @@ def test_option_checks() -> None:
 
 
 def test_select_impl() -> None:
-    # CPU: the C++ kernel where it builds (tests/test_attention_cpu.py), else the reference.
+    # CPU: the C++ kernel where it builds (tests/kernels/test_attention_cpu.py), else the reference.
     assert select_impl("auto", "cpu") in ("cpu", "reference")
     assert select_impl("auto", "tpu") == "pallas_tpu"
     assert select_impl("auto", "gpu") == "pallas_gpu"

@@ -1,6 +1,6 @@
 """compressed-tensors checkpoints (FP8 / INT8, channel or tensor scales) load as they are stored.
 
-Oracles: the q and scale `tests/compressed_ckpt.py` wrote (quantized there with numpy, pack-
+Oracles: the q and scale `tests/support/compressed_ckpt.py` wrote (quantized there with numpy, pack-
 quantized int32s built arithmetically), and the float checkpoint of the dequantized weights
 (q * scale in f32) loaded by the float path, whose logits the quantized model must give within
 f32 rounding (the quantized matmul scales after the dot). Malformed configs and tensors are a
@@ -30,6 +30,11 @@ from jaxserve.models.hf_loader import read_hf_tensors, with_quantized_views  # n
 from jaxserve.models.quant import QuantizedWeight, WeightQuant, quantize_weight  # noqa: E402
 from jaxserve.models.safetensors_io import (CheckpointError, read_safetensors,  # noqa: E402
                                             write_safetensors)
+
+# The module's fixture runs a subprocess worker with its own 900 s limit; its first test
+# (which builds the fixture) may take that long, and the limit lies past it so that the
+# worker's TimeoutExpired, with its stderr, is what reports a hang.
+pytestmark = pytest.mark.timeout(960)
 
 TOKENS = np.array([[5, 17, 99, 3, 42, 8, 150, 7]], np.int32)
 HF_NAMES = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",

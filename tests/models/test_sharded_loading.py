@@ -1,6 +1,6 @@
 """Weights load straight into their tensor-parallel shardings, each device reading its slice.
 
-In a subprocess with 8 virtual devices (`tests/sharded_load_worker.py`; the device count is
+In a subprocess with 8 virtual devices (`tests/support/workers/sharded_load_worker.py`; the device count is
 fixed when jax starts): tiny models saved as HF safetensors, Orbax and GGUF (mixed quant types),
 one with KV heads that TP 4 must replicate, loaded with `load_model(path, mesh=..., quant=none)` (float: the per-device reads) at TP 2 / 4.
 Checked: every leaf equals the reference path (`place_params(load_model(path).params)`) exactly,
@@ -24,6 +24,11 @@ from support.engine_fixtures import run_device_worker
 from jaxserve.models import gguf_tensor
 from jaxserve.models.gguf_loader import open_gguf, read_gguf
 from jaxserve.models.host_arrays import LazyLeaf, RepeatedHeads
+
+# The module's fixture runs a subprocess worker with its own 900 s limit; its first test
+# (which builds the fixture) may take that long, and the limit lies past it so that the
+# worker's TimeoutExpired, with its stderr, is what reports a hang.
+pytestmark = pytest.mark.timeout(960)
 
 
 @pytest.fixture(scope="module")

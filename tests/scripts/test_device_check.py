@@ -10,9 +10,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.timeout(960)  # past the worker's own 900 s subprocess limit
 def test_device_check_dry_run(tmp_path: pathlib.Path) -> None:
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "device_check.sh"), "--dry-run"],

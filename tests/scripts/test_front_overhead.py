@@ -29,6 +29,7 @@ def test_help_lists_the_knobs() -> None:
         assert flag in out
 
 
+@pytest.mark.timeout(960)  # past the worker's own 900 s subprocess limit
 @pytest.mark.slow
 def test_front_overhead_smoke(tmp_path) -> None:  # noqa: ANN001
     out_json = tmp_path / "fo.json"

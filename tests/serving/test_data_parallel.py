@@ -2,7 +2,7 @@
 CPU devices against TP 1 (the oracle).
 
 Router and facades run on fake engines (ArithmeticRunner: arithmetic outputs, no jax). The
-model runs are in a subprocess (`tests/dp_worker.py`) because the device count is fixed when
+model runs are in a subprocess (`tests/support/workers/dp_worker.py`) because the device count is fixed when
 jax starts: DP 2 x TP 2 and DP 2 x TP 1, for a model whose KV heads divide TP and one whose do
 not, give the TP 1 greedy tokens and top-5 logprobs within 1e-5 relative, compile nothing
 after warmup on any replica, hold each replica's weights and pages on its own devices only,
@@ -31,6 +31,11 @@ from jaxserve.serving.async_engine import AsyncEngine, QueueFull
 from jaxserve.serving.async_replica_pool import AsyncReplicaPool
 from jaxserve.serving.replica_pool import ReplicaPool
 from jaxserve.serving.router import ReplicaRouter, make_router
+
+# The module's fixture runs a subprocess worker with its own 900 s limit; its first test
+# (which builds the fixture) may take that long, and the limit lies past it so that the
+# worker's TimeoutExpired, with its stderr, is what reports a hang.
+pytestmark = pytest.mark.timeout(960)
 
 VOCAB = 211  # engine_fixtures.VOCAB, which fake_engine's plan uses
 

@@ -1,5 +1,5 @@
 """Writes small compressed-tensors checkpoints (the format llm-compressor saves and vLLM serves)
-from a float HF directory, for tests/test_compressed_tensors.py and the TP worker.
+from a float HF directory, for tests/models/test_compressed_tensors.py and the TP worker.
 
 Independent of the loader: the values are quantized here with numpy (fp8 by ml_dtypes' cast,
 int8 by rounding), pack-quantized int32s are built arithmetically (q + 128 shifted by 8 j), and

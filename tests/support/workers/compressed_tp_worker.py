@@ -1,6 +1,6 @@
 """Runs in a subprocess with 8 virtual CPU devices (XLA_FLAGS set by the caller): tiny
 compressed-tensors checkpoints loaded straight onto a TP 2 mesh, printed as one JSON document
-for tests/test_compressed_tensors.py.
+for tests/models/test_compressed_tensors.py.
 
 Per variant: the logits of the TP 2 load against the TP 1 load's, the leaves that differ from
 the TP 1 params placed on the mesh (values, scales and their shardings), every box the loader

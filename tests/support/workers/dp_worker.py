@@ -1,6 +1,6 @@
 """Runs in a subprocess with 8 virtual CPU devices (XLA_FLAGS set by the caller): data-parallel
 replicas, offline and behind the gRPC server, printed as one JSON document for
-tests/test_data_parallel.py.
+tests/serving/test_data_parallel.py.
 
 Offline: for two tiny models (8 KV heads, dividing TP 2; 1 KV head, which TP 2 replicates),
 DP 2 x TP 2 and DP 2 x TP 1 engines (`build_offline_engine` -> ReplicaPool) against TP 1:

@@ -1,4 +1,4 @@
-"""One process of a two-process offline job (tests/test_multihost.py): the README's Python
+"""One process of a two-process offline job (tests/device/test_multihost.py): the README's Python
 recipe. Process 0 generates with `LLM`, idles long enough to announce a few keepalives,
 generates again and prints the tokens as JSON; process 1 follows and prints what it ran.
 

@@ -1,6 +1,6 @@
 """Runs in a subprocess with 8 virtual CPU devices (XLA_FLAGS set by the caller): tiny models
 saved as HF safetensors, jaxserve Orbax and GGUF, loaded straight onto TP 2 / 4 meshes, printed
-as one JSON document for tests/test_sharded_loading.py.
+as one JSON document for tests/models/test_sharded_loading.py.
 
 Per (model, format, tp): whether every leaf equals the reference path
 (`place_params(load_model(path).params)`) exactly and has the same sharding, the bytes of the

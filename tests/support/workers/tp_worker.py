@@ -1,5 +1,5 @@
 """Runs in a subprocess with 8 virtual CPU devices (XLA_FLAGS set by the caller): tiny engines
-at several tensor-parallel sizes, printed as one JSON document for tests/test_tensor_parallel.py.
+at several tensor-parallel sizes, printed as one JSON document for tests/device/test_tensor_parallel.py.
 
 For each model (heads/KV heads) and TP size: greedy tokens, top-5 logprobs and top-3 prompt
 logprobs of 3 prompts, seeded structured-output requests (the 8-KV-head model),
