@@ -163,8 +163,8 @@ class EngineConfig:
     # "xla" keeps XLA's dot; "auto": cpu on a CPU host with float32 weights and no tensor
     # parallelism, else xla.
     dense_impl: str = "auto"
-    # Dense weights: auto | none | int8 | fp8 | int4 (QUANTIZATIONS above; README
-    # "Quantization"). Group size: input rows per scale (None: int8 / fp8 one scale per output
+    # Dense weights: auto | none | int8 | fp8 | int4 (QUANTIZATIONS above;
+    # docs/quantization.md). Group size: input rows per scale (None: int8 / fp8 one scale per output
     # column, int4 the first of 128 / 64 / 32 that divides the layer's input size).
     quantization: str = "auto"
     quantization_group_size: int | None = None

@@ -12,7 +12,7 @@ Sections (--sections, default all three):
            real decode step). Also each variant's first call (its compile; a new S compiles
            the sampler too) and a least-squares fit cpu_ms ~ a + b * T + r * S. The curve
            decides where finer buckets pay.
-  padding  the scheduler over the benchmark workloads (BENCHMARKS.md: 256-token prompts and
+  padding  the scheduler over the benchmark workloads (docs/benchmarks/: 256-token prompts and
            128 new tokens at concurrency 1, 8, 32; 2048-token prompts at concurrency 8; closed
            loop, random prompts, every request to its max_tokens) with the arithmetic fake runner
            and the buckets `sizing.plan_engine` derives for each bucket set; each step's

@@ -9,7 +9,8 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.engine.batch import StepBatch
 
-# (name, prompt tokens, new tokens, concurrency, requests): BENCHMARKS.md's A and C workloads.
+# (name, prompt tokens, new tokens, concurrency, requests): the A and C workloads of
+# docs/benchmarks/earlier-runs.md.
 WORKLOADS = (("A 256/128 c=1", 256, 128, 1, 4), ("A 256/128 c=8", 256, 128, 8, 16),
              ("A 256/128 c=32", 256, 128, 32, 64), ("C 2048/128 c=8", 2048, 128, 8, 16))
 

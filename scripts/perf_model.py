@@ -3,7 +3,7 @@
 
 Plain arithmetic (no jax): what a decode step, a 2k prefill step and the output tokens/s should
 cost on each chip, from the bytes a step moves and the FLOPs it runs, so the first device run
-is judged against a stated expectation (BENCHMARKS.md, "Performance model on paper").
+is judged against a stated expectation (docs/benchmarks/perf-model.md).
 
     step = max(bytes_per_chip / (eta_bw * HBM_BW), flops_per_chip / (eta_flops * peak))
            + all-reduce time (tensor parallelism only) + a fixed per-step overhead
@@ -42,7 +42,8 @@ class Chip:
     hbm_bw: float        # bytes/s per chip (vendor peak)
     bf16_flops: float    # dense (no sparsity) bf16 FLOP/s
     int8_ops: float      # dense int8 OP/s
-    link_bw: float       # bytes/s one way per chip for an all-reduce (ring); see BENCHMARKS
+    link_bw: float       # bytes/s one way per chip for an all-reduce (ring); see
+                         # docs/benchmarks/perf-model.md
     overhead_s: float    # fixed cost per step: dispatch, host gap left after overlap
     source: str
 

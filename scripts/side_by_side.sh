@@ -9,7 +9,7 @@
 # Workloads: A1 / A8 / A32 = 256-token prompts, 128 new tokens at concurrency 1 / 8 / 32;
 # C8 = 2048-token prompts, 128 new tokens at concurrency 8. Results: $OUT/<server>_<w>.json
 # (vLLM's result format) and start-up seconds in $OUT/<server>_startup.txt; then
-# `python scripts/side_by_side_table.py $OUT` prints the table BENCHMARKS.md shows.
+# `python scripts/side_by_side_table.py $OUT` prints the table docs/benchmarks/index.md shows.
 # vLLM-CPU reserves --gpu-memory-utilization of the node's memory (0.92 by default, which
 # fails to start on this 24 GiB machine when anything else holds memory): 0.5 here.
 # Needs vLLM-CPU in its own venv ($VLLM_VENV; set-up in scripts/vllm_cpu_serve.py): its

@@ -47,10 +47,11 @@ class ServerConfig:
     # Tokens per streamed chunk after the first (1: every token as it comes); larger values
     # send fewer messages, cutting per-token host overhead at the cost of coarser streaming.
     stream_interval: int = 1
-    # Connection hygiene (README "Connections and timeouts"). HTTP: a request head must arrive
-    # complete within http_keepalive_timeout seconds of the connection opening or of the
-    # previous response, and an idle keep-alive connection closes after as long; the body
-    # then has http_body_timeout seconds (else 408, connection closed).
+    # Connection hygiene (docs/serving/limits.md, "Connections and timeouts"). HTTP: a
+    # request head must arrive complete within http_keepalive_timeout seconds of the
+    # connection opening or of the previous response, and an idle keep-alive connection
+    # closes after as long; the body then has http_body_timeout seconds (else 408,
+    # connection closed).
     http_keepalive_timeout: float = 20.0
     http_body_timeout: float = 60.0
     # gRPC: a connection with no call for grpc_idle_timeout seconds gets GOAWAY

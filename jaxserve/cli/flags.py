@@ -232,7 +232,7 @@ def sampling_params_from_args(args: argparse.Namespace) -> sampling_params.Sampl
 
 
 def add_distributed_flags(p: argparse.ArgumentParser) -> None:
-    d = p.add_argument_group("several hosts (jax.distributed; see README)")
+    d = p.add_argument_group("several hosts (jax.distributed; see docs/scaling.md)")
     d.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="process 0's address for jax.distributed; every process passes the "
                         "same value")

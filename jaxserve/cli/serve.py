@@ -80,7 +80,7 @@ def add_serve_parser(sub: Any) -> None:
     lo, hi = DEFAULT_CLIENT_PRIORITY_RANGE
     n.add_argument("--client-priority-min", type=int, default=lo,
                    help="lowest priority a caller may set (lower runs first; default "
-                        f"{lo}: callers may only lower their own); see README 'Request limits'")
+                        f"{lo}: callers may only lower their own); see docs/serving/limits.md")
     n.add_argument("--client-priority-max", type=int, default=hi,
                    help=f"highest priority a caller may set (default {hi})")
     n.add_argument("--stream-interval", type=int, default=1,

@@ -10,7 +10,7 @@ limits, each written once here: the Engine runs them for its direct callers, and
 Sizes are bounded before any work that grows with them: a text prompt's UTF-8 size against
 `max_prompt_bytes` (max_model_len times the tokenizer's longest token, so a longer text cannot
 fit) before it is tokenized, a token-id prompt's length against max_model_len before its ids
-are scanned. The README's "Request limits" lists every bound and what a client gets past it.
+are scanned. docs/serving/limits.md lists every bound and what a client gets past it.
 
 Every refusal is an `InvalidRequest` (a ValueError) whose message starts with the name of the
 field it is about, in the offline API's vocabulary (`prompt`, `prompt_token_ids`,

@@ -2,7 +2,7 @@
 
 Plain Python (no jax). The engine owns one `Recovery` and is its only caller.
 
-When a step fails (see `runner.RunnerFailed` and the README's "When a step fails"):
+When a step fails (see `runner.RunnerFailed` and docs/serving/index.md, "When a step fails"):
   per request (the engine carries on): the batch build fails (each scheduled row is then
     built alone to find the culprit rows; none found: every row of the step), the runner
     raises a non-fatal RunnerFailed (its `rows`, else every row), applying a row's result

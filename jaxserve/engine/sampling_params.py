@@ -7,7 +7,7 @@ else is derived from that declaration:
     state them in);
   - the gRPC mapping (`server/proto_map.sampling_from_proto`, `server/client.sampling_to_proto`:
     proto field names equal these names);
-  - the HTTP body parsing (`server/openai_http.parse_completion`: type checks from the
+  - the HTTP body parsing (`server/openai_schema.parse_completion`: type checks from the
     declared type);
   - the CLI flags (`jaxserve.cli.flags.add_sampling_flags`) and the batch job's line keys;
   - a mapping field (`logit_bias`, type `dict` in the registry) is stored as a sorted tuple of

@@ -182,7 +182,7 @@ def test_two_processes_run_a_batch_job(model_dir: pathlib.Path, tmp_path: pathli
 
 @pytest.mark.slow(reason="a third two-process job; the served one runs by default")
 def test_two_processes_offline_llm(model_dir: pathlib.Path) -> None:
-    """The README's Python recipe: LLM on process 0, multihost.follow on process 1, with an
+    """The Python recipe of docs/scaling.md: LLM on process 0, multihost.follow on process 1, with an
     idle spell in between that process 0 bridges with keepalives."""
     coordinator = free_port()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",

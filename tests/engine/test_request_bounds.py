@@ -231,7 +231,7 @@ def test_max_token_bytes_is_the_longest_decoded_token() -> None:
 def test_no_text_covers_more_than_max_token_bytes_per_token(text: str) -> None:
     """The bound admission relies on: bytes <= max_token_bytes * tokens, for any text, not
     counting the bytes the vocabulary cannot spell (which this BPE drops: SmolLM2 lacks 21
-    of the 256 byte tokens, e.g. 0x16; the README states that those still count)."""
+    of the 256 byte tokens, e.g. 0x16; docs/serving/limits.md states that those still count)."""
     tok = gguf_tokenizer()
     try:
         data = text.encode("utf-8")

@@ -62,7 +62,7 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
                         "for HTTP targets, which do not say)")
     w.add_argument("--num-requests", type=parse_int_list, default=(64,),
                    help="measured requests per load point: one value, or one per point of "
-                        "the sweep, e.g. 8,32,64 (default 64)")
+                        "the sweep, e.g. 8,32,64 (default 64; tune: 48)")
     w.add_argument("--warmup", type=int, default=2,
                    help="requests sent first and excluded from the figures (default 2)")
     w.add_argument("--workload-seed", dest="seed", type=int, default=0,

@@ -1,5 +1,5 @@
-"""One process of a two-process offline job (tests/device/test_multihost.py): the README's Python
-recipe. Process 0 generates with `LLM`, idles long enough to announce a few keepalives,
+"""One process of a two-process offline job (tests/device/test_multihost.py): the Python
+recipe of docs/scaling.md. Process 0 generates with `LLM`, idles long enough to announce a few keepalives,
 generates again and prints the tokens as JSON; process 1 follows and prints what it ran.
 
 usage: multihost_llm_worker.py RANK COORDINATOR MODEL_DIR   (2 virtual CPU devices each)
