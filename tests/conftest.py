@@ -110,7 +110,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             why = f" ({slow.kwargs['reason']})" if "reason" in slow.kwargs else ""
             item.add_marker(pytest.mark.skip(
                 reason=f"slow test{why}: set JAXSERVE_RUN_SLOW=1 to run it"))
-        if "device" in item.keywords:
+        # The marker, not `item.keywords`: keywords hold the names of the test's folders too,
+        # and every test in tests/device/ would be taken for a device-only one.
+        if item.get_closest_marker("device") is not None:
             if has_device is None:
                 has_device = _has_accelerator()
             if not has_device:

@@ -183,7 +183,10 @@ def test_no_compiler_falls_back_to_the_reference_with_one_warning(tmp_path, monk
                                                  impl="cpu")
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
             np.testing.assert_array_equal(np.asarray(got_pages), np.asarray(pages))
-        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        # cpu_build's records only: an engine of an earlier module whose compile guard is still
+        # registered logs "XLA compile after warmup" for this test's eager ops.
+        warnings = [r for r in caplog.records
+                    if r.levelno == logging.WARNING and r.name == cpu_build.__name__]
         assert len(warnings) == 1, [r.getMessage() for r in warnings]
         msg = warnings[0].getMessage()
         assert "using the jnp reference" in msg and "/nonexistent/c++" in msg
