@@ -43,7 +43,7 @@ ENV_VARS = {
     "JAXSERVE_TEST_XLA_CACHE": "the test session's XLA compilation cache directory (default: "
         "a fresh temporary one; a lasting directory reuses compiles across runs; empty: "
         "none).",
-    "JAXSERVE_ARGS": "`scripts/side_by_side.sh`: extra `jaxserve serve` flags.",
+    "JAXSERVE_ARGS": "`scripts/peer/side_by_side.sh`: extra `jaxserve serve` flags.",
 }
 ENV_SCAN = ("jaxserve", "models", "server", "kernels_pallas", "scripts", "tests")
 

@@ -335,7 +335,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`scripts/batch_generate.py IN OUT ...`: the same command as `jaxserve batch`."""
+    """The batch command on its own (`main([IN, OUT, ...])`): the same flags as `jaxserve batch`."""
     from jaxserve.config import RuntimeConfig, apply_runtime
 
     p = argparse.ArgumentParser(prog="batch_generate", description=__doc__,

@@ -85,10 +85,13 @@ def sample_step(logits: jax.Array, st: SamplingTensors, apply_penalty: bool, fee
     return out, jnp.pad(out.tokens, (0, feed_len - out.tokens.shape[0]))  # a pad, no scatter
 
 
-_forward_jit = jax.jit(forward_step, static_argnames=("cfg", "attn_impl", "mesh"),
-                       donate_argnames=("kv_pages",))
-_sample_jit = jax.jit(sample_step, static_argnames=("apply_penalty", "feed_len"))
-_prompt_logprobs_jit = jax.jit(prompt_logprobs, static_argnames=("cfg",))
+# The jitted step functions the runner compiles and runs, one executable per bucket /
+# variant; public so that the export tests and the benchmarks (scripts/bench/bench_sampler.py,
+# ...) lower and time exactly what the engine runs.
+forward_jit = jax.jit(forward_step, static_argnames=("cfg", "attn_impl", "mesh"),
+                      donate_argnames=("kv_pages",))
+sample_jit = jax.jit(sample_step, static_argnames=("apply_penalty", "feed_len"))
+prompt_logprobs_jit = jax.jit(prompt_logprobs, static_argnames=("cfg",))
 
 
 StepTree = tuple[StepInputs, SamplingTensors, PromptLogprobsInputs | None]
@@ -243,8 +246,8 @@ class ModelRunner:
         batch would compile the same, but costs a full forward per bucket at start-up (seconds
         each for the large token buckets on a CPU)."""
         inputs, sampling, plp = self._place(batch)
-        fwd = _forward_jit.lower(self.params, self.kv_pages, inputs, self._feed,
-                                 cfg=self.model_cfg, attn_impl=self.attn_impl, mesh=self.mesh)
+        fwd = forward_jit.lower(self.params, self.kv_pages, inputs, self._feed,
+                                cfg=self.model_cfg, attn_impl=self.attn_impl, mesh=self.mesh)
         compiled = fwd.compile()
         # The forward's outputs as the sampler will receive them: placed by the mesh under
         # tensor parallelism, else uncommitted like everything else on one device (a
@@ -253,10 +256,10 @@ class ModelRunner:
             lambda info, sharding: jax.ShapeDtypeStruct(
                 info.shape, info.dtype, sharding=None if self.mesh is None else sharding),
             fwd.out_info, compiled.output_shardings)
-        _sample_jit.lower(logits, sampling, apply_penalty=batch.history.shape[1] > 0,
-                          feed_len=self.feed_len).compile()
+        sample_jit.lower(logits, sampling, apply_penalty=batch.history.shape[1] > 0,
+                         feed_len=self.feed_len).compile()
         if plp is not None:
-            _prompt_logprobs_jit.lower(self.params, hidden, plp, cfg=self.model_cfg).compile()
+            prompt_logprobs_jit.lower(self.params, hidden, plp, cfg=self.model_cfg).compile()
 
     def arm(self) -> None:
         self.guard.arm()
@@ -276,11 +279,11 @@ class ModelRunner:
         except Exception as e:  # noqa: BLE001 - classified for the engine
             raise self._failed("placing the step's inputs on the device", e) from e
         try:
-            self.kv_pages, logits, hidden = _forward_jit(
+            self.kv_pages, logits, hidden = forward_jit(
                 self.params, self.kv_pages, inputs, self._feed, cfg=self.model_cfg,
                 attn_impl=self.attn_impl, mesh=self.mesh)
-            scored = None if plp is None else _prompt_logprobs_jit(self.params, hidden, plp,
-                                                                   cfg=self.model_cfg)
+            scored = None if plp is None else prompt_logprobs_jit(self.params, hidden, plp,
+                                                                  cfg=self.model_cfg)
         except Exception as e:  # noqa: BLE001 - classified for the engine
             raise self._failed("the compiled step", e) from e
         if late_mask is not None:
@@ -290,8 +293,8 @@ class ModelRunner:
             except Exception as e:  # noqa: BLE001 - classified for the engine
                 raise self._failed("placing the step's grammar mask", e) from e
         try:
-            out, feed = _sample_jit(logits, sampling, apply_penalty=batch.history.shape[1] > 0,
-                                    feed_len=self.feed_len)
+            out, feed = sample_jit(logits, sampling, apply_penalty=batch.history.shape[1] > 0,
+                                   feed_len=self.feed_len)
         except Exception as e:  # noqa: BLE001 - classified for the engine
             raise self._failed("the compiled step", e) from e
         # Committed to the inputs' placement: the forward is compiled for that one sharding

@@ -116,7 +116,7 @@ def _masked_word_max_rows(words: jax.Array, st: SamplingTensors) -> jax.Array:
     """`_masked_word_max` 16 rows at a time: XLA:CPU writes the masked words out before its
     reduction, and at 256 rows of a 49k vocabulary that 50 MB pass cost 45 ms against 11 ms
     in cache-sized pieces (a scratch timing of this reduction alone; the whole masked
-    sampler: `scripts/bench_sampler.py`)."""
+    sampler: `scripts/bench/bench_sampler.py`)."""
     S, W, _ = words.shape
     if S <= ROW_CHUNK or S % ROW_CHUNK:
         return _masked_word_max(words, st)

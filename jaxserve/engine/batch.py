@@ -83,7 +83,7 @@ def default_buckets(limit: int, smallest: int) -> tuple[int, ...]:
 
 # Default token buckets (`default_token_buckets`): powers of two up to 8, then steps of
 # max(8, 1/STEPS_PER_OCTAVE of the octave): 8, 16, 24, ..., 64, 80, ..., 128, 160, ..., 256,
-# 320, ... Why (scripts/bench_buckets.py and docs/benchmarks/index.md "Buckets", bundled model
+# 320, ... Why (scripts/bench/bench_buckets.py and docs/benchmarks/index.md "Buckets", bundled model
 # on a 2-core CPU):
 # a step's cost is about a + b*T + r*S (T tokens, S sequence rows) with a fixed part a (the
 # weights are read whatever T is) worth ~70 tokens, so below 64 tokens the next multiple of

@@ -10,7 +10,7 @@ all build their engines here. Data flow of `build_engines(config)`:
     smallest over processes under `jax.distributed`)
   -> `_make_runner`: `sizing.plan_engine` (pages, buckets) and the ModelRunner (KV pages on
     device) -> `Engine(config, plan, runner, tokenizer, eos ids)`
-  -> `_warm_up`: compile every bucket of every replica, then arm every compile guard.
+  -> `warm_up`: compile every bucket of every replica, then arm every compile guard.
 `build_served` adds what callers are told about the model (its name and format). Engines then
 run either in lockstep for offline use (`build_offline_engine`: one Engine, or a
 `ReplicaPool` over the replicas) or each on its own loop thread for the servers
@@ -87,7 +87,7 @@ def build_engine(config: EngineConfig, model: LoadedModel | None = None,
     engine = Engine(config, plan, _with_faults(config, runner), placed.model.tokenizer,
                     placed.model.config.eos_token_ids)
     if warmup:
-        _warm_up([engine], progress)
+        warm_up([engine], progress)
     return engine
 
 
@@ -132,7 +132,7 @@ def build_engines(config: EngineConfig, model: LoadedModel | None = None,
         engines.append(Engine(config, plan, _with_faults(config, runner), p.model.tokenizer,
                               p.model.config.eos_token_ids))
     if warmup:
-        _warm_up(engines, progress)
+        warm_up(engines, progress)
     return engines
 
 
@@ -257,9 +257,11 @@ def _with_faults(config: EngineConfig, runner: Runner) -> Runner:
         config.fault_injection_token, name_rows=True, times=None, at_start=True))
 
 
-def _warm_up(engines: list[Engine], progress: bool) -> None:
+def warm_up(engines: list[Engine], progress: bool = True) -> None:
     """Compile every engine's buckets, then arm every compile guard; on failure release the
-    runners (several hosts: the other processes stop following)."""
+    runners (several hosts: the other processes stop following). What `build_engine(s)` run
+    unless `warmup=False`; a caller that built without it (to time warmup apart, as
+    scripts/bench/bench_buckets.py does) runs it here."""
     try:
         for i, eng in enumerate(engines):
             if len(engines) > 1:

@@ -11,7 +11,7 @@ import re
 import pytest
 from support.engine_fixtures import VOCAB, tiny_engine, tiny_model
 from support.hf_models import save_tiny_tokenizer
-from test_batch_job import read_jsonl, write_jsonl
+from support.jsonl import read_jsonl, write_jsonl
 
 from jaxserve import SamplingParams, cli
 from jaxserve.cli.prompt_logprobs import format_prompt_logprobs

@@ -1,7 +1,7 @@
 """Compiled bucket sets: the default token / seqs buckets, bucket selection, user overrides.
 
 No jax runs here (the compile-count check only reads `ModelRunner.buckets()` off a plan). The
-padding bound uses the step cost model measured by scripts/bench_buckets.py on the bundled
+padding bound uses the step cost model measured by scripts/bench/bench_buckets.py on the bundled
 model (2-core CPU, CPU ms of an all-padding step, least squares over T = 2..512): a step of T
 tokens in S sequences costs about A + B * T + R * S, the fixed part A being the weights read
 once whatever T is. Padding share of a step = (cost(bucket) - cost(step)) / cost(bucket).

@@ -241,7 +241,7 @@ def test_sampler_with_logit_bias_lowers_for_tpu_and_cuda(platform: str, penaltie
     """The serving sampler executable (model_runner's, with its grammar bitmask) at both bias
     widths a step can have, lowered without a device: catches ops a backend cannot take, and shows that a step with no
     biased row (width 0) has no bias scatter in it at all."""
-    from jaxserve.device.model_runner import _sample_jit  # noqa: PLC2701 - the shipped jit
+    from jaxserve.device.model_runner import sample_jit  # the shipped jit
     from jaxserve.engine.batch import bias_width
     from jaxserve.engine.sampling_params import DEVICE_FIELDS
 
@@ -256,7 +256,7 @@ def test_sampler_with_logit_bias_lowers_for_tpu_and_cuda(platform: str, penaltie
                                      spec((S, P), "bool"), spec((S, B), "int32"),
                                      spec((S, B), "float32"), spec((S, Vb // 32), "int32"),
                                      spec((S,), "bool"))
-        text = _sample_jit.trace(spec((S, Vb), "float32"), st, apply_penalty=penalties,
+        text = sample_jit.trace(spec((S, Vb), "float32"), st, apply_penalty=penalties,
                                  feed_len=S).lower(lowering_platforms=(platform,)).as_text()
         return len(re.findall(r'"?stablehlo\.scatter"?\(', text))
 

@@ -8,17 +8,16 @@ import numpy as np
 import pytest
 from support.cached_generate import generate
 
-from jaxserve.models import llama
+from jaxserve.models import llama, tiny
 from jaxserve.models.config import ModelConfig
 
 
 def tiny_config(**overrides: object) -> ModelConfig:
-    base = dict(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64,
-                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5,
-                rope_theta=10000.0, max_position_embeddings=128, tie_word_embeddings=False,
-                attention_bias=False, qk_norm=False)
-    base.update(overrides)
-    return ModelConfig(**base)  # type: ignore[arg-type]
+    """The test model's shape (`tiny.TEST_SHAPE`) with a smaller vocabulary and context and no
+    special token ids."""
+    return tiny.tiny_config(**(tiny.TEST_SHAPE | {
+        "vocab_size": 97, "max_position_embeddings": 128, "bos_token_id": None,
+        "eos_token_ids": ()} | overrides))
 
 
 def rollout(params: llama.LlamaParams, cfg: ModelConfig, prompt: list[int], n: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""The device run rehearsed on CPU: `scripts/device_check.sh --dry-run` runs every phase
+"""The device run rehearsed on CPU: `scripts/device/device_check.sh --dry-run` runs every phase
 (versions, kernel tests, kernels checked against the reference then timed, the whole engine
 through LLM.generate, the summary) at CPU size, so the script a lent GPU runs cannot rot."""
 
@@ -18,8 +18,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(960)  # past the worker's own 900 s subprocess limit
 def test_device_check_dry_run(tmp_path: pathlib.Path) -> None:
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "device_check.sh"), "--dry-run"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    script = ROOT / "scripts" / "device" / "device_check.sh"
+    proc = subprocess.run(["bash", str(script), "--dry-run"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     summary = (tmp_path / "summary.txt").read_text()

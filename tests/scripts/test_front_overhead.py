@@ -1,4 +1,4 @@
-"""scripts/front_overhead.py end to end at tiny sizes: one `jaxserve serve` subprocess, every
+"""scripts/bench/front_overhead.py end to end at tiny sizes: one `jaxserve serve` subprocess, every
 front driven in two rounds, the engine's metrics scraped per phase.
 
 Oracles: the workload itself (requests asked for = requests the engine's metrics counted in
@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "front_overhead.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bench" / "front_overhead.py"
 
 
 def test_help_lists_the_knobs() -> None:

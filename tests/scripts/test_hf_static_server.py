@@ -1,4 +1,4 @@
-"""scripts/hf_static_server.py as a real subprocess on a free port: three concurrent streaming
+"""scripts/peer/hf_static_server.py as a real subprocess on a free port: three concurrent streaming
 greedy requests share one static batch (different prompt lengths: left padding; different
 max_tokens: members finish at different steps), and each stream must carry exactly what
 transformers' own `generate` produces for that prompt alone."""
@@ -16,7 +16,7 @@ import threading
 import aiohttp
 from support.hf_models import build_hf_model, save_tiny_tokenizer
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "hf_static_server.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "peer" / "hf_static_server.py"
 READY_TIMEOUT_S = 120.0
 
 

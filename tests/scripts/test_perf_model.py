@@ -1,5 +1,6 @@
-"""scripts/perf_model.py, the roofline model behind BENCHMARKS.md's "Performance model on
-paper": its arithmetic against figures worked out by hand for Llama-3-8B (no jax, no compile).
+"""The roofline model behind docs/benchmarks/perf-model.md (`jaxserve.cli.bench.perf_model`,
+printed by scripts/bench/perf_model.py): its arithmetic against figures worked out by hand for
+Llama-3-8B (no jax, no compile).
 
 The hand figures come from the published shape (hidden 4096, intermediate 14336, 32 layers,
 32 query / 8 KV heads of 128, vocabulary 128256, untied head), not from the model's code: the
@@ -9,15 +10,11 @@ parameter count is Meta's 8,030,261,248.
 from __future__ import annotations
 
 import math
-import pathlib
-import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "scripts"))
-import perf_model as pm  # noqa: E402
-
-from jaxserve.models import shapes  # noqa: E402
+from jaxserve.cli.bench import perf_model as pm
+from jaxserve.models import shapes
 
 CFG = shapes.llama3_8b()
 A = pm.Assumptions()

@@ -1,5 +1,5 @@
-"""A short soak of `jaxserve serve` (scripts/soak.py, imported): a few hundred mixed requests
-against a real server process, then nothing may be left behind.
+"""A short soak of `jaxserve serve` (`jaxserve.cli.bench.soak`, what scripts/soak/soak.py runs):
+a few hundred mixed requests against a real server process, then nothing may be left behind.
 
 The load: gRPC streams and whole answers, HTTP completions and streams, n > 1, logprobs, ~20%
 cancelled calls and short deadlines / client timeouts, bad requests, and requests that fail
@@ -9,38 +9,41 @@ outcome against its kind's expected outcomes (bad requests refused with INVALID_
 no 5xx / UNKNOWN / INTERNAL / UNAVAILABLE outside the fault kinds, which get exactly INTERNAL /
 500 / a stream error event, normal finishes within max_tokens), and the server's
 own gauges read from /metrics once it is idle: 0 KV pages held, 0 running, 0 waiting, health
-SERVING, a clean exit on SIGTERM. `scripts/soak.py` runs the long version.
+SERVING, a clean exit on SIGTERM. `scripts/soak/soak.py` runs the long version.
 """
 
 from __future__ import annotations
 
 import collections
 import os
-import pathlib
-import sys
 
 import pytest
+from support.tiers import run_slow
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "scripts"))
-import soak  # noqa: E402
-from soak_kinds import FAULT_KINDS, KINDS  # noqa: E402
+from jaxserve.cli.bench import soak
+from jaxserve.cli.bench.soak_kinds import FAULT_KINDS, KINDS
 
 FAULT_TOKEN = 2  # the tiny model's EOS id: no normal soak prompt starts with it
 BAD_LABELS = ("http:5", "grpc:UNKNOWN", "grpc:INTERNAL", "grpc:UNAVAILABLE", "error:",
               "client_hang")
 
 
+# 150 requests in the default tier (~30 cancelled, every kind several times over), 300 in the
+# slow tier. The server compiles into the session's XLA cache (conftest), like every process
+# the tests start.
+REQUESTS = 300 if run_slow() else 150
+
+
 @pytest.fixture(scope="module")
-def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    cache = tmp_path_factory.mktemp("xla-cache")
-    env = {**os.environ, "JAXSERVE_COMPILATION_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1"}
-    cfg = soak.SoakConfig(requests=300, concurrency=8, max_tokens=8, seed=1, progress=False,
-                          fault_token=FAULT_TOKEN)
+def result() -> dict:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cfg = soak.SoakConfig(requests=REQUESTS, concurrency=8, max_tokens=8, seed=1,
+                          progress=False, fault_token=FAULT_TOKEN)
     return soak.soak(cfg, env)
 
 
 def test_every_request_got_an_expected_outcome(result: dict) -> None:
-    assert result["requests"] == 300
+    assert result["requests"] == REQUESTS
     assert result["unexpected"] == []
     normal = {name: c for name, c in result["outcomes"].items() if name not in FAULT_KINDS}
     bad = [(name, lb) for name, c in normal.items() for lb in c if lb.startswith(BAD_LABELS)]

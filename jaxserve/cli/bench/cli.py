@@ -4,8 +4,7 @@ Data flow: argv -> WorkloadSpec + LoadSpecs (+ EngineConfig from the engine flag
 server is launched in-process) -> asyncio: open the target (`--target grpc://...` or
 `http://...` with `--endpoint completions|chat`, else an in-process jaxserve server over the
 loaded model) -> `sweep.run_sweep` / `scenario.run_chunked_prefill` / `tune.tune` -> a table
-on stdout, JSON (`--output-json`) and PNG plots (`--plot-prefix`). `scripts/bench_serving.py`
-is this same command.
+on stdout, JSON (`--output-json`) and PNG plots (`--plot-prefix`).
 """
 
 from __future__ import annotations

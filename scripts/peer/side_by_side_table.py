@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""The side-by-side table from `scripts/side_by_side.sh`'s results (vLLM's `bench serve` JSON):
+"""The side-by-side table from `scripts/peer/side_by_side.sh`'s results (vLLM's `bench serve` JSON):
 per workload and server, output tokens/s, TTFT p50 / p99, ITL p50 / p99, TPOT p50 (ms), and
 jaxserve / vLLM ratios. Prints Markdown; --json writes the rows.
 
-    python scripts/side_by_side_table.py side_by_side [--json table.json]
+    python scripts/peer/side_by_side_table.py side_by_side [--json table.json]
 """
 
 from __future__ import annotations

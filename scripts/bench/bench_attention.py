@@ -6,11 +6,11 @@ Per mix: milliseconds per call (median), achieved GB/s (K/V read over each seque
 causal query-key pair), and -- with --measure-ceilings -- their ratio to this device's
 measured HBM copy bandwidth and bf16 matmul throughput. Writes everything to --json.
 
-    python scripts/bench_attention.py                          # small CPU-sized mixes, reference
-    python scripts/bench_attention.py --size full --impl pallas_gpu --dtype bfloat16 \\
-        --measure-ceilings --json out.json                     # full size: 64 x 2048, 4 x 2048
-    python scripts/bench_attention.py --size cpu --impl reference cpu --dtype float32 \\
-        --num-q-heads 9 --num-kv-heads 3 --head-dim 64         # SmolLM2-135M's heads on CPU
+    python scripts/bench/bench_attention.py                    # small CPU-sized mixes, reference
+    python scripts/bench/bench_attention.py --size full --impl pallas_gpu --dtype bfloat16 \\
+        --measure-ceilings --json out.json               # full size: 64 x 2048, 4 x 2048
+    python scripts/bench/bench_attention.py --size cpu --impl reference cpu --dtype float32 \\
+        --num-q-heads 9 --num-kv-heads 3 --head-dim 64   # SmolLM2-135M's heads on CPU
 """
 
 from __future__ import annotations

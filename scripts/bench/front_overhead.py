@@ -28,8 +28,8 @@ prompts are longer by the template's tokens; the tables show each front's prompt
 Client and server share this machine's cores: on a small machine the client's own parsing
 competes with the server, and the figures say so only relative to gRPC, measured alike.
 
-    python scripts/front_overhead.py --json front_overhead.json
-    python scripts/front_overhead.py --model bundled --output-len fixed:64
+    python scripts/bench/front_overhead.py --json front_overhead.json
+    python scripts/bench/front_overhead.py --model bundled --output-len fixed:64
 """
 
 from __future__ import annotations
@@ -44,10 +44,9 @@ import tempfile
 import time
 
 import aiohttp
+# Its sibling in scripts/bench/: Python puts a script's own folder first on sys.path.
+from front_overhead_server import Ports, free_port, serve
 from tqdm.auto import tqdm
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from front_overhead_server import Ports, free_port, serve  # noqa: E402
 
 from jaxserve.cli.bench.load import LoadSpec, run_load
 from jaxserve.cli.bench.report import RequestRecord, summarize

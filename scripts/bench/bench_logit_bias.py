@@ -15,7 +15,7 @@ as the best of --runs after a compile run:
 Numbers on a CPU are not GPU numbers; the trend (what a bias-free step still pays) is the
 point.
 
-    python scripts/bench_logit_bias.py --seqs 8,64,256 --vocab 49152 --json bias.json
+    python scripts/bench/bench_logit_bias.py --seqs 8,64,256 --vocab 49152 --json bias.json
 """
 
 from __future__ import annotations
@@ -29,24 +29,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.device.model_runner import ModelRunner, _sample_jit, place_inputs, to_step_inputs
-from jaxserve.engine.batch import BatchShape, build_batch
+from jaxserve.device.model_runner import ModelRunner, place_inputs, sample_jit, to_step_inputs
+from jaxserve.engine.batch import BatchShape, bitmask_words, build_batch
 from jaxserve.engine.request import Request
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from jaxserve.models import llama
-from jaxserve.models.config import ModelConfig
+from jaxserve.models.tiny import tiny_config
 
 CONTEXT, PAGE = 16, 16
 PAGES_PER_SEQ = 2  # CONTEXT + 1 tokens
-
-
-def model_config(vocab: int) -> ModelConfig:
-    return ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=64,
-                       intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                       head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-                       max_position_embeddings=512, tie_word_embeddings=False,
-                       attention_bias=False, qk_norm=False, bos_token_id=1, eos_token_ids=(2,))
 
 
 def decode_step(S: int, biased_rows: int, vocab: int) -> SchedulerOutput:
@@ -80,10 +72,14 @@ def measure(S: int, biased_rows: int, vocab: int, runner: ModelRunner, runs: int
     out = decode_step(S, biased_rows, vocab)
     batch = build_batch(out, runner.shape)
     _, st, _ = place_inputs(to_step_inputs(batch), None)
+    # A step without a grammar gets its bucket's all-zero mask on the device (as the runner
+    # places it: never sent, never read).
+    st = st.replace(bitmask=jnp.zeros((S, bitmask_words(vocab)), jnp.int32))
     logits = jax.device_put(np.random.default_rng(0).normal(0, 3, (S, vocab)).astype(np.float32))
 
     def sampler() -> None:
-        jax.block_until_ready(_sample_jit(logits, st, apply_penalty=False))
+        jax.block_until_ready(sample_jit(logits, st, apply_penalty=False,
+                                         feed_len=runner.feed_len))
 
     sent = sum(getattr(batch, f.name).nbytes for f in dataclasses.fields(batch)
                if f.name in ("sampling", "rng_key", "history", "history_is_output",
@@ -103,7 +99,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     seqs = [int(s) for s in a.seqs.split(",")]
-    cfg = model_config(a.vocab)
+    cfg = tiny_config(vocab_size=a.vocab, max_position_embeddings=512)
     params = llama.init_random_params(cfg, jax.random.key(0), jnp.float32)
     shape = BatchShape(buckets=tuple((s, s) for s in sorted(seqs)), page_size=PAGE,
                        max_pages_per_seq=PAGES_PER_SEQ, vocab_size=a.vocab, history_len=256)

@@ -52,7 +52,7 @@ def run_workload(cfg: EngineConfig, prompt_len: int, max_tokens: int, concurrenc
 
     vocab = 4096
     tok = word_tokenizer(vocab)
-    model = tiny_config(vocab, max_position_embeddings=8192)
+    model = tiny_config(vocab_size=vocab, max_position_embeddings=8192)
     plan = plan_engine(cfg, model, 4, 1 << 40)
     runner = ArithmeticRunner(vocab)
     steps: list[tuple[int, int, int, int]] = []
@@ -110,7 +110,7 @@ def worst_steps(cfg: EngineConfig, curve: CostCurve) -> dict:
     from jaxserve.engine.sizing import plan_engine
     from jaxserve.models.tiny import tiny_config
 
-    model = tiny_config(4096, max_position_embeddings=8192)
+    model = tiny_config(vocab_size=4096, max_position_embeddings=8192)
     buckets = plan_engine(cfg, model, 4, 1 << 40).batch_shape.buckets
     worst = {"decode": (0.0, None), "full": (0.0, None), "any": (0.0, None)}
     for t in range(1, cfg.max_num_batched_tokens + 1):

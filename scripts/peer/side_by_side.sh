@@ -3,19 +3,20 @@
 # vLLM-CPU, one server at a time, the same requests (random token prompts of exact length,
 # ignore_eos, greedy, the same seed) on the bundled SmolLM2-135M in float32.
 #
-#   bash scripts/side_by_side.sh                  # both servers, every workload (~35 min)
-#   SERVERS=jaxserve WORKLOADS=A32 bash scripts/side_by_side.sh
+#   bash scripts/peer/side_by_side.sh                  # both servers, every workload (~35 min)
+#   SERVERS=jaxserve WORKLOADS=A32 bash scripts/peer/side_by_side.sh
 #
 # Workloads: A1 / A8 / A32 = 256-token prompts, 128 new tokens at concurrency 1 / 8 / 32;
 # C8 = 2048-token prompts, 128 new tokens at concurrency 8. Results: $OUT/<server>_<w>.json
 # (vLLM's result format) and start-up seconds in $OUT/<server>_startup.txt; then
-# `python scripts/side_by_side_table.py $OUT` prints the table docs/benchmarks/index.md shows.
+# `python scripts/peer/side_by_side_table.py $OUT` prints the table docs/benchmarks/index.md
+# shows.
 # vLLM-CPU reserves --gpu-memory-utilization of the node's memory (0.92 by default, which
 # fails to start on this 24 GiB machine when anything else holds memory): 0.5 here.
-# Needs vLLM-CPU in its own venv ($VLLM_VENV; set-up in scripts/vllm_cpu_serve.py): its
+# Needs vLLM-CPU in its own venv ($VLLM_VENV; set-up in scripts/peer/vllm_cpu_serve.py): its
 # `vllm bench serve` is the client for both servers.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VENV=${VLLM_VENV:-$HOME/vllm-venv}
 HF_DIR=${HF_DIR:-/tmp/smollm2-hf}
 OUT=${OUT:-side_by_side}
@@ -33,7 +34,7 @@ start_server() {  # $1: server name; sets PID, writes startup seconds
   case $1 in
     jaxserve) $JAXSERVE serve --http-port $PORT --port 0 --max-model-len 4096 \
                 --served-model-name smollm2 $JAXSERVE_ARGS > "$OUT/$1_server.log" 2>&1 & ;;
-    vllm) "$VENV/bin/python" scripts/vllm_cpu_serve.py serve "$HF_DIR" --dtype float32 \
+    vllm) "$VENV/bin/python" scripts/peer/vllm_cpu_serve.py serve "$HF_DIR" --dtype float32 \
             --port $PORT --max-model-len 4096 --served-model-name smollm2 \
             --gpu-memory-utilization 0.5 \
             > "$OUT/$1_server.log" 2>&1 & ;;
@@ -56,7 +57,7 @@ run_workload() {  # $1: server, $2: workload
     C8) input=2048; output=128; conc=8; num=16 ;;
     *) echo "unknown workload $2"; exit 1 ;;
   esac
-  "$VENV/bin/python" scripts/vllm_cpu_serve.py bench serve --backend openai \
+  "$VENV/bin/python" scripts/peer/vllm_cpu_serve.py bench serve --backend openai \
     --base-url "http://127.0.0.1:$PORT" --endpoint /v1/completions --model smollm2 \
     --tokenizer "$HF_DIR" --dataset-name random --random-input-len $input \
     --random-output-len $output --random-range-ratio 0 --num-prompts $num \
@@ -71,4 +72,4 @@ for server in $SERVERS; do
   for w in $WORKLOADS; do run_workload "$server" "$w"; done
   kill $PID; wait $PID 2>/dev/null || true
 done
-"$VENV/bin/python" scripts/side_by_side_table.py "$OUT"
+"$VENV/bin/python" scripts/peer/side_by_side_table.py "$OUT"

@@ -11,7 +11,7 @@ On the bundled SmolLM2-135M-Instruct (V = 49152) unless --model says otherwise:
   compile    the pass's compile time per token bucket (what warmup adds)
 CPU numbers are not accelerator numbers; the ratios are the point.
 
-    python scripts/bench_prompt_logprobs.py --json plp.json
+    python scripts/bench/bench_prompt_logprobs.py --json plp.json
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.device.model_runner import _prompt_logprobs_jit
+from jaxserve.device.model_runner import prompt_logprobs_jit
 from jaxserve.device.prompt_logprobs import PromptLogprobsInputs
 
 
@@ -50,7 +50,7 @@ def device_pass(llm: LLM, T: int, runs: int) -> dict:
         indices=np.arange(T, dtype=np.int32), targets=np.full(T, 5, np.int32),
         num=np.array([T], np.int32)))
     t = time.perf_counter()
-    compiled = _prompt_logprobs_jit.lower(r.params, hidden, plp, cfg=r.model_cfg).compile()
+    compiled = prompt_logprobs_jit.lower(r.params, hidden, plp, cfg=r.model_cfg).compile()
     compile_s = time.perf_counter() - t
     jax.block_until_ready(compiled(r.params, hidden, plp))
     times = []

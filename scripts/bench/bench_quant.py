@@ -15,7 +15,7 @@ Speed (`LLM.generate`, greedy, ignore_eos): batch 1 and batch 32, --max-tokens e
 --runs after one warm-up; weight bytes as stored; KV tokens per GiB from the engine's plan
 (pages and their scales).
 
-    python scripts/bench_quant.py --json benchmarks/results/quant/bench_quant.json
+    python scripts/bench/bench_quant.py --json benchmarks/results/quant/bench_quant.json
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-TEXT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "data" / "apache-2.0.txt"
+TEXT = pathlib.Path(__file__).resolve().parents[2] / "tests" / "data" / "apache-2.0.txt"
 # name -> EngineConfig options. "auto" on the bundled GGUF: its Q4_1 / Q8_0 blocks as stored.
 WEIGHTS = {
     "float32": {"quantization": "none"},
@@ -53,24 +53,19 @@ PAGE = 16
 def tiny_model_dir(out: pathlib.Path) -> pathlib.Path:
     """A tiny random Llama (the tests' kind of model) over the bundled tokenizer's vocabulary,
     saved as an HF directory."""
-    from jaxserve.models import llama
-    from jaxserve.models.config import ModelConfig
     from jaxserve.models.hf_loader import save_hf_dir
     from jaxserve.models.loading import load_model
     from jaxserve.models.quant import WeightQuant
+    from jaxserve.models.tiny import random_params, tiny_config
 
     tok = load_model(None, quant=WeightQuant("none")).tokenizer
-    cfg = ModelConfig(model_type="llama", vocab_size=tok.vocab_size, hidden_size=128,
-                      intermediate_size=256, num_layers=4, num_heads=8, num_kv_heads=2,
-                      head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-                      max_position_embeddings=4096, tie_word_embeddings=True,
-                      attention_bias=False, qk_norm=False, bos_token_id=1,
-                      eos_token_ids=tuple(tok.eos_token_ids))
+    cfg = tiny_config(vocab_size=tok.vocab_size, hidden_size=128, intermediate_size=256,
+                      num_layers=4, num_heads=8, max_position_embeddings=4096,
+                      tie_word_embeddings=True, eos_token_ids=tuple(tok.eos_token_ids))
     # The init scale of the tests' HF parity models (transformers' 0.02, doubled): a random
     # model's logits stay in a realistic range (the engine fixtures' 0.5 makes every
     # next-token distribution one-hot, and any rounding flips it).
-    params = llama.init_random_params(cfg, jax.random.key(0), jnp.float32, scale=0.04)
-    save_hf_dir(out, cfg, params)
+    save_hf_dir(out, cfg, random_params(cfg, seed=0, scale=0.04))
     tok.save(out)
     return out
 

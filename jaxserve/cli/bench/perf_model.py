@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """A roofline model of the engine's step for Llama-3-8B on H200, TPU v5e and TPU v6e.
 
 Plain arithmetic (no jax): what a decode step, a 2k prefill step and the output tokens/s should
@@ -8,30 +7,25 @@ is judged against a stated expectation (docs/benchmarks/perf-model.md).
     step = max(bytes_per_chip / (eta_bw * HBM_BW), flops_per_chip / (eta_flops * peak))
            + all-reduce time (tensor parallelism only) + a fixed per-step overhead
 
-What it reuses rather than restates: the model shape is `models.shapes.llama3_8b()` (what the
-export tests and the device check use; importing it loads no jax); the padded step shapes come
-from the engine's own planner
-(`sizing.plan_engine` with `batch.default_token_buckets`, then `batch.bucket_for`), so a batch
-of 32 costs what the 32 bucket costs.
+What it reuses rather than restates: the model shape is a ModelConfig, for Llama-3-8B
+`models.shapes.llama3_8b()` (what the export tests and the device check use; importing it loads
+no jax); the padded step shapes come from the engine's own planner (`sizing.plan_engine` with
+`batch.default_token_buckets`, then `batch.bucket_for`), so a batch of 32 costs what the 32
+bucket costs.
 
-    python scripts/perf_model.py                 # the table
-    python scripts/perf_model.py --json out.json # and every figure as JSON
+`scripts/bench/perf_model.py` prints its tables (`--json`: every figure);
+`tests/scripts/test_perf_model.py` checks the arithmetic against hand-worked figures.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
-import pathlib
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.batch import bucket_for
 from jaxserve.engine.sizing import plan_engine
-from jaxserve.models import shapes
 from jaxserve.models.config import ModelConfig
-
 
 
 # --------------------------------------------------------------------------- the chips
@@ -332,7 +326,7 @@ def table(cfg: ModelConfig, ctx: int = 2048, a: Assumptions = Assumptions()) -> 
 
 
 def device_check_expectation(cfg: ModelConfig, a: Assumptions = Assumptions()) -> dict:
-    """What scripts/device_engine_check.py should report on one H200 if the model holds: its
+    """What scripts/device/device_engine_check.py should report on one H200 if the model holds: its
     defaults (64 sequences, context 2048, 64 decode steps; buckets 64/512/2048)."""
     chip = CHIPS["h200"]
     buckets = engine_buckets(cfg, max_num_seqs=64, token_buckets=(64, 512, 2048))
@@ -344,53 +338,3 @@ def device_check_expectation(cfg: ModelConfig, a: Assumptions = Assumptions()) -
             "floor_ms_at_peak_bw": floor_bytes / chip.hbm_bw * 1e3,
             "mixed_out_tok_s": mixed["out_tok_s"], "mixed_total_tok_s": mixed["total_tok_s"],
             "prefill_2k_ms": prefill(cfg, chip, "bf16", 2048, 1, buckets, a=a)["s"] * 1e3}
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", default=None, help="write every figure here")
-    ap.add_argument("--eta-bw", type=float, default=Assumptions.eta_bw)
-    ap.add_argument("--eta-flops", type=float, default=Assumptions.eta_flops)
-    args = ap.parse_args()
-    a = Assumptions(eta_bw=args.eta_bw, eta_flops=args.eta_flops)
-    cfg = shapes.llama3_8b()
-    w = Weights.of(cfg)
-    print(f"Llama-3-8B: {w.params / 1e9:.2f} B params; weights {w.bytes('bf16') / 1e9:.2f} GB "
-          f"bf16, {w.bytes('int8') / 1e9:.2f} GB int8; KV {kv_bytes_per_token(cfg) / 1024:.0f}"
-          f" KiB/token bf16; eta_bw {a.eta_bw}, eta_flops {a.eta_flops}")
-    rows = table(cfg, a=a)
-    print("| chip | weights | batch | chips (TP) | bucket | decode step ms | bound | "
-          "out tok/s | 2k prefill ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        name = CHIPS[r["chip"]].name
-        if r["tp"] is None:
-            print(f"| {name} | {r['fmt']} | {r['batch']} | > 8 | | | | | |")
-            continue
-        print(f"| {name} | {r['fmt']} | {r['batch']} | {r['tp']} | {r['bucket'][0]} | "
-              f"{r['decode_ms']:.2f} | {r['decode_bound']} | {r['out_tok_s']:,.0f} | "
-              f"{r['prefill_2k_ms']:.1f} |")
-    peers = peer_rows(cfg, a)
-    print("\n| engine | chip x n | weights | conc | in/out | published out tok/s | "
-          "model out tok/s | published / model |")
-    print("|---|---|---|---|---|---|---|---|")
-    for p in peers:
-        print(f"| {p['engine']} | {CHIPS[p['chip']].name} x {p['tp']} | {p['fmt']} | "
-              f"{p['conc_modelled']} | {p['in_len']}/{p['out_len']} | {p['measured']:,.0f} | "
-              f"{p['predicted']:,.0f} | {p['measured_over_predicted']:.2f} |")
-    dev = device_check_expectation(cfg, a)
-    print("\ndevice_engine_check on one H200 (64 x 2048, bf16): " + ", ".join(
-        f"{k} {v:,.1f}" for k, v in dev.items()))
-    if args.json:
-        out = {"assumptions": dataclasses.asdict(a),
-               "chips": {k: dataclasses.asdict(c) for k, c in CHIPS.items()},
-               "weights": {"params": w.params, "bf16_bytes": w.bytes("bf16"),
-                           "int8_bytes": w.bytes("int8")},
-               "kv_bytes_per_token": kv_bytes_per_token(cfg), "table": rows,
-               "peers": [{k: v for k, v in p.items() if k != "model"} for p in peers],
-               "device_check_h200": dev}
-        pathlib.Path(args.json).write_text(json.dumps(out, indent=2, default=str))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,12 +1,11 @@
-#!/usr/bin/env python
 """Soak `jaxserve serve`: thousands of mixed requests, then check that nothing leaked.
 
-    python scripts/soak.py --requests 5000 --concurrency 32 --json soak.json
-    python scripts/soak.py --model PATH --duration 600 --server-args "--max-num-seqs 16"
+    python scripts/soak/soak.py --requests 5000 --concurrency 32 --json soak.json
+    python scripts/soak/soak.py --model PATH --duration 600 --server-args "--max-num-seqs 16"
 
 Data flow: start `jaxserve serve` as a subprocess (gRPC, OpenAI HTTP and /metrics on free
-ports; the tiny random-weight test model unless --model) -> wait for its ready line -> a
-baseline `Snapshot` (/metrics: running, waiting, KV usage x GetModelInfo's num_kv_pages = KV
+ports; the test suite's tiny random-weight model, `models.tiny.TEST_SHAPE`, unless --model)
+-> wait for its ready line -> a baseline `Snapshot` (/metrics: running, waiting, KV usage x GetModelInfo's num_kv_pages = KV
 pages held; /proc/PID: RSS and open fds; gRPC health) -> `run_load`: --requests calls (or until
 --duration), --concurrency at a time, each of a kind drawn from `soak_kinds.KINDS` (gRPC
 streams and whole answers, HTTP completions and streams, n > 1, logprobs, ~20% cancellations
@@ -15,23 +14,20 @@ and short deadlines, bad requests), each labelled with its outcome; RSS and fds 
 request and no KV page -> a final snapshot -> `checks`: no unexpected outcome (no 5xx, no
 UNKNOWN / INTERNAL / UNAVAILABLE, bad requests refused), 0 KV pages, 0 running / waiting,
 health SERVING -> summary table (+ JSON with --json); SIGTERM, and the exit code is checked.
-Exit status 0 when every check passed. `tests/scripts/test_soak.py` runs a short version through
-`soak(SoakConfig(...))`.
+Exit status 0 when every check passed. `scripts/soak/soak.py` is this module's `main`;
+`tests/scripts/test_soak.py` runs a short version through `soak(SoakConfig(...))`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import dataclasses
-import json
 import os
 import pathlib
 import queue
 import random
 import re
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -40,18 +36,15 @@ import time
 import urllib.request
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import aiohttp
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tqdm import tqdm
 
-import aiohttp  # noqa: E402
-import grpc  # noqa: E402
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
-from soak_kinds import FAULT_KINDS, KINDS, Ctx  # noqa: E402
+from jaxserve.cli.bench.soak_kinds import FAULT_KINDS, KINDS, Ctx
+from jaxserve.server.client import AsyncClient
 
 ALL_KINDS = {**KINDS, **FAULT_KINDS}
-from tqdm import tqdm  # noqa: E402
-
-from jaxserve.server.client import AsyncClient  # noqa: E402
 
 # Small engine for the tiny model: a small KV cache so preemption happens under load.
 TINY_SERVER_ARGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--page-size", "8",
@@ -130,16 +123,11 @@ class ServeProcess:
 
 
 def tiny_model_dir(out: pathlib.Path) -> str:
-    """The tests' tiny random-weight model (tests/support/engine_fixtures.py) saved as an HF folder."""
-    sys.path.insert(0, str(ROOT / "tests"))  # its support package
-    from support.engine_fixtures import VOCAB, tiny_model
-    from support.hf_models import save_tiny_tokenizer
+    """The test suite's tiny random-weight model (`models.tiny.TEST_SHAPE`, the weights
+    `tests/support/engine_fixtures.tiny_model()` makes) saved as an HF folder."""
+    from jaxserve.models.tiny import TEST_INIT_SCALE, TEST_SHAPE, tiny_config, write_tiny_checkpoint
 
-    from jaxserve.models.hf_loader import save_hf_dir
-
-    model = tiny_model()
-    save_hf_dir(out, model.config, model.params)
-    save_tiny_tokenizer(out, VOCAB)
+    write_tiny_checkpoint(out, tiny_config(**TEST_SHAPE), scale=TEST_INIT_SCALE)
     return str(out)
 
 
@@ -327,51 +315,3 @@ def _model_info(target: str) -> Any:
         async with AsyncClient(target) as client:
             return await client.model_info()
     return asyncio.run(get())
-
-
-def parse_args(argv: list[str] | None = None) -> tuple[SoakConfig, str | None]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="model path (default: a tiny random model)")
-    ap.add_argument("--server-args", default="",
-                    help="extra `jaxserve serve` flags, one string (replaces the tiny defaults)")
-    ap.add_argument("--requests", type=int, default=None,
-                    help="how many (default 2000; with --duration and no --requests: no limit)")
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--duration", type=float, default=None, help="seconds; stops issuing then")
-    ap.add_argument("--max-prompt", type=int, default=24)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--mix", default="",
-                    help="kind=weight,... (kinds: " + ", ".join(ALL_KINDS) + ")")
-    ap.add_argument("--fault-token", type=int, default=None,
-                    help="start the server with --fault-injection-token and send requests that "
-                         "fail on purpose (the tiny model's EOS id 2 is a good choice)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sample-interval", type=float, default=1.0)
-    ap.add_argument("--json", default=None, help="write the summary here")
-    ap.add_argument("--no-progress", action="store_true")
-    a = ap.parse_args(argv)
-    mix = tuple((k, float(w)) for k, w in (kv.split("=") for kv in a.mix.split(",") if kv))
-    unknown = [k for k, _ in mix if k not in ALL_KINDS]
-    if unknown:
-        ap.error(f"--mix: unknown kinds {unknown}; known: {', '.join(ALL_KINDS)}")
-    requests = a.requests if a.requests is not None else (
-        2000 if a.duration is None else sys.maxsize)
-    cfg = SoakConfig(model=a.model, server_args=tuple(shlex.split(a.server_args)),
-                     requests=requests, concurrency=a.concurrency, duration_s=a.duration,
-                     max_prompt=a.max_prompt, max_tokens=a.max_tokens, mix=mix, seed=a.seed,
-                     sample_interval_s=a.sample_interval, progress=not a.no_progress,
-                     fault_token=a.fault_token)
-    return cfg, a.json
-
-
-def main(argv: list[str] | None = None) -> int:
-    cfg, json_path = parse_args(argv)
-    result = soak(cfg)
-    print_summary(result)
-    if json_path:
-        pathlib.Path(json_path).write_text(json.dumps(result, indent=2))
-    return 0 if result["passed"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

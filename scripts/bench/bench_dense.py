@@ -8,7 +8,7 @@ from memory, as in the engine's step, not from cache) computing x @ w[layer] eac
 slices w[layer] out of the stack and runs its dot; the kernel reads the layer's packed
 panels in place. Best of --runs; per-call milliseconds and GFLOP/s.
 
-    python scripts/bench_dense.py --rows 1,8,32,128,512,2048 --shapes 576x1536,1536x576
+    python scripts/bench/bench_dense.py --rows 1,8,32,128,512,2048 --shapes 576x1536,1536x576
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The request kinds of the soak (`scripts/soak.py`): each sends one request and names its outcome.
+"""The request kinds of the soak (`jaxserve.cli.bench.soak`, run by `scripts/soak/soak.py`): each
+sends one request and names its outcome.
 
 A kind is `Kind(weight, send, expected)`: `send(ctx, rng)` makes one call (gRPC or HTTP) with
 random parameters drawn from `rng` and returns an outcome label; `expected` is the set of

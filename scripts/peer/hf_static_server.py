@@ -19,7 +19,7 @@ Supported request fields: `prompt` (string, token-id list, or a list of one of t
 `stream`, `stream_options.include_usage`; `model` is accepted and ignored; other sampling
 fields are ignored. Only float32 on CPU.
 
-    python scripts/hf_static_server.py --model DIR --port 0 --batch-size 8 --threads 2
+    python scripts/peer/hf_static_server.py --model DIR --port 0 --batch-size 8 --threads 2
     # prints "ready http://127.0.0.1:PORT" on stdout once listening
 """
 

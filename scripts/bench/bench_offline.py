@@ -13,8 +13,8 @@ Sections (each can be skipped):
             (all-reduce, all-gather, ...), counted in XLA's optimized HLO.
 Writes every figure to --json and prints tables. Numbers on a CPU are not GPU numbers.
 
-    python scripts/bench_offline.py --json bench_offline.json
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/bench_offline.py \
+    python scripts/bench/bench_offline.py --json bench_offline.json
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/bench/bench_offline.py \
         --tensor-parallel-size 3 --sections decode,collectives --json bench_tp3.json
 """
 

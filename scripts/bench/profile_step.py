@@ -13,10 +13,10 @@ so attention + KV write = full - no_attn (XLA's scatter alone: write_only - no_a
 attention implementation (--impl: the jnp reference, the C++ CPU kernel, ...). Also the
 XLA:CPU f32 GEMM rate at M = S.
 
-    python scripts/profile_step.py --seqs 1,8,32 --context 256 --json profile.json
-    python scripts/profile_step.py --seqs 32 --impl reference,cpu     # before / after
-    python scripts/profile_step.py --seqs 1,8,32 --dense xla,cpu      # XLA's dot / C++ dense
-    python scripts/profile_step.py --seqs 1,32 --kv-dtype float32,int8,fp8  # quantized KV
+    python scripts/bench/profile_step.py --seqs 1,8,32 --context 256 --json profile.json
+    python scripts/bench/profile_step.py --seqs 32 --impl reference,cpu     # before / after
+    python scripts/bench/profile_step.py --seqs 1,8,32 --dense xla,cpu      # XLA's dot / C++ dense
+    python scripts/bench/profile_step.py --seqs 1,32 --kv-dtype float32,int8,fp8  # quantized KV
 
 It first prints the KV tokens one GiB holds for each --kv-dtype (values + the f32 row scales
 of int8 / fp8 pages: `sizing.kv_bytes_per_token`). Decode tokens/s of a row = S / full step.

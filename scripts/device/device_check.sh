@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device check on a lent GPU (or TPU) machine with JAX preinstalled.
-#   bash scripts/device_check.sh            # 4-7 min (per-phase timeouts); results in $OUT
-#   bash scripts/device_check.sh --dry-run  # the same phases CPU-sized (CI rehearses it)
+#   bash scripts/device/device_check.sh            # 4-7 min (per-phase timeouts); results in $OUT
+#   bash scripts/device/device_check.sh --dry-run  # the same phases CPU-sized (CI rehearses it)
 # 0. versions: python, jax, jaxlib, devices, CUDA / ptxas / driver where there are GPUs
 # 1. the kernel tests compiled on the device:  pytest -m device tests/kernels/test_attention_kernels.py
 #    tests/kernels/test_attention_gpu_hardening.py (every variant: JAXSERVE_RUN_SLOW=1)
@@ -9,8 +9,8 @@
 #    prefill 4 x 2048, mixed; each first checked against the jnp reference at that shape
 #    (--check), then timed against the measured HBM/matmul ceilings; a small tuning sweep on
 #    decode; the jnp reference as a baseline
-# 3. the whole engine (scripts/device_engine_check.py): a Llama-3-8B-shaped model with random
-#    bf16 weights through LLM.generate: warmup, a 64-sequence decode step against
+# 3. the whole engine (scripts/device/device_engine_check.py): a Llama-3-8B-shaped model with
+#    random bf16 weights through LLM.generate: warmup, a 64-sequence decode step against
 #    (weights + KV bytes) / measured bandwidth, a mixed chunked-prefill workload, compiles
 # 4. a summary table, printed last (target: decode >= 70% of the measured HBM bandwidth).
 # Works without network: no installs. If jaxserve is not installed, a shim package maps
@@ -19,7 +19,7 @@
 set -uo pipefail
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; fi
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 REPO=$(pwd)
 OUT_DIR=${OUT:-/tmp/device_check_out}
 mkdir -p "$OUT_DIR"
@@ -102,22 +102,22 @@ fi
 echo "== 2 kernels: checked against the reference, then timed =="
 BENCH=(--dtype bfloat16 --num-q-heads 32 --num-kv-heads 8 --head-dim 128 --page-size 16
        --size "$SIZE")
-timeout 100 $PY scripts/bench_attention.py "${BENCH[@]}" --impl "$IMPL" --measure-ceilings \
+timeout 100 $PY scripts/bench/bench_attention.py "${BENCH[@]}" --impl "$IMPL" --measure-ceilings \
   --check --json "$OUT_DIR/bench_kernel.json" 2>&1 | tee "$OUT_DIR/bench_kernel.log" | tail -8
 if [ "$IMPL" = pallas_gpu ]; then   # decode tuning sweep: ring depth x block size
-  timeout 60 $PY scripts/bench_attention.py "${BENCH[@]}" --impl pallas_gpu --mix decode \
+  timeout 60 $PY scripts/bench/bench_attention.py "${BENCH[@]}" --impl pallas_gpu --mix decode \
     --measure-ceilings --tuning block_kv=64,num_stages=3 --tuning block_kv=64,num_stages=4 \
     --tuning block_kv=128,num_stages=1 --tuning block_kv=128,num_stages=2 \
     --json "$OUT_DIR/bench_sweep.json" 2>&1 | tee "$OUT_DIR/bench_sweep.log" | tail -8
 fi
-timeout 40 $PY scripts/bench_attention.py "${BENCH[@]}" --impl reference --iters 5 \
+timeout 40 $PY scripts/bench/bench_attention.py "${BENCH[@]}" --impl reference --iters 5 \
   --json "$OUT_DIR/bench_reference.json" 2>&1 | tee "$OUT_DIR/bench_reference.log" | tail -6
 
 echo "== 3 the whole engine =="
 if $PY -c "import jaxserve.engine" 2>/dev/null; then
   ENGINE=(--json "$OUT_DIR/engine_check.json")
   if [ $DRY = 1 ] || [ "$SIZE" = small ]; then ENGINE+=(--dry-run); fi
-  timeout 170 $PY scripts/device_engine_check.py "${ENGINE[@]}" 2>&1 \
+  timeout 170 $PY scripts/device/device_engine_check.py "${ENGINE[@]}" 2>&1 \
     | tee "$OUT_DIR/engine_check.log" | grep -v "compiling step buckets" | tail -8
 else
   echo "jaxserve is not installed here (pip install --no-deps -e . from wheels): skipped" \

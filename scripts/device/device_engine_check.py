@@ -4,9 +4,10 @@ weights through `LLM.generate`, judged against the device's measured memory band
 
 Steps (each figure printed and written to --json):
   1. ceiling   HBM bandwidth of a large copy (read + write bytes / time)
-  2. load      random weights made on the device (`init_random_params`, nothing read from
-               disk), a word-level tokenizer over the vocabulary; `LLM(loaded=...)` sizes the
-               KV pages, places everything and compiles every bucket (warmup seconds)
+  2. load      random weights made on the device (`models.tiny.random_model`, nothing read
+               from disk), a word-level tokenizer over the vocabulary; `LLM(loaded=...)`
+               sizes the KV pages, places everything and compiles every bucket (warmup
+               seconds)
   3. decode    --seqs prompts of --context tokens: once with max_tokens=1 (prefill + one
                token), once with 1 + --decode-tokens; the difference over --decode-tokens is
                the decode step time with every sequence decoding, next to its floor
@@ -16,8 +17,8 @@ Steps (each figure printed and written to --json):
   5. compiles  `compiles_after_warmup` (must be 0: nothing compiles while serving)
 --dry-run: a tiny model and small workload, for the CPU rehearsal in CI (figures meaningless).
 
-    python scripts/device_engine_check.py --json $OUT/engine_check.json
-    python scripts/device_engine_check.py --dry-run
+    python scripts/device/device_engine_check.py --json $OUT/engine_check.json
+    python scripts/device/device_engine_check.py --dry-run
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import pathlib
 import time
 
 import jax
@@ -34,10 +34,7 @@ import numpy as np
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.models import shapes
-from jaxserve.models.config import ModelConfig
-from jaxserve.models.llama import init_random_params
-from jaxserve.models.loading import LoadedModel
-from jaxserve.models.tiny import word_tokenizer
+from jaxserve.models.tiny import random_model
 
 WORD_IDS = dict(bos_token_id=1, eos_token_ids=(2,))  # the word tokenizer's special ids
 TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
@@ -53,12 +50,6 @@ def hbm_gbps(n_bytes: int, iters: int = 10) -> float:
         y = f(x)
     jax.block_until_ready(y)
     return 2 * n_bytes * iters / (time.perf_counter() - t) / 1e9
-
-
-def random_model(cfg: ModelConfig) -> LoadedModel:
-    params = jax.jit(lambda k: init_random_params(cfg, k, jnp.bfloat16))(jax.random.key(0))
-    return LoadedModel(config=cfg, params=params, tokenizer=word_tokenizer(cfg.vocab_size),
-                       source=pathlib.Path("random"), format="hf")
 
 
 def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
@@ -91,7 +82,7 @@ def main() -> None:
     print(f"measured copy bandwidth {bw:.0f} GB/s on {report['device']}", flush=True)
 
     t = time.perf_counter()
-    model = random_model(cfg)
+    model = random_model(cfg, dtype=jnp.bfloat16, jit=True)  # made on the device
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
     max_len = args.context + args.decode_tokens + 8
     # Prefix caching off: the decode measurement runs the same prompts twice.

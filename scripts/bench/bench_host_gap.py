@@ -17,8 +17,8 @@ time - max(previous ready, dispatch start)), gap share = mean gap / (mean gap + 
 time), and output tokens/s. Only steps where every sequence decodes are counted (the batch
 is full and steady), after the first --skip of them.
 
-    python scripts/bench_host_gap.py --json host_gap.json
-    python scripts/bench_host_gap.py --only fake --fake-seqs 256 --fake-device-ms 20
+    python scripts/bench/bench_host_gap.py --json host_gap.json
+    python scripts/bench/bench_host_gap.py --only fake --fake-seqs 256 --fake-device-ms 20
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def run_fake(overlap: bool, args: argparse.Namespace) -> dict:
     # A budget that prefills every prompt in a few steps, so all sequences then decode together.
     cfg = EngineConfig(max_num_seqs=args.fake_seqs, max_num_batched_tokens=8192, page_size=16,
                        max_model_len=1024, async_scheduling=overlap)
-    model = tiny_config(vocab, max_position_embeddings=1024)
+    model = tiny_config(vocab_size=vocab, max_position_embeddings=1024)
     plan = plan_engine(cfg, model, 4, 1 << 34)
     runner = ArithmeticRunner(vocab, device_time_s=args.fake_device_ms / 1e3)
     steady: list[bool] = []

@@ -1,11 +1,11 @@
-"""The server side of scripts/front_overhead.py: a tiny random checkpoint and one `jaxserve
-serve` subprocess with every port explicit.
+"""The server side of scripts/bench/front_overhead.py (its sibling, imported): a tiny random
+checkpoint and one `jaxserve serve` subprocess with every port explicit.
 
-Data flow: `jaxserve.models.tiny.write_tiny_checkpoint(dir)` -> an HF folder (random 2-layer Llama weights through
-jaxserve's own `save_hf_dir`, a word-level tokenizer "w3", "w4", ... with a chat template) ->
-`serve(model, Ports(grpc, http, metrics), flags)`: `python -m jaxserve.cli serve --port G
---http-port H --metrics-port M ...` (explicit ports: this keeps working whatever the serving
-defaults are), its output in a temporary file; the context manager yields once HTTP /health
+Data flow: `jaxserve.models.tiny.write_tiny_checkpoint(dir)` -> an HF folder (random 2-layer
+Llama weights through jaxserve's own `save_hf_dir`, a word-level tokenizer "w3", "w4", ...
+with a chat template) -> `serve(model, Ports(grpc, http, metrics), flags)`: `python -m
+jaxserve.cli serve --port G --http-port H --metrics-port M ...` (explicit ports: this keeps
+working whatever the serving defaults are), its output in a temporary file; the context manager yields once HTTP /health
 answers 200 (a tqdm line shows the wait) and terminates the server on exit. A server that
 exits early raises with its log.
 """

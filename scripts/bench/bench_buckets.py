@@ -31,8 +31,8 @@ Bucket sets (--sets): `pow2` the former default (powers of two up to the token b
 seqs bucket per token bucket, min(T, max_num_seqs)); `default` what `plan_engine` derives now;
 `octN` the default rule with N buckets per octave above 64 tokens (the default is oct4).
 
-    python scripts/bench_buckets.py --json buckets.json
-    python scripts/bench_buckets.py --sections padding --cost-from buckets.json
+    python scripts/bench/bench_buckets.py --json buckets.json
+    python scripts/bench/bench_buckets.py --sections padding --cost-from buckets.json
 """
 
 from __future__ import annotations
@@ -49,13 +49,11 @@ import tempfile
 import time
 
 import numpy as np
+# Its sibling in scripts/bench/: Python puts a script's own folder first on sys.path.
+from bucket_padding import WORKLOADS, CostCurve, padding_figures, run_workload, worst_steps
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.batch import StepBatch, default_buckets, default_token_buckets
-
-sys.path.insert(0, str(pathlib.Path(__file__).parent))  # run as a script: its sibling module
-from bucket_padding import (WORKLOADS, CostCurve, padding_figures,  # noqa: E402
-                            run_workload, worst_steps)
 
 # The former default: powers of two from 1 to the token budget (as plan_engine derived them).
 POW2 = "pow2"
@@ -228,11 +226,11 @@ def print_padding(padding: dict) -> None:
 _CHILD = """
 import json, sys, time
 from jaxserve.config import EngineConfig
-from jaxserve.serving.build import _warm_up, build_engine
+from jaxserve.serving.build import build_engine, warm_up
 cfg = EngineConfig(**json.loads(sys.argv[1]))
 engine = build_engine(cfg, warmup=False, progress=False)
 t0 = time.perf_counter()
-_warm_up([engine], False)
+warm_up([engine], False)
 warmup_s = time.perf_counter() - t0
 runner = engine.runner
 print("RESULT " + json.dumps({"forward_buckets": len(runner.shape.buckets),

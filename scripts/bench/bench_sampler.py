@@ -7,7 +7,7 @@ already on the device, median of --runs after a compile run, for each S in --seq
 bitmask is random (30% of tokens allowed per row). Numbers on a CPU are not accelerator
 numbers; what a grammar adds to a step, and what a step without one pays, is the point.
 
-    python scripts/bench_sampler.py --seqs 32,256 --vocab 49152 --json sampler.json
+    python scripts/bench/bench_sampler.py --seqs 32,256 --vocab 49152 --json sampler.json
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.device.model_runner import _sample_jit
+from jaxserve.device.model_runner import sample_jit
 from jaxserve.device.sampler import SamplingTensors
 from jaxserve.engine.batch import bitmask_words
 
@@ -38,11 +38,11 @@ def time_sampler(S: int, V: int, constrained: bool, temperature: float, runs: in
         jnp.zeros((S, 0), jnp.int32), jnp.zeros((S, 0), bool),
         bitmask=jnp.asarray(bitmask), constrained=jnp.full((S,), constrained),
         temperature=jnp.full((S,), temperature, jnp.float32))
-    jax.block_until_ready(_sample_jit(logits, st, apply_penalty=False, feed_len=S))
+    jax.block_until_ready(sample_jit(logits, st, apply_penalty=False, feed_len=S))
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
-        jax.block_until_ready(_sample_jit(logits, st, apply_penalty=False, feed_len=S))
+        jax.block_until_ready(sample_jit(logits, st, apply_penalty=False, feed_len=S))
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 
