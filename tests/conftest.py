@@ -6,8 +6,9 @@ The tests mirror the package, a folder per layer: kernels/ (kernels_pallas), mod
 and jaxserve/llm.py), server/ (server), cli/ (jaxserve/cli) and scripts/ (scripts); a
 module's tests are tests/<layer>/test_<module>.py. Helpers shared across layers live in the
 support/ package (tiny models and engines, fake runners, oracles), the scripts the tests run
-in subprocesses in support/workers/. This folder is on sys.path, so tests, workers and
-scripts import them as `support.<name>`.
+in subprocesses in support/workers/. This folder is on sys.path, so tests and workers
+import them as `support.<name>` (scripts never do: what they share with the tests, such as
+the tiny models of `jaxserve.models.tiny`, lives in the package).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import tempfile
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+from support.tiers import run_slow  # noqa: E402 - importable once this folder is on sys.path
 
 # One persistent XLA compilation cache per test session, private to it (never the user's
 # ~/.cache/jaxserve/xla), shared by every module and by every process the tests start: the
@@ -39,15 +42,27 @@ if "JAXSERVE_TEST_XLA_CACHE" not in os.environ:
 if os.environ["JAXSERVE_TEST_XLA_CACHE"]:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["JAXSERVE_TEST_XLA_CACHE"]
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+# One scratch directory per test session, shared by the xdist workers (they inherit it), for
+# what is expensive to make and the same for every test: transformers' conversion of the
+# bundled GGUF (support/bundled_hf.py). Removed at the session's end.
+_OWN_SESSION_DIR = tempfile.mkdtemp(prefix="jaxserve-test-session-")
+if "JAXSERVE_TEST_SESSION_DIR" in os.environ:  # set by the controller: an xdist worker
+    os.rmdir(_OWN_SESSION_DIR)
+    _OWN_SESSION_DIR = None
+else:
+    os.environ["JAXSERVE_TEST_SESSION_DIR"] = _OWN_SESSION_DIR
 # The CLI sets JAX's cache directory from JAXSERVE_COMPILATION_CACHE_DIR (default
 # ~/.cache/jaxserve/xla); empty leaves JAX's setting, the session's directory, as it is.
 os.environ.setdefault("JAXSERVE_COMPILATION_CACHE_DIR", "")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    # Only the process that made the directory removes it (not an xdist worker).
-    if _OWN_CACHE_DIR is not None and not hasattr(session.config, "workerinput"):
-        shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
+    # Only the process that made the directories removes them (not an xdist worker).
+    if hasattr(session.config, "workerinput"):
+        return
+    for own in (_OWN_CACHE_DIR, _OWN_SESSION_DIR):
+        if own is not None:
+            shutil.rmtree(own, ignore_errors=True)
 
 
 def _num_memory_maps() -> int | None:
@@ -101,11 +116,11 @@ def _has_accelerator() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    run_slow = os.environ.get("JAXSERVE_RUN_SLOW") == "1"
+    slow_tier = run_slow()
     has_device = None
     for item in items:
         slow = item.get_closest_marker("slow")
-        if slow is not None and not run_slow:
+        if slow is not None and not slow_tier:
             # `@pytest.mark.slow(reason="...")` says why in the skip line
             why = f" ({slow.kwargs['reason']})" if "reason" in slow.kwargs else ""
             item.add_marker(pytest.mark.skip(

@@ -6,8 +6,8 @@ lowering and every trace-time check, so shape, layout and API breakage in the ke
 engine's step shows up here without a device. Exported, for both platforms:
   - both Pallas kernels at realistic shapes (dtypes, head dims, GQA, page sizes, decode /
     prefill / mixed step shapes, sliding window, soft cap);
-  - the engine's compiled step exactly as `ModelRunner` jits it (`_forward_jit`: embed,
-    layers, KV write, attention, LM head; `_sample_jit`) for every bucket `plan_engine` makes,
+  - the engine's compiled step exactly as `ModelRunner` jits it (`forward_jit`: embed,
+    layers, KV write, attention, LM head; `sample_jit`) for every bucket `plan_engine` makes,
     for a Llama-3-8B-shaped and a Qwen3-shaped config (abstract weights: ShapeDtypeStructs,
     nothing allocated), with `attention_impl="auto"` resolved as on that platform, and under
     tensor parallelism over an abstract 8-device mesh.
@@ -17,7 +17,9 @@ at TP 1 and TP 8.
 Each exported module must hold the platform's kernel custom call, once per layer body (the
 layers run in a scan), and the jnp reference attention must never be traced (the `no_reference`
 fixture makes any call to it fail the test).
-The default run exports three buckets per (model, platform); JAXSERVE_RUN_SLOW=1 exports all.
+The default tier exports three buckets per (model, platform) and lowers each kernel case,
+model and quantization for one of the two platforms; JAXSERVE_RUN_SLOW=1 exports every bucket
+for both.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractMesh, NamedSharding
+
+from support.tiers import grid
 
 from jaxserve.config import EngineConfig
 from jaxserve.device import model_runner as mr
@@ -92,8 +96,17 @@ KERNEL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("platform", PLATFORMS)
-@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "-".join(map(str, c)))
+def alternating(cases: list[tuple], reason: str) -> list:
+    """Every case x both platforms; the default tier lowers each case for one platform,
+    alternating (so each platform gets half the cases), the slow tier the other half."""
+    ids = ["-".join(map(str, c)) for c in cases]
+    axes = [list(zip(ids, cases)), [(p, p) for p in PLATFORMS]]
+    default = {f"{i}-{PLATFORMS[n % 2]}" for n, i in enumerate(ids)}
+    return grid(axes, default, reason)
+
+
+@pytest.mark.parametrize("case,platform", alternating(
+    KERNEL_CASES, "each kernel case for the other platform too"))
 def test_kernel_lowers_for_platform(platform: str, case: tuple) -> None:
     dtype, d, hq, hkv, ps, tokens, seqs, window, cap = case
     impl = select_impl("auto", platform)
@@ -122,8 +135,8 @@ QUANT_KERNEL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("platform", PLATFORMS)
-@pytest.mark.parametrize("case", QUANT_KERNEL_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case,platform", alternating(
+    QUANT_KERNEL_CASES, "each quantized kernel case for the other platform too"))
 def test_quantized_kernel_lowers_for_platform(platform: str, case: tuple) -> None:
     pages_dtype, dtype, d, hq, hkv, ps, tokens, seqs, window = case
     impl = select_impl("auto", platform)
@@ -185,7 +198,7 @@ def abstract_kv(shape: tuple[int, ...], int8: bool, sharding=None):  # noqa: ANN
 
 def export_step(cfg: ModelConfig, platform: str, tp: int, int8_kv: bool = False,
                 quant: tuple[str, int | None, bool] | None = None) -> None:
-    """Export `_forward_jit` and `_sample_jit` for the chosen buckets; asserts the kernel.
+    """Export `forward_jit` and `sample_jit` for the chosen buckets; asserts the kernel.
     `quant`: (scheme, group size, fp8 activations) of the dense weights, else bf16."""
     impl = select_impl("auto", platform)
     engine = ENGINE if not int8_kv else EngineConfig(
@@ -227,7 +240,7 @@ def export_step(cfg: ModelConfig, platform: str, tp: int, int8_kv: bool = False,
         batch = mr.empty_batch(plan.batch_shape, t, s, penalties=False)
         inputs, sampling, _ = jax.tree.map(replicated, mr.to_step_inputs(batch))
         feed = replicated(SDS((feed_len,), jnp.int32))
-        fwd = jax.export.export(mr._forward_jit, platforms=[platform])(
+        fwd = jax.export.export(mr.forward_jit, platforms=[platform])(
             params, kv, inputs, feed, cfg=run_cfg, attn_impl=impl, mesh=mesh)
         assert fwd.nr_devices == tp
         assert_kernel_only(fwd, platform, 1)  # one layer body, scanned over the layers
@@ -238,13 +251,16 @@ def export_step(cfg: ModelConfig, platform: str, tp: int, int8_kv: bool = False,
         # The grammar bitmask the runner always hands the sampler (its own when none is sent).
         sampling = sampling.replace(bitmask=replicated(
             SDS((s, bitmask_words(cfg.vocab_size)), jnp.int32)))
-        sample = jax.export.export(mr._sample_jit, platforms=[platform])(
+        sample = jax.export.export(mr.sample_jit, platforms=[platform])(
             logits, sampling, apply_penalty=False, feed_len=feed_len)
         assert [a.shape for a in sample.out_avals][-1] == (feed_len,)
 
 
-@pytest.mark.parametrize("platform", PLATFORMS)
-@pytest.mark.parametrize("model", sorted(MODELS))
+# Default tier: the Qwen3 step (qk-norm) for TPU and the Llama step for CUDA; the Llama step
+# lowers for TPU in the tensor-parallel test below anyway.
+@pytest.mark.parametrize("model,platform", grid(
+    [[(m, m) for m in sorted(MODELS)], [(p, p) for p in PLATFORMS]],
+    {"qwen3-8b-tpu", "llama3-8b-cuda"}, "each model's step for the other platform too"))
 def test_engine_step_lowers_for_platform(model: str, platform: str) -> None:
     export_step(MODELS[model], platform, tp=1)
 
@@ -254,10 +270,14 @@ def test_engine_step_lowers_under_tensor_parallelism(platform: str) -> None:
     export_step(MODELS["llama3-8b"], platform, tp=8)
 
 
-@pytest.mark.parametrize("platform", PLATFORMS)
-@pytest.mark.parametrize("quant", [("int8", None, False), ("int4", 128, False),
-                                   ("fp8", None, False), ("fp8", None, True)],
-                         ids=["int8", "int4-g128", "fp8", "fp8-w8a8"])
+# Default tier: each quantization for one platform (int8 and fp8-w8a8 on CUDA, int4 and fp8
+# on TPU); the other platform with JAXSERVE_RUN_SLOW=1.
+@pytest.mark.parametrize("quant,platform", grid(
+    [list(zip(["int8", "int4-g128", "fp8", "fp8-w8a8"],
+              [("int8", None, False), ("int4", 128, False), ("fp8", None, False),
+               ("fp8", None, True)])), [(p, p) for p in PLATFORMS]],
+    {"int8-cuda", "int4-g128-tpu", "fp8-tpu", "fp8-w8a8-cuda"},
+    "each quantized step for the other platform too"))
 def test_quantized_step_lowers_for_platform(quant: tuple, platform: str) -> None:
     """Quantized dense weights (values converted and scaled inside the step; W8A8: fp8 x fp8
     dots) lower for TPU and CUDA, with the attention kernel still the only custom call."""
@@ -271,8 +291,11 @@ def test_quantized_step_lowers_under_tensor_parallelism(platform: str) -> None:
     export_step(MODELS["llama3-8b"], platform, tp=8, int8_kv=True, quant=("int4", 128, False))
 
 
-@pytest.mark.parametrize("tp", [1, 8])
-@pytest.mark.parametrize("platform", PLATFORMS)
+# Default tier: TP 1 on both platforms; the int8 cache at TP 8 lowers in the quantized
+# tensor-parallel test above on both, and here with JAXSERVE_RUN_SLOW=1.
+@pytest.mark.parametrize("platform,tp", grid(
+    [[(p, p) for p in PLATFORMS], [("1", 1), ("8", 8)]], {"tpu-1", "cuda-1"},
+    "the int8 cache with float weights at TP 8"))
 def test_engine_step_with_int8_kv_lowers_for_platform(platform: str, tp: int) -> None:
     export_step(MODELS["llama3-8b"], platform, tp=tp, int8_kv=True)
 

@@ -19,6 +19,7 @@ from support.engine_fixtures import tiny_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.fake_engines import fake_engine
+from support.tiers import fuzz_examples
 
 from jaxserve import SamplingParams
 from jaxserve.engine import sampling_params as sp_mod
@@ -79,7 +80,7 @@ def test_float_ranges_survive_float32() -> None:
     refused("top_p", "must be in (0, 1]", top_p=1e39)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=fuzz_examples(200), deadline=None)
 @given(st.fixed_dictionaries({f.name: st.one_of(
     st.floats(allow_nan=True, allow_infinity=True), st.integers(-2**70, 2**70))
     for f in sp_mod.DEVICE}))
@@ -226,7 +227,7 @@ def test_max_token_bytes_is_the_longest_decoded_token() -> None:
     assert tok.max_token_bytes == max(oracle, 4)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=fuzz_examples(150), deadline=None)
 @given(st.text(min_size=1, max_size=200))
 def test_no_text_covers_more_than_max_token_bytes_per_token(text: str) -> None:
     """The bound admission relies on: bytes <= max_token_bytes * tokens, for any text, not

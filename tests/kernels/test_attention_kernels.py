@@ -27,55 +27,11 @@ import numpy as np
 import pytest
 
 from jaxserve.kernels_pallas import ragged_paged_attention_reference, write_kv
-from support.kernel_cases import expected_pages_after_write, random_batch
+from support.kernel_cases import (CASE_IDS, CASES, INTERPRET_BY_DEFAULT, draw_specs,
+                                  expected_pages_after_write, random_batch)
+from support.pallas_run import interpret_params, races_found, run_kernel
 
 
-def draw_specs(kind: str, rng: np.random.Generator, ps: int) -> list[tuple[int, int]]:
-    """Live (context_len, q_len) pairs of one kind; sizes kept small for the interpreters."""
-    if kind == "decode":      # one kv_len exactly on a page boundary
-        specs = [(int(rng.integers(0, 4 * ps)), 1) for _ in range(int(rng.integers(2, 5)))]
-        return specs + [(int(rng.integers(1, 4)) * ps - 1, 1)]
-    if kind == "prefill":     # one chunk exactly two pages long
-        specs = [(0, int(rng.integers(1, 3 * ps))) for _ in range(int(rng.integers(1, 3)))]
-        return specs + [(0, 2 * ps)]
-    if kind == "mixed":       # chunk from mid-page to a page boundary + decodes + a prefill
-        ctx = int(rng.integers(1, 3)) * ps + int(rng.integers(1, ps))
-        chunk = (ctx, (ctx // ps + 2) * ps - ctx)
-        decodes = [(int(rng.integers(0, 3 * ps)), 1) for _ in range(int(rng.integers(1, 4)))]
-        specs = [chunk, *decodes, (0, int(rng.integers(1, ps + 5)))]
-        return [specs[i] for i in rng.permutation(len(specs))]
-    if kind == "q1":
-        return [(int(rng.integers(0, 5 * ps)), 1)]
-    raise ValueError(kind)
-
-
-# (kind, page_size, Hq, Hkv, head_dim, dtype, sliding_window, soft_cap)
-CASES = [
-    ("decode", 16, 8, 8, 64, "float32", None, None),
-    ("decode", 32, 8, 2, 128, "bfloat16", None, None),
-    ("prefill", 16, 4, 2, 128, "float32", None, None),
-    ("prefill", 64, 8, 1, 64, "bfloat16", None, None),
-    ("mixed", 16, 8, 2, 64, "bfloat16", None, None),
-    ("mixed", 32, 16, 2, 128, "float32", None, None),
-    ("mixed", 64, 4, 4, 128, "bfloat16", None, None),
-    ("mixed", 32, 4, 2, 64, "float32", None, None),
-    ("q1", 64, 4, 2, 64, "float32", None, None),
-    ("q1", 16, 8, 1, 128, "bfloat16", None, None),
-    ("mixed", 16, 4, 2, 64, "float32", 19, 4.0),
-    ("mixed", 32, 8, 2, 64, "bfloat16", 40, None),
-    ("mixed", 16, 6, 2, 64, "float32", None, None),          # GQA 3: not a power of two
-]
-CASE_IDS = [f"{c[0]}-ps{c[1]}-g{c[2] // c[3]}-d{c[4]}-{c[5]}" + ("-win" if c[6] else "")
-            + ("-cap" if c[7] else "") for c in CASES]
-
-# The cases the interpreters run by default (each interpreted case costs 2-20 s on 2 CPU
-# cores): together every kind, page size, GQA ratio (3 too), head dim, dtype, the sliding
-# window and the soft cap. The other cases run interpreted with JAXSERVE_RUN_SLOW=1, and
-# compiled on a device; the CPU kernel (test_attention_cpu) runs every case.
-INTERPRET_BY_DEFAULT = {"decode-ps16-g1-d64-float32", "decode-ps32-g4-d128-bfloat16",
-                        "prefill-ps64-g8-d64-bfloat16", "q1-ps16-g8-d128-bfloat16",
-                        "mixed-ps16-g2-d64-float32-win-cap", "mixed-ps16-g3-d64-float32"}
-assert INTERPRET_BY_DEFAULT <= set(CASE_IDS)
 _SLOW_INTERPRETED = pytest.mark.slow(reason="more interpreted kernel cases")
 
 
@@ -88,43 +44,10 @@ def case_params() -> list:
         pytest.param(case, False, id=f"{cid}-device", marks=pytest.mark.device))]
 
 
-# Small blocks so even these short sequences cross several KV blocks and ring slots.
-TUNING = {"pallas_tpu": dict(pages_per_block=2, tile_tokens=4),
-          "pallas_gpu": dict(num_stages=2)}
-
-
 def tolerance(impl: str, dtype: str, interpret: bool) -> float:
     if dtype == "bfloat16" or impl == "pallas_gpu":
         return 3e-2
     return 2e-5 if interpret else 1e-2
-
-
-def interpret_params(impl: str):
-    if impl == "pallas_tpu":
-        from jax.experimental.pallas import tpu as pltpu
-        return pltpu.InterpretParams(detect_races=True)
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    return InterpretGPUParams(detect_races=True)
-
-
-def races_found(impl: str) -> bool:
-    """The interpreters' race flags (private API: treated as 'no races' if it moved)."""
-    try:
-        if impl == "pallas_tpu":
-            from jax._src.pallas.mosaic.interpret import interpret_pallas_call as m
-            return bool(m.races is not None and m.races.races_found)
-        from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as m
-        return bool(m.get_races().races_found)
-    except (ImportError, AttributeError, AssertionError):
-        return False
-
-
-def run_kernel(impl: str, *args, tuned: bool = True, **kwargs) -> jax.Array:
-    if impl == "pallas_tpu":
-        from jaxserve.kernels_pallas.tpu import ragged_paged_attention_tpu as fn
-    else:
-        from jaxserve.kernels_pallas.gpu import ragged_paged_attention_gpu as fn
-    return fn(*args, **kwargs, **(TUNING[impl] if tuned else {}))
 
 
 def skip_unless_platform(impl: str, interpret: bool) -> None:

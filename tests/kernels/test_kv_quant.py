@@ -26,6 +26,8 @@ import pytest
 from jaxserve.kernels_pallas import (QuantizedKV, dequantize, init_kv_pages,
                                      ragged_paged_attention_reference, write_kv)
 from support.kernel_cases import quantized_pages, random_batch
+from support.pallas_run import interpret_params, races_found, run_kernel
+from support.tiers import grid
 
 QDTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
@@ -110,9 +112,13 @@ def test_write_kv_checks_name_the_bad_value() -> None:
         write_kv(kv.pages, x, x, jnp.zeros(2, jnp.int32))
 
 
-@pytest.mark.parametrize("qname", sorted(QDTYPES))
-@pytest.mark.parametrize("kind,dtype", [("mixed", "float32"), ("decode", "bfloat16"),
-                                        ("prefill", "float32")])
+# Default tier: each kind with one 8-bit format (both formats covered); the other format
+# with JAXSERVE_RUN_SLOW=1.
+@pytest.mark.parametrize("kind,dtype,qname", grid(
+    [[("mixed-float32", ("mixed", "float32")), ("decode-bfloat16", ("decode", "bfloat16")),
+      ("prefill-float32", ("prefill", "float32"))], [(q, q) for q in sorted(QDTYPES)]],
+    {"mixed-float32-int8", "decode-bfloat16-fp8", "prefill-float32-fp8"},
+    "each kind with the other 8-bit format", flatten=True))
 def test_reference_matches_reference_on_dequantized_pages(qname: str, kind: str,
                                                           dtype: str) -> None:
     batch = quantized_batch(kind, seed_of("ref", qname, kind), dtype=jnp.dtype(dtype))
@@ -164,9 +170,16 @@ def cpu_batch(case: tuple, seed: int):
                         num_seqs=3, **opts)
 
 
-@pytest.mark.parametrize("qname", sorted(QDTYPES))
-@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"{c[0]}-{c[1]}-g{c[2] // c[3]}"
-                         + ("-win-cap" if c[6] else ""))
+CPU_CASE_IDS = [f"{c[0]}-{c[1]}-g{c[2] // c[3]}" + ("-win-cap" if c[6] else "")
+                for c in CPU_CASES]
+
+
+# Default tier: each case with one 8-bit format, alternating; the other with
+# JAXSERVE_RUN_SLOW=1.
+@pytest.mark.parametrize("case,qname", grid(
+    [list(zip(CPU_CASE_IDS, CPU_CASES)), [(q, q) for q in sorted(QDTYPES)]],
+    {f"{i}-{sorted(QDTYPES)[n % 2]}" for n, i in enumerate(CPU_CASE_IDS)},
+    "each CPU-kernel case with the other 8-bit format"))
 def test_cpu_kernel_matches_reference_on_dequantized_pages(qname: str, case: tuple) -> None:
     _cpu_kernel_or_skip()
     from jaxserve.kernels_pallas.cpu import ragged_paged_attention_cpu
@@ -222,12 +235,16 @@ PALLAS_CASES = [("mixed", "float32", 4, 2, 64, 32, None, None),
                 ("decode", "bfloat16", 8, 2, 128, 32, 40, None)]
 
 
-@pytest.mark.parametrize("qname", sorted(QDTYPES))
-@pytest.mark.parametrize("case", PALLAS_CASES, ids=lambda c: f"{c[0]}-{c[1]}-d{c[4]}")
-@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+# Default tier: both kernels on both cases, each (kernel, case) with one 8-bit format so that
+# each kernel reads int8 and fp8 pages; the other format with JAXSERVE_RUN_SLOW=1.
+@pytest.mark.parametrize("impl,case,qname", grid(
+    [[(i, i) for i in ("pallas_tpu", "pallas_gpu")],
+     [(f"{c[0]}-{c[1]}-d{c[4]}", c) for c in PALLAS_CASES], [(q, q) for q in sorted(QDTYPES)]],
+    {"pallas_tpu-mixed-float32-d64-int8", "pallas_tpu-decode-bfloat16-d128-fp8",
+     "pallas_gpu-mixed-float32-d64-fp8", "pallas_gpu-decode-bfloat16-d128-int8"},
+    "each interpreted kernel case with the other 8-bit format"))
 def test_pallas_kernel_interpreted_matches_reference_on_dequantized_pages(
         impl: str, case: tuple, qname: str) -> None:
-    from test_attention_kernels import interpret_params, races_found, run_kernel
     batch = cpu_batch(case, seed_of(impl, qname, case))
     kv = written(batch, QDTYPES[qname])
     opts = dict(sm_scale=case[4] ** -0.5, sliding_window=case[6], soft_cap=case[7])
@@ -247,7 +264,6 @@ def test_pallas_kernel_interpreted_matches_reference_on_dequantized_pages(
 
 @pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
 def test_pallas_kernels_refuse_8bit_pages_of_16_tokens(impl: str) -> None:
-    from test_attention_kernels import run_kernel
     batch = cpu_batch(("decode", "float32", 4, 2, 64, 16, None, None), 3)
     kv = written(batch, jnp.int8)
     with pytest.raises(ValueError, match="page_size.* 16.*32|page_size=16"):

@@ -59,7 +59,9 @@ def ours(bundled) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def hf(bundled):
-    return transformers.AutoTokenizer.from_pretrained(str(bundled.parent), gguf_file=bundled.name)
+    from support.bundled_hf import bundled_hf_tokenizer  # transformers' reading of `bundled`
+
+    return bundled_hf_tokenizer()
 
 
 @pytest.mark.parametrize("conv", range(len(CONVERSATIONS)))

@@ -13,15 +13,11 @@ import pathlib
 import gguf
 import numpy as np
 import pytest
+from support.gguf_files import Q, TINY, llama_cpp_permute, tiny_weights, write_tiny_gguf
 
 from jaxserve.models.bundled import bundled_model_path
 from jaxserve.models.config import ConfigError
 from jaxserve.models.gguf_loader import CheckpointError, read_gguf, read_gguf_metadata
-
-Q = gguf.GGMLQuantizationType
-
-# tiny llama: inner dims are multiples of 32 so every quantized type applies
-TINY = dict(vocab=96, hidden=64, heads=4, kv=2, head_dim=16, inter=96, layers=2)
 
 
 @pytest.fixture(scope="module")
@@ -36,95 +32,11 @@ def checkpoint(bundled):
 
 @pytest.fixture(scope="module")
 def hf_state_dict(bundled):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(bundled.parent), gguf_file=bundled.name, dtype=torch.float32)
-    return {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from support.bundled_hf import bundled_hf_model  # transformers' reading of `bundled`
 
-
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """What llama.cpp's converter does to q/k rows (the loader must undo it)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _tiny_weights(rng: np.random.Generator, arch: str = "llama") -> dict[str, np.ndarray]:
-    """HF-named float32 weights of the tiny model."""
-    t = TINY
-    h, q, kv, i = t["hidden"], t["heads"] * t["head_dim"], t["kv"] * t["head_dim"], t["inter"]
-    w = {"model.embed_tokens.weight": (t["vocab"], h), "model.norm.weight": (h,),
-         "lm_head.weight": (t["vocab"], h)}
-    for layer in range(t["layers"]):
-        p = f"model.layers.{layer}."
-        w.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                  p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                  p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                  p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                  p + "mlp.down_proj.weight": (h, i)})
-        if arch == "qwen2":
-            w.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                      p + "self_attn.v_proj.bias": (kv,)})
-        if arch == "qwen3":
-            w.update({p + "self_attn.q_norm.weight": (t["head_dim"],),
-                      p + "self_attn.k_norm.weight": (t["head_dim"],)})
-    return {k: rng.standard_normal(s).astype(np.float32) for k, s in w.items()}
-
-
-_TO_GGUF = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
-def _gguf_name(hf: str) -> str:
-    if hf.startswith("model.layers."):
-        _, _, layer, rest = hf.split(".", 3)
-        module, kind = rest.rsplit(".", 1)
-        return f"blk.{layer}.{_TO_GGUF[module]}.{kind}"
-    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-            "lm_head.weight": "output.weight"}[hf]
-
-
-def write_tiny_gguf(path: pathlib.Path, weights: dict[str, np.ndarray], *, arch: str = "llama",
-                    types: dict[str, Q] | None = None, drop_keys: tuple[str, ...] = (),
-                    extra_tensors: dict[str, np.ndarray] | None = None,
-                    shape_override: dict[str, np.ndarray] | None = None,
-                    meta_override: dict[str, int] | None = None) -> None:
-    t = TINY
-    writer = gguf.GGUFWriter(str(path), arch=arch)
-    meta = {f"{arch}.block_count": t["layers"], f"{arch}.context_length": 256,
-            f"{arch}.embedding_length": t["hidden"], f"{arch}.feed_forward_length": t["inter"],
-            f"{arch}.attention.head_count": t["heads"], f"{arch}.attention.head_count_kv": t["kv"],
-            f"{arch}.rope.dimension_count": t["head_dim"], f"{arch}.vocab_size": t["vocab"],
-            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
-            **(meta_override or {})}
-    for key, value in meta.items():
-        if key not in drop_keys:
-            writer.add_uint32(key, value)
-    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
-    writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
-    for hf, w in weights.items():
-        if arch == "llama" and ".q_proj." in hf:
-            w = _llama_cpp_permute(w, t["heads"])
-        elif arch == "llama" and ".k_proj." in hf:
-            w = _llama_cpp_permute(w, t["kv"])
-        w = (shape_override or {}).get(hf, w)
-        qtype = (types or {}).get(hf, Q.F32)
-        if qtype == Q.F32:
-            writer.add_tensor(_gguf_name(hf), w)
-        elif qtype == Q.F16:
-            writer.add_tensor(_gguf_name(hf), w.astype(np.float16))
-        else:
-            writer.add_tensor(_gguf_name(hf), gguf.quants.quantize(w, qtype), raw_dtype=qtype)
-    for name, w in (extra_tensors or {}).items():
-        writer.add_tensor(name, w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    return {k: v.detach().numpy() for k, v in bundled_hf_model().state_dict().items()}
 
 
 # ---------------------------------------------------------------------------- bundled file
@@ -162,7 +74,7 @@ def test_bundled_qk_rows_really_are_unpermuted(bundled, checkpoint):
         stored = gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1, 576)
         hf = checkpoint.tensors[f"model.layers.{layer}.self_attn.{proj}_proj.weight"]
         assert not np.allclose(stored, hf)
-        np.testing.assert_array_equal(_llama_cpp_permute(hf, heads), stored)
+        np.testing.assert_array_equal(llama_cpp_permute(hf, heads), stored)
 
 
 def test_bundled_metadata(bundled):
@@ -178,7 +90,7 @@ def test_bundled_metadata(bundled):
 # ---------------------------------------------------------------------------- synthetic files
 def test_tiny_llama_all_types(tmp_path):
     rng = np.random.default_rng(0)
-    weights = _tiny_weights(rng)
+    weights = tiny_weights(rng)
     types = {"model.embed_tokens.weight": Q.Q8_0, "lm_head.weight": Q.BF16,
              "model.layers.0.self_attn.q_proj.weight": Q.F16,
              "model.layers.0.self_attn.k_proj.weight": Q.Q8_0,
@@ -213,7 +125,7 @@ def test_tiny_llama_all_types(tmp_path):
 def test_tiny_llama_matches_transformers(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    weights = _tiny_weights(np.random.default_rng(1))
+    weights = tiny_weights(np.random.default_rng(1))
     types = {"model.layers.1.self_attn.k_proj.weight": Q.Q8_0}
     write_tiny_gguf(tmp_path / "t.gguf", weights, types=types)
     ours = read_gguf(tmp_path / "t.gguf").tensors
@@ -225,7 +137,7 @@ def test_tiny_llama_matches_transformers(tmp_path):
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_tiny_qwen_not_permuted(tmp_path, arch):
-    weights = _tiny_weights(np.random.default_rng(2), arch)
+    weights = tiny_weights(np.random.default_rng(2), arch)
     write_tiny_gguf(tmp_path / "q.gguf", weights, arch=arch)
     ck = read_gguf(tmp_path / "q.gguf")
     assert ck.hf_config["model_type"] == arch
@@ -249,11 +161,11 @@ def test_llama3_rope_freqs_recovered(tmp_path):
             smooth = (8192 / wl - 1) / (4 - 1)
             factors.append(1 / ((1 - smooth) / 8 + smooth))
     freqs = np.array(factors, dtype=np.float32)
-    write_tiny_gguf(tmp_path / "r.gguf", _tiny_weights(np.random.default_rng(3)),
+    write_tiny_gguf(tmp_path / "r.gguf", tiny_weights(np.random.default_rng(3)),
                     extra_tensors={"rope_freqs.weight": freqs})
     rs = read_gguf(tmp_path / "r.gguf").hf_config["rope_scaling"]
     assert rs["rope_type"] == "llama3" and rs["factor"] == 8.0
-    write_tiny_gguf(tmp_path / "bad.gguf", _tiny_weights(np.random.default_rng(3)),
+    write_tiny_gguf(tmp_path / "bad.gguf", tiny_weights(np.random.default_rng(3)),
                     extra_tensors={"rope_freqs.weight": freqs[::-1].copy()})
     with pytest.raises(CheckpointError, match="rope_freqs"):
         read_gguf(tmp_path / "bad.gguf")
@@ -272,7 +184,7 @@ def test_truncated_bundled_header(bundled, tmp_path):
 
 def test_truncated_mid_tensor(tmp_path):
     path = tmp_path / "tiny.gguf"
-    write_tiny_gguf(path, _tiny_weights(np.random.default_rng(4)))
+    write_tiny_gguf(path, tiny_weights(np.random.default_rng(4)))
     data = path.read_bytes()
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(data[: len(data) - 3000])
@@ -307,14 +219,14 @@ def test_missing_file(tmp_path):
 
 def test_missing_block_count(tmp_path):
     path = tmp_path / "nokey.gguf"
-    write_tiny_gguf(path, _tiny_weights(np.random.default_rng(6)), drop_keys=("llama.block_count",))
+    write_tiny_gguf(path, tiny_weights(np.random.default_rng(6)), drop_keys=("llama.block_count",))
     with pytest.raises(CheckpointError, match="'llama.block_count'") as e:
         read_gguf(path)
     assert str(path) in str(e.value)
 
 
 def test_wrong_tensor_shape(tmp_path):
-    weights = _tiny_weights(np.random.default_rng(7))
+    weights = tiny_weights(np.random.default_rng(7))
     bad = {"model.layers.1.self_attn.v_proj.weight": np.zeros((48, 64), np.float32)}
     path = tmp_path / "shape.gguf"
     write_tiny_gguf(path, weights, shape_override=bad)
@@ -324,12 +236,12 @@ def test_wrong_tensor_shape(tmp_path):
 
 
 def test_missing_tensor_and_inconsistent_config(tmp_path):
-    weights = _tiny_weights(np.random.default_rng(8))
+    weights = tiny_weights(np.random.default_rng(8))
     del weights["model.layers.0.mlp.up_proj.weight"]
     write_tiny_gguf(tmp_path / "m.gguf", weights)
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.up_proj\.weight"):
         read_gguf(tmp_path / "m.gguf")
-    weights = _tiny_weights(np.random.default_rng(8))
+    weights = tiny_weights(np.random.default_rng(8))
     # no head_count_kv -> kv heads = heads -> the stored k/v shapes contradict the config
     write_tiny_gguf(tmp_path / "kv.gguf", weights, drop_keys=("llama.attention.head_count_kv",))
     with pytest.raises(CheckpointError, match=r"blk\.0\.attn_k\.weight"):
@@ -343,7 +255,7 @@ def test_missing_tensor_and_inconsistent_config(tmp_path):
 
 
 def test_unsupported_tensor_type(tmp_path):
-    weights = _tiny_weights(np.random.default_rng(9))
+    weights = tiny_weights(np.random.default_rng(9))
     path = tmp_path / "i8.gguf"
     write_tiny_gguf(path, weights, shape_override={
         "model.norm.weight": np.ones(64, dtype=np.int8)})
@@ -356,7 +268,7 @@ def test_corrupted_header_bytes_give_clean_errors(tmp_path):
     # Random byte flips in the metadata/tensor table must end in our errors (or a valid read),
     # never IndexError/struct.error/MemoryError from a garbage count or dimension.
     path = tmp_path / "base.gguf"
-    write_tiny_gguf(path, _tiny_weights(np.random.default_rng(10)),
+    write_tiny_gguf(path, tiny_weights(np.random.default_rng(10)),
                     types={"model.embed_tokens.weight": Q.Q8_0})
     base = path.read_bytes()
     header_end = base.index(b"output_norm") + 64  # inside the tensor table

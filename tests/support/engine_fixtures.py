@@ -1,4 +1,8 @@
-"""Tiny random-weight models wrapped as LoadedModels, and engines over them, for engine tests."""
+"""Tiny random-weight models wrapped as LoadedModels, and engines over them, for engine tests.
+
+The models come from the package's one factory, `jaxserve.models.tiny`, at the test suite's
+shape (`TEST_SHAPE`: vocabulary VOCAB = 211, hidden 32) and init scale (`TEST_INIT_SCALE`).
+"""
 
 from __future__ import annotations
 
@@ -8,23 +12,21 @@ import os
 import pathlib
 import subprocess
 import sys
-import tempfile
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from support.hf_models import save_tiny_tokenizer
+
+from support.tiers import run_slow  # noqa: F401 - re-exported for the workers
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.batch import default_buckets
 from jaxserve.engine.engine import Engine
-from jaxserve.models import llama
+from jaxserve.models import llama, tiny
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loading import LoadedModel
 from jaxserve.models.tokenizer import Tokenizer
 from jaxserve.serving.build import build_engine
 
-VOCAB = 211
+VOCAB = tiny.TEST_SHAPE["vocab_size"]  # 211
 
 # Token buckets of the device workers' default runs (tp_worker, dp_worker, ...): a decode
 # bucket and the whole step of max_num_batched_tokens=64. Warmup compiles each bucket several
@@ -34,35 +36,23 @@ VOCAB = 211
 FEW_TOKEN_BUCKETS = (8, 64)
 
 
-def run_slow() -> bool:
-    """JAXSERVE_RUN_SLOW=1 (conftest's switch): the device workers then run their full grids;
-    they inherit the variable from the test process."""
-    return os.environ.get("JAXSERVE_RUN_SLOW") == "1"
-
-
 def tiny_model_config(**overrides: object) -> ModelConfig:
-    base = dict(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5,
-                rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False,
-                attention_bias=False, qk_norm=False, bos_token_id=1, eos_token_ids=(2,))
-    base.update(overrides)
-    return ModelConfig(**base)  # type: ignore[arg-type]
+    """The test model's config: `tiny.tiny_config(**TEST_SHAPE)`, then `overrides`."""
+    return tiny.tiny_config(**(tiny.TEST_SHAPE | overrides))
 
 
 @functools.lru_cache(maxsize=None)
 def tiny_tokenizer() -> Tokenizer:
-    d = pathlib.Path(tempfile.mkdtemp(prefix="jaxserve-tok-"))
-    save_tiny_tokenizer(d, VOCAB)
-    return Tokenizer.from_hf_dir(d)
+    """The word tokenizer over VOCAB ids (one per test process)."""
+    return tiny.word_tokenizer(VOCAB)
 
 
 @functools.lru_cache(maxsize=None)
 def tiny_model(seed: int = 0, **overrides: object) -> LoadedModel:
-    cfg = tiny_model_config(**overrides)
-    # Large init scale: sharp distributions, so greedy argmaxes are far from ties.
-    params = llama.init_random_params(cfg, jax.random.key(seed), jnp.float32, scale=0.5)
-    return LoadedModel(config=cfg, params=params, tokenizer=tiny_tokenizer(),
-                       source=pathlib.Path("tiny"), format="hf")
+    """`tiny_model_config(**overrides)` with random float32 weights at TEST_INIT_SCALE (large:
+    sharp distributions, so greedy argmaxes are far from ties)."""
+    return tiny.random_model(tiny_model_config(**overrides), seed=seed,
+                             scale=tiny.TEST_INIT_SCALE, tokenizer=tiny_tokenizer())
 
 
 def tiny_engine(model: LoadedModel | None = None, warmup: bool = True,

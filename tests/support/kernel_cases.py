@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.kernels_pallas.common import TRASH_PAGE, AttentionMetadata, kv_pages_shape
+
+if TYPE_CHECKING:
+    from jaxserve.kernels_pallas.common import QuantizedKV
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +107,56 @@ def random_batch(rng: np.random.Generator, specs: Sequence[tuple[int, int]], *,
                        v_new=jnp.asarray(v_new, dtype), kv_pages=jnp.asarray(pages, dtype), md=md,
                        specs=specs, seq_q=tuple(seq_q), seq_k=tuple(seq_k), seq_v=tuple(seq_v),
                        owned_pages=np.sort(perm[:used]))
+
+
+# ------------------------------------------------ the kernel cases every backend runs
+def draw_specs(kind: str, rng: np.random.Generator, ps: int) -> list[tuple[int, int]]:
+    """Live (context_len, q_len) pairs of one kind; sizes kept small for the interpreters."""
+    if kind == "decode":      # one kv_len exactly on a page boundary
+        specs = [(int(rng.integers(0, 4 * ps)), 1) for _ in range(int(rng.integers(2, 5)))]
+        return specs + [(int(rng.integers(1, 4)) * ps - 1, 1)]
+    if kind == "prefill":     # one chunk exactly two pages long
+        specs = [(0, int(rng.integers(1, 3 * ps))) for _ in range(int(rng.integers(1, 3)))]
+        return specs + [(0, 2 * ps)]
+    if kind == "mixed":       # chunk from mid-page to a page boundary + decodes + a prefill
+        ctx = int(rng.integers(1, 3)) * ps + int(rng.integers(1, ps))
+        chunk = (ctx, (ctx // ps + 2) * ps - ctx)
+        decodes = [(int(rng.integers(0, 3 * ps)), 1) for _ in range(int(rng.integers(1, 4)))]
+        specs = [chunk, *decodes, (0, int(rng.integers(1, ps + 5)))]
+        return [specs[i] for i in rng.permutation(len(specs))]
+    if kind == "q1":
+        return [(int(rng.integers(0, 5 * ps)), 1)]
+    raise ValueError(kind)
+
+
+# (kind, page_size, Hq, Hkv, head_dim, dtype, sliding_window, soft_cap)
+CASES = [
+    ("decode", 16, 8, 8, 64, "float32", None, None),
+    ("decode", 32, 8, 2, 128, "bfloat16", None, None),
+    ("prefill", 16, 4, 2, 128, "float32", None, None),
+    ("prefill", 64, 8, 1, 64, "bfloat16", None, None),
+    ("mixed", 16, 8, 2, 64, "bfloat16", None, None),
+    ("mixed", 32, 16, 2, 128, "float32", None, None),
+    ("mixed", 64, 4, 4, 128, "bfloat16", None, None),
+    ("mixed", 32, 4, 2, 64, "float32", None, None),
+    ("q1", 64, 4, 2, 64, "float32", None, None),
+    ("q1", 16, 8, 1, 128, "bfloat16", None, None),
+    ("mixed", 16, 4, 2, 64, "float32", 19, 4.0),
+    ("mixed", 32, 8, 2, 64, "bfloat16", 40, None),
+    ("mixed", 16, 6, 2, 64, "float32", None, None),          # GQA 3: not a power of two
+]
+CASE_IDS = [f"{c[0]}-ps{c[1]}-g{c[2] // c[3]}-d{c[4]}-{c[5]}" + ("-win" if c[6] else "")
+            + ("-cap" if c[7] else "") for c in CASES]
+
+# The cases every kernel runs in the default tier (an interpreted case costs 2-20 s on 2 CPU
+# cores, a CPU-kernel case ~5 s, mostly the reference's compile for its shapes): together
+# every kind, page size, GQA ratio (3 too), head dim, dtype, the sliding window and the soft
+# cap. The other cases run with JAXSERVE_RUN_SLOW=1 (interpreted and on the CPU kernel), and
+# compiled on a device.
+INTERPRET_BY_DEFAULT = {"decode-ps16-g1-d64-float32", "decode-ps32-g4-d128-bfloat16",
+                        "prefill-ps64-g8-d64-bfloat16", "q1-ps16-g8-d128-bfloat16",
+                        "mixed-ps16-g2-d64-float32-win-cap", "mixed-ps16-g3-d64-float32"}
+assert INTERPRET_BY_DEFAULT <= set(CASE_IDS)
 
 
 def expected_pages_after_write(batch: RaggedBatch) -> np.ndarray:
