@@ -12,6 +12,7 @@ import pytest
 from support.engine_fixtures import (VOCAB, rollout, tiny_engine, tiny_model, tiny_model_config,
                              tiny_tokenizer)
 from support.hf_models import save_tiny_tokenizer
+from support.jsonl import read_jsonl, write_jsonl
 
 from jaxserve import SamplingParams, cli
 from jaxserve.cli.batch_io import (LineError, LineRequest, OrderedSink, ResultWriter, parse_line,
@@ -33,15 +34,6 @@ def fake_engine(**cfg: object) -> Engine:
     config = EngineConfig(**base)  # type: ignore[arg-type]
     plan = plan_engine(config, tiny_model_config(), 4, 1 << 30)
     return Engine(config, plan, ArithmeticRunner(VOCAB), tiny_tokenizer(), (2,))
-
-
-def write_jsonl(path: pathlib.Path, lines: list[Any]) -> pathlib.Path:
-    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
-    return path
-
-
-def read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in path.read_text().splitlines()]
 
 
 def count_adds(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:

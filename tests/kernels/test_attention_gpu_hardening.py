@@ -25,6 +25,7 @@ from jaxserve.kernels_pallas import (AttentionMetadata, ragged_paged_attention_r
                                      selector, write_kv)
 from jaxserve.kernels_pallas import gpu
 from support.kernel_cases import random_batch
+from support.pallas_run import interpret_params, races_found
 
 SDS = jax.ShapeDtypeStruct
 
@@ -148,19 +149,6 @@ def test_merge_splits_equals_one_softmax() -> None:
 
 
 # --------------------------------------------------------------------------- interpreted
-def interpret_params():
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    return InterpretGPUParams(detect_races=True)
-
-
-def races_found() -> bool:
-    try:
-        from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as m
-        return bool(m.get_races().races_found)
-    except (ImportError, AttributeError, AssertionError):
-        return False
-
-
 # Each interpreted test also runs compiled when a GPU is present (``device`` marker).
 MODES = pytest.mark.parametrize("interpret", [
     True, pytest.param(False, marks=pytest.mark.device)], ids=["interpret", "device"])
@@ -169,7 +157,7 @@ MODES = pytest.mark.parametrize("interpret", [
 def mode(interpret: bool):
     if not interpret and jax.default_backend() != "gpu":
         pytest.skip(f"the compiled GPU kernel needs a GPU; this is {jax.default_backend()}")
-    return interpret_params() if interpret else False
+    return interpret_params("pallas_gpu") if interpret else False
 
 
 def check_against_reference(batch, pages, *, md=None, tol=3e-2, window=None, cap=None,
@@ -183,7 +171,7 @@ def check_against_reference(batch, pages, *, md=None, tol=3e-2, window=None, cap
                                          **opts, **tuning)
     assert got.shape == batch.q.shape and got.dtype == batch.q.dtype
     got = np.asarray(jnp.asarray(got, jnp.float32))
-    assert not (interpret and races_found()), "the interpreter reported a data race"
+    assert not (interpret and races_found("pallas_gpu")), "the interpreter reported a data race"
     live = int(np.asarray(md.cu_q_lens)[int(np.asarray(md.num_seqs)[0])])
     np.testing.assert_allclose(got[:live], want[:live], atol=tol, rtol=tol)
     assert np.isfinite(got).all() and not got[live:].any(), "padding rows must be zeros"
@@ -201,7 +189,7 @@ RING_SPECS = [(300, 1), (70, 40), (0, 1), (190, 2)]
 
 # Each interpreted case costs 10-30 s on 2 cores: the default run keeps the ring wrapping at
 # page size 16 with a split, an empty step and the flat multi-layer pages; the rest is
-# slow-marked (JAXSERVE_RUN_SLOW=1; scripts/device_check.sh runs them all compiled on a GPU).
+# slow-marked (JAXSERVE_RUN_SLOW=1; scripts/device/device_check.sh runs them all compiled on a GPU).
 _SLOW = pytest.mark.slow(reason="more interpreted GPU kernel variants (suite time)")
 
 

@@ -24,6 +24,7 @@ from jaxserve.kernels_pallas.tpu import ragged_paged_attention_tpu
 from jaxserve.kernels_pallas.tpu_plan import (default_kv_heads_per_block, lane_padded,
                                               seqs_per_call, smem_bytes, sublane_multiple)
 from support.kernel_cases import random_batch
+from support.pallas_run import races_found
 
 SDS = jax.ShapeDtypeStruct
 # Interpreted kernel runs cost 8-23 s each on 2 cores: the default run keeps kv heads per block
@@ -35,14 +36,6 @@ MIXED = [(21, 3), (0, 9), (40, 1), (5, 1), (17, 6)]   # chunk, prefill, decodes,
 
 def params(cores: int = 1) -> pltpu.InterpretParams:
     return pltpu.InterpretParams(detect_races=True, num_cores_or_threads=cores)
-
-
-def races_found() -> bool:
-    try:
-        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as m
-        return bool(m.races is not None and m.races.races_found)
-    except (ImportError, AttributeError):  # private API moved: the result check still runs
-        return False
 
 
 def tol(dtype: jnp.dtype) -> float:
@@ -61,7 +54,7 @@ def check(specs, *, hq=4, hkv=2, d=128, ps=16, dtype=jnp.float32, num_tokens=Non
     got = ragged_paged_attention_tpu(batch.q, pages, batch.md, interpret=params(cores),
                                      **opts, **tuning)
     assert got.shape == batch.q.shape and got.dtype == batch.q.dtype
-    assert not races_found(), "the interpreter reported a data race"
+    assert not races_found("pallas_tpu"), "the interpreter reported a data race"
     got, want = (np.asarray(jnp.asarray(x, jnp.float32)) for x in (got, want))
     live = int(np.asarray(batch.md.cu_q_lens)[len(specs)])
     t = tol(dtype)

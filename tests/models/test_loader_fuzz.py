@@ -2,7 +2,7 @@
 config.json and the index here; GGUF and Orbax in test_loader_fuzz_gguf_orbax.py).
 
 Valid tiny checkpoints are built here (safetensors with `write_safetensors`, GGUF with
-`gguf.GGUFWriter` via test_gguf_loader's writer, an Orbax directory with `loading.convert`),
+`gguf.GGUFWriter` via support.gguf_files' writer, an Orbax directory with `loading.convert`),
 then damaged: truncated at random offsets, bytes flipped, header fields replaced by absurd or
 wrongly typed values, files deleted or overwritten. The contract checked for every case:
   - the loader either returns, or raises a ValueError (CheckpointError / ConfigError) whose
@@ -12,52 +12,27 @@ wrongly typed values, files deleted or overwritten. The contract checked for eve
   - no allocation is sized by an unchecked header field: Python/numpy peak allocation during
     the call (tracemalloc) stays under a bound proportional to the file size; and no loop is
     driven by an unchecked count (a 2**63 count fails at once; a regression would hang here).
-Hypothesis runs FUZZ_EXAMPLES examples per property (default 60, JAXSERVE_FUZZ_EXAMPLES=N for
+Hypothesis runs FUZZ_EXAMPLES examples per property (support.tiers.fuzz_examples: 15 in the
+default tier, 60 with JAXSERVE_RUN_SLOW=1, JAXSERVE_FUZZ_EXAMPLES=N for
 a longer run).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import struct
-import tracemalloc
 from typing import Callable
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from support.loader_fuzz import FUZZ, failed, outcome
 
 from jaxserve.models import hf_loader
 from jaxserve.models.config import ConfigError
 from jaxserve.models.safetensors_io import CheckpointError, read_safetensors, write_safetensors
-
-FUZZ_EXAMPLES = int(os.environ.get("JAXSERVE_FUZZ_EXAMPLES", "60"))
-FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True,
-                suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                       HealthCheck.too_slow])
-PEAK_SLACK = 32 << 20  # bytes beyond a small multiple of the file size
-
-
-def outcome(fn: Callable[[pathlib.Path], object], path: pathlib.Path) -> object:
-    """`fn(path)`'s result, or the clean error it raised (a ValueError naming `path`).
-
-    Fails on any other exception type, on an error that names no file, and on a peak
-    allocation out of proportion to the file (an unchecked size field would show here).
-    """
-    size = path.stat().st_size
-    tracemalloc.start()
-    try:
-        return fn(path)
-    except (CheckpointError, ConfigError) as e:
-        assert str(path) in str(e), f"error does not name the file: {e}"
-        return e
-    finally:
-        _, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-        assert peak < 64 * size + PEAK_SLACK, f"peak allocation {peak} for a {size}-byte file"
 
 
 # ------------------------------------------------------------------------------ safetensors
@@ -74,10 +49,6 @@ def st_bytes(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     path = tmp_path_factory.mktemp("st") / "model.safetensors"
     write_safetensors(path, _tensors(), {"format": "pt"})
     return path.read_bytes()
-
-
-def failed(result: object) -> bool:
-    return isinstance(result, ValueError)
 
 
 def _split(data: bytes) -> tuple[dict, bytes]:

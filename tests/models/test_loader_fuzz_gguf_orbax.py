@@ -1,9 +1,9 @@
 """GGUF and Orbax loaders against corrupt input: every damaged file gives a clean error.
 
-The contract, the `outcome` oracle and the example budget are test_loader_fuzz's (see its
-docstring): a clean error naming the file, a right result when the read succeeds, and no
-allocation or loop sized by an unchecked header field. The valid GGUF comes from
-test_gguf_loader's writer, the Orbax directory from `loading.convert`.
+The contract is test_loader_fuzz's (see its docstring), the `outcome` oracle and the example
+budget support.loader_fuzz's: a clean error naming the file, a right result when the read
+succeeds, and no allocation or loop sized by an unchecked header field. The valid GGUF comes
+from support.gguf_files' writer, the Orbax directory from `loading.convert`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from test_gguf_loader import Q, _tiny_weights, write_tiny_gguf
-from test_loader_fuzz import FUZZ, failed, outcome
+from support.gguf_files import Q, tiny_weights, write_tiny_gguf
+from support.loader_fuzz import FUZZ, failed, outcome
 
 from jaxserve.models import hf_loader, loading
 from jaxserve.models.gguf_loader import read_gguf, read_gguf_metadata
@@ -30,7 +30,7 @@ from jaxserve.models.safetensors_io import CheckpointError
 @pytest.fixture(scope="module")
 def gguf_bytes(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    write_tiny_gguf(path, _tiny_weights(np.random.default_rng(0)),
+    write_tiny_gguf(path, tiny_weights(np.random.default_rng(0)),
                     types={"model.embed_tokens.weight": Q.Q8_0,
                            "model.layers.0.mlp.up_proj.weight": Q.Q4_1})
     return path.read_bytes()
@@ -52,7 +52,7 @@ def test_gguf_valid_reads(tmp_path: pathlib.Path, gguf_bytes: bytes) -> None:
     path.write_bytes(gguf_bytes)
     ckpt = outcome(read_gguf, path)
     assert not failed(ckpt)
-    assert len(ckpt.tensors) == len(_tiny_weights(np.random.default_rng(0)))  # type: ignore[attr-defined]
+    assert len(ckpt.tensors) == len(tiny_weights(np.random.default_rng(0)))  # type: ignore[attr-defined]
 
 
 @FUZZ

@@ -152,9 +152,9 @@ def test_embedding_lookups_read_dequantized_columns(scheme: str) -> None:
 def _gguf_params(tmp_path, qtype: gguf.GGMLQuantizationType | None = None,  # noqa: ANN202
                  types: dict[str, gguf.GGMLQuantizationType] | None = None):
     """The tiny GGUF's lazy params: every 2-D tensor stored as `qtype`, or as `types` says."""
-    from test_gguf_loader import _tiny_weights, write_tiny_gguf
+    from support.gguf_files import tiny_weights, write_tiny_gguf
 
-    weights = _tiny_weights(np.random.default_rng(4))
+    weights = tiny_weights(np.random.default_rng(4))
     if qtype is not None:
         types = {name: qtype for name, w in weights.items() if w.ndim == 2}
     path = tmp_path / "tiny.gguf"
@@ -193,7 +193,7 @@ def test_gguf_blocks_load_as_they_are(tmp_path, qtype: str, scheme: str) -> None
 def test_gguf_mixed_types_fall_back_to_int8(tmp_path, caplog) -> None:
     """Layers stored in different quant types share no scheme: dequantized and quantized to
     int8 in groups of 32, with a log line; float-stored fields stay float under auto."""
-    from test_gguf_loader import TINY
+    from support.gguf_files import TINY
 
     types = {f"model.layers.{i}.mlp.down_proj.weight":
              (gguf.GGMLQuantizationType.Q8_0 if i == 0 else gguf.GGMLQuantizationType.Q4_1)

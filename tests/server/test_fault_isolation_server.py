@@ -17,8 +17,8 @@ import pytest
 from support.engine_fixtures import VOCAB
 from support.fake_engines import FailingRunner, GatedRunner, fake_engine
 from support.fake_engines import GREEDY, MARK, arithmetic
-from test_openai_http import post, stream_events, wait_pages_free
-from support.probes import SERVING, health, wait_for
+from support.http_clients import post, stream_events
+from support.probes import SERVING, health, wait_for, wait_pages_free
 
 from jaxserve import SamplingParams
 from jaxserve.engine.errors import EngineDead

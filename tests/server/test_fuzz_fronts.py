@@ -11,8 +11,9 @@ assorted Content-Types; (gRPC) GenerateRequest messages with random values for e
 the proto, derived from its descriptor (so a new field is fuzzed by itself), raw bytes and
 corrupted serializations of a valid request.
 
-The server runs the arithmetic fake runner. The default suite runs FUZZ_EXAMPLES cases per
-front, derandomized (the same cases every run); JAXSERVE_FUZZ_EXAMPLES=N runs N random ones.
+The server runs the arithmetic fake runner. The default tier runs 10 cases per front, the
+slow tier 40, derandomized (the same cases every run); JAXSERVE_FUZZ_EXAMPLES=N runs N random
+ones.
 Each test prints its case count and the answers by status (`pytest -s` shows them). A case
 that kills the engine fails, and the server is rebuilt before the next case so hypothesis can
 shrink to the case that did it.
@@ -34,6 +35,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.fake_engines import all_pages_free, fake_engine
+from support.tiers import FUZZ_ENV, fuzz_examples
 
 from jaxserve.engine.sampling_params import FIELDS as SAMPLING_FIELDS
 from jaxserve.server.background import BackgroundServer
@@ -41,9 +43,8 @@ from jaxserve.server.client import pb2
 from jaxserve.server.config import ServerConfig
 from jaxserve.serving.build import ServedModel
 
-EXAMPLES = int(os.environ.get("JAXSERVE_FUZZ_EXAMPLES", "0"))
-FUZZ_EXAMPLES = 40  # per front in the default suite
-SETTINGS = settings(max_examples=EXAMPLES or FUZZ_EXAMPLES, derandomize=not EXAMPLES,
+EXPLORE = bool(os.environ.get(FUZZ_ENV))  # N random cases instead of the fixed ones
+SETTINGS = settings(max_examples=fuzz_examples(40), derandomize=not EXPLORE,
                     deadline=None, database=None, print_blob=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 DEADLINE_S = 60.0

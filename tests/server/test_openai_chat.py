@@ -6,7 +6,6 @@ with the same config (same rendering, same seeds), and the tokenizer itself."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import threading
 import types
@@ -15,9 +14,11 @@ from typing import Any
 import aiohttp
 import pytest
 from support.engine_fixtures import tiny_engine, tiny_tokenizer
-from test_openai_http import CONFIG, DEADLINE_S, GREEDY, wait_pages_free
+from support.http_clients import call, url_of
+from support.openai_front import CHAT, CONFIG, DEADLINE_S, GREEDY
+from support.probes import wait_pages_free
 
-from jaxserve import LLM, SamplingParams, __version__
+from jaxserve import SamplingParams, __version__
 from jaxserve.engine.limits import EngineLimits
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.config import ServerConfig
@@ -26,9 +27,6 @@ from jaxserve.serving.admission import Admission, InvalidRequest, PromptInput, r
 from jaxserve.serving.async_engine import EngineStopped, QueueFull
 from jaxserve.serving.build import ServedModel
 
-CHAT = [{"role": "system", "content": "w3 w4"}, {"role": "user", "content": "w5 w9 w33"},
-        {"role": "assistant", "content": "w7 w8"}, {"role": "user", "content": "w10"}]
-
 
 @pytest.fixture(scope="module")
 def server() -> BackgroundServer:
@@ -36,28 +34,6 @@ def server() -> BackgroundServer:
                            lambda: ServedModel(tiny_engine(**CONFIG), "tiny", "hf")).start()
     yield srv
     srv.stop()
-
-
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    """The offline API over an engine like the server's."""
-    obj = LLM.__new__(LLM)  # LLM() loads a checkpoint; the facade's own code is what is tested
-    obj.engine = tiny_engine(**CONFIG)
-    obj.config = obj.engine.config
-    obj._ids = itertools.count()
-    return obj
-
-
-def url_of(server: BackgroundServer) -> str:
-    return f"http://127.0.0.1:{server.server.http_port}"
-
-
-async def call(url: str, path: str, body: Any, headers: dict | None = None) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as session:
-        data = body if isinstance(body, (str, bytes)) else json.dumps(body)
-        async with session.post(url + path, data=data, headers={
-                "Content-Type": "application/json", **(headers or {})}) as resp:
-            return resp.status, await resp.json()
 
 
 def chat(url: str, body: Any, headers: dict | None = None) -> tuple[int, Any]:

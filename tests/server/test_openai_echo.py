@@ -9,9 +9,9 @@ on hand-built values; the rest goes through the official `openai` SDK (vLLM's ex
 from __future__ import annotations
 
 import pytest
-from test_openai_chat import CHAT, llm  # noqa: F401 - the offline oracle fixture
-from test_openai_http import wait_pages_free
-from test_openai_sdk import NO_EOS, client, server  # noqa: F401 - the server fixture
+from support.http_clients import openai_client
+from support.openai_front import CHAT, NO_EOS, SDK_KEY
+from support.probes import wait_pages_free
 
 from jaxserve import SamplingParams
 from jaxserve.server import openai_choices as choices
@@ -125,32 +125,32 @@ def _close(got: list, want: list) -> None:
     assert got == pytest.approx(want, abs=1e-4)
 
 
-def test_sdk_echo_with_logprobs(server: BackgroundServer, llm) -> None:  # noqa: ANN001, F811
+def test_sdk_echo_with_logprobs(sdk_server: BackgroundServer, llm) -> None:  # noqa: ANN001
     want = llm.generate(PROMPT, SamplingParams(max_tokens=3, temperature=0, logprobs=2,
                                                prompt_logprobs=2, **NO_EOS),
                         use_tqdm=False)[0]
-    got = client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=3,
-                                             temperature=0, echo=True, logprobs=2,
-                                             extra_body=NO_EOS).choices[0]
+    sdk = openai_client(sdk_server, SDK_KEY)
+    got = sdk.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0,
+                                 echo=True, logprobs=2, extra_body=NO_EOS).choices[0]
     assert got.text == PROMPT + want.outputs[0].text
     ids = want.prompt_token_ids + want.outputs[0].token_ids
     lp = got.logprobs
-    tok = server.server.engine.engine.tokenizer
+    tok = sdk_server.server.engine.engine.tokenizer
     assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in ids]
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     entries = want.prompt_logprobs[1:] + want.outputs[0].logprobs
     _close(lp.token_logprobs[1:], [e[t] for t, e in zip(ids[1:], entries)])
     assert all(len(top) in (2, 3) for top in lp.top_logprobs[1:])  # the token + the top-2
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
-    wait_pages_free(server)
+    wait_pages_free(sdk_server)
 
 
-def test_sdk_echo_scores_the_prompt(server: BackgroundServer, llm) -> None:  # noqa: ANN001, F811
+def test_sdk_echo_scores_the_prompt(sdk_server: BackgroundServer, llm) -> None:  # noqa: ANN001
     """lm-eval-harness' loglikelihood request: echo, max_tokens 0, logprobs 1."""
     want = llm.generate(PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=1),
                         use_tqdm=False)[0]
-    got = client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=0,
-                                            echo=True, logprobs=1)
+    got = openai_client(sdk_server, SDK_KEY).completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
     c = got.choices[0]
     assert c.text == PROMPT and c.finish_reason == "length"
     assert got.usage.completion_tokens == 0
@@ -159,13 +159,13 @@ def test_sdk_echo_scores_the_prompt(server: BackgroundServer, llm) -> None:  # n
     assert c.logprobs.token_logprobs[0] is None
     _close(c.logprobs.token_logprobs[1:],
            [e[t] for t, e in zip(ids[1:], want.prompt_logprobs[1:])])
-    wait_pages_free(server)
+    wait_pages_free(sdk_server)
 
 
-def test_sdk_prompt_logprobs(server: BackgroundServer, llm) -> None:  # noqa: ANN001, F811
+def test_sdk_prompt_logprobs(sdk_server: BackgroundServer, llm) -> None:  # noqa: ANN001
     want = llm.generate(PROMPT, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2,
                                                **NO_EOS), use_tqdm=False)[0]
-    sdk = client(server)
+    sdk = openai_client(sdk_server, SDK_KEY)
     got = sdk.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0,
                                  extra_body={"prompt_logprobs": 2, **NO_EOS}).model_dump()
     c = got["choices"][0]
@@ -178,7 +178,7 @@ def test_sdk_prompt_logprobs(server: BackgroundServer, llm) -> None:  # noqa: AN
                                       extra_body={"prompt_logprobs": 2, **NO_EOS}).model_dump()
     assert got["choices"][0]["message"]["content"] == chat_want.outputs[0].text
     _check_vllm_prompt_logprobs(got["prompt_logprobs"], chat_want)
-    wait_pages_free(server)
+    wait_pages_free(sdk_server)
 
 
 def _check_vllm_prompt_logprobs(got: list, want) -> None:  # noqa: ANN001 - a RequestOutput
@@ -193,9 +193,9 @@ def _check_vllm_prompt_logprobs(got: list, want) -> None:  # noqa: ANN001 - a Re
 
 
 @pytest.mark.parametrize("logprobs", [None, 1])
-def test_sdk_streamed_echo_equals_unstreamed(server: BackgroundServer,  # noqa: F811
+def test_sdk_streamed_echo_equals_unstreamed(sdk_server: BackgroundServer,
                                              logprobs: int | None) -> None:
-    sdk = client(server)
+    sdk = openai_client(sdk_server, SDK_KEY)
     kw = dict(model="tiny", prompt=PROMPT, n=2, temperature=0.8, seed=3, max_tokens=5,
               echo=True, logprobs=logprobs, extra_body=NO_EOS)
     whole = sdk.completions.create(**kw)
@@ -207,10 +207,10 @@ def test_sdk_streamed_echo_equals_unstreamed(server: BackgroundServer,  # noqa: 
     for c in whole.choices:
         assert texts[c.index] == c.text and c.text.startswith(PROMPT)
         assert tokens[c.index] == (c.logprobs.tokens if logprobs else [])
-    wait_pages_free(server)
+    wait_pages_free(sdk_server)
 
 
-def test_sdk_chat_echo(server: BackgroundServer, llm) -> None:  # noqa: ANN001, F811
+def test_sdk_chat_echo(sdk_server: BackgroundServer, llm) -> None:  # noqa: ANN001
     """vLLM's chat echo: the last message's content first, when it is an assistant's (here a
     turn the model continues)."""
     msgs = CHAT[:3]
@@ -220,7 +220,7 @@ def test_sdk_chat_echo(server: BackgroundServer, llm) -> None:  # noqa: ANN001, 
     ids = render_chat(msgs, llm.tokenizer, False, continue_final_message=True)
     want = llm.generate(ids, SamplingParams(max_tokens=4, temperature=0, **NO_EOS),
                         use_tqdm=False)[0].outputs[0].text
-    sdk = client(server)
+    sdk = openai_client(sdk_server, SDK_KEY)
     got = sdk.chat.completions.create(**kw).choices[0].message.content
     assert got == "w7 w8" + want
     streamed = "".join(c.choices[0].delta.content or "" for c in
@@ -232,11 +232,11 @@ def test_sdk_chat_echo(server: BackgroundServer, llm) -> None:  # noqa: ANN001, 
     assert plain.choices[0].message.content == llm.chat(
         CHAT, SamplingParams(max_tokens=2, temperature=0, **NO_EOS),
         use_tqdm=False)[0].outputs[0].text
-    wait_pages_free(server)
+    wait_pages_free(sdk_server)
 
 
-def test_sdk_refusals(server: BackgroundServer) -> None:  # noqa: F811
-    sdk = client(server)
+def test_sdk_refusals(sdk_server: BackgroundServer) -> None:
+    sdk = openai_client(sdk_server, SDK_KEY)
     for kw, field in ((dict(suffix="w9"), "suffix"), (dict(best_of=2), "best_of")):
         with pytest.raises(openai.BadRequestError) as e:
             sdk.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, **kw)

@@ -6,16 +6,17 @@ greedy rollout (no cache, no pages) for the token ids."""
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 import types
 import urllib.request
-from typing import Any
 
 import aiohttp
 import pytest
-from support.engine_fixtures import FEW_TOKEN_BUCKETS, rollout, tiny_engine, tiny_model
+from support.engine_fixtures import rollout, tiny_engine, tiny_model
+from support.http_clients import post, stream_events
+from support.openai_front import CONFIG, DEADLINE_S, GREEDY, offline
+from support.probes import wait_pages_free
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve import SamplingParams
@@ -25,13 +26,6 @@ from jaxserve.server.config import ServerConfig
 from jaxserve.server.openai_http import OpenAIHttpFront
 from jaxserve.serving.async_engine import EngineStopped, QueueFull
 from jaxserve.serving.build import ServedModel
-
-# The engine config of every OpenAI front test module (chat, echo, sdk, serving, README too):
-# two token buckets, 7 warmup compiles per engine instead of 26.
-CONFIG = dict(max_num_seqs=8, max_num_batched_tokens=64, page_size=8, max_model_len=512,
-              token_buckets=FEW_TOKEN_BUCKETS)
-DEADLINE_S = 30.0
-GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -49,52 +43,6 @@ def oracle():  # noqa: ANN201 - an Engine
 
 def base_url(server: BackgroundServer) -> str:
     return f"http://127.0.0.1:{server.server.http_port}"
-
-
-def offline(engine, prompt, params: SamplingParams):  # noqa: ANN001, ANN201
-    """The offline API's loop: add, step to completion, the final RequestOutput."""
-    engine.add_request("o", prompt, params)
-    final = None
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                final = out
-    return final
-
-
-async def post(url: str, body: Any, headers: dict | None = None) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as session:
-        data = body if isinstance(body, (str, bytes)) else json.dumps(body)
-        async with session.post(url + "/v1/completions", data=data, headers={
-                "Content-Type": "application/json", **(headers or {})}) as resp:
-            return resp.status, await resp.json()
-
-
-async def stream_events(url: str, body: dict) -> list[Any]:
-    """Every SSE `data:` payload, decoded (`[DONE]` kept as the string)."""
-    events = []
-    async with aiohttp.ClientSession() as session:
-        async with session.post(url + "/v1/completions", json={**body, "stream": True}) as resp:
-            assert resp.status == 200, await resp.text()
-            assert resp.headers["Content-Type"].startswith("text/event-stream")
-            raw = (await resp.read()).decode()
-    assert raw.endswith("\n\n")
-    for block in raw.split("\n\n")[:-1]:
-        assert block.startswith("data: "), block
-        payload = block[len("data: "):]
-        events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
-
-
-def wait_pages_free(server: BackgroundServer) -> None:
-    eng = server.server.engine.engine
-    alloc = eng.scheduler.allocator
-    deadline = time.monotonic() + DEADLINE_S
-    while alloc.num_free_pages != alloc.num_usable_pages or server.server.engine.num_in_flight \
-            or eng.has_unfinished():
-        assert time.monotonic() < deadline, \
-            f"{alloc.num_usable_pages - alloc.num_free_pages} pages still held"
-        time.sleep(0.005)
 
 
 def scrape(server: BackgroundServer) -> dict:

@@ -5,35 +5,18 @@ ports, tiny model, an API key), chat and completions, streaming and not. Oracle:
 from __future__ import annotations
 
 import pytest
-from support.engine_fixtures import tiny_engine
-from test_openai_chat import CHAT, llm  # noqa: F401 - the offline oracle fixture
-from test_openai_http import CONFIG, wait_pages_free
+from support.http_clients import openai_client
+from support.openai_front import CHAT, NO_EOS, SDK_KEY
+from support.probes import wait_pages_free
 
 from jaxserve import SamplingParams
 from jaxserve.server.background import BackgroundServer
-from jaxserve.server.config import ServerConfig
-from jaxserve.serving.build import ServedModel
 
 openai = pytest.importorskip("openai")
-KEY = "sdk-key"
-NO_EOS = {"ignore_eos": True}  # vLLM's extra, through the SDK's extra_body
 
 
-@pytest.fixture(scope="module")
-def server() -> BackgroundServer:
-    srv = BackgroundServer(ServerConfig(port=0, http_port=0, api_keys=(KEY,)),
-                           lambda: ServedModel(tiny_engine(**CONFIG), "tiny", "hf")).start()
-    yield srv
-    srv.stop()
-
-
-def client(server: BackgroundServer, key: str = KEY):  # noqa: ANN201 - openai.OpenAI
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.server.http_port}/v1",
-                         api_key=key, max_retries=0, timeout=60)
-
-
-def test_sdk_chat(server: BackgroundServer, llm) -> None:  # noqa: ANN001, F811
-    sdk = client(server)
+def test_sdk_chat(sdk_server: BackgroundServer, llm) -> None:  # noqa: ANN001
+    sdk = openai_client(sdk_server, SDK_KEY)
     want = llm.chat(CHAT, SamplingParams(max_tokens=7, temperature=0, logprobs=2, **NO_EOS),
                     use_tqdm=False)[0]
     got = sdk.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=7,
@@ -61,11 +44,11 @@ def test_sdk_chat(server: BackgroundServer, llm) -> None:  # noqa: ANN001, F811
         usage = chunk.usage or usage
     assert [texts[0], texts[1]] == [o.text for o in want.outputs]
     assert usage.completion_tokens == sum(len(o.token_ids) for o in want.outputs)
-    wait_pages_free(server)
+    wait_pages_free(sdk_server)
 
 
-def test_sdk_completions(server: BackgroundServer, llm) -> None:  # noqa: ANN001, F811
-    sdk = client(server)
+def test_sdk_completions(sdk_server: BackgroundServer, llm) -> None:  # noqa: ANN001
+    sdk = openai_client(sdk_server, SDK_KEY)
     want = llm.generate("w5 w6 w7", SamplingParams(max_tokens=5, temperature=0, **NO_EOS),
                         use_tqdm=False)[0]
     got = sdk.completions.create(model="tiny", prompt="w5 w6 w7", max_tokens=5,
@@ -91,16 +74,16 @@ def test_sdk_completions(server: BackgroundServer, llm) -> None:  # noqa: ANN001
     assert sdk.chat.completions.create(**kw).choices[0].message.content == want_chat
     assert "".join(c.choices[0].delta.content or "" for c in
                    sdk.chat.completions.create(stream=True, **kw) if c.choices) == want_chat
-    wait_pages_free(server)
+    wait_pages_free(sdk_server)
 
 
-def test_sdk_errors(server: BackgroundServer) -> None:
+def test_sdk_errors(sdk_server: BackgroundServer) -> None:
     with pytest.raises(openai.AuthenticationError):
-        client(server, "wrong").chat.completions.create(model="tiny", messages=CHAT)
+        openai_client(sdk_server, "wrong").chat.completions.create(model="tiny", messages=CHAT)
+    sdk = openai_client(sdk_server, SDK_KEY)
     with pytest.raises(openai.BadRequestError) as bad:
-        client(server).chat.completions.create(model="tiny", messages=CHAT, temperature=-1)
+        sdk.chat.completions.create(model="tiny", messages=CHAT, temperature=-1)
     assert bad.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError) as bad:
-        client(server).chat.completions.create(model="tiny", messages=CHAT,
-                                               logit_bias={"5": 101})
+        sdk.chat.completions.create(model="tiny", messages=CHAT, logit_bias={"5": 101})
     assert bad.value.body["param"] == "logit_bias"

@@ -20,11 +20,12 @@ from typing import Any, AsyncIterator
 import aiohttp
 import pytest
 from support.engine_fixtures import tiny_engine, tiny_tokenizer
+from support.http_clients import call as plain_call
+from support.http_clients import url_of
+from support.openai_front import CONFIG, GREEDY, offline
+from support.probes import wait_pages_free
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
-from test_openai_chat import call as chat_call
-from test_openai_chat import llm, url_of  # noqa: F401 - llm is a fixture
-from test_openai_http import CONFIG, GREEDY, offline, wait_pages_free
 
 from jaxserve import SamplingParams
 from jaxserve.engine.limits import EngineLimits
@@ -54,8 +55,8 @@ def server() -> BackgroundServer:
 
 
 async def call(url: str, path: str, body: Any, headers: dict | None = None) -> tuple[int, Any]:
-    """test_openai_chat's request helper with this server's API key."""
-    return await chat_call(url, path, body, {**AUTH, **(headers or {})})
+    """support.http_clients.call with this server's API key."""
+    return await plain_call(url, path, body, {**AUTH, **(headers or {})})
 
 
 async def get(url: str, path: str, headers: dict | None = None) -> tuple[int, str]:
@@ -348,7 +349,7 @@ def test_servers_started_in_code_choose_both_ports() -> None:
     root = pathlib.Path(__file__).resolve().parents[2]
     starters = {"BackgroundServer", "GrpcServer", "serve"}
     missing = []
-    for path in [*root.glob("tests/**/*.py"), *root.glob("scripts/*.py"),
+    for path in [*root.glob("tests/**/*.py"), *root.glob("scripts/**/*.py"),
                  *root.glob("jaxserve/**/*.py"), *root.glob("server/*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             if not (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(

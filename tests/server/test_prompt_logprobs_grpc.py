@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 from support.engine_fixtures import tiny_engine
-from test_openai_chat import llm  # noqa: F401 - the offline oracle fixture
-from test_server import CONFIG, check_stream_shape, wait_pages_free
+from support.grpc_streams import check_stream_shape
+from support.openai_front import CONFIG
+from support.probes import wait_pages_free
 
 from jaxserve import SamplingParams
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
@@ -80,7 +81,7 @@ def server() -> BackgroundServer:
 
 
 @pytest.mark.parametrize("max_tokens", [4, 0])
-def test_grpc_prompt_logprobs_equal_offline(server: BackgroundServer, llm,  # noqa: ANN001, F811
+def test_grpc_prompt_logprobs_equal_offline(server: BackgroundServer, llm,  # noqa: ANN001
                                             max_tokens: int) -> None:
     prompt = "w5 w9 w33 w7 w7 w100"
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,

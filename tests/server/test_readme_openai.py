@@ -17,8 +17,8 @@ import re
 
 import pytest
 from support.engine_fixtures import tiny_engine
-from test_openai_chat import llm  # noqa: F401 - the offline oracle fixture
-from test_openai_http import CONFIG
+from support.fake_engines import bpe_engine
+from support.openai_front import CONFIG
 
 from jaxserve import SamplingParams
 from jaxserve.server.background import BackgroundServer
@@ -37,7 +37,7 @@ def readme_example() -> str:
     return sdk[0]
 
 
-def test_readme_openai_chat_example_runs(llm) -> None:  # noqa: ANN001, F811
+def test_readme_openai_chat_example_runs(llm) -> None:  # noqa: ANN001
     code = readme_example()
     assert code.count(URL) == 1 and "stream=True" in code
     assert len(code.strip().splitlines()) <= 12  # the README promises a short example
@@ -60,7 +60,6 @@ def test_readme_structured_output_example_runs() -> None:
     against a server whose fake engine speaks a byte-level BPE tokenizer: it must print a
     dict that validates against the example's own schema."""
     import jsonschema
-    from test_structured_fronts import bpe_engine
 
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
     [code] = [b for b in blocks if "response_format" in b and "client." in b]

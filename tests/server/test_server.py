@@ -5,12 +5,14 @@ config, model and seeds: every stream must carry exactly its tokens and text."""
 from __future__ import annotations
 
 import asyncio
-import time
 import urllib.request
 
 import grpc
 import pytest
-from support.engine_fixtures import FEW_TOKEN_BUCKETS, tiny_engine
+from support.engine_fixtures import tiny_engine
+from support.grpc_streams import check_stream_shape
+from support.openai_front import CONFIG
+from support.probes import wait_pages_free
 from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -21,11 +23,6 @@ from jaxserve.server.background import BackgroundServer
 from jaxserve.server.client import AsyncClient, Client, fold
 from jaxserve.server.config import ServerConfig
 from jaxserve.serving.build import ServedModel
-
-# test_openai_http.CONFIG's engine (two token buckets): one process compiles it once for both.
-CONFIG = dict(max_num_seqs=8, max_num_batched_tokens=64, page_size=8, max_model_len=512,
-              token_buckets=FEW_TOKEN_BUCKETS)
-DEADLINE_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -55,28 +52,6 @@ def offline(engine, requests) -> list:  # noqa: ANN001
 
 def engine_of(server: BackgroundServer):  # noqa: ANN201
     return server.server.engine.engine
-
-
-def wait_pages_free(server: BackgroundServer) -> None:
-    """Poll (with a deadline) until every KV page is free and nothing is in flight."""
-    eng = engine_of(server)
-    alloc = eng.scheduler.allocator
-    deadline = time.monotonic() + DEADLINE_S
-    while alloc.num_free_pages != alloc.num_usable_pages or server.server.engine.num_in_flight:
-        assert time.monotonic() < deadline, \
-            f"{alloc.num_usable_pages - alloc.num_free_pages} pages still held"
-        time.sleep(0.005)
-
-
-def check_stream_shape(msgs: list, n: int) -> None:
-    """Per sample: chunks, then exactly one Finished, nothing after it."""
-    done: set[int] = set()
-    for m in msgs:
-        index = m.chunk.index if m.HasField("chunk") else m.finished.index
-        assert index not in done, "message after its sample's Finished"
-        if m.HasField("finished"):
-            done.add(index)
-    assert done == set(range(n))
 
 
 REQUESTS = [

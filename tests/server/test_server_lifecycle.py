@@ -150,11 +150,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    # One compilation cache for both launches: the second one skips the XLA compiles.
-    cache = tmp_path_factory.mktemp("xla-cache")
-    return {**os.environ, "JAXSERVE_COMPILATION_CACHE_DIR": str(cache),
-            "PYTHONUNBUFFERED": "1"}
+def env() -> dict:
+    # The test session's compilation cache (conftest: JAX_COMPILATION_CACHE_DIR, with
+    # JAXSERVE_COMPILATION_CACHE_DIR empty so the CLI keeps it): the second launch skips the
+    # first's XLA compiles, and both reuse what other tests' servers compiled.
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 class ServeProcess:

@@ -12,19 +12,13 @@ from __future__ import annotations
 import json
 import pathlib
 import re
-import tempfile
 
 import grpc
 import jsonschema
 import pytest
-from support.bpe_tokenizer import train_bpe_tokenizer
-from support.engine_fixtures import tiny_model_config
+from support.fake_engines import bpe_engine
 
 from jaxserve.cli.batch_job import BatchOptions, run_batch
-from jaxserve.config import EngineConfig
-from jaxserve.engine.engine import Engine
-from jaxserve.engine.fake_runner import ArithmeticRunner
-from jaxserve.engine.sizing import plan_engine
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.client import Client
 from jaxserve.server.config import ServerConfig
@@ -38,15 +32,6 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["city", "temp", "tags"], "additionalProperties": False}
 REGEX = r"[a-z]{3}-[0-9]{2}"
 CHAT = [{"role": "user", "content": "weather?"}]
-
-
-def bpe_engine() -> Engine:
-    tok = train_bpe_tokenizer(pathlib.Path(tempfile.mkdtemp(prefix="jaxserve-bpe-")))
-    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, page_size=8,
-                          max_model_len=256, attention_impl="reference")
-    model = tiny_model_config(vocab_size=tok.vocab_size, eos_token_ids=tok.eos_token_ids)
-    plan = plan_engine(config, model, 4, 1 << 30)
-    return Engine(config, plan, ArithmeticRunner(tok.vocab_size), tok, tok.eos_token_ids)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import pytest
 from support.bpe_tokenizer import train_bpe_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.tiers import fuzz_examples
 
 from jaxserve.engine.errors import InvalidRequest
 from jaxserve.engine.grammar import GrammarCompiler
@@ -314,7 +315,7 @@ _PARSERS = [HermesParser, Llama3JsonParser, RequiredParser,
             lambda **kw: NamedParser("f", **kw)]
 
 
-@settings(max_examples=200, derandomize=True, deadline=None)
+@settings(max_examples=fuzz_examples(200), derandomize=True, deadline=None)
 @given(st.lists(_PIECES, max_size=12), st.lists(st.integers(1, 40), max_size=8),
        st.sampled_from(range(len(_PARSERS))))
 def test_parsers_never_raise_and_read_pieces_alike(pieces: list[str], cuts: list[int],
@@ -347,7 +348,7 @@ _TOOL = st.fixed_dictionaries({"type": st.sampled_from(["function", "x"]) | _JSO
                                              "description": _JSON})}) | _JSON
 
 
-@settings(max_examples=120, derandomize=True, deadline=None)
+@settings(max_examples=fuzz_examples(120), derandomize=True, deadline=None)
 @given(st.lists(_TOOL, max_size=3) | _JSON,
        st.sampled_from(["auto", "none", "required", {"type": "function",
                                                      "function": {"name": "f"}}]) | _JSON,
@@ -377,7 +378,7 @@ _CALLS = st.lists(st.tuples(st.sampled_from(["f", "get_time"]), _ARGS), min_size
 _SPACING = st.sampled_from([(None, None), (None, (",", ":")), (1, None), (2, (", ", ": "))])
 
 
-@settings(max_examples=60, derandomize=True, deadline=None)
+@settings(max_examples=fuzz_examples(60), derandomize=True, deadline=None)
 @given(_CALLS, _SPACING, st.lists(st.integers(1, 9), max_size=12), st.booleans())
 def test_written_calls_read_back(calls: list, spacing: tuple, cuts: list[int],
                                  prose: bool) -> None:

@@ -4,9 +4,12 @@ by step or make fail, and the oracle of the tokens they produce."""
 
 from __future__ import annotations
 
+import pathlib
+import tempfile
 import threading
 import time
 
+from support.bpe_tokenizer import train_bpe_tokenizer
 from support.engine_fixtures import VOCAB, tiny_model_config, tiny_tokenizer
 
 from jaxserve.config import EngineConfig
@@ -49,6 +52,18 @@ def fake_engine(runner: ArithmeticRunner | None = None, **cfg: object) -> Engine
     config = EngineConfig(**base)  # type: ignore[arg-type]
     plan = plan_engine(config, tiny_model_config(), 4, 1 << 30)
     return Engine(config, plan, runner or ArithmeticRunner(VOCAB), tiny_tokenizer(), (2,))
+
+
+def bpe_engine() -> Engine:
+    """A fake engine that speaks support.bpe_tokenizer's byte-level BPE tokenizer (freshly
+    trained, in a new temporary directory): a vocabulary a grammar can spell any JSON text
+    with, for the structured-output fronts."""
+    tok = train_bpe_tokenizer(pathlib.Path(tempfile.mkdtemp(prefix="jaxserve-bpe-")))
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, page_size=8,
+                          max_model_len=256, attention_impl="reference")
+    model = tiny_model_config(vocab_size=tok.vocab_size, eos_token_ids=tok.eos_token_ids)
+    plan = plan_engine(config, model, 4, 1 << 30)
+    return Engine(config, plan, ArithmeticRunner(tok.vocab_size), tok, tok.eos_token_ids)
 
 
 def wait_until(predicate, what: str) -> None:  # noqa: ANN001

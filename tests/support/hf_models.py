@@ -2,11 +2,15 @@
 
 The oracle side of model parity: transformers builds and initialises the model, saves it with
 its own `save_pretrained` (safetensors), and jaxserve loads that directory with its own loader.
+`save_tiny_tokenizer(dir, vocab_size)` writes the package's word tokenizer beside them (it is
+`jaxserve.models.tiny.save_word_tokenizer`: one tokenizer factory for tests and scripts).
 """
 
 from __future__ import annotations
 
 import pathlib
+
+from jaxserve.models.tiny import save_word_tokenizer as save_tiny_tokenizer
 
 # Architectures under test: name -> (transformers config class name, config kwargs).
 _BASE = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -56,8 +60,4 @@ def build_hf_model(arch: str, out_dir: pathlib.Path, seed: int = 0):
     return model
 
 
-def save_tiny_tokenizer(out_dir: pathlib.Path, vocab_size: int) -> None:
-    """A word-level tokenizer over `vocab_size` ids ('<unk>', '<s>', '</s>', 'w3', ...)."""
-    from jaxserve.models.tiny import save_word_tokenizer
-
-    save_word_tokenizer(out_dir, vocab_size)
+__all__ = ["ARCHS", "build_hf_model", "save_tiny_tokenizer"]
