@@ -244,13 +244,12 @@ def test_dp_tp_matches_tp1(worker: dict, model: str, dp: int, tp: int) -> None:
         for a, b in zip(have["logprobs"], want["logprobs"]):
             assert a.keys() == b.keys()
             x, y = (np.array([d[k] for k in sorted(b)]) for d in (a, b))
-            # The top logprobs are the ones nearest 0, so relative to their own magnitude
-            # they amplify the logits' error; 1e-4 of it still catches any wrong shard.
-            assert np.abs(x - y).max() <= 1e-4 * np.abs(y).max(), (rid, x, y)
+            # Two layouts of one model: support.numerics.model_logprob_atol (the worker's).
+            assert np.abs(x - y).max() <= base["logprob_atol"], (rid, x, y)
     reps = got["replicas"]
     # The logits themselves (every prompt position, full-sequence forward on each replica's
-    # sharded params): within 1e-5 of TP 1, max|diff| / max|ref|.
-    assert all(r["logits_rel_err"] <= 1e-5 for r in reps), [r["logits_rel_err"] for r in reps]
+    # sharded params) against TP 1's: support.numerics.logits_atol, from the weights.
+    assert all(r["logits_err"] <= r["logits_atol"] for r in reps), reps
     assert [r["compiles_after_warmup"] for r in reps] == [0] * dp
     assert all(r["steps"] > 0 for r in reps), "every replica must have served requests"
 

@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 
+from support.numerics import model_logprob_atol
 from support.tiers import run_slow  # noqa: F401 - re-exported for the workers
 
 from jaxserve.config import EngineConfig
@@ -53,6 +54,16 @@ def tiny_model(seed: int = 0, **overrides: object) -> LoadedModel:
     sharp distributions, so greedy argmaxes are far from ties)."""
     return tiny.random_model(tiny_model_config(**overrides), seed=seed,
                              scale=tiny.TEST_INIT_SCALE, tokenizer=tiny_tokenizer())
+
+
+@functools.cache
+def tiny_logprob_atol(context_len: int = 256, seed: int = 0) -> float:
+    """The bound two runs of the test model (`tiny_model(seed)`) in different layouts keep
+    their logprobs within (batch neighbours, buckets, prefill chunks, TP, another process):
+    support.numerics.model_logprob_atol over `context_len` positions (default: tiny_engine's
+    max_model_len)."""
+    m = tiny_model(seed)
+    return model_logprob_atol(m.config, m.params, context_len)
 
 
 def tiny_engine(model: LoadedModel | None = None, warmup: bool = True,

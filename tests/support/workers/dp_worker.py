@@ -27,6 +27,7 @@ import numpy as np
 from support.engine_fixtures import (  # noqa: E402 - run with tests/ on the path
     FEW_TOKEN_BUCKETS, run_slow, tiny_engine, tiny_model)
 from prometheus_client.parser import text_string_to_metric_families
+from support.numerics import logits_atol, model_logprob_atol
 from support.workers.tp_worker import greedy_outputs, shard_bytes
 
 from jaxserve.config import EngineConfig
@@ -71,7 +72,10 @@ def run(name: str, dp: int, tp: int) -> dict:
     model = model_of(name)
     if dp == 1 and tp == 1:
         return {"model": name, "dp": 1, "tp": 1,
-                "outputs": greedy_outputs(tiny_engine(model, **BASE), PROMPTS)}
+                "outputs": greedy_outputs(tiny_engine(model, **BASE), PROMPTS),
+                # Two layouts (DP x TP against TP 1) of this model: support.numerics's bounds.
+                "logprob_atol": model_logprob_atol(model.config, model.params,
+                                                   BASE["max_model_len"])}
     # DP x TP 1 sizes its KV pages from a sliver of host memory (below what the sequences
     # could use): the replicas must still agree on one page count.
     extra = {}
@@ -91,7 +95,8 @@ def run(name: str, dp: int, tp: int) -> dict:
         ref = full_logits(model.params, model.config)  # TP 1, on device 0
         got = full_logits(e.runner.params, e.runner.model_cfg)
         replicas.append({
-            "logits_rel_err": float(np.abs(got - ref).max() / np.abs(ref).max()),
+            "logits_err": float(np.abs(got - ref).max()),
+            "logits_atol": logits_atol(model.config, model.params, got.shape[1]),
             "devices": [d.id for d in e.runner.mesh.devices.flat],
             "kv_devices": sorted(d.id for d in e.runner.kv_pages.devices()),
             "param_devices": sorted({d.id for x in jax.tree.leaves(e.runner.params)

@@ -23,6 +23,7 @@ import tempfile
 import jax
 from support.bpe_tokenizer import train_bpe_tokenizer  # noqa: E402 - run with tests/ on the path
 from support.engine_fixtures import FEW_TOKEN_BUCKETS, run_slow, tiny_engine, tiny_model
+from support.numerics import model_logprob_atol
 
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.structured_outputs import StructuredOutputs
@@ -112,8 +113,12 @@ def run(kv_heads: int, tp: int) -> dict:
     structured = structured_outputs(eng) if kv_heads == 8 else {}
     p_dev, p_all = shard_bytes(eng.runner.params)
     kv_dev, kv_all = shard_bytes(eng.runner.kv_pages)
+    model = model_of(kv_heads)
     return {"heads": heads, "kv_heads": kv_heads, "tp": tp, "outputs": outs,
             "structured": structured,
+            # TP only reorders the model's sums: support.numerics's bound, from its weights.
+            "logprob_atol": model_logprob_atol(model.config, model.params,
+                                               eng.config.max_model_len),
             "compiles_after_warmup": eng.runner.compiles_after_warmup,
             "param_bytes_device0": p_dev, "param_bytes_total": p_all,
             "kv_bytes_device0": kv_dev, "kv_bytes_total": kv_all,
@@ -133,6 +138,8 @@ def run_quantized(options: dict, tp: int) -> dict:
     outs = greedy_outputs(eng, PROMPTS)
     p_dev, p_all = shard_bytes(eng.runner.params)
     return {"options": options, "tp": tp, "outputs": outs,
+            "logprob_atol": model_logprob_atol(model_of(8).config, eng.runner.params,
+                                               eng.config.max_model_len),
             "compiles_after_warmup": eng.runner.compiles_after_warmup,
             "param_bytes_device0": p_dev, "param_bytes_total": p_all}
 
