@@ -39,7 +39,7 @@ from jaxserve.kernels_pallas import cpu_build
 from jaxserve.kernels_pallas.cpu import ragged_paged_attention_cpu, write_kv_and_attend_cpu
 from support.kernel_cases import (CASE_IDS, CASES, INTERPRET_BY_DEFAULT, draw_specs,
                                   expected_pages_after_write, random_batch)
-from support.numerics import attention_atol, rounding_rtol
+from support.numerics import assert_close, attention_atol, rounding_rtol
 from support.tiers import split_tiers
 
 
@@ -69,7 +69,7 @@ def check_case(specs: list[tuple[int, int]], *, hq: int, hkv: int, d: int, ps: i
     assert got.shape == batch.q.shape and got.dtype == batch.q.dtype
     got = np.asarray(jnp.asarray(got, jnp.float32))
     live = int(np.asarray(batch.md.cu_q_lens)[len(specs)])
-    np.testing.assert_allclose(got[:live], want[:live], **tolerance(batch, dtype, **opts),
+    assert_close(got[:live], want[:live], **tolerance(batch, dtype, **opts),
                                err_msg=f"cpu kernel on {specs}")
     np.testing.assert_array_equal(got[live:], 0.0, err_msg="padding tokens must be zeros")
 
@@ -120,7 +120,7 @@ def test_head_dim_stored_padded_and_selector_dispatch() -> None:
                                             sm_scale=80 ** -0.5)
     got = ragged_paged_attention(batch.q, pages, batch.md, sm_scale=80 ** -0.5, impl="cpu")
     assert got.shape == batch.q.shape
-    np.testing.assert_allclose(np.asarray(got)[:4], np.asarray(want)[:4],
+    assert_close(np.asarray(got)[:4], np.asarray(want)[:4],
                                **tolerance(batch, "float32", sm_scale=80 ** -0.5))
     assert select_impl("auto", "cpu") == "cpu" and select_impl("cpu") == "cpu"
 
@@ -147,7 +147,7 @@ def test_fused_write_and_attend(dtype: str, pad: int) -> None:
     if pad == 0:
         np.testing.assert_array_equal(np.asarray(jnp.asarray(pages, jnp.float32)),
                                       expected_pages_after_write(batch))
-    np.testing.assert_allclose(np.asarray(jnp.asarray(out, jnp.float32))[:29],
+    assert_close(np.asarray(jnp.asarray(out, jnp.float32))[:29],
                                np.asarray(jnp.asarray(want, jnp.float32))[:29],
                                **tolerance(batch, dtype, sm_scale=0.125, head_dim=d))
     with pytest.raises(ValueError, match=rf"k_new must be \[T, 2, <= {64 + pad}\]"):

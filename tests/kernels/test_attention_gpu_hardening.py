@@ -25,8 +25,8 @@ from jaxserve.kernels_pallas import (AttentionMetadata, ragged_paged_attention_r
                                      selector, write_kv)
 from jaxserve.kernels_pallas import gpu
 from support.kernel_cases import random_batch
-from support.numerics import (F32_UNIT_ROUNDOFF, gamma, kernel_attention_tolerance,
-                              transcendental_bound)
+from support.numerics import (F32_UNIT_ROUNDOFF, assert_close, gamma,
+                              kernel_attention_tolerance, transcendental_bound)
 from support.pallas_run import interpret_params, races_found
 
 SDS = jax.ShapeDtypeStruct
@@ -188,7 +188,7 @@ def check_against_reference(batch, pages, *, md=None, window=None, cap=None,
     live = int(np.asarray(md.cu_q_lens)[int(np.asarray(md.num_seqs)[0])])
     tol = kernel_attention_tolerance("pallas_gpu", batch, jnp.dtype(batch.q.dtype).name,
                                      roundings=2, **opts)
-    np.testing.assert_allclose(got[:live], want[:live], **tol)
+    assert_close(got[:live], want[:live], **tol)
     assert np.isfinite(got).all() and not got[live:].any(), "padding rows must be zeros"
     return got
 

@@ -29,7 +29,7 @@ import pytest
 from jaxserve.kernels_pallas import ragged_paged_attention_reference, write_kv
 from support.kernel_cases import (CASE_IDS, CASES, INTERPRET_BY_DEFAULT, draw_specs,
                                   expected_pages_after_write, random_batch)
-from support.numerics import kernel_attention_tolerance
+from support.numerics import assert_close, kernel_attention_tolerance
 from support.pallas_run import interpret_params, races_found, run_kernel
 
 
@@ -83,7 +83,7 @@ def test_kernel_matches_reference(impl: str, case: tuple, interpret: bool) -> No
     if interpret:
         assert not races_found(impl), "the interpreter reported a data race"
     live = int(np.asarray(batch.md.cu_q_lens)[len(specs)])
-    np.testing.assert_allclose(got[:live], want[:live],
+    assert_close(got[:live], want[:live],
                                **tolerance(impl, batch, dtype, interpret, **opts),
                                err_msg=f"{impl} on {specs}")
     assert np.isfinite(got).all(), "padding rows must be finite (zeros) too"
@@ -101,7 +101,7 @@ def test_kernel_head_dim_through_padding(impl: str) -> None:
     got = run_kernel(impl, batch.q, pages, batch.md, sm_scale=80 ** -0.5,
                      interpret=interpret_params(impl))
     assert got.shape == batch.q.shape
-    np.testing.assert_allclose(np.asarray(got)[:4], np.asarray(want)[:4],
+    assert_close(np.asarray(got)[:4], np.asarray(want)[:4],
                                **tolerance(impl, batch, "float32", True, sm_scale=80 ** -0.5))
 
 

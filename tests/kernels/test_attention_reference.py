@@ -21,7 +21,7 @@ import pytest
 from jaxserve.kernels_pallas import (AttentionMetadata, ragged_paged_attention,
                                      ragged_paged_attention_reference, select_impl, write_kv)
 from support.kernel_cases import expected_pages_after_write, random_batch
-from support.numerics import attention_atol, rounding_rtol
+from support.numerics import assert_close, attention_atol, rounding_rtol
 from support.tiers import grid
 
 
@@ -59,7 +59,7 @@ def check_against_oracle(out: jax.Array, batch, expected: list[np.ndarray], tol:
     out = np.asarray(jnp.asarray(out, jnp.float32))
     cu = np.asarray(batch.md.cu_q_lens)
     for s, exp in enumerate(expected):   # tol["atol"]: [live tokens, Hq, D], sequence order
-        np.testing.assert_allclose(out[cu[s]:cu[s + 1]], exp, atol=tol["atol"][cu[s]:cu[s + 1]],
+        assert_close(out[cu[s]:cu[s + 1]], exp, atol=tol["atol"][cu[s]:cu[s + 1]],
                                    rtol=tol["rtol"], err_msg=f"sequence {s} of {batch.specs}")
     # Padding tokens: zeros, in particular never NaN.
     np.testing.assert_array_equal(out[cu[len(expected)]:], 0.0)

@@ -26,7 +26,7 @@ from jaxserve.kernels_pallas.tpu import ragged_paged_attention_tpu
 from jaxserve.kernels_pallas.tpu_plan import (default_kv_heads_per_block, lane_padded,
                                               seqs_per_call, smem_bytes, sublane_multiple)
 from support.kernel_cases import random_batch
-from support.numerics import kernel_attention_tolerance
+from support.numerics import assert_close, kernel_attention_tolerance
 from support.pallas_run import races_found
 
 SDS = jax.ShapeDtypeStruct
@@ -52,7 +52,7 @@ def assert_live_close(got, want, batch, md=None, err_msg: str = "", **opts) -> N
     """The live rows within `tolerance`, the padding rows zeros on both sides."""
     live = int(np.asarray((md or batch.md).cu_q_lens)[len(batch.specs)])
     got, want = (np.asarray(jnp.asarray(x, jnp.float32)) for x in (got, want))
-    np.testing.assert_allclose(got[:live], want[:live], **tolerance(batch, **opts),
+    assert_close(got[:live], want[:live], **tolerance(batch, **opts),
                                err_msg=err_msg)
     np.testing.assert_array_equal(got[live:], want[live:])
 
@@ -72,7 +72,7 @@ def check(specs, *, hq=4, hkv=2, d=128, ps=16, dtype=jnp.float32, num_tokens=Non
     assert not races_found("pallas_tpu"), "the interpreter reported a data race"
     got, want = (np.asarray(jnp.asarray(x, jnp.float32)) for x in (got, want))
     live = int(np.asarray(batch.md.cu_q_lens)[len(specs)])
-    np.testing.assert_allclose(got[:live], want[:live], **tolerance(batch, dtype, **opts))
+    assert_close(got[:live], want[:live], **tolerance(batch, dtype, **opts))
     assert np.isfinite(got).all() and not got[live:].any(), "padding rows must be zeros"
     return got
 
@@ -249,5 +249,5 @@ def test_flat_multi_layer_kv_with_block_table_offsets() -> None:
             seq_k=tuple(x * (1.0 + 0.5 * i) for x in batch.seq_k),
             seq_v=tuple(x * (1.0 + 0.5 * i) for x in batch.seq_v))
         live = int(np.asarray(md.cu_q_lens)[len(MIXED)])
-        np.testing.assert_allclose(np.asarray(got)[:live], np.asarray(want)[:live],
+        assert_close(np.asarray(got)[:live], np.asarray(want)[:live],
                                    **tolerance(layer, sm_scale=0.1), err_msg=f"layer {i}")

@@ -26,7 +26,7 @@ import pytest
 from jaxserve.kernels_pallas import (QuantizedKV, dequantize, init_kv_pages,
                                      ragged_paged_attention_reference, write_kv)
 from support.kernel_cases import quantized_pages, random_batch
-from support.numerics import kernel_attention_tolerance, rounding_rtol
+from support.numerics import assert_close, kernel_attention_tolerance, rounding_rtol
 from support.pallas_run import interpret_params, races_found, run_kernel
 from support.tiers import grid
 
@@ -90,7 +90,7 @@ def test_write_kv_round_trip_within_the_quantizer_bound(qname: str) -> None:
             got, s = deq[page, rows, off], scales[page, rows, off]       # [Hkv, D], [Hkv]
             amax = np.abs(x).max(-1)
             # One division each side, or a reciprocal and a product: 3 roundings at most.
-            np.testing.assert_allclose(s, amax / (127.0 if qname == "int8" else 448.0),
+            assert_close(s, amax / (127.0 if qname == "int8" else 448.0),
                                        rtol=rounding_rtol("float32", 3))
             if qname == "int8":
                 bound = amax[:, None] / 254.0 * (1 + 1e-5)
@@ -145,7 +145,7 @@ def test_reference_matches_reference_on_dequantized_pages(qname: str, kind: str,
                                             batch.md, **opts)
     n = live_rows(batch)
     tol = tolerance("cpu", batch, dtype, **opts)  # the reference is float32 throughout too
-    np.testing.assert_allclose(np.asarray(got, np.float32)[:n], np.asarray(want)[:n], **tol)
+    assert_close(np.asarray(got, np.float32)[:n], np.asarray(want)[:n], **tol)
     assert np.isfinite(np.asarray(got, np.float32)).all()
     # And the dequantized pages are close to the float ones: the quantization is not a no-op,
     # nor garbage (int8: ~1e-2 relative on unit-normal K/V; fp8: ~6e-2).
@@ -206,7 +206,7 @@ def test_cpu_kernel_matches_reference_on_dequantized_pages(qname: str, case: tup
                                             batch.md, **opts)
     n = live_rows(batch)
     got = np.asarray(got, np.float32)
-    np.testing.assert_allclose(got[:n], np.asarray(want)[:n],
+    assert_close(got[:n], np.asarray(want)[:n],
                                **tolerance("cpu", batch, case[1], **opts))
     np.testing.assert_array_equal(got[n:], 0.0, err_msg="padding tokens must be zeros")
 
@@ -237,7 +237,7 @@ def test_cpu_fused_write_and_attend_stores_what_write_kv_stores(qname: str, dtyp
     np.testing.assert_array_equal(np.asarray(got_kv.scales), np.asarray(want_kv.scales))
     want = ragged_paged_attention_reference(q.astype(jnp.float32), dequantize(want_kv), md,
                                             sm_scale=0.125)
-    np.testing.assert_allclose(np.asarray(out, np.float32)[:29], np.asarray(want)[:29],
+    assert_close(np.asarray(out, np.float32)[:29], np.asarray(want)[:29],
                                **tolerance("cpu", batch, dtype, sm_scale=0.125, head_dim=d))
 
 
@@ -271,7 +271,7 @@ def test_pallas_kernel_interpreted_matches_reference_on_dequantized_pages(
     # to q's dtype; GPU: its bfloat16 MMA operands, as for float pages (kernel_attention_
     # tolerance).
     got = np.asarray(got, np.float32)
-    np.testing.assert_allclose(got[:n], np.asarray(want)[:n],
+    assert_close(got[:n], np.asarray(want)[:n],
                                **tolerance(impl, batch, case[1], **opts))
     assert np.isfinite(got).all()
 

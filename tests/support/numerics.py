@@ -103,6 +103,26 @@ def logits_rtol(cfg: object, context_len: int) -> float:
             + transcendental_bound(stages))
 
 
+def assert_close(got: object, want: object, *, atol: object = 0.0, rtol: float = 0.0,
+                 err_msg: str = "") -> None:
+    """|got - want| <= atol + rtol |want| elementwise, as np.testing.assert_allclose, but for
+    an elementwise `atol` array too (the bounds here are per element; numpy formats atol into
+    its message as a scalar). The failure names the worst element and its bound."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if got.shape != want.shape:
+        raise AssertionError(f"shapes differ: {got.shape} vs {want.shape} {err_msg}")
+    bound = np.broadcast_to(np.asarray(atol, np.float64) + rtol * np.abs(want), got.shape)
+    err = np.abs(got - want)
+    bad = ~(err <= bound)  # NaN on either side fails
+    if bad.any():
+        excess = np.where(bad, np.nan_to_num(err / np.maximum(bound, 1e-300), nan=np.inf), 0)
+        i = np.unravel_index(int(np.argmax(excess)), got.shape)
+        raise AssertionError(
+            f"{int(bad.sum())} of {got.size} elements past their bound; worst at {i}: "
+            f"got {got[i]!r}, want {want[i]!r}, |diff| {err[i]:.3e} > bound {bound[i]:.3e} "
+            f"{err_msg}"[:2000])
+
+
 # ------------------------------------------------------------------ whole models, from weights
 def logit_magnitude_bound(final_norm: object, head: object) -> float:
     """A priori bound, from the weights alone, on sum_i |h_i w_vi| for every logit v (so on
@@ -226,6 +246,9 @@ def attention_atol(batch, *, sm_scale: float, sliding_window: int | None = None,
     out = []
     for (ctx, n), q, k, v in zip(batch.specs, batch.seq_q, batch.seq_k, batch.seq_v):
         d = head_dim or q.shape[2]
+        if n == 0:  # a live sequence with no query rows this step: no outputs to bound
+            out.append(np.zeros((0, q.shape[1], d)))
+            continue
         q = q[..., :d].astype(np.float64)
         group = q.shape[1] // k.shape[1]
         k = np.repeat(k[..., :d].astype(np.float64), group, axis=1)

@@ -137,10 +137,11 @@ def run_quantized(options: dict, tp: int) -> dict:
     eng = tiny_engine(model_of(8), tensor_parallel_size=tp, **options, **engine_options())
     outs = greedy_outputs(eng, PROMPTS)
     p_dev, p_all = shard_bytes(eng.runner.params)
+    compiles = eng.runner.compiles_after_warmup  # before the bound's head matmul compiles
     return {"options": options, "tp": tp, "outputs": outs,
             "logprob_atol": model_logprob_atol(model_of(8).config, eng.runner.params,
                                                eng.config.max_model_len),
-            "compiles_after_warmup": eng.runner.compiles_after_warmup,
+            "compiles_after_warmup": compiles,
             "param_bytes_device0": p_dev, "param_bytes_total": p_all}
 
 
