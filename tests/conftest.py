@@ -22,7 +22,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from support.tiers import run_slow  # noqa: E402 - importable once this folder is on sys.path
+from support.order import heaviest_first  # noqa: E402 - importable once this folder is on sys.path
+from support.tiers import run_slow
 
 # One persistent XLA compilation cache per test session, private to it (never the user's
 # ~/.cache/jaxserve/xla), shared by every module and by every process the tests start: the
@@ -132,3 +133,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 has_device = _has_accelerator()
             if not has_device:
                 item.add_marker(pytest.mark.skip(reason="needs a GPU/TPU; this machine is CPU-only"))
+    # The heaviest modules first, so that two xdist workers finish together (support/order.py).
+    items[:] = heaviest_first(items)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device check on a lent GPU (or TPU) machine with JAX preinstalled.
 #   bash scripts/device/device_check.sh            # 4-7 min (per-phase timeouts); results in $OUT
-#   bash scripts/device/device_check.sh --dry-run  # the same phases CPU-sized (CI rehearses it)
+#   bash scripts/device/device_check.sh --dry-run  # the same phases CPU-sized (the slow tier rehearses it)
 # 0. versions: python, jax, jaxlib, devices, CUDA / ptxas / driver where there are GPUs
 # 1. the kernel tests compiled on the device:  pytest -m device tests/kernels/test_attention_kernels.py
 #    tests/kernels/test_attention_gpu_hardening.py (every variant: JAXSERVE_RUN_SLOW=1)

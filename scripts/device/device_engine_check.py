@@ -15,7 +15,7 @@ Steps (each figure printed and written to --json):
   4. mixed     --seqs prompts of --mixed-prompt tokens arriving together, so chunked prefills
                share steps with decodes: output and total tokens/s
   5. compiles  `compiles_after_warmup` (must be 0: nothing compiles while serving)
---dry-run: a tiny model and small workload, for the CPU rehearsal in CI (figures meaningless).
+--dry-run: a tiny model and small workload, for the CPU rehearsal in the slow tier (figures meaningless).
 
     python scripts/device/device_engine_check.py --json $OUT/engine_check.json
     python scripts/device/device_engine_check.py --dry-run

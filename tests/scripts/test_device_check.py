@@ -1,6 +1,10 @@
 """The device run rehearsed on CPU: `scripts/device/device_check.sh --dry-run` runs every phase
 (versions, kernel tests, kernels checked against the reference then timed, the whole engine
-through LLM.generate, the summary) at CPU size, so the script a lent GPU runs cannot rot."""
+through LLM.generate, the summary) at CPU size, so the script a lent GPU runs cannot rot.
+
+Slow tier: the rehearsal is one ~45 s subprocess (the kernel bench and the engine check
+compile their own shapes, shared with nothing else in the suite) for a script that runs
+only when a session is lent an accelerator; JAXSERVE_RUN_SLOW=1 runs it before that."""
 
 from __future__ import annotations
 
@@ -11,10 +15,12 @@ import subprocess
 import sys
 
 import pytest
+from support.tiers import slow
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@slow("a ~45 s subprocess rehearsing the accelerator check at CPU size")
 @pytest.mark.timeout(960)  # past the worker's own 900 s subprocess limit
 def test_device_check_dry_run(tmp_path: pathlib.Path) -> None:
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
