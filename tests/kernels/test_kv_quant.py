@@ -26,7 +26,8 @@ import pytest
 from jaxserve.kernels_pallas import (QuantizedKV, dequantize, init_kv_pages,
                                      ragged_paged_attention_reference, write_kv)
 from support.kernel_cases import quantized_pages, random_batch
-from support.numerics import assert_close, kernel_attention_tolerance, rounding_rtol
+from support.numerics import (F32_UNIT_ROUNDOFF, assert_close, kernel_attention_tolerance,
+                              rounding_rtol)
 from support.pallas_run import interpret_params, races_found, run_kernel
 from support.tiers import grid
 
@@ -92,10 +93,15 @@ def test_write_kv_round_trip_within_the_quantizer_bound(qname: str) -> None:
             # One division each side, or a reciprocal and a product: 3 roundings at most.
             assert_close(s, amax / (127.0 if qname == "int8" else 448.0),
                                        rtol=rounding_rtol("float32", 3))
+            # Round to nearest against the stored scale s: half a step (int8: s / 2; e4m3:
+            # half an ulp, 2^-4 relative, or s 2^-10 among the subnormals), plus float32
+            # roundings: x / s (or x * (1 / s)) before the rounding, 2u |x| at most, and
+            # q * s after it, u |got|; doubled for second-order terms.
             if qname == "int8":
-                bound = amax[:, None] / 254.0 * (1 + 1e-5)
+                half_step = s[:, None] / 2
             else:
-                bound = np.maximum(np.abs(x) * 2.0 ** -4, s[:, None] * 2.0 ** -10) * (1 + 1e-5)
+                half_step = np.maximum(np.abs(x) * 2.0 ** -4, s[:, None] * 2.0 ** -10)
+            bound = half_step + 2 * F32_UNIT_ROUNDOFF * (2 * np.abs(x) + np.abs(got))
             assert (np.abs(got - x) <= bound).all(), (t, np.abs(got - x).max())
     # Slots nobody wrote keep their bits (values and scales).
     written_pages = {int(s) // ps for s in np.asarray(batch.md.slot_mapping)}

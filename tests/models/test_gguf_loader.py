@@ -67,6 +67,39 @@ def block_atol(ref: np.ndarray) -> float:
     return 12 * F32_UNIT_ROUNDOFF * float(np.abs(ref).max())
 
 
+def _f16_rounding(x: np.ndarray) -> np.ndarray:
+    """|fl16(x) - x|: half an fp16 ulp, 2^-11 |x| when normal, 2^-25 below (subnormals)."""
+    return np.maximum(2.0 ** -11 * np.abs(x), 2.0 ** -25)
+
+
+def block_quant_bound(ref: np.ndarray, got: np.ndarray, qtype: Q) -> np.ndarray:
+    """Per element [blocks, 32]: |got - ref| for gguf-py's quantizer (float32 scale d, codes
+    rounded against it, then d (and Q4_1's block minimum m) stored as float16) and our float32
+    dequantization. Q8_0: q = round(w * fl(1 / d)), d = max|w| / 127: two float32 roundings
+    before round() put q within 1/2 + 2u |w| / d of w / d; q * d16 adds |q| |d16 - d| <= 127
+    halves of an fp16 ulp of d; one float32 rounding of the result. Q4_1: q = trunc(fl(w - m)
+    * fl(1 / d) + 1/2), d = (max - min) / 15: three roundings on w - m and one on the + 1/2
+    (<= 16 u, the sum is at most 15.5), so q d + m is within d / 2 + 3u |w - m| + 16 u d of w;
+    storing d and m as float16 adds 15 |d16 - d| + |m16 - m|; q * d16 + m16 rounds once more
+    in float32. Here d is computed in float64: gguf-py's float32 d is within 2u d of it (one
+    rounding for Q8_0, two for Q4_1; m, a block element, is exact), which moves q * d by up
+    to q_max * 2u d and d / 2 by u d: 128 u d for Q8_0, 31 u d for Q4_1. First-order bounds,
+    each u term doubled for the products of (1 + u) factors."""
+    u = F32_UNIT_ROUNDOFF
+    blocks = ref.reshape(-1, 32).astype(np.float64)
+    got = np.abs(got.reshape(-1, 32).astype(np.float64))
+    if qtype == Q.Q8_0:
+        d = np.abs(blocks).max(1, keepdims=True) / 127
+        return (d / 2 + 127 * _f16_rounding(d) + 4 * u * np.abs(blocks) + 128 * u * d
+                + 2 * u * got)
+    if qtype == Q.Q4_1:
+        m = blocks.min(1, keepdims=True)
+        d = (blocks.max(1, keepdims=True) - m) / 15
+        return (d / 2 + 6 * u * (blocks - m) + (32 + 31) * u * d + 15 * _f16_rounding(d)
+                + _f16_rounding(m) + 2 * u * got)
+    raise ValueError(f"no bound for {qtype.name}")
+
+
 def test_bundled_tensors_match_transformers(checkpoint, hf_state_dict):
     ours = checkpoint.tensors
     for name, ref in hf_state_dict.items():
@@ -126,11 +159,9 @@ def test_tiny_llama_all_types(tmp_path):
         elif qtype == Q.BF16:
             expect = torch.from_numpy(ref).to(torch.bfloat16).float().numpy()
             np.testing.assert_array_equal(got, expect, err_msg=name)
-        else:  # block quantization: error per element within one quantization step
-            blocks = ref.reshape(-1, 32)
-            step = (blocks.max(1) - blocks.min(1)) / 15 if qtype == Q.Q4_1 else np.abs(blocks).max(1) / 127
+        else:  # block quantization: error per element within half a step, and roundings
             err = np.abs(got - ref).reshape(-1, 32)
-            assert (err <= step[:, None] * 0.5 + 1e-3).all(), name
+            assert (err <= block_quant_bound(ref, got, qtype)).all(), name
 
 
 def test_tiny_llama_matches_transformers(tmp_path):
