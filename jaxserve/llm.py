@@ -32,7 +32,8 @@ class LLM:
                  **kwargs: object):
         """`model`: a path (None: the bundled model). `loaded`: weights already in memory
         instead (a `LoadedModel`: config, params, tokenizer; e.g. a researcher's JAX
-        checkpoint, or random weights for a benchmark), used as they are."""
+        checkpoint, or random weights for a benchmark), stored as `quantization` says (default
+        "auto": as they are)."""
         if loaded is not None and model is not None:
             raise ValueError(f"give model={model!r} or loaded=..., not both")
         self.config = EngineConfig(model=model, **kwargs)  # type: ignore[arg-type]

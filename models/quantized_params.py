@@ -23,12 +23,21 @@ float layer), which placement then puts on the devices like any leaf.
 The lm_head and the embedding follow the same rules, but an explicit scheme quantizes them only
 with `WeightQuant.lm_head`; a quantized embedding is stored transposed ([hidden, vocab], the
 tied lm_head's layout), which `llama.embed` reads by columns.
+
+A model already loaded (its leaves device arrays, some of them `QuantizedWeight`s, as
+`load_model` returns it) goes through the same function when an engine is built from it with
+another quantization (`serving/build.py`): a QuantizedWeight leaf is kept where no scheme is
+asked or where it already is the asked scheme and group size, else dequantized one layer at a
+time and quantized to the asked scheme (a log line). `dequantized_params` is the way back for
+quantization="none".
 """
 
 from __future__ import annotations
 
 import logging
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .compressed_tensors import CompressedTensor, quantized_weight
@@ -125,6 +134,32 @@ def _float_layers(leaf: object, stacked: bool, transpose: bool) -> list[np.ndarr
     return out
 
 
+def _requantized(leaf: QuantizedWeight, wq: WeightQuant, want: str | None, name: str,
+                 stacked: bool) -> QuantizedWeight | None:
+    """A field that is already a QuantizedWeight (a model loaded before): None to keep it
+    (no scheme asked, or the asked scheme and group size), the same values with the asked
+    activation mode, or each layer dequantized and quantized to `want`.
+
+    A quantized embedding is already stored transposed ([hidden, vocab]), the layout the
+    quantizers take, so it needs no transpose here."""
+    if want is None:
+        return None
+    if want == leaf.scheme and wq.group_size in (None, leaf.group_size):
+        if leaf.act_fp8 == wq.act_fp8:
+            return None
+        return leaf.replace(act_fp8=wq.act_fp8)
+    log.info("%s: already quantized as %s (group size %d); dequantized and quantized to %s "
+             "(group size %s)", name, leaf.scheme, leaf.group_size, want,
+             wq.group_size or "default")
+    n = leaf.values.shape[0] if stacked else 1
+    layers = []
+    for i in range(n):
+        one = jax.tree.map(lambda a: a[i], leaf) if stacked else leaf
+        w = np.asarray(one.dequantize(jnp.float32))
+        layers.append(quantize_weight(w, want, wq.group_size, wq.act_fp8, name))
+    return _stack(layers) if stacked else layers[0]
+
+
 def quantize_leaf(leaf: object, wq: WeightQuant, name: str, stacked: bool = True,
                   transpose: bool = False, asked: bool = True) -> QuantizedWeight | None:
     """One field as a QuantizedWeight of numpy arrays, or None to leave it as it is.
@@ -133,6 +168,9 @@ def quantize_leaf(leaf: object, wq: WeightQuant, name: str, stacked: bool = True
     to this field (False: the lm_head / embedding without `WeightQuant.lm_head`)."""
     if wq.scheme == "none":
         return None
+    if isinstance(leaf, QuantizedWeight):
+        return _requantized(leaf, wq, wq.scheme if wq.quantizes and asked else None, name,
+                            stacked)
     stored = _stored(leaf) or []
     kinds = {_exact_kind(t) for t in stored}
     kind = kinds.pop() if len(kinds) == 1 else None  # every layer maps onto this scheme
@@ -199,3 +237,18 @@ def quantize_params(params: LlamaParams, wq: WeightQuant) -> LlamaParams:
     embed = quantize_leaf(params.embed, wq, "embed", stacked=False, transpose=True,
                           asked=wq.lm_head and tied)
     return params if embed is None else params.replace(embed=embed)
+
+
+def dequantized_params(params: LlamaParams, dtype: jnp.dtype) -> LlamaParams:
+    """`params` with every QuantizedWeight leaf back to a `dtype` array (quantization="none"
+    on a model loaded quantized); a quantized embedding is transposed back to [vocab, hidden].
+    Other leaves are returned as they are."""
+    def dq(w: object) -> object:
+        return w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w
+
+    layers = params.layers.replace(**{f: dq(getattr(params.layers, f)) for f in LINEAR_FIELDS})
+    embed = params.embed
+    if isinstance(embed, QuantizedWeight):
+        embed = embed.dequantize(dtype).T
+    head = None if params.lm_head is None else dq(params.lm_head)
+    return params.replace(layers=layers, embed=embed, lm_head=head)

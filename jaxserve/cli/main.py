@@ -1,7 +1,8 @@
 """`jaxserve` command line: generate | convert | serve | client | batch | bench | tune.
 
 Data flow: argv -> argparse -> frozen config (`jaxserve.config`) -> the command function, which
-loads the model through `jaxserve.models.loading` and prints to stdout. Diagnostics go to
+builds its engine by the one assembly path (`jaxserve.serving.build`: load, quantize, place,
+size) and prints to stdout. Diagnostics go to
 stderr; a user error (bad path, bad flag value, malformed checkpoint) exits 2 with one clear
 line instead of a traceback. `serve` and `client` live in `jaxserve.cli.serve`. `generate
 --prompt-logprobs N` prints the prompt's logprobs after the completion
@@ -68,23 +69,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from jaxserve.models import loading
     from jaxserve.serving.build import build_engine
 
     params = flags.sampling_params_from_args(args)  # bad values fail before the model loads
     config = flags.engine_config_from_args(args, seed=args.seed)
     t0 = time.perf_counter()
-    model = loading.load_model(config.model, config.dtype)
-    log.info("loaded %s (%s) in %.1fs", model.source, model.format, time.perf_counter() - t0)
-    tok = model.tokenizer
+    # Only the buckets this prompt touches compile (a full warmup would compile every bucket
+    # for a single request). build_engine loads the checkpoint itself, as `LLM` and the
+    # servers do, so --quantization / --kv-cache-dtype take the same path everywhere.
+    engine = build_engine(config, warmup=False)
+    log.info("built the engine in %.1fs", time.perf_counter() - t0)
+    tok = engine.tokenizer
     if args.chat:
         prompt: str | list[int] = tok.apply_chat_template(
             [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True)
     else:
         prompt = args.prompt
-    # Only the buckets this prompt touches compile (a full warmup would compile every bucket
-    # for a single request).
-    engine = build_engine(config, model, warmup=False)
     engine.add_request("cli", prompt, params)
     t1 = time.perf_counter()
     text = ""

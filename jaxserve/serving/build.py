@@ -44,7 +44,7 @@ from jaxserve.models.llama import LlamaParams
 from jaxserve.models.loading import LoadedModel, detect_format, load_model, resolve_model_path
 from jaxserve.models.packing import can_pack, pack_params
 from jaxserve.models.quant import WeightQuant, weight_bytes, weight_quant
-from jaxserve.models.quantized_params import quantize_params
+from jaxserve.models.quantized_params import dequantized_params, quantize_params
 from jaxserve.models.paged import MODEL_AXIS
 from jaxserve.serving.async_engine import AsyncEngine
 from jaxserve.serving.async_replica_pool import AsyncReplicaPool, AsyncServing
@@ -173,9 +173,8 @@ def _place(config: EngineConfig, model: LoadedModel | None,
     quant = _weight_quant(config)
     if model is None:
         model = load_model(config.model, config.dtype, mesh=mesh, quant=quant)
-    elif quant.quantizes:  # a model loaded by the caller: quantize its float weights now
-        params = jax.tree.map(jnp.asarray, quantize_params(model.params, quant))
-        model = dataclasses.replace(model, params=params)
+    else:  # a model loaded by the caller, maybe quantized otherwise: bring it to `quant`
+        model = dataclasses.replace(model, params=_requantize(model.params, quant, config))
     log.info("weights: %.1f MiB (quantization=%s)", weight_bytes(model.params) / 2**20,
              quant.scheme + ("+fp8 activations" if quant.act_fp8 else ""))
     if mesh is None:
@@ -186,6 +185,18 @@ def _place(config: EngineConfig, model: LoadedModel | None,
     return _Placed(model, placement.tp_model_config(model.config, tp),
                    placement.place_params(model.params, model.config, mesh), mesh,
                    next(d for d in mesh.devices.flat if d.process_index == jax.process_index()))
+
+
+def _requantize(params: LlamaParams, quant: WeightQuant, config: EngineConfig) -> LlamaParams:
+    """A caller's loaded model's params stored as `quant` says, as `load_model(quant=...)`
+    would have stored them: "none" dequantizes every quantized leaf to config.dtype, "auto"
+    keeps what is there, a scheme quantizes the float leaves and requantizes quantized ones
+    of another scheme or group size (`models/quantized_params.py`)."""
+    if quant.scheme == "none":
+        return dequantized_params(params, _DTYPES[config.dtype])
+    if not quant.quantizes:
+        return params
+    return jax.tree.map(jnp.asarray, quantize_params(params, quant))
 
 
 def _weight_quant(config: EngineConfig) -> WeightQuant:

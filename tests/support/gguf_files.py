@@ -1,7 +1,9 @@
 """Small synthetic GGUF files for the loader tests: a tiny llama / qwen's HF-named float32
 weights, written with `gguf.GGUFWriter` the way llama.cpp's converter lays them out (q/k rows
 permuted, GGUF tensor names), any tensor in any GGML type, with keys dropped or overridden
-and tensors reshaped or added to make a malformed file."""
+and tensors reshaped or added to make a malformed file; with `tokenizer=True` the file also
+carries a byte-level BPE vocabulary of TINY's size (`tiny_gguf_vocab`), so that it loads as a
+servable model."""
 
 from __future__ import annotations
 
@@ -14,6 +16,27 @@ Q = gguf.GGMLQuantizationType
 
 # tiny llama: inner dims are multiples of 32 so every quantized type applies
 TINY = dict(vocab=96, hidden=64, heads=4, kv=2, head_dim=16, inter=96, layers=2)
+
+
+def tiny_gguf_vocab() -> tuple[list[str], list[str]]:
+    """(tokens, merges) of a GPT-2 style byte-level BPE over TINY["vocab"] ids: <unk>, <s>
+    (bos, id 1), </s> (eos, id 2), the letters, digits, 'Ġ' (a space) and a little
+    punctuation, then merged tokens of common English pieces, each merge splitting its token
+    into the longest known prefix and the rest (both already tokens). Text of lowercase words
+    and spaces encodes without loss."""
+    tokens = ["<unk>", "<s>", "</s>", *"abcdefghijklmnopqrstuvwxyz",
+              *"ABCDEFGHIJKLMNOPQRSTUVWXYZ", *"0123456789", "\u0120", *".,!?'-"]
+    pieces = ["th", "he", "in", "er", "an", "on", "at", "en", "es", "or", "\u0120t", "\u0120a",
+              "\u0120s", "\u0120c", "\u0120m", "\u0120o", "\u0120th", "the", "\u0120the",
+              "ing", "ed", "\u0120w", "\u0120b", "\u0120f"]
+    merges = []
+    for piece in pieces:
+        cut = max(i for i in range(1, len(piece)) if piece[:i] in tokens)
+        assert piece[cut:] in tokens, piece
+        merges.append(f"{piece[:cut]} {piece[cut:]}")
+        tokens.append(piece)
+    assert len(tokens) == TINY["vocab"], len(tokens)
+    return tokens, merges
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -65,9 +88,15 @@ def write_tiny_gguf(path: pathlib.Path, weights: dict[str, np.ndarray], *, arch:
                     types: dict[str, Q] | None = None, drop_keys: tuple[str, ...] = (),
                     extra_tensors: dict[str, np.ndarray] | None = None,
                     shape_override: dict[str, np.ndarray] | None = None,
-                    meta_override: dict[str, int] | None = None) -> None:
+                    meta_override: dict[str, int] | None = None,
+                    tokenizer: bool = False) -> None:
     t = TINY
     writer = gguf.GGUFWriter(str(path), arch=arch)
+    if tokenizer:
+        tokens, merges = tiny_gguf_vocab()
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(tokens)
+        writer.add_token_merges(merges)
     meta = {f"{arch}.block_count": t["layers"], f"{arch}.context_length": 256,
             f"{arch}.embedding_length": t["hidden"], f"{arch}.feed_forward_length": t["inter"],
             f"{arch}.attention.head_count": t["heads"], f"{arch}.attention.head_count_kv": t["kv"],
