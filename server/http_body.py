@@ -9,8 +9,9 @@ Data flow of `read_json(request, ...)`:
   slow body cannot hold a connection and a handler forever) and at most `client_max_size`
   bytes (aiohttp counts the decompressed bytes; -> 413)
   -> strict UTF-8 decoding (invalid bytes -> 400)
-  -> `json_depth(text)` without recursion; deeper than `max_depth` -> 400 (the C json parser
-  recurses per level and would raise RecursionError on a body of 100k `[`)
+  -> `json_depth(text)` (`engine/json_text.py`) without recursion; deeper than `max_depth`
+  -> 400 (the C json parser recurses per level and would raise RecursionError on a body of
+  100k `[`)
   -> `json.loads` (-> 400 with the parser's position).
 
 A JSON-escaped lone surrogate (`"\\ud800"`) is valid JSON and comes through as a Python str
@@ -23,38 +24,15 @@ from __future__ import annotations
 import asyncio
 import codecs
 import json
-import re
 from typing import Any
 
-import numpy as np
 from aiohttp import web
 
+from jaxserve.engine.json_text import json_depth, no_constant
 from jaxserve.server.openai_schema import ApiError, bad_request
 
 MAX_JSON_DEPTH = 32  # OpenAI's bodies nest 3 deep (a batch of token-id prompts)
 _UTF8_CHARSETS = ("utf-8", "ascii")  # codecs' canonical names; ASCII is a subset of UTF-8
-# A JSON string, escapes included (the unrolled form: no backtracking), and anything that is
-# not a bracket. The closing quote is optional: an unterminated string then runs to the end in
-# one match, where a required quote would make the search fail and restart at every later
-# quote (quadratic: a 4 MiB body of `"\"\"...` would hold the event loop for hours).
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
-_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
-_STEPS = np.zeros(256, np.int8)  # a bracket's byte -> its step
-_STEPS[[ord("["), ord("{")]], _STEPS[[ord("]"), ord("}")]] = 1, -1
-
-
-def json_depth(text: str) -> int:
-    """The deepest nesting of arrays / objects in `text`, without recursion and at C speed
-    (the event loop runs this on bodies of up to client_max_size): strings dropped, each
-    bracket a +1 / -1 step, the running sum's maximum. Malformed text gets some number;
-    json.loads then refuses it."""
-    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
-    if not brackets:
-        return 0
-    steps = _STEPS[np.frombuffer(brackets.encode("ascii"), dtype=np.uint8)]
-    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
-
-
 def _unsupported(message: str) -> ApiError:
     return ApiError(415, message, None, "invalid_request_error", "unsupported_media_type")
 
@@ -114,14 +92,9 @@ async def read_json(request: web.Request, limit: int, body_timeout: float,
         raise bad_request(f"the request body nests {depth} levels deep; at most {max_depth} "
                           "are allowed")
     try:
-        return json.loads(text, parse_constant=_no_constant)
+        return json.loads(text, parse_constant=no_constant)
     except ValueError as e:  # JSONDecodeError; also a number too long to convert
         raise bad_request(f"the request body is not valid JSON: {_position(e)}") from None
-
-
-def _no_constant(name: str) -> Any:
-    """NaN / Infinity / -Infinity: Python's json accepts them, JSON does not."""
-    raise ValueError(f"{name} is not JSON")
 
 
 def _position(error: ValueError) -> str:

@@ -5,14 +5,30 @@
 field); the message starts with that name and states the allowed values. A front renames the
 leading name to its own wire name (`message_as`) and keeps the rest, so the same bad input
 reads the same through `LLM`, gRPC and HTTP.
+
+Messages are bounded (`bounded`: at most MAX_MESSAGE_CHARS): an error that quotes the input
+(a parser's message on a 60,000-character regex) would otherwise make a 240 KB HTTP body or a
+gRPC status too large for its metadata limit (RESOURCE_EXHAUSTED instead of the error).
 """
 
 from __future__ import annotations
 
+# gRPC carries the message in a trailer (8 KiB of metadata in all by default); 500
+# characters keep a field name, the rule and an excerpt of the offending value.
+MAX_MESSAGE_CHARS = 500
+
+
+def bounded(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """`message` cut to `limit` characters, the cut marked with how much was left out."""
+    if len(message) <= limit:
+        return message
+    tail = f"... ({len(message) - limit} more characters)"
+    return message[:max(0, limit - len(tail))] + tail
+
 
 class InvalidRequest(ValueError):
     def __init__(self, message: str, field: str | None = None):
-        super().__init__(message)
+        super().__init__(bounded(message))
         self.field = field
 
     def message_as(self, wire_field: str | None) -> str:

@@ -35,7 +35,7 @@ import logging
 from typing import Callable, Mapping
 
 from jaxserve.engine.batch import BatchShape, StepBatch, build_batch
-from jaxserve.engine.errors import EngineDead
+from jaxserve.engine.errors import EngineDead, bounded
 from jaxserve.engine.group import Group
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.request import FinishReason, Request
@@ -104,6 +104,9 @@ class Recovery:
         its request (already finished ones keep their result); pages go back through
         `Scheduler.finish`."""
         for req, message in failures:
+            # An exception's text can quote a whole grammar or prompt: the client's error
+            # and the log line get a bounded excerpt.
+            message = bounded(message)
             log.warning("request %r failed: %s", req.request_id, message)
             group = self._group_of(req)
             seqs = group.seqs if group is not None else [req]

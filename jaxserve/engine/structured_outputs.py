@@ -15,6 +15,7 @@ import json
 from typing import Any, Mapping
 
 from jaxserve.engine.errors import InvalidRequest
+from jaxserve.engine.json_text import MAX_FIELD_DEPTH, check_depth, parse_field
 from jaxserve.engine.sampling_rules import check_text
 
 FIELDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -94,10 +95,7 @@ def _schema_text(schema: Any) -> str:
     field = f"{NAME}.json"
     if isinstance(schema, str):
         _check_size("json", check_text(field, schema))
-        try:
-            schema = json.loads(schema)
-        except ValueError as e:
-            raise InvalidRequest(f"{field} is not JSON: {e}", field=field) from e
+        schema = parse_field(field, schema)
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequest(f"{field} must be a JSON schema (an object or a boolean), got "
                              f"{type(schema).__name__}", field=field)
@@ -106,7 +104,11 @@ def _schema_text(schema: Any) -> str:
         text = json.dumps(schema, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise InvalidRequest(f"{field} is not JSON: {e}", field=field) from e
+    except RecursionError:  # an object nested past the interpreter's recursion limit
+        raise InvalidRequest(f"{field} nests too deep; at most {MAX_FIELD_DEPTH} levels are "
+                             "allowed", field=field) from None
     _check_size("json", check_text(field, text))
+    check_depth(field, text)  # an object given as such: its depth is the text's
     return text
 
 

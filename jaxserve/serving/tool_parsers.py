@@ -32,6 +32,8 @@ import re
 import uuid
 from typing import Any, Callable, Union
 
+from jaxserve.engine.json_text import parse_or_none
+
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 FORMATS = (HERMES, LLAMA3_JSON)
 PYTHON_TAG = "<|python_tag|>"
@@ -88,10 +90,7 @@ def _call_of(obj: Any, keys: tuple[str, ...]) -> tuple[str, str] | None:
         return None
     args: Any = next((obj[k] for k in keys if k in obj), {})
     if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
+        args = parse_or_none(args)
     if not isinstance(args, dict):
         return None
     return obj["name"], json.dumps(args, ensure_ascii=False)
@@ -169,10 +168,7 @@ class HermesParser(ToolParser):
         return out + self._content_end()
 
     def _call(self, body: str, raw: str) -> list[Event]:
-        try:
-            call = _call_of(json.loads(body), ("arguments", "parameters"))
-        except ValueError:
-            call = None
+        call = _call_of(parse_or_none(body), ("arguments", "parameters"))
         return self._content(raw) if call is None else self._start(*call)
 
 
@@ -244,10 +240,7 @@ class Llama3JsonParser(ToolParser):
             end = self._object.end_in(self._buf)
             if end is None:
                 break
-            try:
-                call = _call_of(json.loads(self._buf[:end]), ("parameters", "arguments"))
-            except ValueError:
-                call = None
+            call = _call_of(parse_or_none(self._buf[:end]), ("parameters", "arguments"))
             if call is None:  # not a call: the rest is content
                 return out + self._to_text(self._buf)
             out += self._start(*call)

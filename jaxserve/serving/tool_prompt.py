@@ -26,6 +26,7 @@ import json
 from typing import Any, Mapping, Sequence
 
 from jaxserve.engine.errors import InvalidRequest
+from jaxserve.engine.json_text import parse_field
 from jaxserve.models.chat_template import template_variables
 from jaxserve.serving.tool_parsers import FORMATS, HERMES, LLAMA3_JSON, PYTHON_TAG
 
@@ -73,10 +74,9 @@ def _arguments(where: str, args: object) -> dict[str, Any]:
         return {}
     if isinstance(args, str):
         try:
-            args = json.loads(args)
-        except ValueError as e:
-            raise InvalidRequest(f"{where}.function.arguments is not JSON: {e}",
-                                 "messages") from None
+            args = parse_field(f"{where}.function.arguments", args)
+        except InvalidRequest as e:  # reported under the request field that holds it
+            raise InvalidRequest(str(e), "messages") from None
     if not isinstance(args, dict):
         raise InvalidRequest(f"{where}.function.arguments must be a JSON object",
                              "messages")

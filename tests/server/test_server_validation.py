@@ -102,6 +102,10 @@ BAD = [
     (request(chat=chat()), r"chat.messages must not be empty"),
     (request(request_id="x" * 300, token_ids=IDS),
      r"request_id is 300 characters long; at most 256"),
+    # JSON text nested past the C parser's recursion limit (a RecursionError: once INTERNAL)
+    (request(token_ids=IDS, sampling=dict(structured_outputs=pb2.StructuredOutputs(
+        json="[" * 2000 + "]" * 2000))),
+     r"^sampling.structured_outputs.json nests 2000 levels deep; at most 64 are allowed$"),
     # Never fits the KV cache (13 pages needed, 12 exist): refused, not queued forever.
     (request(token_ids=IDS, sampling=dict(max_tokens=100)),
      r"need 13 KV pages but the cache holds only 12"),

@@ -26,7 +26,8 @@ from support.fake_engines import fake_engine
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.client import pb2
 from jaxserve.server.config import ServerConfig
-from jaxserve.server.http_body import MAX_JSON_DEPTH, json_depth
+from jaxserve.engine.json_text import json_depth
+from jaxserve.server.http_body import MAX_JSON_DEPTH
 from jaxserve.serving.build import ServedModel
 
 KEY = "sekret"
@@ -95,7 +96,7 @@ def test_an_unterminated_string_is_one_linear_match(server: BackgroundServer) ->
     """A body of `"\\"\\"...` with no closing quote: the string pattern must take it in one
     match to the end (a pattern that needs the closing quote fails and restarts at every later
     quote: quadratic, hours of event loop for a 4 MiB body), and the body is a 400."""
-    from jaxserve.server.http_body import _STRING
+    from jaxserve.engine.json_text import _STRING
     body = '"' + '\\"' * 20_000  # 40 KB
     assert [m.span() for m in _STRING.finditer(body)] == [(0, len(body))]
     assert json_depth(body) == 0
