@@ -59,6 +59,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         eos = list(tokenizer.eos_token_ids)
         self.vocab_size = vocab_size
+        self._eos = frozenset(eos)
         self.ll_tokenizer = llguidance.LLTokenizer(
             tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=eos or None)
 
@@ -86,7 +87,36 @@ class GrammarCompiler:
             is_error, messages = True, [str(e)]
         if is_error:
             raise InvalidRequest(f"{name} is not a usable grammar: {messages[0]}", field=name)
+        self._check_first_steps(name, text)
         return CompiledGrammar(text)
+
+    def _check_first_steps(self, name: str, text: str) -> None:
+        """Refuse a grammar that validates but cannot run: its first mask fails, errs or
+        allows no token (not even EOS), or one step later it does, for a few of the tokens
+        the first mask allows (the first, middle and last non-EOS ids). llguidance builds
+        lexer states and parser rows lazily, so a grammar past its limits (a regex
+        `a{1000000}`, 6,000 alternatives in one rule) or with no string at all (`$ref`s
+        that loop, a regex that matches nothing) is found only by running it. Done here,
+        before the request is queued, so that these are the caller's 400 and not a failed
+        step after admission; a grammar that breaks deeper still fails its request then."""
+        mask = np.zeros((1, bitmask_words(self.vocab_size)), np.int32)
+        try:
+            first = self.matcher(CompiledGrammar(text))
+            why = _step_error(first, mask)
+            allowed = [t for t in np.flatnonzero(_mask_bits(mask, self.vocab_size))
+                       if t not in self._eos]
+            picks = sorted({allowed[0], allowed[len(allowed) // 2], allowed[-1]}) \
+                if why is None and allowed else []
+            for token in picks:
+                probe = first.copy()
+                why = (_step_error(probe, mask) if probe.accept(int(token)) else
+                       probe.error or "a token its first mask allows was refused")
+                if why is not None:
+                    break
+        except Exception as e:  # noqa: BLE001 - whatever the library fails a step with
+            why = str(e) or type(e).__name__
+        if why is not None:
+            raise InvalidRequest(f"{name} is not a usable grammar: {why}", field=name)
 
     def matcher(self, grammar: CompiledGrammar) -> "SequenceGrammar":
         return SequenceGrammar(llguidance.LLMatcher(self.ll_tokenizer, grammar.text,
@@ -98,7 +128,12 @@ class SequenceGrammar:
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self._m = matcher
+        self._vocab_size = vocab_size
         self._words = bitmask_words(vocab_size)
+
+    def copy(self) -> "SequenceGrammar":
+        """An independent matcher at the same position."""
+        return SequenceGrammar(self._m.deep_copy(), self._vocab_size)
 
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         """Write this sequence's allowed next tokens into `bitmask[row]` (i32[S, words])."""
@@ -128,5 +163,29 @@ class SequenceGrammar:
 
     @property
     def error(self) -> str | None:
-        return self._m.get_error() if self._m.is_error() else None
+        """Why the matcher stopped with an error: the first line of llguidance's message (a
+        dump of its state and the whole grammar follows)."""
+        return _first_line(self._m.get_error()) if self._m.is_error() else None
 
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error is its first line; a dump of the matcher's state follows."""
+    return error.splitlines()[0] if error else error
+
+
+def _mask_bits(mask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Row 0 of a packed i32 mask as bool[vocab_size] (bit t % 32 of word t // 32)."""
+    return np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:vocab_size].astype(bool)
+
+
+def _step_error(seq: SequenceGrammar, mask: np.ndarray) -> str | None:
+    """Fill `seq`'s next mask into row 0 of `mask`: None if it allows a token (or the
+    grammar has ended), else why not."""
+    mask[:] = 0
+    seq.fill(mask, 0)
+    if seq.error is not None:
+        return seq.error
+    if not mask.any() and not seq.finished:
+        return "it allows no output (no token of the vocabulary can continue it)"
+    return None

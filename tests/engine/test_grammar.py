@@ -142,10 +142,9 @@ def test_object_properties_come_in_the_schemas_order(compiler, tokenizer) -> Non
     assert all(seq.accept(t) for t in tokenizer.encode('{"name": "Ada", "age": 36}'))
 
 
-def test_the_bundled_gguf_tokenizer_takes_a_grammar() -> None:
-    """llguidance's vocabulary from a GGUF-loaded tokenizer (the bundled SmolLM2's): a JSON
-    text in the schema's shape is accepted token by token and ends the grammar; a token that
-    breaks it is refused."""
+@pytest.fixture(scope="module")
+def bundled_compiler() -> tuple[Tokenizer, GrammarCompiler]:
+    """The bundled SmolLM2's GGUF tokenizer (49k tokens) and a compiler over it."""
     from jaxserve.models.bundled import BundledModelMissing, bundled_model_path
 
     try:
@@ -153,7 +152,14 @@ def test_the_bundled_gguf_tokenizer_takes_a_grammar() -> None:
     except BundledModelMissing as e:
         pytest.skip(str(e))
     tok = Tokenizer.from_gguf(path)
-    gguf = GrammarCompiler(tok, tok.vocab_size)
+    return tok, GrammarCompiler(tok, tok.vocab_size)
+
+
+def test_the_bundled_gguf_tokenizer_takes_a_grammar(bundled_compiler) -> None:
+    """llguidance's vocabulary from a GGUF-loaded tokenizer (the bundled SmolLM2's): a JSON
+    text in the schema's shape is accepted token by token and ends the grammar; a token that
+    breaks it is refused."""
+    tok, gguf = bundled_compiler
     schema = {"type": "object", "properties": {"city": {"type": "string"},
                                                "n": {"type": "integer"}},
               "required": ["city", "n"], "additionalProperties": False}
@@ -164,3 +170,53 @@ def test_the_bundled_gguf_tokenizer_takes_a_grammar() -> None:
     assert seq.accept(tok.eos_token_ids[0]) and seq.finished
     bad = gguf.matcher(grammar)
     assert not bad.accept(tok.encode("[", add_special_tokens=False)[0])
+
+
+LOOPING_REFS = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                "$ref": "#/$defs/a"}
+
+
+@pytest.mark.parametrize("spec,field", [
+    (StructuredOutputs(regex="[^\\x00-\\x{10FFFF}]"), "structured_outputs.regex"),
+    (StructuredOutputs(regex="a{1000000}"), "structured_outputs.regex"),
+    (StructuredOutputs(grammar="start: " + " | ".join(f'"w{i}"' for i in range(6000))),
+     "structured_outputs.grammar"),
+    (StructuredOutputs(json=json.dumps(LOOPING_REFS)), "structured_outputs.json"),
+    (StructuredOutputs(json=json.dumps({"type": "string", "pattern": "^a{1000000}$"})),
+     "structured_outputs.json"),
+], ids=["matches-nothing", "huge-repeat", "6000-alternatives", "looping-refs",
+        "huge-pattern"])
+def test_specs_that_fail_at_the_first_step_are_refused_at_compile(compiler, spec,
+                                                                  field) -> None:
+    """Each of these validates as a grammar but fails when its first mask is computed (the
+    lexer's limits, a language with no string, refs with no base case): compile must find it,
+    so that admission answers 400 instead of the first step failing the request."""
+    with pytest.raises(InvalidRequest) as e:
+        compiler.compile(spec)
+    assert e.value.field == field and str(e.value).startswith(field)
+    assert len(str(e.value)) <= 500
+
+
+def test_an_error_quoting_a_huge_pattern_is_bounded(compiler) -> None:
+    """A 60,000-character regex that llguidance refuses, quoting it: the message is cut to a
+    bounded excerpt (the gRPC status would otherwise overflow its metadata limit)."""
+    with pytest.raises(InvalidRequest) as e:
+        compiler.compile(StructuredOutputs(regex="(" * 60000))
+    text = str(e.value)
+    assert text.startswith("structured_outputs.regex") and len(text) <= 500
+    assert "more characters)" in text
+
+
+def test_the_bundled_tokenizer_refuses_the_late_failing_specs(bundled_compiler) -> None:
+    """The specs above with the bundled SmolLM2's 49k vocabulary, where they were found
+    (multi-character tokens such as `aaaa` reach the lexer's limits in one step)."""
+    tok, gguf = bundled_compiler
+    for spec in (StructuredOutputs(regex="a{1000000}"),
+                 StructuredOutputs(grammar="start: " + " | ".join(f'"w{i}"'
+                                                                   for i in range(6000))),
+                 StructuredOutputs(json=json.dumps(LOOPING_REFS))):
+        with pytest.raises(InvalidRequest, match="is not a usable grammar"):
+            gguf.compile(spec)
+    # A usable schema still compiles.
+    gguf.compile(StructuredOutputs(json={"type": "object", "properties": {
+        "a": {"type": "string"}}, "required": ["a"]}))

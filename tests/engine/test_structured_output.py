@@ -212,13 +212,16 @@ def test_bad_specs_are_refused_naming_the_field(llm: LLM, spec: dict, field: str
 
 
 def test_a_grammar_no_token_can_continue_ends_with_the_reason(tmp_path: pathlib.Path) -> None:
-    """A vocabulary with no "Q" at all (a BPE trained without the byte alphabet) and a regex
-    of Qs: llguidance allows nothing but EOS and reports why; the request ends with ERROR and
+    """A vocabulary with no "Q" at all (a BPE trained without the byte alphabet). A regex of
+    Qs cannot start: admission refuses it, naming the field. A regex that needs a Q only
+    after several tokens passes admission (its first steps run); when no token can continue
+    it, llguidance allows nothing but EOS and reports why, and the request ends with ERROR and
     that reason instead of sampling, its pages come back, and a neighbour is untouched."""
     from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
 
     from jaxserve.config import EngineConfig
     from jaxserve.engine.engine import Engine
+    from jaxserve.engine.errors import InvalidRequest
     from jaxserve.engine.fake_runner import ArithmeticRunner
     from jaxserve.engine.sizing import plan_engine
     from jaxserve.models.tiny import CHAT_TEMPLATE
@@ -238,14 +241,17 @@ def test_a_grammar_no_token_can_continue_ends_with_the_reason(tmp_path: pathlib.
     plan = plan_engine(config, tiny_model_config(vocab_size=tok.vocab_size,
                                                  eos_token_ids=tok.eos_token_ids), 4, 1 << 30)
     engine = Engine(config, plan, ArithmeticRunner(tok.vocab_size), tok, tok.eos_token_ids)
+    with pytest.raises(InvalidRequest, match=r"^structured_outputs.regex is not a usable "):
+        engine.add_request("q", "abc", SamplingParams(max_tokens=8, structured_outputs={
+            "regex": "Q+"}))
     engine.add_request("q", "abc", SamplingParams(max_tokens=8, structured_outputs={
-        "regex": "Q+"}))
+        "regex": "(a|b|c)(a|b|c)(a|b|c)(a|b|c)Q"}))
     engine.add_request("ok", "abc", SamplingParams(max_tokens=4, ignore_eos=True))
     done = {}
     while engine.has_unfinished():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     q = done["q"].outputs[0]
-    assert q.finish_reason is FinishReason.ERROR and q.token_ids == []
+    assert q.finish_reason is FinishReason.ERROR and 0 < len(q.token_ids) < 4
     assert "no token of the vocabulary can continue the grammar" in q.error
     assert len(done["ok"].outputs[0].token_ids) == 4
     assert engine.stats().kv_pages_used == 0

@@ -79,13 +79,27 @@ def test_sdk_completions_structured_outputs_extra(server: BackgroundServer) -> N
     ({"structured_outputs": {"regex": "(("}}, "structured_outputs.regex"),
     ({"structured_outputs": {"choice": ["a"], "regex": "b"}}, "structured_outputs"),
     ({"guided_json": {"type": 5}}, "guided_json"),
-])
+    # JSON text nested past the C parser's recursion (RecursionError, once a 500)
+    ({"structured_outputs": {"json": "[" * 30000 + "]" * 30000}}, "structured_outputs.json"),
+    # grammars that validate but fail at their first step (once a 500 after admission)
+    ({"structured_outputs": {"regex": "[^\\x00-\\x{10FFFF}]"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"regex": "a{1000000}"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": "start: " + " | ".join(
+        f'"w{i}"' for i in range(6000))}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"json": {"$defs": {"a": {"$ref": "#/$defs/b"},
+                                                "b": {"$ref": "#/$defs/a"}},
+                                      "$ref": "#/$defs/a"}}}, "structured_outputs.json"),
+    # an error that quotes a 60,000-character pattern: bounded (once a 240 KB body)
+    ({"structured_outputs": {"regex": "(" * 60000}}, "structured_outputs.regex"),
+], ids=["bad-schema", "bad-format", "bad-regex", "two-fields", "guided", "nested-text",
+        "matches-nothing", "huge-repeat", "6000-alternatives", "looping-refs", "huge-quote"])
 def test_bad_specs_are_400_naming_the_field(server: BackgroundServer, body: dict,
                                             param: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         sdk(server).chat.completions.create(model="tiny", messages=CHAT, max_tokens=5,
                                             extra_body=body)
     assert e.value.body["param"] == param, e.value.body
+    assert len(e.value.body["message"]) <= 500
     ok = sdk(server).chat.completions.create(model="tiny", messages=CHAT, max_tokens=3)
     assert ok.choices[0].finish_reason is not None  # the server carries on
 
@@ -120,3 +134,43 @@ def test_batch_lines_with_structured_outputs(tmp_path: pathlib.Path) -> None:
     assert re.fullmatch(REGEX, recs["b"]["text"])
     assert "structured_outputs.regex" in recs["c"]["error"]
     assert recs["d"]["text"] in ("up", "down")
+
+
+TOOL = {"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "properties": {"code": {"type": "string", "pattern": "^a{1000000}$"}},
+    "required": ["code"]}}}
+
+
+def test_a_forced_tool_whose_grammar_cannot_run_is_400() -> None:
+    """tool_choice "required" over a tool whose parameters' grammar fails at its first step:
+    refused at admission, naming the field, instead of a 500 after it. (Its own server: the
+    tool listing the prompt carries needs more than the module server's max_model_len.)"""
+    srv = BackgroundServer(ServerConfig(port=0, http_port=0),
+                           lambda: ServedModel(bpe_engine(1024), "tiny", "hf")).start()
+    try:
+        with pytest.raises(openai.BadRequestError) as e:
+            sdk(srv).chat.completions.create(model="tiny", messages=CHAT, max_tokens=5,
+                                             tools=[TOOL], tool_choice="required")
+        assert "not a usable grammar" in e.value.body["message"], e.value.body
+        assert e.value.body["param"] in ("tools", "tool_choice"), e.value.body
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_nested_tool_call_arguments_are_400(server: BackgroundServer, path: str) -> None:
+    """An assistant turn's tool call whose arguments (JSON text) nest 1,200 deep: 400 naming
+    messages (the arguments were parsed by json.loads, whose RecursionError was a 500)."""
+    import asyncio
+
+    from support.http_clients import call, url_of
+
+    nested = "[" * 1200 + "]" * 1200  # fits the prompt-bytes bound, past the recursion limit
+    messages = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "pick", "arguments": nested}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    status, reply = asyncio.run(call(url_of(server), path, {
+        "model": "tiny", "messages": messages, "max_tokens": 3}))
+    assert status == 400, reply
+    error = reply["error"] if "error" in reply else reply
+    assert error["param"] == "messages" and "nests 1200 levels" in error["message"], reply

@@ -54,14 +54,15 @@ def fake_engine(runner: ArithmeticRunner | None = None, **cfg: object) -> Engine
     return Engine(config, plan, runner or ArithmeticRunner(VOCAB), tiny_tokenizer(), (2,))
 
 
-def bpe_engine() -> Engine:
+def bpe_engine(max_model_len: int = 256) -> Engine:
     """A fake engine that speaks support.bpe_tokenizer's byte-level BPE tokenizer (freshly
     trained, in a new temporary directory): a vocabulary a grammar can spell any JSON text
     with, for the structured-output fronts."""
     tok = train_bpe_tokenizer(pathlib.Path(tempfile.mkdtemp(prefix="jaxserve-bpe-")))
     config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, page_size=8,
-                          max_model_len=256, attention_impl="reference")
-    model = tiny_model_config(vocab_size=tok.vocab_size, eos_token_ids=tok.eos_token_ids)
+                          max_model_len=max_model_len, attention_impl="reference")
+    model = tiny_model_config(vocab_size=tok.vocab_size, eos_token_ids=tok.eos_token_ids,
+                              max_position_embeddings=max(512, max_model_len))
     plan = plan_engine(config, model, 4, 1 << 30)
     return Engine(config, plan, ArithmeticRunner(tok.vocab_size), tok, tok.eos_token_ids)
 
