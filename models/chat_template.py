@@ -13,6 +13,10 @@ nothing runs): whether it renders `tools`, for instance.
 
 The template is untrusted text from the checkpoint: it runs only inside the sandbox, which denies
 underscore attributes and mutation of the values it gets; nothing else from the checkpoint runs.
+A template from a request (`ChatTemplate(source, max_chars=...)`) is also bounded in what it
+builds (`template_limits`: every filter, call and operator, the namespace's values and the
+streamed output, against `max_chars`), and one that jinja cannot parse or compile (nested
+thousands deep: a RecursionError in jinja's recursive parser) is a ChatTemplateError.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import jinja2.meta
 import jinja2.utils
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .template_limits import BoundedSandbox, TemplateTooLarge, chars, render_bounded
 
 
 class ChatTemplateError(ValueError):
@@ -66,21 +72,38 @@ class _DictFactory:
 
 
 class _Namespace(jinja2.utils.Namespace):
-    """jinja's `namespace()`, refusing underscore names so a template cannot shadow internals."""
+    """jinja's `namespace()`, refusing underscore names so a template cannot shadow internals,
+    and values over `max_chars` characters where a subclass sets it (`_Namespace.bounded`: a
+    loop's one way to carry a growing value to its next iteration)."""
+
+    max_chars: int | None = None
+
+    @classmethod
+    def bounded(cls, max_chars: int) -> type["_Namespace"]:
+        return type("namespace", (cls,), {"max_chars": max_chars})
 
     def __init__(*args: object, **kwargs: object) -> None:  # noqa: N805 -- jinja's own signature
         self, rest = args[0], args[1:]
         attrs = dict(*rest, **kwargs)  # type: ignore[call-overload]
-        for name in attrs:
-            _Namespace._check(name)
+        for name, value in attrs.items():
+            type(self)._check(self, name, value)
         jinja2.utils.Namespace.__init__(self, attrs)  # type: ignore[arg-type]
 
     def __setitem__(self, name: str, value: object) -> None:
-        _Namespace._check(name)
+        type(self)._check(self, name, value)
         jinja2.utils.Namespace.__setitem__(self, name, value)
 
+    def _check(self, name: object, value: object) -> None:
+        # Called through the class: jinja's Namespace resolves instance attributes from the
+        # template's values only.
+        _Namespace._check_name(name)
+        limit = type(self).max_chars
+        if limit is not None and chars(value, limit) > limit:
+            raise TemplateTooLarge(f"namespace attribute {name!r} would hold over {limit} "
+                                   "characters, the render bound")
+
     @staticmethod
-    def _check(name: object) -> None:
+    def _check_name(name: object) -> None:
         if isinstance(name, str) and name.startswith("_"):
             raise ChatTemplateSecurityError(
                 f"chat template may not set namespace attribute {name!r}")
@@ -141,22 +164,36 @@ def validate_messages(messages: object) -> list[dict[str, object]]:
 
 
 class ChatTemplate:
-    """A compiled chat template; compile once per tokenizer, render per request."""
+    """A compiled chat template; compile once per tokenizer, render per request.
 
-    def __init__(self, source: str) -> None:
+    `max_chars`: bound everything the template builds, and the prompt, to that many
+    characters (`template_limits`); for a template from a request. None: unbounded (the
+    checkpoint's own template, which the operator chose)."""
+
+    def __init__(self, source: str, max_chars: int | None = None) -> None:
         if not isinstance(source, str) or not source.strip():
             raise ChatTemplateError("chat template is empty")
         self.source = source
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = _tojson
+        self.max_chars = max_chars
+        options = dict(trim_blocks=True, lstrip_blocks=True,
+                       extensions=[jinja2.ext.loopcontrols])
+        env = (ImmutableSandboxedEnvironment(**options) if max_chars is None
+               else BoundedSandbox(max_chars, **options))
+        if isinstance(env, BoundedSandbox):
+            env.add_filter("tojson", _tojson)
+        else:
+            env.filters["tojson"] = _tojson
         env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
-                           dict=_DictFactory(), namespace=_Namespace)
+                           dict=_DictFactory(), namespace=_Namespace if max_chars is None
+                           else _Namespace.bounded(max_chars))
         try:
             self._template = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:
             raise ChatTemplateError(f"chat template does not compile: line {e.lineno}: {e.message}"
                                     ) from None
+        except RecursionError:  # jinja parses and compiles recursively
+            raise ChatTemplateError("chat template does not compile: it nests too deep "
+                                    "(Python's recursion limit)") from None
 
     def render(self, messages: object, add_generation_prompt: bool = True,
                bos_token: str | None = None, eos_token: str | None = None,
@@ -172,9 +209,16 @@ class ChatTemplate:
             if token is not None:
                 context[key] = str(token)
         try:
-            return self._template.render(**context)
+            if self.max_chars is None:
+                return self._template.render(**context)
+            return render_bounded(self._template.generate(**context), self.max_chars)
         except ChatTemplateError:
             raise
+        except TemplateTooLarge as e:
+            raise ChatTemplateError(f"chat template made too large a prompt: {e}") from None
+        except RecursionError:  # a macro calling itself, a value nested past the limit
+            raise ChatTemplateError("chat template failed to render: it recursed past "
+                                    "Python's recursion limit") from None
         except SecurityError as e:
             raise ChatTemplateSecurityError(f"chat template blocked by the sandbox: {e}") from None
         except Exception as e:  # template bugs surface as TypeError, UndefinedError, ...
@@ -197,5 +241,5 @@ def template_variables(source: str) -> frozenset[str]:
     env = ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
     try:
         return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
-    except jinja2.TemplateSyntaxError:
+    except (jinja2.TemplateSyntaxError, RecursionError):  # RecursionError: nested too deep
         return frozenset()

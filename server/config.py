@@ -65,8 +65,8 @@ class ServerConfig:
     # int32). The default lets a client only lower its own; the offline API is not limited.
     client_priority_range: tuple[int, int] = DEFAULT_CLIENT_PRIORITY_RANGE
     # A chat request may bring its own chat_template (vLLM's --trust-request-chat-template):
-    # off by default; for trusted clients only, since a template is code (sandboxed, but
-    # unbounded in time and memory) that can hang a tokenizer thread or OOM the server.
+    # off by default; for trusted clients only, since a template is code (sandboxed, bounded
+    # in what it builds but not in time) that can hold a tokenizer thread.
     trust_request_chat_template: bool = False
     # Tokens (over all samples) a stream may leave unread before its request is aborted with
     # RESOURCE_EXHAUSTED / an error event naming this knob; outputs that arrive while the

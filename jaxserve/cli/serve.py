@@ -116,8 +116,9 @@ def _add_connection_flags(n: Any) -> None:
                         "/metrics asks for the key like the API)")
     n.add_argument("--trust-request-chat-template", action="store_true",
                    help="let chat requests bring their own chat_template (default: refused). "
-                        "Trusted clients only: a template is code, and one can hang a "
-                        "tokenizer thread or OOM the server")
+                        "Trusted clients only: a template is code; what it builds is bounded "
+                        "(a 400 past the prompt bound) but its time is not: one can hold a "
+                        "tokenizer thread")
     n.add_argument("--tool-call-parser", choices=PARSER_CHOICES, default=d.tool_call_parser,
                    help="how the model writes tool calls, read back for tool_choice auto: "
                         "hermes (<tool_call>{...}</tool_call>) or llama3_json (a bare JSON "

@@ -47,6 +47,9 @@ MAX_CHAT_MESSAGES = 1024
 # About 4k tokens of English: a few milliseconds of tokenizer time.
 LARGE_INPUT_CHARS = 16 << 10
 MAX_CHAT_TEMPLATE_CHARS = 64 << 10  # a request's own chat template (compiled per request)
+# What a request's template may build without engine limits to size it (the prompt byte bound
+# otherwise: a longer text cannot fit in max_model_len tokens).
+MAX_RENDER_CHARS = 16 << 20
 # Template variables a request's chat_template_kwargs cannot set: the renderer's own inputs.
 RESERVED_TEMPLATE_VARS = ("messages", "add_generation_prompt", "continue_final_message",
                           "tokenize", "chat_template")
@@ -146,8 +149,9 @@ def _template_vars(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def _render_text(msgs: list[dict[str, Any]], tokenizer: Tokenizer, add_generation_prompt: bool,
-                 template: str | None, variables: dict[str, Any]) -> str:
-    """The prompt text; `template`: the request's own (None: the tokenizer's)."""
+                 template: str | None, variables: dict[str, Any], max_chars: int) -> str:
+    """The prompt text; `template`: the request's own (None: the tokenizer's), bounded in
+    what it builds by `max_chars` (`models/template_limits.py`)."""
     if template is None:
         return tokenizer.apply_chat_template(msgs, add_generation_prompt, **variables)
     # The request's own template gets the variables the tokenizer's would (special tokens).
@@ -156,7 +160,8 @@ def _render_text(msgs: list[dict[str, Any]], tokenizer: Tokenizer, add_generatio
     specials.update(variables)
     bos = specials.pop("bos_token", tokenizer.bos_token)
     eos = specials.pop("eos_token", tokenizer.eos_token)
-    return ChatTemplate(template).render(msgs, add_generation_prompt, bos, eos, **specials)
+    return ChatTemplate(template, max_chars).render(msgs, add_generation_prompt, bos, eos,
+                                                    **specials)
 
 
 def _continue_final(text: str, msgs: list[dict[str, Any]]) -> str:
@@ -203,7 +208,8 @@ def render_chat(messages: Sequence[Any], tokenizer: Tokenizer,
     turns, extra = tool_prompt.prepare(msgs, request.tools if request else None, source, fmt)
     variables.update(extra)
     try:
-        text = _render_text(turns, tokenizer, add_generation_prompt, chat_template, variables)
+        text = _render_text(turns, tokenizer, add_generation_prompt, chat_template, variables,
+                            limits.max_prompt_bytes if limits is not None else MAX_RENDER_CHARS)
     except Exception as e:  # noqa: BLE001 - ChatTemplateError, message shapes: the caller's
         field = "messages" if chat_template is None else "chat_template"
         raise InvalidRequest(f"{field} could not be rendered with the "
@@ -302,8 +308,8 @@ class Admission:
         # How this model's tool calls read (--tool-call-parser; auto: from its template).
         self.tool_format = tool_prompt.resolve_format(tool_call_parser, tokenizer.chat_template)
         # A request's own chat template runs arbitrary (sandboxed) Jinja on a tokenizer
-        # thread: the sandbox bounds neither time nor memory, so a template that loops for
-        # hours would hold that lane and one that builds a huge string could OOM the server.
+        # thread: what it builds is bounded (`models/template_limits.py`), its time is not,
+        # so a template that loops for hours would hold that lane.
         # It is refused unless the operator trusts the clients (vLLM's
         # --trust-request-chat-template).
         self.trust_request_chat_template = trust_request_chat_template

@@ -367,3 +367,42 @@ def test_chat_queue_full_and_engine_stopped() -> None:
     (full, err), (stopped, _) = asyncio.run(main())
     assert full == 429 and "waiting" in err["error"]["message"]
     assert stopped == 503
+
+
+TEMPLATE_ATTACKS = {
+    "nested-3000": "{% if 1 %}" * 3000 + "x" + "{% endif %}" * 3000,
+    "5000-filters": "{{ 'a'" + "|lower" * 5000 + " }}",
+    "tojson-indent": "{{ messages|tojson(indent=10**8) }}",
+    "doubling": "{% set ns = namespace(s='ab') %}{% for i in range(60) %}"
+                "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+}
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/chat/completions"])
+def test_request_templates_past_their_bounds_are_400(path: str) -> None:
+    """With --trust-request-chat-template: a template that nests past jinja's parser, or
+    builds a prompt far longer than max_model_len can hold, is a 400 naming chat_template
+    (these were 500s, and `tojson(indent=10**8)` grew the server to 24 GB); the server then
+    serves the next request."""
+    from support.fake_engines import fake_engine
+
+    srv = BackgroundServer(ServerConfig(port=0, http_port=0, trust_request_chat_template=True),
+                           lambda: ServedModel(fake_engine(), "fake")).start()
+    try:
+        async def main() -> list[tuple[int, Any]]:
+            url = url_of(srv)
+            out = [await call(url, path, {"model": "fake", "messages": CHAT, "max_tokens": 2,
+                                          "chat_template": t})
+                   for t in TEMPLATE_ATTACKS.values()]
+            out.append(await call(url, path, {"model": "fake", "messages": CHAT,
+                                              "max_tokens": 2}))
+            return out
+
+        *refused, ok = asyncio.run(main())
+        for name, (status, body) in zip(TEMPLATE_ATTACKS, refused):
+            error = body.get("error", body)
+            assert status == 400 and error["param"] == "chat_template", (name, body)
+            assert len(error["message"]) <= 500, name
+        assert ok[0] == 200, ok
+    finally:
+        srv.stop()
