@@ -31,7 +31,7 @@ import pytest
 
 from support.compressed_ckpt import write_compressed
 from support.gguf_files import tiny_weights, write_tiny_gguf
-from support.tiers import grid, slow
+from support.tiers import grid, slow, split_tiers
 
 from jaxserve.cli.main import main as cli_main
 from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
@@ -60,9 +60,8 @@ F32_U = 2.0 ** -24
 
 # The default tier: each kind once, each quantization and each KV dtype at least once,
 # where they meet a stored quantization (the crash of #29 was a requantization).
-DEFAULT = ("gguf_quant-int8-int8", "gguf_quant-int4-fp8", "gguf_quant-none-auto",
-           "compressed-fp8-bfloat16", "hf-auto-float16", "orbax-int4-float32",
-           "gguf_float-fp8-int8")
+DEFAULT = ("gguf_quant-int8-int8", "gguf_quant-none-auto", "compressed-fp8-bfloat16",
+           "hf-auto-float16", "orbax-int4-fp8", "gguf_float-fp8-float32")
 CASES = grid([[(k, k) for k in KINDS], [(q, q) for q in QUANTIZATIONS],
               [(d, d) for d in KV_CACHE_DTYPES]], DEFAULT,
              "the rest of the kind x quantization x KV dtype grid")
@@ -170,7 +169,8 @@ def test_every_entry_point_builds_the_same_engine(
     assert _cli_text(path, quantization, kv, capsys) == text
 
 
-@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+@pytest.mark.parametrize("quantization", split_tiers(
+    QUANTIZATIONS, QUANTIZATIONS, ("int4", "none"), "the other schemes' packing"))
 def test_the_packed_cpu_kernels_take_a_requantized_model(
         checkpoints: dict[str, pathlib.Path], quantization: str) -> None:
     """The C++ dense kernels' packing (dense_impl auto on CPU) of weights requantized from a

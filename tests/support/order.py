@@ -37,6 +37,7 @@ HEAVY_MODULES: tuple[str, ...] = (
     "tests/kernels/test_attention_reference.py",
     "tests/device/test_sampler.py",
     "tests/server/test_server_lifecycle.py",
+    "tests/serving/test_build_quantization.py",
     "tests/models/test_compressed_tensors.py",
     "tests/models/test_bundled_model.py",
     "tests/scripts/test_soak.py",
