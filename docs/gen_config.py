@@ -44,6 +44,11 @@ ENV_VARS = {
         "a fresh temporary one; a lasting directory reuses compiles across runs; empty: "
         "none).",
     "JAXSERVE_ARGS": "`scripts/peer/side_by_side.sh`: extra `jaxserve serve` flags.",
+    "JAXSERVE_TEST_WORKERS": "`scripts/test.sh`: pytest-xdist worker processes (default 2; "
+        "`0` runs the tests in the pytest process itself).",
+    "JAXSERVE_TEST_SESSION_DIR": "set by the test session's controller, not by a user: the "
+        "directory its xdist workers share (the bundled model's transformers conversion, "
+        "made once per session).",
 }
 ENV_SCAN = ("jaxserve", "models", "server", "kernels_pallas", "scripts", "tests")
 
