@@ -15,7 +15,8 @@ The default run checks one configuration, 8 KV heads at TP 2 against TP 1 (shard
 KV pages and vocabulary-sharded LM head; the sampler, prompt logprobs and the compile guard
 over them), with two token buckets, and the gRPC server over that TP 2 engine; the rest of the
 grid, with the default buckets, is marked slow (JAXSERVE_RUN_SLOW=1): it costs ~10 minutes of
-compiles on a 2-core machine.
+compiles on a 2-core machine, in one worker process per model (and per quantization), because
+one process compiling the whole grid runs out of memory mappings (vm.max_map_count).
 """
 
 from __future__ import annotations
@@ -24,15 +25,20 @@ import json
 
 import numpy as np
 import pytest
-from support.engine_fixtures import run_device_worker
-from support.workers.tp_worker import DEFAULT_ROWS, MODELS
+from support.engine_fixtures import run_device_worker, run_slow
+from support.workers.tp_worker import DEFAULT_ROWS, MODELS, SLOW_PARTS
 
-# The module's fixture runs a subprocess worker with its own 900 s limit; its first test
-# (which builds the fixture) may take that long, and the limit lies past it so that the
-# worker's TimeoutExpired, with its stderr, is what reports a hang.
-pytestmark = pytest.mark.timeout(960)
+# The module's fixture runs subprocess workers with their own 900 s limit each (one in the
+# default run, len(SLOW_PARTS) in sequence with JAXSERVE_RUN_SLOW=1); its first test (which
+# builds the fixture) may take that long, and the limit lies past it so that a worker's
+# TimeoutExpired, with its stderr, is what reports a hang.
+pytestmark = pytest.mark.timeout(960 * (len(SLOW_PARTS) if run_slow() else 1))
 
-L, HIDDEN = 2, 64  # tp_worker's tiny models
+L, HIDDEN, INTERMEDIATE = 2, 64, 128  # tp_worker's tiny models (8 heads of 8 for each)
+# Weights of the quantized matmuls of the 8-KV-head model: q, k, v, o (HIDDEN x HIDDEN each)
+# and gate, up, down (HIDDEN x INTERMEDIATE each) per layer; the LM head's (vocabulary x
+# HIDDEN) only with quantize_lm_head.
+LAYER_WEIGHTS = L * (4 * HIDDEN * HIDDEN + 3 * HIDDEN * INTERMEDIATE)
 
 
 def grid(tp_sizes: tuple[int, ...]) -> list:
@@ -43,8 +49,28 @@ def grid(tp_sizes: tuple[int, ...]) -> list:
 
 
 @pytest.fixture(scope="module")
-def worker() -> dict:
-    return run_device_worker("tp_worker.py")
+def parts() -> list[dict]:
+    """The worker's documents: the default part, or with JAXSERVE_RUN_SLOW=1 each of SLOW_PARTS
+    in its own process (the whole grid in one reaches the kernel's memory-map cap)."""
+    names = SLOW_PARTS if run_slow() else ("default",)
+    return [run_device_worker("tp_worker.py", args=(name,)) for name in names]
+
+
+@pytest.fixture(scope="module")
+def worker(parts: list[dict]) -> dict:
+    """The parts merged: offline rows, the gRPC part, quantized rows."""
+    return {"offline": [r for p in parts for r in p.get("offline", ())],
+            "grpc": next(p["grpc"] for p in parts if "grpc" in p),
+            "quantized": [r for p in parts for r in p.get("quantized", ())]}
+
+
+def test_each_worker_process_keeps_memory_map_headroom(parts: list[dict]) -> None:
+    """Each worker process stays below half of vm.max_map_count: past the cap XLA:CPU's LLVM
+    JIT fails with "Cannot allocate memory" and the worker dies without a result, which is
+    how the slow grid in one process failed. A part nearing the cap fails here, by name."""
+    for p in parts:
+        maps = p["memory_maps"]
+        assert maps["count"] < maps["limit"] // 2, maps
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +135,15 @@ def test_quantized_weights_under_tp(worker: dict) -> None:
         _assert_same_outputs(base, got, 2)
         assert got["param_bytes_device0"] < 0.75 * got["param_bytes_total"], options
         assert got["param_bytes_total"] == base["param_bytes_total"]
-        # Stored quantized, not as floats: int4 in groups of 32 is 0.75 bytes per weight
-        # against float32's 4 (only the untied embedding stays float).
-        assert got["param_bytes_total"] < 0.5 * _by(worker["offline"], 8, 1)["param_bytes_total"]
+        # Stored quantized, not as floats: each quantized weight takes at most 1 byte plus its
+        # share of the scales (int4 in groups of 32: 0.5 + 4/32 (+ 4/32 zero points); int8 /
+        # fp8 per column: 1 + 4/64), i.e. under 2 of float32's 4 bytes, so the model is at
+        # least 2 bytes per quantized weight smaller than float32 (a 16-bit copy would not
+        # be); the embedding, the norms and an unquantized LM head stay float32.
+        head = MODELS[8][1] * HIDDEN if got["options"].get("quantize_lm_head") else 0
+        quantized = LAYER_WEIGHTS + head
+        float_total = _by(worker["offline"], 8, 1)["param_bytes_total"]
+        assert got["param_bytes_total"] < float_total - 2 * quantized, options
 
 
 def _assert_same_outputs(base: dict, got: dict, tp: int) -> None:

@@ -6,9 +6,12 @@ logprobs of 3 prompts, seeded structured-output requests (the 8-KV-head model),
 compiles after warmup, per-device and total bytes of the parameters and of the KV pages.
 
 Quantized weights (QUANT_ROWS) at TP 1 and 2: the same greedy outputs and bytes.
-By default one sharded configuration against its TP 1 (DEFAULT_ROWS, with FEW_TOKEN_BUCKETS)
-and the gRPC server over it; with JAXSERVE_RUN_SLOW=1 the full grid (MODELS x TP_SIZES, the
-default buckets) and the gRPC server over TP 4 with replicated KV heads.
+The process runs one `part` of the grid, named by its argument: "default" (the default run:
+one sharded configuration against its TP 1, DEFAULT_ROWS with FEW_TOKEN_BUCKETS, the gRPC
+server over it and QUANT_ROWS); with JAXSERVE_RUN_SLOW=1 the test runs SLOW_PARTS, one process
+each: the full grid (MODELS x TP_SIZES, the default buckets) a model per process, the gRPC
+server over TP 4 with replicated KV heads, and each quantization row. Each document also
+carries the process's memory-map count against vm.max_map_count.
 """
 
 from __future__ import annotations
@@ -163,15 +166,47 @@ def serve_grpc(kv_heads: int, tp: int) -> dict:
     return {"kv_heads": kv_heads, "tp": tp, "tokens": tokens}
 
 
+def memory_maps() -> dict:
+    """This process's memory mappings against the kernel's per-process cap (Linux: one map per
+    JIT-compiled XLA:CPU code and data region, so the count grows with every executable)."""
+    try:
+        count = len(pathlib.Path("/proc/self/maps").read_text().splitlines())
+        limit = int(pathlib.Path("/proc/sys/vm/max_map_count").read_text())
+    except OSError:  # not Linux: nothing to guard
+        return {"count": 0, "limit": 1}
+    return {"count": count, "limit": limit}
+
+
+def part(name: str) -> dict:
+    """One worker process's share of the grid: {"offline": rows, "grpc": .., "quantized": ..}.
+
+    Why parts: every engine here compiles its bucket set for 8 devices, and each XLA:CPU
+    executable holds its own memory mappings. The whole slow grid in one process (19 engines)
+    reached the kernel's vm.max_map_count (65,530) after ~450 s, where LLVM fails with "Cannot
+    allocate memory" and the process dies; one model (or one quantization) per process stays
+    far below it (`memory_maps` is reported, and the test checks the headroom).
+    """
+    if name == "default":
+        return {"offline": [run(kv, tp) for kv, tp in DEFAULT_ROWS],
+                "grpc": serve_grpc(*DEFAULT_ROWS[-1]),
+                "quantized": [run_quantized(o, tp) for o in QUANT_ROWS for tp in (1, 2)]}
+    kind, _, arg = name.partition(":")
+    if kind == "offline":  # one model at every TP size
+        return {"offline": [run(int(arg), tp) for tp in TP_SIZES]}
+    if kind == "grpc":  # TP 4 with the 2 KV heads replicated
+        return {"grpc": serve_grpc(2, 4)}
+    if kind == "quantized":
+        options = (QUANT_ROWS + QUANT_SLOW_ROWS)[int(arg)]
+        return {"quantized": [run_quantized(options, tp) for tp in (1, 2)]}
+    raise ValueError(f"unknown tp_worker part {name!r}")
+
+
+# The slow run's parts, one process each (see `part`).
+SLOW_PARTS = (*(f"offline:{kv}" for kv in MODELS), "grpc",
+              *(f"quantized:{i}" for i in range(len(QUANT_ROWS + QUANT_SLOW_ROWS))))
+
+
 if __name__ == "__main__":
     assert jax.device_count() == 8, jax.devices()
-    if run_slow():
-        rows = [run(kv, tp) for kv in MODELS for tp in TP_SIZES]
-        grpc = serve_grpc(2, 4)  # KV heads replicated
-        quant_options = QUANT_ROWS + QUANT_SLOW_ROWS
-    else:
-        rows = [run(kv, tp) for kv, tp in DEFAULT_ROWS]
-        grpc = serve_grpc(*DEFAULT_ROWS[-1])
-        quant_options = QUANT_ROWS
-    quant = [run_quantized(o, tp) for o in quant_options for tp in (1, 2)]
-    json.dump({"offline": rows, "grpc": grpc, "quantized": quant}, sys.stdout)
+    doc = part(sys.argv[1] if len(sys.argv) > 1 else "default")
+    json.dump({**doc, "memory_maps": memory_maps()}, sys.stdout)
