@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Callable, Container, Sequence
 from jaxserve.engine.errors import InvalidRequest
 from jaxserve.engine.sampling_params import (MAX_LOGPROBS, MAX_N, SamplingParams, check_text,
                                             show)
+from jaxserve.engine.token_filter import TokenFilter, compile_filter
 
 if TYPE_CHECKING:  # the grammar library loads with the engine that owns a compiler
     from jaxserve.engine.grammar import CompiledGrammar, GrammarCompiler
@@ -138,6 +139,10 @@ class EngineLimits:
     # tokenizer has no vocabulary llguidance can read, and such requests are refused).
     grammars: "GrammarCompiler | None" = dataclasses.field(default=None, compare=False,
                                                            repr=False)
+    # The tokenizer's text -> ids without special tokens, for bad_words (None: no tokenizer,
+    # and such requests are refused).
+    encode_words: Callable[[str], list[int]] | None = dataclasses.field(
+        default=None, compare=False, repr=False)
 
     @property
     def max_prompt_bytes(self) -> int:
@@ -148,8 +153,8 @@ class EngineLimits:
 
     # ----------------------------------------------------------------------- checks
     def check_params(self, params: SamplingParams) -> None:
-        """The sampling fields bounded by the model: top_k, stop ids and logit_bias ids in the
-        vocabulary."""
+        """The sampling fields bounded by the model: top_k, stop ids, logit_bias ids and
+        allowed_token_ids in the vocabulary."""
         vocab = self.vocab_size
         if params.top_k > vocab:
             raise InvalidRequest(f"top_k={params.top_k} must be -1 or 0 (disabled) or in "
@@ -162,6 +167,11 @@ class EngineLimits:
             if t >= vocab:
                 raise InvalidRequest(f"logit_bias key {t} is outside the vocabulary "
                                      f"[0, {vocab})", "logit_bias")
+        allowed = params.allowed_token_ids
+        if allowed and max(allowed) >= vocab:
+            i = next(i for i, t in enumerate(allowed) if t >= vocab)
+            raise InvalidRequest(f"allowed_token_ids[{i}]={allowed[i]} is outside the "
+                                 f"vocabulary [0, {vocab})", "allowed_token_ids")
 
     def check_prompt_ids(self, ids: Sequence[int], from_text: bool = False) -> list[int]:
         """Non-empty, shorter than max_model_len (checked before the ids are scanned) and
@@ -196,7 +206,8 @@ class EngineLimits:
         else:
             ids = self.check_prompt_ids(prompt)
         max_tokens = self.check_fits(len(ids), params.max_tokens)
-        return Admitted(text, tuple(ids), params, max_tokens, self.compile_grammar(params))
+        return Admitted(text, tuple(ids), params, max_tokens, self.compile_grammar(params),
+                        compile_filter(params, self.vocab_size, self.encode_words))
 
     def compile_grammar(self, params: SamplingParams) -> "CompiledGrammar | None":
         """The request's grammar (None: no structured_outputs); InvalidRequest naming the
@@ -221,6 +232,7 @@ class Admitted:
     params: SamplingParams
     max_tokens: int  # resolved
     grammar: "CompiledGrammar | None" = None  # params.structured_outputs, compiled
+    token_filter: TokenFilter | None = None  # params.allowed_token_ids / bad_words, compiled
 
 
 @dataclasses.dataclass(frozen=True)
