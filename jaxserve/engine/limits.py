@@ -193,18 +193,44 @@ class EngineLimits:
         return check_fits(num_prompt_tokens, max_tokens, self.max_model_len, self.page_size,
                           self.num_kv_pages)
 
+    def truncate(self, ids: Sequence[int], params: SamplingParams) -> Sequence[int]:
+        """The prompt ids `params.truncate_prompt_tokens` keeps (vLLM's left truncation): the
+        last k, or with -1 the last max_model_len - max(max_tokens, 1) (as many as leave room
+        for the output; max_tokens unset: one token). k over max_model_len is refused, as
+        vLLM does; a kept prompt that is still too long meets the usual length checks."""
+        k, limit = params.truncate_prompt_tokens, self.max_model_len
+        if k is None:
+            return ids
+        if k > limit:
+            raise InvalidRequest(f"truncate_prompt_tokens={k} must be -1 or at most "
+                                 f"max_model_len={limit}", "truncate_prompt_tokens")
+        if k == -1:
+            room = max(params.max_tokens or 0, 1)
+            if room >= limit:
+                raise InvalidRequest(
+                    f"truncate_prompt_tokens=-1 keeps max_model_len - max_tokens prompt "
+                    f"tokens, but max_tokens={params.max_tokens} leaves none of "
+                    f"max_model_len={limit}", "truncate_prompt_tokens")
+            k = limit - room
+        return ids[-k:] if len(ids) > k else ids
+
     def admit(self, prompt: str | Sequence[int], params: SamplingParams,
               encode: Callable[[str], list[int]] | None = None) -> "Admitted":
         """Every limit check of one request; text prompts need `encode`, which is called only
-        for a text that can fit."""
+        for a text that can fit. With truncate_prompt_tokens the prompt is truncated first
+        (`truncate`), and everything after sees the kept tokens; the prompt's text is then
+        dropped (None) when tokens were cut, since it no longer is the prompt's."""
         self.check_params(params)
         text = None
         if isinstance(prompt, str):
             check_prompt_text(prompt, self.max_prompt_bytes)
             assert encode is not None, "a text prompt needs a tokenizer"
-            text, ids = prompt, self.check_prompt_ids(encode(prompt), from_text=True)
+            whole = encode(prompt)
+            kept = self.truncate(whole, params)
+            text = prompt if len(kept) == len(whole) else None
+            ids = self.check_prompt_ids(kept, from_text=True)
         else:
-            ids = self.check_prompt_ids(prompt)
+            ids = self.check_prompt_ids(self.truncate(prompt, params))
         max_tokens = self.check_fits(len(ids), params.max_tokens)
         return Admitted(text, tuple(ids), params, max_tokens, self.compile_grammar(params),
                         compile_filter(params, self.vocab_size, self.encode_words))

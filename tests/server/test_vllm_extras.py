@@ -1,0 +1,94 @@
+"""vLLM's request extras on the HTTP front (issue #29: they were accepted and ignored):
+truncate_prompt_tokens, allowed_token_ids and bad_words honoured, the others refused with a
+400 naming the field. Oracle: the offline API (conftest's `llm`, the same engine config)
+given the prompt the truncation keeps, computed here from vLLM's definition."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from support.http_clients import call, url_of
+from support.openai_front import GREEDY, SDK_KEY
+from support.probes import wait_pages_free
+
+from jaxserve import SamplingParams
+from jaxserve.server.background import BackgroundServer
+
+AUTH = {"Authorization": f"Bearer {SDK_KEY}"}
+PROMPT = " ".join(f"w{t}" for t in range(5, 25))  # 20 tokens
+IDS = list(range(5, 25))
+MAX_MODEL_LEN = 512  # support.openai_front.CONFIG
+
+
+def complete(server: BackgroundServer, path: str = "/v1/completions", **body: object
+             ) -> tuple[int, dict]:
+    return asyncio.run(call(url_of(server), path, {"model": "tiny", **body}, AUTH))
+
+
+@pytest.mark.parametrize("k,max_tokens,kept", [(4, 3, 4), (30, 3, 20), (-1, 500, 12),
+                                               (-1, 3, 20)])
+def test_truncate_prompt_tokens_keeps_the_last_tokens(
+        sdk_server: BackgroundServer, llm, k: int, max_tokens: int,  # noqa: ANN001
+        kept: int) -> None:
+    status, body = complete(sdk_server, prompt=PROMPT, max_tokens=max_tokens,
+                            truncate_prompt_tokens=k, echo=True, **GREEDY)
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens"] == kept
+    want = llm.generate([IDS[-kept:]], SamplingParams(max_tokens=max_tokens, **GREEDY),
+                        use_tqdm=False)[0].outputs[0]
+    echo = " ".join(f"w{t}" for t in IDS[-kept:])
+    assert body["choices"][0]["text"] == echo + want.text  # the kept prompt is echoed
+    wait_pages_free(sdk_server)
+
+
+@pytest.mark.parametrize("k,message", [
+    (MAX_MODEL_LEN + 1, f"truncate_prompt_tokens={MAX_MODEL_LEN + 1} must be -1 or at most "
+                        f"max_model_len={MAX_MODEL_LEN}"),
+    (0, "truncate_prompt_tokens=0 must be -1 (as many as fit) or an integer in"),
+    (-2, "truncate_prompt_tokens=-2 must be -1"),
+    ("4", "truncate_prompt_tokens='4' must be -1"),
+])
+def test_bad_truncate_prompt_tokens_is_a_400(sdk_server: BackgroundServer, k: object,
+                                             message: str) -> None:
+    status, body = complete(sdk_server, prompt=PROMPT, truncate_prompt_tokens=k)
+    assert status == 400 and body["error"]["param"] == "truncate_prompt_tokens"
+    assert body["error"]["message"].startswith(message), body
+
+
+def test_truncation_applies_to_chat_and_to_the_offline_api(sdk_server: BackgroundServer,
+                                                          llm) -> None:  # noqa: ANN001
+    status, body = complete(sdk_server, "/v1/chat/completions", max_tokens=2,
+                            messages=[{"role": "user", "content": PROMPT}],
+                            truncate_prompt_tokens=5, **GREEDY)
+    assert status == 200 and body["usage"]["prompt_tokens"] == 5, body
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=2, truncate_prompt_tokens=6,
+                                                **GREEDY), use_tqdm=False)[0]
+    assert out.prompt_token_ids == IDS[-6:] and out.prompt is None  # the text was cut
+    whole = llm.generate([PROMPT], SamplingParams(max_tokens=2, truncate_prompt_tokens=-1,
+                                                  **GREEDY), use_tqdm=False)[0]
+    assert whole.prompt_token_ids == IDS and whole.prompt == PROMPT
+    wait_pages_free(sdk_server)
+
+
+def test_token_filters_are_honoured(sdk_server: BackgroundServer, llm) -> None:  # noqa: ANN001
+    params = dict(max_tokens=6, allowed_token_ids=[7, 8, 30], bad_words=["w8", "w7 w7"])
+    status, body = complete(sdk_server, prompt="w5 w9", **params, **GREEDY)
+    assert status == 200, body
+    want = llm.generate(["w5 w9"], SamplingParams(**params, **GREEDY), use_tqdm=False)
+    assert body["choices"][0]["text"] == want[0].outputs[0].text
+    assert set(want[0].outputs[0].token_ids) <= {7, 30}
+    wait_pages_free(sdk_server)
+
+
+@pytest.mark.parametrize("ids,message", [
+    ([10**12], "allowed_token_ids[0]=1000000000000 must be a token id"),
+    ([5, 211], "allowed_token_ids[1]=211 is outside the vocabulary [0, 211)"),
+    ([], "allowed_token_ids must not be empty"),
+    ("w5", "allowed_token_ids must be a non-empty list"),
+])
+def test_bad_allowed_token_ids_is_a_400(sdk_server: BackgroundServer, ids: object,
+                                        message: str) -> None:
+    status, body = complete(sdk_server, prompt="w5", allowed_token_ids=ids)
+    assert status == 400 and body["error"]["param"] == "allowed_token_ids", body
+    assert body["error"]["message"].startswith(message), body
