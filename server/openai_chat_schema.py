@@ -102,6 +102,7 @@ def parse_chat(body: object) -> ChatRequest:
     # chat's names of registry fields
     names = {**rename, **spec_names, "logprobs": "top_logprobs"}
     params = schema.sampling_params(body, budget, names, logprobs=wanted, **spec)
+    schema.refuse_unread(body)
     return ChatRequest(prompt, params, bool(body.get("stream")), include_usage, continuous,
                        schema.priority_of(body), names, bool(body.get("echo")), request)
 

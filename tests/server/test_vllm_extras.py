@@ -92,3 +92,51 @@ def test_bad_allowed_token_ids_is_a_400(sdk_server: BackgroundServer, ids: objec
     status, body = complete(sdk_server, prompt="w5", allowed_token_ids=ids)
     assert status == 400 and body["error"]["param"] == "allowed_token_ids", body
     assert body["error"]["message"].startswith(message), body
+
+
+# --------------------------------------------------------------------------- refused fields
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("field,value,message", [
+    ("use_beam_search", True, "use_beam_search is not supported by this endpoint (only "
+                              "False, its default, is accepted); got True"),
+    ("guided_decoding_backend", "xgrammar", "guided_decoding_backend is not supported by "
+                                            "this endpoint (the grammar backend"),
+    ("prompt_embeds", "AAAA", "prompt_embeds is not supported by this endpoint (prompts are"),
+    ("foo", 1, "foo is not supported by this endpoint; got 1"),
+])
+def test_fields_nothing_reads_are_a_400_naming_them(sdk_server: BackgroundServer, path: str,
+                                                    field: str, value: object,
+                                                    message: str) -> None:
+    base = {"messages": [{"role": "user", "content": "w5"}]} if "chat" in path else \
+        {"prompt": "w5"}
+    status, body = complete(sdk_server, path, max_tokens=1, **base, **{field: value}) \
+        if path != "/tokenize" else complete(sdk_server, path, **base, **{field: value})
+    assert status == 400, body
+    assert body["error"]["param"] == field and body["error"]["message"].startswith(message)
+
+
+def test_no_op_values_and_nulls_are_accepted(sdk_server: BackgroundServer) -> None:
+    for path, base in (("/v1/completions", {"prompt": "w5"}),
+                       ("/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "w5"}]})):
+        status, body = complete(sdk_server, path, max_tokens=1, use_beam_search=False,
+                                length_penalty=1, foo=None, user="u1", **base)
+        assert status == 200, body
+    # /detokenize reads only tokens (and model): a sampling field there is refused
+    status, body = complete(sdk_server, "/detokenize", tokens=[5], temperature=0.5)
+    assert status == 400 and body["error"]["param"] == "temperature", body
+    status, body = complete(sdk_server, "/tokenize", prompt="w5", ignore_eos=True)
+    assert status == 400 and body["error"]["param"] == "ignore_eos", body
+    wait_pages_free(sdk_server)
+
+
+def test_completions_honour_add_special_tokens() -> None:
+    # The word tokenizer adds no BOS, so the mapping is checked: admission encodes a text
+    # with its PromptInput's add_special_tokens (as /tokenize does).
+    from jaxserve.server.openai_schema import ApiError, parse_completion
+
+    assert parse_completion({"prompt": "w5"}).prompt.add_special_tokens is True
+    req = parse_completion({"prompt": "w5", "add_special_tokens": False})
+    assert req.prompt.add_special_tokens is False
+    with pytest.raises(ApiError, match="add_special_tokens=1 must be a boolean"):
+        parse_completion({"prompt": "w5", "add_special_tokens": 1})
