@@ -140,3 +140,24 @@ def test_completions_honour_add_special_tokens() -> None:
     assert req.prompt.add_special_tokens is False
     with pytest.raises(ApiError, match="add_special_tokens=1 must be a boolean"):
         parse_completion({"prompt": "w5", "add_special_tokens": 1})
+
+
+# --------------------------------------------------------------------------- gRPC
+def test_grpc_takes_the_same_extras(sdk_server: BackgroundServer, llm) -> None:  # noqa: ANN001
+    import grpc
+
+    from jaxserve.client import Client
+
+    params = SamplingParams(max_tokens=5, allowed_token_ids=[7, 8, 30], bad_words=["w8"],
+                            truncate_prompt_tokens=3, **GREEDY)
+    with Client(sdk_server.target, api_key=SDK_KEY) as client:
+        [got] = client.generate(PROMPT, params)
+        with pytest.raises(grpc.RpcError) as e:
+            client.generate("w5", SamplingParams(allowed_token_ids=[5, 211]))
+    want = llm.generate([IDS[-3:]], params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids and set(got.token_ids) <= {7, 30}
+    assert got.usage.prompt_tokens == 3
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith(
+        "sampling.allowed_token_ids[1]=211 is outside the vocabulary [0, 211)")
+    wait_pages_free(sdk_server)
