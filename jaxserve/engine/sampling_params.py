@@ -148,8 +148,8 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = knob(
         None, rule=AllowedTokenIds(), help="sample only among these token ids")
     bad_words: tuple[str, ...] = knob(
-        (), rule=BadWords(), help="a word the output may not contain (as vLLM: its tokens, "
-                                  "with and without a leading space, never completed)")
+        (), rule=BadWords(), help="a word the output may not contain (vLLM's bad_words: "
+                                  "its last token masked once the rest is generated)")
     # Applied at admission (`EngineLimits.truncate`): the prompt keeps its last tokens, and
     # everything after (prompt logprobs, usage, the KV fit) sees the truncated prompt.
     truncate_prompt_tokens: int | None = knob(
