@@ -24,7 +24,6 @@ NO_OP_VALUES: dict[str, Any] = {
     "length_penalty": 1.0,  # vLLM: beam search's length penalty, 1 = none
     "return_tokens_as_token_ids": False,  # vLLM: tokens as "token_id:N" strings
     "add_special_tokens": False,  # chat: vLLM's default (the template writes them)
-    "spaces_between_special_tokens": True,  # vLLM's default, as the detokenizer writes
 }
 # Why a field vLLM takes is refused, where a reason helps the client.
 WHY: dict[str, str] = {

@@ -68,6 +68,11 @@ def test_truncation_applies_to_chat_and_to_the_offline_api(sdk_server: Backgroun
     whole = llm.generate([PROMPT], SamplingParams(max_tokens=2, truncate_prompt_tokens=-1,
                                                   **GREEDY), use_tqdm=False)[0]
     assert whole.prompt_token_ids == IDS and whole.prompt == PROMPT
+    # Prompt logprobs score the kept prompt: one entry per kept token, None for its first.
+    scored = llm.generate([IDS], SamplingParams(max_tokens=0, prompt_logprobs=1,
+                                                truncate_prompt_tokens=4), use_tqdm=False)[0]
+    assert scored.prompt_token_ids == IDS[-4:] and len(scored.prompt_logprobs) == 4
+    assert scored.prompt_logprobs[0] is None and IDS[-3] in scored.prompt_logprobs[1]
     wait_pages_free(sdk_server)
 
 
