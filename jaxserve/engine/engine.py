@@ -15,7 +15,8 @@ decode rows feed on step N's sampled tokens on the device (`StepBatch.feed_rows`
 only a token's value can end (EOS, stop ids, stop strings) ends one step late and the extra
 token is discarded, so outputs are the same as without overlap (see `scheduler.py`). When
 step N samples a row with penalties (step N+1 needs its history), N is applied before N+1 is
-scheduled; rows under a grammar get their token mask late (`_launch`). Each `step()` returns
+scheduled; rows whose token mask follows their output (a grammar, vLLM's bad_words of several
+tokens: `Request.mask_follows_output`) get it late (`_launch`). Each `step()` returns
 the outputs of the step it applied.
 
 The engine owns the requests' host-side extras (prompt text, detokenizers, n-sample groups,
