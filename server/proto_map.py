@@ -9,7 +9,8 @@ Data flow of a Generate call:
   sample with its usage and timing).
 
 Every error raised here is an `InvalidRequest` (a ValueError): the servicer answers it with
-INVALID_ARGUMENT, its field renamed to this service's names by `error_message`.
+INVALID_ARGUMENT, its field renamed to this service's names by `error_message`. A field the
+proto does not define (`check_known`: a newer client's) is refused too, never dropped.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from typing import Any, Sequence
+
+from google.protobuf import unknown_fields
 
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
 from jaxserve.engine.request import FinishReason, RequestMetrics
@@ -146,8 +149,9 @@ def _chat(chat: Any) -> tuple[PromptInput, ToolRequest | None]:
 
 
 def input_from_proto(msg: Any, text_field: str) -> PromptInput:
-    """The `input` oneof of a GenerateRequest (`prompt`) or TokenizeRequest (`text`); its
-    contents are checked by admission."""
+    """The `input` oneof of a GenerateRequest (`prompt`) or TokenizeRequest (`text`), after
+    `check_known`; its contents are checked by admission."""
+    check_known(msg)
     return _input(msg, text_field)[0]
 
 
@@ -174,7 +178,30 @@ class ParsedRequest:
     tools: ToolRequest | None = None
 
 
+def check_known(msg: Any, path: str = "") -> None:
+    """Refuse fields this server's proto does not define (a client built from a newer
+    jaxserve.proto): protobuf keeps them aside as unknown fields, which would otherwise be
+    ignored. Walks the set sub-messages (`path`: where `msg` is, for the message)."""
+    unknown = unknown_fields.UnknownFieldSet(msg)
+    if len(unknown):
+        where = path or msg.DESCRIPTOR.name
+        raise InvalidRequest(
+            f"{where} has field number {unknown[0].field_number}, which this server's "
+            f"{msg.DESCRIPTOR.full_name} does not define (a client built from a newer "
+            "jaxserve.proto?): refused rather than ignored", path or None)
+    for d, value in msg.ListFields():
+        if d.message_type is None or d.message_type.GetOptions().map_entry:
+            continue
+        name = f"{path}.{d.name}" if path else d.name
+        if _is_repeated(d):
+            for i, item in enumerate(value):
+                check_known(item, f"{name}[{i}]")
+        else:
+            check_known(value, name)
+
+
 def parse_request(req: Any) -> ParsedRequest:
+    check_known(req)
     prompt, request = _input(req, "prompt")
     return ParsedRequest(prompt, guided(sampling_from_proto(req.sampling), request), request)
 

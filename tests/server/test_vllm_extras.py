@@ -166,3 +166,29 @@ def test_grpc_takes_the_same_extras(sdk_server: BackgroundServer, llm) -> None: 
     assert e.value.details().startswith(
         "sampling.allowed_token_ids[1]=211 is outside the vocabulary [0, 211)")
     wait_pages_free(sdk_server)
+
+
+def test_grpc_refuses_fields_its_proto_does_not_define(sdk_server: BackgroundServer) -> None:
+    """A newer client's field (here number 25 of SamplingParams) reaches the server as an
+    unknown field, which protobuf would let it ignore: it is INVALID_ARGUMENT instead."""
+    import grpc
+
+    from jaxserve.client import Client
+    from jaxserve.server.client import pb2
+
+    sampling = pb2.SamplingParams()
+    sampling.ParseFromString(pb2.SamplingParams(max_tokens=1).SerializeToString()
+                             + bytes([0xC8, 0x01, 0x05]))  # field 25, varint 5
+    req = pb2.GenerateRequest(prompt="w5", sampling=sampling)
+    chat = pb2.GenerateRequest()
+    chat.chat.messages.add(role="user", content="w5")
+    message = pb2.ChatMessage()
+    message.ParseFromString(chat.chat.messages[0].SerializeToString() + bytes([0x50, 0x01]))
+    chat.chat.messages[0].CopyFrom(message)  # field 10 of a ChatMessage
+    with Client(sdk_server.target, api_key=SDK_KEY) as client:
+        for bad, where in ((req, "sampling has field number 25"),
+                           (chat, "chat.messages[0] has field number 10")):
+            with pytest.raises(grpc.RpcError) as e:
+                list(client.stub.Generate(bad, metadata=client._metadata))  # noqa: SLF001
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert e.value.details().startswith(where), e.value.details()
