@@ -176,7 +176,7 @@ def build_batch(out: SchedulerOutput, shape: BatchShape,
     """Pack one scheduled step; rows follow `out.seqs` order. `prev_rows`: seq_id -> batch
     row in the step dispatched before this one, for the sequences it sampled (the source of
     each fed row's token; ValueError when a fed row's sequence is not there).
-    `fill_grammars=False`: the grammar rows are only marked `constrained`, and the runner
+    `fill_grammars=False`: the masked rows are only marked `constrained`, and the runner
     gets their mask late (`late_bitmask`, once the previous step's tokens are in).
 
     Per-row Python work is kept to list appends; the arrays are built with a few vectorised
@@ -197,7 +197,7 @@ def build_batch(out: SchedulerOutput, shape: BatchShape,
     block_tables = np.zeros((S, shape.max_pages_per_seq), np.int32)
     penalised: list[int] = []
     biased: list[int] = []
-    grammars: list[tuple[int, Request]] = []  # rows that sample under a mask
+    masked: list[tuple[int, Request]] = []  # rows that sample under a token mask
     scoring: list[int] = []  # rows whose request asked for prompt logprobs
     tok_append, pos_append, slot_append = tok.append, pos.append, slot.append
     for row, seq in enumerate(out.seqs):
@@ -236,7 +236,7 @@ def build_batch(out: SchedulerOutput, shape: BatchShape,
         if sp.logit_bias:
             biased.append(row)
         if req.masks_tokens and seq.samples:
-            grammars.append((row, req))
+            masked.append((row, req))
         if sp.prompt_logprobs is not None:
             scoring.append(row)
     t = len(tok)
@@ -278,10 +278,10 @@ def build_batch(out: SchedulerOutput, shape: BatchShape,
         bias_ids[row, : len(ids)] = ids
         bias_values[row, : len(ids)] = values
     if fill_grammars:
-        bitmask, constrained = fill_bitmask(S, shape.vocab_size, grammars)
+        bitmask, constrained = fill_bitmask(S, shape.vocab_size, masked)
     else:
         bitmask, constrained = None, np.zeros(S, bool)
-        constrained[[row for row, _ in grammars]] = True
+        constrained[[row for row, _ in masked]] = True
     scored = prompt_logprobs.spans(out, scoring, cu_q_lens) if scoring else []
     lp_indices, lp_targets, num_lp = prompt_logprobs.pack(out, scored, T if scored else 0)
     return StepBatch(token_ids, feed_rows, positions, slot_mapping, block_tables, kv_lens,

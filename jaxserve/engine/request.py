@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxserve.engine.sampling_params import SamplingParams
-
 from jaxserve.engine.token_filter import TokenFilter
 
 if TYPE_CHECKING:  # the grammar library loads only where a compiler is built
