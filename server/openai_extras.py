@@ -44,7 +44,7 @@ def _tokenize_input(body: dict[str, Any]) -> admission.PromptInput:
             raise schema.bad_request("prompt must be a string", "prompt")
         return admission.PromptInput(
             text=body["prompt"], add_special_tokens=body.get("add_special_tokens") is not False)
-    return chat_schema.chat_input(body, chat_schema.tools_of(body))
+    return chat_schema.chat_input(body)[0]
 
 
 async def tokenize(front: "OpenAIHttpFront", request: web.Request) -> web.Response:
