@@ -2,11 +2,13 @@
 
 Data flow of a Generate call:
   GenerateRequest -> `parse_request` (sampling fields -> SamplingParams, whose ValueErrors
-  name the field and range; the input oneof -> `admission.PromptInput`) -> admission
-  (`jaxserve.serving.admission`: tokenize, prompt checks) -> the engine -> RequestOutputs ->
-  `ResponseBuilder` -> GenerateResponse messages (with prompt_logprobs, one PromptLogprobs
-  first, as soon as an output carries them; Chunk deltas per sample, then one Finished per
-  sample with its usage and timing).
+  name the field and range; the input oneof -> `admission.PromptInput`, a chat's tools and
+  tool turns through `serving.chat.chat_input` and a forced call's grammar into the sampling:
+  a `ParsedRequest`) -> admission (`jaxserve.serving.admission`: tokenize, prompt checks) ->
+  the engine -> RequestOutputs -> `ResponseBuilder` -> GenerateResponse messages (with
+  prompt_logprobs, one PromptLogprobs first, as soon as an output carries them; Chunk deltas
+  per sample, then one Finished per sample with its usage and timing, and for a chat with
+  tools the sample's text read for calls).
 
 Every error raised here is an `InvalidRequest` (a ValueError): the servicer answers it with
 INVALID_ARGUMENT, its field renamed to this service's names by `error_message`. A field the
