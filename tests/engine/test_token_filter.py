@@ -9,12 +9,11 @@ The word tokenizer reads "w17" as token 17, so a bad word is written by its ids.
 from __future__ import annotations
 
 import functools
-import itertools
 from typing import Callable, Sequence
 
 import numpy as np
 import pytest
-from support.engine_fixtures import VOCAB, tiny_engine, tiny_model
+from support.engine_fixtures import VOCAB, tiny_model
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.batch import fill_bitmask
@@ -23,7 +22,6 @@ from jaxserve.engine.token_filter import compile_filter, pack
 from jaxserve.models import llama
 
 MODEL = tiny_model()
-CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=8, max_model_len=128)
 PROMPTS = [[5, 9, 11, 40], [7, 3, 100, 12, 60, 8], [150, 42]]
 N = 8
 
@@ -71,13 +69,10 @@ def words(*ids: Sequence[int]) -> list[str]:
     return [" ".join(f"w{t}" for t in w) for w in ids]
 
 
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    obj = LLM.__new__(LLM)  # LLM() loads a checkpoint; the facade's own code is what is used
-    obj.engine = tiny_engine(MODEL, **CONFIG)
-    obj.config = obj.engine.config
-    obj._ids = itertools.count()
-    return obj
+@pytest.fixture
+def llm(small_llm: LLM) -> LLM:
+    """conftest's session engine (SMALL_CONFIG) over MODEL."""
+    return small_llm
 
 
 def greedy(max_tokens: int = N, **kw: object) -> SamplingParams:
