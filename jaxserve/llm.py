@@ -2,27 +2,32 @@
 
 Data flow: keyword arguments -> EngineConfig (validated) -> `serving.build` (load, size,
 place, compile: one Engine, or a ReplicaPool over `data_parallel_size` of them) -> `generate`
-admits every prompt (`Engine.admit`: the request checks both servers run, same error text),
-adds them to the engine (FINAL_ONLY outputs: one per request, when it finishes) and steps it
-until all are finished, returning RequestOutputs in input order.
+reads vLLM's prompt forms (`serving.prompt_forms`: a text, token ids, {"prompt": ...},
+{"prompt_token_ids": [...]}) and admits every prompt (`Engine.admit`: the request checks
+both servers run, same error text); `chat` builds each conversation as the chat fronts do
+(`serving.chat`: tools checked and rendered, a forced call as the structured output) and
+admits it (`admission.admit_input`), then reads each sample's text for tool calls. Both add
+the requests to the engine (FINAL_ONLY outputs: one per request, when it finishes) and step
+it until all are finished, returning RequestOutputs in input order.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.limits import check_priority
+from jaxserve.engine.limits import Admitted, check_priority
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.models.loading import LoadedModel
-from jaxserve.serving.admission import render_chat
+from jaxserve.serving import chat as chat_request
+from jaxserve.serving import tool_prompt
+from jaxserve.serving.admission import admit_input
 from jaxserve.serving.build import build_engine, build_offline_engine
-
-Prompt = str | Sequence[int]
+from jaxserve.serving.prompt_forms import Prompt, is_one_prompt, prompt_of
 
 
 class LLM:
@@ -58,44 +63,84 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None
                  ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs in input order.
+        """Generate for each prompt (a text, token ids, or vLLM's {"prompt": text} /
+        {"prompt_token_ids": ids}; another key, e.g. multi_modal_data, is a ValueError
+        naming it); outputs in input order.
 
         A request a failed engine step finished comes back like vLLM's: its samples have
         finish_reason ERROR and `error` (also on the RequestOutput) saying why; every other
         output is intact. Only a fatal failure (`EngineDead`: the device is lost) raises."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        many = [prompts] if is_one_prompt(prompts) else list(prompts)  # type: ignore[arg-type]
+        texts = [prompt_of(p, f"prompts[{i}]") for i, p in enumerate(many)]
+        params, prio = self._per_prompt(len(texts), sampling_params, priority)
+        # Every prompt through admission first: a bad one raises before any is queued.
+        admitted = [self.engine.admit(p, sp) for p, sp in zip(texts, params)]
+        return self._run(self._submit(admitted, prio), use_tqdm)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True, *,
+             chat_template: str | None = None,
+             chat_template_kwargs: Mapping[str, Any] | None = None,
+             continue_final_message: bool = False, tools: Sequence[Mapping[str, Any]] | None = None,
+             tool_choice: str | Mapping[str, Any] | None = None,
+             parallel_tool_calls: bool | None = None) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template (or `chat_template`, with
+        `chat_template_kwargs`), then generate, as /v1/chat/completions does: `tools` (OpenAI
+        tool objects) are rendered with the messages; `tool_choice` "required" or a named
+        function forces a call (a grammar), "auto" (the default with tools) lets the model
+        choose. With tools, each sample's `tool_calls` and `content` hold its text read for
+        calls in the model's format (OpenAI's shapes); `text` stays the raw text."""
+        convs = [messages] if messages and isinstance(messages[0], Mapping) else \
+            list(messages)  # type: ignore[arg-type]
+        params, prio = self._per_prompt(len(convs), sampling_params, None)
+        fmt = tool_prompt.resolve_format(tool_prompt.AUTO, self.tokenizer.chat_template)
+        admitted = []
+        request = None
+        for conv, sp in zip(convs, params):
+            inp, request = chat_request.chat_input(
+                conv, tools_=tools, tool_choice=tool_choice,
+                parallel_tool_calls=parallel_tool_calls,
+                add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
+                continue_final_message=continue_final_message)
+            admitted.append(admit_input(inp, chat_request.guided(sp, request),
+                                        self.engine.limits, self.tokenizer, fmt))
+        outputs = self._run(self._submit(admitted, prio), use_tqdm)
+        for out in outputs:
+            for c in out.outputs:
+                read = chat_request.message_of(request, fmt, c.text)
+                if read is not None:
+                    c.content, c.tool_calls = read.content, list(read.tool_calls)
+        return outputs
+
+    @staticmethod
+    def _per_prompt(n: int, sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                    priority: Sequence[int] | None
+                    ) -> tuple[list[SamplingParams], list[int]]:
+        """One SamplingParams and one priority (checked) per prompt."""
         if sampling_params is None:
-            params: list[SamplingParams] = [SamplingParams()] * len(prompts)
+            params: list[SamplingParams] = [SamplingParams()] * n
         elif isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
+            params = [sampling_params] * n
         else:
             params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        prio = list(priority) if priority is not None else [0] * len(prompts)
-        if len(prio) != len(prompts):
-            raise ValueError(f"got {len(prio)} priorities for {len(prompts)} prompts")
-        # Every prompt through admission first: a bad one raises before any is queued.
+            if len(params) != n:
+                raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
+        prio = list(priority) if priority is not None else [0] * n
+        if len(prio) != n:
+            raise ValueError(f"got {len(prio)} priorities for {n} prompts")
         for p in prio:
             check_priority(p)
-        admitted = [self.engine.admit(p, sp) for p, sp in zip(prompts, params)]
-        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        return params, prio
+
+    def _submit(self, admitted: list[Admitted], prio: list[int]) -> list[str]:
+        ids = [f"llm-{next(self._ids)}" for _ in admitted]
         for rid, req, pr in zip(ids, admitted, prio):
             # One output per request, at its end: nothing is copied per step.
             self.engine.add_request(rid, req, priority=pr,
                                     output_kind=RequestOutputKind.FINAL_ONLY)
-        return self._run(ids, use_tqdm)
-
-    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [render_chat(c, self.tokenizer, add_generation_prompt, self.engine.limits)
-                   for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return ids
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

@@ -48,6 +48,10 @@ class Completion:
     # The request's prompt logprobs (the same for every sample), in the offline API's shape:
     # one entry per prompt token, None for the first, else {prompt token: logprob, top-N}.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # A chat with tools: the sample's text read for calls (OpenAI's shape: {"id", "type",
+    # "function": {"name", "arguments"}}) and the text around them (None: calls only).
+    tool_calls: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    content: str | None = None
 
 
 def prompt_logprobs_of(msg: Any) -> list[dict[int, float] | None]:
@@ -98,11 +102,41 @@ def sampling_to_proto(params: SamplingParams) -> Any:
     return sp
 
 
+def fill_chat(chat: Any, messages: Sequence[Mapping[str, Any]],
+              tools: Sequence[Mapping[str, Any]] | None = None,
+              tool_choice: str | Mapping[str, Any] | None = None,
+              parallel_tool_calls: bool | None = None) -> None:
+    """Set a ChatMessages message from OpenAI-shaped messages (with tool turns: assistant
+    `tool_calls`, `tool_call_id`), tools (sent as their JSON text), tool_choice ("none",
+    "auto", "required" or {"type": "function", "function": {"name"}}) and
+    parallel_tool_calls."""
+    for m in messages:
+        msg = pb2.ChatMessage(role=m["role"], content=m.get("content") or "",
+                              tool_call_id=m.get("tool_call_id") or "", name=m.get("name") or "")
+        for call in m.get("tool_calls") or ():
+            fn = call["function"]
+            args = fn.get("arguments", "")
+            msg.tool_calls.append(pb2.ToolCall(
+                id=call.get("id", ""), name=fn["name"],
+                arguments=args if isinstance(args, str) else json.dumps(args)))
+        chat.messages.append(msg)
+    chat.tools.extend(pb2.Tool(json=json.dumps(t)) for t in tools or ())
+    if isinstance(tool_choice, Mapping):
+        chat.tool_choice_function = tool_choice["function"]["name"]
+    elif tool_choice is not None:
+        chat.tool_choice = tool_choice
+    if parallel_tool_calls is not None:
+        chat.parallel_tool_calls = parallel_tool_calls
+
+
 def build_request(prompt: str | Sequence[int] | None = None,
                   params: SamplingParams | Mapping[str, Any] | None = None, *,
-                  messages: Sequence[Mapping[str, str]] | None = None, request_id: str = "",
-                  priority: int = 0) -> Any:
-    """A GenerateRequest from text, token ids or chat `messages` (exactly one of them)."""
+                  messages: Sequence[Mapping[str, Any]] | None = None, request_id: str = "",
+                  priority: int = 0, tools: Sequence[Mapping[str, Any]] | None = None,
+                  tool_choice: str | Mapping[str, Any] | None = None,
+                  parallel_tool_calls: bool | None = None) -> Any:
+    """A GenerateRequest from text, token ids or chat `messages` (exactly one of them; a
+    chat may give tools, `fill_chat`)."""
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt (text or token ids) and messages")
     if params is None:
@@ -111,9 +145,11 @@ def build_request(prompt: str | Sequence[int] | None = None,
         params = SamplingParams(**params)
     req = pb2.GenerateRequest(request_id=request_id, sampling=sampling_to_proto(params),
                               priority=priority)
+    if messages is None and (tools or tool_choice is not None or
+                             parallel_tool_calls is not None):
+        raise ValueError("tools, tool_choice and parallel_tool_calls need messages")
     if messages is not None:
-        req.chat.messages.extend(pb2.ChatMessage(role=m["role"], content=m["content"])
-                                 for m in messages)
+        fill_chat(req.chat, messages, tools, tool_choice, parallel_tool_calls)
     elif isinstance(prompt, str):
         req.prompt = prompt
     else:
@@ -138,6 +174,10 @@ def fold(responses: Sequence[Any] | Iterator[Any]) -> list[Completion]:
             c = by_index.setdefault(f.index, Completion(f.index))
             c.finish_reason = _REASONS.get(f.reason, str(f.reason))
             c.usage, c.timing = f.usage, f.timing
+            c.tool_calls = [{"id": t.id, "type": "function",
+                             "function": {"name": t.name, "arguments": t.arguments}}
+                            for t in f.tool_calls]
+            c.content = f.content if f.HasField("content") else None
     for c in by_index.values():
         c.prompt_logprobs = prompt_lps
     return [by_index[i] for i in sorted(by_index)]
@@ -160,12 +200,13 @@ class _Base:
 
     def stream(self, prompt: str | Sequence[int] | None = None,
                params: SamplingParams | Mapping[str, Any] | None = None, *,
-               messages: Sequence[Mapping[str, str]] | None = None, request_id: str = "",
-               priority: int = 0, timeout: float | None = None) -> Any:
+               messages: Sequence[Mapping[str, Any]] | None = None, request_id: str = "",
+               priority: int = 0, timeout: float | None = None, **chat: Any) -> Any:
         """The Generate call (sync: iterate it; asyncio: `async for msg in call`); either
-        way `call.cancel()` aborts the request. `self.stub` is the subclass's."""
+        way `call.cancel()` aborts the request. `self.stub` is the subclass's. `chat`: a
+        chat's tools, tool_choice and parallel_tool_calls (`build_request`)."""
         req = build_request(prompt, params, messages=messages, request_id=request_id,
-                            priority=priority)
+                            priority=priority, **chat)
         return self.stub.Generate(req, **self._kw(timeout))
 
 

@@ -8,10 +8,11 @@ registry), with chat's own names: `max_completion_tokens` (or the older `max_tok
 up to max_model_len), `logprobs` (a boolean) + `top_logprobs` (how many), vLLM's
 `prompt_logprobs` and `echo`; `response_format` and vLLM's structured-output fields through
 `openai_schema.structured`; `tools`, `tool_choice` and `parallel_tool_calls` through
-`serving.tools.check_tools` (a forced call becomes the request's structured output:
-`tools.guide`; the tools travel with the messages to admission's template). Fields this
-server does not implement (the deprecated `functions` / `function_call`) are refused by name
-rather than ignored.
+`serving.chat.chat_input`, as the other fronts build a chat (`tools.check_tools`; a forced
+call becomes the request's structured output: `tools.guide`; the tools travel with the
+messages to admission's template). Fields this server does not implement (the deprecated
+`functions` / `function_call`, and any field nothing reads: `openai_fields`) are refused by
+name rather than ignored.
 The response helpers build `chat.completion` choices, `chat.completion.chunk` deltas and
 chat-format logprobs (`{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`).
 """
@@ -25,7 +26,7 @@ from jaxserve.engine.outputs import CompletionOutput, TokenLogprobs
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.structured_outputs import NAME as STRUCTURED
 from jaxserve.server import openai_schema as schema
-from jaxserve.serving import admission, tools
+from jaxserve.serving import admission, chat, tools
 
 _BOOLS = ("stream", "logprobs", "add_generation_prompt", "continue_final_message", "echo")
 
@@ -50,16 +51,6 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         if body.get(name):
             raise schema.bad_request(f"{name} is not supported: use tools and tool_choice",
                                      name)
-
-
-def tools_of(body: dict[str, Any]) -> tools.ToolRequest | None:
-    """The body's tools, tool_choice and parallel_tool_calls, checked (400 naming the
-    field)."""
-    try:
-        return tools.check_tools(body.get("tools"), body.get("tool_choice"),
-                                 body.get("parallel_tool_calls"))
-    except ValueError as e:
-        raise schema.invalid(e) from None
 
 
 def _output_spec(body: dict[str, Any], request: tools.ToolRequest | None
@@ -91,8 +82,7 @@ def parse_chat(body: object) -> ChatRequest:
     if body.get("messages") is None:  # absent or null
         raise schema.bad_request("messages is required: a list of {role, content} objects",
                                  "messages")
-    request = tools_of(body)
-    prompt = chat_input(body, request)
+    prompt, request = chat_input(body)
     top = body.get("top_logprobs")
     if top is not None and not body.get("logprobs"):
         raise schema.bad_request("top_logprobs needs logprobs=true", "top_logprobs")
@@ -102,24 +92,26 @@ def parse_chat(body: object) -> ChatRequest:
     # chat's names of registry fields
     names = {**rename, **spec_names, "logprobs": "top_logprobs"}
     params = schema.sampling_params(body, budget, names, logprobs=wanted, **spec)
+    schema.refuse_unread(body)
     return ChatRequest(prompt, params, bool(body.get("stream")), include_usage, continuous,
                        schema.priority_of(body), names, bool(body.get("echo")), request)
 
 
-def chat_input(body: dict[str, Any], request: tools.ToolRequest | None = None
-               ) -> admission.PromptInput:
-    """`messages` and vLLM's rendering fields as they are (admission checks their shapes:
-    messages a list of objects, chat_template_kwargs an object), with the checked tools; a
-    null boolean is its default, as OpenAI's unset."""
-    messages = body["messages"]
-    generation_prompt = body.get("add_generation_prompt")
-    return admission.PromptInput(
-        chat=tuple(messages) if isinstance(messages, list) else messages,
-        add_generation_prompt=generation_prompt is not False,
-        chat_template=body.get("chat_template"),
-        chat_template_kwargs=body.get("chat_template_kwargs"),
-        continue_final_message=bool(body.get("continue_final_message")),
-        tools=request.tools if request is not None else None)
+def chat_input(body: dict[str, Any]) -> tuple[admission.PromptInput, tools.ToolRequest | None]:
+    """`messages`, vLLM's rendering fields and the tools as every front builds a chat
+    (`serving.chat.chat_input`; admission checks the messages' shapes, chat_template_kwargs
+    an object), 400 naming a bad tool field; a null boolean is its default, as OpenAI's
+    unset."""
+    try:
+        return chat.chat_input(
+            body["messages"], tools_=body.get("tools"), tool_choice=body.get("tool_choice"),
+            parallel_tool_calls=body.get("parallel_tool_calls"),
+            add_generation_prompt=body.get("add_generation_prompt") is not False,
+            chat_template=body.get("chat_template"),
+            chat_template_kwargs=body.get("chat_template_kwargs"),
+            continue_final_message=bool(body.get("continue_final_message")))
+    except ValueError as e:
+        raise schema.invalid(e) from None
 
 
 # ----------------------------------------------------------------------------- responses

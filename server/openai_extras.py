@@ -44,20 +44,22 @@ def _tokenize_input(body: dict[str, Any]) -> admission.PromptInput:
             raise schema.bad_request("prompt must be a string", "prompt")
         return admission.PromptInput(
             text=body["prompt"], add_special_tokens=body.get("add_special_tokens") is not False)
-    return chat_schema.chat_input(body, chat_schema.tools_of(body))
+    return chat_schema.chat_input(body)[0]
 
 
 async def tokenize(front: "OpenAIHttpFront", request: web.Request) -> web.Response:
     _, _, admit = front.ready()
     body = schema.check_common(
-        await read_json(request, front.max_body_bytes, front.body_timeout), _BOOLS)
+        await read_json(request, front.max_body_bytes, front.body_timeout), _BOOLS,
+        sampling=False)
     front.check_model(body)
+    inp, token_strs = _tokenize_input(body), body.get("return_token_strs")
+    schema.refuse_unread(body)
     try:
-        ids = await admit.tokenize(_tokenize_input(body))
+        ids = await admit.tokenize(inp)
     except ValueError as e:
         raise schema.invalid(e) from None
-    strs = [admit.tokenizer.id_to_token(t) for t in ids] if body.get("return_token_strs") \
-        else None
+    strs = [admit.tokenizer.id_to_token(t) for t in ids] if token_strs else None
     return web.json_response({"count": len(ids), "max_model_len": admit.limits.max_model_len,
                               "tokens": ids, "token_strs": strs})
 
@@ -65,9 +67,10 @@ async def tokenize(front: "OpenAIHttpFront", request: web.Request) -> web.Respon
 async def detokenize(front: "OpenAIHttpFront", request: web.Request) -> web.Response:
     _, _, admit = front.ready()
     body = schema.check_common(
-        await read_json(request, front.max_body_bytes, front.body_timeout))
+        await read_json(request, front.max_body_bytes, front.body_timeout), sampling=False)
     front.check_model(body)
     tokens = body.get("tokens")
+    schema.refuse_unread(body)
     if not isinstance(tokens, list):
         raise schema.bad_request("tokens must be a list of token ids", "tokens")
     try:

@@ -257,8 +257,9 @@ class OpenAIHttpFront:
             head = {"id": rid, "object": "text_completion", "created": int(time.time()),
                     "model": served.name}
             decode = openai_stream.decoder(admit)
-            # The echoed prompt: the client's text, or the text of its token ids.
-            echo = None if not req.echo else req.prompt.text if req.prompt.text is not None \
+            # The echoed prompt: the client's text, or the text of the token ids admitted
+            # (its token ids, or what truncate_prompt_tokens kept).
+            echo = None if not req.echo else run.prompt_text if run.prompt_text is not None \
                 else await admit.detokenize(run.prompt_token_ids)
             if req.stream:
                 return await self._stream(request, req, head, run, decode, echo)

@@ -22,6 +22,8 @@ from jaxserve.engine.outputs import CompletionOutput
 from jaxserve.engine.request import FinishReason
 from jaxserve.engine.sampling_params import FIELDS as SAMPLING_FIELDS
 from jaxserve.engine.sampling_params import SamplingField, SamplingParams
+from jaxserve.server import openai_fields
+from jaxserve.server.openai_fields import Body
 from jaxserve.server.openai_structured import structured_outputs_of
 from jaxserve.serving import admission
 
@@ -103,14 +105,15 @@ def _list_value(field: SamplingField, value: object) -> bool:
     return isinstance(value, list)
 
 
-def parse_prompt(prompt: object) -> admission.PromptInput:
-    """A string, a list of token ids, or a list holding exactly one of those."""
+def parse_prompt(prompt: object, add_special_tokens: bool = True) -> admission.PromptInput:
+    """A string, a list of token ids, or a list holding exactly one of those;
+    `add_special_tokens`: a text's (vLLM's field, default true)."""
     if prompt is None:
         raise bad_request("prompt is required: a string or a list of token ids", "prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):  # empty prompts are refused by admission
-        return admission.PromptInput(text=prompt)
+        return admission.PromptInput(text=prompt, add_special_tokens=add_special_tokens)
     if isinstance(prompt, list):
         if all(_is_int(t) for t in prompt):
             return admission.PromptInput(token_ids=tuple(prompt))
@@ -120,18 +123,29 @@ def parse_prompt(prompt: object) -> admission.PromptInput:
     raise bad_request("prompt must be a string or a list of token ids", "prompt")
 
 
-def check_common(body: object, bools: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The wire-type checks every body gets: a JSON object, booleans (the registry's and
-    `bools`), `model` a string, `user` a string (`priority` is admission's: `priority_of`)."""
+def check_common(body: object, bools: tuple[str, ...] = (), sampling: bool = True) -> Body:
+    """The wire-type checks every body gets: a JSON object, booleans (`bools`, and with
+    `sampling` the registry's), `model` a string, `user` a string (OpenAI's end-user label,
+    taken and unused; `priority` is admission's: `priority_of`). Returns the body as a
+    `Body`, which records what the endpoint reads, for `refuse_unread`."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    for name in _BOOL_FIELDS + bools:
+    body = Body(body)
+    for name in (_BOOL_FIELDS if sampling else ()) + bools:
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise bad_request(f"{name}={body[name]!r} must be a boolean", name)
     for name in ("model", "user"):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise bad_request(f"{name}={body[name]!r} must be a string", name)
     return body
+
+
+def refuse_unread(body: Body) -> None:
+    """400 naming the first field of `body` the endpoint did not read (`openai_fields`):
+    called once the endpoint has parsed it, before any work."""
+    refused = openai_fields.refusal(body)
+    if refused is not None:
+        raise bad_request(*refused)
 
 
 def priority_of(body: dict[str, Any]) -> Any:
@@ -202,7 +216,7 @@ def _echo_prompt_logprobs(body: dict[str, Any]) -> int | None:
 
 def parse_completion(body: object) -> CompletionRequest:
     """Validate a /v1/completions body; ApiError(400) naming the field otherwise."""
-    body = check_common(body, ("stream", "echo"))
+    body = check_common(body, ("stream", "echo", "add_special_tokens"))
     if body.get("suffix"):  # "" and null mean no suffix
         raise bad_request("suffix is not supported", "suffix")
     n = 1 if body.get("n") is None else body["n"]
@@ -210,10 +224,11 @@ def parse_completion(body: object) -> CompletionRequest:
         raise bad_request("best_of is not supported (leave it unset or equal to n)", "best_of")
     stream = bool(body.get("stream"))
     include_usage, continuous = parse_stream_options(body)
-    prompt = parse_prompt(body.get("prompt"))
+    prompt = parse_prompt(body.get("prompt"), body.get("add_special_tokens") is not False)
     spec, names = structured(body)
     params = sampling_params(body, body.get("max_tokens", DEFAULT_MAX_TOKENS), names,
                              prompt_logprobs=_echo_prompt_logprobs(body), **spec)
+    refuse_unread(body)
     return CompletionRequest(prompt, params, stream, include_usage, continuous,
                              priority_of(body), bool(body.get("echo")),
                              body.get("prompt_logprobs"), names)

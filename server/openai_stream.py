@@ -60,6 +60,8 @@ class Started:
     def __init__(self, admitted: admission.Admitted, stream: RequestStream,
                  first: RequestOutput):
         self.prompt_token_ids = list(admitted.token_ids)
+        # The text prompt as admitted (None: token ids, a chat, or a truncated prompt).
+        self.prompt_text = admitted.prompt
         self.prompt_tokens = len(admitted.token_ids)
         self.stream = stream
         self.outputs = _outputs(first, stream)

@@ -20,8 +20,8 @@ from typing import Any
 
 from jaxserve.engine.outputs import CompletionOutput
 from jaxserve.server import openai_schema as schema
-from jaxserve.serving import tools
-from jaxserve.serving.tool_parsers import CallDelta, Event, ToolParser, assemble
+from jaxserve.serving import chat, tools
+from jaxserve.serving.tool_parsers import CallDelta, Event, ToolParser
 
 
 def finish_reason(c: CompletionOutput, calls: int) -> str | None:
@@ -30,14 +30,14 @@ def finish_reason(c: CompletionOutput, calls: int) -> str | None:
 
 
 def message(parser: ToolParser, text: str, echo: str = "") -> dict[str, Any]:
-    """A whole sample's message; `echo`: text before the sample's (chat's echo)."""
-    content, calls = assemble(parser.feed(text) + parser.finish())
+    """A whole sample's message (`serving.chat.read_calls`); `echo`: text before the
+    sample's (chat's echo)."""
+    read = chat.read_calls(parser, text)
+    content = read.content
     msg: dict[str, Any] = {"role": "assistant",
                            "content": echo + (content or "") if echo else content}
-    if calls:
-        msg["tool_calls"] = [{"id": c["id"], "type": "function",
-                              "function": {"name": c["name"], "arguments": c["arguments"]}}
-                             for c in calls]
+    if read.tool_calls:
+        msg["tool_calls"] = list(read.tool_calls)
     return msg
 
 

@@ -2,14 +2,17 @@
 
 Data flow of a Generate call:
   GenerateRequest -> `parse_request` (sampling fields -> SamplingParams, whose ValueErrors
-  name the field and range; the input oneof -> `admission.PromptInput`) -> admission
-  (`jaxserve.serving.admission`: tokenize, prompt checks) -> the engine -> RequestOutputs ->
-  `ResponseBuilder` -> GenerateResponse messages (with prompt_logprobs, one PromptLogprobs
-  first, as soon as an output carries them; Chunk deltas per sample, then one Finished per
-  sample with its usage and timing).
+  name the field and range; the input oneof -> `admission.PromptInput`, a chat's tools and
+  tool turns through `serving.chat.chat_input` and a forced call's grammar into the sampling:
+  a `ParsedRequest`) -> admission (`jaxserve.serving.admission`: tokenize, prompt checks) ->
+  the engine -> RequestOutputs -> `ResponseBuilder` -> GenerateResponse messages (with
+  prompt_logprobs, one PromptLogprobs first, as soon as an output carries them; Chunk deltas
+  per sample, then one Finished per sample with its usage and timing, and for a chat with
+  tools the sample's text read for calls).
 
 Every error raised here is an `InvalidRequest` (a ValueError): the servicer answers it with
-INVALID_ARGUMENT, its field renamed to this service's names by `error_message`.
+INVALID_ARGUMENT, its field renamed to this service's names by `error_message`. A field the
+proto does not define (`check_known`: a newer client's) is refused too, never dropped.
 """
 
 from __future__ import annotations
@@ -18,13 +21,18 @@ import dataclasses
 import statistics
 from typing import Any, Sequence
 
+from google.protobuf import unknown_fields
+
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
 from jaxserve.engine.request import FinishReason, RequestMetrics
 from jaxserve.engine.sampling_params import BY_NAME as SAMPLING_BY_NAME
 from jaxserve.engine.sampling_params import FIELDS as SAMPLING_FIELDS
 from jaxserve.engine.sampling_params import SPECS, SamplingField, SamplingParams
+from jaxserve.engine.json_text import parse_field
 from jaxserve.server import stubs
 from jaxserve.serving.admission import InvalidRequest, PromptInput
+from jaxserve.serving.chat import chat_input, guided, message_of
+from jaxserve.serving.tools import ToolRequest, parses
 
 pb2 = stubs.load().pb2
 
@@ -91,29 +99,118 @@ def sampling_from_proto(sp: Any) -> SamplingParams:
     return SamplingParams(**kwargs)  # type: ignore[arg-type]
 
 
+def _message(m: Any) -> dict[str, Any]:
+    """A ChatMessage as OpenAI's message object (only the fields it sets beyond role and
+    content)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in m.tool_calls]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name:
+        out["name"] = m.name
+    return out
+
+
+def _tool(i: int, tool: Any) -> Any:
+    """A Tool message as OpenAI's tool object (its JSON text parsed, bounded in depth);
+    `tools.check_tools` checks the shape."""
+    kind = tool.WhichOneof("kind")
+    if kind == "json":
+        return parse_field(f"tools[{i}]", tool.json)
+    if kind is None:
+        raise InvalidRequest(f"tools[{i}] is empty: set json or function", f"tools[{i}]")
+    f = tool.function
+    fn: dict[str, Any] = {"name": f.name}
+    if f.HasField("description"):
+        fn["description"] = f.description
+    if f.parameters:
+        fn["parameters"] = parse_field(f"tools[{i}].function.parameters", f.parameters)
+    if f.HasField("strict"):
+        fn["strict"] = f.strict
+    return {"type": "function", "function": fn}
+
+
+def _chat(chat: Any) -> tuple[PromptInput, ToolRequest | None]:
+    """A ChatMessages message through the chat fronts' path (`serving.chat.chat_input`)."""
+    if chat.tool_choice and chat.tool_choice_function:
+        raise InvalidRequest("tool_choice and tool_choice_function are both set: set one",
+                             "tool_choice")
+    choice: Any = chat.tool_choice or None
+    if chat.tool_choice_function:
+        choice = {"type": "function", "function": {"name": chat.tool_choice_function}}
+    return chat_input(
+        [_message(m) for m in chat.messages],
+        tools_=[_tool(i, t) for i, t in enumerate(chat.tools)] or None, tool_choice=choice,
+        parallel_tool_calls=chat.parallel_tool_calls if chat.HasField("parallel_tool_calls")
+        else None,
+        add_generation_prompt=chat.add_generation_prompt
+        if chat.HasField("add_generation_prompt") else True)
+
+
 def input_from_proto(msg: Any, text_field: str) -> PromptInput:
-    """The `input` oneof of a GenerateRequest (`prompt`) or TokenizeRequest (`text`); its
-    contents are checked by admission."""
+    """The `input` oneof of a GenerateRequest (`prompt`) or TokenizeRequest (`text`), after
+    `check_known`; its contents are checked by admission."""
+    check_known(msg)
+    return _input(msg, text_field)[0]
+
+
+def _input(msg: Any, text_field: str) -> tuple[PromptInput, ToolRequest | None]:
     kind = msg.WhichOneof("input")
     if kind is None:
         options = f"{text_field}, token_ids or chat" if text_field == "prompt" else \
             f"{text_field} or chat"
         raise InvalidRequest(f"input is missing: set one of {options}")
     if kind == text_field:
-        return PromptInput(text=getattr(msg, text_field))
+        return PromptInput(text=getattr(msg, text_field)), None
     if kind == "token_ids":
-        return PromptInput(token_ids=tuple(msg.token_ids.ids))
-    gen = msg.chat.add_generation_prompt if msg.chat.HasField("add_generation_prompt") else True
-    chat = tuple({"role": m.role, "content": m.content} for m in msg.chat.messages)
-    return PromptInput(chat=chat, add_generation_prompt=gen)
+        return PromptInput(token_ids=tuple(msg.token_ids.ids)), None
+    return _chat(msg.chat)
 
 
-def parse_request(req: Any) -> tuple[PromptInput, SamplingParams]:
-    return input_from_proto(req, "prompt"), sampling_from_proto(req.sampling)
+@dataclasses.dataclass(frozen=True)
+class ParsedRequest:
+    """A GenerateRequest mapped: the input, the sampling (with a forced tool call's grammar
+    as its structured output) and a chat's checked tools (None: none)."""
+
+    prompt: PromptInput
+    params: SamplingParams
+    tools: ToolRequest | None = None
+
+
+def check_known(msg: Any, path: str = "") -> None:
+    """Refuse fields this server's proto does not define (a client built from a newer
+    jaxserve.proto): protobuf keeps them aside as unknown fields, which would otherwise be
+    ignored. Walks the set sub-messages (`path`: where `msg` is, for the message)."""
+    unknown = unknown_fields.UnknownFieldSet(msg)
+    if len(unknown):
+        where = path or msg.DESCRIPTOR.name
+        raise InvalidRequest(
+            f"{where} has field number {unknown[0].field_number}, which this server's "
+            f"{msg.DESCRIPTOR.full_name} does not define (a client built from a newer "
+            "jaxserve.proto?): refused rather than ignored", path or None)
+    for d, value in msg.ListFields():
+        if d.message_type is None or d.message_type.GetOptions().map_entry:
+            continue
+        name = f"{path}.{d.name}" if path else d.name
+        if _is_repeated(d):
+            for i, item in enumerate(value):
+                check_known(item, f"{name}[{i}]")
+        else:
+            check_known(value, name)
+
+
+def parse_request(req: Any) -> ParsedRequest:
+    check_known(req)
+    prompt, request = _input(req, "prompt")
+    return ParsedRequest(prompt, guided(sampling_from_proto(req.sampling), request), request)
 
 
 # Admission names fields as the offline API does; this service's names for them.
 _WIRE_NAMES = {"prompt_token_ids": "token_ids.ids", "messages": "chat.messages"}
+_CHAT_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # fields of ChatMessages
 
 
 def error_message(error: ValueError, text_field: str = "prompt") -> str:
@@ -123,8 +220,10 @@ def error_message(error: ValueError, text_field: str = "prompt") -> str:
     field = error.field
     if field is None:
         return str(error)
+    head = field.split(".")[0].split("[")[0]
     wire = {"prompt": text_field, **_WIRE_NAMES}.get(field) or (  # a spec's field: its own
-        f"sampling.{field}" if field.split(".")[0] in SAMPLING_BY_NAME else field)
+        f"sampling.{field}" if head in SAMPLING_BY_NAME else
+        f"chat.{field}" if head in _CHAT_FIELDS else field)
     return error.message_as(wire)
 
 
@@ -196,10 +295,16 @@ class ResponseBuilder:
     """
 
     def __init__(self, stream_interval: int = 1,
-                 params: SamplingParams | None = None) -> None:
+                 params: SamplingParams | None = None, tools: ToolRequest | None = None,
+                 tool_format: str = "hermes") -> None:
+        """`tools`: a chat's (its samples' texts are read for calls in `tool_format`, the
+        served model's, and each Finished carries them)."""
         if stream_interval < 1:
             raise ValueError(f"stream_interval={stream_interval} must be >= 1")
         self._interval = stream_interval
+        self._tools = tools if parses(tools) else None
+        self._tool_format = tool_format
+        self._texts: dict[int, list[str]] = {}  # with tools: each sample's text so far
         params = params or SamplingParams()
         self._top_n = params.logprobs or 0
         self._prompt_top_n = params.prompt_logprobs
@@ -222,6 +327,8 @@ class ResponseBuilder:
             p = self._pending.setdefault(c.index, _Pending())
             p.ids.extend(c.delta_token_ids)
             p.texts.append(c.delta_text)
+            if self._tools is not None:
+                self._texts.setdefault(c.index, []).append(c.delta_text)
             p.logprobs.extend(_logprobs_to_proto(c.delta_logprobs, self._top_n))
             touched.add(c.index)
             if c.finish_reason is not None:
@@ -242,12 +349,21 @@ class ResponseBuilder:
                 responses.append(self._finished_message(index, c, out))
         return responses
 
-    @staticmethod
-    def _finished_message(index: int, c: CompletionOutput, out: RequestOutput) -> Any:
+    def _finished_message(self, index: int, c: CompletionOutput, out: RequestOutput) -> Any:
         m = c.metrics
         usage = pb2.Usage(prompt_tokens=len(out.prompt_token_ids),
                           completion_tokens=c.num_tokens,
                           cached_prompt_tokens=m.num_cached_tokens if m else 0)
         reason = _REASONS[c.finish_reason]  # type: ignore[index]
-        return pb2.GenerateResponse(finished=pb2.Finished(
-            index=index, reason=reason, usage=usage, timing=timing_to_proto(m)))
+        finished = pb2.Finished(index=index, reason=reason, usage=usage,
+                                timing=timing_to_proto(m))
+        if self._tools is not None:
+            read = message_of(self._tools, self._tool_format,
+                              "".join(self._texts.pop(index, [])))
+            if read is not None:
+                finished.tool_calls.extend(pb2.ToolCall(
+                    id=t["id"], name=t["function"]["name"], arguments=t["function"]["arguments"])
+                    for t in read.tool_calls)
+                if read.content is not None:
+                    finished.content = read.content
+        return pb2.GenerateResponse(finished=finished)

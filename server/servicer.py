@@ -108,8 +108,9 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
         stream = None
         try:
             try:
-                inp, params = proto_map.parse_request(request)
-                admitted = await admit.admit(rid, inp, params, request.priority)
+                parsed = proto_map.parse_request(request)
+                params = parsed.params
+                admitted = await admit.admit(rid, parsed.prompt, params, request.priority)
                 stream = engine.submit(rid, admitted, params, request.priority, arrival,
                                        RequestOutputKind.DELTA)
             except QueueFull as e:
@@ -121,7 +122,8 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
             assert stream is not None
             log.debug("request admitted request_id=%s prompt_tokens=%d n=%d", rid,
                       len(admitted.token_ids), params.n)
-            builder = proto_map.ResponseBuilder(self._stream_interval, params)
+            builder = proto_map.ResponseBuilder(self._stream_interval, params, parsed.tools,
+                                                admit.tool_format)
             try:
                 async for out in stream:
                     if out.error is not None:  # a failed step finished it: no Finished

@@ -2,8 +2,10 @@
 
 Data flow inside the compiled step: f32[S, V] logits of the rows that sample ->
 `apply_grammar_mask` (the constrained rows' disallowed tokens set to -inf, unpacked from the
-i32[S, ceil(V / 32)] bitmask; the rest of the sampler runs in one of two lax.cond branches,
-masked or not, so a step without a grammar pays nothing and needs no other executable) ->
+i32[S, ceil(V / 32)] bitmask, which the host fills from a row's grammar and / or its
+allowed_token_ids / bad_words, `engine.token_filter`; the rest of the sampler runs in one of
+two lax.cond branches, masked or not, so a step without a mask pays nothing and needs no
+other executable) ->
 `apply_logit_bias` (each row's sparse (token id, bias) entries added; padding entries carry
 an out-of-range id that the scatter drops) -> `apply_penalties` (repetition / presence /
 frequency, from each row's token history) -> `filter_logits` (temperature, then top-k, top-p

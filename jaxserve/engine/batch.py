@@ -25,13 +25,15 @@ vLLM's vocabulary, for the T_b padded tokens of the S_b padded sequences of one 
                                     so a bias never recompiles: 8 * S_b * B bytes sent (600 KiB
                                     at S_b = 256) and an S_b x B scatter-add on such steps only.
   bitmask                i32[S_b, W] or None  the allowed next tokens of each row under a grammar
-                                    (`grammar.SequenceGrammar.fill`: bit t % 32 of word t // 32
+                                    and / or vLLM's allowed_token_ids / bad_words (the
+                                    grammar's `SequenceGrammar.fill`, ANDed with the request's
+                                    `TokenFilter.fill`: bit t % 32 of word t // 32
                                     set = token t allowed; W = ceil(vocab / 32)); None when no
                                     row is constrained: nothing is sent, the runner hands the
                                     sampler a device-resident mask of that shape instead, and
                                     `constrained` (all False) makes it skip the masking at run
                                     time (one executable either way, no recompile)
-  constrained            bool[S_b]  the rows the bitmask applies to
+  constrained            bool[S_b]  the rows the bitmask applies to (a grammar or a filter)
   prompt_lp_indices, prompt_lp_targets  i32[L]  the tokens whose next-token logprob is a
                                     prompt logprob, and that next prompt token; num_prompt_lp
                                     i32[1] the count (`engine.prompt_logprobs.pack`). L = 0 when
@@ -53,6 +55,7 @@ from jaxserve.engine import prompt_logprobs
 from jaxserve.engine.request import Request
 from jaxserve.engine.sampling_params import MAX_LOGIT_BIAS, PAD_ROW
 from jaxserve.engine.scheduler import SchedulerOutput
+from jaxserve.engine.token_filter import bitmask_words
 
 # Padding id of the bias arrays: above any vocabulary, so the sampler's scatter (mode="drop")
 # skips it; padding entries then cost nothing on device (no updates piled onto token 0).
@@ -173,7 +176,7 @@ def build_batch(out: SchedulerOutput, shape: BatchShape,
     """Pack one scheduled step; rows follow `out.seqs` order. `prev_rows`: seq_id -> batch
     row in the step dispatched before this one, for the sequences it sampled (the source of
     each fed row's token; ValueError when a fed row's sequence is not there).
-    `fill_grammars=False`: the grammar rows are only marked `constrained`, and the runner
+    `fill_grammars=False`: the masked rows are only marked `constrained`, and the runner
     gets their mask late (`late_bitmask`, once the previous step's tokens are in).
 
     Per-row Python work is kept to list appends; the arrays are built with a few vectorised
@@ -194,7 +197,7 @@ def build_batch(out: SchedulerOutput, shape: BatchShape,
     block_tables = np.zeros((S, shape.max_pages_per_seq), np.int32)
     penalised: list[int] = []
     biased: list[int] = []
-    grammars: list[tuple[int, Request]] = []  # rows that sample under a grammar
+    masked: list[tuple[int, Request]] = []  # rows that sample under a token mask
     scoring: list[int] = []  # rows whose request asked for prompt logprobs
     tok_append, pos_append, slot_append = tok.append, pos.append, slot.append
     for row, seq in enumerate(out.seqs):
@@ -232,8 +235,8 @@ def build_batch(out: SchedulerOutput, shape: BatchShape,
             penalised.append(row)
         if sp.logit_bias:
             biased.append(row)
-        if req.grammar is not None and seq.samples:
-            grammars.append((row, req))
+        if req.masks_tokens and seq.samples:
+            masked.append((row, req))
         if sp.prompt_logprobs is not None:
             scoring.append(row)
     t = len(tok)
@@ -275,10 +278,10 @@ def build_batch(out: SchedulerOutput, shape: BatchShape,
         bias_ids[row, : len(ids)] = ids
         bias_values[row, : len(ids)] = values
     if fill_grammars:
-        bitmask, constrained = fill_bitmask(S, shape.vocab_size, grammars)
+        bitmask, constrained = fill_bitmask(S, shape.vocab_size, masked)
     else:
         bitmask, constrained = None, np.zeros(S, bool)
-        constrained[[row for row, _ in grammars]] = True
+        constrained[[row for row, _ in masked]] = True
     scored = prompt_logprobs.spans(out, scoring, cu_q_lens) if scoring else []
     lp_indices, lp_targets, num_lp = prompt_logprobs.pack(out, scored, T if scored else 0)
     return StepBatch(token_ids, feed_rows, positions, slot_mapping, block_tables, kv_lens,
@@ -293,23 +296,26 @@ def fill_bitmask(num_seqs: int, vocab_size: int, rows: Sequence[tuple[int, Reque
                  errors: list[tuple[Request, str]] | None = None
                  ) -> tuple[np.ndarray | None, np.ndarray]:
     """(i32[S, W] or None, bool[S]): the allowed next tokens of each (row, sequence) under a
-    grammar. A sequence whose grammar no token can continue (llguidance then allows only EOS
-    and reports an error) raises ValueError (the engine fails that row alone with the reason,
-    see `Recovery.build`), or with `errors` is added there and left unconstrained."""
+    grammar and / or a token filter (`token_filter`: ANDed into the grammar's). A sequence
+    for which no token is left (a grammar no token can continue: llguidance then allows only
+    EOS and reports an error; or a filter that leaves nothing the grammar allows) raises
+    ValueError (the engine fails that row alone with the reason, see `Recovery.build`), or
+    with `errors` is added there and left unconstrained."""
     constrained = np.zeros(num_seqs, bool)
     if not rows:
         return None, constrained
     bitmask = np.zeros((num_seqs, bitmask_words(vocab_size)), np.int32)
     for row, req in rows:
-        req.grammar.fill(bitmask, row)  # type: ignore[union-attr]
+        if req.grammar is not None:
+            req.grammar.fill(bitmask, row)
+        if req.token_filter is not None:
+            req.token_filter.fill(bitmask, row, req.output_token_ids,
+                                  combine=req.grammar is not None)
         constrained[row] = True
     empty = ~bitmask[constrained].any(axis=1)
     for (row, req), none in zip(rows, empty):
-        error = req.grammar.error  # type: ignore[union-attr]
-        if error is not None or none:
-            message = (f"structured_outputs: no token of the vocabulary can continue the "
-                       f"grammar after {req.num_output_tokens} output tokens (llguidance: "
-                       f"{(error or 'no token allowed').splitlines()[0]})")
+        message = _no_token_left(req, bool(none))
+        if message is not None:
             if errors is None:
                 raise ValueError(message)
             errors.append((req, message))
@@ -317,19 +323,30 @@ def fill_bitmask(num_seqs: int, vocab_size: int, rows: Sequence[tuple[int, Reque
     return bitmask, constrained
 
 
+def _no_token_left(req: Request, empty: bool) -> str | None:
+    """Why `req` cannot sample its next token (None: it can): its grammar's error, or no
+    token left by its mask (`empty`)."""
+    error = req.grammar.error if req.grammar is not None else None
+    if error is None and not empty:
+        return None
+    where = f"after {req.num_output_tokens} output tokens"
+    if error is None and req.token_filter is not None:
+        also = " and the grammar" if req.grammar is not None else ""
+        return (f"allowed_token_ids / bad_words{also} leave no token of the vocabulary to "
+                f"sample {where}")
+    return (f"structured_outputs: no token of the vocabulary can continue the grammar "
+            f"{where} (llguidance: {(error or 'no token allowed').splitlines()[0]})")
+
+
 def late_bitmask(out: SchedulerOutput, num_seqs: int, vocab_size: int,
                  errors: list[tuple[Request, str]]) -> tuple[np.ndarray | None, np.ndarray]:
     """The mask of a step built with `fill_grammars=False`, filled once the previous step's
-    tokens have advanced the grammars: rows whose sequence has finished meanwhile (its
-    grammar ended, a stop string) are left free (their token is discarded)."""
+    tokens have advanced the grammars (and are in the outputs token filters read): rows
+    whose sequence has finished meanwhile (its grammar ended, a stop string) are left free
+    (their token is discarded)."""
     rows = [(i, s.request) for i, s in enumerate(out.seqs) if s.samples and
-            s.request.grammar is not None and not s.request.is_finished]
+            s.request.masks_tokens and not s.request.is_finished]
     return fill_bitmask(num_seqs, vocab_size, rows, errors)
-
-
-def bitmask_words(vocab_size: int) -> int:
-    """W, the width of a packed token mask row: one bit per token, 32 tokens an int32 word."""
-    return -(-vocab_size // 32)
 
 
 _PAD_ROW = np.asarray(PAD_ROW, np.float32)  # f32[K]

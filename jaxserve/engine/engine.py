@@ -15,7 +15,8 @@ decode rows feed on step N's sampled tokens on the device (`StepBatch.feed_rows`
 only a token's value can end (EOS, stop ids, stop strings) ends one step late and the extra
 token is discarded, so outputs are the same as without overlap (see `scheduler.py`). When
 step N samples a row with penalties (step N+1 needs its history), N is applied before N+1 is
-scheduled; rows under a grammar get their token mask late (`_launch`). Each `step()` returns
+scheduled; rows whose token mask follows their output (a grammar, vLLM's bad_words of several
+tokens: `Request.mask_follows_output`) get it late (`_launch`). Each `step()` returns
 the outputs of the step it applied.
 
 The engine owns the requests' host-side extras (prompt text, detokenizers, n-sample groups,
@@ -101,7 +102,8 @@ class Engine:
             page_size=sc.page_size, num_kv_pages=sc.num_pages - 1,
             max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
             eos_token_ids=self.eos_token_ids, max_token_bytes=tokenizer.max_token_bytes,
-            grammars=grammar_compiler(tokenizer, plan.batch_shape.vocab_size))
+            grammars=grammar_compiler(tokenizer, plan.batch_shape.vocab_size),
+            encode_words=functools.partial(tokenizer.encode, add_special_tokens=False))
         self.num_steps = 0
         self.last_step_tokens = 0
         self._in_flight: _Dispatched | None = None  # dispatched, not yet applied
@@ -161,7 +163,8 @@ class Engine:
         seqs = [Request(request_id, list(ids), params, self.eos_token_ids, now,
                         priority=priority, sample_index=i, max_tokens=req.max_tokens,
                         seed=(base_seed + i) % (1 << 64), grammar=None if req.grammar is None
-                        else grammars.matcher(req.grammar))  # type: ignore[union-attr]
+                        else grammars.matcher(req.grammar),  # type: ignore[union-attr]
+                        token_filter=req.token_filter)
                 for i in range(params.n)]
         group = Group.create(request_id, req.prompt, ids, params, seqs, self.tokenizer.backend,
                              output_kind)
@@ -248,10 +251,11 @@ class Engine:
                 failed: Failures, touched: dict[str, Group]) -> "_Dispatched | None":
         """Build and dispatch one scheduled step (fed rows read `prev`'s sampled tokens);
         None when it did not run: its rows are rolled back to be scheduled again, and the
-        failed ones are added to `failed` (for the caller to finish with ERROR). Grammar rows
-        behind a step in flight get their mask late: once the forward is queued, `prev` is
-        applied and the mask filled while the device runs it."""
-        late = prev is not None and any(s.samples and s.request.grammar is not None
+        failed ones are added to `failed` (for the caller to finish with ERROR). Rows whose
+        mask follows their output (a grammar, multi-token bad_words) behind a step in flight
+        get the step's mask late: once the forward is queued, `prev` is applied and the mask
+        filled while the device runs it."""
+        late = prev is not None and any(s.samples and s.request.mask_follows_output
                                         for s in out.seqs)
         batch = self._recovery.build(out, self.plan.batch_shape,
                                      None if prev is None else prev.sampled_rows, failed, late)

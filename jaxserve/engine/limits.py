@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Callable, Container, Sequence
 from jaxserve.engine.errors import InvalidRequest
 from jaxserve.engine.sampling_params import (MAX_LOGPROBS, MAX_N, SamplingParams, check_text,
                                             show)
+from jaxserve.engine.token_filter import TokenFilter, compile_filter
 
 if TYPE_CHECKING:  # the grammar library loads with the engine that owns a compiler
     from jaxserve.engine.grammar import CompiledGrammar, GrammarCompiler
@@ -138,6 +139,10 @@ class EngineLimits:
     # tokenizer has no vocabulary llguidance can read, and such requests are refused).
     grammars: "GrammarCompiler | None" = dataclasses.field(default=None, compare=False,
                                                            repr=False)
+    # The tokenizer's text -> ids without special tokens, for bad_words (None: no tokenizer,
+    # and such requests are refused).
+    encode_words: Callable[[str], list[int]] | None = dataclasses.field(
+        default=None, compare=False, repr=False)
 
     @property
     def max_prompt_bytes(self) -> int:
@@ -148,8 +153,8 @@ class EngineLimits:
 
     # ----------------------------------------------------------------------- checks
     def check_params(self, params: SamplingParams) -> None:
-        """The sampling fields bounded by the model: top_k, stop ids and logit_bias ids in the
-        vocabulary."""
+        """The sampling fields bounded by the model: top_k, stop ids, logit_bias ids and
+        allowed_token_ids in the vocabulary."""
         vocab = self.vocab_size
         if params.top_k > vocab:
             raise InvalidRequest(f"top_k={params.top_k} must be -1 or 0 (disabled) or in "
@@ -162,6 +167,11 @@ class EngineLimits:
             if t >= vocab:
                 raise InvalidRequest(f"logit_bias key {t} is outside the vocabulary "
                                      f"[0, {vocab})", "logit_bias")
+        allowed = params.allowed_token_ids
+        if allowed and max(allowed) >= vocab:
+            i = next(i for i, t in enumerate(allowed) if t >= vocab)
+            raise InvalidRequest(f"allowed_token_ids[{i}]={allowed[i]} is outside the "
+                                 f"vocabulary [0, {vocab})", "allowed_token_ids")
 
     def check_prompt_ids(self, ids: Sequence[int], from_text: bool = False) -> list[int]:
         """Non-empty, shorter than max_model_len (checked before the ids are scanned) and
@@ -183,20 +193,47 @@ class EngineLimits:
         return check_fits(num_prompt_tokens, max_tokens, self.max_model_len, self.page_size,
                           self.num_kv_pages)
 
+    def truncate(self, ids: Sequence[int], params: SamplingParams) -> Sequence[int]:
+        """The prompt ids `params.truncate_prompt_tokens` keeps (vLLM's left truncation): the
+        last k, or with -1 the last max_model_len - max(max_tokens, 1) (as many as leave room
+        for the output; max_tokens unset: one token). k over max_model_len is refused, as
+        vLLM does; a kept prompt that is still too long meets the usual length checks."""
+        k, limit = params.truncate_prompt_tokens, self.max_model_len
+        if k is None:
+            return ids
+        if k > limit:
+            raise InvalidRequest(f"truncate_prompt_tokens={k} must be -1 or at most "
+                                 f"max_model_len={limit}", "truncate_prompt_tokens")
+        if k == -1:
+            room = max(params.max_tokens or 0, 1)
+            if room >= limit:
+                raise InvalidRequest(
+                    f"truncate_prompt_tokens=-1 keeps max_model_len - max_tokens prompt "
+                    f"tokens, but max_tokens={params.max_tokens} leaves none of "
+                    f"max_model_len={limit}", "truncate_prompt_tokens")
+            k = limit - room
+        return ids[-k:] if len(ids) > k else ids
+
     def admit(self, prompt: str | Sequence[int], params: SamplingParams,
               encode: Callable[[str], list[int]] | None = None) -> "Admitted":
         """Every limit check of one request; text prompts need `encode`, which is called only
-        for a text that can fit."""
+        for a text that can fit. With truncate_prompt_tokens the prompt is truncated first
+        (`truncate`), and everything after sees the kept tokens; the prompt's text is then
+        dropped (None) when tokens were cut, since it no longer is the prompt's."""
         self.check_params(params)
         text = None
         if isinstance(prompt, str):
             check_prompt_text(prompt, self.max_prompt_bytes)
             assert encode is not None, "a text prompt needs a tokenizer"
-            text, ids = prompt, self.check_prompt_ids(encode(prompt), from_text=True)
+            whole = encode(prompt)
+            kept = self.truncate(whole, params)
+            text = prompt if len(kept) == len(whole) else None
+            ids = self.check_prompt_ids(kept, from_text=True)
         else:
-            ids = self.check_prompt_ids(prompt)
+            ids = self.check_prompt_ids(self.truncate(prompt, params))
         max_tokens = self.check_fits(len(ids), params.max_tokens)
-        return Admitted(text, tuple(ids), params, max_tokens, self.compile_grammar(params))
+        return Admitted(text, tuple(ids), params, max_tokens, self.compile_grammar(params),
+                        compile_filter(params, self.vocab_size, self.encode_words))
 
     def compile_grammar(self, params: SamplingParams) -> "CompiledGrammar | None":
         """The request's grammar (None: no structured_outputs); InvalidRequest naming the
@@ -221,6 +258,7 @@ class Admitted:
     params: SamplingParams
     max_tokens: int  # resolved
     grammar: "CompiledGrammar | None" = None  # params.structured_outputs, compiled
+    token_filter: TokenFilter | None = None  # params.allowed_token_ids / bad_words, compiled
 
 
 @dataclasses.dataclass(frozen=True)

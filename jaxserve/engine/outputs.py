@@ -52,6 +52,12 @@ class CompletionOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None  # with finish_reason ERROR: why this sample failed
     num_tokens: int = 0  # tokens generated so far, whatever the output kind
+    # `LLM.chat` with tools (`serving.chat.Message`): the text around the tool calls (None
+    # when calls were made and nothing else written) and the calls in OpenAI's shape
+    # ({"id", "type": "function", "function": {"name", "arguments"}}); `text` stays the raw
+    # text. Both None when the output was not read for calls.
+    content: str | None = None
+    tool_calls: list[dict] | None = None
 
     @property
     def finished(self) -> bool:

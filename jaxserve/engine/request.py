@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.token_filter import TokenFilter
 
 if TYPE_CHECKING:  # the grammar library loads only where a compiler is built
     from jaxserve.engine.grammar import SequenceGrammar
@@ -110,6 +111,9 @@ class Request:
     # Its position in its structured_outputs grammar (None: unconstrained). It advances as
     # tokens are applied and is kept across preemption (the output tokens are kept too).
     grammar: "SequenceGrammar | None" = None
+    # Its allowed_token_ids / bad_words (None: neither), compiled at admission and shared by
+    # the request's samples (it keeps no state: `fill` reads the output tokens).
+    token_filter: TokenFilter | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -142,6 +146,18 @@ class Request:
         """Whether this sequence's prefill scores its prompt: the request asked for prompt
         logprobs and this is sample 0 (the other samples fork its prompt pages)."""
         return self.sampling_params.prompt_logprobs is not None and self.sample_index == 0
+
+    @property
+    def masks_tokens(self) -> bool:
+        """Whether the steps that sample it send a token mask (a grammar, a token filter)."""
+        return self.grammar is not None or self.token_filter is not None
+
+    @property
+    def mask_follows_output(self) -> bool:
+        """Whether that mask depends on the tokens generated so far (so a step behind one in
+        flight fills it late, see `Engine._launch`)."""
+        return self.grammar is not None or (self.token_filter is not None
+                                            and self.token_filter.follows_output)
 
     @property
     def is_finished(self) -> bool:

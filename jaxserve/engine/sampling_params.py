@@ -35,10 +35,12 @@ from typing import Any, Mapping
 
 from jaxserve.engine.errors import InvalidRequest
 from jaxserve.engine.sampling_rules import (  # noqa: F401 - the limits, re-exported
-    INT32_MAX, MAX_ABS_LOGIT_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_REPETITION_PENALTY,
-    MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
-    MIN_REPETITION_PENALTY, MIN_TEMPERATURE, Finite, IntIn, LogitBias, Rule, Spec,
-    StopStrings, TokenIds, TopK, ZeroOrFinite, _is_int, _pairs, check_text, show, token_key)
+    INT32_MAX, MAX_ABS_LOGIT_BIAS, MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_LEN, MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_REPETITION_PENALTY, MAX_STOP_STRING_LEN,
+    MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE, AllowedTokenIds, BadWords, Finite, IntIn, LogitBias, Rule, Spec,
+    StopStrings, TokenIds, TopK, TruncatePromptTokens, ZeroOrFinite, _is_int, _pairs,
+    check_text, show, token_key)
 from jaxserve.engine.structured_outputs import StructuredOutputs
 
 
@@ -140,6 +142,19 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = knob(
         None, rule=Spec(StructuredOutputs, "one of json / regex / choice / grammar / "
                         "json_object"), help="what the output must match")
+    # vLLM's token filters (`jaxserve.engine.token_filter`, compiled at admission): applied
+    # as the step's token mask, with the grammar's, so the reported logprobs stay the
+    # model's own as above. None: every token allowed.
+    allowed_token_ids: tuple[int, ...] | None = knob(
+        None, rule=AllowedTokenIds(), help="sample only among these token ids")
+    bad_words: tuple[str, ...] = knob(
+        (), rule=BadWords(), help="a word the output may not contain (vLLM's bad_words: "
+                                  "its last token masked once the rest is generated)")
+    # Applied at admission (`EngineLimits.truncate`): the prompt keeps its last tokens, and
+    # everything after (prompt logprobs, usage, the KV fit) sees the truncated prompt.
+    truncate_prompt_tokens: int | None = knob(
+        None, rule=TruncatePromptTokens(),
+        help="keep only the prompt's last K tokens; -1: as many as leave room for max_tokens")
 
     def __post_init__(self) -> None:
         # Accept lists / a single string / a dict from callers; store tuples (frozen,
@@ -154,6 +169,8 @@ class SamplingParams:
             value = getattr(self, f.name)
             if isinstance(value, str) and f.item is str:
                 object.__setattr__(self, f.name, (value,))
+            elif value is None and f.optional:
+                continue
             elif not isinstance(value, tuple):
                 object.__setattr__(self, f.name, tuple(value))
         self._validate()

@@ -26,6 +26,12 @@ MAX_STOP_TOKEN_IDS = 64
 # is also the static width of the step's sparse bias arrays (see `jaxserve.engine.batch`).
 MAX_LOGIT_BIAS = 300
 MAX_ABS_LOGIT_BIAS = 100.0
+# allowed_token_ids: at most this many ids (a 256k vocabulary fits); the vocabulary bound is
+# `EngineLimits.check_params`. bad_words: vLLM has no bound; this one keeps the admission
+# work (each word tokenized twice) and the per-step suffix checks small.
+MAX_ALLOWED_TOKEN_IDS = 2**18
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_LEN = 256  # characters
 INT32_MAX = 2**31 - 1  # token ids, top_k and token counts are int32 on the device and host
 # Sampler arithmetic in float32: logits are divided by the temperature and by the repetition
 # penalty (or multiplied by it), so both are kept where the result stays finite for any
@@ -153,6 +159,61 @@ class TokenIds(Rule):
             if not _is_int(t) or not 0 <= t <= INT32_MAX:
                 raise InvalidRequest(f"{name}[{i}]={show(t)} must be an integer in "
                                      f"[0, {INT32_MAX}]", name)
+
+
+@dataclasses.dataclass(frozen=True)
+class AllowedTokenIds(Rule):
+    """vLLM's allowed_token_ids: a non-empty list of token ids (only these may be sampled);
+    the vocabulary bound is `EngineLimits.check_params`."""
+
+    text: str = (f"a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} token ids (integers "
+                 f"in [0, {INT32_MAX}])")
+
+    def check(self, name: str, value: Any) -> None:
+        if not value:
+            raise InvalidRequest(f"{name} must not be empty: it would allow no token", name)
+        if len(value) > MAX_ALLOWED_TOKEN_IDS:
+            raise InvalidRequest(f"{name} has {len(value)} ids; at most "
+                                 f"{MAX_ALLOWED_TOKEN_IDS}", name)
+        for i, t in enumerate(value):
+            if not _is_int(t) or not 0 <= t <= INT32_MAX:
+                raise InvalidRequest(f"{name}[{i}]={show(t)} must be a token id: an integer "
+                                     f"in [0, {INT32_MAX}]", name)
+
+
+@dataclasses.dataclass(frozen=True)
+class BadWords(Rule):
+    """vLLM's bad_words: words the output may not contain (`engine.token_filter`)."""
+
+    text: str = (f"a list of at most {MAX_BAD_WORDS} words of at most {MAX_BAD_WORD_LEN} "
+                 "characters")
+
+    def check(self, name: str, value: Any) -> None:
+        if len(value) > MAX_BAD_WORDS:
+            raise InvalidRequest(f"{name} has {len(value)} words; at most {MAX_BAD_WORDS}",
+                                 name)
+        for i, s in enumerate(value):
+            if not isinstance(s, str) or not s.strip():
+                raise InvalidRequest(f"{name}[{i}]={show(s)} must be a string with a "
+                                     "non-space character", name)
+            if len(s) > MAX_BAD_WORD_LEN:
+                raise InvalidRequest(
+                    f"{name}[{i}] is {len(s)} characters long; at most {MAX_BAD_WORD_LEN}",
+                    name)
+            check_text(name, s, f"[{i}]")
+
+
+@dataclasses.dataclass(frozen=True)
+class TruncatePromptTokens(Rule):
+    """vLLM's truncate_prompt_tokens: -1 (keep the last tokens that leave room for
+    max_tokens) or k >= 1 (keep the last k); the max_model_len bound is
+    `EngineLimits.truncate`."""
+
+    text: str = f"-1 (as many as fit) or an integer in [1, {INT32_MAX}]"
+
+    def check(self, name: str, value: Any) -> None:
+        if not _is_int(value) or not (value == -1 or 1 <= value <= INT32_MAX):
+            raise InvalidRequest(f"{name}={show(value)} must be {self.text}", name)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,17 +6,15 @@ width 0 when no row is biased, else one static width; warmup compiles the sample
 from __future__ import annotations
 
 import functools
-import itertools
 
 import numpy as np
 import pytest
-from support.engine_fixtures import tiny_engine, tiny_model
+from support.engine_fixtures import tiny_model
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.models import llama
 
 MODEL = tiny_model()
-CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=8, max_model_len=128)
 PROMPTS = [[5, 9, 11, 40], [7, 3, 100, 12, 60, 8], [150, 42]]
 
 
@@ -39,13 +37,10 @@ def biased_rollout(prompt: tuple[int, ...], n: int,
     return seq[len(prompt):]
 
 
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    obj = LLM.__new__(LLM)  # LLM() loads a checkpoint; the facade's own code is what is used
-    obj.engine = tiny_engine(MODEL, **CONFIG)
-    obj.config = obj.engine.config
-    obj._ids = itertools.count()
-    return obj
+@pytest.fixture
+def llm(small_llm: LLM) -> LLM:
+    """conftest's session engine (SMALL_CONFIG) over MODEL."""
+    return small_llm
 
 
 def greedy(max_tokens: int = 6, **kw: object) -> SamplingParams:
