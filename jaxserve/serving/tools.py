@@ -12,7 +12,8 @@ InvalidRequest naming the field: `tools[2].function.name`, `tool_choice`, ...) -
     constrains the output to that function's parameters schema (the text IS the arguments),
     "required" to a JSON array of 1 or more (exactly 1 without parallel_tool_calls)
     {"name": <a tool's name>, "parameters": <that tool's schema>} objects. The grammar is the
-    engine's JSON-schema one (in json.dumps' spacing: `COMPACT`), so the arguments always
+    engine's JSON-schema one (in json.dumps' spacing: `COMPACT` with disable_any_whitespace,
+    so no whitespace but the separators' single spaces), so the arguments always
     parse and validate; the model's own call format is not used (it would need a grammar
     per format, and a template that never shows the model that format gets nothing from it);
   - `parser`: the sample's text -> content and tool calls (`tool_parsers`): the forced
@@ -38,6 +39,9 @@ CHOICES = ("none", "auto", "required")
 # its tokens on whitespace that a flexible grammar would allow forever.
 COMPACT = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
                           "key_separator": ": "}}
+# ... and no whitespace pattern: the engine's default (a bounded run between tokens) would
+# let it add a newline and indent anywhere.
+_NO_WHITESPACE = {"disable_any_whitespace": True}
 # A function without parameters takes none: its arguments are {}.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},
                                  "additionalProperties": False}
@@ -158,7 +162,7 @@ def check_schemas(tools: Sequence[Mapping[str, Any]],
             continue
         field = f"tools[{i}].function.parameters"
         try:
-            compile_schema(StructuredOutputs(json=parameters_schema(tool)))
+            compile_schema(StructuredOutputs(json=parameters_schema(tool), **_NO_WHITESPACE))
         except InvalidRequest as e:  # "structured_outputs.json ...": renamed
             raise InvalidRequest(e.message_as(field), field) from None
 
@@ -177,7 +181,7 @@ def guide(request: ToolRequest | None, structured: str | None = None
                              "forced tool call shapes the output itself", structured)
     if request.choice == "function":
         i = request.names.index(request.function)  # type: ignore[arg-type]
-        return {"json": {**COMPACT, **request.parameters(i)}}, {
+        return {"json": {**COMPACT, **request.parameters(i)}, **_NO_WHITESPACE}, {
             NAME: "tool_choice", f"{NAME}.json": f"tools[{i}].function.parameters"}
     items = [{"type": "object", "properties": {"name": {"const": name},
                                                "parameters": request.parameters(i)},
@@ -187,7 +191,7 @@ def guide(request: ToolRequest | None, structured: str | None = None
                               "items": items[0] if len(items) == 1 else {"anyOf": items}}
     if not request.parallel:
         schema["maxItems"] = 1
-    return {"json": schema}, {NAME: "tool_choice", f"{NAME}.json": "tools"}
+    return {"json": schema, **_NO_WHITESPACE}, {NAME: "tool_choice", f"{NAME}.json": "tools"}
 
 
 def parses(request: ToolRequest | None) -> bool:

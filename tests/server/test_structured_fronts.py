@@ -91,8 +91,18 @@ def test_sdk_completions_structured_outputs_extra(server: BackgroundServer) -> N
                                       "$ref": "#/$defs/a"}}}, "structured_outputs.json"),
     # an error that quotes a 60,000-character pattern: bounded (once a 240 KB body)
     ({"structured_outputs": {"regex": "(" * 60000}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"json_object": True, "whitespace_pattern": "x*"}},
+     "structured_outputs.whitespace_pattern"),
+    ({"response_format": {"type": "json_object"},
+      "structured_outputs": {"disable_any_whitespace": "yes"}},
+     "structured_outputs.disable_any_whitespace"),
+    ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": "[ \n"},
+     "guided_whitespace_pattern"),
+    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
+     "structured_outputs.disable_any_whitespace"),
 ], ids=["bad-schema", "bad-format", "bad-regex", "two-fields", "guided", "nested-text",
-        "matches-nothing", "huge-repeat", "6000-alternatives", "looping-refs", "huge-quote"])
+        "matches-nothing", "huge-repeat", "6000-alternatives", "looping-refs", "huge-quote",
+        "pattern-not-whitespace", "flag-not-bool", "guided-pattern", "option-on-regex"])
 def test_bad_specs_are_400_naming_the_field(server: BackgroundServer, body: dict,
                                             param: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:
@@ -102,6 +112,29 @@ def test_bad_specs_are_400_naming_the_field(server: BackgroundServer, body: dict
     assert len(e.value.body["message"]) <= 500
     ok = sdk(server).chat.completions.create(model="tiny", messages=CHAT, max_tokens=3)
     assert ok.choices[0].finish_reason is not None  # the server carries on
+
+
+def compact(text: str) -> bool:
+    """Whether `text` is JSON written with no whitespace outside its strings."""
+    return json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False) == text
+
+
+def test_http_disable_any_whitespace(server: BackgroundServer) -> None:
+    """vLLM's option inside the structured_outputs object: with its own kind (completions),
+    or alone beside response_format (chat), where it joins that spec."""
+    got = sdk(server).completions.create(
+        model="tiny", prompt="weather?", max_tokens=120, n=2, seed=5, temperature=1.0,
+        extra_body={"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}})
+    for c in got.choices:
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+        assert compact(c.text), c.text
+    chat = sdk(server).chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=120, seed=6,
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    text = chat.choices[0].message.content
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert compact(text), text
 
 
 def test_grpc_structured_outputs(server: BackgroundServer) -> None:
@@ -117,6 +150,19 @@ def test_grpc_structured_outputs(server: BackgroundServer) -> None:
         assert e.value.details().startswith("sampling.structured_outputs.json")
         out = client.generate("x", {"max_tokens": 3})  # the server carries on
         assert out[0].finish_reason is not None
+
+
+def test_grpc_whitespace_options(server: BackgroundServer) -> None:
+    with Client(server.target) as client:
+        out = client.generate("weather?", {"max_tokens": 120, "seed": 3, "structured_outputs": {
+            "json": SCHEMA, "disable_any_whitespace": True}})[0]
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+        assert compact(out.text), out.text
+        with pytest.raises(grpc.RpcError) as e:
+            client.generate("x", {"max_tokens": 5, "structured_outputs": {
+                "json_object": True, "whitespace_pattern": "[a ]*"}})
+        assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith("sampling.structured_outputs.whitespace_pattern")
 
 
 def test_batch_lines_with_structured_outputs(tmp_path: pathlib.Path) -> None:
