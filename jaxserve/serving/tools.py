@@ -183,15 +183,48 @@ def guide(request: ToolRequest | None, structured: str | None = None
         i = request.names.index(request.function)  # type: ignore[arg-type]
         return {"json": {**COMPACT, **request.parameters(i)}, **_NO_WHITESPACE}, {
             NAME: "tool_choice", f"{NAME}.json": f"tools[{i}].function.parameters"}
-    items = [{"type": "object", "properties": {"name": {"const": name},
-                                               "parameters": request.parameters(i)},
+    one = len(request.names) == 1
+    items = [{"type": "object", "properties": {"name": {"const": name}, "parameters": rebased(
+                 request.parameters(i), "/items" + ("" if one else f"/anyOf/{i}") +
+                 "/properties/parameters")},
               "required": ["name", "parameters"], "additionalProperties": False}
              for i, name in enumerate(request.names)]
     schema: dict[str, Any] = {**COMPACT, "type": "array", "minItems": 1,
-                              "items": items[0] if len(items) == 1 else {"anyOf": items}}
+                              "items": items[0] if one else {"anyOf": items}}
     if not request.parallel:
         schema["maxItems"] = 1
     return {"json": schema, **_NO_WHITESPACE}, {NAME: "tool_choice", f"{NAME}.json": "tools"}
+
+
+# Keywords whose values are JSON data, not schemas: a "$ref" key inside them is data.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# Keywords whose values map names to schemas (a property may be called "const").
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                            "dependentSchemas"})
+
+
+def rebased(schema: Any, base: str) -> Any:
+    """`schema` as a subschema placed at JSON pointer `base` of a larger one: its local
+    references (`#/$defs/X`, `#/definitions/X`, `#`: pointers from its own root) are
+    prefixed with `base`, so they resolve against the schema they were written for and not
+    against the new root (which has no such `$defs`). Anchors (`#name`) and other documents'
+    references are left as they are."""
+    if isinstance(schema, list):
+        return [rebased(v, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or
+                                                         value.startswith("#/")):
+            out[key] = "#" + base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):  # name -> schema
+            out[key] = {name: rebased(v, base) for name, v in value.items()}
+        else:
+            out[key] = rebased(value, base)
+    return out
 
 
 def parses(request: ToolRequest | None) -> bool:

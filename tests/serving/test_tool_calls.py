@@ -293,6 +293,40 @@ def test_schemas_are_checked_by_the_grammar_compiler(compiler: GrammarCompiler) 
     assert json.loads(json.dumps(spec))  # plain JSON, as the wire carries it
 
 
+BOOK = {"type": "function", "function": {"name": "book", "parameters": {
+    "type": "object", "$defs": {
+        "City": {"enum": ["Oslo", "Lima"]},
+        "Leg": {"type": "object", "properties": {"to": {"$ref": "#/$defs/City"},
+                                                 "next": {"$ref": "#/$defs/Leg"}},
+                "required": ["to"], "additionalProperties": False}},
+    "properties": {"leg": {"$ref": "#/$defs/Leg"}, "const": {"const": {"$ref": "#/x"}}},
+    "required": ["leg"], "additionalProperties": False}}}
+COUNT = {"type": "function", "function": {"name": "count", "parameters": {
+    "type": "object", "definitions": {"N": {"type": "integer", "minimum": 0}},
+    "properties": {"n": {"$ref": "#/definitions/N"}}, "required": ["n"]}}}
+
+
+@pytest.mark.parametrize("listed", [[BOOK], [BOOK, COUNT]], ids=["one", "two"])
+def test_required_grammar_keeps_each_tools_refs(compiler, listed) -> None:
+    """A tool's `$ref`s point into its own parameters' `$defs`; nested in the array's
+    items they must still resolve there (they were resolved against the array: "Pointer
+    '/$defs/City' does not exist"). Oracle: jsonschema resolving the built schema's refs, and
+    the grammar compiling; data under `const` keeps its "$ref" key as it is."""
+    spec, _ = tools.guide(tools.check_tools(listed, "required"))
+    schema = spec["json"]
+    good = [{"name": "book", "parameters": {"leg": {"to": "Oslo", "next": {"to": "Lima"}},
+                                            "const": {"$ref": "#/x"}}}]
+    jsonschema.validate(good, schema)
+    for bad in ({"to": "Rome"}, {"to": "Oslo", "next": {"to": 3}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": "book", "parameters": {"leg": bad}}], schema)
+    if len(listed) == 2:
+        jsonschema.validate([{"name": "count", "parameters": {"n": 2}}], schema)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": "count", "parameters": {"n": -1}}], schema)
+    compiler.compile(StructuredOutputs(**spec))
+
+
 def test_forced_call_refuses_another_structured_output() -> None:
     named = {"type": "function", "function": {"name": "get_weather"}}
     for choice in ("required", named):
