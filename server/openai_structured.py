@@ -4,7 +4,8 @@ Wire mapping only (the spec's shape is checked by `StructuredOutputs`, the gramm
 admission). A request gives at most one source:
   - `response_format`: {"type": "text"} (free text, the default), {"type": "json_object"}
     (any JSON object), {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
-    (a JSON schema; without `schema`: any JSON object);
+    (a JSON schema; without `schema`: any JSON object; `strict: true`: OpenAI's strict mode,
+    `serving.strict_schema`);
   - vLLM's `structured_outputs` object ({"json": ...} / {"regex": ...} / {"choice": [...]} /
     {"grammar": ...} / {"json_object": true}), which the registry passes on as it is;
   - vLLM's older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`.
@@ -25,6 +26,7 @@ from typing import Any
 
 from jaxserve.engine.errors import InvalidRequest
 from jaxserve.engine.structured_outputs import FIELDS, NAME
+from jaxserve.serving.strict_schema import strict_schema
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
@@ -101,7 +103,13 @@ def _response_format(fmt: Any) -> tuple[dict[str, Any], dict[str, str]]:
         raise InvalidRequest("response_format.json_schema must be an object with the schema "
                              "under \"schema\"", "response_format.json_schema")
     schema = spec.get("schema", spec.get("json_schema"))  # some clients nest it so
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise InvalidRequest("response_format.json_schema.strict must be a boolean",
+                             "response_format.json_schema.strict")
     if schema is None:  # OpenAI allows a name alone: any JSON object
         return {"json_object": True}, {NAME: "response_format"}
+    if strict:  # OpenAI's strict mode: every property required and no others
+        schema = strict_schema(schema, "response_format.json_schema.schema")
     return {"json": schema}, {NAME: "response_format",
                               f"{NAME}.json": "response_format.json_schema.schema"}

@@ -8,6 +8,9 @@ InvalidRequest naming the field: `tools[2].function.name`, `tool_choice`, ...) -
     the chat template (`tool_prompt`) and checks each tool's parameters schema by compiling
     it (`check_schemas`: a schema the grammar library refuses is a 400 naming
     `tools[i].function.parameters`), whatever the choice;
+  - a function with `"strict": true` has its parameters made strict (`strict_schema`:
+    OpenAI's strict mode, every property required and no others), for the prompt's listing
+    and every grammar built from it;
   - `guide`: a forced call is enforced with a grammar (vLLM's approach): a named function
     constrains the output to that function's parameters schema (the text IS the arguments),
     "required" to a JSON array of 1 or more (exactly 1 without parallel_tool_calls)
@@ -29,6 +32,7 @@ from typing import Any, Callable, Mapping, Sequence
 from jaxserve.engine.errors import InvalidRequest
 from jaxserve.engine.structured_outputs import NAME, StructuredOutputs
 from jaxserve.serving import tool_parsers
+from jaxserve.serving.strict_schema import strict_schema
 from jaxserve.serving.tool_parsers import NamedParser, RequiredParser, ToolParser
 
 MAX_TOOLS = 128  # as OpenAI
@@ -102,6 +106,10 @@ def _check_tool(i: int, tool: object) -> dict[str, Any]:
     if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
         raise InvalidRequest(f"{where}.function.strict must be a boolean",
                              f"{where}.function.strict")
+    if fn.get("strict"):  # OpenAI's strict mode: the prompt and the grammar get it alike
+        out["strict"] = True
+        out["parameters"] = strict_schema({"type": "object", **out.get("parameters", {})},
+                                          f"{where}.function.parameters")
     return {"type": "function", "function": out}
 
 

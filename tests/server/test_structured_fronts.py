@@ -137,6 +137,30 @@ def test_http_disable_any_whitespace(server: BackgroundServer) -> None:
     assert compact(text), text
 
 
+OPTIONAL = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]},
+                                            "temp": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9},
+                                            "wet": {"type": "boolean"}}}
+
+
+def test_response_format_strict(server: BackgroundServer) -> None:
+    """json_schema.strict=true: OpenAI's strict mode (every property, no other); a schema
+    it cannot express is a 400 naming the schema."""
+    closed = {**OPTIONAL, "required": ["city", "temp", "wet"], "additionalProperties": False}
+    for seed in (1, 2, 3):
+        got = sdk(server).chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=120, seed=seed, temperature=1.0,
+            response_format={"type": "json_schema", "json_schema": {
+                "name": "w", "schema": OPTIONAL, "strict": True}})
+        jsonschema.validate(json.loads(got.choices[0].message.content), closed)
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk(server).chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=5, response_format={
+                "type": "json_schema", "json_schema": {"name": "w", "strict": True, "schema": {
+                    **OPTIONAL, "additionalProperties": {"type": "string"}}}})
+    assert e.value.body["param"] == "response_format.json_schema.schema", e.value.body
+
+
 def test_grpc_structured_outputs(server: BackgroundServer) -> None:
     with Client(server.target) as client:
         out = client.generate("weather?", {"max_tokens": 120, "seed": 2,
