@@ -3,8 +3,8 @@
 Data flow:
   `StructuredOutputs` (`structured_outputs.py`: exactly one of json / regex / choice / grammar
   / json_object) -> `GrammarCompiler.compile` once per request, at admission: the spec becomes an
-  llguidance grammar, validated against the model's vocabulary, and a bad one raises
-  InvalidRequest naming the field (`structured_outputs.json`, ...) -> `GrammarCompiler.matcher`
+  llguidance grammar (a schema's listed-property objects closed first, `schema_closure`),
+  validated against the model's vocabulary, and a bad one raises InvalidRequest naming the field (`structured_outputs.json`, ...) -> `GrammarCompiler.matcher`
   once per sequence (n > 1: one each; kept across preemption, since a recomputed sequence
   keeps its output tokens) -> each
   step: `SequenceGrammar.fill(bitmask, row)` writes the row's allowed tokens into the step's
@@ -27,6 +27,7 @@ tool-call grammars' compact separators, a client's) still win.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 
 import llguidance
@@ -35,6 +36,7 @@ import numpy as np
 
 from jaxserve.engine.batch import bitmask_words
 from jaxserve.engine.errors import InvalidRequest
+from jaxserve.engine.schema_closure import close_listed_objects
 from jaxserve.engine.structured_outputs import StructuredOutputs
 from jaxserve.models.tokenizer import Tokenizer
 
@@ -91,9 +93,9 @@ class GrammarCompiler:
         if spec.whitespace_pattern is not None:
             self._check_pattern(spec.whitespace_pattern)
         try:
-            if field == "json":
+            if field == "json":  # listed-property objects closed: `schema_closure`
                 text = llguidance.LLMatcher.grammar_from_json_schema(
-                    spec.json, defaults=json_options(spec))
+                    close_listed_objects(json.loads(spec.json)), defaults=json_options(spec))
             elif field == "json_object":
                 text = llguidance.LLMatcher.grammar_from_json_schema(
                     {"type": "object"}, defaults=json_options(spec))

@@ -24,13 +24,13 @@ from typing import Any
 
 from jaxserve.engine.errors import InvalidRequest
 from jaxserve.engine.json_text import parse_field
+from jaxserve.engine.schema_closure import NAMED_SCHEMAS, ONE_SCHEMA, SCHEMA_LISTS
 
-# Keywords whose value is one schema, and those whose value is a list of schemas.
-_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else",
-        "propertyNames", "unevaluatedItems")
-_MANY = ("anyOf", "oneOf", "allOf", "prefixItems")
-# Keywords whose value maps names to schemas.
-_NAMED = ("$defs", "definitions", "dependentSchemas")
+# The subschema keywords walked here; an object's properties and other keys are `_close`'s.
+_ONE = tuple(k for k in ONE_SCHEMA if k not in ("additionalProperties",
+                                                 "unevaluatedProperties"))
+_MANY = SCHEMA_LISTS
+_NAMED = tuple(k for k in NAMED_SCHEMAS if k not in ("properties", "patternProperties"))
 
 
 def strict_schema(schema: Any, field: str) -> Any:
