@@ -1,17 +1,18 @@
 """Grammar-constrained decoding, host side: specs compiled by llguidance, a matcher per sequence.
 
 Data flow:
-  `StructuredOutputs` (`structured_outputs.py`: exactly one of json / regex / choice / grammar
-  / json_object) -> `GrammarCompiler.compile` once per request, at admission: the spec becomes an
-  llguidance grammar (a schema's listed-property objects closed first, `schema_closure`),
-  validated against the model's vocabulary, and a bad one raises InvalidRequest naming the
-  field (`structured_outputs.json`, ...) -> `GrammarCompiler.matcher` once per sequence
-  (n > 1: one each; kept across preemption, since a recomputed sequence keeps its output
-  tokens) -> each step: `SequenceGrammar.fill(bitmask, row)` writes the row's allowed tokens into the step's
-  packed mask i32[S, ceil(vocab / 32)] (bit t % 32 of word t // 32: token t allowed), the
-  sampler masks with it, then `accept(token)` advances the matcher. `finished` (the grammar
-  reached its end) finishes the sequence with STOP; a row with no allowed token finishes it
-  with ERROR and the reason (`batch.fill_bitmask`) rather than sampling from nothing.
+  `StructuredOutputs` (`structured_outputs.py`: exactly one of json / regex / choice /
+  grammar / json_object) -> `GrammarCompiler.compile` once per request, at admission: the
+  spec becomes an llguidance grammar (a schema's listed-property objects closed first,
+  `schema_closure`), validated against the model's vocabulary, and a bad one raises
+  InvalidRequest naming the field (`structured_outputs.json`, ...) ->
+  `GrammarCompiler.matcher` once per sequence (n > 1: one each; kept across preemption,
+  since a recomputed sequence keeps its output tokens) -> each step:
+  `SequenceGrammar.fill(bitmask, row)` writes the row's allowed tokens into the step's packed
+  mask i32[S, ceil(vocab / 32)] (bit t % 32 of word t // 32: token t allowed), the sampler
+  masks with it, then `accept(token)` advances the matcher. `finished` (the grammar reached
+  its end) finishes the sequence with STOP; a row with no allowed token finishes it with
+  ERROR and the reason (`batch.fill_bitmask`) rather than sampling from nothing.
 
 llguidance builds its token trie from the model's `tokenizers` JSON (`Tokenizer.backend`), so
 HF and GGUF-loaded tokenizers work alike. EOS is allowed exactly where the grammar may end.
