@@ -52,12 +52,12 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
                                      name)
 
 
-def tools_of(body: dict[str, Any]) -> tools.ToolRequest | None:
+def tools_of(body: dict[str, Any], max_calls: int | None = None) -> tools.ToolRequest | None:
     """The body's tools, tool_choice and parallel_tool_calls, checked (400 naming the
-    field)."""
+    field); `max_calls`: the server's --max-tool-calls."""
     try:
         return tools.check_tools(body.get("tools"), body.get("tool_choice"),
-                                 body.get("parallel_tool_calls"))
+                                 body.get("parallel_tool_calls"), max_calls)
     except ValueError as e:
         raise schema.invalid(e) from None
 
@@ -83,15 +83,16 @@ def _max_tokens(body: dict[str, Any]) -> tuple[Any, dict[str, str]]:
     return body.get("max_tokens"), {}
 
 
-def parse_chat(body: object) -> ChatRequest:
-    """Validate a /v1/chat/completions body; ApiError(400) naming the field otherwise."""
+def parse_chat(body: object, max_tool_calls: int | None = None) -> ChatRequest:
+    """Validate a /v1/chat/completions body; ApiError(400) naming the field otherwise.
+    `max_tool_calls`: the server's bound on calls per response (None: unbounded)."""
     body = schema.check_common(body, _BOOLS)
     _refuse_unsupported(body)
     include_usage, continuous = schema.parse_stream_options(body)
     if body.get("messages") is None:  # absent or null
         raise schema.bad_request("messages is required: a list of {role, content} objects",
                                  "messages")
-    request = tools_of(body)
+    request = tools_of(body, max_tool_calls)
     prompt = chat_input(body, request)
     top = body.get("top_logprobs")
     if top is not None and not body.get("logprobs"):

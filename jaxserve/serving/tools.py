@@ -14,7 +14,8 @@ InvalidRequest naming the field: `tools[2].function.name`, `tool_choice`, ...) -
   - `guide`: a forced call is enforced with a grammar (vLLM's approach): a named function
     constrains the output to that function's parameters schema (the text IS the arguments),
     "required" to a JSON array of 1 or more (exactly 1 without parallel_tool_calls)
-    {"name": <a tool's name>, "parameters": <that tool's schema>} objects. The grammar is the
+    {"name": <a tool's name>, "parameters": <that tool's schema>} objects (at most the
+    server's --max-tool-calls: `ToolRequest.call_limit`). The grammar is the
     engine's JSON-schema one (in json.dumps' spacing: `COMPACT` with disable_any_whitespace,
     so no whitespace but the separators' single spaces), so the arguments always
     parse and validate; the model's own call format is not used (it would need a grammar
@@ -55,13 +56,19 @@ NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},
 class ToolRequest:
     """A request's checked tools: OpenAI tool objects ({"type": "function", "function":
     {"name", "description"?, "parameters"?}}, the HF chat templates' `tools`), the choice
-    ("none", "auto", "required" or "function": the one named by `function`) and whether
-    several calls may come in one response."""
+    ("none", "auto", "required" or "function": the one named by `function`), whether
+    several calls may come in one response, and the server's bound on them (None: none)."""
 
     tools: tuple[dict[str, Any], ...]
     choice: str = "auto"
     function: str | None = None
     parallel: bool = True
+    max_calls: int | None = None  # the server's --max-tool-calls
+
+    @property
+    def call_limit(self) -> int | None:
+        """At most this many calls in one response (None: any number)."""
+        return 1 if not self.parallel else self.max_calls
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -138,9 +145,11 @@ def _choice(value: object, names: tuple[str, ...]) -> tuple[str, str | None]:
 
 
 def check_tools(tools: object, tool_choice: object = None,
-                parallel_tool_calls: object = None) -> ToolRequest | None:
+                parallel_tool_calls: object = None,
+                max_calls: int | None = None) -> ToolRequest | None:
     """The request's tools checked (InvalidRequest naming the field), or None when it gives
-    none (null or an empty list, whose only choices are none and auto)."""
+    none (null or an empty list, whose only choices are none and auto). `max_calls`: the
+    server's bound on calls per response (None: unbounded)."""
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise InvalidRequest("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if tools is not None and not isinstance(tools, (list, tuple)):
@@ -157,7 +166,7 @@ def check_tools(tools: object, tool_choice: object = None,
     choice, function = _choice(tool_choice, names)
     if not checked:
         return None
-    return ToolRequest(checked, choice, function, parallel_tool_calls is not False)
+    return ToolRequest(checked, choice, function, parallel_tool_calls is not False, max_calls)
 
 
 def check_schemas(tools: Sequence[Mapping[str, Any]],
@@ -199,8 +208,8 @@ def guide(request: ToolRequest | None, structured: str | None = None
              for i, name in enumerate(request.names)]
     schema: dict[str, Any] = {**COMPACT, "type": "array", "minItems": 1,
                               "items": items[0] if one else {"anyOf": items}}
-    if not request.parallel:
-        schema["maxItems"] = 1
+    if request.call_limit is not None:
+        schema["maxItems"] = request.call_limit
     return {"json": schema, **_NO_WHITESPACE}, {NAME: "tool_choice", f"{NAME}.json": "tools"}
 
 
@@ -248,5 +257,5 @@ def parser(request: ToolRequest | None, fmt: str,
     if request.choice == "function":
         return NamedParser(request.function or "", new_id)
     if request.choice == "required":
-        return RequiredParser(request.parallel, new_id)
-    return tool_parsers.parser_for(fmt, request.parallel, new_id)
+        return RequiredParser(request.parallel, new_id, request.max_calls)
+    return tool_parsers.parser_for(fmt, request.parallel, new_id, request.max_calls)

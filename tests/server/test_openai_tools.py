@@ -284,8 +284,9 @@ def test_bad_tools_are_400s_naming_the_field(server: BackgroundServer, kwargs: d
 def test_llama3_json_server() -> None:
     """A served model whose template shows Llama 3.1's JSON calls: auto detects llama3_json,
     and a bare {"name", "parameters"} object is a call (one tool: that template lists tools
-    verbosely)."""
-    with BackgroundServer(ServerConfig(port=None, http_port=0),
+    verbosely). The server is started with --max-tool-calls 1: of two calls in the text,
+    the first is read."""
+    with BackgroundServer(ServerConfig(port=None, http_port=0, max_tool_calls=1),
                           lambda: served(LLAMA31_LIKE)) as srv:
         forced = {"structured_outputs": {
             "regex": r'\{"name": "get_time", "parameters": \{"zone": "(utc|cet)"\}\}'}}
@@ -300,6 +301,13 @@ def test_llama3_json_server() -> None:
         got = create(srv, tools=[CLOCK], extra_body={"structured_outputs": {"regex": hermes}})
         assert not got.choices[0].message.tool_calls
         assert got.choices[0].message.content == hermes.replace("\\", "")
+        two = {"structured_outputs": {"regex": r'\{"name": "get_time", "parameters": \{"zone": '
+                                               r'"utc"\}\}; \{"name": "get_time", "parameters"'
+                                               r': \{"zone": "cet"\}\}'}}
+        got = create(srv, tools=[CLOCK], extra_body=two)
+        assert calls_of(got.choices[0].message) == [("get_time", {"zone": "utc"})]
+        streamed, _ = assembled(srv, tools=[CLOCK], extra_body=two)
+        assert streamed_calls(streamed[0]) == [("get_time", {"zone": "utc"})]
 
 
 def test_readme_tool_calling_example_runs(server: BackgroundServer) -> None:

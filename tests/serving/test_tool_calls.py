@@ -96,6 +96,18 @@ def test_hermes_without_parallel_calls_keeps_the_first() -> None:
     check(HermesParser, text, (None, [("a", '{"x": 1}'), ("b", "{}")]))
 
 
+def test_max_tool_calls_keeps_the_first_that_many() -> None:
+    """--max-tool-calls: an "auto" parser keeps the first N calls of the text (as
+    parallel_tool_calls=false keeps the first one), and parallel false still means one."""
+    text = "".join(f'<tool_call>{{"name": "f{i}", "arguments": {{}}}}</tool_call>'
+                   for i in range(3))
+    check(HermesParser, text, (None, [("f0", "{}"), ("f1", "{}")]), max_calls=2)
+    check(HermesParser, text, (None, [("f0", "{}")]), parallel=False, max_calls=2)
+    got = parse(lambda new_id: tools.parser(tools.check_tools([WEATHER], "auto", None, 1),
+                                            "hermes", new_id), text, 3)
+    assert got == (None, [("f0", "{}")])
+
+
 LLAMA_CASES = [
     ('{"name": "get_weather", "parameters": {"city": "Paris"}}',
      (None, [("get_weather", '{"city": "Paris"}')])),
@@ -269,6 +281,18 @@ def test_required_grammar_is_a_list_of_calls() -> None:
             with pytest.raises(jsonschema.ValidationError):
                 jsonschema.validate(two, schema)
         assert names["structured_outputs.json"] == "tools"
+
+
+def test_max_tool_calls_bounds_the_required_array() -> None:
+    one = {"name": "get_time", "parameters": {}}
+    for parallel, limit in ((True, 2), (False, 1)):
+        req = tools.check_tools([WEATHER, TIME], "required", parallel, max_calls=2)
+        assert req.call_limit == limit
+        schema = tools.guide(req)[0]["json"]
+        jsonschema.validate([one] * limit, schema)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([one] * (limit + 1), schema)
+    assert "maxItems" not in tools.guide(tools.check_tools([TIME], "required"))[0]["json"]
 
 
 @pytest.fixture(scope="module")
