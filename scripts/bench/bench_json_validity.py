@@ -19,6 +19,8 @@ its own seed:
       default   nothing: the bounded default (one space, or a newline and an indent <= 16),
                 listed-property objects closed;
       compact   structured_outputs {"disable_any_whitespace": true};
+      dumps     json.dumps' spacing (", " and ": ", nothing else): disable_any_whitespace
+                and the schema's own x-guidance separators (the forced tool calls' form);
   - tool calls: --num-tool-requests requests over the TOOL_PROMPTS with the three TOOLS and
     tool_choice "required", as: parallel_before (parallel_tool_calls true, the parameters
     opened as before), parallel (true, the default), parallel_false, and
@@ -118,7 +120,9 @@ TOOL_PROMPTS = [
 ]
 FLEXIBLE = {"whitespace_pattern": "[ \t\n\r]*"}
 WHITESPACE = {"before": FLEXIBLE, "flexible": FLEXIBLE, "default": None,
-              "compact": {"disable_any_whitespace": True}}
+              "compact": {"disable_any_whitespace": True},
+              "dumps": {"disable_any_whitespace": True}}
+DUMPS = {"x-guidance": {"item_separator": ", ", "key_separator": ": "}}
 # (parallel_tool_calls, strict, parameters opened as before)
 TOOL_MODES = {"parallel_before": (True, False, True), "parallel": (True, False, False),
               "parallel_false": (False, False, False),
@@ -144,7 +148,8 @@ def schema_body(name: str, mode: str, seed: int, args: argparse.Namespace) -> di
                      {"role": "user", "content": ASKS[name]}],
         "response_format": {"type": "json_schema", "json_schema": {
             "name": name,
-            "schema": opened(SCHEMAS[name]) if mode == "before" else SCHEMAS[name]}}}
+            "schema": opened(SCHEMAS[name]) if mode == "before" else
+            {**DUMPS, **SCHEMAS[name]} if mode == "dumps" else SCHEMAS[name]}}}
     if WHITESPACE[mode] is not None:
         body["structured_outputs"] = WHITESPACE[mode]
     return {**body, **_common(seed, args)}
@@ -291,8 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-tool-requests", type=int, default=30,
                     help="forced tool-call requests per tool mode")
     ap.add_argument("--whitespace", type=_modes(tuple(WHITESPACE)),
-                    default=list(WHITESPACE),
-                    help="before,flexible,default,compact (a subset; '' none)")
+                    default=[m for m in WHITESPACE if m != "dumps"],
+                    help="before,flexible,default,compact,dumps (a subset; '' none; "
+                         "default: all but dumps)")
     ap.add_argument("--tool-modes", type=_modes(tuple(TOOL_MODES)), default=list(TOOL_MODES),
                     help="parallel_before,parallel,parallel_false,parallel_false_strict "
                          "(a subset; '' none)")
