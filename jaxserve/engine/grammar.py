@@ -95,8 +95,11 @@ class GrammarCompiler:
             self._check_pattern(spec.whitespace_pattern)
         try:
             if field == "json":  # listed-property objects closed: `schema_closure`
+                schema = json.loads(spec.json)
+                if isinstance(schema, bool):  # options apply to an object schema only
+                    schema = {} if schema else {"not": {}}
                 text = llguidance.LLMatcher.grammar_from_json_schema(
-                    close_listed_objects(json.loads(spec.json)), defaults=json_options(spec))
+                    close_listed_objects(schema), defaults=json_options(spec))
             elif field == "json_object":
                 text = llguidance.LLMatcher.grammar_from_json_schema(
                     {"type": "object"}, defaults=json_options(spec))

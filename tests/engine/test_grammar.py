@@ -172,6 +172,13 @@ def test_default_json_whitespace_is_bounded(compiler, tokenizer, kind) -> None:
     assert [accepts(compiler, tokenizer, spec, t) for t in bad] == [False] * len(bad)
 
 
+def test_the_true_schema_is_any_json_value(compiler, tokenizer) -> None:
+    """`json: true` (any value): llguidance applies its options to object schemas only."""
+    for text in ('{"a": [1, null]}', '"x"', "3"):
+        json.loads(text)
+        assert accepts(compiler, tokenizer, StructuredOutputs(json=True), text)
+
+
 def test_disable_any_whitespace_is_compact(compiler, tokenizer) -> None:
     spec = StructuredOutputs(json=WS_SCHEMA, disable_any_whitespace=True)
     assert accepts(compiler, tokenizer, spec, '{"a":1,"b":[2,3]}')
