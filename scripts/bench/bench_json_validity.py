@@ -28,14 +28,18 @@ its own seed:
 -> per row: the fraction of answers that are valid (the content parses as JSON and validates
 against its schema with jsonschema; a tool answer: finish_reason "tool_calls" and every call's
 arguments parse and validate against its function's parameters), how many ended at the length
-limit, the mean completion tokens (the server's usage), and for tool rows the mean calls per
-answer. A table on stdout; everything, with the first invalid answers' text, in --json.
+limit, the mean completion tokens (the server's usage), for tool rows the mean calls per
+answer, and how many invalid answers hold a whitespace gap the bounded default cannot write
+(two newlines, or a newline and 17 blanks). A table on stdout; everything, with the first
+invalid answers' text, in --json.
 
 CPU-heavy (520 requests of up to --max-tokens tokens by default): try it on a few first,
     python scripts/bench/bench_json_validity.py --num-requests 5 --num-tool-requests 3
 then the full run:
     python scripts/bench/bench_json_validity.py \\
         --json benchmarks/results/json_validity_2026-12-04/json_validity.json
+`--bound-schemas` adds maxLength / maxItems where the schemas have none (what a schema author
+can do about content that runs on); the figures: benchmarks/results/json_validity_2026-12-04/.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import argparse
 import asyncio
 import json
 import pathlib
+import re
 import statistics
 import sys
 import time
@@ -142,14 +147,35 @@ def opened(schema: Any) -> Any:
     return out
 
 
+def bounded(schema: Any) -> Any:
+    """`schema` with `maxLength` on each string and `maxItems` on each array that has
+    none (--bound-schemas: what a schema author can do about content that runs on)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: ({n: bounded(v) for n, v in s.items()} if k == "properties" else
+               bounded(s) if k == "items" else s) for k, s in schema.items()}
+    if out.get("type") == "string":
+        out.setdefault("maxLength", MAX_LENGTH)
+    if out.get("type") == "array":
+        out.setdefault("maxItems", MAX_ITEMS)
+    return out
+
+
+MAX_LENGTH, MAX_ITEMS = 64, 8
+# A gap the bounded default cannot write: two newlines, or a newline and 17 blanks (a raw
+# newline is always between JSON tokens: inside a string it is escaped).
+WHITESPACE_RUN = re.compile(r"\n[ \t]*\n|\n[ \t]{17,}")
+
+
 def schema_body(name: str, mode: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    schema = bounded(SCHEMAS[name]) if args.bound_schemas else SCHEMAS[name]
     body: dict[str, Any] = {
         "messages": [{"role": "system", "content": "You answer in JSON."},
                      {"role": "user", "content": ASKS[name]}],
         "response_format": {"type": "json_schema", "json_schema": {
             "name": name,
-            "schema": opened(SCHEMAS[name]) if mode == "before" else
-            {**DUMPS, **SCHEMAS[name]} if mode == "dumps" else SCHEMAS[name]}}}
+            "schema": opened(schema) if mode == "before" else
+            {**DUMPS, **schema} if mode == "dumps" else schema}}}
     if WHITESPACE[mode] is not None:
         body["structured_outputs"] = WHITESPACE[mode]
     return {**body, **_common(seed, args)}
@@ -173,11 +199,11 @@ def _common(seed: int, args: argparse.Namespace) -> dict[str, Any]:
             "max_completion_tokens": args.max_tokens}
 
 
-def judge_schema(name: str, reply: dict[str, Any]) -> tuple[bool, str]:
+def judge_schema(schema: dict[str, Any], reply: dict[str, Any]) -> tuple[bool, str]:
     """(valid, why not): the content parses as JSON and validates against the schema."""
     text = reply["choices"][0]["message"]["content"] or ""
     try:
-        jsonschema.validate(json.loads(text), SCHEMAS[name])
+        jsonschema.validate(json.loads(text), schema)
     except (ValueError, jsonschema.ValidationError) as e:
         return False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     return True, ""
@@ -237,10 +263,12 @@ async def measure(args: argparse.Namespace, ports: Ports) -> list[dict[str, Any]
     for (kind, mode, i, _), reply in zip(jobs, replies):
         row = rows.setdefault((kind, mode), {"kind": kind, "mode": mode, "requests": 0,
                                              "valid": 0, "length": 0, "tokens": [],
+                                             "whitespace_runs": 0,
                                              "calls": [], "per_schema": {}, "invalid": []})
         if kind == "schema":
             name = names[i % len(names)]
-            ok, why = judge_schema(name, reply)
+            ok, why = judge_schema(bounded(SCHEMAS[name]) if args.bound_schemas else
+                                   SCHEMAS[name], reply)
             per = row["per_schema"].setdefault(name, {"requests": 0, "valid": 0})
             per["requests"] += 1
             per["valid"] += ok
@@ -251,6 +279,9 @@ async def measure(args: argparse.Namespace, ports: Ports) -> list[dict[str, Any]
         row["valid"] += ok
         row["length"] += reply["choices"][0]["finish_reason"] == "length"
         row["tokens"].append(reply["usage"]["completion_tokens"])
+        if not ok:
+            text = reply["choices"][0]["message"]["content"] or ""
+            row["whitespace_runs"] += WHITESPACE_RUN.search(text) is not None
         if not ok and len(row["invalid"]) < 5:
             msg = reply["choices"][0]["message"]
             row["invalid"].append({"index": i, "why": why, "content": (msg["content"] or "")[:300],
@@ -267,12 +298,12 @@ async def measure(args: argparse.Namespace, ports: Ports) -> list[dict[str, Any]
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [f"{'rows':<30} {'requests':>8} {'valid JSON':>10} {'length':>7} "
-             f"{'mean tokens':>11} {'mean calls':>10}"]
+             f"{'mean tokens':>11} {'mean calls':>10} {'ws runs':>7}"]
     for r in rows:
         calls = "" if r["mean_calls"] is None else f"{r['mean_calls']:.2f}"
         lines.append(f"{r['kind'] + ': ' + r['mode']:<30} {r['requests']:>8} "
                      f"{100 * r['valid_fraction']:>9.1f}% {r['length']:>7} "
-                     f"{r['mean_tokens']:>11.1f} {calls:>10}")
+                     f"{r['mean_tokens']:>11.1f} {calls:>10} {r['whitespace_runs']:>7}")
     return "\n".join(lines)
 
 
@@ -302,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tool-modes", type=_modes(tuple(TOOL_MODES)), default=list(TOOL_MODES),
                     help="parallel_before,parallel,parallel_false,parallel_false_strict "
                          "(a subset; '' none)")
+    ap.add_argument("--bound-schemas", action="store_true",
+                    help=f"add maxLength {MAX_LENGTH} to strings and maxItems {MAX_ITEMS} to "
+                         "arrays that have none (the replies are judged against that)")
     ap.add_argument("--max-tokens", type=int, default=512, help="per request (the issue's)")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--timeout", type=float, default=3600.0, help="per request, seconds")
@@ -319,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         path = pathlib.Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"argv": sys.argv[1:], "server_flags": flags,
+                                    "bound_schemas": args.bound_schemas,
                                     "wall_s": time.perf_counter() - t0, "rows": rows,
                                     "schemas": SCHEMAS, "tools": TOOLS}, indent=1) + "\n")
     return 0
