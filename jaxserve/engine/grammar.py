@@ -37,7 +37,7 @@ import numpy as np
 
 from jaxserve.engine.batch import bitmask_words
 from jaxserve.engine.errors import InvalidRequest
-from jaxserve.engine.schema_closure import close_listed_objects
+from jaxserve.engine.schema_closure import close_all_objects, close_listed_objects
 from jaxserve.engine.structured_outputs import StructuredOutputs
 from jaxserve.models.tokenizer import Tokenizer
 
@@ -47,6 +47,14 @@ log = logging.getLogger(__name__)
 # spaces or tabs. json.dumps' spacing and a pretty-printed object (4 levels of 4, 8 of 2) both
 # fit; a run longer than that cannot be written, so whitespace costs at most 17 bytes a gap.
 BOUNDED_WHITESPACE = r"( |\n[ \t]{0,16})?"
+
+
+def _closed(schema: object, disable_additional_properties: bool | None) -> object:
+    """The schema whose objects may carry the keys the request's option says (unset: those
+    that list their properties may carry no others)."""
+    if disable_additional_properties is None:
+        return close_listed_objects(schema)
+    return close_all_objects(schema) if disable_additional_properties else schema
 
 
 def json_options(spec: StructuredOutputs) -> dict[str, object]:
@@ -99,7 +107,8 @@ class GrammarCompiler:
                 if isinstance(schema, bool):  # options apply to an object schema only
                     schema = {} if schema else {"not": {}}
                 text = llguidance.LLMatcher.grammar_from_json_schema(
-                    close_listed_objects(schema), defaults=json_options(spec))
+                    _closed(schema, spec.disable_additional_properties),
+                    defaults=json_options(spec))
             elif field == "json_object":
                 text = llguidance.LLMatcher.grammar_from_json_schema(
                     {"type": "object"}, defaults=json_options(spec))

@@ -34,6 +34,8 @@ SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 # Keywords whose value maps names to schemas.
 NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions",
                  "dependentSchemas")
+# Keywords whose values are JSON data, not schemas.
+_DATA = frozenset({"const", "enum", "default", "examples"})
 # Keys an object schema says "other keys" with.
 _OTHER_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 # Keywords that compose an object from elsewhere: its keys are not all listed here.
@@ -41,6 +43,23 @@ _COMPOSED = ("allOf", "$ref", "if", "then", "else", "dependentSchemas")
 # Keywords beside a $ref that do not compose it with anything.
 _ANNOTATIONS = frozenset({"$ref", "description", "title", "$comment", "default", "examples",
                           "deprecated", "readOnly", "writeOnly"})
+
+
+def close_all_objects(schema: Any) -> Any:
+    """`schema` with every object schema that says nothing of other keys closed, composed
+    or not (a request's `disable_additional_properties: true`, as vLLM's option)."""
+    if isinstance(schema, list):
+        return [close_all_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in _DATA else
+               {n: close_all_objects(s) for n, s in v.items()} if k in NAMED_SCHEMAS and
+               isinstance(v, dict) else close_all_objects(v)) for k, v in schema.items()}
+    kind = out.get("type")
+    if (kind == "object" or isinstance(kind, list) and "object" in kind or
+            "properties" in out) and not any(k in out for k in _OTHER_KEYS):
+        out["additionalProperties"] = False
+    return out
 
 
 def close_listed_objects(schema: Any) -> Any:

@@ -11,8 +11,12 @@ Two options (vLLM's names) say how a JSON kind (json, json_object) is spelled, n
 means: `disable_any_whitespace` (no whitespace at all between JSON tokens) and
 `whitespace_pattern` (a regex for the whitespace allowed between two JSON tokens). Unset, the
 grammar allows a bounded run (`grammar.BOUNDED_WHITESPACE`): a small model at temperature 1.0
-cannot spend its budget on whitespace inside an object. Given for another kind they are
-refused by name.
+cannot spend its budget on whitespace inside an object. A third, `disable_additional_properties`
+(json only), says which objects may carry keys their schema does not list: unset, those that
+list properties and say nothing of others may not (`schema_closure`); true, no object that
+says nothing of other keys may (vLLM's meaning); false, the schema read literally (JSON
+Schema's: other keys allowed unless it says not). Given for another kind they are refused
+by name.
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ from jaxserve.engine.json_text import MAX_FIELD_DEPTH, check_depth, parse_field
 from jaxserve.engine.sampling_rules import check_text
 
 FIELDS = ("json", "regex", "choice", "grammar", "json_object")  # the kinds: exactly one
-OPTIONS = ("disable_any_whitespace", "whitespace_pattern")  # how a JSON kind is spelled
+WHITESPACE_OPTIONS = ("disable_any_whitespace", "whitespace_pattern")  # how JSON is spelled
+OPTIONS = (*WHITESPACE_OPTIONS, "disable_additional_properties")
 JSON_KINDS = ("json", "json_object")
-MAX_PATTERN_BYTES = 1024
+MAX_PATTERN_BYTES = 1024  # a whitespace_pattern's
 # A grammar's source is compiled on the admission path; past this it is refused unread.
 MAX_SPEC_BYTES = 64 * 1024
 MAX_CHOICES = 1024
@@ -43,7 +48,9 @@ class StructuredOutputs:
     kinds only: `disable_any_whitespace` writes the JSON with no whitespace (',' and ':'
     alone); `whitespace_pattern` (a regex, as llguidance's JSON option) is the whitespace
     allowed between two JSON tokens, e.g. `[ \\t\\n\\r]*` for any run (llguidance's flexible
-    form); neither: at most one space, or a newline and an indent of up to 16 spaces or tabs."""
+    form); neither: at most one space, or a newline and an indent of up to 16 spaces or tabs.
+    `disable_additional_properties` (json only): None, the default closing of objects that
+    list their properties; True, every object closed; False, the schema as written."""
 
     json: Any = None
     regex: str | None = None
@@ -52,6 +59,7 @@ class StructuredOutputs:
     json_object: bool = False
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
+    disable_additional_properties: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("json_object", "disable_any_whitespace"):
@@ -85,7 +93,14 @@ class StructuredOutputs:
         self._check_options()
 
     def _check_options(self) -> None:
-        options = [o for o in OPTIONS if getattr(self, o) not in (None, False)]
+        keys = self.disable_additional_properties
+        field = f"{NAME}.disable_additional_properties"
+        if keys is not None and not isinstance(keys, bool):
+            raise InvalidRequest(f"{field} must be true or false", field=field)
+        if keys is not None and self.field != "json":
+            raise InvalidRequest(f"{field} applies to json only, not to {self.field}",
+                                 field=field)
+        options = [o for o in WHITESPACE_OPTIONS if getattr(self, o) not in (None, False)]
         if options and self.field not in JSON_KINDS:
             raise InvalidRequest(f"{NAME}.{options[0]} applies to json and json_object only, "
                                  f"not to {self.field}", field=f"{NAME}.{options[0]}")
@@ -127,6 +142,8 @@ class StructuredOutputs:
                list(value) if name == "choice" else value}
         out.update({o: getattr(self, o) for o in OPTIONS
                     if getattr(self, o) not in (None, False)})
+        if self.disable_additional_properties is False:  # unlike unset: the literal schema
+            out["disable_additional_properties"] = False
         return out
 
 

@@ -208,6 +208,10 @@ def test_whitespace_pattern_is_the_whitespace_allowed(compiler, tokenizer) -> No
      "whitespace_pattern", "at most one"),
     (dict(json_object=True, disable_any_whitespace="yes"), "disable_any_whitespace",
      "true or false"),
+    (dict(json_object=True, disable_additional_properties=True),
+     "disable_additional_properties", "json only"),
+    (dict(json={}, disable_additional_properties="no"), "disable_additional_properties",
+     "true or false"),
 ])
 def test_bad_whitespace_options_name_the_field(compiler, spec, field, match) -> None:
     with pytest.raises(InvalidRequest, match=match) as info:
@@ -221,6 +225,9 @@ def test_whitespace_options_round_trip_as_a_mapping() -> None:
     assert spec.disable_any_whitespace and StructuredOutputs.from_mapping(
         spec.as_mapping()) == spec
     assert "disable_any_whitespace" not in StructuredOutputs(json_object=True).as_mapping()
+    literal = StructuredOutputs.from_mapping({"json": {}, "disable_additional_properties": False})
+    assert literal.disable_additional_properties is False  # false is not unset here
+    assert StructuredOutputs.from_mapping(literal.as_mapping()) == literal
 
 
 @pytest.fixture(scope="module")

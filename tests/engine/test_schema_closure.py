@@ -13,7 +13,7 @@ import pytest
 from support.bpe_tokenizer import train_bpe_tokenizer
 
 from jaxserve.engine.grammar import GrammarCompiler
-from jaxserve.engine.schema_closure import close_listed_objects
+from jaxserve.engine.schema_closure import close_all_objects, close_listed_objects
 from jaxserve.engine.structured_outputs import StructuredOutputs
 
 LISTED = {"type": "object", "properties": {"city": {"type": "string"},
@@ -54,6 +54,20 @@ def test_closed_where_listed_and_never_wider(schema, instance, still) -> None:
             jsonschema.validate(instance, closed)
 
 
+def test_close_all_objects_closes_what_says_nothing() -> None:
+    """vLLM's disable_additional_properties: every object schema that says nothing of other
+    keys is closed, composed or not; what says something, and data, is kept."""
+    schema = {"allOf": [LISTED, {"type": "object"}],
+              "properties": {"x": {"additionalProperties": True, "properties": {}},
+                             "d": {"const": {"type": "object"}}}}
+    closed = close_all_objects(schema)
+    assert [b["additionalProperties"] for b in closed["allOf"]] == [False, False]
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["x"]["additionalProperties"] is True
+    assert closed["properties"]["d"] == {"const": {"type": "object"}}
+    jsonschema.validate({"city": "a"}, close_all_objects(LISTED))
+
+
 def test_the_grammar_writes_no_invented_key(tmp_path) -> None:
     tok = train_bpe_tokenizer(tmp_path)
     compiler = GrammarCompiler(tok, tok.vocab_size)
@@ -67,3 +81,14 @@ def test_the_grammar_writes_no_invented_key(tmp_path) -> None:
     assert not accepts(LISTED, '{"city": "Oslo", "flight_id": 3}')
     assert accepts({**LISTED, "additionalProperties": True}, '{"city": "Oslo", "flight_id": 3}')
     assert accepts({"type": "object"}, '{"flight_id": 3}')
+
+    def accepts_with(option: bool, schema: dict, text: str) -> bool:
+        seq = compiler.matcher(compiler.compile(StructuredOutputs(
+            json=schema, disable_additional_properties=option)))
+        return all(seq.accept(t) for t in tok.encode(text)) and seq.accept(
+            tok.eos_token_ids[0])
+
+    # false: the schema read literally (JSON Schema's other keys); true: every object closed
+    assert accepts_with(False, LISTED, '{"city": "Oslo", "flight_id": 3}')
+    assert not accepts_with(True, {"type": "object"}, '{"flight_id": 3}')
+    assert accepts_with(True, {"type": "object"}, '{}')

@@ -100,9 +100,13 @@ def test_sdk_completions_structured_outputs_extra(server: BackgroundServer) -> N
      "guided_whitespace_pattern"),
     ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
      "structured_outputs.disable_any_whitespace"),
+    ({"response_format": {"type": "json_object"},
+      "structured_outputs": {"disable_additional_properties": True}},
+     "structured_outputs.disable_additional_properties"),
 ], ids=["bad-schema", "bad-format", "bad-regex", "two-fields", "guided", "nested-text",
         "matches-nothing", "huge-repeat", "6000-alternatives", "looping-refs", "huge-quote",
-        "pattern-not-whitespace", "flag-not-bool", "guided-pattern", "option-on-regex"])
+        "pattern-not-whitespace", "flag-not-bool", "guided-pattern", "option-on-regex",
+        "keys-option-on-json-object"])
 def test_bad_specs_are_400_naming_the_field(server: BackgroundServer, body: dict,
                                             param: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:
@@ -176,6 +180,21 @@ def test_grpc_structured_outputs(server: BackgroundServer) -> None:
         assert out[0].finish_reason is not None
 
 
+@pytest.mark.parametrize("spec", [
+    {"json": SCHEMA, "disable_any_whitespace": True},
+    {"json_object": True, "whitespace_pattern": ""},  # "" is a pattern (no whitespace)
+    {"json": SCHEMA, "disable_additional_properties": False},  # false is not unset
+    {"json": SCHEMA, "disable_additional_properties": True},
+], ids=["compact", "empty-pattern", "keys-literal", "keys-closed"])
+def test_structured_output_options_round_trip_the_proto(spec: dict) -> None:
+    from jaxserve import SamplingParams
+    from jaxserve.server.client import sampling_to_proto
+    from jaxserve.server.proto_map import sampling_from_proto
+
+    params = SamplingParams(structured_outputs=spec)
+    assert sampling_from_proto(sampling_to_proto(params)) == params
+
+
 def test_grpc_whitespace_options(server: BackgroundServer) -> None:
     with Client(server.target) as client:
         out = client.generate("weather?", {"max_tokens": 120, "seed": 3, "structured_outputs": {
@@ -187,6 +206,9 @@ def test_grpc_whitespace_options(server: BackgroundServer) -> None:
                 "json_object": True, "whitespace_pattern": "[a ]*"}})
         assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert e.value.details().startswith("sampling.structured_outputs.whitespace_pattern")
+        out = client.generate("weather?", {"max_tokens": 120, "seed": 3, "structured_outputs": {
+            "json": SCHEMA, "disable_additional_properties": False}})[0]
+        jsonschema.validate(json.loads(out.text), SCHEMA)  # false travels (proto presence)
 
 
 def test_batch_lines_with_structured_outputs(tmp_path: pathlib.Path) -> None:
