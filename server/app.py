@@ -193,7 +193,7 @@ class GrpcServer:
         threads = cfg.tokenizer_threads * (2 if self.http is not None else 1)
         admit = Admission(served.engine.limits, served.engine.tokenizer, threads,
                           cfg.client_priority_range, cfg.trust_request_chat_template,
-                          cfg.tool_call_parser)
+                          cfg.tool_call_parser, cfg.max_tool_calls)
         log.debug("tool calls read as %s (--tool-call-parser %s)", admit.tool_format,
                   cfg.tool_call_parser)
         self.servicer.attach(self.engine, served, admit)

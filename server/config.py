@@ -75,6 +75,10 @@ class ServerConfig:
     # How the model writes tool calls (vLLM's --tool-call-parser): "hermes" (<tool_call>
     # tags), "llama3_json" (a bare JSON object), or "auto": the format its chat template shows.
     tool_call_parser: str = "auto"
+    # At most this many tool calls in one response (vLLM has none; OpenAI none): bounds the
+    # "required" grammar's array and drops the calls past it read from "auto" text. None:
+    # unbounded; parallel_tool_calls=false in a request still means one.
+    max_tool_calls: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port", "http_port"):
@@ -120,6 +124,10 @@ class ServerConfig:
         if self.tool_call_parser not in PARSER_CHOICES:
             raise ValueError(f"tool_call_parser={self.tool_call_parser!r} must be one of "
                              f"{', '.join(PARSER_CHOICES)}")
+        if self.max_tool_calls is not None and not (
+                isinstance(self.max_tool_calls, int) and self.max_tool_calls >= 1):
+            raise ValueError(f"max_tool_calls={self.max_tool_calls!r} must be >= 1 (or None: "
+                             "unbounded)")
         if self.max_stream_buffer_tokens is not None and self.max_stream_buffer_tokens < 1:
             raise ValueError(f"max_stream_buffer_tokens={self.max_stream_buffer_tokens} must "
                              "be >= 1 (or None: unbounded)")

@@ -48,7 +48,7 @@ async def chat_completions(front: "OpenAIHttpFront", request: web.Request
     engine, served, admit = front.ready()
     arrival = time.monotonic()
     body = await read_json(request, front.max_body_bytes, front.body_timeout)
-    req = chat_schema.parse_chat(body)
+    req = chat_schema.parse_chat(body, admit.max_tool_calls)
     front.check_model(body)
     front.calls.enter()
     streams: list[RequestStream] = []

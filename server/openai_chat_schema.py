@@ -74,15 +74,16 @@ def _max_tokens(body: dict[str, Any]) -> tuple[Any, dict[str, str]]:
     return body.get("max_tokens"), {}
 
 
-def parse_chat(body: object) -> ChatRequest:
-    """Validate a /v1/chat/completions body; ApiError(400) naming the field otherwise."""
+def parse_chat(body: object, max_tool_calls: int | None = None) -> ChatRequest:
+    """Validate a /v1/chat/completions body; ApiError(400) naming the field otherwise.
+    `max_tool_calls`: the server's bound on calls per response (None: unbounded)."""
     body = schema.check_common(body, _BOOLS)
     _refuse_unsupported(body)
     include_usage, continuous = schema.parse_stream_options(body)
     if body.get("messages") is None:  # absent or null
         raise schema.bad_request("messages is required: a list of {role, content} objects",
                                  "messages")
-    prompt, request = chat_input(body)
+    prompt, request = chat_input(body, max_tool_calls)
     top = body.get("top_logprobs")
     if top is not None and not body.get("logprobs"):
         raise schema.bad_request("top_logprobs needs logprobs=true", "top_logprobs")
@@ -97,11 +98,12 @@ def parse_chat(body: object) -> ChatRequest:
                        schema.priority_of(body), names, bool(body.get("echo")), request)
 
 
-def chat_input(body: dict[str, Any]) -> tuple[admission.PromptInput, tools.ToolRequest | None]:
+def chat_input(body: dict[str, Any], max_tool_calls: int | None = None
+               ) -> tuple[admission.PromptInput, tools.ToolRequest | None]:
     """`messages`, vLLM's rendering fields and the tools as every front builds a chat
     (`serving.chat.chat_input`; admission checks the messages' shapes, chat_template_kwargs
     an object), 400 naming a bad tool field; a null boolean is its default, as OpenAI's
-    unset."""
+    unset. `max_tool_calls`: the server's --max-tool-calls."""
     try:
         return chat.chat_input(
             body["messages"], tools_=body.get("tools"), tool_choice=body.get("tool_choice"),
@@ -109,7 +111,8 @@ def chat_input(body: dict[str, Any]) -> tuple[admission.PromptInput, tools.ToolR
             add_generation_prompt=body.get("add_generation_prompt") is not False,
             chat_template=body.get("chat_template"),
             chat_template_kwargs=body.get("chat_template_kwargs"),
-            continue_final_message=bool(body.get("continue_final_message")))
+            continue_final_message=bool(body.get("continue_final_message")),
+            max_tool_calls=max_tool_calls)
     except ValueError as e:
         raise schema.invalid(e) from None
 

@@ -133,8 +133,10 @@ def _tool(i: int, tool: Any) -> Any:
     return {"type": "function", "function": fn}
 
 
-def _chat(chat: Any) -> tuple[PromptInput, ToolRequest | None]:
-    """A ChatMessages message through the chat fronts' path (`serving.chat.chat_input`)."""
+def _chat(chat: Any, max_tool_calls: int | None = None
+          ) -> tuple[PromptInput, ToolRequest | None]:
+    """A ChatMessages message through the chat fronts' path (`serving.chat.chat_input`;
+    `max_tool_calls`: the server's --max-tool-calls)."""
     if chat.tool_choice and chat.tool_choice_function:
         raise InvalidRequest("tool_choice and tool_choice_function are both set: set one",
                              "tool_choice")
@@ -147,7 +149,7 @@ def _chat(chat: Any) -> tuple[PromptInput, ToolRequest | None]:
         parallel_tool_calls=chat.parallel_tool_calls if chat.HasField("parallel_tool_calls")
         else None,
         add_generation_prompt=chat.add_generation_prompt
-        if chat.HasField("add_generation_prompt") else True)
+        if chat.HasField("add_generation_prompt") else True, max_tool_calls=max_tool_calls)
 
 
 def input_from_proto(msg: Any, text_field: str) -> PromptInput:
@@ -157,7 +159,8 @@ def input_from_proto(msg: Any, text_field: str) -> PromptInput:
     return _input(msg, text_field)[0]
 
 
-def _input(msg: Any, text_field: str) -> tuple[PromptInput, ToolRequest | None]:
+def _input(msg: Any, text_field: str, max_tool_calls: int | None = None
+           ) -> tuple[PromptInput, ToolRequest | None]:
     kind = msg.WhichOneof("input")
     if kind is None:
         options = f"{text_field}, token_ids or chat" if text_field == "prompt" else \
@@ -167,7 +170,7 @@ def _input(msg: Any, text_field: str) -> tuple[PromptInput, ToolRequest | None]:
         return PromptInput(text=getattr(msg, text_field)), None
     if kind == "token_ids":
         return PromptInput(token_ids=tuple(msg.token_ids.ids)), None
-    return _chat(msg.chat)
+    return _chat(msg.chat, max_tool_calls)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,9 +205,10 @@ def check_known(msg: Any, path: str = "") -> None:
             check_known(value, name)
 
 
-def parse_request(req: Any) -> ParsedRequest:
+def parse_request(req: Any, max_tool_calls: int | None = None) -> ParsedRequest:
+    """A GenerateRequest mapped (`max_tool_calls`: the server's --max-tool-calls)."""
     check_known(req)
-    prompt, request = _input(req, "prompt")
+    prompt, request = _input(req, "prompt", max_tool_calls)
     return ParsedRequest(prompt, guided(sampling_from_proto(req.sampling), request), request)
 
 

@@ -108,7 +108,7 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
         stream = None
         try:
             try:
-                parsed = proto_map.parse_request(request)
+                parsed = proto_map.parse_request(request, admit.max_tool_calls)
                 params = parsed.params
                 admitted = await admit.admit(rid, parsed.prompt, params, request.priority)
                 stream = engine.submit(rid, admitted, params, request.priority, arrival,

@@ -124,6 +124,11 @@ def _add_connection_flags(n: Any) -> None:
                         "hermes (<tool_call>{...}</tool_call>) or llama3_json (a bare JSON "
                         "object); auto: the format its chat template shows (hermes when it "
                         f"shows none; default {d.tool_call_parser})")
+    n.add_argument("--max-tool-calls", type=int, default=d.max_tool_calls, metavar="N",
+                   help="at most N tool calls in one chat response: the grammar of "
+                        "tool_choice required allows no more, and calls past N in the text "
+                        "of tool_choice auto are dropped (default: unbounded, as OpenAI; "
+                        "parallel_tool_calls=false in a request still means one)")
 
 
 def add_client_parser(sub: Any) -> None:
@@ -165,7 +170,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         grpc_keepalive_time=args.grpc_keepalive_time, metrics_no_auth=args.metrics_no_auth,
         client_priority_range=(args.client_priority_min, args.client_priority_max),
         trust_request_chat_template=args.trust_request_chat_template,
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=args.tool_call_parser, max_tool_calls=args.max_tool_calls,
         max_stream_buffer_tokens=args.max_stream_buffer_tokens or None)
 
 

@@ -1,25 +1,34 @@
 """Grammar-constrained decoding, host side: specs compiled by llguidance, a matcher per sequence.
 
 Data flow:
-  `StructuredOutputs` (`structured_outputs.py`: exactly one of json / regex / choice / grammar
-  / json_object) -> `GrammarCompiler.compile` once per request, at admission: the spec becomes an
-  llguidance grammar, validated against the model's vocabulary, and a bad one raises
-  InvalidRequest naming the field (`structured_outputs.json`, ...) -> `GrammarCompiler.matcher`
-  once per sequence (n > 1: one each; kept across preemption, since a recomputed sequence
-  keeps its output tokens) -> each
-  step: `SequenceGrammar.fill(bitmask, row)` writes the row's allowed tokens into the step's
-  packed mask i32[S, ceil(vocab / 32)] (bit t % 32 of word t // 32: token t allowed), the
-  sampler masks with it, then `accept(token)` advances the matcher. `finished` (the grammar
-  reached its end) finishes the sequence with STOP; a row with no allowed token finishes it
-  with ERROR and the reason (`batch.fill_bitmask`) rather than sampling from nothing.
+  `StructuredOutputs` (`structured_outputs.py`: exactly one of json / regex / choice /
+  grammar / json_object) -> `GrammarCompiler.compile` once per request, at admission: the
+  spec becomes an llguidance grammar (a schema's listed-property objects closed first,
+  `schema_closure`), validated against the model's vocabulary, and a bad one raises
+  InvalidRequest naming the field (`structured_outputs.json`, ...) ->
+  `GrammarCompiler.matcher` once per sequence (n > 1: one each; kept across preemption,
+  since a recomputed sequence keeps its output tokens) -> each step:
+  `SequenceGrammar.fill(bitmask, row)` writes the row's allowed tokens into the step's packed
+  mask i32[S, ceil(vocab / 32)] (bit t % 32 of word t // 32: token t allowed), the sampler
+  masks with it, then `accept(token)` advances the matcher. `finished` (the grammar reached
+  its end) finishes the sequence with STOP; a row with no allowed token finishes it with
+  ERROR and the reason (`batch.fill_bitmask`) rather than sampling from nothing.
 
 llguidance builds its token trie from the model's `tokenizers` JSON (`Tokenizer.backend`), so
 HF and GGUF-loaded tokenizers work alike. EOS is allowed exactly where the grammar may end.
+
+Whitespace in the JSON kinds (`json_options`): llguidance's own default allows any run of
+whitespace between two JSON tokens, and a small model at temperature 1.0 can fill its whole
+budget with it inside an object (470 lines of it, seen in serving). The default here is
+`BOUNDED_WHITESPACE` instead; the request's `disable_any_whitespace` / `whitespace_pattern`
+choose another. They are llguidance's `defaults`, so a schema's own `x-guidance` options (the
+tool-call grammars' compact separators, a client's) still win.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 
 import llguidance
@@ -28,10 +37,33 @@ import numpy as np
 
 from jaxserve.engine.batch import bitmask_words
 from jaxserve.engine.errors import InvalidRequest
+from jaxserve.engine.schema_closure import close_all_objects, close_listed_objects
 from jaxserve.engine.structured_outputs import StructuredOutputs
 from jaxserve.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+# Between two JSON tokens: nothing, one space, or one newline and an indent of at most 16
+# spaces or tabs. json.dumps' spacing and a pretty-printed object (4 levels of 4, 8 of 2) both
+# fit; a run longer than that cannot be written, so whitespace costs at most 17 bytes a gap.
+BOUNDED_WHITESPACE = r"( |\n[ \t]{0,16})?"
+
+
+def _closed(schema: object, disable_additional_properties: bool | None) -> object:
+    """The schema whose objects may carry the keys the request's option says (unset: those
+    that list their properties may carry no others)."""
+    if disable_additional_properties is None:
+        return close_listed_objects(schema)
+    return close_all_objects(schema) if disable_additional_properties else schema
+
+
+def json_options(spec: StructuredOutputs) -> dict[str, object]:
+    """llguidance's JSON options for the spec's whitespace choice (its JSON kinds)."""
+    if spec.disable_any_whitespace:  # ',' and ':' alone, as vLLM's option
+        return {"whitespace_flexible": False}
+    pattern = spec.whitespace_pattern
+    return {"whitespace_flexible": False,
+            "whitespace_pattern": BOUNDED_WHITESPACE if pattern is None else pattern}
 
 
 def grammar_compiler(tokenizer: Tokenizer, vocab_size: int) -> "GrammarCompiler | None":
@@ -67,11 +99,19 @@ class GrammarCompiler:
         """The spec's grammar; InvalidRequest naming the field when llguidance refuses it."""
         field = spec.field
         name = f"structured_outputs.{field}"
+        if spec.whitespace_pattern is not None:
+            self._check_pattern(spec.whitespace_pattern)
         try:
-            if field == "json":
-                text = llguidance.LLMatcher.grammar_from_json_schema(spec.json)
+            if field == "json":  # listed-property objects closed: `schema_closure`
+                schema = json.loads(spec.json)
+                if isinstance(schema, bool):  # options apply to an object schema only
+                    schema = {} if schema else {"not": {}}
+                text = llguidance.LLMatcher.grammar_from_json_schema(
+                    _closed(schema, spec.disable_additional_properties),
+                    defaults=json_options(spec))
             elif field == "json_object":
-                text = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+                text = llguidance.LLMatcher.grammar_from_json_schema(
+                    {"type": "object"}, defaults=json_options(spec))
             elif field == "regex":
                 text = llguidance.LLMatcher.grammar_from_regex(spec.regex)
             elif field == "choice":
@@ -89,6 +129,30 @@ class GrammarCompiler:
             raise InvalidRequest(f"{name} is not a usable grammar: {messages[0]}", field=name)
         self._check_first_steps(name, text)
         return CompiledGrammar(text)
+
+    def _check_pattern(self, pattern: str) -> None:
+        """A whitespace_pattern llguidance cannot read, or one that matches something other
+        than JSON whitespace (space, tab, newline, carriage return: the JSON would not
+        parse), is refused naming it. The second is run as a grammar: the pattern less
+        every whitespace string, which must match nothing (its first step fails)."""
+        name = "structured_outputs.whitespace_pattern"
+        regex = pattern.translate(_LARK_ESCAPES)  # inside a Lark /.../ literal
+        try:
+            text = llguidance.LLMatcher.grammar_from_regex(pattern)
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+                text, self.ll_tokenizer)
+            if not is_error:
+                other = llguidance.LLMatcher.grammar_from_lark(
+                    f"start: W\nW: /{regex}/ & ~/[ \\t\\n\\r]*/")
+                mask = np.zeros((1, bitmask_words(self.vocab_size)), np.int32)
+                if _step_error(self.matcher(CompiledGrammar(other)), mask) is None:
+                    is_error, messages = True, [
+                        "it matches text other than spaces, tabs and newlines"]
+        except Exception as e:  # noqa: BLE001 - whatever the library refuses a regex with
+            is_error, messages = True, [str(e)]
+        if is_error:
+            raise InvalidRequest(f"{name} is not a usable whitespace regex: "
+                                 f"{_first_line(messages[0])}", field=name)
 
     def _check_first_steps(self, name: str, text: str) -> None:
         """Refuse a grammar that validates but cannot run: its first mask fails, errs or
@@ -167,6 +231,9 @@ class SequenceGrammar:
         dump of its state and the whole grammar follows)."""
         return _first_line(self._m.get_error()) if self._m.is_error() else None
 
+
+
+_LARK_ESCAPES = str.maketrans({"/": "\\/", "\n": "\\n", "\r": "\\r", "\t": "\\t"})
 
 
 def _first_line(error: str) -> str:

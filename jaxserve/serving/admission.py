@@ -303,10 +303,13 @@ class Admission:
 
     def __init__(self, limits: EngineLimits, tokenizer: Tokenizer, threads: int = 2,
                  client_priority_range: tuple[int, int] = DEFAULT_CLIENT_PRIORITY_RANGE,
-                 trust_request_chat_template: bool = False, tool_call_parser: str = "auto"):
+                 trust_request_chat_template: bool = False, tool_call_parser: str = "auto",
+                 max_tool_calls: int | None = None):
         self.limits = limits
         # How this model's tool calls read (--tool-call-parser; auto: from its template).
         self.tool_format = tool_prompt.resolve_format(tool_call_parser, tokenizer.chat_template)
+        # At most this many calls in one response (--max-tool-calls; None: unbounded).
+        self.max_tool_calls = max_tool_calls
         # A request's own chat template runs arbitrary (sandboxed) Jinja on a tokenizer
         # thread: what it builds is bounded (`models/template_limits.py`), its time is not,
         # so a template that loops for hours would hold that lane.

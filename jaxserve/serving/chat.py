@@ -37,11 +37,12 @@ def chat_input(messages: Sequence[Mapping[str, Any]], *, tools_: object = None,
                tool_choice: object = None, parallel_tool_calls: object = None,
                add_generation_prompt: bool = True, chat_template: str | None = None,
                chat_template_kwargs: Mapping[str, Any] | None = None,
-               continue_final_message: bool = False
+               continue_final_message: bool = False, max_tool_calls: int | None = None
                ) -> tuple[PromptInput, tools.ToolRequest | None]:
     """The conversation as admission takes it and its checked tools (InvalidRequest naming
-    the field: `tools[1].function.name`, `tool_choice`, ...)."""
-    request = tools.check_tools(tools_, tool_choice, parallel_tool_calls)
+    the field: `tools[1].function.name`, `tool_choice`, ...); `max_tool_calls`: the
+    server's bound on calls per response (--max-tool-calls; None: unbounded)."""
+    request = tools.check_tools(tools_, tool_choice, parallel_tool_calls, max_tool_calls)
     inp = PromptInput(chat=tuple(messages) if isinstance(messages, (list, tuple)) else messages,
                       add_generation_prompt=add_generation_prompt, chat_template=chat_template,
                       chat_template_kwargs=chat_template_kwargs,

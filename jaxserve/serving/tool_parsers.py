@@ -20,7 +20,8 @@ The forced choices, whose text a grammar shapes (`tools.guide`): `NamedParser` (
 the named function's arguments, streamed as they come) and `RequiredParser` (a JSON array of
 {"name", "parameters"} objects; each call's arguments stream once its name is known).
 Content: with calls, trailing whitespace is dropped and whitespace alone is no content (None);
-without calls it is the text exactly. `parallel=False` keeps the first call only.
+without calls it is the text exactly. `parallel=False` keeps the first call only,
+`max_calls` (the server's --max-tool-calls) the first that many.
 """
 
 from __future__ import annotations
@@ -100,8 +101,11 @@ class ToolParser(abc.ABC):
     """Feed a sample's text in pieces, then `finish`; each returns the events it completed.
     `calls`: how many calls it has started (a response made calls when > 0)."""
 
-    def __init__(self, parallel: bool = True, new_id: Callable[[], str] = new_call_id):
+    def __init__(self, parallel: bool = True, new_id: Callable[[], str] = new_call_id,
+                 max_calls: int | None = None):
         self.parallel = parallel
+        # None past the first without `parallel`, none past `max_calls` (--max-tool-calls).
+        self.limit = 1 if not parallel else max_calls
         self.calls = 0  # calls started
         self._new_id = new_id
         self._held_ws = ""  # trailing whitespace of the content, not sent yet
@@ -126,8 +130,8 @@ class ToolParser(abc.ABC):
         return [held] if held and not self.calls else []
 
     def _start(self, name: str, arguments: str = "") -> list[Event]:
-        """A new call (none past the first without `parallel`)."""
-        if self.calls and not self.parallel:
+        """A new call (none past `limit`)."""
+        if self.limit is not None and self.calls >= self.limit:
             return []
         self.calls += 1
         return [CallDelta(self.calls - 1, arguments, self._new_id(), name)]
@@ -136,8 +140,9 @@ class ToolParser(abc.ABC):
 class HermesParser(ToolParser):
     START, END = "<tool_call>", "</tool_call>"
 
-    def __init__(self, parallel: bool = True, new_id: Callable[[], str] = new_call_id):
-        super().__init__(parallel, new_id)
+    def __init__(self, parallel: bool = True, new_id: Callable[[], str] = new_call_id,
+                 max_calls: int | None = None):
+        super().__init__(parallel, new_id, max_calls)
         self._buf = ""
         self._in_call = False
 
@@ -204,8 +209,9 @@ class _Brackets:
 
 
 class Llama3JsonParser(ToolParser):
-    def __init__(self, parallel: bool = True, new_id: Callable[[], str] = new_call_id):
-        super().__init__(parallel, new_id)
+    def __init__(self, parallel: bool = True, new_id: Callable[[], str] = new_call_id,
+                 max_calls: int | None = None):
+        super().__init__(parallel, new_id, max_calls)
         self._buf = ""  # text not decided yet: the lead, then one object arriving
         self._lead = ""  # whitespace and <|python_tag|> before the first object
         self._mode = "start"  # -> "calls" (JSON objects) or "text" (content from here on)
@@ -289,8 +295,9 @@ class RequiredParser(ToolParser):
     shape, properties in the schema's order). Reading stops at anything else; when no call
     was read, the whole text is content."""
 
-    def __init__(self, parallel: bool = True, new_id: Callable[[], str] = new_call_id):
-        super().__init__(parallel, new_id)
+    def __init__(self, parallel: bool = True, new_id: Callable[[], str] = new_call_id,
+                 max_calls: int | None = None):
+        super().__init__(parallel, new_id, max_calls)
         self._text = ""  # everything fed
         self._pos = 0  # what is read
         self._state = "open"  # open -> item -> head -> args -> tail -> item ... -> done
@@ -341,8 +348,8 @@ class RequiredParser(ToolParser):
         return [] if self.calls else self._content(self._text) + self._content_end()
 
 
-def parser_for(fmt: str, parallel: bool = True,
-               new_id: Callable[[], str] = new_call_id) -> ToolParser:
-    """The "auto" parser of a served format."""
+def parser_for(fmt: str, parallel: bool = True, new_id: Callable[[], str] = new_call_id,
+               max_calls: int | None = None) -> ToolParser:
+    """The "auto" parser of a served format (`max_calls`: --max-tool-calls)."""
     cls = {HERMES: HermesParser, LLAMA3_JSON: Llama3JsonParser}[fmt]
-    return cls(parallel, new_id)
+    return cls(parallel, new_id, max_calls)

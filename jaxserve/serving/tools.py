@@ -8,11 +8,16 @@ InvalidRequest naming the field: `tools[2].function.name`, `tool_choice`, ...) -
     the chat template (`tool_prompt`) and checks each tool's parameters schema by compiling
     it (`check_schemas`: a schema the grammar library refuses is a 400 naming
     `tools[i].function.parameters`), whatever the choice;
+  - a function with `"strict": true` has its parameters made strict (`strict_schema`:
+    OpenAI's strict mode, every property required and no others), for the prompt's listing
+    and every grammar built from it;
   - `guide`: a forced call is enforced with a grammar (vLLM's approach): a named function
     constrains the output to that function's parameters schema (the text IS the arguments),
     "required" to a JSON array of 1 or more (exactly 1 without parallel_tool_calls)
-    {"name": <a tool's name>, "parameters": <that tool's schema>} objects. The grammar is the
-    engine's JSON-schema one (in json.dumps' spacing: `COMPACT`), so the arguments always
+    {"name": <a tool's name>, "parameters": <that tool's schema>} objects (at most the
+    server's --max-tool-calls: `ToolRequest.call_limit`). The grammar is the
+    engine's JSON-schema one (in json.dumps' spacing: `COMPACT` with disable_any_whitespace,
+    so no whitespace but the separators' single spaces), so the arguments always
     parse and validate; the model's own call format is not used (it would need a grammar
     per format, and a template that never shows the model that format gets nothing from it);
   - `parser`: the sample's text -> content and tool calls (`tool_parsers`): the forced
@@ -28,6 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 from jaxserve.engine.errors import InvalidRequest
 from jaxserve.engine.structured_outputs import NAME, StructuredOutputs
 from jaxserve.serving import tool_parsers
+from jaxserve.serving.strict_schema import strict_schema
 from jaxserve.serving.tool_parsers import NamedParser, RequiredParser, ToolParser
 
 MAX_TOOLS = 128  # as OpenAI
@@ -38,6 +44,9 @@ CHOICES = ("none", "auto", "required")
 # its tokens on whitespace that a flexible grammar would allow forever.
 COMPACT = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
                           "key_separator": ": "}}
+# ... and no whitespace pattern: the engine's default (a bounded run between tokens) would
+# let it add a newline and indent anywhere.
+_NO_WHITESPACE = {"disable_any_whitespace": True}
 # A function without parameters takes none: its arguments are {}.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},
                                  "additionalProperties": False}
@@ -47,13 +56,19 @@ NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},
 class ToolRequest:
     """A request's checked tools: OpenAI tool objects ({"type": "function", "function":
     {"name", "description"?, "parameters"?}}, the HF chat templates' `tools`), the choice
-    ("none", "auto", "required" or "function": the one named by `function`) and whether
-    several calls may come in one response."""
+    ("none", "auto", "required" or "function": the one named by `function`), whether
+    several calls may come in one response, and the server's bound on them (None: none)."""
 
     tools: tuple[dict[str, Any], ...]
     choice: str = "auto"
     function: str | None = None
     parallel: bool = True
+    max_calls: int | None = None  # the server's --max-tool-calls
+
+    @property
+    def call_limit(self) -> int | None:
+        """At most this many calls in one response (None: any number)."""
+        return 1 if not self.parallel else self.max_calls
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -98,6 +113,10 @@ def _check_tool(i: int, tool: object) -> dict[str, Any]:
     if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
         raise InvalidRequest(f"{where}.function.strict must be a boolean",
                              f"{where}.function.strict")
+    if fn.get("strict"):  # OpenAI's strict mode: the prompt and the grammar get it alike
+        out["strict"] = True
+        out["parameters"] = strict_schema({"type": "object", **out.get("parameters", {})},
+                                          f"{where}.function.parameters")
     return {"type": "function", "function": out}
 
 
@@ -126,9 +145,11 @@ def _choice(value: object, names: tuple[str, ...]) -> tuple[str, str | None]:
 
 
 def check_tools(tools: object, tool_choice: object = None,
-                parallel_tool_calls: object = None) -> ToolRequest | None:
+                parallel_tool_calls: object = None,
+                max_calls: int | None = None) -> ToolRequest | None:
     """The request's tools checked (InvalidRequest naming the field), or None when it gives
-    none (null or an empty list, whose only choices are none and auto)."""
+    none (null or an empty list, whose only choices are none and auto). `max_calls`: the
+    server's bound on calls per response (None: unbounded)."""
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise InvalidRequest("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if tools is not None and not isinstance(tools, (list, tuple)):
@@ -145,7 +166,7 @@ def check_tools(tools: object, tool_choice: object = None,
     choice, function = _choice(tool_choice, names)
     if not checked:
         return None
-    return ToolRequest(checked, choice, function, parallel_tool_calls is not False)
+    return ToolRequest(checked, choice, function, parallel_tool_calls is not False, max_calls)
 
 
 def check_schemas(tools: Sequence[Mapping[str, Any]],
@@ -158,7 +179,7 @@ def check_schemas(tools: Sequence[Mapping[str, Any]],
             continue
         field = f"tools[{i}].function.parameters"
         try:
-            compile_schema(StructuredOutputs(json=parameters_schema(tool)))
+            compile_schema(StructuredOutputs(json=parameters_schema(tool), **_NO_WHITESPACE))
         except InvalidRequest as e:  # "structured_outputs.json ...": renamed
             raise InvalidRequest(e.message_as(field), field) from None
 
@@ -177,17 +198,50 @@ def guide(request: ToolRequest | None, structured: str | None = None
                              "forced tool call shapes the output itself", structured)
     if request.choice == "function":
         i = request.names.index(request.function)  # type: ignore[arg-type]
-        return {"json": {**COMPACT, **request.parameters(i)}}, {
+        return {"json": {**COMPACT, **request.parameters(i)}, **_NO_WHITESPACE}, {
             NAME: "tool_choice", f"{NAME}.json": f"tools[{i}].function.parameters"}
-    items = [{"type": "object", "properties": {"name": {"const": name},
-                                               "parameters": request.parameters(i)},
+    one = len(request.names) == 1
+    items = [{"type": "object", "properties": {"name": {"const": name}, "parameters": rebased(
+                 request.parameters(i), "/items" + ("" if one else f"/anyOf/{i}") +
+                 "/properties/parameters")},
               "required": ["name", "parameters"], "additionalProperties": False}
              for i, name in enumerate(request.names)]
     schema: dict[str, Any] = {**COMPACT, "type": "array", "minItems": 1,
-                              "items": items[0] if len(items) == 1 else {"anyOf": items}}
-    if not request.parallel:
-        schema["maxItems"] = 1
-    return {"json": schema}, {NAME: "tool_choice", f"{NAME}.json": "tools"}
+                              "items": items[0] if one else {"anyOf": items}}
+    if request.call_limit is not None:
+        schema["maxItems"] = request.call_limit
+    return {"json": schema, **_NO_WHITESPACE}, {NAME: "tool_choice", f"{NAME}.json": "tools"}
+
+
+# Keywords whose values are JSON data, not schemas: a "$ref" key inside them is data.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# Keywords whose values map names to schemas (a property may be called "const").
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                            "dependentSchemas"})
+
+
+def rebased(schema: Any, base: str) -> Any:
+    """`schema` as a subschema placed at JSON pointer `base` of a larger one: its local
+    references (`#/$defs/X`, `#/definitions/X`, `#`: pointers from its own root) are
+    prefixed with `base`, so they resolve against the schema they were written for and not
+    against the new root (which has no such `$defs`). Anchors (`#name`) and other documents'
+    references are left as they are."""
+    if isinstance(schema, list):
+        return [rebased(v, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or
+                                                         value.startswith("#/")):
+            out[key] = "#" + base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):  # name -> schema
+            out[key] = {name: rebased(v, base) for name, v in value.items()}
+        else:
+            out[key] = rebased(value, base)
+    return out
 
 
 def parses(request: ToolRequest | None) -> bool:
@@ -203,5 +257,5 @@ def parser(request: ToolRequest | None, fmt: str,
     if request.choice == "function":
         return NamedParser(request.function or "", new_id)
     if request.choice == "required":
-        return RequiredParser(request.parallel, new_id)
-    return tool_parsers.parser_for(fmt, request.parallel, new_id)
+        return RequiredParser(request.parallel, new_id, request.max_calls)
+    return tool_parsers.parser_for(fmt, request.parallel, new_id, request.max_calls)

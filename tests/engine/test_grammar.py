@@ -142,6 +142,94 @@ def test_object_properties_come_in_the_schemas_order(compiler, tokenizer) -> Non
     assert all(seq.accept(t) for t in tokenizer.encode('{"name": "Ada", "age": 36}'))
 
 
+WS_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"},
+                                             "b": {"type": "array", "items": {"type": "integer"}}},
+             "required": ["a", "b"], "additionalProperties": False}
+PRETTY = json.dumps({"a": 1, "b": [2, 3]}, indent=2)
+
+
+def accepts(compiler, tokenizer, spec: StructuredOutputs, text: str) -> bool:
+    """Whether the spec's grammar takes `text` (its byte-level tokens) and may end there."""
+    seq = compiler.matcher(compiler.compile(spec))
+    return all(seq.accept(t) for t in tokenizer.encode(text)) and \
+        seq.accept(tokenizer.eos_token_ids[0])
+
+
+@pytest.mark.parametrize("kind", [dict(json=WS_SCHEMA), dict(json_object=True)])
+def test_default_json_whitespace_is_bounded(compiler, tokenizer, kind) -> None:
+    """The issue's runaway: llguidance's own default takes any whitespace run inside an
+    object (a model spent 470 lines on it). The default takes json.dumps' spacing, a
+    pretty-printed object and one newline with an indent of up to 16; not 17 blanks, nor
+    two newlines. The oracle is the texts themselves (json.loads parses every one)."""
+    spec = StructuredOutputs(**kind)
+    good = ['{"a":1,"b":[2,3]}', '{"a": 1, "b": [2, 3]}', PRETTY,
+            '{\n' + " " * 16 + '"a": 1,\n\t"b": []}']
+    bad = ['{"a":' + " " * 17 + '1, "b": []}', '{\n' + " " * 17 + '"a": 1, "b": []}',
+           '{"a": 1,\n\n"b": []}', '{"a": 1, ' + "\n " * 40 + '"b": []}']
+    for text in good + bad:
+        json.loads(text)
+    assert [accepts(compiler, tokenizer, spec, t) for t in good] == [True] * len(good)
+    assert [accepts(compiler, tokenizer, spec, t) for t in bad] == [False] * len(bad)
+
+
+def test_the_true_schema_is_any_json_value(compiler, tokenizer) -> None:
+    """`json: true` (any value): llguidance applies its options to object schemas only."""
+    for text in ('{"a": [1, null]}', '"x"', "3"):
+        json.loads(text)
+        assert accepts(compiler, tokenizer, StructuredOutputs(json=True), text)
+
+
+def test_disable_any_whitespace_is_compact(compiler, tokenizer) -> None:
+    spec = StructuredOutputs(json=WS_SCHEMA, disable_any_whitespace=True)
+    assert accepts(compiler, tokenizer, spec, '{"a":1,"b":[2,3]}')
+    for text in ['{"a": 1,"b":[]}', '{"a":1, "b":[]}', PRETTY, ' {"a":1,"b":[]}']:
+        assert not accepts(compiler, tokenizer, spec, text), text
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        text = walk(compiler, tokenizer, spec, rng)
+        assert json.dumps(json.loads(text), separators=(",", ":")) == text
+
+
+def test_whitespace_pattern_is_the_whitespace_allowed(compiler, tokenizer) -> None:
+    flexible = StructuredOutputs(json=WS_SCHEMA, whitespace_pattern=r"[ \t\n\r]*")
+    assert accepts(compiler, tokenizer, flexible, '{"a":' + " \n" * 60 + '1,"b":[]}')
+    one_space = StructuredOutputs(json_object=True, whitespace_pattern=" ?")
+    assert accepts(compiler, tokenizer, one_space, '{"a": 1, "b": [2, 3]}')
+    assert not accepts(compiler, tokenizer, one_space, PRETTY)
+
+
+@pytest.mark.parametrize("spec,field,match", [
+    (dict(json_object=True, whitespace_pattern="a*"), "whitespace_pattern",
+     "other than spaces"),
+    (dict(json_object=True, whitespace_pattern="( "), "whitespace_pattern", "regex"),
+    (dict(regex="a+", disable_any_whitespace=True), "disable_any_whitespace", "json and"),
+    (dict(choice=["a"], whitespace_pattern=" "), "whitespace_pattern", "json and"),
+    (dict(json_object=True, disable_any_whitespace=True, whitespace_pattern=" "),
+     "whitespace_pattern", "at most one"),
+    (dict(json_object=True, disable_any_whitespace="yes"), "disable_any_whitespace",
+     "true or false"),
+    (dict(json_object=True, disable_additional_properties=True),
+     "disable_additional_properties", "json only"),
+    (dict(json={}, disable_additional_properties="no"), "disable_additional_properties",
+     "true or false"),
+])
+def test_bad_whitespace_options_name_the_field(compiler, spec, field, match) -> None:
+    with pytest.raises(InvalidRequest, match=match) as info:
+        compiler.compile(StructuredOutputs(**spec))
+    assert info.value.field == f"structured_outputs.{field}"
+
+
+def test_whitespace_options_round_trip_as_a_mapping() -> None:
+    spec = StructuredOutputs.from_mapping({"json": WS_SCHEMA, "disable_any_whitespace": True,
+                                           "whitespace_pattern": None})
+    assert spec.disable_any_whitespace and StructuredOutputs.from_mapping(
+        spec.as_mapping()) == spec
+    assert "disable_any_whitespace" not in StructuredOutputs(json_object=True).as_mapping()
+    literal = StructuredOutputs.from_mapping({"json": {}, "disable_additional_properties": False})
+    assert literal.disable_additional_properties is False  # false is not unset here
+    assert StructuredOutputs.from_mapping(literal.as_mapping()) == literal
+
+
 @pytest.fixture(scope="module")
 def bundled_compiler() -> tuple[Tokenizer, GrammarCompiler]:
     """The bundled SmolLM2's GGUF tokenizer (49k tokens) and a compiler over it."""

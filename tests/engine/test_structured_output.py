@@ -85,7 +85,8 @@ def spec_ok(spec: StructuredOutputs, text: str) -> bool:
 def test_json_schemas_hold_under_random_sampling(llm: LLM) -> None:
     """80 requests (240 with JAXSERVE_RUN_SLOW=1), 4 schemas, temperature 1.0, 16 at a time
     with preemption: every output that ended by its grammar parses and validates; ending by
-    length is rare (flexible whitespace lets a random model ramble)."""
+    length is rare (a random model rambles inside strings and arrays; whitespace between
+    tokens is bounded)."""
     specs = [StructuredOutputs(json=SCHEMAS[i % len(SCHEMAS)])
              for i in range(240 if run_slow() else 80)]
     params = [SamplingParams(max_tokens=300, temperature=1.0, seed=i, structured_outputs=s)

@@ -118,3 +118,20 @@ def test_malformed_tool_messages_are_invalid_argument(server: BackgroundServer) 
             list(client.stub.Generate(req))
         assert e.value.details() == ("chat.tool_choice and tool_choice_function are both "
                                      "set: set one")
+
+
+def test_the_servers_max_tool_calls_bounds_grpc_chat() -> None:
+    """--max-tool-calls reaches the gRPC chat as it reaches HTTP: of two calls the model
+    writes under "auto", the response carries the first only."""
+    call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    text = call + "\n" + call
+    regex = text.replace("{", r"\{").replace("}", r"\}")
+    req = pb2.GenerateRequest(sampling=pb2.SamplingParams(
+        max_tokens=120, temperature=0, structured_outputs=pb2.StructuredOutputs(regex=regex)))
+    fill_chat(req.chat, ASK, tools=[CLOCK])
+    with BackgroundServer(ServerConfig(port=0, http_port=None, max_tool_calls=1),
+                          lambda: ServedModel(bpe_engine(max_model_len=1024), "bpe", "hf")
+                          ) as srv, Client(srv.target) as client:
+        [got] = fold(client.stub.Generate(req))
+    assert got.text == text
+    assert [t["function"]["name"] for t in got.tool_calls] == ["get_time"]

@@ -163,6 +163,33 @@ def test_named_function_is_called(server: BackgroundServer) -> None:
     assert cut.choices[0].message.tool_calls[0].function.name == "get_weather"
 
 
+FLIGHT = {"type": "function", "function": {"name": "book_flight", "strict": True, "parameters": {
+    "type": "object", "properties": {"to": {"enum": ["Oslo", "Lima"]},
+                                     "seats": {"type": "integer", "minimum": 1, "maximum": 4},
+                                     "class": {"enum": ["eco", "biz"]}}}}}
+# What OpenAI's strict mode makes of FLIGHT's parameters, written out by hand (the oracle).
+FLIGHT_STRICT = {"type": "object", "properties": FLIGHT["function"]["parameters"]["properties"],
+                 "required": ["to", "seats", "class"], "additionalProperties": False}
+
+
+def test_strict_function_gets_every_property_and_no_other(server: BackgroundServer) -> None:
+    """`"strict": true` on a function: its arguments have every property (none is required
+    by the client's schema) and nothing else, in every forced call, streamed or not."""
+    for seed in (5, 6):
+        got = create(server, tools=[FLIGHT, CLOCK], tool_choice="required", seed=seed, n=2,
+                     parallel_tool_calls=False)
+        for choice in got.choices:
+            [call] = choice.message.tool_calls
+            args = json.loads(call.function.arguments)
+            if call.function.name == "book_flight":
+                jsonschema.validate(args, FLIGHT_STRICT)
+    named = create(server, tools=[FLIGHT], seed=7, n=3, tool_choice={
+        "type": "function", "function": {"name": "book_flight"}})
+    for choice in named.choices:
+        jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments),
+                            FLIGHT_STRICT)
+
+
 FORCED = (r'Sure\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": '
           r'"(Paris|Oslo)", "unit": "c"\}\}\n</tool_call>')
 
@@ -237,6 +264,10 @@ BAD = [
      "response_format"),
     (dict(extra_body={"functions": [{"name": "f"}]}), "functions"),
     (dict(parallel_tool_calls="yes"), "parallel_tool_calls"),
+    (dict(tools=[CLOCK, {"type": "function", "function": {
+        "name": "f", "strict": True, "parameters": {"type": "object", "properties": {
+            "a": {"type": "object", "additionalProperties": True}}}}}]),
+     "tools[1].function.parameters"),
 ]
 
 
@@ -253,8 +284,9 @@ def test_bad_tools_are_400s_naming_the_field(server: BackgroundServer, kwargs: d
 def test_llama3_json_server() -> None:
     """A served model whose template shows Llama 3.1's JSON calls: auto detects llama3_json,
     and a bare {"name", "parameters"} object is a call (one tool: that template lists tools
-    verbosely)."""
-    with BackgroundServer(ServerConfig(port=None, http_port=0),
+    verbosely). The server is started with --max-tool-calls 1: of two calls in the text,
+    the first is read."""
+    with BackgroundServer(ServerConfig(port=None, http_port=0, max_tool_calls=1),
                           lambda: served(LLAMA31_LIKE)) as srv:
         forced = {"structured_outputs": {
             "regex": r'\{"name": "get_time", "parameters": \{"zone": "(utc|cet)"\}\}'}}
@@ -269,6 +301,13 @@ def test_llama3_json_server() -> None:
         got = create(srv, tools=[CLOCK], extra_body={"structured_outputs": {"regex": hermes}})
         assert not got.choices[0].message.tool_calls
         assert got.choices[0].message.content == hermes.replace("\\", "")
+        two = {"structured_outputs": {"regex": r'\{"name": "get_time", "parameters": \{"zone": '
+                                               r'"utc"\}\}; \{"name": "get_time", "parameters"'
+                                               r': \{"zone": "cet"\}\}'}}
+        got = create(srv, tools=[CLOCK], extra_body=two)
+        assert calls_of(got.choices[0].message) == [("get_time", {"zone": "utc"})]
+        streamed, _ = assembled(srv, tools=[CLOCK], extra_body=two)
+        assert streamed_calls(streamed[0]) == [("get_time", {"zone": "utc"})]
 
 
 def test_readme_tool_calling_example_runs(server: BackgroundServer) -> None:

@@ -91,8 +91,22 @@ def test_sdk_completions_structured_outputs_extra(server: BackgroundServer) -> N
                                       "$ref": "#/$defs/a"}}}, "structured_outputs.json"),
     # an error that quotes a 60,000-character pattern: bounded (once a 240 KB body)
     ({"structured_outputs": {"regex": "(" * 60000}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"json_object": True, "whitespace_pattern": "x*"}},
+     "structured_outputs.whitespace_pattern"),
+    ({"response_format": {"type": "json_object"},
+      "structured_outputs": {"disable_any_whitespace": "yes"}},
+     "structured_outputs.disable_any_whitespace"),
+    ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": "[ \n"},
+     "guided_whitespace_pattern"),
+    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
+     "structured_outputs.disable_any_whitespace"),
+    ({"response_format": {"type": "json_object"},
+      "structured_outputs": {"disable_additional_properties": True}},
+     "structured_outputs.disable_additional_properties"),
 ], ids=["bad-schema", "bad-format", "bad-regex", "two-fields", "guided", "nested-text",
-        "matches-nothing", "huge-repeat", "6000-alternatives", "looping-refs", "huge-quote"])
+        "matches-nothing", "huge-repeat", "6000-alternatives", "looping-refs", "huge-quote",
+        "pattern-not-whitespace", "flag-not-bool", "guided-pattern", "option-on-regex",
+        "keys-option-on-json-object"])
 def test_bad_specs_are_400_naming_the_field(server: BackgroundServer, body: dict,
                                             param: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:
@@ -102,6 +116,53 @@ def test_bad_specs_are_400_naming_the_field(server: BackgroundServer, body: dict
     assert len(e.value.body["message"]) <= 500
     ok = sdk(server).chat.completions.create(model="tiny", messages=CHAT, max_tokens=3)
     assert ok.choices[0].finish_reason is not None  # the server carries on
+
+
+def compact(text: str) -> bool:
+    """Whether `text` is JSON written with no whitespace outside its strings."""
+    return json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False) == text
+
+
+def test_http_disable_any_whitespace(server: BackgroundServer) -> None:
+    """vLLM's option inside the structured_outputs object: with its own kind (completions),
+    or alone beside response_format (chat), where it joins that spec."""
+    got = sdk(server).completions.create(
+        model="tiny", prompt="weather?", max_tokens=120, n=2, seed=5, temperature=1.0,
+        extra_body={"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}})
+    for c in got.choices:
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+        assert compact(c.text), c.text
+    chat = sdk(server).chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=120, seed=6,
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    text = chat.choices[0].message.content
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert compact(text), text
+
+
+OPTIONAL = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]},
+                                            "temp": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9},
+                                            "wet": {"type": "boolean"}}}
+
+
+def test_response_format_strict(server: BackgroundServer) -> None:
+    """json_schema.strict=true: OpenAI's strict mode (every property, no other); a schema
+    it cannot express is a 400 naming the schema."""
+    closed = {**OPTIONAL, "required": ["city", "temp", "wet"], "additionalProperties": False}
+    for seed in (1, 2, 3):
+        got = sdk(server).chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=120, seed=seed, temperature=1.0,
+            response_format={"type": "json_schema", "json_schema": {
+                "name": "w", "schema": OPTIONAL, "strict": True}})
+        jsonschema.validate(json.loads(got.choices[0].message.content), closed)
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk(server).chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=5, response_format={
+                "type": "json_schema", "json_schema": {"name": "w", "strict": True, "schema": {
+                    **OPTIONAL, "additionalProperties": {"type": "string"}}}})
+    assert e.value.body["param"] == "response_format.json_schema.schema", e.value.body
 
 
 def test_grpc_structured_outputs(server: BackgroundServer) -> None:
@@ -117,6 +178,37 @@ def test_grpc_structured_outputs(server: BackgroundServer) -> None:
         assert e.value.details().startswith("sampling.structured_outputs.json")
         out = client.generate("x", {"max_tokens": 3})  # the server carries on
         assert out[0].finish_reason is not None
+
+
+@pytest.mark.parametrize("spec", [
+    {"json": SCHEMA, "disable_any_whitespace": True},
+    {"json_object": True, "whitespace_pattern": ""},  # "" is a pattern (no whitespace)
+    {"json": SCHEMA, "disable_additional_properties": False},  # false is not unset
+    {"json": SCHEMA, "disable_additional_properties": True},
+], ids=["compact", "empty-pattern", "keys-literal", "keys-closed"])
+def test_structured_output_options_round_trip_the_proto(spec: dict) -> None:
+    from jaxserve import SamplingParams
+    from jaxserve.server.client import sampling_to_proto
+    from jaxserve.server.proto_map import sampling_from_proto
+
+    params = SamplingParams(structured_outputs=spec)
+    assert sampling_from_proto(sampling_to_proto(params)) == params
+
+
+def test_grpc_whitespace_options(server: BackgroundServer) -> None:
+    with Client(server.target) as client:
+        out = client.generate("weather?", {"max_tokens": 120, "seed": 3, "structured_outputs": {
+            "json": SCHEMA, "disable_any_whitespace": True}})[0]
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+        assert compact(out.text), out.text
+        with pytest.raises(grpc.RpcError) as e:
+            client.generate("x", {"max_tokens": 5, "structured_outputs": {
+                "json_object": True, "whitespace_pattern": "[a ]*"}})
+        assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith("sampling.structured_outputs.whitespace_pattern")
+        out = client.generate("weather?", {"max_tokens": 120, "seed": 3, "structured_outputs": {
+            "json": SCHEMA, "disable_additional_properties": False}})[0]
+        jsonschema.validate(json.loads(out.text), SCHEMA)  # false travels (proto presence)
 
 
 def test_batch_lines_with_structured_outputs(tmp_path: pathlib.Path) -> None:
@@ -143,8 +235,9 @@ TOOL = {"type": "function", "function": {"name": "pick", "parameters": {
 
 def test_a_forced_tool_whose_grammar_cannot_run_is_400() -> None:
     """tool_choice "required" over a tool whose parameters' grammar fails at its first step:
-    refused at admission, naming the field, instead of a 500 after it. (Its own server: the
-    tool listing the prompt carries needs more than the module server's max_model_len.)"""
+    refused at admission, naming the tool's parameters, instead of a 500 after it. (Its own
+    server: the tool listing the prompt carries needs more than the module server's
+    max_model_len.)"""
     srv = BackgroundServer(ServerConfig(port=0, http_port=0),
                            lambda: ServedModel(bpe_engine(1024), "tiny", "hf")).start()
     try:
@@ -152,7 +245,8 @@ def test_a_forced_tool_whose_grammar_cannot_run_is_400() -> None:
             sdk(srv).chat.completions.create(model="tiny", messages=CHAT, max_tokens=5,
                                              tools=[TOOL], tool_choice="required")
         assert "not a usable grammar" in e.value.body["message"], e.value.body
-        assert e.value.body["param"] in ("tools", "tool_choice"), e.value.body
+        # named exactly: each tool's schema is compiled as the forced grammars spell it
+        assert e.value.body["param"] == "tools[0].function.parameters", e.value.body
     finally:
         srv.stop()
 

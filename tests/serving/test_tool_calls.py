@@ -96,6 +96,18 @@ def test_hermes_without_parallel_calls_keeps_the_first() -> None:
     check(HermesParser, text, (None, [("a", '{"x": 1}'), ("b", "{}")]))
 
 
+def test_max_tool_calls_keeps_the_first_that_many() -> None:
+    """--max-tool-calls: an "auto" parser keeps the first N calls of the text (as
+    parallel_tool_calls=false keeps the first one), and parallel false still means one."""
+    text = "".join(f'<tool_call>{{"name": "f{i}", "arguments": {{}}}}</tool_call>'
+                   for i in range(3))
+    check(HermesParser, text, (None, [("f0", "{}"), ("f1", "{}")]), max_calls=2)
+    check(HermesParser, text, (None, [("f0", "{}")]), parallel=False, max_calls=2)
+    got = parse(lambda new_id: tools.parser(tools.check_tools([WEATHER], "auto", None, 1),
+                                            "hermes", new_id), text, 3)
+    assert got == (None, [("f0", "{}")])
+
+
 LLAMA_CASES = [
     ('{"name": "get_weather", "parameters": {"city": "Paris"}}',
      (None, [("get_weather", '{"city": "Paris"}')])),
@@ -271,6 +283,18 @@ def test_required_grammar_is_a_list_of_calls() -> None:
         assert names["structured_outputs.json"] == "tools"
 
 
+def test_max_tool_calls_bounds_the_required_array() -> None:
+    one = {"name": "get_time", "parameters": {}}
+    for parallel, limit in ((True, 2), (False, 1)):
+        req = tools.check_tools([WEATHER, TIME], "required", parallel, max_calls=2)
+        assert req.call_limit == limit
+        schema = tools.guide(req)[0]["json"]
+        jsonschema.validate([one] * limit, schema)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([one] * (limit + 1), schema)
+    assert "maxItems" not in tools.guide(tools.check_tools([TIME], "required"))[0]["json"]
+
+
 @pytest.fixture(scope="module")
 def compiler() -> GrammarCompiler:
     tok = train_bpe_tokenizer(pathlib.Path(tempfile.mkdtemp(prefix="jaxserve-bpe-")))
@@ -291,6 +315,40 @@ def test_schemas_are_checked_by_the_grammar_compiler(compiler: GrammarCompiler) 
         spec, _ = tools.guide(tools.check_tools([WEATHER, TIME], choice))
         compiler.compile(StructuredOutputs(json=spec["json"]))
     assert json.loads(json.dumps(spec))  # plain JSON, as the wire carries it
+
+
+BOOK = {"type": "function", "function": {"name": "book", "parameters": {
+    "type": "object", "$defs": {
+        "City": {"enum": ["Oslo", "Lima"]},
+        "Leg": {"type": "object", "properties": {"to": {"$ref": "#/$defs/City"},
+                                                 "next": {"$ref": "#/$defs/Leg"}},
+                "required": ["to"], "additionalProperties": False}},
+    "properties": {"leg": {"$ref": "#/$defs/Leg"}, "const": {"const": {"$ref": "#/x"}}},
+    "required": ["leg"], "additionalProperties": False}}}
+COUNT = {"type": "function", "function": {"name": "count", "parameters": {
+    "type": "object", "definitions": {"N": {"type": "integer", "minimum": 0}},
+    "properties": {"n": {"$ref": "#/definitions/N"}}, "required": ["n"]}}}
+
+
+@pytest.mark.parametrize("listed", [[BOOK], [BOOK, COUNT]], ids=["one", "two"])
+def test_required_grammar_keeps_each_tools_refs(compiler, listed) -> None:
+    """A tool's `$ref`s point into its own parameters' `$defs`; nested in the array's
+    items they must still resolve there (they were resolved against the array: "Pointer
+    '/$defs/City' does not exist"). Oracle: jsonschema resolving the built schema's refs, and
+    the grammar compiling; data under `const` keeps its "$ref" key as it is."""
+    spec, _ = tools.guide(tools.check_tools(listed, "required"))
+    schema = spec["json"]
+    good = [{"name": "book", "parameters": {"leg": {"to": "Oslo", "next": {"to": "Lima"}},
+                                            "const": {"$ref": "#/x"}}}]
+    jsonschema.validate(good, schema)
+    for bad in ({"to": "Rome"}, {"to": "Oslo", "next": {"to": 3}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": "book", "parameters": {"leg": bad}}], schema)
+    if len(listed) == 2:
+        jsonschema.validate([{"name": "count", "parameters": {"n": 2}}], schema)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": "count", "parameters": {"n": -1}}], schema)
+    compiler.compile(StructuredOutputs(**spec))
 
 
 def test_forced_call_refuses_another_structured_output() -> None:

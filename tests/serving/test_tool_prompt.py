@@ -178,6 +178,11 @@ def test_tool_call_parser_flag_reaches_the_admission(tok: Tokenizer) -> None:
         config("--tool-call-parser", "mistral")
     with pytest.raises(ValueError, match="tool_call_parser"):
         ServerConfig(tool_call_parser="mistral")
+    assert config().max_tool_calls is None  # unbounded, as OpenAI
+    assert config("--max-tool-calls", "3").max_tool_calls == 3
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="max_tool_calls"):
+            ServerConfig(max_tool_calls=bad)
     limits = EngineLimits(max_model_len=64, vocab_size=tok.vocab_size, page_size=8,
                           num_kv_pages=16, max_num_seqs=4, max_num_batched_tokens=64,
                           eos_token_ids=(0,))
@@ -185,6 +190,7 @@ def test_tool_call_parser_flag_reaches_the_admission(tok: Tokenizer) -> None:
     for template_tok, flag, want in ((tok, "auto", "hermes"), (llama, "auto", "llama3_json"),
                                      (llama, "hermes", "hermes"),
                                      (tok, "llama3_json", "llama3_json")):
-        admit = Admission(limits, template_tok, tool_call_parser=flag)
+        admit = Admission(limits, template_tok, tool_call_parser=flag, max_tool_calls=2)
         admit.close()
         assert admit.tool_format == want, (flag, want)
+        assert admit.max_tool_calls == 2
