@@ -195,6 +195,24 @@ def check_metadata(md: AttentionMetadata, num_tokens: int) -> tuple[int, int]:
     return num_seqs_max, max_pages
 
 
+class KernelGeometry(NamedTuple):
+    """The static sizes that decide whether a kernel can run a model's attention at all (a
+    step's bucket sizes never do): what the selector asks each kernel's contract about
+    (``tpu_plan.kernel_refusal``, ``gpu_plan.kernel_refusal``) before 'auto' picks it."""
+
+    head_dim: int  # of the KV pages as allocated (padded_head_dim where the caller pads)
+    page_size: int  # tokens per page
+    kv_dtype: object  # the pages' dtype: float32 / bfloat16 / float16, int8 / float8_e4m3fn
+    group: int = 1  # query heads per kv head
+
+
+def kernel_geometry(q: jax.Array, kv_pages: KVPages) -> KernelGeometry:
+    """The KernelGeometry of one attention call's q [T, Hq, D] and pages."""
+    num_kv_heads = max(1, kv_pages.shape[1] // 2)
+    return KernelGeometry(int(kv_pages.shape[3]), int(kv_pages.shape[2]),
+                          jnp.dtype(kv_pages.dtype), max(1, q.shape[1] // num_kv_heads))
+
+
 class AttentionGeometry(NamedTuple):
     """Static sizes of one attention call, derived once from the checked inputs."""
 

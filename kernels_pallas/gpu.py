@@ -82,24 +82,27 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .common import (MASK_VALUE, AttentionMetadata, KVPages, QuantizedKV, check_attention_inputs,
-                     pad_head_dim)
+                     kernel_geometry, pad_head_dim)
 from .tiling import (F_BLK_HI, F_BLK_LO, F_KV_HI, F_NQ, F_POS0, F_SEQ, NUM_FIELDS,
                      default_tile_tokens, gather_q_tiles, plan_tiles, row_to_token,
                      scatter_out_tiles)
 
-from .gpu_plan import _ROWS, _SWIZZLE, NUM_SMS, default_num_splits, default_tuning, merge_splits
+from .gpu_plan import (_ROWS, _SWIZZLE, NUM_SMS, check_geometry, default_num_splits,
+                       default_tuning, merge_splits)
 
 def _smem(shape: tuple[int, ...], dtype: jnp.dtype) -> Any:
-    """SMEM buffer laid out for WGMMA / TMA: (8, 128 B) tiles with the 128 B swizzle (rows
-    narrower than 128 B, as 64 int8 columns: their own width)."""
-    swizzle = min(_SWIZZLE, shape[-1] * jnp.dtype(dtype).itemsize)
+    """SMEM buffer laid out for WGMMA / TMA: (8, swizzle) tiles with the widest swizzle (128,
+    64 or 32 B) that divides a row: 128 B for 16-bit rows (D a multiple of 64), 64 B for the
+    192-byte rows of 8-bit pages at head_dim 192 (a 128 B tile would not divide them)."""
+    row_bytes = shape[-1] * jnp.dtype(dtype).itemsize
+    swizzle = next(w for w in (_SWIZZLE, 64, 32) if row_bytes % w == 0)
     cols = swizzle // jnp.dtype(dtype).itemsize
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, cols)),
                                                 plgpu.SwizzleTransform(swizzle)))
 
 
 def _kernel(info_ref, bt_ref, q_ref, kv_ref, *refs,
-            group: int, page_size: int, pages_per_block: int, pages_per_row: int,
+            group: int, block_kv: int, page_size: int, pages_per_row: int,
             num_stages: int, num_splits: int, sm_scale: float, sliding_window: int | None,
             soft_cap: float | None, interpreted: bool, quantized: bool):
     sc_ref = ksc_smem = vsc_smem = None
@@ -112,7 +115,11 @@ def _kernel(info_ref, bt_ref, q_ref, kv_ref, *refs,
         q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, *staging = refs
     if quantized:                         # [num_stages, block_kv] f32 K / V scales
         ksc_smem, vsc_smem, *staging = staging
-    block_kv = pages_per_block * page_size
+    # A block is whole pages (one TMA per page) or, for pages taller than the block, a slice
+    # of one page (one TMA of its block_kv rows, starting at the block's offset in the page).
+    rows = min(block_kv, page_size)
+    pages_per_block = max(1, block_kv // page_size)
+    blocks_per_page = max(1, page_size // block_kv)
     head_dim = q_smem.shape[-1]
     h = lax.axis_index("kv_head")
     tile = lax.axis_index("tile")
@@ -141,24 +148,32 @@ def _kernel(info_ref, bt_ref, q_ref, kv_ref, *refs,
     last_entry = bt_ref.shape[0] - 1
 
     def page_ids(i):
-        """Block i's page ids (clamped in range: ids of a block past the end go unused)."""
-        base = seq * pages_per_row + (lo + i) * pages_per_block
-        return [bt_ref[jnp.minimum(base + j, last_entry)] for j in range(pages_per_block)]
+        """Block i's (page id, first row in it) per copy; ids clamped in range (those of a
+        block past the end go unused)."""
+        if blocks_per_page == 1:
+            base = seq * pages_per_row + (lo + i) * pages_per_block
+            return [(bt_ref[jnp.minimum(base + j, last_entry)], None)
+                    for j in range(pages_per_block)]
+        entry = seq * pages_per_row + lax.div(lo + i, blocks_per_page)
+        return [(bt_ref[jnp.minimum(entry, last_entry)],
+                 lax.rem(lo + i, blocks_per_page) * block_kv)]
+
+    def page_rows(ref, page, row, row0):
+        """[rows(, D)] of K/V row `row` of `page`: all of it, or the block's rows from row0."""
+        return ref.at[page, row] if row0 is None else ref.at[page, row, pl.ds(row0, rows)]
 
     def issue(i, pages):
         """Start the TMA copies of the tile's i-th KV block into slot i % num_stages."""
         slot = lax.rem(i, num_stages)
-        for j, page in enumerate(pages):
-            rows = pl.ds(j * page_size, page_size)
-            plgpu.copy_gmem_to_smem(kv_ref.at[page, 2 * h], k_smem.at[slot, rows],
-                                    k_bars.at[slot])
-            plgpu.copy_gmem_to_smem(kv_ref.at[page, 2 * h + 1], v_smem.at[slot, rows],
-                                    v_bars.at[slot])
+        for j, (page, row0) in enumerate(pages):
+            dst = pl.ds(j * rows, rows)
+            for kv, (smem, bars) in enumerate(((k_smem, k_bars), (v_smem, v_bars))):
+                plgpu.copy_gmem_to_smem(page_rows(kv_ref, page, 2 * h + kv, row0),
+                                        smem.at[slot, dst], bars.at[slot])
             if quantized:                 # the rows' scales, on the same barriers
-                plgpu.copy_gmem_to_smem(sc_ref.at[page, 2 * h], ksc_smem.at[slot, rows],
-                                        k_bars.at[slot])
-                plgpu.copy_gmem_to_smem(sc_ref.at[page, 2 * h + 1], vsc_smem.at[slot, rows],
-                                        v_bars.at[slot])
+                for kv, (smem, bars) in enumerate(((ksc_smem, k_bars), (vsc_smem, v_bars))):
+                    plgpu.copy_gmem_to_smem(page_rows(sc_ref, page, 2 * h + kv, row0),
+                                            smem.at[slot, dst], bars.at[slot])
 
     @pl.when(field(F_NQ) > 0)
     def _live_tile():
@@ -224,7 +239,7 @@ def _kernel(info_ref, bt_ref, q_ref, kv_ref, *refs,
             refill_pages = page_ids(i + num_stages)
             plgpu.barrier_wait(k_bars.at[slot])
             if staging:                   # f32 / 8-bit pages: K to the MMA dtype first
-                k = staging[0]
+                k, = staging
                 k[...] = to_mma(k_smem.at[slot][...], k.dtype)
                 plgpu.commit_smem()       # make the generic-proxy stores visible to WGMMA
             else:
@@ -265,18 +280,23 @@ def _kernel(info_ref, bt_ref, q_ref, kv_ref, *refs,
                 dst[...] = v
                 plgpu.commit_smem()
 
+            def refill():
+                pl.when(i + num_stages < num_blocks)(
+                    lambda: issue(i + num_stages, refill_pages))
+
             if staging:
-                v = staging[1]
+                # V goes to the same staging block as K: q k^T has finished reading it (its
+                # result is in registers). The slot is then free: its refill overlaps p v.
+                v, = staging
                 stage_v(v, masked)
+                refill()
             else:                         # only a tile's last block can reach past kv_hi
                 v = v_smem.at[slot]
                 if masked:
                     pl.when(first_key + block_kv > kv_hi)(functools.partial(stage_v, v, True))
             acc = matmul_pv(acc, p.astype(v.dtype), v)
-
-            @pl.when(i + num_stages < num_blocks)
-            def _refill():                # the slot's WGMMAs are done: reuse it
-                issue(i + num_stages, refill_pages)
+            if not staging:               # the slot's WGMMAs are done: reuse it
+                refill()
             return acc, m_new, l_i
 
         carry = (with_layout(jnp.zeros((_ROWS, head_dim), jnp.float32), wgmma),
@@ -317,19 +337,21 @@ def ragged_paged_attention_gpu(q: jax.Array, kv_pages: KVPages, md: AttentionMet
     (num_tokens, num_q_heads, q_head_dim, num_kv_heads, page_size, head_dim, group,
      num_seqs_max, max_pages) = check_attention_inputs(
         q, kv_pages, md, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    if group > _ROWS:
-        raise ValueError(f"q shape {tuple(q.shape)}: {group} query heads per kv head exceed the "
-                         f"{_ROWS}-row WGMMA tile")
-    if head_dim % 64 or head_dim > 256:
-        raise ValueError(f"kv_pages shape {tuple(kv_pages.shape)}: head_dim must be a multiple "
-                         "of 64 up to 256 (allocate pages with padded_head_dim)")
+    try:
+        check_geometry(kernel_geometry(q, kv_pages))
+    except ValueError as err:
+        raise ValueError(f"q shape {tuple(q.shape)}, kv_pages shape {tuple(kv_pages.shape)}: "
+                         f"{err}") from None
     quantized = isinstance(kv_pages, QuantizedKV)
     block_kv, num_stages = default_tuning(head_dim, page_size, kv_pages.dtype,
                                           block_kv=block_kv, num_stages=num_stages,
                                           quantized=quantized)
-    pages_per_block = block_kv // page_size
+    # Whole pages per block, or (pages taller than the block) blocks per page.
+    pages_per_block = max(1, block_kv // page_size)
+    blocks_per_page = max(1, page_size // block_kv)
     # WGMMA needs 16-bit operands for p @ v: float32 and 8-bit pages are TMA'd as they are and
-    # converted in SMEM (two extra [block_kv, D] buffers); q is rounded in the wrapper.
+    # converted in SMEM (one extra [block_kv, D] buffer, for K then V); q is rounded in the
+    # wrapper.
     dtype = kv_pages.dtype
     staged = jnp.dtype(dtype).itemsize != 2
     if quantized:       # the MMAs run in q's dtype where that is 16-bit, else bfloat16
@@ -343,8 +365,8 @@ def ragged_paged_attention_gpu(q: jax.Array, kv_pages: KVPages, md: AttentionMet
                       sliding_window=sliding_window)
     q_tiles = gather_q_tiles(pad_head_dim(q, head_dim), plan, num_kv_heads, _ROWS)
     q_tiles = q_tiles.astype(mma_dtype)
-    blocks_per_row = -(-max_pages // pages_per_block)
-    pages_per_row = blocks_per_row * pages_per_block
+    blocks_per_row = -(-max_pages // pages_per_block) * blocks_per_page
+    pages_per_row = -(-max_pages // pages_per_block) * pages_per_block
     if num_splits is None:
         num_splits = default_num_splits(num_kv_heads * plan.max_tiles, blocks_per_row, num_sms)
     if not isinstance(num_splits, int) or num_splits < 1:
@@ -355,7 +377,7 @@ def ragged_paged_attention_gpu(q: jax.Array, kv_pages: KVPages, md: AttentionMet
         interpret = InterpretGPUParams()
 
     kernel = functools.partial(
-        _kernel, group=group, page_size=page_size, pages_per_block=pages_per_block,
+        _kernel, group=group, block_kv=block_kv, page_size=page_size,
         pages_per_row=pages_per_row, num_stages=num_stages, num_splits=num_splits,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         interpreted=bool(interpret), quantized=quantized)
@@ -380,7 +402,7 @@ def ragged_paged_attention_gpu(q: jax.Array, kv_pages: KVPages, md: AttentionMet
             plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),
             *([plgpu.SMEM((_ROWS,), jnp.float32)] if num_splits > 1 else []),
             *([plgpu.SMEM((num_stages, block_kv), jnp.float32)] * 2 if quantized else []),
-            *([_smem((block_kv, head_dim), mma_dtype)] * 2 if staged else []),
+            *([_smem((block_kv, head_dim), mma_dtype)] if staged else []),
         ],
         grid=(*tiles_shape, num_splits) if num_splits > 1 else tiles_shape,
         grid_names=("kv_head", "tile", "split") if num_splits > 1 else ("kv_head", "tile"),

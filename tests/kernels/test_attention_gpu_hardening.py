@@ -102,6 +102,10 @@ def test_toolchain_probe_runs_on_any_host(fake_hopper) -> None:
     (256, 16, "bfloat16", (64, 2)), (128, 8, "float16", (64, 2)),
     (128, 128, "bfloat16", (128, 2)), (64, 256, "bfloat16", (256, 2)),
     (128, 16, "float32", (64, 2)), (64, 32, "float32", (128, 2)),
+    # Issue #29: float32 head_dim 256 fits with one slot of 64 keys (one staging block for K
+    # then V); pages taller than what fits are read 64-key slices at a time.
+    (256, 32, "float32", (64, 1)), (128, 128, "float32", (64, 2)),
+    (256, 128, "bfloat16", (64, 2)), (256, 512, "float32", (64, 1)),
 ])
 def test_default_tuning_per_head_dim(d: int, ps: int, dtype: str, want: tuple) -> None:
     assert gpu.default_tuning(d, ps, jnp.dtype(dtype)) == want
@@ -113,7 +117,10 @@ def test_default_tuning_per_head_dim(d: int, ps: int, dtype: str, want: tuple) -
     (dict(head_dim=128, page_size=16, block_kv=96), "block_kv=96"),
     (dict(head_dim=128, page_size=64, block_kv=32), "block_kv=32"),
     (dict(head_dim=256, page_size=16, num_stages=3), "num_stages=3"),
-    (dict(head_dim=256, page_size=16, dtype="float32"), "num_stages=1"),
+    (dict(head_dim=256, page_size=16, dtype="float32", num_stages=2), "num_stages=2"),
+    (dict(head_dim=256, page_size=16, dtype="float32", block_kv=128), "block_kv=128"),
+    (dict(head_dim=128, page_size=128, block_kv=192), "block_kv=192"),
+    (dict(head_dim=128, page_size=200), "page_size=200"),
 ])
 def test_tuning_rejects_what_does_not_fit(kwargs: dict, match: str) -> None:
     dtype = jnp.dtype(kwargs.pop("dtype", "bfloat16"))
