@@ -21,18 +21,18 @@ attention: dense_cpu, the models' projections on CPU over panel-packed weights (
 This package imports nothing else from jaxserve.
 """
 
-from .common import (MASK_VALUE, QUANT_MAX, TRASH_PAGE, AttentionMetadata, KVPages,
-                     QuantizedKV, dequantize, init_kv_pages, is_quantized_dtype, kv_pages_shape,
-                     padded_head_dim, quantize_rows, write_kv)
+from .common import (MASK_VALUE, QUANT_MAX, TRASH_PAGE, AttentionMetadata, KernelGeometry,
+                     KVPages, QuantizedKV, dequantize, init_kv_pages, is_quantized_dtype,
+                     kv_pages_shape, padded_head_dim, quantize_rows, write_kv)
 from .reference import ragged_paged_attention_reference
-from .selector import (IMPLEMENTATIONS, ragged_paged_attention, select_impl,
+from .selector import (IMPLEMENTATIONS, page_head_dim, ragged_paged_attention, select_impl,
                        write_kv_and_attend)
 
 # The kernels themselves (cpu/tpu/gpu.ragged_paged_attention_*) are
 # imported lazily by the selector so a host only loads the Pallas backend it can run.
 __all__ = [
-    "IMPLEMENTATIONS", "KVPages", "MASK_VALUE", "QUANT_MAX", "QuantizedKV", "TRASH_PAGE",
-    "AttentionMetadata", "dequantize", "init_kv_pages", "is_quantized_dtype", "kv_pages_shape",
-    "padded_head_dim", "quantize_rows", "ragged_paged_attention",
+    "IMPLEMENTATIONS", "KVPages", "KernelGeometry", "MASK_VALUE", "QUANT_MAX", "QuantizedKV",
+    "TRASH_PAGE", "AttentionMetadata", "dequantize", "init_kv_pages", "is_quantized_dtype",
+    "kv_pages_shape", "padded_head_dim", "page_head_dim", "quantize_rows", "ragged_paged_attention",
     "ragged_paged_attention_reference", "select_impl", "write_kv", "write_kv_and_attend",
 ]

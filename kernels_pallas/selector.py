@@ -36,7 +36,7 @@ from typing import Any
 import jax
 
 from . import gpu_plan, tpu_plan
-from .common import AttentionMetadata, KernelGeometry, kernel_geometry, write_kv
+from .common import AttentionMetadata, KernelGeometry, kernel_geometry, padded_head_dim, write_kv
 from .cpu_build import cpu_kernel_target
 from .reference import ragged_paged_attention_reference
 
@@ -217,6 +217,16 @@ def _auto_impl(platform: str | None) -> str:
     if platform == "cpu" and cpu_kernel_target() is not None:
         return "cpu"
     return "reference"
+
+
+def page_head_dim(impl: str, head_dim: int) -> int | None:
+    """Head dim to allocate `impl`'s KV pages with for a model's `head_dim` (None: as it is).
+    Pallas kernels want lane-aligned head dims (GPU: multiples of 64, its WGMMA swizzle
+    tiles; TPU: whole 128-lane vregs, else its wrapper pads every page per call); the jnp
+    reference and the C++ CPU kernel take any."""
+    if impl not in _REFUSALS:
+        return None
+    return padded_head_dim(head_dim, 128 if impl == "pallas_tpu" else 64)
 
 
 def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata, *,
