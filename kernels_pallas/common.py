@@ -206,11 +206,13 @@ class KernelGeometry(NamedTuple):
     group: int = 1  # query heads per kv head
 
 
-def kernel_geometry(q: jax.Array, kv_pages: KVPages) -> KernelGeometry:
-    """The KernelGeometry of one attention call's q [T, Hq, D] and pages."""
-    num_kv_heads = max(1, kv_pages.shape[1] // 2)
+def kernel_geometry(q: jax.Array, kv_pages: KVPages) -> KernelGeometry | None:
+    """The KernelGeometry of one attention call's q [T, Hq, D] and pages; None for shapes
+    that are not that (the implementation's own checks then name what is wrong)."""
+    if len(q.shape) != 3 or len(kv_pages.shape) != 4 or kv_pages.shape[1] < 2:
+        return None
     return KernelGeometry(int(kv_pages.shape[3]), int(kv_pages.shape[2]),
-                          jnp.dtype(kv_pages.dtype), max(1, q.shape[1] // num_kv_heads))
+                          jnp.dtype(kv_pages.dtype), max(1, q.shape[1] // (kv_pages.shape[1] // 2)))
 
 
 class AttentionGeometry(NamedTuple):

@@ -183,3 +183,17 @@ def test_auto_attention_call_falls_back_to_the_reference(monkeypatch, fresh_warn
         np.testing.assert_array_equal(np.asarray(got)[:live], np.asarray(want)[:live])
     got = _fallbacks(caplog)
     assert len(got) == 1 and "page_size=16" in got[0], got
+
+
+@pytest.mark.parametrize("q_shape,pages_shape,match", [
+    ((8, 4, 64), (5, 4, 16), r"kv_pages must be \[num_pages"),
+    ((8, 64), (5, 4, 16, 64), r"q must be \[T, Hq, D\]"),
+])
+def test_auto_with_malformed_shapes_names_them(q_shape, pages_shape, match) -> None:
+    """'auto' reads the geometry off the inputs; shapes that have none still get the
+    implementation's own error naming them, not an IndexError."""
+    i32 = lambda *s: SDS(s, jnp.int32)  # noqa: E731
+    md = AttentionMetadata(i32(8), i32(3, 4), i32(3), i32(4), i32(1))
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(lambda q, p, m: ragged_paged_attention(q, p, m, sm_scale=1.0),
+                       SDS(q_shape, jnp.float32), SDS(pages_shape, jnp.float32), md)
