@@ -16,7 +16,9 @@ Modules: common (metadata, page layout ``[num_pages, 2*Hkv, page_size, D]`` with
 interleaved on axis 1, input checks, write_kv), tiling (ragged batch -> fixed-shape query
 tiles), reference (pure jnp; the oracle, and the CPU attention where no C++ compiler is
 found), cpu (C++ kernel through XLA's FFI; cpu_build compiles csrc/ on first use), tpu (Mosaic
-TPU kernel), gpu (Mosaic GPU kernel), selector (picks one from platform + config). Beside the
+TPU kernel; tpu_plan its trace-time decisions and contract), gpu (Mosaic GPU kernel: gpu the
+wrapper, gpu_kernel the body, gpu_plan its sizing and contract), selector (picks one from
+platform, config and the kernels' contracts). Beside the
 attention: dense_cpu, the models' projections on CPU over panel-packed weights (C++, FFI).
 This package imports nothing else from jaxserve.
 """

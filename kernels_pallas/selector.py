@@ -5,7 +5,12 @@
 Mosaic GPU kernel on NVIDIA Hopper GPUs (compute capability 9.x: it needs WGMMA), the
 C++ kernel on CPU (built on first use; cpu_build) and the jnp reference everywhere else (older
 or non-NVIDIA GPUs, or a CPU host where the C++ kernel cannot be built: 'cpu' then maps to
-'reference' too, after one warning). ``ragged_paged_attention``
+'reference' too, after one warning). Given the model's ``KernelGeometry`` (page head dim,
+page size, KV dtype, GQA), 'auto' also asks the kernel's contract (``kernel_refusal`` in
+tpu_plan / gpu_plan) and takes the reference where the kernel cannot run it, with one
+warning per distinct reason; a kernel named explicitly is then a ValueError giving the
+reason. The engine passes its geometry (serving/build.py), and ``ragged_paged_attention``
+reads it off its inputs. ``ragged_paged_attention``
 validates at trace time and dispatches; every implementation reads the same page layout
 (common.py) and returns [T, Hq, D] in q's dtype. ``write_kv_and_attend`` is the engine's
 per-layer entry: ``write_kv`` then the attention, fused into one call where the
