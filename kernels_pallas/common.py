@@ -22,7 +22,8 @@ fp8) and scatters values and scales to the same slots; readers dequantize on the
 times the K scale of their key, softmax weights times the V scale before ``p @ v``), never
 making a full-precision copy of the pages. Float pages stay a plain array.
 
-Head dims other than the kernels' (multiples of 64 on GPU) go through padding: allocate the
+Head dims other than the kernels' (on GPU multiples of 16, of 32 for 8-bit pages; the engine
+allocates multiples of 64 there) go through padding: allocate the
 pages with ``padded_head_dim(D)``; ``write_kv`` zero-pads K/V and the attention zero-pads q
 and slices the output, which leaves q.k and p.v unchanged (pass ``sm_scale`` for the true D).
 """
@@ -134,7 +135,7 @@ def kv_pages_shape(num_pages: int, page_size: int, num_kv_heads: int,
 
 
 def padded_head_dim(head_dim: int, multiple: int = 64) -> int:
-    """Head dim to allocate pages with so every kernel accepts it (GPU needs multiples of 64)."""
+    """Head dim rounded up to `multiple` (64: pages every kernel takes at full swizzle)."""
     return -(-head_dim // multiple) * multiple
 
 

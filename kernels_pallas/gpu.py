@@ -94,8 +94,9 @@ from .tiling import default_tile_tokens, gather_q_tiles, plan_tiles, scatter_out
 
 def _smem(shape: tuple[int, ...], dtype: jnp.dtype) -> Any:
     """SMEM buffer laid out for WGMMA / TMA: (8, swizzle) tiles with the widest swizzle (128,
-    64 or 32 B) that divides a row: 128 B for 16-bit rows (D a multiple of 64), 64 B for the
-    192-byte rows of 8-bit pages at head_dim 192 (a 128 B tile would not divide them)."""
+    64 or 32 B) that divides a row: 128 B for 16-bit rows at head dims that are multiples of
+    64, 64 B for 16-bit rows at 96 and 8-bit rows at 192, 32 B for 16-bit rows at 80
+    (check_geometry refuses the head dims no swizzle divides)."""
     row_bytes = shape[-1] * jnp.dtype(dtype).itemsize
     swizzle = next(w for w in (_SWIZZLE, 64, 32) if row_bytes % w == 0)
     cols = swizzle // jnp.dtype(dtype).itemsize

@@ -5,9 +5,11 @@ Plain Python on static sizes (and one jnp merge), so each rule is unit-tested wi
 run; gpu.py only calls it, and the selector asks ``kernel_refusal`` before picking the kernel.
 
 What the kernel refuses, and why (everything else in the 64..256 head-dim range runs):
-  - pages whose head_dim is not a multiple of 64, or above 256: the q tile and the K / V
-    blocks are 128-byte swizzled WGMMA operands (64 16-bit columns per swizzle tile) and a
-    WGMMA's N is at most 256. Other head dims run through padding (``padded_head_dim``).
+  - pages whose head_dim is above 256 (a WGMMA's N) or not a multiple of 16 (of 32 for
+    int8 / fp8 pages): the q tile, K / V blocks and staging block are swizzled SMEM WGMMA
+    operands, and the swizzle (128, 64 or 32 bytes, the widest that divides a row) must
+    divide a row: 32 bytes is 16 16-bit or 32 8-bit columns. Other head dims run through
+    padding (``padded_head_dim``).
   - page_size not a multiple of 8 (the SMEM tile height every TMA box lands on) or above 256.
   - int8 / fp8 pages with page_size not a multiple of 32: each page's f32 scales are their
     own TMA, and a TMA lands on 128-byte aligned SMEM (32 floats).
@@ -80,8 +82,10 @@ def check_geometry(geometry: KernelGeometry) -> None:
     """ValueError naming the value when the kernel cannot run `geometry` at all (the module
     docstring says why each limit is there); shared memory is ``default_tuning``'s part."""
     head_dim, page_size, group = geometry.head_dim, geometry.page_size, geometry.group
-    if head_dim % 64 or not 64 <= head_dim <= 256:
-        raise ValueError(f"head_dim must be a multiple of 64 up to 256 on the GPU kernel, got "
+    multiple = 32 if is_quantized_dtype(geometry.kv_dtype) else 16
+    if head_dim % multiple or not multiple <= head_dim <= 256:
+        raise ValueError(f"head_dim must be a multiple of {multiple} up to 256 on the GPU kernel "
+                         f"for {jnp.dtype(geometry.kv_dtype).name} pages, got "
                          f"head_dim={head_dim} (allocate pages with padded_head_dim)")
     if page_size % 8:
         raise ValueError(f"page_size={page_size}: the GPU kernel needs a multiple of 8 (the "

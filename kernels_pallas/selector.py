@@ -226,9 +226,11 @@ def _auto_impl(platform: str | None) -> str:
 
 def page_head_dim(impl: str, head_dim: int) -> int | None:
     """Head dim to allocate `impl`'s KV pages with for a model's `head_dim` (None: as it is).
-    Pallas kernels want lane-aligned head dims (GPU: multiples of 64, its WGMMA swizzle
-    tiles; TPU: whole 128-lane vregs, else its wrapper pads every page per call); the jnp
-    reference and the C++ CPU kernel take any."""
+    Pallas kernels want lane-aligned head dims (GPU: multiples of 64, rows of whole 128-byte
+    swizzle tiles, what its tuning was planned for -- the kernel also takes multiples of 16
+    (32 for 8-bit pages) at narrower swizzles, which save KV memory at head dims 80 / 96 but
+    no device has measured yet; TPU: whole 128-lane vregs, else its wrapper pads every page
+    per call); the jnp reference and the C++ CPU kernel take any."""
     if impl not in _REFUSALS:
         return None
     return padded_head_dim(head_dim, 128 if impl == "pallas_tpu" else 64)

@@ -5,7 +5,8 @@ KV block down to 64 keys, reading blocks as slices of taller pages, with one sta
 for K then V on float32 / 8-bit pages. Here: ``smem_bytes`` is exactly what Mosaic GPU
 allocates (the lowering's own count, read through its test hook), and the newly reachable
 configurations -- float32 at head_dim 256 (one ring slot), blocks that are slices of 128-key
-pages, with 16-bit, float32 and int8 pages -- run in the GPU interpreter (races detected)
+pages, with 16-bit, float32 and int8 pages, head dims 80 / 96 unpadded (narrower swizzles)
+-- run in the GPU interpreter (races detected)
 against the jnp reference, whose unused pages hold NaN (support.kernel_cases). The full
 lowering grid is tests/kernels/test_attention_lowering_grid.py.
 """
@@ -126,3 +127,15 @@ def test_8bit_pages_sliced_and_at_head_dim_192(qname: str, d: int, ps: int, tuni
                  **kernel_attention_tolerance("pallas_gpu", batch, "float32", roundings=1,
                                               slack=1.1, **opts))
     assert np.isfinite(got).all() and not got[live:].any()
+
+
+@pytest.mark.parametrize("d,dtype", [(80, "bfloat16"),                 # 32-byte swizzled rows
+                                     pytest.param(96, "float32", marks=_SLOW)])  # 64-byte
+@MODES
+def test_head_dims_that_are_not_multiples_of_64(d: int, dtype: str, interpret: bool) -> None:
+    """Pages of head_dim 80 / 96 as they are (no padding to 128): narrower swizzles."""
+    rng = np.random.default_rng(d)
+    batch = random_batch(rng, [(70, 1), (17, 12), (0, 1)], num_q_heads=8, num_kv_heads=2,
+                         head_dim=d, page_size=16, dtype=jnp.dtype(dtype), num_tokens=16,
+                         num_seqs=4)
+    check_against_reference(batch, written(batch), interpret=interpret, cap=20.0)

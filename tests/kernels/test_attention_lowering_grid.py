@@ -7,10 +7,11 @@ for CUDA, Mosaic GPU's own shared-memory check, without a device). Each case eit
 to the platform's kernel call or is refused by the kernel's contract with a ValueError naming
 the value; which cases are refused, and why, is written out in ``expected_refusal``, so a new
 refusal anywhere (or a refusal that stops holding) fails here. The contract the selector asks
-(``kernel_refusal``) must agree with what lowering does. GPU head dims that are not a multiple
-of 64 are refused as pages and lower padded (``padded_head_dim``), as the engine allocates
-them. Then 'auto': it falls back to the jnp reference with one warning per distinct reason
-where the kernel cannot run, and a kernel named explicitly is an error giving the reason.
+(``kernel_refusal``) must agree with what lowering does. The GPU kernel takes head dims in
+multiples of 16 (32 for 8-bit pages) at narrower swizzles; 8-bit pages at head_dim 80 are
+refused and lower padded (``padded_head_dim``: 128, as the engine allocates them). Then
+'auto': it falls back to the jnp reference with one warning per distinct reason where the
+kernel cannot run, and a kernel named explicitly is an error giving the reason.
 
 Default tier: every refusal of 8-bit pages (they fail before lowering: cheap), one page size
 per (head_dim, dtype) rotating over sizes and platforms, and the issue's cases; the rest with
@@ -51,8 +52,9 @@ TOKENS, SEQS, MAX_LEN = 64, 8, 512    # a mixed step: prefill chunks and decodes
 def expected_refusal(platform: str, d: int, dtype: str, ps: int) -> str | None:
     """The regex the refusal must match, None where the kernel must lower. Why each holds
     is in the kernel's plan module (tpu_plan.check_page_alignment, gpu_plan's docstring)."""
-    if platform == "cuda" and d % 64:         # 128-byte swizzled WGMMA operands (checked
-        return rf"head_dim={d}\b"             # first: padded, the case may still be refused)
+    if platform == "cuda" and dtype in QUANTIZED and d % 32:   # 8-bit rows: no swizzle of
+        return rf"head_dim={d}\b"             # 32 B or more divides 80 bytes (checked first:
+                                              # padded, the case may still be refused)
     if dtype in QUANTIZED and ps == 16:       # TPU: 32-row sublane tiles of 8-bit values;
         return r"page_size[= ]16\b"           # GPU: 128-byte aligned scale copies
     return None
@@ -139,7 +141,7 @@ def test_auto_falls_back_once_per_reason(fresh_warnings, caplog) -> None:
             assert selector.select_impl("auto", "cuda", geometry=int8_16) == "reference"
         assert selector.select_impl("auto", "tpu", geometry=int8_16) == "reference"
         assert selector.select_impl("auto", "cuda",
-                                    geometry=KernelGeometry(80, 32, jnp.bfloat16)) == "reference"
+                                    geometry=KernelGeometry(80, 32, jnp.int8)) == "reference"
         # What the kernels run: no fallback, no warning.
         assert selector.select_impl("auto", "cuda",
                                     geometry=KernelGeometry(256, 32, jnp.float32)) == "pallas_gpu"
