@@ -95,7 +95,8 @@ def check_geometry(geometry: KernelGeometry) -> None:
                          "in steps of 64 is a multiple or a divisor of it")
     if is_quantized_dtype(geometry.kv_dtype) and page_size % 32:
         raise ValueError(f"page_size={page_size}: int8 / fp8 pages need a multiple of 32 on "
-                         "the GPU kernel (each page's f32 scales land on 128-byte aligned SMEM)")
+                         "the GPU kernel (each page's f32 scales land on 128-byte aligned SMEM); "
+                         "use a page_size that is a multiple of 32")
     if group > _ROWS:
         raise ValueError(f"{group} query heads per kv head exceed the {_ROWS}-row WGMMA tile "
                          "of the GPU kernel")
