@@ -24,9 +24,12 @@ from .tiling import F_BLK_HI, F_BLK_LO, F_KV_HI, F_NQ, F_POS0, F_SEQ, NUM_FIELDS
 
 
 def attention_kernel(info_ref, bt_ref, q_ref, kv_ref, *refs,
-            group: int, block_kv: int, page_size: int, pages_per_row: int,
-            num_stages: int, num_splits: int, sm_scale: float, sliding_window: int | None,
-            soft_cap: float | None, interpreted: bool, quantized: bool):
+                     group: int, block_kv: int, page_size: int, pages_per_row: int,
+                     num_stages: int, num_splits: int, sm_scale: float,
+                     sliding_window: int | None, soft_cap: float | None, interpreted: bool,
+                     quantized: bool):
+    """One (kv head, tile[, split]) program; `refs`: (scales,) out(, lse), then the scratch
+    gpu.py allocates, in its order."""
     sc_ref = ksc_smem = vsc_smem = None
     if quantized:                         # the scales [P, 2 * Hkv, page_size] come as input 5
         sc_ref, *refs = refs
