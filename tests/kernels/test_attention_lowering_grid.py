@@ -13,14 +13,12 @@ refused and lower padded (``padded_head_dim``: 128, as the engine allocates them
 'auto': it falls back to the jnp reference with one warning per distinct reason where the
 kernel cannot run, and a kernel named explicitly is an error giving the reason.
 
-Default tier: every refusal of 8-bit pages (they fail before lowering: cheap), one page size
-per (head_dim, dtype) rotating over sizes and platforms, and the issue's cases; the rest with
-JAXSERVE_RUN_SLOW=1.
+Default tier (``_default_ids``): the cheap refusals and 14 exports covering each head dim,
+dtype and page size per platform; the rest with JAXSERVE_RUN_SLOW=1.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import re
 
@@ -80,13 +78,17 @@ def export(platform: str, q: SDS, kv: object, md: AttentionMetadata) -> jax.expo
 
 
 def _default_ids() -> set[str]:
+    """Every refusal of 8-bit pages of 16 tokens (raised before lowering: instant), and per
+    platform each head dim, page dtype and page size at least once, the issue's cases among
+    them (float32 at head_dim 256: 64-key blocks of two pages, then slices of 128-key pages),
+    8-bit rows at 192 (64-byte swizzle), 16-bit rows at 80 (32-byte) and 96 (64-byte)."""
     ids = {f"{p}-d{d}-{t}-ps16" for p in PLATFORMS for d in HEAD_DIMS for t in QUANTIZED}
-    for n, (d, dtype) in enumerate(itertools.product(HEAD_DIMS, DTYPES)):
-        ps = PAGE_SIZES[n % 4] if dtype not in QUANTIZED else PAGE_SIZES[1 + n % 3]
-        ids.add(f"{PLATFORMS[n % 2]}-d{d}-{dtype}-ps{ps}")
-    # The issue's case, float32 pages taller than a block, 8-bit rows at head_dim 192.
-    ids |= {"cuda-d256-float32-ps32", "cuda-d256-float32-ps128", "cuda-d192-int8-ps32"}
-    return ids
+    return ids | {
+        "cuda-d256-float32-ps32", "cuda-d256-float32-ps128", "cuda-d192-int8-ps32",
+        "cuda-d80-bfloat16-ps64", "cuda-d96-float16-ps16", "cuda-d128-float8_e4m3fn-ps128",
+        "cuda-d64-float32-ps16", "cuda-d80-int8-ps64",       # refused as pages, lowers padded
+        "tpu-d80-float32-ps32", "tpu-d96-bfloat16-ps64", "tpu-d192-float16-ps128",
+        "tpu-d64-int8-ps32", "tpu-d256-float8_e4m3fn-ps64", "tpu-d128-bfloat16-ps16"}
 
 
 GRID = grid([[(p, p) for p in PLATFORMS], [(f"d{d}", d) for d in HEAD_DIMS],
