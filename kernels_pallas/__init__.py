@@ -16,23 +16,25 @@ Modules: common (metadata, page layout ``[num_pages, 2*Hkv, page_size, D]`` with
 interleaved on axis 1, input checks, write_kv), tiling (ragged batch -> fixed-shape query
 tiles), reference (pure jnp; the oracle, and the CPU attention where no C++ compiler is
 found), cpu (C++ kernel through XLA's FFI; cpu_build compiles csrc/ on first use), tpu (Mosaic
-TPU kernel), gpu (Mosaic GPU kernel), selector (picks one from platform + config). Beside the
+TPU kernel; tpu_plan its trace-time decisions and contract), gpu (Mosaic GPU kernel: gpu the
+wrapper, gpu_kernel the body, gpu_plan its sizing and contract), selector (picks one from
+platform, config and the kernels' contracts). Beside the
 attention: dense_cpu, the models' projections on CPU over panel-packed weights (C++, FFI).
 This package imports nothing else from jaxserve.
 """
 
-from .common import (MASK_VALUE, QUANT_MAX, TRASH_PAGE, AttentionMetadata, KVPages,
-                     QuantizedKV, dequantize, init_kv_pages, is_quantized_dtype, kv_pages_shape,
-                     padded_head_dim, quantize_rows, write_kv)
+from .common import (MASK_VALUE, QUANT_MAX, TRASH_PAGE, AttentionMetadata, KernelGeometry,
+                     KVPages, QuantizedKV, dequantize, init_kv_pages, is_quantized_dtype,
+                     kv_pages_shape, padded_head_dim, quantize_rows, write_kv)
 from .reference import ragged_paged_attention_reference
-from .selector import (IMPLEMENTATIONS, ragged_paged_attention, select_impl,
+from .selector import (IMPLEMENTATIONS, page_head_dim, ragged_paged_attention, select_impl,
                        write_kv_and_attend)
 
 # The kernels themselves (cpu/tpu/gpu.ragged_paged_attention_*) are
 # imported lazily by the selector so a host only loads the Pallas backend it can run.
 __all__ = [
-    "IMPLEMENTATIONS", "KVPages", "MASK_VALUE", "QUANT_MAX", "QuantizedKV", "TRASH_PAGE",
-    "AttentionMetadata", "dequantize", "init_kv_pages", "is_quantized_dtype", "kv_pages_shape",
-    "padded_head_dim", "quantize_rows", "ragged_paged_attention",
+    "IMPLEMENTATIONS", "KVPages", "KernelGeometry", "MASK_VALUE", "QUANT_MAX", "QuantizedKV",
+    "TRASH_PAGE", "AttentionMetadata", "dequantize", "init_kv_pages", "is_quantized_dtype",
+    "kv_pages_shape", "padded_head_dim", "page_head_dim", "quantize_rows", "ragged_paged_attention",
     "ragged_paged_attention_reference", "select_impl", "write_kv", "write_kv_and_attend",
 ]

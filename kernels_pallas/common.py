@@ -22,7 +22,8 @@ fp8) and scatters values and scales to the same slots; readers dequantize on the
 times the K scale of their key, softmax weights times the V scale before ``p @ v``), never
 making a full-precision copy of the pages. Float pages stay a plain array.
 
-Head dims other than the kernels' (multiples of 64 on GPU) go through padding: allocate the
+Head dims other than the kernels' (on GPU multiples of 16, of 32 for 8-bit pages; the engine
+allocates multiples of 64 there) go through padding: allocate the
 pages with ``padded_head_dim(D)``; ``write_kv`` zero-pads K/V and the attention zero-pads q
 and slices the output, which leaves q.k and p.v unchanged (pass ``sm_scale`` for the true D).
 """
@@ -134,7 +135,7 @@ def kv_pages_shape(num_pages: int, page_size: int, num_kv_heads: int,
 
 
 def padded_head_dim(head_dim: int, multiple: int = 64) -> int:
-    """Head dim to allocate pages with so every kernel accepts it (GPU needs multiples of 64)."""
+    """Head dim rounded up to `multiple` (64: pages every kernel takes at full swizzle)."""
     return -(-head_dim // multiple) * multiple
 
 
@@ -193,6 +194,26 @@ def check_metadata(md: AttentionMetadata, num_tokens: int) -> tuple[int, int]:
     _check_int_vector("cu_q_lens", md.cu_q_lens, (num_seqs_max + 1,))
     _check_int_vector("num_seqs", md.num_seqs, (1,))
     return num_seqs_max, max_pages
+
+
+class KernelGeometry(NamedTuple):
+    """The static sizes that decide whether a kernel can run a model's attention at all (a
+    step's bucket sizes never do): what the selector asks each kernel's contract about
+    (``tpu_plan.kernel_refusal``, ``gpu_plan.kernel_refusal``) before 'auto' picks it."""
+
+    head_dim: int  # of the KV pages as allocated (padded_head_dim where the caller pads)
+    page_size: int  # tokens per page
+    kv_dtype: object  # the pages' dtype: float32 / bfloat16 / float16, int8 / float8_e4m3fn
+    group: int = 1  # query heads per kv head
+
+
+def kernel_geometry(q: jax.Array, kv_pages: KVPages) -> KernelGeometry | None:
+    """The KernelGeometry of one attention call's q [T, Hq, D] and pages; None for shapes
+    that are not that (the implementation's own checks then name what is wrong)."""
+    if len(q.shape) != 3 or len(kv_pages.shape) != 4 or kv_pages.shape[1] < 2:
+        return None
+    return KernelGeometry(int(kv_pages.shape[3]), int(kv_pages.shape[2]),
+                          jnp.dtype(kv_pages.dtype), max(1, q.shape[1] // (kv_pages.shape[1] // 2)))
 
 
 class AttentionGeometry(NamedTuple):

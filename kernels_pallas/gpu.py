@@ -9,7 +9,10 @@ path too (tests/kernels/test_attention_kernels.py). Its limits shape the design:
 a register operand (p in ``p @ v``) must be 16-bit and the tf32 mode allows no operand
 transpose (``q @ k^T`` needs one) -- so float32 pages are TMA'd as they are and rounded to
 bfloat16 in SMEM before the matmuls (float32 inputs get bfloat16 matmul precision, float32
-accumulation).
+accumulation), through one ``[block_kv, D]`` staging block that holds K for ``q @ k^T`` and
+then V for ``p @ v``. The kernel body is gpu_kernel.py; what it accepts and how its blocks
+are sized to shared memory is gpu_plan.py (``check_geometry``, ``default_tuning``,
+``smem_bytes``).
 The GPU interpreter (CPU tests) runs everything here -- TMA, barriers, ring slots, masks,
 SMEM fix-ups -- except two things it lacks: WGMMA with transposed or register operands
 (interpreted runs do the two matmuls as dots on the loaded SMEM tiles) and register-layout
@@ -21,7 +24,9 @@ Data flow (see tiling.py)::
     grid (Hkv, NT[, NS]), one warpgroup (128 threads) per (kv head, tile[, KV split]):
       TMA  q tile -> SMEM; then ring of ``num_stages`` KV slots: for KV block i, one TMA per
            page for K and one for V, from kv_pages[page, 2h | 2h+1] ([page_size, D] boxes),
-           into slot i % num_stages; block i + num_stages is issued once block i is consumed,
+           or, for pages taller than the block, one of the block's rows of its page
+           ([block_kv, D] at the block's offset), into slot i % num_stages; block
+           i + num_stages is issued once block i is consumed (staged pages: once V is staged),
            with page ids read from the block table at the top of block i (before its waits
            and matmuls), so that load's latency hides behind block i's compute
       WGMMA s = q k^T (f32 acc) -> mask (boundary blocks only) -> online softmax in
@@ -77,227 +82,26 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .common import (MASK_VALUE, AttentionMetadata, KVPages, QuantizedKV, check_attention_inputs,
-                     pad_head_dim)
-from .tiling import (F_BLK_HI, F_BLK_LO, F_KV_HI, F_NQ, F_POS0, F_SEQ, NUM_FIELDS,
-                     default_tile_tokens, gather_q_tiles, plan_tiles, row_to_token,
-                     scatter_out_tiles)
+from .common import (AttentionMetadata, KVPages, QuantizedKV, check_attention_inputs,
+                     kernel_geometry, pad_head_dim)
+from .gpu_kernel import attention_kernel
+from .gpu_plan import (_ROWS, _SWIZZLE, NUM_SMS, check_geometry, default_num_splits,
+                       default_tuning, merge_splits)
+from .tiling import default_tile_tokens, gather_q_tiles, plan_tiles, scatter_out_tiles
 
-from .gpu_plan import _ROWS, _SWIZZLE, NUM_SMS, default_num_splits, default_tuning, merge_splits
 
 def _smem(shape: tuple[int, ...], dtype: jnp.dtype) -> Any:
-    """SMEM buffer laid out for WGMMA / TMA: (8, 128 B) tiles with the 128 B swizzle (rows
-    narrower than 128 B, as 64 int8 columns: their own width)."""
-    swizzle = min(_SWIZZLE, shape[-1] * jnp.dtype(dtype).itemsize)
+    """SMEM buffer laid out for WGMMA / TMA: (8, swizzle) tiles with the widest swizzle (128,
+    64 or 32 B) that divides a row: 128 B for 16-bit rows at head dims that are multiples of
+    64, 64 B for 16-bit rows at 96 and 8-bit rows at 192, 32 B for 16-bit rows at 80
+    (check_geometry refuses the head dims no swizzle divides)."""
+    row_bytes = shape[-1] * jnp.dtype(dtype).itemsize
+    swizzle = next(w for w in (_SWIZZLE, 64, 32) if row_bytes % w == 0)
     cols = swizzle // jnp.dtype(dtype).itemsize
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, cols)),
                                                 plgpu.SwizzleTransform(swizzle)))
-
-
-def _kernel(info_ref, bt_ref, q_ref, kv_ref, *refs,
-            group: int, page_size: int, pages_per_block: int, pages_per_row: int,
-            num_stages: int, num_splits: int, sm_scale: float, sliding_window: int | None,
-            soft_cap: float | None, interpreted: bool, quantized: bool):
-    sc_ref = ksc_smem = vsc_smem = None
-    if quantized:                         # the scales [P, 2 * Hkv, page_size] come as input 5
-        sc_ref, *refs = refs
-    o_ref, *refs = refs
-    if num_splits > 1:
-        lse_ref, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, lse_smem, *staging = refs
-    else:
-        q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, *staging = refs
-    if quantized:                         # [num_stages, block_kv] f32 K / V scales
-        ksc_smem, vsc_smem, *staging = staging
-    block_kv = pages_per_block * page_size
-    head_dim = q_smem.shape[-1]
-    h = lax.axis_index("kv_head")
-    tile = lax.axis_index("tile")
-    split = lax.axis_index("split") if num_splits > 1 else 0
-
-    def field(f):
-        return info_ref[tile * NUM_FIELDS + f]
-
-    seq, pos0, kv_hi = field(F_SEQ), field(F_POS0), field(F_KV_HI)
-    # This program's share of the tile's KV blocks: [lo, lo + num_blocks) (split-KV cuts the
-    # tile's range into num_splits near-equal chunks; a chunk may be empty).
-    blk_lo, blk_hi = field(F_BLK_LO), field(F_BLK_HI)
-    chunk = lax.div(blk_hi - blk_lo + num_splits - 1, num_splits)
-    lo = jnp.minimum(blk_lo + split * chunk, blk_hi)
-    num_blocks = jnp.minimum(lo + chunk, blk_hi) - lo
-    # Only boundary blocks are masked: blocks ending at or before the tile's first query
-    # (pos0) are fully visible to every row (causal), and with a window so are blocks
-    # starting past kv_hi - 1 - window. Masked: [0, mid_lo) and [mid_hi, num_blocks).
-    mid_hi = jnp.clip(lax.div(pos0 + 1, block_kv) - lo, 0, num_blocks)
-    if sliding_window is None:
-        mid_lo = jnp.int32(0)
-    else:
-        first_free = lax.div(jnp.maximum(kv_hi - sliding_window, 0) + block_kv - 1, block_kv)
-        mid_lo = jnp.clip(first_free - lo, 0, num_blocks)
-        mid_hi = jnp.maximum(mid_hi, mid_lo)
-    last_entry = bt_ref.shape[0] - 1
-
-    def page_ids(i):
-        """Block i's page ids (clamped in range: ids of a block past the end go unused)."""
-        base = seq * pages_per_row + (lo + i) * pages_per_block
-        return [bt_ref[jnp.minimum(base + j, last_entry)] for j in range(pages_per_block)]
-
-    def issue(i, pages):
-        """Start the TMA copies of the tile's i-th KV block into slot i % num_stages."""
-        slot = lax.rem(i, num_stages)
-        for j, page in enumerate(pages):
-            rows = pl.ds(j * page_size, page_size)
-            plgpu.copy_gmem_to_smem(kv_ref.at[page, 2 * h], k_smem.at[slot, rows],
-                                    k_bars.at[slot])
-            plgpu.copy_gmem_to_smem(kv_ref.at[page, 2 * h + 1], v_smem.at[slot, rows],
-                                    v_bars.at[slot])
-            if quantized:                 # the rows' scales, on the same barriers
-                plgpu.copy_gmem_to_smem(sc_ref.at[page, 2 * h], ksc_smem.at[slot, rows],
-                                        k_bars.at[slot])
-                plgpu.copy_gmem_to_smem(sc_ref.at[page, 2 * h + 1], vsc_smem.at[slot, rows],
-                                        v_bars.at[slot])
-
-    @pl.when(field(F_NQ) > 0)
-    def _live_tile():
-        plgpu.copy_gmem_to_smem(q_ref.at[h, tile], q_smem, q_bar)
-        for i in range(num_stages):
-            pl.when(i < num_blocks)(lambda i=i: issue(i, page_ids(i)))
-        plgpu.barrier_wait(q_bar)
-
-        # Register layouts: WGMMA's fragment layout for tiles, its row-reduction for vectors.
-        # The GPU interpreter has no rules for layout annotations, so they are dropped there.
-        wgmma = plgpu.Layout.WGMMA
-
-        def iota(shape, dim):
-            if interpreted:
-                return lax.broadcasted_iota(jnp.int32, shape, dim)
-            return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma)
-
-        def with_layout(x, layout):
-            return x if interpreted else plgpu.layout_cast(x, layout)
-
-        def to_mma(x, dtype):
-            """Staged values in the MMA dtype. float8_e4m3fn goes through float16 (exact for
-            every e4m3 value): Hopper converts fp8 to f16 only."""
-            if x.dtype == jnp.float8_e4m3fn and jnp.dtype(dtype) != jnp.float16:
-                x = x.astype(jnp.float16)
-            return x.astype(dtype)
-
-        def key_scales(ref, shape):
-            """A block's [block_kv] scales broadcast over the score tile's rows."""
-            if interpreted:
-                row = ref[...]
-            else:
-                row = plgpu.load(ref, (), layout=wgmma.reduce(0), optimized=False)
-            return lax.broadcast_in_dim(row, shape, [1])
-
-        # The interpreter's WGMMA only takes untransposed SMEM operands, so interpreted runs
-        # do both matmuls on loaded values; everything else (TMA, barriers, masks) is shared.
-        def matmul_qk(k):
-            if interpreted:
-                return lax.dot_general(q_smem[...], k[...], (((1,), (1,)), ((), ())),
-                                       preferred_element_type=jnp.float32)
-
-            def scoped(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k, (1, 0)))
-                return acc_ref[...]
-            return pl.run_scoped(scoped, plgpu.ACC((_ROWS, block_kv), jnp.float32))
-
-        def matmul_pv(acc, p, v):
-            if interpreted:
-                return acc + jnp.dot(p, v[...], preferred_element_type=jnp.float32)
-
-            def accumulate(acc_ref):      # p from registers, V from SMEM, into acc in place
-                plgpu.wgmma(acc_ref, p, v)
-            return pl.run_state(accumulate)(plgpu.ACC.init(acc))
-
-        def body(i, carry, *, masked: bool):
-            acc, m_i, l_i = carry
-            slot = lax.rem(i, num_stages)
-            first_key = (lo + i) * block_kv
-            # The refill's page ids are read now, before this block's waits and matmuls, so
-            # their global-memory latency hides behind the compute instead of delaying the
-            # next TMA issue.
-            refill_pages = page_ids(i + num_stages)
-            plgpu.barrier_wait(k_bars.at[slot])
-            if staging:                   # f32 / 8-bit pages: K to the MMA dtype first
-                k = staging[0]
-                k[...] = to_mma(k_smem.at[slot][...], k.dtype)
-                plgpu.commit_smem()       # make the generic-proxy stores visible to WGMMA
-            else:
-                k = k_smem.at[slot]
-            s = matmul_qk(k) * sm_scale
-            if quantized:                 # (q . k_q) * k_scale per key
-                s = s * key_scales(ksc_smem.at[slot], s.shape)
-            if soft_cap is not None:
-                s = soft_cap * jnp.tanh(s / soft_cap)
-            mask = None
-            if masked:
-                # Index tiles are rebuilt per block, not hoisted: as loop constants they
-                # would pin ~100 registers per thread next to acc, s and p.
-                kpos = first_key + iota((_ROWS, block_kv), 1)
-                qpos = pos0 + row_to_token(iota((_ROWS, block_kv), 0), group)   # r: token r//G
-                mask = (kpos <= qpos) & (kpos < kv_hi)
-                if sliding_window is not None:
-                    mask = mask & (kpos > qpos - sliding_window)
-                s = jnp.where(mask, s, MASK_VALUE)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            alpha = jnp.exp(m_i - m_new)
-            p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            if masked:
-                p = jnp.where(mask, p, 0.0)
-            l_i = l_i * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            plgpu.barrier_wait(v_bars.at[slot])
-            if quantized:                 # weights x v_scale (l_i summed them unscaled)
-                p = p * key_scales(vsc_smem.at[slot], p.shape)
-                if masked:                # stale scales past kv_hi: 0 * NaN must not reach acc
-                    p = jnp.where(mask, p, 0.0)
-
-            def stage_v(dst, zero_tail):
-                v = to_mma(v_smem.at[slot][...], dst.dtype)
-                if zero_tail:
-                    key = first_key + iota((block_kv, head_dim), 0)
-                    v = jnp.where(key < kv_hi, v, jnp.zeros((), v.dtype))
-                dst[...] = v
-                plgpu.commit_smem()
-
-            if staging:
-                v = staging[1]
-                stage_v(v, masked)
-            else:                         # only a tile's last block can reach past kv_hi
-                v = v_smem.at[slot]
-                if masked:
-                    pl.when(first_key + block_kv > kv_hi)(functools.partial(stage_v, v, True))
-            acc = matmul_pv(acc, p.astype(v.dtype), v)
-
-            @pl.when(i + num_stages < num_blocks)
-            def _refill():                # the slot's WGMMAs are done: reuse it
-                issue(i + num_stages, refill_pages)
-            return acc, m_new, l_i
-
-        carry = (with_layout(jnp.zeros((_ROWS, head_dim), jnp.float32), wgmma),
-                 with_layout(jnp.full((_ROWS,), MASK_VALUE, jnp.float32), wgmma.reduce(1)),
-                 with_layout(jnp.zeros((_ROWS,), jnp.float32), wgmma.reduce(1)))
-        masked_body = functools.partial(body, masked=True)
-        carry = lax.fori_loop(0, mid_lo, masked_body, carry)          # window boundary
-        carry = lax.fori_loop(mid_lo, mid_hi, functools.partial(body, masked=False), carry)
-        acc, m_i, l_i = lax.fori_loop(mid_hi, num_blocks, masked_body, carry)   # causal end
-        empty = l_i == 0.0
-        l_i = jnp.where(empty, 1.0, l_i)
-        q_smem[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(q_smem.dtype)
-        if num_splits > 1:                # log-sum-exp of the chunk, for the merge
-            lse_smem[...] = jnp.where(empty, MASK_VALUE, m_i + jnp.log(l_i))
-        plgpu.commit_smem()
-        if num_splits > 1:
-            plgpu.copy_smem_to_gmem(q_smem, o_ref.at[h, tile, split])
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[h, tile, split])
-        else:
-            plgpu.copy_smem_to_gmem(q_smem, o_ref.at[h, tile])
-        plgpu.wait_smem_to_gmem(0)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -317,19 +121,21 @@ def ragged_paged_attention_gpu(q: jax.Array, kv_pages: KVPages, md: AttentionMet
     (num_tokens, num_q_heads, q_head_dim, num_kv_heads, page_size, head_dim, group,
      num_seqs_max, max_pages) = check_attention_inputs(
         q, kv_pages, md, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    if group > _ROWS:
-        raise ValueError(f"q shape {tuple(q.shape)}: {group} query heads per kv head exceed the "
-                         f"{_ROWS}-row WGMMA tile")
-    if head_dim % 64 or head_dim > 256:
-        raise ValueError(f"kv_pages shape {tuple(kv_pages.shape)}: head_dim must be a multiple "
-                         "of 64 up to 256 (allocate pages with padded_head_dim)")
+    try:
+        check_geometry(kernel_geometry(q, kv_pages))
+    except ValueError as err:
+        raise ValueError(f"q shape {tuple(q.shape)}, kv_pages shape {tuple(kv_pages.shape)}: "
+                         f"{err}") from None
     quantized = isinstance(kv_pages, QuantizedKV)
     block_kv, num_stages = default_tuning(head_dim, page_size, kv_pages.dtype,
                                           block_kv=block_kv, num_stages=num_stages,
                                           quantized=quantized)
-    pages_per_block = block_kv // page_size
+    # Whole pages per block, or (pages taller than the block) blocks per page.
+    pages_per_block = max(1, block_kv // page_size)
+    blocks_per_page = max(1, page_size // block_kv)
     # WGMMA needs 16-bit operands for p @ v: float32 and 8-bit pages are TMA'd as they are and
-    # converted in SMEM (two extra [block_kv, D] buffers); q is rounded in the wrapper.
+    # converted in SMEM (one extra [block_kv, D] buffer, for K then V); q is rounded in the
+    # wrapper.
     dtype = kv_pages.dtype
     staged = jnp.dtype(dtype).itemsize != 2
     if quantized:       # the MMAs run in q's dtype where that is 16-bit, else bfloat16
@@ -343,8 +149,8 @@ def ragged_paged_attention_gpu(q: jax.Array, kv_pages: KVPages, md: AttentionMet
                       sliding_window=sliding_window)
     q_tiles = gather_q_tiles(pad_head_dim(q, head_dim), plan, num_kv_heads, _ROWS)
     q_tiles = q_tiles.astype(mma_dtype)
-    blocks_per_row = -(-max_pages // pages_per_block)
-    pages_per_row = blocks_per_row * pages_per_block
+    blocks_per_row = -(-max_pages // pages_per_block) * blocks_per_page
+    pages_per_row = -(-max_pages // pages_per_block) * pages_per_block
     if num_splits is None:
         num_splits = default_num_splits(num_kv_heads * plan.max_tiles, blocks_per_row, num_sms)
     if not isinstance(num_splits, int) or num_splits < 1:
@@ -355,7 +161,7 @@ def ragged_paged_attention_gpu(q: jax.Array, kv_pages: KVPages, md: AttentionMet
         interpret = InterpretGPUParams()
 
     kernel = functools.partial(
-        _kernel, group=group, page_size=page_size, pages_per_block=pages_per_block,
+        attention_kernel, group=group, block_kv=block_kv, page_size=page_size,
         pages_per_row=pages_per_row, num_stages=num_stages, num_splits=num_splits,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         interpreted=bool(interpret), quantized=quantized)
@@ -380,7 +186,7 @@ def ragged_paged_attention_gpu(q: jax.Array, kv_pages: KVPages, md: AttentionMet
             plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),
             *([plgpu.SMEM((_ROWS,), jnp.float32)] if num_splits > 1 else []),
             *([plgpu.SMEM((num_stages, block_kv), jnp.float32)] * 2 if quantized else []),
-            *([_smem((block_kv, head_dim), mma_dtype)] * 2 if staged else []),
+            *([_smem((block_kv, head_dim), mma_dtype)] if staged else []),
         ],
         grid=(*tiles_shape, num_splits) if num_splits > 1 else tiles_shape,
         grid_names=("kv_head", "tile", "split") if num_splits > 1 else ("kv_head", "tile"),

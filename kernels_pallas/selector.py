@@ -5,7 +5,12 @@
 Mosaic GPU kernel on NVIDIA Hopper GPUs (compute capability 9.x: it needs WGMMA), the
 C++ kernel on CPU (built on first use; cpu_build) and the jnp reference everywhere else (older
 or non-NVIDIA GPUs, or a CPU host where the C++ kernel cannot be built: 'cpu' then maps to
-'reference' too, after one warning). ``ragged_paged_attention``
+'reference' too, after one warning). Given the model's ``KernelGeometry`` (page head dim,
+page size, KV dtype, GQA), 'auto' also asks the kernel's contract (``kernel_refusal`` in
+tpu_plan / gpu_plan) and takes the reference where the kernel cannot run it, with one
+warning per distinct reason; a kernel named explicitly is then a ValueError giving the
+reason. The engine passes its geometry (serving/build.py), and ``ragged_paged_attention``
+reads it off its inputs. ``ragged_paged_attention``
 validates at trace time and dispatches; every implementation reads the same page layout
 (common.py) and returns [T, Hq, D] in q's dtype. ``write_kv_and_attend`` is the engine's
 per-layer entry: ``write_kv`` then the attention, fused into one call where the
@@ -35,11 +40,15 @@ from typing import Any
 
 import jax
 
-from .common import AttentionMetadata, write_kv
+from . import gpu_plan, tpu_plan
+from .common import AttentionMetadata, KernelGeometry, kernel_geometry, padded_head_dim, write_kv
 from .cpu_build import cpu_kernel_target
 from .reference import ragged_paged_attention_reference
 
 IMPLEMENTATIONS = ("reference", "cpu", "pallas_tpu", "pallas_gpu")
+# Each Pallas kernel's contract: why it cannot run a geometry, or None (the plan modules import
+# no Pallas, so asking costs no backend import).
+_REFUSALS = {"pallas_tpu": tpu_plan.kernel_refusal, "pallas_gpu": gpu_plan.kernel_refusal}
 log = logging.getLogger(__name__)
 
 # Bad range of jax's guard, as CUDA releases [12.8.0, 12.9.1); ptxas reports build numbers
@@ -159,13 +168,31 @@ def _warn_explicit_gpu_kernel() -> None:
                     "kernel despite the ptxas causal-mask guard")
 
 
-def select_impl(name: str = "auto", platform: str | None = None) -> str:
+@functools.lru_cache(maxsize=64)
+def _warn_fallback(impl: str, reason: str) -> None:
+    """One warning per distinct (kernel, reason), however many layers or steps ask."""
+    log.warning("attention impl 'auto': the %s kernel cannot run this geometry (%s); using "
+                "the jnp reference attention instead", impl, reason)
+
+
+def select_impl(name: str = "auto", platform: str | None = None,
+                geometry: KernelGeometry | None = None) -> str:
     """'auto' -> kernel for the platform ('tpu', 'gpu'/'cuda', 'cpu', else reference); names
     pass, except 'cpu' where its kernel cannot be built ('reference'). With ``platform=None``
     (this host's backend) a GPU must be Hopper and pass the ptxas guard for 'auto' to pick
-    the kernel; a named platform (cross-lowering, jax.export) skips the host's probes."""
+    the kernel; a named platform (cross-lowering, jax.export) skips the host's probes.
+
+    With a ``geometry``, the chosen Pallas kernel's contract is asked whether it can run it
+    (``tpu_plan`` / ``gpu_plan.kernel_refusal``): where it cannot, 'auto' falls back to the
+    jnp reference (one warning per distinct reason) and a kernel named explicitly is a
+    ValueError giving the reason."""
     if name == "cpu":
         return "cpu" if cpu_kernel_target() is not None else "reference"
+    if name in _REFUSALS and geometry is not None:
+        reason = _REFUSALS[name](geometry)
+        if reason is not None:
+            raise ValueError(f"attention impl {name!r} cannot run this model's attention: "
+                             f"{reason}")
     if name == "pallas_gpu" and platform is None:
         _warn_explicit_gpu_kernel()
     if name in IMPLEMENTATIONS:
@@ -173,6 +200,17 @@ def select_impl(name: str = "auto", platform: str | None = None) -> str:
     if name != "auto":
         raise ValueError(f"unknown attention impl {name!r}; expected 'auto' or one of "
                          f"{IMPLEMENTATIONS}")
+    chosen = _auto_impl(platform)
+    if chosen in _REFUSALS and geometry is not None:
+        reason = _REFUSALS[chosen](geometry)
+        if reason is not None:
+            _warn_fallback(chosen, reason)
+            return "reference"
+    return chosen
+
+
+def _auto_impl(platform: str | None) -> str:
+    """What 'auto' picks on `platform` (None: this host) before asking the kernel's contract."""
     if platform is None:
         platform = jax.default_backend()
         if platform == "gpu" and (not _gpu_kernel_supported() or _ptxas_unsafe()):
@@ -186,6 +224,18 @@ def select_impl(name: str = "auto", platform: str | None = None) -> str:
     return "reference"
 
 
+def page_head_dim(impl: str, head_dim: int) -> int | None:
+    """Head dim to allocate `impl`'s KV pages with for a model's `head_dim` (None: as it is).
+    Pallas kernels want lane-aligned head dims (GPU: multiples of 64, rows of whole 128-byte
+    swizzle tiles, what its tuning was planned for -- the kernel also takes multiples of 16
+    (32 for 8-bit pages) at narrower swizzles, which save KV memory at head dims 80 / 96 but
+    no device has measured yet; TPU: whole 128-lane vregs, else its wrapper pads every page
+    per call); the jnp reference and the C++ CPU kernel take any."""
+    if impl not in _REFUSALS:
+        return None
+    return padded_head_dim(head_dim, 128 if impl == "pallas_tpu" else 64)
+
+
 def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata, *,
                            sm_scale: float, sliding_window: int | None = None,
                            soft_cap: float | None = None, impl: str = "auto",
@@ -194,9 +244,11 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, md: AttentionMetad
 
     Reads kv_pages [num_pages, 2 * Hkv, page_size, D] (after ``write_kv`` stored this step's
     K/V). ``interpret`` runs a Pallas kernel on CPU (True, or the backend's InterpretParams);
-    ``tuning`` forwards block-size knobs to the chosen implementation.
+    ``tuning`` forwards block-size knobs to the chosen implementation. 'auto' asks the
+    platform's kernel about these pages (``select_impl`` with their geometry) and takes the
+    reference where it cannot run them; a kernel named explicitly raises its own error.
     """
-    chosen = select_impl(impl)
+    chosen = select_impl(impl, geometry=kernel_geometry(q, kv_pages) if impl == "auto" else None)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, **tuning)
     if chosen == "reference":
         return ragged_paged_attention_reference(q, kv_pages, md, **kwargs)

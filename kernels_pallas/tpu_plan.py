@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .common import KernelGeometry
 from .tiling import NUM_FIELDS, max_num_tiles
 
 LANES = 128
@@ -31,14 +32,31 @@ def sublane_multiple(dtype: jnp.dtype) -> int:
     return SUBLANES * max(1, 4 // jnp.dtype(dtype).itemsize)
 
 
-def check_page_alignment(page_size: int, dtype: jnp.dtype, kv_shape: tuple[int, ...]) -> None:
-    """ValueError unless page_size fills whole sublane tiles of the page dtype."""
+def check_page_alignment(page_size: int, dtype: jnp.dtype,
+                         kv_shape: tuple[int, ...] | None = None) -> None:
+    """ValueError unless page_size fills whole sublane tiles of the page dtype: each page is
+    one DMA into rows ``[j * page_size, (j + 1) * page_size)`` of a KV block, and Mosaic's
+    DMAs land on whole (sublane, lane) tiles, so a 16-row page of 8-bit values (32-row tiles)
+    has nowhere to go."""
     need = sublane_multiple(dtype)
     if page_size % need:
+        shape = "" if kv_shape is None else f" (kv_pages shape {tuple(kv_shape)})"
         raise ValueError(
-            f"page_size {page_size} (kv_pages shape {tuple(kv_shape)}) is not a multiple of "
+            f"page_size {page_size}{shape} is not a multiple of "
             f"{need}: the TPU kernel needs whole {need}-row sublane tiles for "
             f"{jnp.dtype(dtype).name} pages; use a page_size that is a multiple of {need}")
+
+
+def kernel_refusal(geometry: KernelGeometry) -> str | None:
+    """Why the TPU kernel cannot run `geometry` (None when it can): only a page_size short
+    of whole sublane tiles. Head dims are lane-padded by the wrapper, any GQA ratio fits a
+    tile, and a step whose block tables outgrow SMEM is split (or, bucket by bucket, falls
+    back to the reference inside the kernel's wrapper)."""
+    try:
+        check_page_alignment(geometry.page_size, geometry.kv_dtype)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def lane_padded(head_dim: int) -> int:

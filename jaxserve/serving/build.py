@@ -36,7 +36,7 @@ from jaxserve.engine.fault_injection import FaultInjectingRunner, InjectedFault
 from jaxserve.engine.runner import Runner
 from jaxserve.engine.sizing import (EnginePlan, available_host_memory, free_device_memory,
                                     plan_engine)
-from jaxserve.kernels_pallas import is_quantized_dtype, padded_head_dim, select_impl
+from jaxserve.kernels_pallas import KernelGeometry, is_quantized_dtype, page_head_dim, select_impl
 from jaxserve.kernels_pallas.cpu_build import dense_kernel_target
 from jaxserve.models import placement
 from jaxserve.models.config import ModelConfig
@@ -238,15 +238,23 @@ def _kv_budget(placed: list[_Placed]) -> int:
     return agree_min(min(r for r in reported if r is not None))
 
 
+def _attention_impl(config: EngineConfig, cfg: ModelConfig,
+                    kv_dtype: jnp.dtype) -> tuple[str, int | None]:
+    """(attention implementation, head dim of its KV pages or None for the model's): what
+    `config.attention_impl` picks on this host, asked whether it can run this model's pages
+    (selector.select_impl with their geometry): 'auto' falls back to the reference with a
+    warning where the kernel cannot, a kernel named explicitly is a ValueError saying why."""
+    platform_impl = select_impl(config.attention_impl)
+    geometry = KernelGeometry(page_head_dim(platform_impl, cfg.head_dim) or cfg.head_dim,
+                              config.page_size, kv_dtype, cfg.num_heads // cfg.num_kv_heads)
+    attn_impl = select_impl(config.attention_impl, geometry=geometry)
+    return attn_impl, page_head_dim(attn_impl, cfg.head_dim)
+
+
 def _make_runner(config: EngineConfig, placed: _Placed,
                  free: int) -> tuple[EnginePlan, ModelRunner]:
-    attn_impl = select_impl(config.attention_impl)
     kv_dtype = kv_cache_dtype(config)
-    # Pallas kernels want lane-aligned head dims (GPU: multiples of 64; TPU: whole 128-lane
-    # vregs, else its wrapper pads every page per call); the jnp reference and the C++ CPU
-    # kernel take any.
-    kv_head_dim = None if attn_impl in ("reference", "cpu") else padded_head_dim(
-        placed.model.config.head_dim, 128 if attn_impl == "pallas_tpu" else 64)
+    attn_impl, kv_head_dim = _attention_impl(config, placed.run_cfg, kv_dtype)
     plan = plan_engine(config, placed.run_cfg, kv_dtype.itemsize, free, kv_head_dim,
                        _KV_SCALE_BYTES if is_quantized_dtype(kv_dtype) else 0)
     devices = placed.mesh.devices.flat if placed.mesh is not None else [placed.device]

@@ -4,7 +4,8 @@
 #   bash scripts/device/device_check.sh --dry-run  # the same phases CPU-sized (the slow tier rehearses it)
 # 0. versions: python, jax, jaxlib, devices, CUDA / ptxas / driver where there are GPUs
 # 1. the kernel tests compiled on the device:  pytest -m device tests/kernels/test_attention_kernels.py
-#    tests/kernels/test_attention_gpu_hardening.py (every variant: JAXSERVE_RUN_SLOW=1)
+#    tests/kernels/test_attention_gpu_hardening.py tests/kernels/test_attention_gpu_geometry.py
+#    (every variant: JAXSERVE_RUN_SLOW=1)
 # 2. the kernels at full size (bf16, Hq 32, Hkv 8, D 128, page 16): decode 64 x 2048,
 #    prefill 4 x 2048, mixed; each first checked against the jnp reference at that shape
 #    (--check), then timed against the measured HBM/matmul ceilings; a small tuning sweep on
@@ -66,7 +67,8 @@ if [ $DRY = 1 ]; then SIZE=small; fi
 echo "== 1 kernel tests on the device ($IMPL) =="
 if $PY -c "import pytest" 2>/dev/null; then
   JAXSERVE_RUN_SLOW=1 timeout 240 $PY -m pytest -m device tests/kernels/test_attention_kernels.py \
-    tests/kernels/test_attention_gpu_hardening.py -q -rs -p no:cacheprovider \
+    tests/kernels/test_attention_gpu_hardening.py tests/kernels/test_attention_gpu_geometry.py \
+    -q -rs -p no:cacheprovider \
     --junitxml="$OUT_DIR/device_tests.xml" 2>&1 | tee "$OUT_DIR/device_tests.log" | tail -25
 else
   # No pytest and no network: call the device test cases directly through a tiny stub.

@@ -93,6 +93,8 @@ KERNEL_CASES = [
     ("bfloat16", 256, 16, 4, 32, 512, 8, None, 50.0),      # head dim 256, Gemma-style soft cap
     ("bfloat16", 128, 32, 8, 16, 384, 24, 4096, None),     # Mistral sliding window, mixed
     ("float32", 64, 8, 8, 64, 64, 8, 128, 30.0),           # window + cap together
+    ("bfloat16", 80, 16, 4, 128, 256, 16, None, None),     # head dim 80 padded, 128-key pages
+    ("float32", 256, 16, 8, 32, 512, 8, None, 50.0),       # issue #29: Gemma's head dim, f32
 ]
 
 

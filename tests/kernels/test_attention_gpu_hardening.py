@@ -21,13 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.kernels_pallas import (AttentionMetadata, ragged_paged_attention_reference,
-                                     selector, write_kv)
+from jaxserve.kernels_pallas import MASK_VALUE, AttentionMetadata, selector
 from jaxserve.kernels_pallas import gpu
+from support.gpu_kernel_checks import MODES, check_against_reference, mode, written
 from support.kernel_cases import random_batch
-from support.numerics import (F32_UNIT_ROUNDOFF, assert_close, gamma,
-                              kernel_attention_tolerance, transcendental_bound)
-from support.pallas_run import interpret_params, races_found
+from support.numerics import F32_UNIT_ROUNDOFF, gamma, transcendental_bound
 
 SDS = jax.ShapeDtypeStruct
 
@@ -102,6 +100,10 @@ def test_toolchain_probe_runs_on_any_host(fake_hopper) -> None:
     (256, 16, "bfloat16", (64, 2)), (128, 8, "float16", (64, 2)),
     (128, 128, "bfloat16", (128, 2)), (64, 256, "bfloat16", (256, 2)),
     (128, 16, "float32", (64, 2)), (64, 32, "float32", (128, 2)),
+    # Issue #29: float32 head_dim 256 fits with one slot of 64 keys (one staging block for K
+    # then V); pages taller than what fits are read 64-key slices at a time.
+    (256, 32, "float32", (64, 1)), (128, 128, "float32", (64, 2)),
+    (256, 128, "bfloat16", (64, 2)), (256, 512, "float32", (64, 1)),
 ])
 def test_default_tuning_per_head_dim(d: int, ps: int, dtype: str, want: tuple) -> None:
     assert gpu.default_tuning(d, ps, jnp.dtype(dtype)) == want
@@ -113,7 +115,10 @@ def test_default_tuning_per_head_dim(d: int, ps: int, dtype: str, want: tuple) -
     (dict(head_dim=128, page_size=16, block_kv=96), "block_kv=96"),
     (dict(head_dim=128, page_size=64, block_kv=32), "block_kv=32"),
     (dict(head_dim=256, page_size=16, num_stages=3), "num_stages=3"),
-    (dict(head_dim=256, page_size=16, dtype="float32"), "num_stages=1"),
+    (dict(head_dim=256, page_size=16, dtype="float32", num_stages=2), "num_stages=2"),
+    (dict(head_dim=256, page_size=16, dtype="float32", block_kv=128), "block_kv=128"),
+    (dict(head_dim=128, page_size=128, block_kv=192), "block_kv=192"),
+    (dict(head_dim=128, page_size=200), "page_size=200"),
 ])
 def test_tuning_rejects_what_does_not_fit(kwargs: dict, match: str) -> None:
     dtype = jnp.dtype(kwargs.pop("dtype", "bfloat16"))
@@ -140,7 +145,7 @@ def test_merge_splits_equals_one_softmax() -> None:
         s, vv = logits[..., lo:hi], v[:, :, lo:hi]
         if hi == lo:
             outs.append(np.zeros((2, 3, 4, 8), np.float32))
-            lses.append(np.full((2, 3, 4), gpu.MASK_VALUE, np.float32))
+            lses.append(np.full((2, 3, 4), MASK_VALUE, np.float32))
             continue
         m = s.max(-1, keepdims=True)
         e = np.exp(s - m)
@@ -159,44 +164,7 @@ def test_merge_splits_equals_one_softmax() -> None:
 
 
 # --------------------------------------------------------------------------- interpreted
-# Each interpreted test also runs compiled when a GPU is present (``device`` marker).
-MODES = pytest.mark.parametrize("interpret", [
-    True, pytest.param(False, marks=pytest.mark.device)], ids=["interpret", "device"])
-
-
-def mode(interpret: bool):
-    if not interpret and jax.default_backend() != "gpu":
-        pytest.skip(f"the compiled GPU kernel needs a GPU; this is {jax.default_backend()}")
-    return interpret_params("pallas_gpu") if interpret else False
-
-
-def check_against_reference(batch, pages, *, md=None, window=None, cap=None,
-                            interpret=True, **tuning) -> np.ndarray:
-    """The kernel against the reference, both outputs in q's dtype: within what the kernel
-    rounds (bfloat16 / q's 16-bit MMA operands) besides float32 arithmetic,
-    support.numerics.kernel_attention_tolerance."""
-    md = md or batch.md
-    d = batch.q.shape[-1]
-    opts = dict(sm_scale=d ** -0.5, sliding_window=window, soft_cap=cap)
-    want = np.asarray(jnp.asarray(ragged_paged_attention_reference(batch.q, pages, md, **opts),
-                                  jnp.float32))
-    got = gpu.ragged_paged_attention_gpu(batch.q, pages, md, interpret=mode(interpret),
-                                         **opts, **tuning)
-    assert got.shape == batch.q.shape and got.dtype == batch.q.dtype
-    got = np.asarray(jnp.asarray(got, jnp.float32))
-    assert not (interpret and races_found("pallas_gpu")), "the interpreter reported a data race"
-    live = int(np.asarray(md.cu_q_lens)[int(np.asarray(md.num_seqs)[0])])
-    tol = kernel_attention_tolerance("pallas_gpu", batch, jnp.dtype(batch.q.dtype).name,
-                                     roundings=2, **opts)
-    assert_close(got[:live], want[:live], **tol)
-    assert np.isfinite(got).all() and not got[live:].any(), "padding rows must be zeros"
-    return got
-
-
-def written(batch):
-    return write_kv(batch.kv_pages, batch.k_new, batch.v_new, batch.md.slot_mapping)
-
-
+# (support.gpu_kernel_checks: each interpreted test also runs compiled where a GPU is.)
 # A mixed step at page size 16 with contexts of up to 6 blocks of 64 keys (4 pages each):
 # interior blocks (unmasked), causal-end blocks, a prefill chunk crossing blocks.
 RING_SPECS = [(300, 1), (70, 40), (0, 1), (190, 2)]

@@ -121,9 +121,9 @@ def test_gpu_kernel_rejects_unsupported_head_dim() -> None:
     from jaxserve.kernels_pallas.gpu import ragged_paged_attention_gpu
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     md = AttentionMetadata(i32(8), i32(3, 4), i32(3), i32(4), i32(1))
-    q = jax.ShapeDtypeStruct((8, 4, 80), jnp.bfloat16)
-    pages = jax.ShapeDtypeStruct((5, 4, 16, 80), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"\(5, 4, 16, 80\): head_dim must be a multiple of 64"):
+    q = jax.ShapeDtypeStruct((8, 4, 72), jnp.bfloat16)   # 144-byte rows: no swizzle divides
+    pages = jax.ShapeDtypeStruct((5, 4, 16, 72), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"\(5, 4, 16, 72\): head_dim must be a multiple of 16"):
         jax.eval_shape(lambda q, p, m: ragged_paged_attention_gpu(q, p, m, sm_scale=1.0),
                        q, pages, md)
 

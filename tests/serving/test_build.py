@@ -69,3 +69,42 @@ def test_dense_impl_packs_weights_where_it_applies(dense_impl: str, dtype: str,
 def test_dense_impl_is_validated() -> None:
     with pytest.raises(ValueError, match="dense_impl='blas' must be one of"):
         EngineConfig(dense_impl="blas")
+
+
+def _model_cfg(head_dim: int):  # noqa: ANN202 - a ModelConfig, GQA 4
+    from jaxserve.models.config import ModelConfig
+    return ModelConfig(model_type="llama", vocab_size=64, hidden_size=256, intermediate_size=64,
+                       num_layers=1, num_heads=8, num_kv_heads=2, head_dim=head_dim,
+                       rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=128,
+                       tie_word_embeddings=False, attention_bias=False, qk_norm=False)
+
+
+@pytest.mark.parametrize("platform,impl,head_dim,page_size,kv,want", [
+    ("gpu", "auto", 80, 16, None, ("pallas_gpu", 128)),       # padded pages: the kernel runs
+    ("gpu", "auto", 256, 32, None, ("pallas_gpu", 256)),      # float32 (issue #29)
+    ("gpu", "auto", 128, 16, "int8", ("reference", None)),    # 8-bit pages of 16: fallback
+    ("tpu", "auto", 64, 16, "fp8", ("reference", None)),
+    ("tpu", "auto", 80, 32, "int8", ("pallas_tpu", 128)),
+    ("gpu", "pallas_gpu", 128, 16, "int8", "page_size=16"),    # named: refused, with why
+    ("tpu", "pallas_tpu", 128, 16, "fp8", "page_size 16"),
+])
+def test_attention_impl_asks_the_kernel_about_the_models_pages(
+        monkeypatch: pytest.MonkeyPatch, caplog, platform: str, impl: str, head_dim: int,
+        page_size: int, kv: str | None, want: object) -> None:
+    """The engine's kernel choice passes the model's page geometry (head dim as the kernel
+    allocates it, page size, KV dtype, GQA) to select_impl: 'auto' falls back to the
+    reference with a warning where the platform's kernel cannot run it."""
+    from jaxserve.kernels_pallas import selector
+    monkeypatch.setattr(jax, "default_backend", lambda: platform)
+    monkeypatch.setattr(selector, "_gpu_kernel_supported", lambda: True)
+    monkeypatch.setattr(selector, "_ptxas_unsafe", lambda: False)
+    selector._warn_fallback.cache_clear()
+    config = EngineConfig(attention_impl=impl, page_size=page_size, kv_cache_dtype=kv,
+                          dtype="float32")
+    kv_dtype = build.kv_cache_dtype(config)
+    if isinstance(want, str):
+        with pytest.raises(ValueError, match=f"'{impl}'.*{want}"):
+            build._attention_impl(config, _model_cfg(head_dim), kv_dtype)
+        return
+    assert build._attention_impl(config, _model_cfg(head_dim), kv_dtype) == want
+    assert ("using the jnp reference" in caplog.text) is (want[0] == "reference")
