@@ -14,7 +14,8 @@ to read against the single-thread peak; the jitted figures below add the thread 
 from memory and whatever else the host runs.
 
 Timing: each call is one jitted `fori_loop` over L stacked layers (the weights come from
-memory, as in the engine's step; L = 1 for the LM head) computing x @ w[layer]; for each
+memory, as in the engine's step; L = 1 for the LM head) computing x @ w[layer] (and, for
+float32, XLA:CPU's own dot on the unpacked stack, isa "xla"); for each
 (shape, M) the variants run interleaved, --runs times each, so load from other processes
 on a shared host hits them alike; the best (and the median) per-layer time is reported.
 
@@ -43,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.kernels_pallas import cpu_build
-from jaxserve.kernels_pallas.dense_cpu import dense_packed, pack_panels
+from jaxserve.kernels_pallas.dense_cpu import pack_panels
 from jaxserve.kernels_pallas.dense_quant_cpu import QuantPanels, pack_quant
 from jaxserve.models.quant import quantize_weight
 
@@ -108,12 +109,16 @@ def call(target: str, x: jax.Array, w, layer: jax.Array, n: int) -> jax.Array:  
         *args, layer)
 
 
-def timer(target: str, x: jax.Array, w, layers: int, n: int):  # noqa: ANN001, ANN201
+def timer(target: str | None, x: jax.Array, w, layers: int, n: int):  # noqa: ANN001, ANN201
+    """A function timing one layer's product (target None: XLA's dot on the [L, K, N] stack)."""
     zero = jnp.zeros((x.shape[0], n), jnp.float32)
+
+    def one(i, x, w):  # noqa: ANN001, ANN202
+        return x @ w[i] if target is None else call(target, x, w, i, n)
 
     @jax.jit
     def run(x, w):  # noqa: ANN001, ANN202
-        return jax.lax.fori_loop(0, layers, lambda i, acc: acc + call(target, x, w, i, n), zero)
+        return jax.lax.fori_loop(0, layers, lambda i, acc: acc + one(i, x, w), zero)
 
     jax.block_until_ready(run(x, w))
 
@@ -134,6 +139,7 @@ def main() -> int:
     ap.add_argument("--head-max-rows", type=int, default=256, help="LM head: M up to this")
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--baseline-src", type=pathlib.Path, default=None)
+    ap.add_argument("--no-xla", action="store_true", help="skip XLA's dot rows")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     isas = cpu_build.dense_isas()
@@ -156,7 +162,7 @@ def main() -> int:
         k, n = map(int, shape.split("x"))
         layers = 1 if n > 8192 else args.layers
         w = rng.standard_normal((layers, k, n), np.float32)
-        weights = {"f32": jnp.asarray(pack_panels(w))}
+        weights = {"f32": jnp.asarray(pack_panels(w)), "xla": jnp.asarray(w)}
         for scheme, group in SCHEMES.items():
             if scheme in kinds:
                 q = quantize_weight(w, scheme, group)
@@ -177,6 +183,8 @@ def main() -> int:
                 if kind in baseline:
                     variants[(kind, "before")] = timer(baseline[kind], x, weights[kind],
                                                        layers, n)
+            if "f32" in kinds and not args.no_xla:  # XLA:CPU's own dot, the same load
+                variants[("f32", "xla")] = timer(None, x, weights["xla"], layers, n)
             times = {v: [] for v in variants}
             for _ in range(args.runs):  # interleaved
                 for v, once in variants.items():
