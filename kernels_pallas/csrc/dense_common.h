@@ -10,8 +10,13 @@
 // a fraction of its bandwidth and the hardware prefetcher (plus one software prefetch per line)
 // runs ahead; x's tile rows stay in L1/L2 across the group.
 //
-// Work items are (group, row chunk of kRowChunk rows), group fastest, so a row chunk of x stays
-// in L2 while the panels stream past; helpers and the calling thread take items from one atomic
+// Work items are (group, row chunk of kRowChunk rows), group fastest. Within an item K goes in
+// blocks of kKBlock (chunk below): the block's panel slice stays in L1 while every tile of the
+// chunk sweeps it, the chunk's x columns of the block (256 x 192 x 4 B = 192 KB) in L2. A
+// chunk of 256 rows reads each weight from memory once per 256 rows (a 256-token prefill: once);
+// against 96-row chunks, interleaved on a shared 2-vCPU Zen 5 (AVX-512, float32): 256 rows
+// 198-219 vs 190-207 GFLOP/s, the LM head (576 x 49152) 197 vs 165, 2048 rows within the noise
+// (benchmarks/results/dense_cpu_2026-12-04, chunk_96_vs_256.json). helpers and the calling thread take items from one atomic
 // counter, and the caller waits until every item is done (the FFI call must not return before).
 // A small product is done before a helper would wake up: the calling thread alone runs it.
 #pragma once
@@ -32,7 +37,7 @@
 namespace jaxserve_dense {
 
 constexpr int64_t kPanel = 16;     // columns per panel (two 8-float vectors)
-constexpr int64_t kRowChunk = 96;  // rows per work item
+constexpr int64_t kRowChunk = 256;  // rows per work item
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned access

@@ -17,10 +17,10 @@
 // (normals and subnormals alike; F16C converts halves to floats in hardware, whatever the
 // denormal flags); the 2^8 is folded into the group's scale.
 //
-// A row range longer than one register block (a prefill's chunk of up to 96 rows) first
+// A row range longer than one register block (a prefill's chunk of up to 256 rows) first
 // dequantizes its group's panels into float scratch panels (L2-sized), once, and runs
 // dense_cpu.cc's float tile over them for every row of the chunk: the conversion costs K x 16
-// x kGroup values per 96 x that many FMAs, so prefill runs at float32's speed. The work split
+// x kGroup values per up to 256 x that many FMAs, so prefill runs at float32's speed. The work split
 // over XLA's thread pool is dense_cpu.cc's (dense_common.h), as is the per-ISA build.
 #include <cstdint>
 #include <cstring>

@@ -3,7 +3,7 @@
 Oracle: x @ W in float64 numpy on the unpacked weight. Every case runs on each instruction
 set this CPU has (support.cpu_isa: AVX-512 and AVX2 on an AVX-512 host; the AVX-512 case is
 skipped, with the reason, elsewhere). Cases cover the kernels' edges: row counts around both
-register tiles (6 rows for AVX2; 12 rows x 2 panels for AVX-512) and the row chunk (96), odd
+register tiles (6 rows for AVX2; 12 rows x 2 panels for AVX-512) and the row chunk (256), odd
 panel counts (the AVX-512 tile's last group has one panel), a column count that leaves the
 last 16-column panel partly empty, K over several of the chunk's k blocks (192), a single partial panel, a stack of layers read by index
 (inside a scan, as the engine reads it) and a lone weight, leading batch dims. Tolerance:
@@ -33,8 +33,8 @@ pytestmark = pytest.mark.skipif(cpu_build.dense_kernel_target() is None,
                                 reason="the CPU kernels could not be built here (see the log)")
 
 CASES = [  # (M, K, N)
-    (1, 64, 48), (5, 64, 48), (6, 64, 48), (7, 64, 48), (13, 40, 24), (96, 32, 16),
-    (97, 32, 40), (200, 72, 96), (3, 24, 8), (2, 576, 192), (12, 48, 32), (25, 40, 80),
+    (1, 64, 48), (5, 64, 48), (6, 64, 48), (7, 64, 48), (13, 40, 24), (256, 32, 16),
+    (257, 32, 40), (200, 72, 96), (3, 24, 8), (2, 576, 192), (12, 48, 32), (25, 40, 80),
     (30, 400, 48),  # K in 3 blocks of the multi-tile chunk (192, 192, 16)
 ]
 

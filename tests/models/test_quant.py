@@ -127,10 +127,10 @@ def test_fp8_activations_dot() -> None:
 # path, more rows the dequantized scratch panel; several layers read in place.
 # Each on every instruction set this CPU has (support.cpu_isa): AVX-512's tile is 12 rows x 2
 # panels (odd panel counts leave a one-panel group), AVX2's 6 rows x 1; K = 448 spans 3 of
-# the chunk's k blocks (192).
+# the chunk's k blocks (192); 257 rows, two row chunks (256).
 KERNEL_CASES = [(1, 64, 16, None, 1), (3, 64, 40, 32, 6), (2, 96, 33, 32, 7),
                 (1, 128, 50, 16, 40), (2, 64, 200, None, 100), (1, 64, 48, 32, 25),
-                (1, 448, 40, 32, 30)]
+                (1, 448, 40, 32, 30), (1, 32, 40, 32, 257)]
 
 
 @pytest.mark.parametrize("isa", isa_params())
