@@ -185,20 +185,25 @@ void rows_block(int rows, const float* x, int64_t K, int64_t G, const uint8_t* p
   }
 }
 
-// The panel's weights as floats [K, 16] (scales and zeros applied) into `out`.
+// The panel's weights as floats [K, 16] (scales and zeros applied) into `out`, group by group
+// (the group's scale and zero vectors loaded once; no division per row).
 template <class D, bool kZeros>
 void dequantize_panel(int64_t K, int64_t G, const uint8_t* panel, const float* scales,
                       const float* zeros, float* out) {
-  for (int64_t k = 0; k < K; k += D::kUnit) {
-    v8 w[D::kUnit][2];
-    D::load(panel + k / D::kUnit * D::kBytes, w);
-    for (int u = 0; u < D::kUnit; ++u) {
-      const int64_t g = (k + u) / G;
-      v8 lo = w[u][0] * (load8(scales + g * kPanel) * D::kScale);
-      v8 hi = w[u][1] * (load8(scales + g * kPanel + 8) * D::kScale);
-      if (kZeros) lo += load8(zeros + g * kPanel), hi += load8(zeros + g * kPanel + 8);
-      std::memcpy(out + (k + u) * kPanel, &lo, sizeof(lo));
-      std::memcpy(out + (k + u) * kPanel + 8, &hi, sizeof(hi));
+  for (int64_t g0 = 0, gi = 0; g0 < K; g0 += G, ++gi) {
+    const v8 s0 = load8(scales + gi * kPanel) * D::kScale;
+    const v8 s1 = load8(scales + gi * kPanel + 8) * D::kScale;
+    const v8 z0 = kZeros ? load8(zeros + gi * kPanel) : splat(0.0f);
+    const v8 z1 = kZeros ? load8(zeros + gi * kPanel + 8) : splat(0.0f);
+    for (int64_t k = g0; k < g0 + G; k += D::kUnit) {
+      v8 w[D::kUnit][2];
+      D::load(panel + k / D::kUnit * D::kBytes, w);
+      for (int u = 0; u < D::kUnit; ++u) {
+        v8 lo = w[u][0] * s0, hi = w[u][1] * s1;
+        if (kZeros) lo += z0, hi += z1;
+        std::memcpy(out + (k + u) * kPanel, &lo, sizeof(lo));
+        std::memcpy(out + (k + u) * kPanel + 8, &hi, sizeof(hi));
+      }
     }
   }
 }
