@@ -208,9 +208,10 @@ def _register(path: str) -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def _registered() -> tuple[str, ...] | None:
-    """The dense ISAs registered (best first), or None (after one warning) where the build
-    fails."""
+def load_kernels() -> tuple[str, ...] | None:
+    """Builds (if the cache lacks them), loads and registers every kernel, once per process:
+    the dense ISAs registered (best first), or None (after one warning) where the build
+    fails. ``load_kernels.cache_clear()`` makes the next call try again (tests)."""
     try:
         return _register(str(build_library()))
     except BuildError as e:
@@ -222,13 +223,13 @@ def _registered() -> tuple[str, ...] | None:
 def cpu_kernel_target() -> str | None:
     """The registered FFI target name (WRITE_TARGET is registered with it), or None (after one
     warning) where the build fails."""
-    return TARGET if _registered() is not None else None
+    return TARGET if load_kernels() is not None else None
 
 
 def dense_isas() -> tuple[str, ...]:
     """The instruction sets of the dense kernels this CPU runs, best first (the first is what
     the plain target names run); () where the library could not be built."""
-    return _registered() or ()
+    return load_kernels() or ()
 
 
 def dense_kernel_target(isa: str | None = None) -> str | None:
