@@ -116,6 +116,23 @@ def test_isa_override_is_checked() -> None:
             dense_packed(jnp.ones((2, 8)), p, None, 32, isa=isa)
 
 
+def test_an_avx2_only_host_refuses_and_skips_avx512(monkeypatch) -> None:
+    """What an AVX2-only host sees (its runtime check registering avx2 alone), here on any
+    x86 host: the plain target is the AVX2 one, asking for AVX-512 is a ValueError, and the
+    AVX-512 test parameters are skipped with the reason."""
+    if "avx512" not in dict(cpu_build.dense_variants()):
+        pytest.skip("not an x86-64 build: no AVX-512 variant to refuse")
+    monkeypatch.setattr(cpu_build, "load_kernels", lambda: ("avx2",))
+    assert cpu_build.dense_kernel_target() == cpu_build.DENSE_TARGET
+    assert cpu_build.dense_kernel_target("avx2") == f"{cpu_build.DENSE_TARGET}_avx2"
+    with pytest.raises(ValueError, match=r"isa='avx512': this CPU runs only \['avx2'\]"):
+        cpu_build.dense_kernel_target("avx512")
+    skips = {p.values[0]: p.marks[0] for p in isa_params()}  # one skipif mark each
+    assert skips["avx2"].args[0] is False
+    assert skips["avx512"].args[0] is True
+    assert "does not run the avx512" in skips["avx512"].kwargs["reason"]
+
+
 def test_bad_inputs_name_the_problem() -> None:
     p = jnp.asarray(pack_panels(np.ones((8, 32), np.float32)))
     with pytest.raises(ValueError, match="last dim 9 != the panels' K 8"):
