@@ -199,9 +199,10 @@ def _register(path: str) -> tuple[str, ...]:
                     handlers[target] = capsule
         except (OSError, AttributeError) as e:
             raise BuildError(f"could not load {dense}: {e}") from e
-    if not isas:
-        raise BuildError(f"this CPU runs none of the dense kernels' instruction sets "
-                         f"{[isa for isa, _ in dense_variants()]}")
+    if not isas:  # e.g. an x86-64 CPU without AVX2: the attention kernel still runs
+        log.warning("this CPU runs none of the C++ dense kernels' instruction sets %s: the "
+                    "dense projections use the jnp reference",
+                    [isa for isa, _ in dense_variants()])
     for name, handler in handlers.items():
         jax.ffi.register_ffi_target(name, handler, platform="cpu")
     return isas
@@ -228,7 +229,8 @@ def cpu_kernel_target() -> str | None:
 
 def dense_isas() -> tuple[str, ...]:
     """The instruction sets of the dense kernels this CPU runs, best first (the first is what
-    the plain target names run); () where the library could not be built."""
+    the plain target names run); () where the library could not be built or the CPU runs
+    none of them."""
     return load_kernels() or ()
 
 
