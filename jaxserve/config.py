@@ -17,6 +17,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 # quantized with one f32 scale per token, KV head and K-or-V (kernels_pallas.QuantizedKV).
 KV_CACHE_DTYPES = ("auto", *DTYPES, "int8", "fp8")
 DENSE_IMPLS = ("auto", "xla", "cpu")
+# The C++ dense kernel's instruction set (kernels_pallas/cpu_build.py builds one variant per
+# ISA): auto = the best this CPU runs (a runtime cpuid check); one it cannot run fails at load.
+DENSE_ISAS = ("auto", "avx512", "avx2", "native")
 # Weight storage (`jaxserve.models.quant`): auto keeps a checkpoint's own quantization (GGUF
 # blocks) and float weights float; none dequantizes everything; a scheme quantizes at load.
 QUANTIZATION_SCHEMES = ("int8", "fp8", "int4")
@@ -163,6 +166,9 @@ class EngineConfig:
     # "xla" keeps XLA's dot; "auto": cpu on a CPU host with float32 weights and no tensor
     # parallelism, else xla.
     dense_impl: str = "auto"
+    # The C++ dense kernel's instruction set: auto | avx512 | avx2 | native (DENSE_ISAS above;
+    # avx2 on an AVX-512 host: the other path, for tests and figures).
+    dense_isa: str = "auto"
     # Dense weights: auto | none | int8 | fp8 | int4 (QUANTIZATIONS above;
     # docs/quantization.md). Group size: input rows per scale (None: int8 / fp8 one scale per output
     # column, int4 the first of 128 / 64 / 32 that divides the layer's input size).
@@ -221,6 +227,8 @@ class EngineConfig:
                              "token id (>= 0) or None")
         if self.dense_impl not in DENSE_IMPLS:
             raise ValueError(f"dense_impl={self.dense_impl!r} must be one of {DENSE_IMPLS}")
+        if self.dense_isa not in DENSE_ISAS:
+            raise ValueError(f"dense_isa={self.dense_isa!r} must be one of {DENSE_ISAS}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r} must be one of "
                              f"{QUANTIZATIONS}")

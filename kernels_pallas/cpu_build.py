@@ -1,5 +1,15 @@
 """Build, load and register the C++ CPU kernels (csrc/*.cc: the paged attention and the dense
-projections over packed weights) on first use, as one library.
+projections over packed weights) on first use: one library for the attention (and the CPU
+feature probe), and the dense kernels once per instruction set (ISA) this CPU can run.
+
+ISA dispatch: on x86-64 the dense sources are compiled twice, with AVX-512 (F/BW/DQ/VL, 12 x 32
+register tile) and with AVX2 + FMA (6 x 16), each into its own library (its own copy of every
+inline function, so the linker can never hand the AVX2 path an AVX-512 instance). At load,
+``JaxserveCpuSupports`` (cpu_features.cc, ``__builtin_cpu_supports``) says which this CPU runs;
+each runnable one is registered as ``<target>_<isa>`` and the best as the plain target name.
+``dense_isas()`` lists the runnable ones best first; the wrappers take an ``isa`` argument
+that forces one (tests and figures run both paths on an AVX-512 host). Elsewhere (not x86-64)
+one "native" variant is built with -march=native.
 
 Flow: the sources (csrc/*.cc, *.h), jaxlib's version, the compiler command, the flags and this
 CPU's feature flags hash to a key -> ``<cache>/jaxserve_cpu_kernels-<key>.so`` (cache:
@@ -41,11 +51,20 @@ DENSE_TARGET = "jaxserve_dense_cpu"  # x @ panel-packed weights (csrc/dense_cpu.
 DENSE_QUANT_TARGETS = {"int8": "jaxserve_dense_int8_cpu", "fp8": "jaxserve_dense_fp8_cpu",
                        "int4": "jaxserve_dense_int4_cpu"}
 CSRC = pathlib.Path(__file__).parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("paged_attention_cpu.cc", "dense_cpu.cc",
-                                         "dense_quant_cpu.cc"))
+SOURCES = tuple(CSRC / name for name in ("paged_attention_cpu.cc", "cpu_features.cc"))
+DENSE_SOURCES = tuple(CSRC / name for name in ("dense_cpu.cc", "dense_quant_cpu.cc"))
 CACHE_ENV = "JAXSERVE_KERNEL_CACHE_DIR"
 # Built on the machine that runs it, so -march=native is safe (the key holds the CPU flags).
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
+# The dense kernels' variants, best first: name -> flags added to FLAGS. -march=native tunes
+# for this CPU; the -m flags then fix the instruction set whatever this CPU has (AVX2's turns
+# every AVX-512 extension off, since -mno-avx512f disables those built on it). -Bsymbolic:
+# the library's calls bind to its own functions.
+_X86_ISAS = (("avx512", ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2",
+                         "-mfma", "-mf16c")),
+             ("avx2", ("-mno-avx512f", "-mavx2", "-mfma", "-mf16c")))
+_NATIVE_ISAS = (("native", ()),)
+DENSE_LINK = ("-Wl,-Bsymbolic",)
 _COMPILERS = ("g++", "c++", "clang++")
 
 
@@ -84,30 +103,38 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def library_path(compiler: list[str]) -> pathlib.Path:
+def dense_variants() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """(isa name, its extra flags) for the dense kernels on this machine, best first."""
+    return _X86_ISAS if platform.machine().lower() in ("x86_64", "amd64") else _NATIVE_ISAS
+
+
+def library_path(compiler: list[str], name: str = "jaxserve_cpu_kernels",
+                 flags: tuple[str, ...] = FLAGS) -> pathlib.Path:
     key = hashlib.sha256()
     sources = b"".join(p.name.encode() + p.read_bytes() for p in sorted(CSRC.iterdir())
                        if p.suffix in (".cc", ".h"))
     for part in (sources, jaxlib.__version__.encode(), " ".join(compiler).encode(),
-                 " ".join(FLAGS).encode(), _cpu_flags().encode(), platform.machine().encode()):
+                 " ".join(flags).encode(), _cpu_flags().encode(), platform.machine().encode()):
         key.update(part)
         key.update(b"\0")
-    return cache_dir() / f"jaxserve_cpu_kernels-{key.hexdigest()[:20]}.so"
+    return cache_dir() / f"{name}-{key.hexdigest()[:20]}.so"
 
 
-def build_library() -> pathlib.Path:
-    """Path of the compiled library, compiling it if the cache lacks it."""
-    missing = [str(p) for p in SOURCES if not p.exists()]
+def _compile(sources: tuple[pathlib.Path, ...], name: str, flags: tuple[str, ...]
+             ) -> pathlib.Path:
+    """Path of the library `name` built from `sources` with `flags`, compiling it if the cache
+    lacks it."""
+    missing = [str(p) for p in sources if not p.exists()]
     if missing:
         raise BuildError(f"kernel sources {missing} are missing from the installation")
     compiler = find_compiler()
-    path = library_path(compiler)
+    path = library_path(compiler, name, flags)
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.stem + "-", suffix=".tmp", dir=path.parent)
     os.close(fd)
-    cmd = [*compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", "-o", tmp, *map(str, SOURCES)]
+    cmd = [*compiler, *flags, f"-I{jax.ffi.include_dir()}", "-o", tmp, *map(str, sources)]
     log.info("building the CPU kernels: %s", " ".join(cmd))
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -123,40 +150,107 @@ def build_library() -> pathlib.Path:
     return path
 
 
+def build_library() -> pathlib.Path:
+    """Path of the attention (and CPU probe) library, compiling it if the cache lacks it."""
+    return _compile(SOURCES, "jaxserve_cpu_kernels", FLAGS)
+
+
+def build_dense_library(isa: str) -> pathlib.Path:
+    """Path of the dense kernels' library for `isa` (a dense_variants() name)."""
+    extra = dict(dense_variants())[isa]
+    return _compile(DENSE_SOURCES, f"jaxserve_dense_{isa}", (*FLAGS, *extra, *DENSE_LINK))
+
+
+_DENSE_SYMBOLS = {DENSE_TARGET: "JaxserveDenseCpu",
+                  DENSE_QUANT_TARGETS["int8"]: "JaxserveDenseInt8Cpu",
+                  DENSE_QUANT_TARGETS["fp8"]: "JaxserveDenseFp8Cpu",
+                  DENSE_QUANT_TARGETS["int4"]: "JaxserveDenseInt4Cpu"}
+
+
+def isa_target(target: str, isa: str) -> str:
+    """The FFI target name of dense target `target` forced to `isa`."""
+    return f"{target}_{isa}"
+
+
 @functools.lru_cache(maxsize=None)
-def _register(path: str) -> None:
-    """Load the library and register its handler (once per process and library)."""
+def _register(path: str) -> tuple[str, ...]:
+    """Load the library and register its handlers (once per process and library), then build,
+    load and register the dense variants this CPU runs; returns their names, best first."""
     try:
         lib = ctypes.cdll.LoadLibrary(path)
         handlers = {TARGET: jax.ffi.pycapsule(lib.JaxservePagedAttentionCpu),
                     WRITE_TARGET: jax.ffi.pycapsule(lib.JaxservePagedAttentionWriteCpu),
                     QUANT_TARGET: jax.ffi.pycapsule(lib.JaxservePagedAttentionQuantCpu),
                     WRITE_QUANT_TARGET: jax.ffi.pycapsule(
-                        lib.JaxservePagedAttentionWriteQuantCpu),
-                    DENSE_TARGET: jax.ffi.pycapsule(lib.JaxserveDenseCpu),
-                    DENSE_QUANT_TARGETS["int8"]: jax.ffi.pycapsule(lib.JaxserveDenseInt8Cpu),
-                    DENSE_QUANT_TARGETS["fp8"]: jax.ffi.pycapsule(lib.JaxserveDenseFp8Cpu),
-                    DENSE_QUANT_TARGETS["int4"]: jax.ffi.pycapsule(lib.JaxserveDenseInt4Cpu)}
+                        lib.JaxservePagedAttentionWriteQuantCpu)}
+        supports = lib.JaxserveCpuSupports
+        supports.restype, supports.argtypes = ctypes.c_int, [ctypes.c_char_p]
     except (OSError, AttributeError) as e:
         raise BuildError(f"could not load {path}: {e}") from e
+    isas = tuple(isa for isa, _ in dense_variants() if supports(isa.encode()))
+    for isa in isas:
+        dense = str(build_dense_library(isa))
+        try:
+            dlib = ctypes.cdll.LoadLibrary(dense)
+            for target, symbol in _DENSE_SYMBOLS.items():
+                capsule = jax.ffi.pycapsule(getattr(dlib, symbol))
+                handlers[isa_target(target, isa)] = capsule
+                if isa == isas[0]:
+                    handlers[target] = capsule
+        except (OSError, AttributeError) as e:
+            raise BuildError(f"could not load {dense}: {e}") from e
+    if not isas:  # e.g. an x86-64 CPU without AVX2: the attention kernel still runs
+        log.warning("this CPU runs none of the C++ dense kernels' instruction sets %s: the "
+                    "dense projections use the jnp reference",
+                    [isa for isa, _ in dense_variants()])
     for name, handler in handlers.items():
         jax.ffi.register_ffi_target(name, handler, platform="cpu")
+    return isas
 
 
 @functools.lru_cache(maxsize=None)
+def load_kernels() -> tuple[str, ...] | None:
+    """Builds (if the cache lacks them), loads and registers every kernel, once per process:
+    the dense ISAs registered (best first), or None (after one warning) where the build
+    fails. ``load_kernels.cache_clear()`` makes the next call try again (tests)."""
+    try:
+        return _register(str(build_library()))
+    except BuildError as e:
+        log.warning("CPU paged attention and dense kernels unavailable, using the jnp "
+                    "references instead: %s", e)
+        return None
+
+
 def cpu_kernel_target() -> str | None:
     """The registered FFI target name (WRITE_TARGET is registered with it), or None (after one
     warning) where the build fails."""
-    try:
-        _register(str(build_library()))
-    except BuildError as e:
-        log.warning("CPU paged attention kernel unavailable, using the jnp reference "
-                    "attention instead: %s", e)
+    return TARGET if load_kernels() is not None else None
+
+
+def dense_isas() -> tuple[str, ...]:
+    """The instruction sets of the dense kernels this CPU runs, best first (the first is what
+    the plain target names run); () where the library could not be built or the CPU runs
+    none of them."""
+    return load_kernels() or ()
+
+
+def dense_kernel_target(isa: str | None = None) -> str | None:
+    """The dense projection's FFI target name (forced to `isa` if given), or None (after
+    cpu_kernel_target's one warning) where the library could not be built."""
+    return dense_target(DENSE_TARGET, isa)
+
+
+def dense_target(target: str, isa: str | None) -> str | None:
+    """Dense target `target` (DENSE_TARGET or a DENSE_QUANT_TARGETS value) forced to `isa`;
+    None where the library could not be built. An isa this CPU cannot run is a ValueError."""
+    isas = dense_isas()
+    if isa is None:
+        return target if isas else None
+    known = [name for name, _ in dense_variants()]
+    if isa not in known:
+        raise ValueError(f"isa={isa!r} must be one of {known} (or None: the best this CPU runs)")
+    if not isas:
         return None
-    return TARGET
-
-
-def dense_kernel_target() -> str | None:
-    """The dense projection's FFI target name, or None (after cpu_kernel_target's one warning)
-    where the library could not be built."""
-    return DENSE_TARGET if cpu_kernel_target() is not None else None
+    if isa not in isas:
+        raise ValueError(f"isa={isa!r}: this CPU runs only {list(isas)}")
+    return isa_target(target, isa)

@@ -9,7 +9,8 @@ dot here (no per-layer copy out of the stack, no packing per call, sequential re
 
 ``dense_packed_reference`` is the same product in jnp (unpack, matmul): the oracle of the
 tests, and what ``dense_packed`` computes where the C++ library cannot be built (cpu_build
-logs why once).
+logs why once). The kernel runs the best instruction set this CPU has (AVX-512, else AVX2:
+cpu_build's runtime check); ``isa=`` forces one.
 """
 
 from __future__ import annotations
@@ -71,10 +72,13 @@ def dense_packed_reference(x: jax.Array, panels: jax.Array, layer: jax.Array | N
 
 
 def dense_packed(x: jax.Array, panels: jax.Array, layer: jax.Array | None,
-                 n: int) -> jax.Array:
-    """x f32[..., K] @ (layer `layer`, an i32 scalar, of) the packed weight -> f32[..., n]."""
+                 n: int, isa: str | None = None) -> jax.Array:
+    """x f32[..., K] @ (layer `layer`, an i32 scalar, of) the packed weight -> f32[..., n].
+
+    isa: the kernel's instruction set ("avx512", "avx2"; cpu_build.dense_isas() lists what
+    this CPU runs), None for the best this CPU runs; one it cannot run is a ValueError."""
     _check(x, panels, n)
-    target = dense_kernel_target()
+    target = dense_kernel_target(isa)
     if target is None:
         return dense_packed_reference(x, panels, layer, n)
     lead = x.shape[:-1]

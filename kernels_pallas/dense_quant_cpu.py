@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .cpu_build import DENSE_QUANT_TARGETS, dense_kernel_target
+from .cpu_build import DENSE_QUANT_TARGETS, dense_target
 from .dense_cpu import PANEL, unpack_panels
 
 SCHEMES = tuple(DENSE_QUANT_TARGETS)
@@ -140,15 +140,17 @@ def dense_quant_reference(x: jax.Array, w: QuantPanels, layer: jax.Array | None,
 
 
 def dense_quant_packed(x: jax.Array, w: QuantPanels, layer: jax.Array | None,
-                       n: int) -> jax.Array:
-    """x f32[..., K] @ (layer `layer`, an i32 scalar, of) the quantized weight -> f32[..., n]."""
+                       n: int, isa: str | None = None) -> jax.Array:
+    """x f32[..., K] @ (layer `layer`, an i32 scalar, of) the quantized weight -> f32[..., n].
+
+    isa: as dense_cpu.dense_packed's (None: the best this CPU runs)."""
     _check(x, w, n)
-    if dense_kernel_target() is None:
+    target = dense_target(DENSE_QUANT_TARGETS[w.scheme], isa)
+    if target is None:
         return dense_quant_reference(x, w, layer, n)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     idx = jnp.zeros((), jnp.int32) if layer is None else jnp.reshape(layer, ()).astype(jnp.int32)
     args = (x2, w.values, w.scales) + (() if w.zeros is None else (w.zeros,)) + (idx,)
-    y = jax.ffi.ffi_call(DENSE_QUANT_TARGETS[w.scheme],
-                         jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))(*args)
+    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))(*args)
     return y.reshape(*lead, n)

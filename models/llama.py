@@ -40,12 +40,14 @@ class PackedWeight:
     panels: jax.Array | QuantPanels  # f32[(L,) ceil(out / 16), in, 16] or quantized panels
     out_features: int = struct.field(pytree_node=False)
     layer: jax.Array | None = None  # i32[]: the layer of a stack (set by scan_layers)
+    # The kernel's instruction set (cpu_build.dense_isas(); None: the best this CPU runs).
+    isa: str | None = struct.field(pytree_node=False, default=None)
 
     def matmul(self, x: jax.Array) -> jax.Array:
         if isinstance(self.panels, QuantPanels):
             return dense_quant_packed(x.astype(jnp.float32), self.panels, self.layer,
-                                      self.out_features).astype(x.dtype)
-        return dense_packed(x, self.panels, self.layer, self.out_features)
+                                      self.out_features, isa=self.isa).astype(x.dtype)
+        return dense_packed(x, self.panels, self.layer, self.out_features, isa=self.isa)
 
     def rows(self, ids: jax.Array) -> jax.Array:
         """W^T[ids] -> [..., in]: rows of the transposed weight (a tied embedding's lookup)."""

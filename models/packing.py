@@ -38,7 +38,8 @@ def can_pack(params: LlamaParams) -> str | None:
     return None
 
 
-def _pack(w: jax.Array | QuantizedWeight, transpose: bool = False) -> PackedWeight:
+def _pack(w: jax.Array | QuantizedWeight, transpose: bool = False,
+          isa: str | None = None) -> PackedWeight:
     if isinstance(w, QuantizedWeight):  # a quantized tied embedding is already transposed
         panels = pack_quant(np.asarray(w.values), np.asarray(w.scales),
                             None if w.zeros is None else np.asarray(w.zeros), w.scheme)
@@ -51,11 +52,12 @@ def _pack(w: jax.Array | QuantizedWeight, transpose: bool = False) -> PackedWeig
     device = next(iter(like.sharding.device_set))
     placed = jax.tree.map(lambda a: jax.device_put(a, device) if like.committed
                           else jnp.asarray(a), panels)
-    return PackedWeight(panels=placed, out_features=int(out_features))
+    return PackedWeight(panels=placed, out_features=int(out_features), isa=isa)
 
 
-def pack_params(params: LlamaParams) -> LlamaParams:
-    """Every linear weight of `params` (and the lm_head, or the tied embedding) packed."""
+def pack_params(params: LlamaParams, isa: str | None = None) -> LlamaParams:
+    """Every linear weight of `params` (and the lm_head, or the tied embedding) packed, run by
+    the kernel's `isa` variant (None: the best this CPU runs; cpu_build.dense_isas())."""
     why = can_pack(params)
     if why is not None:
         raise ValueError(f"cannot pack the weights for the CPU dense kernel: {why}")
@@ -63,8 +65,8 @@ def pack_params(params: LlamaParams) -> LlamaParams:
     for name in LINEAR_FIELDS:
         w = getattr(layers, name)
         if not isinstance(w, PackedWeight):
-            layers = layers.replace(**{name: _pack(w)})
+            layers = layers.replace(**{name: _pack(w, isa=isa)})
     params = params.replace(layers=layers)
     if params.lm_head is not None:
-        return params.replace(lm_head=_pack(params.lm_head))
-    return params.replace(embed=_pack(params.embed, transpose=True))
+        return params.replace(lm_head=_pack(params.lm_head, isa=isa))
+    return params.replace(embed=_pack(params.embed, transpose=True, isa=isa))

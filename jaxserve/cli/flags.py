@@ -16,7 +16,7 @@ import logging
 import re
 from typing import Any, Callable, Mapping, Sequence
 
-from jaxserve.config import (DENSE_IMPLS, DTYPES, FP8_ACTIVATIONS, KV_CACHE_DTYPES,
+from jaxserve.config import (DENSE_IMPLS, DENSE_ISAS, DTYPES, FP8_ACTIVATIONS, KV_CACHE_DTYPES,
                              QUANTIZATIONS, DistributedConfig, EngineConfig)
 from jaxserve.engine import sampling_params
 
@@ -50,6 +50,9 @@ _ENGINE_HELP = {
     "dense_impl": "dense projections: cpu packs the weights for jaxserve's C++ kernel, xla "
                   "keeps XLA's dot; auto: cpu on a CPU host with float32 weights and no "
                   "tensor parallelism",
+    "dense_isa": "the C++ dense kernel's instruction set: auto picks the best this CPU runs "
+                 "(avx512, else avx2; a runtime check); naming one this CPU cannot run fails "
+                 "at load",
     "quantization": "dense weights: auto keeps a checkpoint's own quantization (GGUF Q8_0 / "
                     "Q4_0 / Q4_1 blocks) and float weights float; none dequantizes to --dtype; "
                     "int8 (per-channel, W8A16), fp8 (e4m3, per-channel) or int4 (grouped) "
@@ -75,6 +78,7 @@ _ENGINE_HELP = {
                              "$JAXSERVE_COMPILATION_CACHE_DIR or ~/.cache/jaxserve/xla)",
 }
 _CHOICES = {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "dense_impl": DENSE_IMPLS,
+            "dense_isa": DENSE_ISAS,
             "quantization": QUANTIZATIONS, "fp8_activations": FP8_ACTIVATIONS}
 _UNITS = {"": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}

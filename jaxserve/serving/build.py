@@ -206,19 +206,21 @@ def _weight_quant(config: EngineConfig) -> WeightQuant:
 
 def _dense_params(config: EngineConfig, params: LlamaParams) -> LlamaParams:
     """`params` packed for the C++ dense kernel where `config.dense_impl` picks it (auto: on a
-    CPU host with float32 weights), else as they are."""
+    CPU host with float32 weights), else as they are; the kernel runs `config.dense_isa` (an
+    ISA this CPU cannot run is a ValueError here, at load)."""
     if config.dense_impl == "xla":
         return params
     why = can_pack(params)
     if why is None and jax.local_devices()[0].platform != "cpu":
         why = f"the device is {jax.local_devices()[0].platform}, not cpu"
-    if why is None and dense_kernel_target() is None:
+    isa = None if config.dense_isa == "auto" else config.dense_isa
+    if why is None and dense_kernel_target(isa) is None:
         why = "the C++ kernels could not be built (logged above)"
     if why is not None:
         if config.dense_impl == "cpu":
             log.warning("dense_impl=cpu: using XLA's dot instead, because %s", why)
         return params
-    return pack_params(params)
+    return pack_params(params, isa=isa)
 
 
 def _kv_budget(placed: list[_Placed]) -> int:

@@ -12,9 +12,11 @@
 // On a 2-core EPYC, 576 x 1536, f32: M = 8 0.30 ms (XLA:CPU 0.5-0.9 ms), M = 512 6.4 ms
 // (XLA 9.7 ms).
 //
-// Work items are (panel, row chunk) on XLA's intra-op thread pool (dense_common.h). Each item
-// sweeps its panel down K once per block of up to 6 rows, 6 x 16 accumulators in registers;
-// the panel (K x 64 bytes) stays in L2 between row blocks.
+// Work items are (panel group, row chunk) on XLA's intra-op thread pool (dense_common.h). Each
+// item sweeps its group's panels down K once per register tile of rows (AVX-512: 12 rows x 2
+// panels; AVX2: 6 rows x 1 panel); the panels (K x 64 bytes each) stay in L2 between tiles.
+// This file is compiled once per instruction set (cpu_build.py), the tile chosen by the
+// compiler's target macros (dense_common.h).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -26,9 +28,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxserve_dense::kGroup;
 using jaxserve_dense::kPanel;
-using jaxserve_dense::kRows;
-using jaxserve_dense::rows_block;
 
 ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
                  ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
@@ -52,20 +53,19 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
   const float* xs = x.typed_data();
   const float* base = panels.typed_data() + l * P * K * kPanel;
   float* ys = y->typed_data();
-  // Rows [r0, r1) of y's columns [16 j, 16 j + 16) (fewer in the last panel).
-  auto item = [=](int64_t j, int64_t r0, int64_t r1) {
-    const float* panel = base + j * K * kPanel;
-    const int64_t cols = std::min(kPanel, N - j * kPanel);
-    float out[kRows][kPanel];
-    for (int64_t r = r0; r < r1; r += kRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kRows, r1 - r));
-      rows_block(rows, xs + r * K, K, panel, &out[0][0]);
-      for (int i = 0; i < rows; ++i) {
-        std::memcpy(ys + (r + i) * N + j * kPanel, out[i], sizeof(float) * cols);
-      }
+  // Rows [r0, r1) of y's columns [16 kGroup g, 16 kGroup (g + 1)) (fewer in the last group).
+  auto item = [=](int64_t g, int64_t r0, int64_t r1) {
+    const int64_t j0 = g * kGroup;
+    const int np = static_cast<int>(std::min(kGroup, P - j0));
+    const float* panel = base + j0 * K * kPanel;
+    const int64_t cols = std::min(np * kPanel, N - j0 * kPanel);
+    float out[jaxserve_dense::kRowChunk][kGroup * kPanel];
+    jaxserve_dense::chunk(r1 - r0, np, xs + r0 * K, K, panel, K * kPanel, &out[0][0]);
+    for (int64_t r = r0; r < r1; ++r) {
+      std::memcpy(ys + r * N + j0 * kPanel, out[r - r0], sizeof(float) * cols);
     }
   };
-  jaxserve_dense::run_panels(pool, M, P, M * K * N, item);
+  jaxserve_dense::run_panels(pool, M, (P + kGroup - 1) / kGroup, M * K * N, item);
   return ffi::Error::Success();
 }
 

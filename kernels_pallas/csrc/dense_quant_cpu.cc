@@ -17,9 +17,11 @@
 // (normals and subnormals alike; F16C converts halves to floats in hardware, whatever the
 // denormal flags); the 2^8 is folded into the group's scale.
 //
-// A row range longer than one register block first dequantizes its panel into a float scratch
-// panel (L2-sized) and runs dense_cpu.cc's float block over it. The work split over XLA's
-// thread pool is dense_cpu.cc's (dense_common.h).
+// A row range longer than one register block (a prefill's chunk of up to 256 rows) first
+// dequantizes its group's panels into float scratch panels (L2-sized), once, and runs
+// dense_cpu.cc's float tile over them for every row of the chunk: the conversion costs K x 16
+// x kGroup values per up to 256 x that many FMAs, so prefill runs at float32's speed. The work split
+// over XLA's thread pool is dense_cpu.cc's (dense_common.h), as is the per-ISA build.
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -35,6 +37,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxserve_dense::kGroup;
 using jaxserve_dense::kPanel;
 using jaxserve_dense::kRows;
 using jaxserve_dense::load8;
@@ -182,20 +185,25 @@ void rows_block(int rows, const float* x, int64_t K, int64_t G, const uint8_t* p
   }
 }
 
-// The panel's weights as floats [K, 16] (scales and zeros applied) into `out`.
+// The panel's weights as floats [K, 16] (scales and zeros applied) into `out`, group by group
+// (the group's scale and zero vectors loaded once; no division per row).
 template <class D, bool kZeros>
 void dequantize_panel(int64_t K, int64_t G, const uint8_t* panel, const float* scales,
                       const float* zeros, float* out) {
-  for (int64_t k = 0; k < K; k += D::kUnit) {
-    v8 w[D::kUnit][2];
-    D::load(panel + k / D::kUnit * D::kBytes, w);
-    for (int u = 0; u < D::kUnit; ++u) {
-      const int64_t g = (k + u) / G;
-      v8 lo = w[u][0] * (load8(scales + g * kPanel) * D::kScale);
-      v8 hi = w[u][1] * (load8(scales + g * kPanel + 8) * D::kScale);
-      if (kZeros) lo += load8(zeros + g * kPanel), hi += load8(zeros + g * kPanel + 8);
-      std::memcpy(out + (k + u) * kPanel, &lo, sizeof(lo));
-      std::memcpy(out + (k + u) * kPanel + 8, &hi, sizeof(hi));
+  for (int64_t g0 = 0, gi = 0; g0 < K; g0 += G, ++gi) {
+    const v8 s0 = load8(scales + gi * kPanel) * D::kScale;
+    const v8 s1 = load8(scales + gi * kPanel + 8) * D::kScale;
+    const v8 z0 = kZeros ? load8(zeros + gi * kPanel) : splat(0.0f);
+    const v8 z1 = kZeros ? load8(zeros + gi * kPanel + 8) : splat(0.0f);
+    for (int64_t k = g0; k < g0 + G; k += D::kUnit) {
+      v8 w[D::kUnit][2];
+      D::load(panel + k / D::kUnit * D::kBytes, w);
+      for (int u = 0; u < D::kUnit; ++u) {
+        v8 lo = w[u][0] * s0, hi = w[u][1] * s1;
+        if (kZeros) lo += z0, hi += z1;
+        std::memcpy(out + (k + u) * kPanel, &lo, sizeof(lo));
+        std::memcpy(out + (k + u) * kPanel + 8, &hi, sizeof(hi));
+      }
     }
   }
 }
@@ -233,31 +241,41 @@ ffi::Error DenseQuant(ffi::ThreadPool pool, ffi::AnyBuffer x_buf, ffi::AnyBuffer
   const float* sbase = reinterpret_cast<const float*>(scales.untyped_data()) + l * P * scale_len;
   const float* zbase = kZeros ? reinterpret_cast<const float*>(zeros.untyped_data()) +
                                     l * P * scale_len : nullptr;
-  auto item = [=](int64_t j, int64_t r0, int64_t r1) {
-    const int64_t cols = std::min(kPanel, N - j * kPanel);
-    const uint8_t* panel = base + j * panel_bytes;
-    const float* s = sbase + j * scale_len;
-    const float* z = kZeros ? zbase + j * scale_len : nullptr;
-    thread_local std::vector<float> scratch;
-    const bool direct = r1 - r0 <= kDirectRows;
-    if (!direct) {
-      scratch.resize(K * kPanel);
-      dequantize_panel<D, kZeros>(K, G, panel, s, z, scratch.data());
+  // Rows [r0, r1) of y's columns [16 kGroup g, 16 kGroup (g + 1)) (fewer in the last group).
+  auto item = [=](int64_t g, int64_t r0, int64_t r1) {
+    const int64_t j0 = g * kGroup;
+    const int np = static_cast<int>(std::min(kGroup, P - j0));
+    if (r1 - r0 <= kDirectRows) {  // a few rows: straight from the quantized bytes
+      float out[kRows][kPanel];
+      for (int p = 0; p < np; ++p) {
+        const int64_t j = j0 + p, cols = std::min(kPanel, N - j * kPanel);
+        const float* z = kZeros ? zbase + j * scale_len : nullptr;
+        const int rows = static_cast<int>(r1 - r0);
+        rows_block<D, kZeros>(rows, x + r0 * K, K, G, base + j * panel_bytes,
+                              sbase + j * scale_len, z, &out[0][0]);
+        for (int i = 0; i < rows; ++i) {
+          std::memcpy(y + (r0 + i) * N + j * kPanel, out[i], sizeof(float) * cols);
+        }
+      }
+      return;
     }
-    float out[kRows][kPanel];
-    for (int64_t r = r0; r < r1; r += kRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kRows, r1 - r));
-      if (direct) {
-        rows_block<D, kZeros>(rows, x + r * K, K, G, panel, s, z, &out[0][0]);
-      } else {
-        jaxserve_dense::rows_block(rows, x + r * K, K, scratch.data(), &out[0][0]);
-      }
-      for (int i = 0; i < rows; ++i) {
-        std::memcpy(y + (r + i) * N + j * kPanel, out[i], sizeof(float) * cols);
-      }
+    // More rows: the group's panels as floats once, then the float tile over every row.
+    thread_local std::vector<float> scratch;
+    scratch.resize(kGroup * K * kPanel);
+    for (int p = 0; p < np; ++p) {
+      const int64_t j = j0 + p;
+      dequantize_panel<D, kZeros>(K, G, base + j * panel_bytes, sbase + j * scale_len,
+                                  kZeros ? zbase + j * scale_len : nullptr,
+                                  scratch.data() + p * K * kPanel);
+    }
+    const int64_t cols = std::min(np * kPanel, N - j0 * kPanel);
+    float out[jaxserve_dense::kRowChunk][kGroup * kPanel];
+    jaxserve_dense::chunk(r1 - r0, np, x + r0 * K, K, scratch.data(), K * kPanel, &out[0][0]);
+    for (int64_t r = r0; r < r1; ++r) {
+      std::memcpy(y + r * N + j0 * kPanel, out[r - r0], sizeof(float) * cols);
     }
   };
-  jaxserve_dense::run_panels(pool, M, P, M * K * N, item);
+  jaxserve_dense::run_panels(pool, M, (P + kGroup - 1) / kGroup, M * K * N, item);
   return ffi::Error::Success();
 }
 

@@ -182,7 +182,7 @@ def test_no_compiler_falls_back_to_the_reference_with_one_warning(tmp_path, monk
                                                                    caplog) -> None:
     monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))       # nothing cached here
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    cpu_build.cpu_kernel_target.cache_clear()
+    cpu_build.load_kernels.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
             assert select_impl("auto", "cpu") == "reference"
@@ -199,6 +199,9 @@ def test_no_compiler_falls_back_to_the_reference_with_one_warning(tmp_path, monk
                                                  impl="cpu")
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
             np.testing.assert_array_equal(np.asarray(got_pages), np.asarray(pages))
+            # The dense kernels share the build: none registered, the wrappers' reference.
+            assert cpu_build.dense_kernel_target() is None and cpu_build.dense_isas() == ()
+            assert cpu_build.dense_kernel_target("avx2") is None
         # cpu_build's records only: an engine of an earlier module whose compile guard is still
         # registered logs "XLA compile after warmup" for this test's eager ops.
         warnings = [r for r in caplog.records
@@ -208,7 +211,7 @@ def test_no_compiler_falls_back_to_the_reference_with_one_warning(tmp_path, monk
         assert "using the jnp reference" in msg and "/nonexistent/c++" in msg
         assert list(tmp_path.iterdir()) == []
     finally:
-        cpu_build.cpu_kernel_target.cache_clear()
+        cpu_build.load_kernels.cache_clear()
 
 
 @pytest.mark.timeout(960)  # past the worker's own 900 s subprocess limit

@@ -9,6 +9,7 @@ dequantizes them with its own code). The engine-level checks are in test_quant_e
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import gguf
 import jax
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from support.cpu_isa import isa_params
 from support.numerics import F32_UNIT_ROUNDOFF, matmul_atol, unit_roundoff
 
 from jaxserve.config import EngineConfig
@@ -123,14 +125,19 @@ def test_fp8_activations_dot() -> None:
 
 # (layers, K, N, group, rows): one panel and ragged panels; rows 1-6 run the direct register
 # path, more rows the dequantized scratch panel; several layers read in place.
+# Each on every instruction set this CPU has (support.cpu_isa): AVX-512's tile is 12 rows x 2
+# panels (odd panel counts leave a one-panel group), AVX2's 6 rows x 1; K = 448 spans 3 of
+# the chunk's k blocks (192); 257 rows, two row chunks (256).
 KERNEL_CASES = [(1, 64, 16, None, 1), (3, 64, 40, 32, 6), (2, 96, 33, 32, 7),
-                (1, 128, 50, 16, 40), (2, 64, 200, None, 100)]
+                (1, 128, 50, 16, 40), (2, 64, 200, None, 100), (1, 64, 48, 32, 25),
+                (1, 448, 40, 32, 30), (1, 32, 40, 32, 257)]
 
 
+@pytest.mark.parametrize("isa", isa_params())
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("layers,k,n,group,m", KERNEL_CASES)
 def test_cpu_kernel_against_numpy(scheme: str, layers: int, k: int, n: int,
-                                  group: int | None, m: int) -> None:
+                                  group: int | None, m: int, isa: str) -> None:
     rng = np.random.default_rng(k + n + m)
     g = group if group is not None else (32 if scheme == "int4" else None)
     q = quantize_weight(rng.normal(size=(layers, k, n)).astype(np.float32), scheme, g)
@@ -138,7 +145,7 @@ def test_cpu_kernel_against_numpy(scheme: str, layers: int, k: int, n: int,
     packed = jax.tree.map(jnp.asarray, pack_quant(np.asarray(q.values), q.scales, q.zeros,
                                                   scheme))
     x = rng.normal(size=(m, k)).astype(np.float32)
-    kernel = jax.jit(dense_quant_packed, static_argnums=3)
+    kernel = jax.jit(functools.partial(dense_quant_packed, isa=isa), static_argnums=3)
     for layer in range(layers):
         want = x @ w[layer]
         for f in (kernel, dense_quant_reference):

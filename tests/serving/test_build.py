@@ -69,6 +69,33 @@ def test_dense_impl_packs_weights_where_it_applies(dense_impl: str, dtype: str,
 def test_dense_impl_is_validated() -> None:
     with pytest.raises(ValueError, match="dense_impl='blas' must be one of"):
         EngineConfig(dense_impl="blas")
+    with pytest.raises(ValueError, match="dense_isa='sse2' must be one of"):
+        EngineConfig(dense_isa="sse2")
+
+
+def test_dense_isa_reaches_every_packed_weight() -> None:
+    """config.dense_isa forces the kernel's variant on every packed weight (the figures and
+    tests of the other path); one this CPU cannot run fails at load, naming it."""
+    from support.engine_fixtures import tiny_model
+
+    from jaxserve.kernels_pallas import cpu_build
+    from jaxserve.models.llama import PackedWeight
+
+    isas = cpu_build.dense_isas()
+    if not isas:
+        pytest.skip("the CPU kernels could not be built here (see the log)")
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
+              kv_cache_memory=1 << 20)
+    engine = build.build_engine(EngineConfig(dense_isa=isas[-1], **kw), tiny_model(),
+                                warmup=False)
+    packed = [w for w in jax.tree_util.tree_leaves(
+        engine.runner.params, is_leaf=lambda x: isinstance(x, PackedWeight))
+        if isinstance(w, PackedWeight)]
+    assert packed and {w.isa for w in packed} == {isas[-1]}
+    missing = [isa for isa, _ in cpu_build.dense_variants() if isa not in isas]
+    for isa in missing:
+        with pytest.raises(ValueError, match=f"isa='{isa}': this CPU runs only"):
+            build.build_engine(EngineConfig(dense_isa=isa, **kw), tiny_model(), warmup=False)
 
 
 def _model_cfg(head_dim: int):  # noqa: ANN202 - a ModelConfig, GQA 4
