@@ -15,8 +15,11 @@ Semantics (exact, with no opt-in approximation): the definitions are the ones th
 gave, ties at a boundary kept (a value equal to the cut-off stays) so nothing depends on an
 order among equal logits; top-p's mass is that of the whole tempered distribution (not
 renormalised after top-k), as before. Two ways to the same value:
-- the fast path: `lax.top_k` of CANDIDATES (64) values per row, a bounded selection that
-  lowers to a top-k of k = 64, not a sort (2.5 ms at 32 rows of 49k on XLA:CPU). It is exact
+- the fast path: the CANDIDATES (64) largest values per row by a bounded selection, not a
+  sort: `lax.top_k` (XLA's TopK; 2.5 ms at 32 rows of 49k on XLA:CPU), or on TPU, where an
+  exact top-k is a sort, `lax.approx_max_k` checked for exactness per row (a row whose
+  approximate set is not the exact top 64, or ties its 64th value, is not settled and takes
+  the fallback), so the approximation changes the cost, never the result. It is exact
   whenever the kept set fits: top_k <= CANDIDATES gives the k-th value directly; top-p is
   exact when the candidates' mass (over the full vocabulary's normaliser) already reaches
   top_p, since the prefix then ends among them.
@@ -42,6 +45,8 @@ index, so a seeded request draws the same token whatever else is in its batch.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -93,13 +98,36 @@ def bisect_cutoffs(x: jax.Array, k: jax.Array, top_p: jax.Array) -> tuple[jax.Ar
     return key_value(klo), key_value(plo)
 
 
+def _candidates(x: jax.Array, C: int) -> tuple[jax.Array, jax.Array]:
+    """(f32[S, C] the C largest values of each row, descending; bool[S] True): an exact
+    bounded top-k (XLA's TopK on CPU and GPU, not a sort)."""
+    return jax.lax.top_k(x, C)[0], jnp.ones((x.shape[0],), bool)
+
+
+def _tpu_candidates(x: jax.Array, C: int) -> tuple[jax.Array, jax.Array]:
+    """`_candidates` by TPU's approximate top-k (an exact top-k is a sort there), checked: the
+    C values returned are the top C exactly when no other entry reaches the smallest of them
+    (a missed larger entry would be counted), so a row is `settled` only when its count of
+    entries >= that value is C; the other rows take the bisection."""
+    return checked_candidates(x, jax.lax.approx_max_k(x, C, recall_target=0.95)[0])
+
+
+def checked_candidates(x: jax.Array, vals: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(vals sorted descending, settled bool[S]) for C values f32[S, C] taken from distinct
+    positions of each row of x f32[S, V]: settled where they are exactly its C largest."""
+    vals = -jnp.sort(-vals, axis=-1)  # a sort of C values, not of the vocabulary
+    settled = jnp.sum((x >= vals[:, -1:]).astype(jnp.int32), axis=-1) == vals.shape[-1]
+    return vals, settled
+
+
 def cutoffs(x: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
     """f32[S, 1]: keep x >= it, for top-k (k i32[S] in [1, V]; V = off) and top-p (f32[S]; >= 1
     off) over the tempered logits x f32[S, V]. The candidates' answer where it is exact, the
     bisection's for the rows where it is not (see the module docstring)."""
     S, V = x.shape
     C = min(CANDIDATES, V)
-    vals, _ = jax.lax.top_k(x, C)  # f32[S, C] descending
+    vals, settled = jax.lax.platform_dependent(
+        x, tpu=partial(_tpu_candidates, C=C), default=partial(_candidates, C=C))
     kth = jnp.take_along_axis(vals, (jnp.minimum(k, C) - 1)[:, None], axis=-1)[:, 0]
     kth = jnp.where(k >= V, -jnp.inf, kth)
     top = vals[:, :1]
@@ -111,8 +139,8 @@ def cutoffs(x: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
     pth = jnp.take_along_axis(vals, last[:, None], axis=-1)[:, 0]
     p_fits = jnp.sum(pc, axis=-1) >= need
     pth = jnp.where(top_p >= 1.0, -jnp.inf, pth)
-    k_slow = (k > C) & (k < V)
-    p_slow = (top_p < 1.0) & ~p_fits
+    k_slow = ((k > C) & (k < V)) | ((k < V) & ~settled)
+    p_slow = (top_p < 1.0) & (~p_fits | ~settled)
     slow = k_slow | p_slow  # bool[S]
 
     def exact(_: None) -> tuple[jax.Array, jax.Array]:

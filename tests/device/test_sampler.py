@@ -412,3 +412,22 @@ def test_seeded_row_is_independent_of_a_neighbour_that_takes_the_fallback() -> N
         mixed = run(jnp.asarray(np.concatenate([flat, peaked])),
                     tensors(2, rng_key=keys, **both), False).tokens[1]
         assert int(alone) == int(mixed), seed
+
+
+def test_approximate_candidates_are_checked_before_they_are_trusted() -> None:
+    """TPU's approx_max_k may miss a top entry: `checked_candidates` settles a row only when
+    the values it got are exactly the row's C largest (a miss, or a tie with the C-th value
+    outside the set, sends the row to the exact bisection)."""
+    from jaxserve.device import nucleus
+
+    rng = np.random.default_rng(14)
+    x = rng.normal(0, 1, (3, VL)).astype(np.float32)
+    C = nucleus.CANDIDATES
+    order = np.argsort(-x, axis=1)
+    picked = np.stack([x[0, order[0, :C]],  # exact
+                       x[1, np.r_[order[1, :C - 1], order[1, C]]],  # missed the C-th
+                       x[2, order[2, :C]]])[:, ::-1]  # exact, given ascending
+    x[2, order[2, C]] = x[2, order[2, C - 1]]  # ... but tied outside the set
+    vals, settled = nucleus.checked_candidates(jnp.asarray(x), jnp.asarray(picked.copy()))
+    assert np.asarray(settled).tolist() == [True, False, False]
+    np.testing.assert_array_equal(np.asarray(vals[0]), np.sort(x[0])[::-1][:C])
