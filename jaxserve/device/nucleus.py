@@ -69,39 +69,100 @@ def key_value(key: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def bisect_cutoffs(x: jax.Array, k: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+def bisect_cutoffs(x: jax.Array, k: jax.Array, top_p: jax.Array,
+                   rows: tuple[jax.Array, jax.Array] | None = None,
+                   upper: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(kth, pth) f32[S]: each row's k-th largest value of x f32[S, V] (k i32[S] in [1, V]),
     and the smallest value of the shortest descending prefix whose softmax mass reaches top_p
-    f32[S] (the row's minimum when top_p >= 1). Exact, by 32 halvings of the uint32 key range.
-
-    Invariant per row and per target: pred(lo) holds and pred(hi) does not, pred being
-    count(keys >= t) >= k, or mass(keys >= t) >= top_p * total; both are monotone in t, so
-    the final lo is the largest key satisfying it, the key of a value present in the row."""
+    f32[S] (the row's minimum when top_p >= 1). Exact. `rows`: (bool[S], bool[S]) the rows
+    whose kth / pth is wanted (default all); the others' values are unspecified. `upper`
+    f32[S]: a value both answers lie at or below in the wanted rows (the C-th candidate, of
+    rows the candidates do not settle), which starts the search closer."""
     keys = order_keys(x)  # u32[S, V]
     p = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))  # f32[S, V], 0 where x is -inf
-    need = top_p * jnp.sum(p, axis=-1)  # f32[S]
-    kf = k.astype(jnp.float32)
-    lo0 = jnp.min(keys, axis=-1)
-    hi0 = jnp.max(keys, axis=-1) + 1  # no overflow: +inf's key is 0xff800000, NaN is no logit
+    ones = jnp.ones_like(p)
+    want_k, want_p = rows if rows is not None else (jnp.ones(k.shape, bool),) * 2
+    top = None if upper is None else order_keys(upper) + jnp.uint32(1)
+    # On TPU, where an exact top-k is a sort, the halving runs to a single key (32 passes
+    # at most, each a read of S x V at HBM speed); elsewhere to a bracket of CANDIDATES entries.
+    C = min(CANDIDATES, x.shape[-1])
 
-    def halve(_: int, c: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        klo, khi, plo, phi = c
-        kmid = klo + (khi - klo) // 2
-        pmid = plo + (phi - plo) // 2
-        count = jnp.sum((keys >= kmid[:, None]).astype(jnp.float32), axis=-1)
-        mass = jnp.sum(jnp.where(keys >= pmid[:, None], p, 0.0), axis=-1)
-        kok, pok = count >= kf, mass >= need
-        return (jnp.where(kok, kmid, klo), jnp.where(kok, khi, kmid),
-                jnp.where(pok, pmid, plo), jnp.where(pok, phi, pmid))
+    def bisect(*args: jax.Array) -> jax.Array:
+        return jax.lax.platform_dependent(*args, tpu=partial(_bisect, bracket=1),
+                                          default=partial(_bisect, bracket=C))
 
-    klo, _, plo, _ = jax.lax.fori_loop(0, 32, halve, (lo0, hi0, lo0, hi0))
-    return key_value(klo), key_value(plo)
+    kth = bisect(keys, x, ones, k.astype(jnp.float32), want_k, top)
+    pth = bisect(keys, x, p, top_p * jnp.sum(p, axis=-1), want_p, top)
+    return kth, pth
+
+
+def _bisect(keys: jax.Array, x: jax.Array, weight: jax.Array, need: jax.Array,
+            want: jax.Array, top: jax.Array | None, bracket: int) -> jax.Array:
+    """f32[S]: the largest value t of each row of x f32[S, V] with sum(weight[x >= t]) >= need
+    (weight f32[S, V] >= 0: ones for top-k's count, the unnormalised probabilities for
+    top-p's mass; need f32[S]), for the rows `want` bool[S]; `top` u32[S] a key where the
+    condition fails (default: above the row's largest). `bracket` (static): the entries left
+    between lo and hi at which the halving stops (1: a single key, no top-k).
+
+    Halving the uint32 key range keeps pred(lo) true and pred(hi) false (pred being the sum
+    condition at key t, monotone in t), and stops for a row once [lo, hi) holds at most
+    CANDIDATES entries (or only ties: hi = lo + 1); a steady distribution halves the entries
+    in the bracket at each pass, so ~10 passes of 49k, not 32. Those entries (a bounded top-k
+    of the row masked to the bracket) are then walked in descending order from the weight
+    above the bracket to the first that reaches `need`: a value present in the row."""
+    S, V = x.shape
+    C = bracket if bracket > 1 else 0  # 1: halve down to hi = lo + 1, where lo is an entry's
+    # From the least key of positive weight (all of the row's weight lies at or above it:
+    # a grammar's -inf entries, which would add a dozen binades to the range, are skipped
+    # for top-p) to one where the condition fails. +inf's key is 0xff800000: no overflow.
+    lo = jnp.min(jnp.where(weight > 0, keys, jnp.uint32(0xFFFFFFFF)), axis=-1)
+    hi = jnp.max(keys, axis=-1) + 1 if top is None else top
+    lo, hi = jnp.where(want, lo, 0).astype(jnp.uint32), jnp.where(want, hi, 1).astype(jnp.uint32)
+    zero = jnp.zeros((S,), jnp.float32)
+    # (lo, hi, entries >= lo, entries >= hi, weight >= hi, passes)
+    init = (lo, hi, jnp.where(want, float(V), 0.0), zero, zero, jnp.int32(0))
+
+    def open_rows(c: tuple) -> jax.Array:
+        lo, hi, n_lo, n_hi = c[:4]
+        return (n_lo - n_hi > C) & (hi - lo > 1)
+
+    def halve(c: tuple) -> tuple:
+        lo, hi, n_lo, n_hi, w_hi, i = c
+        mid = lo + (hi - lo) // 2
+        above = keys >= mid[:, None]
+        n_mid = jnp.sum(above.astype(jnp.float32), axis=-1)
+        w_mid = jnp.sum(jnp.where(above, weight, 0.0), axis=-1)
+        go = open_rows(c)
+        up, down = go & (w_mid >= need), go & (w_mid < need)
+        return (jnp.where(up, mid, lo), jnp.where(down, mid, hi), jnp.where(up, n_mid, n_lo),
+                jnp.where(down, n_mid, n_hi), jnp.where(down, w_mid, w_hi), i + 1)
+
+    lo, hi, n_lo, n_hi, w_hi, _ = jax.lax.while_loop(
+        lambda c: (c[-1] < 33) & jnp.any(open_rows(c)), halve, init)
+    if bracket == 1:  # hi = lo + 1: lo is the key of an entry (or of ties)
+        return key_value(lo)
+    inside = (keys >= lo[:, None]) & (keys < hi[:, None])
+    vals, idx = jax.lax.optimization_barrier(  # kept whole: see `_candidates`
+        jax.lax.top_k(jnp.where(inside, x, -jnp.inf), C))
+    w = jnp.take_along_axis(weight, idx, axis=-1)  # f32[S, C]
+    reached = w_hi[:, None] + jnp.cumsum(w, axis=-1) >= need[:, None]
+    n_in = jnp.clip(n_lo - n_hi, 1, C).astype(jnp.int32)
+    # the first entry reaching `need`; rounding aside, the bracket's last entry reaches it
+    first = jnp.minimum(jnp.argmax(reached, axis=-1), n_in - 1)
+    first = jnp.where(jnp.any(reached, axis=-1), first, n_in - 1)
+    found = jnp.take_along_axis(vals, first[:, None], axis=-1)[:, 0]
+    return jnp.where(hi - lo > 1, found, key_value(lo))  # hi = lo + 1: ties, all of value lo
 
 
 def _candidates(x: jax.Array, C: int) -> tuple[jax.Array, jax.Array]:
     """(f32[S, C] the C largest values of each row, descending; bool[S] True): an exact
     bounded top-k (XLA's TopK on CPU and GPU, not a sort)."""
-    return jax.lax.top_k(x, C)[0], jnp.ones((x.shape[0],), bool)
+    # The barrier keeps XLA's TopK whole: without it, XLA:CPU's simplifier folded the later
+    # slices of the values (vals[:, :1], ...) into the TopK's reference decomposition (a sort
+    # and a slice), no longer recognised it as a TopK and ran the sort of the whole
+    # vocabulary: 230 ms at 32 rows of 49k instead of 2.5 (the export tests check the text).
+    vals, _ = jax.lax.optimization_barrier(jax.lax.top_k(x, C))
+    return vals, jnp.ones((x.shape[0],), bool)
 
 
 def _tpu_candidates(x: jax.Array, C: int) -> tuple[jax.Array, jax.Array]:
@@ -144,7 +205,8 @@ def cutoffs(x: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
     slow = k_slow | p_slow  # bool[S]
 
     def exact(_: None) -> tuple[jax.Array, jax.Array]:
-        bk, bp = bisect_cutoffs(x, k, top_p)
+        bk, bp = bisect_cutoffs(x, k, top_p, (k_slow, p_slow), jnp.where(settled, vals[:, -1],
+                                                                         jnp.inf))
         return jnp.where(k_slow, bk, kth), jnp.where(p_slow, bp, pth)
 
     kth, pth = jax.lax.cond(jnp.any(slow), exact, lambda _: (kth, pth), None)

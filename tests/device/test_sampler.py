@@ -358,6 +358,11 @@ def test_bisection_is_the_exact_kth_value_and_top_p_cut() -> None:
     top_p = rng.choice([0.1, 0.5, 0.9, 0.99, 1.0], S).astype(np.float32)
     kth, pth = jax.jit(nucleus.bisect_cutoffs)(jnp.asarray(x), jnp.asarray(k),
                                                jnp.asarray(top_p))
+    # TPU's variant (halving down to one key, no bracket top-k), run here on the CPU
+    keys, want = nucleus.order_keys(jnp.asarray(x)), jnp.ones(S, bool)
+    kth1 = nucleus._bisect(keys, jnp.asarray(x), jnp.ones((S, VL)), jnp.asarray(k, jnp.float32),
+                           want, None, bracket=1)
+    np.testing.assert_array_equal(np.asarray(kth1), np.asarray(kth))
     for r in range(S):
         assert float(kth[r]) == np.sort(x[r])[::-1][k[r] - 1], r
         keep = np_allowed(x[r], 1.0, -1, float(top_p[r]), 0.0) if top_p[r] < 1 else None
@@ -431,3 +436,18 @@ def test_approximate_candidates_are_checked_before_they_are_trusted() -> None:
     vals, settled = nucleus.checked_candidates(jnp.asarray(x), jnp.asarray(picked.copy()))
     assert np.asarray(settled).tolist() == [True, False, False]
     np.testing.assert_array_equal(np.asarray(vals[0]), np.sort(x[0])[::-1][:C])
+
+
+def test_cpu_executable_keeps_its_top_k_and_sorts_no_vocabulary() -> None:
+    """XLA:CPU's compiled sampler (the shipped `sample_jit`, penalties on) holds TopK calls
+    and no sort over the vocabulary: with the candidates' slices folded into TopK's reference
+    decomposition, XLA once compiled a full sort of f32[S, V] instead (~100x slower)."""
+    from jaxserve.device.model_runner import sample_jit
+
+    S, Vc = 8, 4096
+    logits = jnp.zeros((S, Vc), jnp.float32)
+    st = tensors(S, top_k=np.full(S, 50, np.int32), top_p=np.full(S, 0.9, np.float32),
+                 history=np.zeros((S, 4), np.int32), history_is_output=np.ones((S, 4), bool))
+    text = sample_jit.lower(logits, st, apply_penalty=True, feed_len=S).compile().as_text()
+    assert 'custom_call_target="TopK"' in text
+    assert not re.findall(rf"= \(?f32\[{S},{Vc}\][^=]*\bsort\(", text)
