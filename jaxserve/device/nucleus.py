@@ -7,7 +7,7 @@ to -inf -> `inverse_cdf_draw`: one uniform per row picks a token from the cumula
 exp(filtered - max), over 32-token words first and then inside the chosen word.
 
 Why no sort. A full sort of f32[32, 49152] costs about 275 ms on a 2-core XLA:CPU host (a
-greedy decode step of the bundled model is ~95 ms), and a vocabulary-wide sort is slow on
+greedy decode step of the bundled model is ~100-150 ms), and a vocabulary-wide sort is slow on
 TPU and GPU too. The cut-offs only need one value per row: the k-th largest logit, and the
 smallest logit of the shortest prefix (in descending order) whose mass reaches top_p.
 
@@ -25,18 +25,22 @@ renormalised after top-k), as before. Two ways to the same value:
   top_p, since the prefix then ends among them.
 - the fallback, for rows the candidates do not settle (top_k in (CANDIDATES, V), or a nucleus
   wider than CANDIDATES: top_p 0.95 at temperature 1 on a small model often is): a bisection
-  over the logits' float32 order. Each float maps to a uint32 key with the same order, and
-  32 halvings of the key range find the largest key t with count(x >= t) >= k (the k-th
-  largest value) and the largest t with mass(x >= t) >= top_p * mass(all) (top-p's cut), both
-  in one masked pass per halving. It is exact (the result is a value present in the row), not
-  a tolerance, and costs ~10 ms at 32 rows of 49k on XLA:CPU; it runs under a lax.cond, only
-  in steps where some row needs it, and then for every row (per-row selection by `where`).
+  over the logits' float32 order. Each float maps to a uint32 key with the same order; each
+  pass halves a row's [lo, hi) (by value, or by key once values stop halving it) keeping
+  count(x >= lo) >= k (or mass(x >= lo) >= top_p * mass(all)) and not at hi, starting from
+  the 64th candidate, and stops once the bracket holds at most 64 entries; a bounded top-k of
+  the row masked to the bracket then walks them in order to the exact cut-off (on TPU the
+  halving goes on to a single key instead: no exact top-k there). It is exact (the result
+  is a value present in the row), not a tolerance: ~13 passes at 32 flat rows of 49k, ~20 ms
+  on XLA:CPU against ~2.5 ms for the candidates; it runs under a lax.cond, only in steps
+  where some row needs it, and its answer is taken only for those rows (`where`).
 The two agree up to the order in which float32 masses are summed (the sort summed a
 cumulative sum, these sum a masked total), which only matters when top_p falls within
 rounding of a prefix's mass: the sort had the same sensitivity.
 
 Why one uniform, not Gumbel noise. Gumbel-max needs a threefry draw per vocabulary entry (7
-ms at 32 rows of 49k here, and a pass writing f32[S, V]); the inverse CDF needs one uniform
+ms at 32 rows of 49k alone, 20 ms in the sampler as it was fused; and a pass writing
+f32[S, V]); the inverse CDF needs one uniform
 per row and two reductions the draw shares with the filter: the mass of each 32-token word
 (a vectorised sum), a cumulative sum over the W = V / 32 word masses (small), and one over
 the 32 entries of the chosen word. The key of a row is the request's own (its seed, or the
@@ -104,10 +108,10 @@ def _bisect(keys: jax.Array, x: jax.Array, weight: jax.Array, need: jax.Array,
     condition fails (default: above the row's largest). `bracket` (static): the entries left
     between lo and hi at which the halving stops (1: a single key, no top-k).
 
-    Halving the uint32 key range keeps pred(lo) true and pred(hi) false (pred being the sum
-    condition at key t, monotone in t), and stops for a row once [lo, hi) holds at most
-    CANDIDATES entries (or only ties: hi = lo + 1); a steady distribution halves the entries
-    in the bracket at each pass, so ~10 passes of 49k, not 32. Those entries (a bounded top-k
+    Halving [lo, hi) in key space keeps pred(lo) true and pred(hi) false (pred being the sum
+    condition at key t, monotone in t), and stops for a row once it holds at most `bracket`
+    entries (or only ties: hi = lo + 1); a steady distribution halves the entries in the
+    bracket at each pass, so ~13 passes of 49k (flat rows), not 32. Those entries (a bounded top-k
     of the row masked to the bracket) are then walked in descending order from the weight
     above the bracket to the first that reaches `need`: a value present in the row."""
     S, V = x.shape
@@ -233,8 +237,8 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
                           lambda x: jnp.full((x.shape[0], 1), -jnp.inf, x.dtype), scaled)
 
     # min-p: p >= min_p * p_max  <=>  logit >= max_logit + log(min_p) (log(0) = -inf: off), no
-    # softmax. Under a cond: fused unconditionally, the extra max pass made XLA:CPU recompute
-    # the penalties' elementwise chain in it (+5 ms at 32 rows of 49k).
+    # softmax. Under a cond, as before this module: a step with no min-p row runs no max
+    # pass for it (a pass XLA:CPU may fuse the penalties' elementwise chain into again).
     def min_p_floor(x: jax.Array) -> jax.Array:
         return jnp.max(x, axis=-1, keepdims=True) + jnp.log(jnp.maximum(min_p, 0.0))[:, None]
 

@@ -14,7 +14,8 @@ Sections (--sections, comma-separated):
            grammar bitmask (30% of tokens allowed).
   engine   a whole engine step (`LLMEngine.step`: schedule, batch, forward, sample, collect) of
            the bundled model with S live decode rows (S in --seqs), the same settings plus
-           `seeded` (top_p 0.95 with a per-request seed); median of --steps steps.
+           `seeded` (top_p 0.95 with a per-request seed); median of 3 x --steps // 2 steps,
+           in three rounds over the settings, each round's order rotated.
 Numbers on a CPU are not accelerator numbers; a sampled step against a greedy one is the point.
 
     python scripts/bench/bench_sampler.py --seqs 1,32 --json sampler.json
@@ -138,8 +139,10 @@ def bench_engine(seqs: list[int], steps: int, prompt_len: int) -> list[dict]:
     rows = []
     for S in seqs:
         times: dict[str, list[float]] = {name: [] for name in ENGINE_SETTINGS}
-        for rep in range(2):  # the settings twice, interleaved, to spread host noise
-            for name, setting in ENGINE_SETTINGS.items():
+        names = list(ENGINE_SETTINGS)
+        for rep in range(3):  # three rounds, the order rotated each round, to spread drift
+            for name in names[rep:] + names[:rep]:
+                setting = ENGINE_SETTINGS[name]
                 ids = []
                 for i in range(S):
                     rid = f"{name}-{S}-{rep}-{i}"
