@@ -9,8 +9,9 @@ other executable) ->
 `apply_logit_bias` (each row's sparse (token id, bias) entries added; padding entries carry
 an out-of-range id that the scatter drops) -> `apply_penalties` (repetition / presence /
 frequency, from each row's token history) -> `filter_logits` (temperature, then top-k, top-p
-and min-p as -inf masks) -> Gumbel-max draw with a per-row key (the request's seed folded
-with its output length, so a seeded request draws the same tokens whatever shares its batch)
+and min-p as -inf masks, found without a sort of the vocabulary: `jaxserve.device.nucleus`)
+-> an inverse-CDF draw from one uniform per row, keyed by the request (its seed folded with
+its output length, so a seeded request draws the same tokens whatever shares its batch)
 -> greedy rows take the argmax of the biased, penalised logits instead. Logprobs are of the
 raw model distribution (log_softmax of the unprocessed logits, as vLLM reports them): the
 sampled token's and the top `MAX_LOGPROBS`; with a grammar too (the model's view of the
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxserve.device import nucleus
 from jaxserve.engine.sampling_params import DEVICE_COLUMN, MAX_LOGPROBS, PAD_ROW
 
 
@@ -132,14 +134,6 @@ def _masked_word_max_rows(words: jax.Array, st: SamplingTensors) -> jax.Array:
 ROW_CHUNK = 16
 
 
-def first_argmax(x: jax.Array) -> jax.Array:
-    """i32[S]: jnp.argmax(x, axis=-1) of f32[S, V], by `greedy_tokens`' two levels."""
-    words = _as_words(x)
-    best = jnp.argmax(words.max(-1), axis=-1)
-    inner = jnp.take_along_axis(words, best[:, None, None], axis=1)[:, 0, :]
-    return (best * 32 + jnp.argmax(inner, axis=-1)).astype(jnp.int32)
-
-
 def greedy_tokens(logits: jax.Array, st: SamplingTensors, masked: bool) -> jax.Array:
     """i32[S]: each row's argmax (the first index of its maximum, as jnp.argmax), among the
     tokens its grammar allows when `masked` (static). Two levels over 32-token words: the
@@ -189,40 +183,14 @@ def apply_penalties(logits: jax.Array, st: SamplingTensors) -> jax.Array:
 
 
 def filter_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
-    """Temperature-scaled logits with everything outside top-k / top-p / min-p set to -inf.
+    """Temperature-scaled logits with everything outside top-k / top-p / min-p set to -inf,
+    found without sorting the vocabulary (`nucleus.filter_logits`: the semantics, and why).
 
     Ties at the top-k / top-p boundary are kept (a value equal to the cut-off stays), so the
-    result does not depend on sort order.
+    result does not depend on an order among equal logits.
     """
-    V = logits.shape[-1]
-    temperature, top_p, min_p = st.knob("temperature"), st.knob("top_p"), st.knob("min_p")
-    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    scaled = logits / t
-    top_k = st.knob("top_k")  # f32, exact for integers < 2**24; <= 0: the whole vocabulary
-    k = jnp.where((top_k <= 0) | (top_k >= V), V, top_k).astype(jnp.int32)  # i32[S] in [1, V]
-    needs_sort = jnp.any((k < V) | (top_p < 1.0))
-
-    def cutoff(x: jax.Array) -> jax.Array:
-        desc = -jnp.sort(-x, axis=-1)  # f32[S, V] descending
-        kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
-        probs = jax.nn.softmax(desc, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each position
-        # Smallest set whose mass reaches top_p: keep positions whose preceding mass < top_p.
-        keep = before < top_p[:, None]
-        last = jnp.maximum(jnp.sum(keep, axis=-1) - 1, 0)
-        pth = jnp.take_along_axis(desc, last[:, None], axis=-1)
-        return jnp.maximum(kth, pth)  # f32[S, 1]: keep x >= cutoff
-
-    thresh = jax.lax.cond(needs_sort, cutoff,
-                          lambda x: jnp.full((x.shape[0], 1), -jnp.inf, x.dtype), scaled)
-    out = jnp.where(scaled >= thresh, scaled, -jnp.inf)
-
-    def min_p_filter(x: jax.Array) -> jax.Array:
-        # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p) (no softmax needed).
-        floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(min_p[:, None])
-        return jnp.where(scaled >= floor, x, -jnp.inf)
-
-    return jax.lax.cond(jnp.any(min_p > 0), min_p_filter, lambda x: x, out)
+    return nucleus.filter_logits(logits, st.knob("temperature"), st.knob("top_k"),
+                                 st.knob("top_p"), st.knob("min_p"))
 
 
 def sample(logits: jax.Array, st: SamplingTensors, apply_penalty: bool) -> SampleOutput:
@@ -243,11 +211,7 @@ def sample(logits: jax.Array, st: SamplingTensors, apply_penalty: bool) -> Sampl
 
         def draw(_: None) -> jax.Array:
             x = apply_grammar_mask(logits, st) if masked else logits
-            filtered = filter_logits(x, st)
-            keys = jax.vmap(jax.random.wrap_key_data)(st.rng_key)
-            gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (x.shape[-1],),
-                                                          jnp.float32))(keys)
-            return first_argmax(filtered + gumbel)
+            return nucleus.inverse_cdf_draw(filter_logits(x, st), st.rng_key)
 
         drawn = jax.lax.cond(jnp.any(sampling), draw, lambda _: greedy, None)
         return jnp.where(sampling, drawn, greedy)

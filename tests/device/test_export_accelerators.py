@@ -64,6 +64,45 @@ def assert_kernel_only(exported: jax.export.Exported, platform: str, count: int)
     assert calls.count(KERNEL_CALL[platform]) == count, calls
 
 
+def vocabulary_selections(module: str, vocab: int) -> tuple[list[str], list[int], int]:
+    """What an exported module does to select over a vocabulary axis of size `vocab`: the
+    functions holding a `stablehlo.sort` of a ...x{vocab} operand (other than the reference
+    decompositions of XLA's TopK, `chlo.top_k.impl*`, which a backend replaces by its own
+    TopK), the k of each `chlo.top_k` over it, and the number of ApproxTopK calls over it."""
+    sorts, ks, approx = [], [], 0
+    for func in re.split(r"\n\s*func\.func ", module):
+        name = re.match(r"(?:private |public )?@([\w.]+)", func)
+        name = name.group(1) if name else "<module>"
+        in_sort = False  # a sort's operand types follow its comparator region: "}) : (...)"
+        for line in func.splitlines():
+            in_sort = in_sort or "stablehlo.sort" in line
+            if in_sort and re.match(r"\s*\}\) : \(", line):
+                in_sort = False
+                if f"x{vocab}x" in line and not name.startswith("chlo.top_k.impl"):
+                    sorts.append(name)
+            if f"x{vocab}x" not in line:
+                continue
+            if '"chlo.top_k"' in line:
+                ks.append(int(re.search(r"k = (\d+)", line).group(1)))
+            if "@ApproxTopK" in line:
+                approx += 1
+    return sorts, ks, approx
+
+
+def assert_no_vocabulary_sort(exported: jax.export.Exported, platform: str, vocab: int) -> None:
+    """The sampler's top-k / top-p never sorts the vocabulary: bounded top-k (the cut-off
+    candidates, the logprobs) only, and on TPU no exact top-k but the logprobs' (approx_max_k
+    for the candidates)."""
+    from jaxserve.device.nucleus import CANDIDATES
+    from jaxserve.engine.sampling_params import MAX_LOGPROBS
+
+    sorts, ks, approx = vocabulary_selections(exported.mlir_module(), vocab)
+    assert not sorts, sorts
+    allowed = {MAX_LOGPROBS} if platform == "tpu" else {MAX_LOGPROBS, CANDIDATES}
+    assert ks and set(ks) <= allowed, ks
+    assert (approx > 0) == (platform == "tpu"), approx
+
+
 @pytest.fixture(autouse=True)
 def no_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """The accelerator path may not fall back to the jnp reference attention."""
@@ -256,6 +295,7 @@ def export_step(cfg: ModelConfig, platform: str, tp: int, int8_kv: bool = False,
         sample = jax.export.export(mr.sample_jit, platforms=[platform])(
             logits, sampling, apply_penalty=False, feed_len=feed_len)
         assert [a.shape for a in sample.out_avals][-1] == (feed_len,)
+        assert_no_vocabulary_sort(sample, platform, cfg.vocab_size)
 
 
 # Default tier: the Qwen3 step (qk-norm) for TPU and the Llama step for CUDA; the Llama step
@@ -265,6 +305,29 @@ def export_step(cfg: ModelConfig, platform: str, tp: int, int8_kv: bool = False,
     {"qwen3-8b-tpu", "llama3-8b-cuda"}, "each model's step for the other platform too"))
 def test_engine_step_lowers_for_platform(model: str, platform: str) -> None:
     export_step(MODELS[model], platform, tp=1)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("penalties", [False, True])
+def test_sampled_step_sorts_no_vocabulary(platform: str, penalties: bool) -> None:
+    """The serving sampler (`sample_jit`, grammar bitmask and logit bias included) on the
+    bundled model's vocabulary: no sort over it in the lowered step, and the check itself
+    finds a vocabulary sort where one is traced (`jnp.sort`, as the sampler once did)."""
+    from jaxserve.device.sampler import SamplingTensors
+    from jaxserve.engine.sampling_params import DEVICE_FIELDS
+
+    S, V, P = 32, 49152, 64 if penalties else 0
+    st = SamplingTensors(SDS((S, len(DEVICE_FIELDS)), jnp.float32), SDS((S, 2), jnp.uint32),
+                         SDS((S, P), jnp.int32), SDS((S, P), jnp.bool_),
+                         SDS((S, 8), jnp.int32), SDS((S, 8), jnp.float32),
+                         SDS((S, V // 32), jnp.int32), SDS((S,), jnp.bool_))
+    logits = SDS((S, V), jnp.float32)
+    sample = jax.export.export(mr.sample_jit, platforms=[platform])(
+        logits, st, apply_penalty=penalties, feed_len=S)
+    assert_no_vocabulary_sort(sample, platform, V)
+    full = jax.export.export(jax.jit(lambda x: jnp.sort(x, axis=-1)), platforms=[platform])(
+        logits)
+    assert vocabulary_selections(full.mlir_module(), V)[0]
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)

@@ -310,10 +310,144 @@ def test_greedy_tokens_are_the_masked_argmax(S: int, V: int) -> None:
     np.testing.assert_array_equal(np.asarray(got), want)
     plain = jax.jit(sampler.greedy_tokens, static_argnums=2)(jnp.asarray(logits), st, False)
     np.testing.assert_array_equal(np.asarray(plain), logits.argmax(-1))
-    np.testing.assert_array_equal(np.asarray(sampler.first_argmax(jnp.asarray(logits))),
-                                  logits.argmax(-1))
     # The packed layout is llguidance's: bit t % 32 of word t // 32 (checked on one token).
     one = np.zeros((1, words), np.int32)
     one[0, 37 // 32] = np.int32(1 << (37 % 32))
     assert np.asarray(sampler.allowed_bits(jnp.asarray(one), jnp.ones(1, bool))
                       ).reshape(-1)[:V].nonzero()[0].tolist() == [37]
+
+
+# ------------------------------------------------- sort-free cut-offs beyond the candidate set
+VL = 1000  # > nucleus.CANDIDATES, and not a multiple of 32
+
+
+@pytest.mark.parametrize("seed,std", [(0, 0.5), (1, 3.0), (2, 8.0)])
+def test_cutoffs_beyond_the_candidates_match_numpy_definition(seed: int, std: float) -> None:
+    """Both paths of `nucleus.cutoffs` against the numpy oracle: top_k up to and past the 64
+    candidates, nuclei that fit in them (peaked rows) and that do not (flat rows: the
+    bisection), ties (logits rounded to a coarse grid) and grammar -inf entries."""
+    from jaxserve.device import nucleus
+
+    rng = np.random.default_rng(seed)
+    S = 12
+    logits = (np.round(rng.normal(0, std, (S, VL)) * 4) / 4).astype(np.float32)  # many ties
+    logits[3, rng.choice(VL, 600, replace=False)] = -np.inf  # a constrained row
+    temp = rng.choice([0.5, 1.0, 1.7], S).astype(np.float32)
+    top_k = np.array([-1, 5, 64, 65, 300, VL - 1, VL, -1, -1, 50, 200, 1], np.int32)
+    top_p = np.array([0.95, 1, 1, 0.5, 0.9, 1, 0.999, 0.3, 0.99, 0.95, 1, 0.8], np.float32)
+    min_p = np.array([0, 0, 0.05, 0, 0, 0.1, 0, 0, 0, 0, 0.01, 0], np.float32)
+    st = tensors(S, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p)
+    assert nucleus.CANDIDATES < VL
+    filtered = np.asarray(jax.jit(sampler.filter_logits)(jnp.asarray(logits), st))
+    for r in range(S):
+        got = set(np.flatnonzero(np.isfinite(filtered[r])).tolist())
+        assert got == np_allowed(logits[r], temp[r], top_k[r], top_p[r], min_p[r]), r
+
+
+def test_bisection_is_the_exact_kth_value_and_top_p_cut() -> None:
+    """The fallback alone, for every row: the k-th largest value exactly, and the cut of the
+    shortest descending prefix reaching top_p, negative, positive and -inf values mixed."""
+    from jaxserve.device import nucleus
+
+    rng = np.random.default_rng(11)
+    S = 8
+    x = rng.normal(0, 2, (S, VL)).astype(np.float32)
+    x[0, :500] = -np.inf
+    k = rng.integers(1, VL + 1, S).astype(np.int32)
+    k[0] = 500  # exactly the finite entries
+    top_p = rng.choice([0.1, 0.5, 0.9, 0.99, 1.0], S).astype(np.float32)
+    kth, pth = jax.jit(nucleus.bisect_cutoffs)(jnp.asarray(x), jnp.asarray(k),
+                                               jnp.asarray(top_p))
+    # TPU's variant (halving down to one key, no bracket top-k), run here on the CPU
+    keys, want = nucleus.order_keys(jnp.asarray(x)), jnp.ones(S, bool)
+    kth1 = nucleus._bisect(keys, jnp.asarray(x), jnp.ones((S, VL)), jnp.asarray(k, jnp.float32),
+                           want, None, bracket=1)
+    np.testing.assert_array_equal(np.asarray(kth1), np.asarray(kth))
+    for r in range(S):
+        assert float(kth[r]) == np.sort(x[r])[::-1][k[r] - 1], r
+        keep = np_allowed(x[r], 1.0, -1, float(top_p[r]), 0.0) if top_p[r] < 1 else None
+        want = min(x[r][list(keep)]) if keep is not None else x[r].min()
+        assert float(pth[r]) == want, r
+    # the key map is an order isomorphism and its own inverse
+    vals = jnp.asarray([-np.inf, -3.5, -0.0, 0.0, 1e-30, 2.0, np.inf], jnp.float32)
+    keys = np.asarray(nucleus.order_keys(vals))
+    assert np.all(np.diff(keys.astype(np.int64)) >= 0)
+    np.testing.assert_array_equal(np.asarray(nucleus.key_value(jnp.asarray(keys))),
+                                  np.asarray(vals))
+
+
+@pytest.mark.parametrize("top_p,std", [(1.0, 1.0), (0.9, 1.0), (0.8, 4.0)])
+def test_inverse_cdf_frequencies_follow_the_filtered_distribution(top_p: float,
+                                                                  std: float) -> None:
+    """Frequencies of N draws with distinct keys against the softmax of numpy's allowed set
+    (a vocabulary 32 does not divide, zero-mass entries between allowed ones never drawn)."""
+    rng = np.random.default_rng(12)
+    Vs = 200
+    logits = rng.normal(0, std, (1, Vs)).astype(np.float32)
+    logits[0, ::7] = -np.inf  # excluded by a grammar
+    N = 6000
+    keys = np.stack([np.arange(N, dtype=np.uint32), np.full(N, 5, np.uint32)], 1)
+    st = tensors(N, temperature=np.full(N, 0.9, np.float32), top_p=np.full(N, top_p, np.float32),
+                 top_k=np.full(N, -1, np.float32), rng_key=keys)
+    toks = np.asarray(jax.jit(sampler.sample, static_argnums=2)(
+        jnp.asarray(np.repeat(logits, N, 0)), st, False).tokens)
+    allowed = sorted(np_allowed(logits[0], 0.9, -1, top_p, 0.0))
+    assert set(toks.tolist()) <= set(allowed)
+    x = logits[0, allowed] / 0.9
+    p = np.zeros(Vs)
+    p[allowed] = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+    freq = np.bincount(toks, minlength=Vs) / N
+    assert np.abs(freq - p).max() < 4 * np.sqrt(p.max() / N) + 1e-3
+
+
+def test_seeded_row_is_independent_of_a_neighbour_that_takes_the_fallback() -> None:
+    """A row whose nucleus fits the candidates draws the same token alone and beside a row
+    whose flat distribution sends the step down the bisection path."""
+    rng = np.random.default_rng(13)
+    peaked = rng.normal(0, 6, (1, VL)).astype(np.float32)
+    flat = rng.normal(0, 0.1, (1, VL)).astype(np.float32)
+    knobs = dict(temperature=np.ones(1, np.float32), top_p=np.full(1, 0.95, np.float32),
+                 top_k=np.full(1, -1, np.float32))
+    run = jax.jit(sampler.sample, static_argnums=2)
+    for seed in range(8):
+        key = np.array([[seed, 77]], np.uint32)
+        alone = run(jnp.asarray(peaked), tensors(1, rng_key=key, **knobs), False).tokens[0]
+        both = {k: np.concatenate([v, v]) for k, v in knobs.items()}
+        keys = np.concatenate([np.array([[99, 1]], np.uint32), key])
+        mixed = run(jnp.asarray(np.concatenate([flat, peaked])),
+                    tensors(2, rng_key=keys, **both), False).tokens[1]
+        assert int(alone) == int(mixed), seed
+
+
+def test_approximate_candidates_are_checked_before_they_are_trusted() -> None:
+    """TPU's approx_max_k may miss a top entry: `checked_candidates` settles a row only when
+    the values it got are exactly the row's C largest (a miss, or a tie with the C-th value
+    outside the set, sends the row to the exact bisection)."""
+    from jaxserve.device import nucleus
+
+    rng = np.random.default_rng(14)
+    x = rng.normal(0, 1, (3, VL)).astype(np.float32)
+    C = nucleus.CANDIDATES
+    order = np.argsort(-x, axis=1)
+    picked = np.stack([x[0, order[0, :C]],  # exact
+                       x[1, np.r_[order[1, :C - 1], order[1, C]]],  # missed the C-th
+                       x[2, order[2, :C]]])[:, ::-1]  # exact, given ascending
+    x[2, order[2, C]] = x[2, order[2, C - 1]]  # ... but tied outside the set
+    vals, settled = nucleus.checked_candidates(jnp.asarray(x), jnp.asarray(picked.copy()))
+    assert np.asarray(settled).tolist() == [True, False, False]
+    np.testing.assert_array_equal(np.asarray(vals[0]), np.sort(x[0])[::-1][:C])
+
+
+def test_cpu_executable_keeps_its_top_k_and_sorts_no_vocabulary() -> None:
+    """XLA:CPU's compiled sampler (the shipped `sample_jit`, penalties on) holds TopK calls
+    and no sort over the vocabulary: with the candidates' slices folded into TopK's reference
+    decomposition, XLA once compiled a full sort of f32[S, V] instead (~100x slower)."""
+    from jaxserve.device.model_runner import sample_jit
+
+    S, Vc = 8, 4096
+    logits = jnp.zeros((S, Vc), jnp.float32)
+    st = tensors(S, top_k=np.full(S, 50, np.int32), top_p=np.full(S, 0.9, np.float32),
+                 history=np.zeros((S, 4), np.int32), history_is_output=np.ones((S, 4), bool))
+    text = sample_jit.lower(logits, st, apply_penalty=True, feed_len=S).compile().as_text()
+    assert 'custom_call_target="TopK"' in text
+    assert not re.findall(rf"= \(?f32\[{S},{Vc}\][^=]*\bsort\(", text)
