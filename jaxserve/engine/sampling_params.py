@@ -38,7 +38,7 @@ from jaxserve.engine.sampling_rules import (  # noqa: F401 - the limits, re-expo
     INT32_MAX, MAX_ABS_LOGIT_BIAS, MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_LEN, MAX_BAD_WORDS,
     MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_REPETITION_PENALTY, MAX_STOP_STRING_LEN,
     MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MIN_REPETITION_PENALTY,
-    MIN_TEMPERATURE, AllowedTokenIds, BadWords, Finite, IntIn, LogitBias, Rule, Spec,
+    MIN_TEMPERATURE, BadWords, Finite, IntIn, LogitBias, Rule, Spec, allowed_token_ids_rule,
     StopStrings, TokenIds, TopK, TruncatePromptTokens, ZeroOrFinite, _is_int, _pairs,
     check_text, show, token_key)
 from jaxserve.engine.structured_outputs import StructuredOutputs
@@ -146,7 +146,7 @@ class SamplingParams:
     # as the step's token mask, with the grammar's, so the reported logprobs stay the
     # model's own as above. None: every token allowed.
     allowed_token_ids: tuple[int, ...] | None = knob(
-        None, rule=AllowedTokenIds(), help="sample only among these token ids")
+        None, rule=allowed_token_ids_rule(), help="sample only among these token ids")
     bad_words: tuple[str, ...] = knob(
         (), rule=BadWords(), help="a word the output may not contain (vLLM's bad_words: "
                                   "its last token masked once the rest is generated)")

@@ -149,11 +149,19 @@ class StopStrings(Rule):
 
 @dataclasses.dataclass(frozen=True)
 class TokenIds(Rule):
+    """A list of at most `max_count` token ids, each an integer in [0, INT32_MAX] (the
+    vocabulary bound is `EngineLimits.check_params`); `non_empty`: an empty list is refused
+    (allowed_token_ids: it would allow no token)."""
+
     text: str = "a list of token ids"
+    max_count: int = MAX_STOP_TOKEN_IDS
+    non_empty: bool = False
 
     def check(self, name: str, value: Any) -> None:
-        if len(value) > MAX_STOP_TOKEN_IDS:
-            raise InvalidRequest(f"{name} has {len(value)} ids; at most {MAX_STOP_TOKEN_IDS}",
+        if self.non_empty and not value:
+            raise InvalidRequest(f"{name} must not be empty: it would allow no token", name)
+        if len(value) > self.max_count:
+            raise InvalidRequest(f"{name} has {len(value)} ids; at most {self.max_count}",
                                  name)
         for i, t in enumerate(value):
             if not _is_int(t) or not 0 <= t <= INT32_MAX:
@@ -161,24 +169,11 @@ class TokenIds(Rule):
                                      f"[0, {INT32_MAX}]", name)
 
 
-@dataclasses.dataclass(frozen=True)
-class AllowedTokenIds(Rule):
-    """vLLM's allowed_token_ids: a non-empty list of token ids (only these may be sampled);
-    the vocabulary bound is `EngineLimits.check_params`."""
-
-    text: str = (f"a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} token ids (integers "
-                 f"in [0, {INT32_MAX}])")
-
-    def check(self, name: str, value: Any) -> None:
-        if not value:
-            raise InvalidRequest(f"{name} must not be empty: it would allow no token", name)
-        if len(value) > MAX_ALLOWED_TOKEN_IDS:
-            raise InvalidRequest(f"{name} has {len(value)} ids; at most "
-                                 f"{MAX_ALLOWED_TOKEN_IDS}", name)
-        for i, t in enumerate(value):
-            if not _is_int(t) or not 0 <= t <= INT32_MAX:
-                raise InvalidRequest(f"{name}[{i}]={show(t)} must be a token id: an integer "
-                                     f"in [0, {INT32_MAX}]", name)
+def allowed_token_ids_rule() -> TokenIds:
+    """vLLM's allowed_token_ids: a non-empty list of token ids (only these may be sampled)."""
+    return TokenIds(text=f"a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} token ids "
+                         f"(integers in [0, {INT32_MAX}])",
+                    max_count=MAX_ALLOWED_TOKEN_IDS, non_empty=True)
 
 
 @dataclasses.dataclass(frozen=True)
