@@ -151,8 +151,8 @@ def _bisect(keys: jax.Array, x: jax.Array, weight: jax.Array, need: jax.Array,
     if bracket == 1:  # hi = lo + 1: lo is the key of an entry (or of ties)
         return key_value(lo)
     inside = (keys >= lo[:, None]) & (keys < hi[:, None])
-    vals, idx = jax.lax.optimization_barrier(  # kept whole: see `_candidates`
-        jax.lax.top_k(jnp.where(inside, x, -jnp.inf), C))
+    vals, idx = jax.lax.top_k(jnp.where(inside, x, -jnp.inf), C)
+    vals, idx = _kept_whole(vals), _kept_whole(idx)
     w = jnp.take_along_axis(weight, idx, axis=-1)  # f32[S, C]
     reached = w_hi[:, None] + jnp.cumsum(w, axis=-1) >= need[:, None]
     n_in = jnp.clip(n_lo - n_hi, 1, C).astype(jnp.int32)
@@ -170,8 +170,17 @@ def _candidates(x: jax.Array, C: int) -> tuple[jax.Array, jax.Array]:
     # slices of the values (vals[:, :1], ...) into the TopK's reference decomposition (a sort
     # and a slice), no longer recognised it as a TopK and ran the sort of the whole
     # vocabulary: 230 ms at 32 rows of 49k instead of 2.5 (the export tests check the text).
-    vals, _ = jax.lax.optimization_barrier(jax.lax.top_k(x, C))
+    vals = _kept_whole(jax.lax.top_k(x, C)[0])
     return vals, jnp.ones((x.shape[0],), bool)
+
+
+def _kept_whole(out: jax.Array) -> jax.Array:
+    """One output of a TopK behind an optimization barrier (see `_candidates`). A barrier per
+    output, not one over the (values, indices) pair: XLA folds a tuple of a TopK's two
+    outputs back into the TopK itself, and the SPMD partitioner's TopK decomposition (a
+    vocabulary-sharded LM head under tensor parallelism) then finds a barrier where it
+    expects a get-tuple-element and aborts the compile (hlo_casting_utils Check failed)."""
+    return jax.lax.optimization_barrier(out)
 
 
 def _tpu_candidates(x: jax.Array, C: int) -> tuple[jax.Array, jax.Array]:

@@ -130,7 +130,11 @@ def streamed_calls(choice: dict) -> list[tuple[str, dict]]:
 
 
 def test_required_calls_validate_and_stream_alike(server: BackgroundServer) -> None:
-    for seed, parallel in ((5, True), (6, True), (7, False)):
+    # Under parallel_tool_calls the "required" grammar is an unbounded array, and whether the
+    # random-weight model closes it within 120 tokens is its draw's: about 3 in 10 seeds run
+    # to length (the sampler's draw changed with #30, so the seeds were picked again among
+    # those that close). What is checked is the calls' validity and streaming alike.
+    for seed, parallel in ((1, True), (2, True), (7, False)):
         got = create(server, tool_choice="required", seed=seed, n=2,
                      parallel_tool_calls=parallel)
         for choice in got.choices:
