@@ -1,6 +1,7 @@
-"""Build, load and register the C++ CPU kernels (csrc/*.cc: the paged attention and the dense
-projections over packed weights) on first use: one library for the attention (and the CPU
-feature probe), and the dense kernels once per instruction set (ISA) this CPU can run.
+"""Build, load and register the C++ CPU kernels (csrc/*.cc: the paged attention, the dense
+projections over packed weights, the sampler's top-k / top-p cut-offs) on first use: one
+library for the attention (with the CPU feature probe and the cut-offs), and the dense kernels
+once per instruction set (ISA) this CPU can run.
 
 ISA dispatch: on x86-64 the dense sources are compiled twice, with AVX-512 (F/BW/DQ/VL, 12 x 32
 register tile) and with AVX2 + FMA (6 x 16), each into its own library (its own copy of every
@@ -16,8 +17,8 @@ CPU's feature flags hash to a key -> ``<cache>/jaxserve_cpu_kernels-<key>.so`` (
 $JAXSERVE_KERNEL_CACHE_DIR, default ~/.cache/jaxserve/kernels). A missing library is compiled
 into a temporary file in the cache dir and renamed onto its name (atomic: processes building at
 once each rename identical bytes). ctypes loads it and ``jax.ffi.register_ffi_target`` registers
-its handlers (attention; write_kv + attention; both again for quantized pages; dense, float
-and quantized) for the CPU platform, once per process (lru_cache). Where anything fails -- no
+its handlers (attention; write_kv + attention; both again for quantized pages; the cut-offs;
+dense, float and quantized) for the CPU platform, once per process (lru_cache). Where anything fails -- no
 compiler, a compile error, a load error -- ``cpu_kernel_target`` logs one warning saying why
 and returns None, and callers use the jnp reference (``dense_kernel_target`` likewise).
 """
@@ -51,7 +52,10 @@ DENSE_TARGET = "jaxserve_dense_cpu"  # x @ panel-packed weights (csrc/dense_cpu.
 DENSE_QUANT_TARGETS = {"int8": "jaxserve_dense_int8_cpu", "fp8": "jaxserve_dense_fp8_cpu",
                        "int4": "jaxserve_dense_int4_cpu"}
 CSRC = pathlib.Path(__file__).parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("paged_attention_cpu.cc", "cpu_features.cc"))
+# The sampler's top-k / top-p cut-offs (csrc/nucleus_cpu.cc), built into the attention library.
+NUCLEUS_TARGET = "jaxserve_nucleus_cutoffs_cpu"
+SOURCES = tuple(CSRC / name for name in ("paged_attention_cpu.cc", "cpu_features.cc",
+                                         "nucleus_cpu.cc"))
 DENSE_SOURCES = tuple(CSRC / name for name in ("dense_cpu.cc", "dense_quant_cpu.cc"))
 CACHE_ENV = "JAXSERVE_KERNEL_CACHE_DIR"
 # Built on the machine that runs it, so -march=native is safe (the key holds the CPU flags).
@@ -182,7 +186,8 @@ def _register(path: str) -> tuple[str, ...]:
                     WRITE_TARGET: jax.ffi.pycapsule(lib.JaxservePagedAttentionWriteCpu),
                     QUANT_TARGET: jax.ffi.pycapsule(lib.JaxservePagedAttentionQuantCpu),
                     WRITE_QUANT_TARGET: jax.ffi.pycapsule(
-                        lib.JaxservePagedAttentionWriteQuantCpu)}
+                        lib.JaxservePagedAttentionWriteQuantCpu),
+                    NUCLEUS_TARGET: jax.ffi.pycapsule(lib.JaxserveNucleusCutoffsCpu)}
         supports = lib.JaxserveCpuSupports
         supports.restype, supports.argtypes = ctypes.c_int, [ctypes.c_char_p]
     except (OSError, AttributeError) as e:
@@ -225,6 +230,12 @@ def cpu_kernel_target() -> str | None:
     """The registered FFI target name (WRITE_TARGET is registered with it), or None (after one
     warning) where the build fails."""
     return TARGET if load_kernels() is not None else None
+
+
+def nucleus_kernel_target() -> str | None:
+    """The sampler's cut-off kernel's FFI target name, or None (after cpu_kernel_target's one
+    warning) where the library could not be built."""
+    return NUCLEUS_TARGET if load_kernels() is not None else None
 
 
 def dense_isas() -> tuple[str, ...]:

@@ -55,6 +55,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jaxserve.kernels_pallas import nucleus_cpu
+
 CANDIDATES = 64  # the fast path's bounded top-k width: top_k <= 64 and nuclei of <= 64 tokens
 
 
@@ -201,8 +203,20 @@ def checked_candidates(x: jax.Array, vals: jax.Array) -> tuple[jax.Array, jax.Ar
 
 def cutoffs(x: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
     """f32[S, 1]: keep x >= it, for top-k (k i32[S] in [1, V]; V = off) and top-p (f32[S]; >= 1
-    off) over the tempered logits x f32[S, V]. The candidates' answer where it is exact, the
-    bisection's for the rows where it is not (see the module docstring)."""
+    off) over the tempered logits x f32[S, V]. On CPU, the C++ radix select
+    (`kernels_pallas.nucleus_cpu`: one pass of exp and three small histograms per row, ~20x
+    cheaper than the bisection at 32 flat rows of 49k) where its library is built; elsewhere
+    (and without it) `jnp_cutoffs`."""
+    if x.dtype == jnp.float32 and nucleus_cpu.available():
+        return jax.lax.platform_dependent(
+            x, k, top_p, cpu=lambda x, k, t: nucleus_cpu.nucleus_cutoffs(x, k, t)[:, None],
+            default=jnp_cutoffs)
+    return jnp_cutoffs(x, k, top_p)
+
+
+def jnp_cutoffs(x: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """`cutoffs` in jnp: the candidates' answer where it is exact, the bisection's for the
+    rows where it is not (see the module docstring)."""
     S, V = x.shape
     C = min(CANDIDATES, V)
     vals, settled = jax.lax.platform_dependent(

@@ -321,12 +321,21 @@ def test_greedy_tokens_are_the_masked_argmax(S: int, V: int) -> None:
 VL = 1000  # > nucleus.CANDIDATES, and not a multiple of 32
 
 
+@pytest.mark.parametrize("path", ["cpu_kernel", "jnp"])
 @pytest.mark.parametrize("seed,std", [(0, 0.5), (1, 3.0), (2, 8.0)])
-def test_cutoffs_beyond_the_candidates_match_numpy_definition(seed: int, std: float) -> None:
-    """Both paths of `nucleus.cutoffs` against the numpy oracle: top_k up to and past the 64
-    candidates, nuclei that fit in them (peaked rows) and that do not (flat rows: the
-    bisection), ties (logits rounded to a coarse grid) and grammar -inf entries."""
+def test_cutoffs_beyond_the_candidates_match_numpy_definition(seed: int, std: float, path: str,
+                                                             monkeypatch) -> None:
+    """`nucleus.cutoffs` against the numpy oracle, by the CPU kernel and by the jnp path
+    (both of its branches): top_k up to and past the 64 candidates, nuclei that fit in them
+    (peaked rows) and that do not (flat rows: the bisection), ties (logits rounded to a
+    coarse grid) and grammar -inf entries."""
     from jaxserve.device import nucleus
+    from jaxserve.kernels_pallas import nucleus_cpu
+
+    if path == "jnp":
+        monkeypatch.setattr(nucleus_cpu, "available", lambda: False)
+    elif not nucleus_cpu.available():
+        pytest.skip("the CPU kernel library could not be built")
 
     rng = np.random.default_rng(seed)
     S = 12
@@ -338,7 +347,9 @@ def test_cutoffs_beyond_the_candidates_match_numpy_definition(seed: int, std: fl
     min_p = np.array([0, 0, 0.05, 0, 0, 0.1, 0, 0, 0, 0, 0.01, 0], np.float32)
     st = tensors(S, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p)
     assert nucleus.CANDIDATES < VL
-    filtered = np.asarray(jax.jit(sampler.filter_logits)(jnp.asarray(logits), st))
+    # a fresh function per path: jit's cache would hand the second path the first's trace
+    filtered = np.asarray(jax.jit(lambda x, st: sampler.filter_logits(x, st))(
+        jnp.asarray(logits), st))
     for r in range(S):
         got = set(np.flatnonzero(np.isfinite(filtered[r])).tolist())
         assert got == np_allowed(logits[r], temp[r], top_k[r], top_p[r], min_p[r]), r
@@ -449,5 +460,9 @@ def test_cpu_executable_keeps_its_top_k_and_sorts_no_vocabulary() -> None:
     st = tensors(S, top_k=np.full(S, 50, np.int32), top_p=np.full(S, 0.9, np.float32),
                  history=np.zeros((S, 4), np.int32), history_is_output=np.ones((S, 4), bool))
     text = sample_jit.lower(logits, st, apply_penalty=True, feed_len=S).compile().as_text()
-    assert 'custom_call_target="TopK"' in text
+    assert 'custom_call_target="TopK"' in text  # the logprobs' top 20
     assert not re.findall(rf"= \(?f32\[{S},{Vc}\][^=]*\bsort\(", text)
+    from jaxserve.kernels_pallas import cpu_build, nucleus_cpu
+
+    if nucleus_cpu.available():  # the cut-offs are the C++ kernel's, not the jnp path's
+        assert f'custom_call_target="{cpu_build.NUCLEUS_TARGET}"' in text
