@@ -11,6 +11,12 @@ greedy decode step of the bundled model is ~100-150 ms), and a vocabulary-wide s
 TPU and GPU too. The cut-offs only need one value per row: the k-th largest logit, and the
 smallest logit of the shortest prefix (in descending order) whose mass reaches top_p.
 
+On CPU, where the C++ library is built, `cutoffs` is one custom call instead
+(`kernels_pallas.nucleus_cpu`: per row, one exp pass and a histogram of the values below the
+row's maximum, recursing into the bucket where the count or mass crosses; ~1 ms at 32 rows of
+49k whatever the nucleus' width, against 2.5 ms for the candidates alone and ~12-17 ms with
+the bisection). TPU and GPU, and a CPU without the library, run the jnp path below.
+
 Semantics (exact, with no opt-in approximation): the definitions are the ones the sort
 gave, ties at a boundary kept (a value equal to the cut-off stays) so nothing depends on an
 order among equal logits; top-p's mass is that of the whole tempered distribution (not
