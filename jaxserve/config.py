@@ -148,8 +148,13 @@ class EngineConfig:
     # that carries decodes takes at most decode_token_budget tokens, so a prefill chunk
     # stalls running streams for one step of that size at most. decode_token_budget is
     # raised to max_num_seqs and capped at max_num_batched_tokens; None: no separate cap.
+    # 256, not 512: at concurrency 32 a third of all inter-token gaps are steps that carry a
+    # prefill chunk, so p99 ITL is that step's length (bundled model, 2-core CPU: ~330 ms at
+    # 256 tokens, ~640 ms at 512), and the smaller chunk still prefills the arrivals of a
+    # steady stream (32 x 256-token prompts, 128 new tokens each: ~64 prompt tokens per step
+    # on average) with the same throughput (docs/scheduling.md has the figures).
     max_num_batched_tokens: int = 2048
-    decode_token_budget: int | None = 512
+    decode_token_budget: int | None = 256
     # Serving: an idle engine woken by a request waits this long for others arriving with it,
     # so a burst is prefilled in one step (the fronts only; offline calls have theirs at once).
     idle_batch_window_ms: float = 20.0

@@ -103,7 +103,7 @@ def test_padding_share_of_the_step_under_the_default_config() -> None:
     Powers of two spent up to 46% (a 257-token step ran as 512)."""
     buckets = plan_buckets()
     worst_decode = worst_full = worst_any = 0.0
-    for t, s in steps(32, 512):  # steps with decodes (decode_token_budget 512)
+    for t, s in steps(32, 512):  # steps with decodes (a decode_token_budget up to 512)
         bt, bs = bucket_for(t, s, buckets)
         share = (cost(bt, bs) - cost(t, s)) / cost(bt, bs)
         worst_any = max(worst_any, share)
@@ -137,8 +137,8 @@ def test_decode_token_budget_is_clamped_to_the_seats_and_the_budget() -> None:
         return plan_engine(EngineConfig(**cfg), model_config(), 4,  # type: ignore[arg-type]
                            1 << 34).scheduler.decode_token_budget
 
-    assert plan() == 512  # the default: steps with decodes hold 512 of the 2048 tokens
-    assert plan(max_num_batched_tokens=256) == 256
+    assert plan() == 256  # the default: steps with decodes hold 256 of the 2048 tokens
+    assert plan(max_num_batched_tokens=128) == 128
     assert plan(max_num_seqs=64, max_num_batched_tokens=4096, decode_token_budget=16) == 64
     assert plan(decode_token_budget=None) is None
 
