@@ -18,6 +18,12 @@ XLA:CPU f32 GEMM rate at M = S.
     python scripts/bench/profile_step.py --seqs 1,8,32 --dense xla,cpu      # XLA's dot / C++ dense
     python scripts/bench/profile_step.py --seqs 1,32 --kv-dtype float32,int8,fp8  # quantized KV
 
+--prefill N,... profiles a prefill step instead: one sequence of N new tokens from an empty
+context (a (T=N, 1) step, the last row's logits), so the same split says what a long prompt's
+step spends on attention against the dense projections:
+
+    python scripts/bench/profile_step.py --prefill 256,2048 --runs 3
+
 It first prints the KV tokens one GiB holds for each --kv-dtype (values + the f32 row scales
 of int8 / fp8 pages: `sizing.kv_bytes_per_token`). Decode tokens/s of a row = S / full step.
 """
@@ -51,17 +57,36 @@ def decode_metadata(seqs: int, ctx: int, page_size: int) -> AttentionMetadata:
         num_seqs=jnp.asarray([seqs], jnp.int32))
 
 
+def prefill_metadata(n: int, page_size: int) -> AttentionMetadata:
+    """One sequence of n new tokens from an empty context."""
+    pages = -(-n // page_size)
+    tables = 1 + np.arange(pages, dtype=np.int32)[None, :]
+    slots = tables[0, np.arange(n) // page_size] * page_size + np.arange(n) % page_size
+    return AttentionMetadata(
+        slot_mapping=jnp.asarray(slots, jnp.int32), block_tables=jnp.asarray(tables),
+        kv_lens=jnp.asarray([n], jnp.int32), cu_q_lens=jnp.asarray([0, n], jnp.int32),
+        num_seqs=jnp.asarray([1], jnp.int32))
+
+
 def profile(model: loading.LoadedModel, seqs: int, ctx: int, impl: str,
             page_size: int = 16, runs: int = 6, kv_dtype: str = "float32",
-            dense: str = "xla") -> dict:
+            dense: str = "xla", prefill: int = 0) -> dict:
+    """`prefill` > 0: one sequence of that many new tokens (seqs and ctx unused)."""
     cfg, params = model.config, model.params
     if dense == "cpu":
         params = pack_params(params)
-    md = decode_metadata(seqs, ctx, page_size)
-    num_pages = 1 + seqs * (ctx // page_size + 1)
-    tok = jnp.ones(seqs, jnp.int32)
-    pos = jnp.full(seqs, ctx, jnp.int32)
-    rows = jnp.arange(seqs, dtype=jnp.int32)
+    if prefill:
+        md = prefill_metadata(prefill, page_size)
+        num_pages = 1 + -(-prefill // page_size)
+        tok = jnp.ones(prefill, jnp.int32)
+        pos = jnp.arange(prefill, dtype=jnp.int32)
+        rows = jnp.asarray([prefill - 1], jnp.int32)
+    else:
+        md = decode_metadata(seqs, ctx, page_size)
+        num_pages = 1 + seqs * (ctx // page_size + 1)
+        tok = jnp.ones(seqs, jnp.int32)
+        pos = jnp.full(seqs, ctx, jnp.int32)
+        rows = jnp.arange(seqs, dtype=jnp.int32)
 
     kv = P.init_kv_cache(cfg, num_pages, page_size, KV_DTYPES[kv_dtype])
 
@@ -86,7 +111,8 @@ def profile(model: loading.LoadedModel, seqs: int, ctx: int, impl: str,
                 "no_attn_ms": compiled(True, True)}
     # Round robin, best of `runs` (after one warm-up round): a burst of load on a shared host
     # then hits every variant alike instead of one.
-    out = {"seqs": seqs, "context": ctx, "impl": impl, "kv_dtype": kv_dtype, "dense": dense,
+    out = {"seqs": seqs, "context": ctx, "prefill": prefill, "impl": impl,
+           "kv_dtype": kv_dtype, "dense": dense,
            **{k: float("inf") for k in variants}}
     for i in range(runs + 1):
         for name, step in variants.items():
@@ -143,6 +169,9 @@ def main() -> int:
                          "the C++ kernel: what the engine runs on CPU)")
     ap.add_argument("--runs", type=int, default=6,
                     help="timed runs per variant (the best counts; raise it on a busy host)")
+    ap.add_argument("--prefill", default=None,
+                    help="comma-separated prompt lengths: profile a prefill step of one "
+                         "sequence of that many tokens instead of decode steps")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     model = loading.load_model(args.model, "float32")
@@ -152,10 +181,23 @@ def main() -> int:
     per_gib = {d: kv_tokens_per_gib(model.config, d) for d in kv_dtypes}
     for d, n in per_gib.items():
         print(f"KV {d}: {n:,.0f} tokens per GiB", flush=True)
-    for s, impl, dense, kvd in ((int(x), i, d, k) for x in args.seqs.split(",") for i in impls
+    sizes = args.prefill.split(",") if args.prefill else args.seqs.split(",")
+    for s, impl, dense, kvd in ((int(x), i, d, k) for x in sizes for i in impls
                                 for d in args.dense.split(",") for k in kv_dtypes):
-        r = profile(model, s, args.context, impl, runs=args.runs, kv_dtype=kvd, dense=dense)
+        n = s if args.prefill else 0
+        r = profile(model, 1 if n else s, args.context, impl, runs=args.runs, kv_dtype=kvd,
+                    dense=dense, prefill=n)
         r["gemm_gflops_at_m"] = gemm_gflops(s)
+        if n:
+            share = r["attention_and_kv_write_ms"] / r["full_ms"]
+            r["prefill_tok_s"] = 1e3 * n / r["full_ms"]
+            rows.append(r)
+            print(f"prefill {n} tokens {impl} dense {dense} KV {kvd}: "
+                  f"{r['prefill_tok_s']:.0f} tok/s, step {r['full_ms']:.1f} ms = attention + "
+                  f"KV write {r['attention_and_kv_write_ms']:.1f} ({100 * share:.0f}%) + "
+                  f"dense/norms/lm_head {r['no_attn_ms']:.1f}; XLA GEMM at M={n}: "
+                  f"{r['gemm_gflops_at_m']:.0f} GFLOP/s", flush=True)
+            continue
         rows.append(r)
         share = r["attention_and_kv_write_ms"] / r["full_ms"]
         r["decode_tok_s"] = 1e3 * s / r["full_ms"]
