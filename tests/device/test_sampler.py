@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -109,6 +110,57 @@ def test_penalties_match_numpy_definition() -> None:
         mag = (np.abs(logits[r]) * max(rep[r], 1 / rep[r]) + abs(pres[r])
                + abs(freq[r]) * (len(prompts[r]) + len(outputs[r])))
         assert np.all(np.abs(got[r] - want) <= 8 * F32_UNIT_ROUNDOFF * mag), r
+
+
+def np_penalised_exact(logits: np.ndarray, history: np.ndarray, is_output: np.ndarray,
+                       rep: np.ndarray, presence: np.ndarray, freq: np.ndarray) -> np.ndarray:
+    """The penalties in float32, one rounding per operation in the sampler's order (the
+    repetition division as the product with the row's reciprocal), from the history rows
+    (-1 padded) counted with a Counter."""
+    out = logits.copy()
+    for r in range(len(logits)):
+        ids = [int(t) for t in history[r] if t >= 0]
+        counts = Counter(int(t) for t, o in zip(history[r], is_output[r]) if t >= 0 and o)
+        inv = np.float32(1) / rep[r]
+        for t in set(ids):
+            x = logits[r, t]
+            x = x * inv if x > 0 else x * rep[r]
+            x = x - freq[r] * np.float32(counts[t])
+            out[r, t] = x - presence[r] * np.float32(counts[t] > 0)
+    return out
+
+
+def test_penalties_equal_a_numpy_count_of_the_history_bit_for_bit() -> None:
+    """Random histories with many repeats, -1 padding, prompt-only, output-only and empty
+    rows, rows with and without penalties (a row without keeps its logits exactly), counts
+    up to 8 so that frequency x count rounds: the shipped (jitted) penalties and the eager
+    ones equal the numpy oracle bit for bit."""
+    rng = np.random.default_rng(30)
+    S, P, Vp = 16, 96, 1000
+    logits = rng.normal(0, 3, (S, Vp)).astype(np.float32)
+    logits[:, :8] = 0.0  # +0.0: neither divided nor multiplied into a different value
+    hist = np.full((S, P), -1, np.int32)
+    is_out = np.zeros((S, P), bool)
+    for r in range(S):
+        n_prompt, n_out = [(40, 30), (0, 50), (60, 0), (0, 0)][r % 4]
+        n_prompt, n_out = rng.integers(0, n_prompt + 1), rng.integers(0, n_out + 1)
+        pool = 12 if r % 3 else Vp  # a small pool: many repeats of each id
+        hist[r, : n_prompt + n_out] = rng.integers(0, pool, n_prompt + n_out)
+        is_out[r, n_prompt: n_prompt + n_out] = True
+    rep = rng.uniform(0.5, 2.0, S).astype(np.float32)
+    pres = rng.uniform(-2, 2, S).astype(np.float32)
+    freq = rng.uniform(-2, 2, S).astype(np.float32)
+    off = np.arange(S) % 5 == 4  # knobs at their padding values: no penalty
+    rep[off], pres[off], freq[off] = 1.0, 0.0, 0.0
+    rep[1], pres[2], freq[3] = 1.0, 0.0, 0.0  # one knob off, the others on
+    assert np.any(is_out.sum(1) == 0) and np.any((hist >= 0).sum(1) == 0)
+    st = tensors(S, history=hist, history_is_output=is_out, repetition_penalty=rep,
+                 presence_penalty=pres, frequency_penalty=freq)
+    want = np_penalised_exact(logits, hist, is_out, rep, pres, freq)
+    assert np.any(want != logits) and np.array_equal(want[off], logits[off])
+    for fn in (jax.jit(sampler.apply_penalties), sampler.apply_penalties):
+        got = np.asarray(fn(jnp.asarray(logits), st))
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def test_greedy_rows_take_argmax_and_samples_stay_in_allowed_set() -> None:
