@@ -21,7 +21,7 @@ from support.tiers import run_slow  # noqa: F401 - re-exported for the workers
 from jaxserve.config import EngineConfig
 from jaxserve.engine.batch import default_buckets
 from jaxserve.engine.engine import Engine
-from jaxserve.models import llama, tiny
+from jaxserve.models import decoder, tiny
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loading import LoadedModel
 from jaxserve.models.tokenizer import Tokenizer
@@ -89,8 +89,8 @@ def rollout(model: LoadedModel, prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         tokens = np.zeros((1, T), np.int32)
         tokens[0, : len(seq)] = seq
-        logits = llama.forward_jit(model.params, tokens, np.array([len(seq)], np.int32),
-                                   cfg=model.config)
+        logits = decoder.forward_jit(model.params, tokens, np.array([len(seq)], np.int32),
+                                     cfg=model.config)
         seq.append(int(np.argmax(np.asarray(logits[0, len(seq) - 1]))))
     return seq[len(prompt):]
 
