@@ -8,9 +8,11 @@ that lists what is supported.
 
 A family module has (see `models/llama.py`): ARCHITECTURES {HF class: model_type},
 GGUF_ARCHITECTURES {GGUF arch: model_type}, GGUF_PERMUTED, config_from_hf(d, model_type,
-source), config_to_hf(cfg, torch_dtype), Params, LayerParams, param_shapes(cfg),
-abstract_params(cfg, dtype), init_random_params(cfg, key, dtype, scale), HF_NAMES,
-HF_LAYER_NAMES, GGUF_NAMES, GGUF_LAYER_NAMES, LINEAR_FIELDS, TP_LAYOUT, KV_FIELDS.
+source), config_to_hf(cfg, torch_dtype), config_dict_from_gguf(key, tensor_names), Params,
+LayerParams, param_shapes(cfg), abstract_params(cfg, dtype), init_random_params(cfg, key,
+dtype, scale), HF_NAMES, HF_LAYER_NAMES, GGUF_NAMES, GGUF_LAYER_NAMES, LINEAR_FIELDS,
+TP_LAYOUT, KV_FIELDS. The layers are the shared blocks (`decoder.decoder_layer`), chosen by
+the `LayerSpec`s the family's config mapping gives.
 Adding a family is that module and one line in FAMILIES.
 """
 

@@ -54,9 +54,12 @@ class GGUFCheckpoint:
 
 
 def _hf_config(md: Mapping[str, object], names: set[str], path: str) -> dict[str, object]:
+    """GGUF metadata + tensor names -> an HF config.json-shaped dict: the family (from
+    `general.architecture`) maps its `{arch}.*` keys, read through `key` (bounds and types
+    checked); the vocabulary, special token ids and rope scaling are read alike for all."""
     arch = md.get("general.architecture")
     try:
-        _, model_type = family_for_gguf(arch, path)
+        fam, model_type = family_for_gguf(arch, path)
     except ConfigError as e:  # one error type for a file's contents
         raise CheckpointError(str(e)) from None
 
@@ -73,10 +76,6 @@ def _hf_config(md: Mapping[str, object], names: set[str], path: str) -> dict[str
                                   f"{'an integer' if kind is int else 'a number'}")
         return value
 
-    hidden = int(key("embedding_length", required=True))  # type: ignore[call-overload]
-    heads = int(key("attention.head_count", required=True))  # type: ignore[call-overload]
-    kv = key("attention.head_count_kv", heads)
-    head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // max(heads, 1)
     vocab = key("vocab_size")
     if vocab is None:  # older files: the token list (or the embedding) is the vocabulary
         tokens = md.get("tokenizer.ggml.tokens")
@@ -84,18 +83,8 @@ def _hf_config(md: Mapping[str, object], names: set[str], path: str) -> dict[str
     cfg: dict[str, object] = {
         "model_type": model_type,
         "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": key("feed_forward_length", required=True),
-        "num_hidden_layers": key("block_count", required=True),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", required=True, kind=float),
-        "rope_theta": key("rope.freq_base", 10000.0, kind=float),
-        "max_position_embeddings": key("context_length", required=True),
-        "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": "blk.0.attn_q.bias" in names,
+        # The architecture's own keys (shape, norms, rope base, ...): the family's table.
+        **fam.config_dict_from_gguf(key, names),
         "bos_token_id": _token_id(md, "bos"),
         "pad_token_id": _token_id(md, "padding"),
     }

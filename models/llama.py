@@ -11,7 +11,8 @@ each layer's `LayerSpec`):
   - its params pytree (`LlamaParams` / `LayerParams`, flax.struct dataclasses) with
     `param_shapes`, `abstract_params`, `init_random_params`;
   - its loader name tables: params field -> HF safetensors name (`HF_NAMES`,
-    `HF_LAYER_NAMES`) and GGUF name -> HF name (`GGUF_NAMES`, `GGUF_LAYER_NAMES`);
+    `HF_LAYER_NAMES`), GGUF tensor name -> HF name (`GGUF_NAMES`, `GGUF_LAYER_NAMES`) and
+    GGUF metadata -> HF config fields (`config_dict_from_gguf`);
   - its tensor-parallel layout per field (`TP_LAYOUT`) and its linear fields (`LINEAR_FIELDS`:
     what quantization and the CPU packing convert).
 Linear weights are stored [in, out], stacked over layers on axis 0 (`models/linear.py`).
@@ -19,7 +20,7 @@ Linear weights are stored [in, out], stacked over layers on axis 0 (`models/line
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,8 @@ ARCHITECTURES = {
 # stored as in HF.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 GGUF_PERMUTED = ("llama",)
+# key(name, default=None, required=False, kind=int) -> the value of GGUF metadata `{arch}.name`
+GGUFKey = Callable[..., object]
 
 
 @struct.dataclass
@@ -209,6 +212,30 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, ob
     if rs is not None:
         d["rope_scaling"] = rs
     return d
+
+
+def config_dict_from_gguf(key: GGUFKey, tensor_names: set[str]) -> dict[str, object]:
+    """The HF config.json fields of this family from a GGUF file's `{arch}.*` metadata, read
+    through `key(name, default, required, kind)` (`gguf_loader`: checked, a CheckpointError
+    naming the key), and its tensor names."""
+    hidden = int(key("embedding_length", required=True))  # type: ignore[call-overload]
+    heads = int(key("attention.head_count", required=True))  # type: ignore[call-overload]
+    head_dim = (key("attention.key_length") or key("rope.dimension_count")
+                or hidden // max(heads, 1))
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length", required=True),
+        "num_hidden_layers": key("block_count", required=True),
+        "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", required=True, kind=float),
+        "rope_theta": key("rope.freq_base", 10000.0, kind=float),
+        "max_position_embeddings": key("context_length", required=True),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+    }
 
 
 # -------------------------------------------------------------------------------- params
