@@ -10,7 +10,7 @@ import functools
 
 import numpy as np
 import pytest
-from support.engine_fixtures import rollout, tiny_engine, tiny_model
+from support.engine_fixtures import mixed_layer_model, rollout, tiny_engine, tiny_model
 from support.numerics import gamma
 
 from jaxserve import SamplingParams
@@ -90,30 +90,13 @@ def test_greedy_equals_rollout(budget, page_size, caching, kv_pages, arrive, imp
     assert eng.scheduler.allocator.num_free_pages == eng.scheduler.allocator.num_usable_pages
 
 
-def mixed_layer_model():  # noqa: ANN201 - a LoadedModel
-    """The test model with four layers of three specs: two sliding-window layers (window 5),
-    a global one with its own rope base and a soft-cap, one more local: what the engine's
-    step must run as data (one scan per group), with each layer's window and soft-cap."""
-    import dataclasses
-
-    from jaxserve.models import tiny
-
-    cfg = tiny.tiny_config(**(tiny.TEST_SHAPE | {"num_layers": 4}))
-    u = cfg.uniform_spec()
-    local = dataclasses.replace(u, sliding_window=5)
-    glob = dataclasses.replace(u, rope_theta=1e6, soft_cap=2.0)
-    cfg = dataclasses.replace(cfg, per_layer=(local, local, glob, local))
-    return tiny.random_model(cfg, seed=1, scale=tiny.TEST_INIT_SCALE,
-                             tokenizer=MODEL.tokenizer)
-
-
 @pytest.mark.parametrize("budget,page_size,caching,kv_pages,impl", [
     (16, 8, True, None, "cpu"),     # chunked prefill, prefix hits, the C++ kernel
     (64, 4, False, 30, "reference"),  # tiny pages, preemptions, the jnp reference
 ])
 def test_mixed_layer_model_greedy_equals_rollout(budget, page_size, caching, kv_pages,
                                                  impl) -> None:
-    model = mixed_layer_model()
+    model = mixed_layer_model(tokenizer=MODEL.tokenizer)
     prompts = make_prompts(seed=3, count=6, shared_prefix=20)
     kw = dict(max_num_batched_tokens=budget, max_num_seqs=4, page_size=page_size,
               enable_prefix_caching=caching, max_model_len=128, attention_impl=impl)

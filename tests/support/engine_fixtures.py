@@ -6,6 +6,7 @@ shape (`TEST_SHAPE`: vocabulary VOCAB = 211, hidden 32) and init scale (`TEST_IN
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -64,6 +65,20 @@ def tiny_logprob_atol(context_len: int = 256, seed: int = 0) -> float:
     max_model_len)."""
     m = tiny_model(seed)
     return model_logprob_atol(m.config, m.params, context_len)
+
+
+def mixed_layer_model(tokenizer: Tokenizer | None = None, **overrides: object) -> LoadedModel:
+    """The test model (`overrides` as tiny_model's) with four layers of three specs: two
+    sliding-window layers (window 5), a global one with its own rope base and a soft-cap,
+    one more local: what the engine's step runs as data (one scan per group of equal spec),
+    handing each layer's window and soft-cap to the attention kernel."""
+    cfg = tiny_model_config(**({"num_layers": 4} | overrides))
+    u = cfg.uniform_spec()
+    local = dataclasses.replace(u, sliding_window=5)
+    glob = dataclasses.replace(u, rope_theta=1e6, soft_cap=2.0)
+    cfg = dataclasses.replace(cfg, per_layer=(local, local, glob, local))
+    return tiny.random_model(cfg, seed=1, scale=tiny.TEST_INIT_SCALE,
+                             tokenizer=tokenizer or tiny_tokenizer())
 
 
 def tiny_engine(model: LoadedModel | None = None, warmup: bool = True,
