@@ -182,6 +182,10 @@ def config_from_hf(d: Mapping[str, object], model_type: str, source: str) -> Mod
 
 def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, object]:
     """An HF `config.json` dict that transformers and vLLM load."""
+    if set(cfg.layer_specs) != {cfg.uniform_spec()}:
+        # A Llama-family config.json says one window and one rope base for every layer.
+        raise ConfigError(f"model_type={cfg.model_type!r} with per-layer specs that differ "
+                          "from its model-wide fields has no HF config.json form")
     arch = {t: a for a, t in ARCHITECTURES.items()}[cfg.model_type]
     d: dict[str, object] = {
         "architectures": [arch],

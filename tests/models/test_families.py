@@ -7,6 +7,8 @@ answers for known and unknown names.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from support.hf_models import ARCHS
 
@@ -60,6 +62,16 @@ def test_smollm_spec_and_round_trip() -> None:
     assert cfg.tie_word_embeddings and cfg.head_dim == 64
     assert set(cfg.layer_specs) == {LayerSpec(rope_theta=100000.0, query_scale=0.125)}
     assert families.config_from_hf(families.config_to_hf(cfg)) == cfg
+
+
+def test_mixed_specs_have_no_llama_config_json() -> None:
+    cfg = tiny_config()
+    local = dataclasses.replace(cfg.uniform_spec(), sliding_window=4)
+    mixed = dataclasses.replace(cfg, per_layer=(local, cfg.uniform_spec()))
+    with pytest.raises(ConfigError, match="per-layer specs .* no HF config.json form"):
+        families.config_to_hf(mixed)
+    same = dataclasses.replace(cfg, per_layer=(cfg.uniform_spec(),) * 2)
+    assert families.config_to_hf(same) == families.config_to_hf(cfg)
 
 
 def test_qwen_window_only_when_asked() -> None:
