@@ -105,18 +105,19 @@ def paged_hidden(params: Any, kv_pages: KVPages, token_ids: jax.Array,
         x, kv = carry
         lp, i, _ = xs
 
-        def attend(q: jax.Array, k: jax.Array, v: jax.Array, flat: KVPages,
-                   layer_md: AttentionMetadata) -> tuple[jax.Array, KVPages]:
-            # Float pages: everything in the pages' dtype. Quantized: q, k, v stay as they are.
-            dt = q.dtype if quantized else flat.dtype
-            out, flat = write_kv_and_attend(q.astype(dt), k.astype(dt), v.astype(dt), flat,
-                                            layer_md, sm_scale=spec.query_scale,
-                                            sliding_window=spec.sliding_window,
-                                            soft_cap=spec.soft_cap, impl=attn_impl)
-            return out.astype(q.dtype), flat
-
         def attn(q: jax.Array, k: jax.Array, v: jax.Array, flat: KVPages,
                  spec: LayerSpec) -> tuple[jax.Array, KVPages]:
+            def attend(q: jax.Array, k: jax.Array, v: jax.Array, flat: KVPages,
+                       layer_md: AttentionMetadata) -> tuple[jax.Array, KVPages]:
+                # Float pages: everything in the pages' dtype. Quantized: q, k, v as they are.
+                dt = q.dtype if quantized else flat.dtype
+                # The layer's own window, soft-cap and scale: static, one kernel per spec.
+                out, flat = write_kv_and_attend(q.astype(dt), k.astype(dt), v.astype(dt), flat,
+                                                layer_md, sm_scale=spec.query_scale,
+                                                sliding_window=spec.sliding_window,
+                                                soft_cap=spec.soft_cap, impl=attn_impl)
+                return out.astype(q.dtype), flat
+
             base = i * num_pages
             layer_md = dataclasses.replace(md, block_tables=md.block_tables + base,
                                            slot_mapping=md.slot_mapping + base * page_size)
