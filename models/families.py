@@ -1,7 +1,7 @@
 """The model families jaxserve serves, and the names each answers to: the one registry.
 
-Data flow: an HF config dict's `architectures` (else its `model_type`) or a GGUF file's
-`general.architecture` -> the family module (`family_for_hf`, `family_for_gguf`); a
+Data flow: an HF config dict's `model_type` (else its first `architectures` entry) or a GGUF
+file's `general.architecture` -> the family module (`family_for_hf`, `family_for_gguf`); a
 `ModelConfig`'s `model_type` -> its family (`family`), whose params pytree, shapes and loader
 name tables the loaders, placement and quantization read. Unknown names are a `ConfigError`
 that lists what is supported.
@@ -13,7 +13,7 @@ LayerParams, param_shapes(cfg), abstract_params(cfg, dtype), init_random_params(
 dtype, scale), HF_NAMES, HF_LAYER_NAMES, GGUF_NAMES, GGUF_LAYER_NAMES, LINEAR_FIELDS,
 TP_LAYOUT, KV_FIELDS. The layers are the shared blocks (`decoder.decoder_layer`), chosen by
 the `LayerSpec`s the family's config mapping gives.
-Adding a family is that module and one line in FAMILIES.
+Adding a family is that module, its import here and its entry in FAMILIES.
 """
 
 from __future__ import annotations
