@@ -1,9 +1,13 @@
-"""Model architecture config: one frozen dataclass for every Llama-family checkpoint.
+"""Model architecture config: the one frozen tree every model family is described by.
 
 Data flow: an HF `config.json` dict (or the HF-shaped dict that the GGUF loader derives from
-GGUF metadata) -> `ModelConfig.from_hf_dict` -> the frozen `ModelConfig` that the forward
-functions, loaders and the engine read. `to_hf_dict` goes back the other way so an export is
-loadable by transformers and vLLM. No jax here: the scheduler side imports this too.
+GGUF metadata) -> the family's `config_from_hf` (chosen by `families.config_from_hf` from
+`architectures` / `model_type`) -> the frozen `ModelConfig` that the forward functions,
+loaders and the engine read. Its `layer_specs` say what each layer is (a `LayerSpec`: window,
+rope base, soft-cap, which blocks), `layer_groups` the runs of equal specs the step scans
+one at a time. The family's `config_to_hf` goes back the other way so an export is loadable by
+transformers and vLLM. No jax here: the scheduler side imports this too; the HF parsing
+helpers below are shared by the families.
 """
 
 from __future__ import annotations
@@ -12,15 +16,8 @@ import dataclasses
 import math
 from typing import Mapping
 
-# HF `model_type` -> the features our single decoder implementation switches on.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-_ARCHITECTURE_CLASS = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+MLP_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # SwiGLU, GeGLU (HF `hidden_act` names)
 
 
 class ConfigError(ValueError):
@@ -40,8 +37,45 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """What one decoder layer is: its attention kind and which shared blocks it composes.
+
+    Layers of equal spec are scanned together; a model whose layers differ (Gemma 3's five
+    sliding-window layers per global one, each kind with its own rope base) is a tuple of
+    these, not branches in the layer code.
+    """
+
+    sliding_window: int | None = None  # None: full (global) causal attention
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    query_scale: float = 1.0  # the attention's sm_scale (HF: head_dim ** -0.5, Gemma: q_pre_attn)
+    soft_cap: float | None = None  # attention logit soft-cap: cap * tanh(s / cap) (Gemma 2)
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3, Gemma 3)
+    mlp_activation: str = "silu"  # silu: SwiGLU; gelu_pytorch_tanh: GeGLU (Gemma)
+    norm_offset: float = 0.0  # RMSNorm scale (offset + w): 0 for Llama, 1 for Gemma's (1 + w)
+    post_norms: bool = False  # also norm the attention and MLP outputs (Gemma's sandwich)
+
+    @property
+    def attention_type(self) -> str:
+        """HF `layer_types` vocabulary."""
+        return "full_attention" if self.sliding_window is None else "sliding_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGroup:
+    """Layers [start, stop) share `spec`: one `lax.scan` over their stacked weights."""
+
+    spec: LayerSpec
+    start: int
+    stop: int
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM)."""
+    """Architecture of a decoder-only model; `model_type` names its family module
+    (`families.py`). The model-wide fields are the shape; `per_layer` (set by a family whose
+    layers differ) overrides the uniform per-layer spec the other fields imply."""
 
     model_type: str
     vocab_size: int
@@ -57,18 +91,17 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
-    sliding_window: int | None = None  # Mistral-style window; None = full causal
+    sliding_window: int | None = None  # Mistral-style window on every layer; None = full causal
     rope_scaling: RopeScaling = RopeScaling()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    embed_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden))
+    final_soft_cap: float | None = None  # final logit soft-cap (Gemma 2)
+    norm_offset: float = 0.0  # every RMSNorm scales by (offset + w); Gemma: 1
+    per_layer: tuple[LayerSpec, ...] = ()  # () : every layer `uniform_spec()`
 
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"model_type={self.model_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -85,13 +118,21 @@ class ModelConfig:
             raise ConfigError(f"rms_norm_eps={self.rms_norm_eps!r} must be a positive number")
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
             raise ConfigError(f"rope_theta={self.rope_theta!r} must be a positive number")
-        if self.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ConfigError(
-                f"rope_scaling.rope_type={self.rope_scaling.rope_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window={self.sliding_window!r} must be positive or null")
+        if self.per_layer and len(self.per_layer) != self.num_layers:
+            raise ConfigError(f"{len(self.per_layer)} layer specs for num_hidden_layers="
+                              f"{self.num_layers}")
+        for spec in self.layer_specs:
+            if spec.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ConfigError(
+                    f"rope_scaling.rope_type={spec.rope_scaling.rope_type!r} is not supported; "
+                    f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+            if spec.mlp_activation not in MLP_ACTIVATIONS:
+                raise ConfigError(f"hidden_act={spec.mlp_activation!r} is not supported; "
+                                  f"supported: {', '.join(MLP_ACTIVATIONS)}")
+            if spec.sliding_window is not None and spec.sliding_window <= 0:
+                raise ConfigError(f"sliding_window={spec.sliding_window!r} must be positive")
 
     @property
     def q_size(self) -> int:
@@ -101,134 +142,50 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    # ------------------------------------------------------------------ HF config.json
-    @classmethod
-    def from_hf_dict(cls, d: Mapping[str, object], source: str = "config.json") -> "ModelConfig":
-        """Build from an HF `config.json` dict; errors name `source` and the bad field."""
+    def uniform_spec(self) -> LayerSpec:
+        """The spec every layer has when `per_layer` is empty (the Llama family's layers)."""
+        return LayerSpec(sliding_window=self.sliding_window, rope_theta=self.rope_theta,
+                         rope_scaling=self.rope_scaling, query_scale=self.head_dim ** -0.5,
+                         attention_bias=self.attention_bias, qk_norm=self.qk_norm,
+                         norm_offset=self.norm_offset)
 
-        def req(key: str) -> object:
-            if key not in d or d[key] is None:
-                raise ConfigError(f"{source}: required field {key!r} is missing")
-            return d[key]
+    @property
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        return self.per_layer or (self.uniform_spec(),) * self.num_layers
 
-        model_type = d.get("model_type")
-        if model_type is None:
-            archs = d.get("architectures")
-            arch = archs[0] if isinstance(archs, list) and archs else None
-            model_type = {v: k for k, v in _ARCHITECTURE_CLASS.items()}.get(
-                arch if isinstance(arch, str) else "")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"{source}: model_type={model_type!r} (architectures={d.get('architectures')!r}) "
-                f"is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        hidden = _num(req("hidden_size"), "hidden_size", source)
-        num_heads = _num(req("num_attention_heads"), "num_attention_heads", source)
-        num_kv_heads = _num(d.get("num_key_value_heads") or num_heads, "num_key_value_heads",
-                            source)
-        head_dim = d.get("head_dim") or hidden // max(num_heads, 1)
-        if model_type == "qwen3":
-            attention_bias = bool(d.get("attention_bias", False))
-        elif model_type == "qwen2":
-            attention_bias = True
-        else:
-            attention_bias = bool(d.get("attention_bias", False))
-        if model_type == "llama" and d.get("mlp_bias"):
-            raise ConfigError(f"{source}: mlp_bias=true is not supported")
-        act = d.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ConfigError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
-
-        sliding_window = d.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
-            sliding_window = None
-        eos = d.get("eos_token_id")
-        try:
-            eos_list = eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
-            eos_ids = tuple(int(x) for x in eos_list)
-            return cls(
-                model_type=str(model_type),
-                vocab_size=int(req("vocab_size")),  # type: ignore[arg-type]
-                hidden_size=hidden,
-                intermediate_size=int(req("intermediate_size")),  # type: ignore[arg-type]
-                num_layers=int(req("num_hidden_layers")),  # type: ignore[arg-type]
-                num_heads=num_heads,
-                num_kv_heads=num_kv_heads,
-                head_dim=int(head_dim),  # type: ignore[arg-type]
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),  # type: ignore[arg-type]
-                rope_theta=float(_rope_theta(d)),
-                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),  # type: ignore[arg-type]
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                attention_bias=attention_bias,
-                qk_norm=model_type == "qwen3",
-                sliding_window=int(sliding_window) if sliding_window else None,  # type: ignore[arg-type]
-                rope_scaling=_rope_scaling(d, source),
-                bos_token_id=_opt_int(d.get("bos_token_id")),
-                eos_token_ids=eos_ids,
-                pad_token_id=_opt_int(d.get("pad_token_id")),
-            )
-        except ConfigError as e:
-            raise ConfigError(f"{source}: {e}") from None
-        # OverflowError: int() of an infinite float (JSON allows 1e999).
-        except (TypeError, ValueError, OverflowError) as e:
-            raise ConfigError(f"{source}: a field has a value of the wrong type ({e}); "
-                              "numeric fields must be numbers") from None
-
-    def to_hf_dict(self, torch_dtype: str = "float32") -> dict[str, object]:
-        """An HF `config.json` dict that transformers and vLLM load."""
-        d: dict[str, object] = {
-            "architectures": [_ARCHITECTURE_CLASS[self.model_type]],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
-            "torch_dtype": torch_dtype,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": (list(self.eos_token_ids) if len(self.eos_token_ids) > 1
-                             else (self.eos_token_ids[0] if self.eos_token_ids else None)),
-            "pad_token_id": self.pad_token_id,
-        }
-        if self.model_type in ("qwen2", "qwen3"):
-            d["use_sliding_window"] = self.sliding_window is not None
-        d["sliding_window"] = self.sliding_window
-        if self.rope_scaling.rope_type != "default":
-            rs: dict[str, object] = {"rope_type": self.rope_scaling.rope_type,
-                                     "factor": self.rope_scaling.factor}
-            if self.rope_scaling.rope_type == "llama3":
-                rs.update(
-                    low_freq_factor=self.rope_scaling.low_freq_factor,
-                    high_freq_factor=self.rope_scaling.high_freq_factor,
-                    original_max_position_embeddings=(
-                        self.rope_scaling.original_max_position_embeddings),
-                )
-            d["rope_scaling"] = rs
-        return d
+    @property
+    def layer_groups(self) -> tuple[LayerGroup, ...]:
+        """Runs of consecutive layers of equal spec, in layer order."""
+        groups: list[LayerGroup] = []
+        for i, spec in enumerate(self.layer_specs):
+            if groups and groups[-1].spec == spec:
+                groups[-1] = dataclasses.replace(groups[-1], stop=i + 1)
+            else:
+                groups.append(LayerGroup(spec, i, i + 1))
+        return tuple(groups)
 
 
-def _num(x: object, name: str, source: str) -> int:
+# ----------------------------------------------------------------- HF config.json helpers
+def hf_int(x: object, name: str, source: str) -> int:
+    """An integer field of an HF config (a float that is whole is accepted)."""
     if (isinstance(x, bool) or not isinstance(x, (int, float))
             or (isinstance(x, float) and not x.is_integer())):
         raise ConfigError(f"{source}: field {name!r}={x!r} must be an integer")
     return int(x)
 
 
-def _opt_int(x: object) -> int | None:
+def opt_token_id(x: object) -> int | None:
     if isinstance(x, (list, tuple)):
         x = x[0] if x else None
     return None if x is None else int(x)  # type: ignore[call-overload]
 
 
-def _rope_theta(d: Mapping[str, object]) -> float:
+def eos_ids(x: object) -> tuple[int, ...]:
+    eos_list = x if isinstance(x, (list, tuple)) else ([] if x is None else [x])
+    return tuple(int(i) for i in eos_list)
+
+
+def hf_rope_theta(d: Mapping[str, object]) -> float:
     # transformers >= 5 moved rope_theta into `rope_parameters`.
     rp = d.get("rope_parameters")
     if isinstance(rp, Mapping) and "rope_theta" in rp:
@@ -236,7 +193,7 @@ def _rope_theta(d: Mapping[str, object]) -> float:
     return float(d.get("rope_theta", 10000.0))  # type: ignore[arg-type]
 
 
-def _rope_scaling(d: Mapping[str, object], source: str) -> RopeScaling:
+def hf_rope_scaling(d: Mapping[str, object], source: str) -> RopeScaling:
     rs = d.get("rope_scaling")
     if rs is None:
         rp = d.get("rope_parameters")
@@ -261,3 +218,13 @@ def _rope_scaling(d: Mapping[str, object], source: str) -> RopeScaling:
         original_max_position_embeddings=int(
             rs.get("original_max_position_embeddings", 8192)),  # type: ignore[arg-type]
     )
+
+
+def rope_scaling_to_hf(rs: RopeScaling) -> dict[str, object] | None:
+    if rs.rope_type == "default":
+        return None
+    out: dict[str, object] = {"rope_type": rs.rope_type, "factor": rs.factor}
+    if rs.rope_type == "llama3":
+        out.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor,
+                   original_max_position_embeddings=rs.original_max_position_embeddings)
+    return out

@@ -4,16 +4,19 @@ Data flow:
   file --mmap--> `gguf_header.parse_header` (magic, version, metadata key/values, tensor table,
   data offset; bounds-checked) -> `read_gguf_metadata` (plain python metadata: the tokenizer
   reads vocab/merges from here)
-  -> `open_gguf`: metadata `{arch}.*` keys -> HF `config.json`-shaped dict, validated by
-     `ModelConfig.from_hf_dict`; tensor table -> HF names, shapes checked against that config
-     before any data is touched (reading no weights) -> per tensor a lazy
-     `GGUFTensor` (numpy shape: GGUF lists dims innermost-first, numpy outermost-first, so dims
-     are reversed; llama q/k rows un-permuted on read) that dequantizes only the boxes asked
-     of it -> `hf_loader.host_params_from_hf` -> `load_model` reads leaves whole, or each
-     device's slice (`placement.place_params`): the host then dequantizes per device only
-     that device's rows (and the quant blocks covering its columns) of each tensor.
+  -> `open_gguf`: `general.architecture` -> the family (`families.family_for_gguf`); metadata
+     `{arch}.*` keys -> HF `config.json`-shaped dict, validated by the family's mapping
+     (`families.config_from_hf`); tensor table -> HF names by the family's GGUF name tables,
+     shapes checked against that config before any data is touched (reading no weights) ->
+     per tensor a lazy `GGUFTensor` (numpy shape: GGUF lists dims innermost-first, numpy
+     outermost-first, so dims are reversed; llama q/k rows un-permuted on read) that
+     dequantizes only the boxes asked of it -> `hf_loader.host_params_from_hf` ->
+     `load_model` reads leaves whole, or each device's slice (`placement.place_params`): the
+     host then dequantizes per device only that device's rows (and the quant blocks covering
+     its columns) of each tensor.
   -> `read_gguf`: every tensor dequantized whole -> float32 `GGUFCheckpoint.tensors`.
-No jax here: the engine converts these numpy arrays to device arrays itself.
+Arrays here are numpy (the family module that names the tensors imports jax, this module
+computes nothing with it): the loaders convert them to device arrays themselves.
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ import dataclasses
 import math
 import mmap
 import os
+from types import ModuleType
 from typing import Mapping
 
 import numpy as np
 
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
+from .families import config_from_hf, family, family_for_gguf
 from .gguf_header import close_gguf, map_gguf, parse_header, read_gguf_metadata
 from .gguf_tensor import GGUFTensor, TensorInfo
 # One error type for every checkpoint format (a ValueError naming the file and key/tensor).
@@ -35,23 +40,6 @@ from .safetensors_io import CheckpointError
 __all__ = ["CheckpointError", "GGUFCheckpoint", "LazyGGUF", "open_gguf", "read_gguf",
            "read_gguf_metadata"]
 
-# GGUF architecture -> HF model_type. Only llama-arch files carry llama.cpp's q/k row permutation
-# (it exists for llama.cpp's interleaved RoPE); qwen2/qwen3 use NEOX RoPE and are stored as in HF.
-ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-_PERMUTED_ARCHS = ("llama",)
-
-# GGUF tensor name suffix (after `blk.{i}.`) -> HF name suffix (after `model.layers.{i}.`).
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias", "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
-                 "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 _ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's encoding of Llama-3.1-style RoPE scaling
 
 
@@ -66,10 +54,14 @@ class GGUFCheckpoint:
 
 
 def _hf_config(md: Mapping[str, object], names: set[str], path: str) -> dict[str, object]:
+    """GGUF metadata + tensor names -> an HF config.json-shaped dict: the family (from
+    `general.architecture`) maps its `{arch}.*` keys, read through `key` (bounds and types
+    checked); the vocabulary, special token ids and rope scaling are read alike for all."""
     arch = md.get("general.architecture")
-    if arch not in ARCH_TO_MODEL_TYPE:
-        raise CheckpointError(f"{path}: GGUF metadata 'general.architecture'={arch!r} is not "
-                              f"supported; supported: {', '.join(ARCH_TO_MODEL_TYPE)}")
+    try:
+        fam, model_type = family_for_gguf(arch, path)
+    except ConfigError as e:  # one error type for a file's contents
+        raise CheckpointError(str(e)) from None
 
     def key(name: str, default: object = None, required: bool = False, kind: type = int) -> object:
         if required and f"{arch}.{name}" not in md:
@@ -84,29 +76,15 @@ def _hf_config(md: Mapping[str, object], names: set[str], path: str) -> dict[str
                                   f"{'an integer' if kind is int else 'a number'}")
         return value
 
-    hidden = int(key("embedding_length", required=True))  # type: ignore[call-overload]
-    heads = int(key("attention.head_count", required=True))  # type: ignore[call-overload]
-    kv = key("attention.head_count_kv", heads)
-    head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // max(heads, 1)
     vocab = key("vocab_size")
     if vocab is None:  # older files: the token list (or the embedding) is the vocabulary
         tokens = md.get("tokenizer.ggml.tokens")
         vocab = len(tokens) if isinstance(tokens, list) else None
     cfg: dict[str, object] = {
-        "model_type": ARCH_TO_MODEL_TYPE[arch],  # type: ignore[index]
+        "model_type": model_type,
         "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": key("feed_forward_length", required=True),
-        "num_hidden_layers": key("block_count", required=True),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", required=True, kind=float),
-        "rope_theta": key("rope.freq_base", 10000.0, kind=float),
-        "max_position_embeddings": key("context_length", required=True),
-        "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": "blk.0.attn_q.bias" in names,
+        # The architecture's own keys (shape, norms, rope base, ...): the family's table.
+        **fam.config_dict_from_gguf(key, names),
         "bos_token_id": _token_id(md, "bos"),
         "pad_token_id": _token_id(md, "padding"),
     }
@@ -153,46 +131,43 @@ def _llama3_rope_scaling(freqs: np.ndarray, cfg: Mapping[str, object], path: str
             "high_freq_factor": high, "original_max_position_embeddings": orig}
 
 
-def _hf_name(gguf_name: str, num_layers: int, path: str) -> str:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+def _hf_name(gguf_name: str, fam: ModuleType, num_layers: int, path: str) -> str:
+    """A GGUF tensor name -> its HF name, by the family's GGUF name tables."""
+    if gguf_name in fam.GGUF_NAMES:
+        return fam.GGUF_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+    layer_names = fam.GGUF_LAYER_NAMES
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
         layer = int(parts[1])
         if layer >= num_layers:
             raise CheckpointError(f"{path}: tensor {gguf_name!r} is for layer {layer} but "
                                   f"block_count is {num_layers}")
-        return f"model.layers.{layer}.{_LAYER_NAMES[parts[2]]}"
-    raise CheckpointError(f"{path}: unexpected tensor {gguf_name!r} (not a Llama/Qwen weight)")
+        return f"model.layers.{layer}.{layer_names[parts[2]]}"
+    raise CheckpointError(f"{path}: unexpected tensor {gguf_name!r} (not a "
+                          f"{fam.__name__.rsplit('.', 1)[-1]}-family weight)")
 
 
-def _expected_shapes(c: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """HF name -> HF shape for every tensor this config may have, and the required names."""
-    h, q, kv, i = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,),
-              "lm_head.weight": (c.vocab_size, h)}
-    required = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not c.tie_word_embeddings:
-        required.add("lm_head.weight")
-    for layer in range(c.num_layers):
-        p = f"model.layers.{layer}."
-        mine = {
-            "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-            "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
-            "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
-            "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
-            "mlp.down_proj.weight": (h, i),
-        }
-        required.update(p + k for k in mine)
-        extra = {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-                 "self_attn.v_proj.bias": (kv,)}
-        if c.attention_bias:
-            required.update(p + k for k in extra)
-        if c.qk_norm:
-            extra.update({"self_attn.q_norm.weight": (c.head_dim,),
-                          "self_attn.k_norm.weight": (c.head_dim,)})
-            required.update(p + k for k in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"))
-        shapes.update({p + k: s for k, s in {**mine, **extra}.items()})
+def _expected_shapes(c: ModelConfig, fam: ModuleType
+                     ) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """HF name -> HF shape for every tensor this config may have, and the required names:
+    the family's params in HF names and layout; a tied model may still carry its lm_head."""
+    params = fam.param_shapes(c)
+    shapes: dict[str, tuple[int, ...]] = {}
+    required: set[str] = set()
+    for field, (name, transpose) in fam.HF_NAMES.items():
+        if field in params:
+            shapes[name] = params[field][::-1] if transpose else params[field]
+            required.add(name)
+    if "lm_head" not in params and "lm_head" in fam.HF_NAMES:
+        shapes[fam.HF_NAMES["lm_head"][0]] = (c.vocab_size, c.hidden_size)
+    for field, (suffix, transpose) in fam.HF_LAYER_NAMES.items():
+        if f"layers.{field}" not in params:
+            continue
+        one = params[f"layers.{field}"][1:]
+        for layer in range(c.num_layers):
+            name = f"model.layers.{layer}.{suffix}"
+            shapes[name] = one[::-1] if transpose else one
+            required.add(name)
     return shapes, required
 
 
@@ -250,14 +225,15 @@ def _open_tensors(buf: mmap.mmap, spath: str) -> LazyGGUF:
     if rope_freqs is not None:
         freqs = GGUFTensor(buf, rope_freqs, header.data_start, spath)[...]
         hf_config["rope_scaling"] = _llama3_rope_scaling(freqs.ravel(), hf_config, spath)
-    config = ModelConfig.from_hf_dict(hf_config, source=spath)  # ConfigError names the field
+    config = config_from_hf(hf_config, source=spath)  # ConfigError names the field
+    fam = family(config)
     if config.num_layers * 9 > len(by_name):  # bound the work before planning per layer
         raise CheckpointError(f"{spath}: {header.metadata['general.architecture']}.block_count="
                               f"{config.num_layers} but the file holds only {len(by_name)} tensors")
-    shapes, required = _expected_shapes(config)
+    shapes, required = _expected_shapes(config, fam)
     plan: dict[str, TensorInfo] = {}
     for name, info in by_name.items():
-        hf = _hf_name(name, config.num_layers, spath)
+        hf = _hf_name(name, fam, config.num_layers, spath)
         if hf not in shapes:
             raise CheckpointError(f"{spath}: tensor {name!r} ({hf}) is not used by a "
                                   f"{config.model_type} model with this config")
@@ -270,7 +246,7 @@ def _open_tensors(buf: mmap.mmap, spath: str) -> LazyGGUF:
     if missing:
         raise CheckpointError(f"{spath}: {len(missing)} required tensor(s) missing, e.g. "
                               f"{', '.join(missing[:5])}")
-    permute = header.metadata["general.architecture"] in _PERMUTED_ARCHS
+    permute = header.metadata["general.architecture"] in fam.GGUF_PERMUTED
     tensors: dict[str, GGUFTensor] = {}
     for hf, info in plan.items():
         heads = None

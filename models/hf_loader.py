@@ -1,18 +1,19 @@
-"""HF-format checkpoints <-> `LlamaParams`.
+"""HF-format checkpoints <-> a family's params pytree (`LlamaParams` for the Llama family).
 
-Data flow (load): directory -> `config.json` -> ModelConfig; `model.safetensors` or the shards
-named by `model.safetensors.index.json` -> {HF tensor name: read-only memmap} (`with_quantized_views`:
-with a compressed-tensors `quantization_config`, each quantized linear's values and scale as one
-lazy `compressed_tensors.CompressedTensor`) ->
-`host_params_from_hf` (checks every name, shape and dtype; reads nothing) -> LlamaParams of
-`LazyLeaf`s that transpose linears to [in, out], stack layers and cast only the boxes asked of
-them. Then either `params_from_hf` reads each leaf whole onto the default device (the host holds
-one stacked leaf at a time), or `placement.place_params` reads each device's slice from the
+Data flow (load): directory -> `config.json` -> ModelConfig (`families.config_from_hf`);
+`model.safetensors` or the shards named by `model.safetensors.index.json` -> {HF tensor name:
+read-only memmap} (`with_quantized_views`: with a compressed-tensors `quantization_config`,
+each quantized linear's values and scale as one lazy `compressed_tensors.CompressedTensor`) ->
+`host_params_from_hf` (checks every name, shape and dtype against the family's `param_shapes`
+and HF name tables; reads nothing) -> the family's params of `LazyLeaf`s that transpose
+linears to [in, out], stack layers and cast only the boxes asked of them. Then either
+`params_from_hf` reads each leaf whole onto the default device (the host holds one stacked
+leaf at a time), or `placement.place_params` reads each device's slice from the
 memmaps (the host holds one leaf's slices at a time; pages the OS maps in are the file cache).
 The GGUF loader offers the same HF-named mapping (lazy dequantizing tensors), so both formats
 share this path.
-Data flow (save): LlamaParams -> `hf_tensors_from_params` -> safetensors + config.json, a
-directory that transformers and vLLM load.
+Data flow (save): params -> `hf_tensors_from_params` (the same name tables) -> safetensors +
+config.json, a directory that transformers and vLLM load.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -28,27 +29,10 @@ import numpy as np
 
 from .compressed_tensors import parse_config, wrap_tensors
 from .config import ConfigError, ModelConfig
+from .families import config_from_hf, config_to_hf, family
 from .host_arrays import HostArray, LazyLeaf, read_all
-from .llama import LayerParams, LlamaParams, param_shapes
 from .safetensors_io import CheckpointError, read_safetensors, write_safetensors
 
-# LayerParams field -> (HF name inside `model.layers.{i}.`, is a linear weight to transpose)
-_LAYER_NAMES: dict[str, tuple[str, bool]] = {
-    "attn_norm": ("input_layernorm.weight", False),
-    "wq": ("self_attn.q_proj.weight", True),
-    "wk": ("self_attn.k_proj.weight", True),
-    "wv": ("self_attn.v_proj.weight", True),
-    "wo": ("self_attn.o_proj.weight", True),
-    "bq": ("self_attn.q_proj.bias", False),
-    "bk": ("self_attn.k_proj.bias", False),
-    "bv": ("self_attn.v_proj.bias", False),
-    "q_norm": ("self_attn.q_norm.weight", False),
-    "k_norm": ("self_attn.k_norm.weight", False),
-    "mlp_norm": ("post_attention_layernorm.weight", False),
-    "w_gate": ("mlp.gate_proj.weight", True),
-    "w_up": ("mlp.up_proj.weight", True),
-    "w_down": ("mlp.down_proj.weight", True),
-}
 _FLOAT_DTYPES = {np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64),
                  np.dtype(jnp.bfloat16)}
 # Tensors HF checkpoints may carry that the model does not use.
@@ -59,7 +43,7 @@ def read_hf_config(model_dir: pathlib.Path) -> ModelConfig:
     path = model_dir / "config.json"
     if not path.exists():
         raise CheckpointError(f"{model_dir}: no config.json (not an HF model directory)")
-    cfg = ModelConfig.from_hf_dict(_read_json_object(path), source=str(path))
+    cfg = config_from_hf(_read_json_object(path), source=str(path))
     gen = model_dir / "generation_config.json"
     if gen.exists():
         # generation_config may add stop ids (e.g. Llama 3's <|eot_id|>) to config's eos.
@@ -142,22 +126,25 @@ def with_quantized_views(model_dir: pathlib.Path,
 
 
 def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, HostArray],
-                   dtype: jnp.dtype = jnp.float32, source: str = "checkpoint") -> LlamaParams:
-    """Map HF-named tensors onto LlamaParams, checking names and shapes; arrays on device."""
+                   dtype: jnp.dtype = jnp.float32, source: str = "checkpoint") -> Any:
+    """Map HF-named tensors onto the family's params, checking names and shapes; arrays on
+    device."""
     host = host_params_from_hf(cfg, tensors, dtype, source)
     return jax.tree.map(lambda leaf: jnp.asarray(read_all(leaf)), host)
 
 
 def host_params_from_hf(cfg: ModelConfig, tensors: Mapping[str, HostArray],
                         dtype: jnp.dtype = jnp.float32,
-                        source: str = "checkpoint") -> LlamaParams:
-    """LlamaParams of `LazyLeaf`s over HF-named tensors; names, shapes and dtypes checked now.
+                        source: str = "checkpoint") -> Any:
+    """The family's params of `LazyLeaf`s over HF-named tensors; names, shapes and dtypes
+    checked now.
 
     No data is read here: each leaf reads (transposing, stacking and casting) only the boxes
     later asked of it, so over memory-mapped safetensors a per-device placement touches only
     that device's rows/columns of each layer's tensor.
     """
-    shapes = param_shapes(cfg)
+    fam = family(cfg)
+    shapes = fam.param_shapes(cfg)
     np_dtype = np.dtype(dtype)
     used: set[str] = set()
 
@@ -180,7 +167,7 @@ def host_params_from_hf(cfg: ModelConfig, tensors: Mapping[str, HostArray],
         return LazyLeaf(name, [get(name, shape, transpose)], shape, np_dtype, transpose, False)
 
     layers: dict[str, LazyLeaf | None] = {}
-    for field, (suffix, transpose) in _LAYER_NAMES.items():
+    for field, (suffix, transpose) in fam.HF_LAYER_NAMES.items():
         key = f"layers.{field}"
         if key not in shapes:
             layers[field] = None
@@ -190,31 +177,30 @@ def host_params_from_hf(cfg: ModelConfig, tensors: Mapping[str, HostArray],
                  for i in range(cfg.num_layers)]
         layers[field] = LazyLeaf(f"model.layers.*.{suffix}", parts, shapes[key], np_dtype,
                                  transpose, True)
-    embed = single("embed", "model.embed_tokens.weight", False)
-    final_norm = single("final_norm", "model.norm.weight", False)
-    lm_head = None
-    if "lm_head" in shapes:
-        lm_head = single("lm_head", "lm_head.weight", True)
-    else:
-        used.add("lm_head.weight")  # tied checkpoints sometimes still ship a copy
+    top: dict[str, LazyLeaf | None] = {}
+    for field, (name, transpose) in fam.HF_NAMES.items():
+        if field in shapes:
+            top[field] = single(field, name, transpose)
+        else:
+            top[field] = None
+            used.add(name)  # tied checkpoints sometimes still ship the lm_head's copy
     unexpected = sorted(n for n in tensors if n not in used and not n.endswith(_IGNORED_SUFFIXES))
     if unexpected:
         raise CheckpointError(
             f"{source}: unexpected tensors for model_type={cfg.model_type!r}: {unexpected[:5]}"
             f"{' ...' if len(unexpected) > 5 else ''}")
-    return LlamaParams(embed=embed, layers=LayerParams(**layers), final_norm=final_norm,
-                       lm_head=lm_head)
+    return fam.Params(layers=fam.LayerParams(**layers), **top)
 
 
-def hf_tensors_from_params(cfg: ModelConfig, params: LlamaParams) -> dict[str, np.ndarray]:
-    """LlamaParams -> HF-named numpy tensors ([out, in] linears), in the params' dtype."""
-    out: dict[str, np.ndarray] = {
-        "model.embed_tokens.weight": np.asarray(params.embed),
-        "model.norm.weight": np.asarray(params.final_norm),
-    }
-    if params.lm_head is not None:
-        out["lm_head.weight"] = np.asarray(params.lm_head).T
-    for field, (suffix, transpose) in _LAYER_NAMES.items():
+def hf_tensors_from_params(cfg: ModelConfig, params: Any) -> dict[str, np.ndarray]:
+    """Params -> HF-named numpy tensors ([out, in] linears), in the params' dtype."""
+    fam = family(cfg)
+    out: dict[str, np.ndarray] = {}
+    for field, (name, transpose) in fam.HF_NAMES.items():
+        leaf = getattr(params, field)
+        if leaf is not None:
+            out[name] = np.asarray(leaf).T if transpose else np.asarray(leaf)
+    for field, (suffix, transpose) in fam.HF_LAYER_NAMES.items():
         stacked = getattr(params.layers, field)
         if stacked is None:
             continue
@@ -224,14 +210,14 @@ def hf_tensors_from_params(cfg: ModelConfig, params: LlamaParams) -> dict[str, n
     return out
 
 
-def save_hf_dir(out_dir: pathlib.Path, cfg: ModelConfig, params: LlamaParams,
+def save_hf_dir(out_dir: pathlib.Path, cfg: ModelConfig, params: Any,
                 max_shard_bytes: int = 4 << 30) -> None:
     """Write config.json + safetensors (sharded with an index above `max_shard_bytes`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = hf_tensors_from_params(cfg, params)
     dtype_name = {np.dtype(np.float32): "float32", np.dtype(jnp.bfloat16): "bfloat16",
                   np.dtype(np.float16): "float16"}.get(params.embed.dtype, "float32")
-    (out_dir / "config.json").write_text(json.dumps(cfg.to_hf_dict(dtype_name), indent=2))
+    (out_dir / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype_name), indent=2))
     gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids)}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
     shards: list[dict[str, np.ndarray]] = [{}]

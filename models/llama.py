@@ -1,62 +1,49 @@
-"""Functional Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM).
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM): one family module.
 
-Data flow: token ids -> `embed` -> `num_layers` x `decoder_layer` (scanned over the stacked
-per-layer params) -> final RMSNorm -> `lm_head` logits. Everything is a pure function of a
-typed params pytree (`LlamaParams`, a flax.struct dataclass); the model config is a frozen,
-hashable `ModelConfig` passed as a static argument. Attention is pluggable: the layer computes
-q/k/v (with bias, q/k norm and RoPE as the architecture asks) and hands them to an `AttnFn`, so
-the same layer code serves the full-sequence oracle forward below and the paged engine step
-(`models/paged.py`); the tests add a contiguous-cache generation loop on it.
-
-Linear weights are stored `[in_features, out_features]` (x @ w), stacked over layers on axis 0.
-Quantized, they are `QuantizedWeight`s (`models/quant.py`; a quantized tied embedding is
-stored transposed, as the lm_head it also is). On a CPU host the engine may hold them packed
-instead (`PackedWeight`, `models/packing.py`): `_linear` then runs the C++ dense kernel, and
-`scan_layers` hands each layer the whole stack and its index rather than a slice (a slice is a
-copy of the layer's weights every step).
+What a family module holds (`families.py` lists the attributes the loaders and the forward
+read; the layers themselves are the shared blocks, composed by `decoder.decoder_layer` from
+each layer's `LayerSpec`):
+  - the names it answers to: HF `architectures` / `model_type` (`ARCHITECTURES`) and GGUF
+    `general.architecture` (`GGUF_ARCHITECTURES`, and which of them store q/k rows permuted);
+  - its HF config -> `ModelConfig` mapping (`config_from_hf`, and `config_to_hf` back). Every
+    Llama-family layer is alike (`ModelConfig.uniform_spec`: a window on every layer or none,
+    one rope base), so the model is one layer group;
+  - its params pytree (`LlamaParams` / `LayerParams`, flax.struct dataclasses) with
+    `param_shapes`, `abstract_params`, `init_random_params`;
+  - its loader name tables: params field -> HF safetensors name (`HF_NAMES`,
+    `HF_LAYER_NAMES`), GGUF tensor name -> HF name (`GGUF_NAMES`, `GGUF_LAYER_NAMES`) and
+    GGUF metadata -> HF config fields (`config_dict_from_gguf`);
+  - its tensor-parallel layout per field (`TP_LAYOUT`) and its linear fields (`LINEAR_FIELDS`:
+    what quantization and the CPU packing convert).
+Linear weights are stored [in, out], stacked over layers on axis 0 (`models/linear.py`).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
-from ..kernels_pallas.dense_cpu import PANEL, dense_packed
-from ..kernels_pallas.dense_quant_cpu import QuantPanels, dense_quant_packed, dequantize_columns
-from .config import ModelConfig
-from .quant import QuantizedWeight
+from .config import (ConfigError, ModelConfig, eos_ids, hf_int, hf_rope_scaling, hf_rope_theta,
+                     opt_token_id, rope_scaling_to_hf)
+from .linear import Weight
 
-
-@struct.dataclass
-class PackedWeight:
-    """A linear weight W [in, out] (or a stack of them) in the CPU dense kernel's 16-column
-    panels (`kernels_pallas.dense_cpu`), float or quantized (`dense_quant_cpu`); `x @ W`
-    runs that kernel."""
-
-    panels: jax.Array | QuantPanels  # f32[(L,) ceil(out / 16), in, 16] or quantized panels
-    out_features: int = struct.field(pytree_node=False)
-    layer: jax.Array | None = None  # i32[]: the layer of a stack (set by scan_layers)
-    # The kernel's instruction set (cpu_build.dense_isas(); None: the best this CPU runs).
-    isa: str | None = struct.field(pytree_node=False, default=None)
-
-    def matmul(self, x: jax.Array) -> jax.Array:
-        if isinstance(self.panels, QuantPanels):
-            return dense_quant_packed(x.astype(jnp.float32), self.panels, self.layer,
-                                      self.out_features, isa=self.isa).astype(x.dtype)
-        return dense_packed(x, self.panels, self.layer, self.out_features, isa=self.isa)
-
-    def rows(self, ids: jax.Array) -> jax.Array:
-        """W^T[ids] -> [..., in]: rows of the transposed weight (a tied embedding's lookup)."""
-        if isinstance(self.panels, QuantPanels):
-            return dequantize_columns(self.panels, ids)
-        return self.panels[ids // PANEL, :, ids % PANEL]
-
-
-Weight = jax.Array | PackedWeight | QuantizedWeight
+# HF architecture class -> model_type.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+# GGUF `general.architecture` -> model_type. Only llama-arch files carry llama.cpp's q/k row
+# permutation (it exists for llama.cpp's interleaved RoPE); qwen2/qwen3 use NEOX RoPE and are
+# stored as in HF.
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_PERMUTED = ("llama",)
+# key(name, default=None, required=False, kind=int) -> the value of GGUF metadata `{arch}.name`
+GGUFKey = Callable[..., object]
 
 
 @struct.dataclass
@@ -89,19 +76,175 @@ class LlamaParams:
     lm_head: Weight | None = None  # f[hidden, vocab]
 
 
-class AttnFn(Protocol):
-    """Attention over one layer. q: [..., T, Hq, D], k/v: [..., T, Hkv, D] -> [..., T, Hq, D].
+Params = LlamaParams  # the family's params class, by the name `families.py` reads
 
-    `layer_state` is whatever per-layer state the caller scans alongside the params (a KV
-    cache slice, pages, or None); the function returns its output and the updated state.
-    """
+# Params field -> (HF name, is a linear weight stored [out, in] to transpose).
+HF_NAMES: dict[str, tuple[str, bool]] = {
+    "embed": ("model.embed_tokens.weight", False),
+    "final_norm": ("model.norm.weight", False),
+    "lm_head": ("lm_head.weight", True),
+}
+# LayerParams field -> (HF name inside `model.layers.{i}.`, is a linear weight to transpose).
+HF_LAYER_NAMES: dict[str, tuple[str, bool]] = {
+    "attn_norm": ("input_layernorm.weight", False),
+    "wq": ("self_attn.q_proj.weight", True),
+    "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True),
+    "wo": ("self_attn.o_proj.weight", True),
+    "bq": ("self_attn.q_proj.bias", False),
+    "bk": ("self_attn.k_proj.bias", False),
+    "bv": ("self_attn.v_proj.bias", False),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+    "mlp_norm": ("post_attention_layernorm.weight", False),
+    "w_gate": ("mlp.gate_proj.weight", True),
+    "w_up": ("mlp.up_proj.weight", True),
+    "w_down": ("mlp.down_proj.weight", True),
+}
+# GGUF tensor name -> HF name; per layer: suffix after `blk.{i}.` -> after `model.layers.{i}.`.
+GGUF_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+              "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias", "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+}
+LINEAR_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# LayerParams field -> how tensor parallelism splits it (`placement.py`, Megatron style):
+# "col" outputs split, "row" inputs split (each block ends in one all-reduce), "vec" a bias of
+# split outputs, "rep" replicated. K/V fields ("wk", "wv", "bk", "bv") are the ones whose heads
+# placement replicates when tp exceeds num_kv_heads.
+TP_LAYOUT = {"attn_norm": "rep", "wq": "col", "wk": "col", "wv": "col", "wo": "row",
+             "mlp_norm": "rep", "w_gate": "col", "w_up": "col", "w_down": "row",
+             "bq": "vec", "bk": "vec", "bv": "vec", "q_norm": "rep", "k_norm": "rep"}
+KV_FIELDS = ("wk", "wv", "bk", "bv")
 
-    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array,
-                 layer_state: object) -> tuple[jax.Array, object]: ...
+
+# ---------------------------------------------------------------- HF config <-> ModelConfig
+def config_from_hf(d: Mapping[str, object], model_type: str, source: str) -> ModelConfig:
+    """An HF `config.json` dict of `model_type` (one of ARCHITECTURES' values) -> ModelConfig;
+    errors name `source` and the bad field."""
+
+    def req(key: str) -> object:
+        if key not in d or d[key] is None:
+            raise ConfigError(f"{source}: required field {key!r} is missing")
+        return d[key]
+
+    hidden = hf_int(req("hidden_size"), "hidden_size", source)
+    num_heads = hf_int(req("num_attention_heads"), "num_attention_heads", source)
+    num_kv_heads = hf_int(d.get("num_key_value_heads") or num_heads, "num_key_value_heads",
+                          source)
+    head_dim = d.get("head_dim") or hidden // max(num_heads, 1)
+    # Qwen2's q/k/v always carry a bias; the others say so in `attention_bias`.
+    attention_bias = model_type == "qwen2" or bool(d.get("attention_bias", False))
+    if model_type == "llama" and d.get("mlp_bias"):
+        raise ConfigError(f"{source}: mlp_bias=true is not supported")
+    act = d.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ConfigError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
+    sliding_window = d.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+        sliding_window = None
+    try:
+        return ModelConfig(
+            model_type=model_type,
+            vocab_size=int(req("vocab_size")),  # type: ignore[arg-type]
+            hidden_size=hidden,
+            intermediate_size=int(req("intermediate_size")),  # type: ignore[arg-type]
+            num_layers=int(req("num_hidden_layers")),  # type: ignore[arg-type]
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=int(head_dim),  # type: ignore[arg-type]
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),  # type: ignore[arg-type]
+            rope_theta=float(hf_rope_theta(d)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),  # type: ignore[arg-type]
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            qk_norm=model_type == "qwen3",
+            sliding_window=int(sliding_window) if sliding_window else None,  # type: ignore[arg-type]
+            rope_scaling=hf_rope_scaling(d, source),
+            bos_token_id=opt_token_id(d.get("bos_token_id")),
+            eos_token_ids=eos_ids(d.get("eos_token_id")),
+            pad_token_id=opt_token_id(d.get("pad_token_id")),
+        )
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    # OverflowError: int() of an infinite float (JSON allows 1e999).
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ConfigError(f"{source}: a field has a value of the wrong type ({e}); "
+                          "numeric fields must be numbers") from None
 
 
+def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, object]:
+    """An HF `config.json` dict that transformers and vLLM load."""
+    if set(cfg.layer_specs) != {cfg.uniform_spec()}:
+        # A Llama-family config.json says one window and one rope base for every layer.
+        raise ConfigError(f"model_type={cfg.model_type!r} with per-layer specs that differ "
+                          "from its model-wide fields has no HF config.json form")
+    arch = {t: a for a, t in ARCHITECTURES.items()}[cfg.model_type]
+    d: dict[str, object] = {
+        "architectures": [arch],
+        "model_type": cfg.model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": cfg.attention_bias,
+        "torch_dtype": torch_dtype,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": (list(cfg.eos_token_ids) if len(cfg.eos_token_ids) > 1
+                         else (cfg.eos_token_ids[0] if cfg.eos_token_ids else None)),
+        "pad_token_id": cfg.pad_token_id,
+    }
+    if cfg.model_type in ("qwen2", "qwen3"):
+        d["use_sliding_window"] = cfg.sliding_window is not None
+    d["sliding_window"] = cfg.sliding_window
+    rs = rope_scaling_to_hf(cfg.rope_scaling)
+    if rs is not None:
+        d["rope_scaling"] = rs
+    return d
+
+
+def config_dict_from_gguf(key: GGUFKey, tensor_names: set[str]) -> dict[str, object]:
+    """The HF config.json fields of this family from a GGUF file's `{arch}.*` metadata, read
+    through `key(name, default, required, kind)` (`gguf_loader`: checked, a CheckpointError
+    naming the key), and its tensor names."""
+    hidden = int(key("embedding_length", required=True))  # type: ignore[call-overload]
+    heads = int(key("attention.head_count", required=True))  # type: ignore[call-overload]
+    head_dim = (key("attention.key_length") or key("rope.dimension_count")
+                or hidden // max(heads, 1))
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length", required=True),
+        "num_hidden_layers": key("block_count", required=True),
+        "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", required=True, kind=float),
+        "rope_theta": key("rope.freq_base", 10000.0, kind=float),
+        "max_position_embeddings": key("context_length", required=True),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+    }
+
+
+# -------------------------------------------------------------------------------- params
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Expected shape of every LlamaParams/LayerParams field for `cfg` (None: absent)."""
+    """Expected shape of every LlamaParams/LayerParams field for `cfg` (absent: not used)."""
     L, H, I = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {
         "embed": (cfg.vocab_size, H),
@@ -153,179 +296,3 @@ def init_random_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.
         else:
             out.append((scale * noise).astype(dtype))
     return jax.tree_util.tree_unflatten(treedef, out)
-
-
-# ----------------------------------------------------------------------------- building blocks
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in float32 (as HF does), returned in x's dtype."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (weight.astype(jnp.float32) * xf).astype(x.dtype)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Per-pair inverse frequencies f32[head_dim // 2], with linear / llama3 scaling applied.
-
-    Computed on the host in float64 so it is a trace-time constant identical to HF's.
-    """
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    rs = cfg.rope_scaling
-    if rs.rope_type == "linear":
-        inv = inv / rs.factor
-    elif rs.rope_type == "llama3":
-        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
-        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
-        wavelen = 2 * np.pi / inv
-        scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
-        smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
-            rs.high_freq_factor - rs.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv = np.where(medium, smoothed, scaled)
-    return inv.astype(np.float32)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half RoPE (HF layout). x: [..., T, H, D], positions: i32[..., T]."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., T, D/2]
-    cos = jnp.cos(angles)[..., None, :]
-    sin = jnp.sin(angles)[..., None, :]
-    xf = x.astype(jnp.float32)
-    x1, x2 = xf[..., : x.shape[-1] // 2], xf[..., x.shape[-1] // 2:]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
-
-
-def _linear(x: jax.Array, w: Weight, b: jax.Array | None = None) -> jax.Array:
-    if isinstance(w, (PackedWeight, QuantizedWeight)):
-        y = w.matmul(x)
-    else:
-        y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype))
-    return y if b is None else y + b.astype(x.dtype)
-
-
-def decoder_layer(cfg: ModelConfig, lp: LayerParams, x: jax.Array, positions: jax.Array,
-                  attn: AttnFn, layer_state: object) -> tuple[jax.Array, object]:
-    """One pre-norm block on one layer's (unstacked) params. x: [..., T, hidden]."""
-    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-    lead = h.shape[:-1]
-    q = _linear(h, lp.wq, lp.bq).reshape(*lead, cfg.num_heads, cfg.head_dim)
-    k = _linear(h, lp.wk, lp.bk).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    v = _linear(h, lp.wv, lp.bv).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm:
-        q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
-    inv_freq = rope_inv_freq(cfg)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
-    o, layer_state = attn(q, k, v, layer_state)
-    x = x + _linear(o.reshape(*lead, cfg.q_size), lp.wo)
-    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-    mlp = jax.nn.silu(_linear(h, lp.w_gate)) * _linear(h, lp.w_up)
-    return x + _linear(mlp, lp.w_down), layer_state
-
-
-def scan_layers(body: Callable[[object, tuple[LayerParams, jax.Array, object]],
-                                tuple[object, object]],
-                carry: object, layers: LayerParams, xs: object = None) -> tuple[object, object]:
-    """`lax.scan` of body(carry, (layer params, layer index i32[], xs slice)) over the layers.
-    A `PackedWeight` field is not sliced: the body gets the whole stack with `layer` set."""
-    names = [f for f in LayerParams.__dataclass_fields__
-             if isinstance(getattr(layers, f), PackedWeight)]
-    packed = {f: getattr(layers, f) for f in names}
-    sliced = layers.replace(**{f: None for f in names})
-    num_layers = layers.attn_norm.shape[0]
-
-    def step(c: object, s: tuple[LayerParams, jax.Array, object]) -> tuple[object, object]:
-        lp, i, x = s
-        lp = lp.replace(**{f: w.replace(layer=i) for f, w in packed.items()})
-        return body(c, (lp, i, x))
-
-    return jax.lax.scan(step, carry, (sliced, jnp.arange(num_layers, dtype=jnp.int32), xs))
-
-
-def run_layers(cfg: ModelConfig, layers: LayerParams, x: jax.Array, positions: jax.Array,
-               attn: AttnFn, layer_states: object = None) -> tuple[jax.Array, object]:
-    """Scan `decoder_layer` over the stacked layers; `layer_states` is scanned alongside."""
-
-    def body(carry: jax.Array, xs: tuple[LayerParams, jax.Array, object]
-             ) -> tuple[jax.Array, object]:
-        lp, _, state = xs
-        return decoder_layer(cfg, lp, carry, positions, attn, state)
-
-    return scan_layers(body, x, layers, layer_states)
-
-
-def embed(params: LlamaParams, tokens: jax.Array) -> jax.Array:
-    # Packed or quantized, the embedding is stored transposed (as the tied lm_head) and its
-    # rows come back in f32: cast to the activations' dtype, the norms'.
-    if isinstance(params.embed, PackedWeight):
-        return params.embed.rows(tokens).astype(params.final_norm.dtype)
-    if isinstance(params.embed, QuantizedWeight):
-        return params.embed.columns(tokens).astype(params.final_norm.dtype)
-    return jnp.take(params.embed, tokens, axis=0)
-
-
-def lm_logits(cfg: ModelConfig, params: LlamaParams, hidden: jax.Array) -> jax.Array:
-    """Final norm + vocabulary projection, logits in float32. hidden: [..., hidden]."""
-    h = rms_norm(hidden, params.final_norm, cfg.rms_norm_eps)
-    head = params.embed if params.lm_head is None else params.lm_head
-    if isinstance(head, (PackedWeight, QuantizedWeight)):  # a tied embedding: transposed
-        logits = head.matmul(h.astype(jnp.float32))
-    elif params.lm_head is None:
-        logits = jnp.einsum("...h,vh->...v", h, params.embed.astype(h.dtype),
-                            preferred_element_type=jnp.float32)
-    else:
-        logits = jnp.einsum("...h,hv->...v", h, params.lm_head.astype(h.dtype),
-                            preferred_element_type=jnp.float32)
-    return logits.astype(jnp.float32)
-
-
-def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                     sm_scale: float) -> jax.Array:
-    """Dense GQA attention. q: [B, T, Hq, D], k/v: [B, S, Hkv, D], mask: bool[B, T, S]."""
-    B, T, Hq, D = q.shape
-    Hkv = k.shape[2]
-    qg = q.reshape(B, T, Hkv, Hq // Hkv, D)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * sm_scale
-    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
-    # A fully masked row (padding query) would give NaN; keep it finite, it is never read.
-    scores = jnp.where(jnp.any(mask, axis=-1)[:, None, None, :, None], scores, 0.0)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(B, T, Hq, D).astype(q.dtype)
-
-
-def causal_mask(q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array,
-                sliding_window: int | None) -> jax.Array:
-    """bool[B, T, S]: key s visible to query t (causal, valid, inside the window)."""
-    m = (k_pos[:, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
-    if sliding_window is not None:
-        m &= k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
-    return m
-
-
-def forward(params: LlamaParams, tokens: jax.Array, lengths: jax.Array,
-            cfg: ModelConfig) -> jax.Array:
-    """Full-sequence forward, the correctness oracle: f32[B, T, vocab] logits.
-
-    tokens: i32[B, T] right-padded; lengths: i32[B] valid tokens per row. Logits at padded
-    positions are garbage-but-finite. Jit with `cfg` static.
-    """
-    B, T = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    valid = positions < lengths[:, None]
-    mask = causal_mask(positions, positions, valid, cfg.sliding_window)
-    scale = cfg.head_dim ** -0.5
-
-    def attn(q: jax.Array, k: jax.Array, v: jax.Array, state: object) -> tuple[jax.Array, object]:
-        return masked_attention(q, k, v, mask, scale), state
-
-    x = embed(params, tokens)
-    x, _ = run_layers(cfg, params.layers, x, positions, attn)
-    return lm_logits(cfg, params, x)
-
-
-forward_jit: Callable[..., jax.Array] = jax.jit(forward, static_argnames=("cfg",))

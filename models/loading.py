@@ -4,11 +4,11 @@ Data flow: PATH (or None for the bundled SmolLM2 GGUF) -> `detect_format` -> one
   gguf:  `open_gguf` -> HF-shaped config + lazy HF-named tensors -> `host_params_from_hf`
   hf:    config.json + memory-mapped safetensors -> `host_params_from_hf`
   orbax: jaxserve.json marker + config.json + `params/` -> `orbax_io.restore_params`
-and the tokenizer from the same place. The first two give LlamaParams of lazy host leaves; then
-Then `quantize_params` turns the dense weights into `QuantizedWeight`s where `quant` asks (or,
-by default, where the checkpoint is stored quantized: GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K
-blocks and compressed-tensors FP8 / INT8 weights as they are), one field at a time on the host,
-before anything is placed:
+and the tokenizer from the same place. The first two give the family's params (`families.py`)
+of lazy host leaves; then `quantize_params` turns the dense weights into `QuantizedWeight`s
+where `quant` asks (or, by default, where the checkpoint is stored quantized: GGUF Q8_0 /
+Q4_0 / Q4_1 / Q4_K / Q6_K blocks and compressed-tensors FP8 / INT8 weights as they are), one
+field at a time on the host, before anything is placed:
   no mesh: each leaf read whole onto the first device (the host holds one leaf at a time;
            GGUF tensors are dequantized one at a time);
   mesh:    `placement.place_params`: per leaf, each addressable device's slice is read from the
@@ -34,7 +34,7 @@ import dataclasses
 import json
 import pathlib
 import shutil
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -42,11 +42,11 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from .bundled import bundled_model_path
 from .config import ModelConfig
+from .families import config_from_hf, config_to_hf, family
 from .gguf_loader import open_gguf
 from .hf_loader import (host_params_from_hf, read_hf_config, read_hf_tensors, save_hf_dir,
                         with_quantized_views)
 from .host_arrays import read_all
-from .llama import LlamaParams
 from .orbax_io import restore_params, save_params
 from .paged import MODEL_AXIS
 from .placement import kv_head_replication, param_shardings, place_params
@@ -63,7 +63,7 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
     config: ModelConfig
-    params: LlamaParams
+    params: Any  # the family's params pytree (`families.family(config).Params`)
     tokenizer: Tokenizer
     source: pathlib.Path
     format: Format
@@ -114,7 +114,7 @@ def load_model(path: str | pathlib.Path | None = None, dtype: str = "float32",
     if fmt == "gguf":
         gguf_file = path if path.is_file() else sorted(path.glob("*.gguf"))[0]
         ckpt = open_gguf(gguf_file)
-        cfg = ModelConfig.from_hf_dict(ckpt.hf_config, source=str(gguf_file))
+        cfg = config_from_hf(ckpt.hf_config, source=str(gguf_file))
         tokenizer = Tokenizer.from_gguf(gguf_file)
         cfg = _with_tokenizer_eos(cfg, tokenizer)
         host = host_params_from_hf(cfg, ckpt.tensors, jdtype, source=str(gguf_file))
@@ -134,14 +134,14 @@ def load_model(path: str | pathlib.Path | None = None, dtype: str = "float32",
     return LoadedModel(config=cfg, params=params, tokenizer=tokenizer, source=path, format=fmt)
 
 
-def _place(host: LlamaParams, cfg: ModelConfig, mesh: Mesh | None) -> LlamaParams:
+def _place(host: Any, cfg: ModelConfig, mesh: Mesh | None) -> Any:
     if mesh is None:
         return jax.tree.map(lambda leaf: jnp.asarray(read_all(leaf)), host)
     return place_params(host, cfg, mesh)
 
 
 def _restore(path: pathlib.Path, cfg: ModelConfig, dtype: jnp.dtype,
-             mesh: Mesh | None) -> LlamaParams:
+             mesh: Mesh | None) -> Any:
     if mesh is None:
         return restore_params(path, cfg, dtype)
     shardings = param_shardings(cfg, mesh)
@@ -157,7 +157,7 @@ def _restore(path: pathlib.Path, cfg: ModelConfig, dtype: jnp.dtype,
         # devices, which no sharding of the saved array expresses: restore them whole on one
         # local device, and let placement cut each device's repeated head from that copy.
         first = SingleDeviceSharding(jax.local_devices()[0])
-        kv = {f: first for f in ("wk", "wv", "bk", "bv") if getattr(shardings.layers, f)}
+        kv = {f: first for f in family(cfg).KV_FIELDS if getattr(shardings.layers, f)}
         shardings = dataclasses.replace(
             shardings, layers=dataclasses.replace(shardings.layers, **kv))
     return place_params(restore_params(path, cfg, dtype, shardings), cfg, mesh)
@@ -183,7 +183,7 @@ def convert(src: str | pathlib.Path | None, dst: str | pathlib.Path,
     if fmt == "hf":
         save_hf_dir(dst, model.config, model.params)
     elif fmt == "orbax":
-        cfg_dict = model.config.to_hf_dict(dtype)
+        cfg_dict = config_to_hf(model.config, dtype)
         (dst / "config.json").write_text(json.dumps(cfg_dict, indent=2))
         gen = {"bos_token_id": model.config.bos_token_id,
                "eos_token_id": list(model.config.eos_token_ids)}

@@ -1,6 +1,6 @@
 """Params for the CPU dense kernel: every linear weight packed into 16-column panels.
 
-Data flow: LlamaParams as loaded (f32 on one CPU device, weights [L, in, out]) ->
+Data flow: a family's params as loaded (f32 on one CPU device, weights [L, in, out]) ->
 `pack_params` -> the same tree with each linear weight a `PackedWeight`
 (f32[L, ceil(out / 16), in, 16]; `kernels_pallas.dense_cpu` says why) -> the engine's step,
 where `_linear` runs the C++ kernel and `scan_layers` reads each layer in place. A tied
@@ -13,19 +13,23 @@ lives until the caller drops it (at load, the peak is twice the weights).
 
 from __future__ import annotations
 
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..kernels_pallas.dense_cpu import pack_panels
 from ..kernels_pallas.dense_quant_cpu import pack_quant
-from .llama import LayerParams, LlamaParams, PackedWeight
+from .families import ModelParams, family_of_params
+from .linear import PackedWeight
+from .llama import LINEAR_FIELDS
 from .quant import QuantizedWeight
 
-LINEAR_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+__all__ = ["LINEAR_FIELDS", "can_pack", "pack_params"]  # LINEAR_FIELDS: the Llama family's
 
 
-def can_pack(params: LlamaParams) -> str | None:
+def can_pack(params: ModelParams) -> str | None:
     """None if `params` can be packed, else why not (the kernel takes float32 or quantized
     weights on one device)."""
     for node in jax.tree_util.tree_leaves(params,
@@ -55,14 +59,14 @@ def _pack(w: jax.Array | QuantizedWeight, transpose: bool = False,
     return PackedWeight(panels=placed, out_features=int(out_features), isa=isa)
 
 
-def pack_params(params: LlamaParams, isa: str | None = None) -> LlamaParams:
+def pack_params(params: ModelParams, isa: str | None = None) -> ModelParams:
     """Every linear weight of `params` (and the lm_head, or the tied embedding) packed, run by
     the kernel's `isa` variant (None: the best this CPU runs; cpu_build.dense_isas())."""
     why = can_pack(params)
     if why is not None:
         raise ValueError(f"cannot pack the weights for the CPU dense kernel: {why}")
-    layers: LayerParams = params.layers
-    for name in LINEAR_FIELDS:
+    layers = params.layers
+    for name in family_of_params(params).LINEAR_FIELDS:
         w = getattr(layers, name)
         if not isinstance(w, PackedWeight):
             layers = layers.replace(**{name: _pack(w, isa=isa)})

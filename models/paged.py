@@ -1,10 +1,12 @@
 """The engine's model step over paged KV: one ragged batch of new tokens -> logits to sample.
 
 Data flow: token_ids i32[T] (prefill chunks and decode tokens of S sequences end to end) ->
-embed -> for each layer (`llama.scan_layers` over the stacked params, the whole KV array in
-the carry so XLA updates it in place): q/k/v + RoPE at each token's position ->
-`write_kv_and_attend`: the new K/V go into their slots, then ragged paged attention reads each
-sequence's pages through its block table (one custom call on CPU) -> ... -> final norm ->
+embed -> for each layer (`decoder.scan_layers` over the stacked params, one scan per group of
+layers of equal `LayerSpec`, the whole KV array in the carry so XLA updates it in place):
+q/k/v + RoPE at each token's position -> `write_kv_and_attend` with the layer's own
+`sliding_window`, `soft_cap` and query scale from its spec: the new K/V go into their slots,
+then ragged paged attention reads each sequence's pages through its block table (one custom
+call on CPU) -> ... -> final norm ->
 logits only at `logits_indices` (one row per sequence). `paged_hidden` stops before the final
 norm: the runner keeps every token's hidden state for the prompt logprobs pass
 (`jaxserve.device.prompt_logprobs`).
@@ -26,6 +28,7 @@ quantizes, the attention dequantizes on the fly).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 
@@ -34,8 +37,9 @@ from jax.sharding import PartitionSpec as PS
 
 from ..kernels_pallas import (AttentionMetadata, KVPages, QuantizedKV, init_kv_pages,
                               kv_pages_shape, write_kv_and_attend)
-from .config import ModelConfig
-from .llama import LayerParams, LlamaParams, decoder_layer, embed, lm_logits, scan_layers
+from .blocks import embed, lm_logits
+from .config import LayerSpec, ModelConfig
+from .decoder import decoder_layer, scan_layers
 
 
 MODEL_AXIS = "model"  # the tensor-parallel mesh axis (models/placement.py)
@@ -67,7 +71,7 @@ def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int,
                           head_dim or cfg.head_dim)
 
 
-def paged_forward(params: LlamaParams, kv_pages: KVPages, token_ids: jax.Array,
+def paged_forward(params: Any, kv_pages: KVPages, token_ids: jax.Array,
                   positions: jax.Array, md: AttentionMetadata, logits_indices: jax.Array,
                   cfg: ModelConfig, attn_impl: str = "reference",
                   mesh: Mesh | None = None) -> tuple[jax.Array, KVPages]:
@@ -77,7 +81,7 @@ def paged_forward(params: LlamaParams, kv_pages: KVPages, token_ids: jax.Array,
     return lm_logits(cfg, params, hidden[logits_indices]), kv_pages
 
 
-def paged_hidden(params: LlamaParams, kv_pages: KVPages, token_ids: jax.Array,
+def paged_hidden(params: Any, kv_pages: KVPages, token_ids: jax.Array,
                  positions: jax.Array, md: AttentionMetadata, cfg: ModelConfig,
                  attn_impl: str = "reference",
                  mesh: Mesh | None = None) -> tuple[jax.Array, KVPages]:
@@ -88,8 +92,6 @@ def paged_hidden(params: LlamaParams, kv_pages: KVPages, token_ids: jax.Array,
     the attention run under `jax.shard_map`: each device on its own query / KV heads and its
     slice of the KV pages, with the metadata replicated; XLA partitions the rest.
     """
-    scale = cfg.head_dim ** -0.5
-    window = cfg.sliding_window
     total_pages, _, page_size, _ = kv_pages.shape
     if total_pages % cfg.num_layers:
         raise ValueError(f"kv_pages has {total_pages} pages, not a multiple of num_layers="
@@ -98,22 +100,24 @@ def paged_hidden(params: LlamaParams, kv_pages: KVPages, token_ids: jax.Array,
     quantized = isinstance(kv_pages, QuantizedKV)
     kv_spec = kv_specs(quantized)
 
-    def layer(carry: tuple[jax.Array, KVPages], xs: tuple[LayerParams, jax.Array, None]
+    def layer(spec: LayerSpec, carry: tuple[jax.Array, KVPages], xs: tuple[Any, jax.Array, None]
               ) -> tuple[tuple[jax.Array, KVPages], None]:
         x, kv = carry
         lp, i, _ = xs
 
-        def attend(q: jax.Array, k: jax.Array, v: jax.Array, flat: KVPages,
-                   layer_md: AttentionMetadata) -> tuple[jax.Array, KVPages]:
-            # Float pages: everything in the pages' dtype. Quantized: q, k, v stay as they are.
-            dt = q.dtype if quantized else flat.dtype
-            out, flat = write_kv_and_attend(q.astype(dt), k.astype(dt), v.astype(dt), flat,
-                                            layer_md, sm_scale=scale, sliding_window=window,
-                                            impl=attn_impl)
-            return out.astype(q.dtype), flat
+        def attn(q: jax.Array, k: jax.Array, v: jax.Array, flat: KVPages,
+                 spec: LayerSpec) -> tuple[jax.Array, KVPages]:
+            def attend(q: jax.Array, k: jax.Array, v: jax.Array, flat: KVPages,
+                       layer_md: AttentionMetadata) -> tuple[jax.Array, KVPages]:
+                # Float pages: everything in the pages' dtype. Quantized: q, k, v as they are.
+                dt = q.dtype if quantized else flat.dtype
+                # The layer's own window, soft-cap and scale: static, one kernel per spec.
+                out, flat = write_kv_and_attend(q.astype(dt), k.astype(dt), v.astype(dt), flat,
+                                                layer_md, sm_scale=spec.query_scale,
+                                                sliding_window=spec.sliding_window,
+                                                soft_cap=spec.soft_cap, impl=attn_impl)
+                return out.astype(q.dtype), flat
 
-        def attn(q: jax.Array, k: jax.Array, v: jax.Array,
-                 flat: KVPages) -> tuple[jax.Array, KVPages]:
             base = i * num_pages
             layer_md = dataclasses.replace(md, block_tables=md.block_tables + base,
                                            slot_mapping=md.slot_mapping + base * page_size)
@@ -127,9 +131,9 @@ def paged_hidden(params: LlamaParams, kv_pages: KVPages, token_ids: jax.Array,
                                  # end per-shard; each shard is independent, nothing to check.
                                  check_vma=False)(q, k, v, flat, layer_md)
 
-        x, kv = decoder_layer(cfg, lp, x, positions, attn, kv)
+        x, kv = decoder_layer(cfg, spec, lp, x, positions, attn, kv)
         return (x, kv), None
 
-    x = embed(params, token_ids)
-    (x, kv_pages), _ = scan_layers(layer, (x, kv_pages), params.layers)
+    x = embed(params, token_ids, cfg.embed_scale)
+    (x, kv_pages), _ = scan_layers(layer, (x, kv_pages), params.layers, cfg.layer_groups)
     return x, kv_pages

@@ -18,7 +18,8 @@ every step's inputs `replicated`; `paged_forward(..., mesh=mesh)` runs attention
 Host memory: the callbacks of one leaf run before that leaf is copied, so the host peak is this
 process's slices of one leaf (the whole leaf for a replicated one), not the model.
 
-The layout (Megatron style; the mesh axis is `paged.MODEL_AXIS`):
+The layout (Megatron style; the mesh axis is `paged.MODEL_AXIS`), per layer field from the
+family's `TP_LAYOUT` (`models/llama.py`):
   wq / wk / wv (and biases), w_gate / w_up: columns (outputs) split;
   wo / w_down: rows (inputs) split, so each block ends in one all-reduce;
   embed [vocab, hidden] / lm_head [hidden, vocab]: split by vocabulary, replicated when tp does
@@ -41,13 +42,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import ModelConfig
+from .families import ModelParams, family
 from .host_arrays import RepeatedHeads
-from .llama import LayerParams, LlamaParams
 from .paged import MODEL_AXIS, kv_specs
 from .quant import QuantizedWeight
 from .safetensors_io import CheckpointError
 
-_KV_FIELDS = ("wk", "wv", "bk", "bv")
 
 
 def kv_head_replication(cfg: ModelConfig, tp: int) -> int:
@@ -77,10 +77,10 @@ def _quant_spec(spec: P, w: QuantizedWeight, tp: int) -> QuantizedWeight:
                            w.scheme, w.act_fp8)
 
 
-def _with_quant_specs(specs: LlamaParams, params: LlamaParams, tp: int) -> LlamaParams:
+def _with_quant_specs(specs: ModelParams, params: ModelParams, tp: int) -> ModelParams:
     """`specs` with each field that `params` holds quantized expanded to its arrays' specs."""
     layers = {f: _quant_spec(getattr(specs.layers, f), w, tp)
-              for f in LayerParams.__dataclass_fields__
+              for f in type(params.layers).__dataclass_fields__
               if isinstance(w := getattr(params.layers, f), QuantizedWeight)}
     out = dataclasses.replace(specs, layers=dataclasses.replace(specs.layers, **layers))
     if isinstance(params.lm_head, QuantizedWeight):
@@ -91,35 +91,37 @@ def _with_quant_specs(specs: LlamaParams, params: LlamaParams, tp: int) -> Llama
     return out
 
 
-def param_specs(cfg: ModelConfig, tp: int, params: LlamaParams | None = None) -> LlamaParams:
-    """A LlamaParams of PartitionSpecs (None where the config has no such leaf); with `params`,
-    its quantized weights get one spec per array (`_quant_spec`)."""
-    col = P(None, None, MODEL_AXIS)   # [L, in, out]: split outputs
-    row = P(None, MODEL_AXIS, None)   # [L, in, out]: split inputs
-    vec = P(None, MODEL_AXIS)         # [L, out] biases of split outputs
-    rep = P()
-    bias = vec if cfg.attention_bias else None
-    norm = rep if cfg.qk_norm else None
-    layers = LayerParams(
-        attn_norm=rep, wq=col, wk=col, wv=col, wo=row, mlp_norm=rep, w_gate=col, w_up=col,
-        w_down=row, bq=bias, bk=bias, bv=bias, q_norm=norm, k_norm=norm)
+def param_specs(cfg: ModelConfig, tp: int, params: ModelParams | None = None) -> ModelParams:
+    """The family's params of PartitionSpecs (None where the config has no such leaf); with
+    `params`, its quantized weights get one spec per array (`_quant_spec`)."""
+    fam = family(cfg)
+    shapes = fam.param_shapes(cfg)
+    by_kind = {"col": P(None, None, MODEL_AXIS),  # [L, in, out]: split outputs
+               "row": P(None, MODEL_AXIS, None),  # [L, in, out]: split inputs
+               "vec": P(None, MODEL_AXIS),        # [L, out] biases of split outputs
+               "rep": P()}
+    layers = fam.LayerParams(**{
+        f: by_kind[kind] if f"layers.{f}" in shapes else None
+        for f, kind in fam.TP_LAYOUT.items()})
     # A vocabulary that tp does not divide (only toy ones) stays replicated.
     by_vocab = cfg.vocab_size % tp == 0
+    rep = P()
     lm_head = None if cfg.tie_word_embeddings else (P(None, MODEL_AXIS) if by_vocab else rep)
-    specs = LlamaParams(embed=P(MODEL_AXIS, None) if by_vocab else rep, layers=layers,
-                        final_norm=rep, lm_head=lm_head)
+    specs = fam.Params(embed=P(MODEL_AXIS, None) if by_vocab else rep, layers=layers,
+                       final_norm=rep, lm_head=lm_head)
     return specs if params is None else _with_quant_specs(specs, params, tp)
 
 
 def param_shardings(cfg: ModelConfig, mesh: Mesh,
-                    params: LlamaParams | None = None) -> LlamaParams:
-    """A LlamaParams of the NamedSharding each leaf is placed on (`params`: see param_specs)."""
+                    params: ModelParams | None = None) -> ModelParams:
+    """The family's params of the NamedSharding each leaf is placed on (`params`: see
+    param_specs)."""
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec),
                         param_specs(cfg, mesh.shape[MODEL_AXIS], params),
                         is_leaf=lambda x: isinstance(x, P))
 
 
-def with_replicated_kv_heads(params: LlamaParams, cfg: ModelConfig, tp: int) -> LlamaParams:
+def with_replicated_kv_heads(params: ModelParams, cfg: ModelConfig, tp: int) -> ModelParams:
     """K/V projections (and biases) as views with each head repeated for tp devices.
 
     Leaves that already have the replicated width (params placed by an earlier call) are kept,
@@ -130,7 +132,7 @@ def with_replicated_kv_heads(params: LlamaParams, cfg: ModelConfig, tp: int) -> 
         return params
     lp = params.layers
     views = {}
-    for field in _KV_FIELDS:
+    for field in family(cfg).KV_FIELDS:
         leaf = getattr(lp, field)
         if leaf is None or leaf.shape[-1] == cfg.kv_size * rep:
             continue
@@ -163,7 +165,7 @@ def place_leaf(leaf: object, sharding: NamedSharding, name: str = "leaf") -> jax
         raise ValueError(f"cannot place {name} {shape} on {sharding.spec}: {e}") from e
 
 
-def place_params(params: LlamaParams, cfg: ModelConfig, mesh: Mesh) -> LlamaParams:
+def place_params(params: ModelParams, cfg: ModelConfig, mesh: Mesh) -> ModelParams:
     """Every leaf of `params` (host sources or jax arrays) onto its tensor-parallel sharding."""
     params = with_replicated_kv_heads(params, cfg, mesh.shape[MODEL_AXIS])
     shardings = param_shardings(cfg, mesh, params)

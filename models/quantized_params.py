@@ -1,9 +1,9 @@
-"""A whole model's weights quantized at load: LlamaParams -> LlamaParams with `QuantizedWeight`s.
+"""A whole model's weights quantized at load: params -> params with `QuantizedWeight`s.
 
 Data flow (`load_model`, before the leaves are placed on devices): params whose leaves are
 host sources (the lazy checkpoint views of `host_arrays`, or arrays of a model already loaded)
 and a `WeightQuant` -> per linear field (wq, wk, wv, wo, w_gate, w_up, w_down), one layer at a
-time:
+time (the linear fields are the family's `LINEAR_FIELDS`):
   - stored tensors whose quantization maps exactly onto the asked scheme and group size (or
     any, under "auto") become that scheme's values and scales as stored: GGUF Q8_0 / Q4_0 /
     Q4_1 / Q4_K / Q6_K blocks (`gguf_quant`, numpy arrays) and compressed-tensors FP8 / INT8
@@ -22,7 +22,7 @@ The layers are stacked into one QuantizedWeight (host peak: one field's quantize
 float layer), which placement then puts on the devices like any leaf.
 The lm_head and the embedding follow the same rules, but an explicit scheme quantizes them only
 with `WeightQuant.lm_head`; a quantized embedding is stored transposed ([hidden, vocab], the
-tied lm_head's layout), which `llama.embed` reads by columns.
+tied lm_head's layout), which `blocks.embed` reads by columns.
 
 A model already loaded (its leaves device arrays, some of them `QuantizedWeight`s, as
 `load_model` returns it) goes through the same function when an engine is built from it with
@@ -43,8 +43,7 @@ import numpy as np
 from .compressed_tensors import CompressedTensor, quantized_weight
 from .gguf_quant import block_group, block_scheme, quantized_blocks
 from .host_arrays import LazyLeaf
-from .llama import LayerParams, LlamaParams
-from .packing import LINEAR_FIELDS
+from .families import ModelParams, family_of_params
 from .quant import QuantizedWeight, WeightQuant, quantize_weight
 
 log = logging.getLogger(__name__)
@@ -200,9 +199,10 @@ def quantize_leaf(leaf: object, wq: WeightQuant, name: str, stacked: bool = True
     return _stack(layers) if stacked else layers[0]
 
 
-def _note_activations(params: LlamaParams, wq: WeightQuant) -> None:
+def _note_activations(params: ModelParams, wq: WeightQuant) -> None:
     """A log line when a compressed-tensors checkpoint was made for quantized activations."""
-    leaves = [getattr(params.layers, f) for f in LINEAR_FIELDS] + [params.lm_head]
+    fields = family_of_params(params).LINEAR_FIELDS
+    leaves = [getattr(params.layers, f) for f in fields] + [params.lm_head]
     acts = {t.activations for leaf in leaves for t in _stored(leaf) or []
             if isinstance(t, CompressedTensor)}
     if "fp8" in acts and wq.scheme == "auto":
@@ -218,13 +218,13 @@ def _note_activations(params: LlamaParams, wq: WeightQuant) -> None:
                  "run: int8 activations are not implemented, the weights serve weight-only")
 
 
-def quantize_params(params: LlamaParams, wq: WeightQuant) -> LlamaParams:
+def quantize_params(params: ModelParams, wq: WeightQuant) -> ModelParams:
     """`params` with each dense weight quantized as `wq` says (module docstring)."""
     if wq.scheme == "none":
         return params
     _note_activations(params, wq)
-    layers: LayerParams = params.layers
-    for field in LINEAR_FIELDS:
+    layers = params.layers
+    for field in family_of_params(params).LINEAR_FIELDS:
         q = quantize_leaf(getattr(layers, field), wq, f"layers.{field}")
         if q is not None:
             layers = layers.replace(**{field: q})
@@ -239,14 +239,15 @@ def quantize_params(params: LlamaParams, wq: WeightQuant) -> LlamaParams:
     return params if embed is None else params.replace(embed=embed)
 
 
-def dequantized_params(params: LlamaParams, dtype: jnp.dtype) -> LlamaParams:
+def dequantized_params(params: ModelParams, dtype: jnp.dtype) -> ModelParams:
     """`params` with every QuantizedWeight leaf back to a `dtype` array (quantization="none"
     on a model loaded quantized); a quantized embedding is transposed back to [vocab, hidden].
     Other leaves are returned as they are."""
     def dq(w: object) -> object:
         return w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w
 
-    layers = params.layers.replace(**{f: dq(getattr(params.layers, f)) for f in LINEAR_FIELDS})
+    fields = family_of_params(params).LINEAR_FIELDS
+    layers = params.layers.replace(**{f: dq(getattr(params.layers, f)) for f in fields})
     embed = params.embed
     if isinstance(embed, QuantizedWeight):
         embed = embed.dequantize(dtype).T

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .config import ModelConfig
-    from .llama import LlamaParams
+    from .families import ModelParams
     from .loading import LoadedModel
     from .tokenizer import Tokenizer
 
@@ -79,19 +79,19 @@ def tiny_config(**overrides: Any) -> ModelConfig:
 
 
 def random_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02, dtype: Any = None,
-                  jit: bool = False) -> LlamaParams:
-    """`llama.init_random_params(cfg, key(seed), dtype (default float32), scale)`; `jit`: as
+                  jit: bool = False) -> ModelParams:
+    """The family's `init_random_params(cfg, key(seed), dtype (default float32), scale)`; `jit`: as
     one compiled program, the weights made on the device (large models)."""
     import jax
     import jax.numpy as jnp
 
-    from . import llama
+    from .families import family
 
+    init = family(cfg).init_random_params
     dtype = jnp.float32 if dtype is None else dtype
     if jit:
-        return jax.jit(lambda k: llama.init_random_params(cfg, k, dtype, scale))(
-            jax.random.key(seed))
-    return llama.init_random_params(cfg, jax.random.key(seed), dtype, scale)
+        return jax.jit(lambda k: init(cfg, k, dtype, scale))(jax.random.key(seed))
+    return init(cfg, jax.random.key(seed), dtype, scale)
 
 
 def random_model(cfg: ModelConfig | None = None, *, seed: int = 0, scale: float = 0.02,

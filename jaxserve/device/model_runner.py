@@ -47,8 +47,8 @@ from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.kernels_pallas import AttentionMetadata, KVPages, is_quantized_dtype
 from jaxserve.models import placement
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.llama import LlamaParams
-from jaxserve.models.llama import lm_logits
+from jaxserve.models.blocks import lm_logits
+from jaxserve.models.families import ModelParams
 from jaxserve.models.paged import init_kv_cache, paged_hidden
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class StepInputs:
     logits_indices: jax.Array  # i32[S]
 
 
-def forward_step(params: LlamaParams, kv_pages: KVPages, inputs: StepInputs, feed: jax.Array,
+def forward_step(params: ModelParams, kv_pages: KVPages, inputs: StepInputs, feed: jax.Array,
                  cfg: ModelConfig, attn_impl: str, mesh: Mesh | None = None
                  ) -> tuple[KVPages, jax.Array, jax.Array]:
     """`feed` i32[max_num_seqs]: the previous step's sampled tokens. `kv_pages`: the float
@@ -171,7 +171,7 @@ class ModelPending:
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, params: LlamaParams, shape: BatchShape,
+    def __init__(self, model_cfg: ModelConfig, params: ModelParams, shape: BatchShape,
                  num_pages: int, kv_dtype: jnp.dtype, attn_impl: str = "reference",
                  kv_head_dim: int | None = None, mesh: Mesh | None = None):
         """`mesh`: tensor parallel over its "model" axis; `model_cfg` and `params` are then

@@ -23,7 +23,8 @@ from flax import struct
 
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.llama import LlamaParams, lm_logits
+from jaxserve.models.blocks import lm_logits
+from jaxserve.models.families import ModelParams
 
 CHUNK = 128  # scored positions per LM-head pass: [CHUNK, vocab] f32 logits live at a time
 
@@ -42,7 +43,7 @@ class PromptLogprobsOutput:
     top_logprobs: jax.Array  # f32[T_b, MAX_LOGPROBS]
 
 
-def prompt_logprobs(params: LlamaParams, hidden: jax.Array, inputs: PromptLogprobsInputs,
+def prompt_logprobs(params: ModelParams, hidden: jax.Array, inputs: PromptLogprobsInputs,
                     cfg: ModelConfig) -> PromptLogprobsOutput:
     """Score `inputs.num[0]` positions of `hidden` ([T, hidden]). Pure; jit it."""
     T = inputs.indices.shape[0]

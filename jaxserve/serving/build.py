@@ -40,7 +40,7 @@ from jaxserve.kernels_pallas import KernelGeometry, is_quantized_dtype, page_hea
 from jaxserve.kernels_pallas.cpu_build import dense_kernel_target
 from jaxserve.models import placement
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.llama import LlamaParams
+from jaxserve.models.families import ModelParams
 from jaxserve.models.loading import LoadedModel, detect_format, load_model, resolve_model_path
 from jaxserve.models.packing import can_pack, pack_params
 from jaxserve.models.quant import WeightQuant, weight_bytes, weight_quant
@@ -142,7 +142,7 @@ class _Placed:
 
     model: LoadedModel
     run_cfg: ModelConfig  # KV heads replicated where tensor parallelism needs it
-    params: LlamaParams
+    params: ModelParams
     mesh: Mesh | None
     device: jax.Device  # where free memory is read
 
@@ -187,7 +187,7 @@ def _place(config: EngineConfig, model: LoadedModel | None,
                    next(d for d in mesh.devices.flat if d.process_index == jax.process_index()))
 
 
-def _requantize(params: LlamaParams, quant: WeightQuant, config: EngineConfig) -> LlamaParams:
+def _requantize(params: ModelParams, quant: WeightQuant, config: EngineConfig) -> ModelParams:
     """A caller's loaded model's params stored as `quant` says, as `load_model(quant=...)`
     would have stored them: "none" dequantizes every quantized leaf to config.dtype, "auto"
     keeps what is there, a scheme quantizes the float leaves and requantizes quantized ones
@@ -204,7 +204,7 @@ def _weight_quant(config: EngineConfig) -> WeightQuant:
                         config.quantize_lm_head, config.fp8_activations, jax.local_devices()[0])
 
 
-def _dense_params(config: EngineConfig, params: LlamaParams) -> LlamaParams:
+def _dense_params(config: EngineConfig, params: ModelParams) -> ModelParams:
     """`params` packed for the C++ dense kernel where `config.dense_impl` picks it (auto: on a
     CPU host with float32 weights), else as they are; the kernel runs `config.dense_isa` (an
     ISA this CPU cannot run is a ValueError here, at load)."""

@@ -74,7 +74,7 @@ def tiny_model_dir(out: pathlib.Path) -> pathlib.Path:
 def _chunk_logprobs(params, kv, tokens, positions, md, cfg):  # noqa: ANN001, ANN202
     """One chunk through the paged step: (f32[chunk, vocab] log-probabilities, updated KV).
     The params are an argument, not a closure: each scheme is its own executable."""
-    from jaxserve.models.llama import lm_logits
+    from jaxserve.models.blocks import lm_logits
     from jaxserve.models.paged import paged_hidden
 
     hidden, kv = paged_hidden(params, kv, tokens, positions, md, cfg, "cpu")

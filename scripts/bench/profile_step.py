@@ -42,7 +42,7 @@ from jaxserve.engine.sizing import kv_bytes_per_token
 from jaxserve.kernels_pallas import AttentionMetadata, is_quantized_dtype, select_impl, write_kv
 from jaxserve.models import loading
 from jaxserve.models import paged as P
-from jaxserve.models.llama import lm_logits
+from jaxserve.models.blocks import lm_logits
 from jaxserve.models.packing import pack_params
 
 

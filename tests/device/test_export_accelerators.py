@@ -10,12 +10,13 @@ engine's step shows up here without a device. Exported, for both platforms:
     layers, KV write, attention, LM head; `sample_jit`) for every bucket `plan_engine` makes,
     for a Llama-3-8B-shaped and a Qwen3-shaped config (abstract weights: ShapeDtypeStructs,
     nothing allocated), with `attention_impl="auto"` resolved as on that platform, and under
-    tensor parallelism over an abstract 8-device mesh.
+    tensor parallelism over an abstract 8-device mesh; and the 8B shape with Gemma 3's
+    interleaved sliding-window / global layers (per-layer specs: window, rope base, soft-cap).
 Quantized KV pages (int8 / float8_e4m3fn with f32 scales): both kernels at decode and prefill
 shapes, and the whole step with an int8 cache (page_size 32, which 8-bit pages need on both),
 at TP 1 and TP 8.
 Each exported module must hold the platform's kernel custom call, once per layer body (the
-layers run in a scan), and the jnp reference attention must never be traced (the `no_reference`
+layers of one spec run in a scan), and the jnp reference attention must never be traced (the `no_reference`
 fixture makes any call to it fail the test).
 The default tier exports three buckets per (model, platform) and lowers each kernel case,
 model and quantization for one of the two platforms; JAXSERVE_RUN_SLOW=1 exports every bucket
@@ -24,6 +25,7 @@ for both.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -43,7 +45,7 @@ from jaxserve.kernels_pallas import (AttentionMetadata, QuantizedKV, padded_head
 from jaxserve.kernels_pallas import selector
 from jaxserve.kernels_pallas.selector import ragged_paged_attention
 from jaxserve.models import placement, shapes
-from jaxserve.models.config import ModelConfig
+from jaxserve.models.config import ModelConfig, RopeScaling
 from jaxserve.models.llama import LlamaParams, abstract_params
 from jaxserve.models.packing import LINEAR_FIELDS
 from jaxserve.models.quant import QuantizedWeight
@@ -284,7 +286,9 @@ def export_step(cfg: ModelConfig, platform: str, tp: int, int8_kv: bool = False,
         fwd = jax.export.export(mr.forward_jit, platforms=[platform])(
             params, kv, inputs, feed, cfg=run_cfg, attn_impl=impl, mesh=mesh)
         assert fwd.nr_devices == tp
-        assert_kernel_only(fwd, platform, 1)  # one layer body, scanned over the layers
+        # One layer body per distinct layer spec, scanned over its layers: groups of equal
+        # spec (Gemma 3's local runs) lower to one shared body, called once per group.
+        assert_kernel_only(fwd, platform, len(set(cfg.layer_specs)))
         out_avals = fwd.out_avals
         assert out_avals[0].shape == kv_shape
         assert out_avals[1 + int8_kv].shape == (s, cfg.vocab_size)  # after the scales
@@ -328,6 +332,28 @@ def test_sampled_step_sorts_no_vocabulary(platform: str, penalties: bool) -> Non
     full = jax.export.export(jax.jit(lambda x: jnp.sort(x, axis=-1)), platforms=[platform])(
         logits)
     assert vocabulary_selections(full.mlir_module(), V)[0]
+
+
+def gemma3_pattern(cfg: ModelConfig, num_layers: int = 12) -> ModelConfig:
+    """`cfg` with Gemma 3's layer pattern as per-layer specs: five sliding-window layers
+    (window 1024, rope base 10k) per global one (rope base 1M, linear scaling 8, and here a
+    Gemma-2 style attention soft-cap so the kernels take it too)."""
+    u = dataclasses.replace(cfg, num_layers=num_layers).uniform_spec()
+    local = dataclasses.replace(u, sliding_window=1024, rope_theta=10000.0)
+    glob = dataclasses.replace(u, rope_theta=1e6, rope_scaling=RopeScaling("linear", 8.0),
+                               soft_cap=50.0)
+    pattern = tuple(glob if i % 6 == 5 else local for i in range(num_layers))
+    return dataclasses.replace(cfg, num_layers=num_layers, per_layer=pattern)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_mixed_layer_step_lowers_for_platform(platform: str) -> None:
+    """Interleaved local / global layers (four groups of the 8B shape): one scan per group,
+    each layer's window and soft-cap handed to the platform's kernel, one compiled step
+    whose module holds one layer body per distinct spec (two), not per group."""
+    cfg = gemma3_pattern(MODELS["llama3-8b"])
+    assert len(cfg.layer_groups) == 4
+    export_step(cfg, platform, tp=1)
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)

@@ -20,7 +20,7 @@ from jaxserve.cli.flags import add_engine_flags, engine_config_from_args
 from jaxserve.config import EngineConfig
 from jaxserve.engine.sizing import kv_bytes_per_token, plan_engine
 from jaxserve.kernels_pallas import QuantizedKV
-from jaxserve.models import llama
+from jaxserve.models import decoder
 from jaxserve.serving.build import kv_cache_dtype
 
 
@@ -62,8 +62,8 @@ def float_choices(model, prompt: list[int], out: list[int]) -> list[int]:
     seq = prompt + out
     tokens = np.zeros((1, 1 << (len(seq) - 1).bit_length()), np.int32)
     tokens[0, :len(seq)] = seq
-    logits = llama.forward_jit(model.params, tokens, np.array([len(seq)], np.int32),
-                               cfg=model.config)
+    logits = decoder.forward_jit(model.params, tokens, np.array([len(seq)], np.int32),
+                                 cfg=model.config)
     return [int(x) for x in np.argmax(np.asarray(logits[0]), -1)[len(prompt) - 1:len(seq) - 1]]
 
 

@@ -1,6 +1,6 @@
 """Quantized weights in the engine and through every front.
 
-Oracles: the plain full-sequence forward (`llama.forward`) over the same quantized weights
+Oracles: the plain full-sequence forward (`decoder.forward`) over the same quantized weights
 (the engine packs them for the C++ kernel and pages the KV; its greedy tokens must be the
 rollout's exactly), and the float model the weights were quantized from (close, not equal:
 the bound is justified where it is asserted).
@@ -21,7 +21,8 @@ from support.hf_models import ARCHS, build_hf_model, save_tiny_tokenizer
 from jaxserve import cli
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.kernels_pallas.dense_quant_cpu import QuantPanels
-from jaxserve.models.llama import PackedWeight, forward_jit
+from jaxserve.models.decoder import forward_jit
+from jaxserve.models.linear import PackedWeight
 from jaxserve.models.loading import LoadedModel, load_model
 from jaxserve.models.quant import QuantizedWeight, WeightQuant
 from jaxserve.models.quantized_params import quantize_params

@@ -9,7 +9,8 @@ per step, as the logits parity tests measure; a top-N id may differ only where t
 within that tolerance); no compile after warmup;
 per-device parameter and KV bytes exactly the sharded share; seeded structured-output requests
 (the grammar mask over a vocabulary-sharded LM head) give TP 1's tokens; and the gRPC server
-over a TP 4 engine streams the TP 1 tokens.
+over a TP 4 engine streams the TP 1 tokens. A model of mixed layer specs (sliding-window and
+global layers, a soft-cap: `mixed_layers_tp_worker.py`) gives its TP 1 outputs at TP 2 and 4.
 
 The default run checks one configuration, 8 KV heads at TP 2 against TP 1 (sharded attention,
 KV pages and vocabulary-sharded LM head; the sampler, prompt logprobs and the compile guard
@@ -164,6 +165,15 @@ def _assert_same_outputs(base: dict, got: dict, tp: int) -> None:
             x, y = np.sort(list(a.values())), np.sort(list(b.values()))
             assert len(x) == len(y) and np.abs(x - y).max() <= tol, (rid, tp, x, y)
     assert got["compiles_after_warmup"] == 0
+
+
+def test_mixed_layer_specs_under_tp() -> None:
+    """Sliding-window and global layers (groups of specs, a soft-cap) at TP 2 and at TP 4
+    (KV heads replicated) give TP 1's tokens and logprobs: each group's scan and each
+    layer's window and soft-cap hold under the shard_map'd attention."""
+    doc = run_device_worker("mixed_layers_tp_worker.py")
+    for tp in (2, 4):
+        _assert_same_outputs(doc["1"], doc[str(tp)], tp)
 
 
 @pytest.mark.parametrize("kv_heads,tp", grid((1, 2, 4, 8)))

@@ -10,7 +10,7 @@ import functools
 
 import numpy as np
 import pytest
-from support.engine_fixtures import rollout, tiny_engine, tiny_model
+from support.engine_fixtures import mixed_layer_model, rollout, tiny_engine, tiny_model
 from support.numerics import gamma
 
 from jaxserve import SamplingParams
@@ -88,6 +88,30 @@ def test_greedy_equals_rollout(budget, page_size, caching, kv_pages, arrive, imp
         assert eng.scheduler.allocator.prefix_hits > 0
     assert compiles == 0
     assert eng.scheduler.allocator.num_free_pages == eng.scheduler.allocator.num_usable_pages
+
+
+@pytest.mark.parametrize("budget,page_size,caching,kv_pages,impl", [
+    (16, 8, True, None, "cpu"),     # chunked prefill, prefix hits, the C++ kernel
+    (64, 4, False, 30, "reference"),  # tiny pages, preemptions, the jnp reference
+])
+def test_mixed_layer_model_greedy_equals_rollout(budget, page_size, caching, kv_pages,
+                                                 impl) -> None:
+    model = mixed_layer_model(tokenizer=MODEL.tokenizer)
+    prompts = make_prompts(seed=3, count=6, shared_prefix=20)
+    kw = dict(max_num_batched_tokens=budget, max_num_seqs=4, page_size=page_size,
+              enable_prefix_caching=caching, max_model_len=128, attention_impl=impl)
+    eng = tiny_engine(model, warmup=kv_pages is None, **kw)
+    if kv_pages is not None:
+        eng = tiny_engine(model, kv_cache_memory=kv_pages * eng.plan.kv_bytes_per_page, **kw)
+    finals = run_all(eng, prompts, max_tokens=12)
+    compiles = eng.runner.compiles_after_warmup
+    for i, p in enumerate(prompts):
+        assert finals[f"r{i}"].outputs[0].token_ids == rollout(model, p, 12), f"prompt {i}"
+    if kv_pages is not None:
+        assert eng.scheduler.num_preemptions > 0
+    if caching:
+        assert eng.scheduler.allocator.prefix_hits > 0
+    assert compiles == 0
 
 
 def test_aborts_mid_flight_free_pages_and_leave_others_intact() -> None:

@@ -12,7 +12,7 @@ import pytest
 from support.engine_fixtures import tiny_model
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.models import llama
+from jaxserve.models import decoder
 
 MODEL = tiny_model()
 PROMPTS = [[5, 9, 11, 40], [7, 3, 100, 12, 60, 8], [150, 42]]
@@ -31,8 +31,8 @@ def biased_rollout(prompt: tuple[int, ...], n: int,
     for _ in range(n):
         tokens = np.zeros((1, T), np.int32)
         tokens[0, : len(seq)] = seq
-        logits = llama.forward_jit(MODEL.params, tokens, np.array([len(seq)], np.int32),
-                                   cfg=MODEL.config)
+        logits = decoder.forward_jit(MODEL.params, tokens, np.array([len(seq)], np.int32),
+                                     cfg=MODEL.config)
         seq.append(int(np.argmax(np.asarray(logits[0, len(seq) - 1]) + add)))
     return seq[len(prompt):]
 

@@ -1,6 +1,6 @@
 """Prompt logprobs (SamplingParams.prompt_logprobs) and prefill-only requests (max_tokens=0).
 
-Oracles: the plain full-sequence forward (`llama.forward_jit`, no pages, no chunks) for the
+Oracles: the plain full-sequence forward (`decoder.forward_jit`, no pages, no chunks) for the
 real tiny model: log_softmax of its logits at position j scores prompt token j + 1; and the
 fake runner's arithmetic (`fake_runner.arithmetic_prompt_logprobs`) for the scheduling paths
 (chunked prefill, preemption, forks, output kinds) at no compile cost.

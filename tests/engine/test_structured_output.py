@@ -29,7 +29,7 @@ from support.tiers import run_slow
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.request import FinishReason
 from jaxserve.engine.structured_outputs import StructuredOutputs
-from jaxserve.models import llama
+from jaxserve.models import decoder
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -181,8 +181,8 @@ def test_logprobs_are_the_model_distributions(llm: LLM) -> None:
     T = 1 << len(ids).bit_length()
     tokens = np.zeros((1, T), np.int32)
     tokens[0, :len(ids)] = ids
-    logits = np.asarray(llama.forward_jit(params, tokens, np.array([len(ids)], np.int32),
-                                          cfg=cfg)[0, len(ids) - 1], np.float64)
+    logits = np.asarray(decoder.forward_jit(params, tokens, np.array([len(ids)], np.int32),
+                                            cfg=cfg)[0, len(ids) - 1], np.float64)
     raw = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
     first = out.outputs[0].token_ids[0]
     got = out.outputs[0].logprobs[0]

@@ -19,7 +19,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.engine.batch import fill_bitmask
 from jaxserve.engine.request import FinishReason, Request
 from jaxserve.engine.token_filter import compile_filter, pack
-from jaxserve.models import llama
+from jaxserve.models import decoder
 
 MODEL = tiny_model()
 PROMPTS = [[5, 9, 11, 40], [7, 3, 100, 12, 60, 8], [150, 42]]
@@ -31,8 +31,8 @@ def _logits(seq: tuple[int, ...]) -> np.ndarray:
     T = 1 << (len(seq) - 1).bit_length()
     tokens = np.zeros((1, T), np.int32)
     tokens[0, : len(seq)] = seq
-    logits = llama.forward_jit(MODEL.params, tokens, np.array([len(seq)], np.int32),
-                               cfg=MODEL.config)
+    logits = decoder.forward_jit(MODEL.params, tokens, np.array([len(seq)], np.int32),
+                                 cfg=MODEL.config)
     return np.asarray(logits[0, len(seq) - 1])
 
 

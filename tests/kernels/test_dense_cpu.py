@@ -26,7 +26,7 @@ from support.numerics import logits_atol, matmul_atol
 from jaxserve.kernels_pallas import cpu_build
 from jaxserve.kernels_pallas.dense_cpu import (PANEL, dense_packed, dense_packed_reference,
                                                pack_panels, unpack_panels)
-from jaxserve.models import llama
+from jaxserve.models import decoder, linear, llama
 from jaxserve.models.packing import pack_params
 
 pytestmark = pytest.mark.skipif(cpu_build.dense_kernel_target() is None,
@@ -153,13 +153,13 @@ def test_packed_model_matches_unpacked(tied: bool) -> None:
                             hidden_size=48, head_dim=12)
     params = llama.init_random_params(cfg, jax.random.key(3), jnp.float32, scale=0.3)
     packed = pack_params(params)
-    assert isinstance(packed.layers.wq, llama.PackedWeight)
-    assert isinstance(packed.lm_head if not tied else packed.embed, llama.PackedWeight)
+    assert isinstance(packed.layers.wq, linear.PackedWeight)
+    assert isinstance(packed.lm_head if not tied else packed.embed, linear.PackedWeight)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (3, 11)),
                          jnp.int32)
     lengths = jnp.asarray([11, 4, 7], jnp.int32)
-    want = np.asarray(llama.forward_jit(params, tokens, lengths, cfg=cfg))
-    got = np.asarray(llama.forward_jit(packed, tokens, lengths, cfg=cfg))
+    want = np.asarray(decoder.forward_jit(params, tokens, lengths, cfg=cfg))
+    got = np.asarray(decoder.forward_jit(packed, tokens, lengths, cfg=cfg))
     # The whole model in two summation orders (XLA's dots against the packed kernel's):
     # support.numerics.logits_atol, from the weights.
     assert np.max(np.abs(got - want)) <= logits_atol(cfg, params, tokens.shape[1])

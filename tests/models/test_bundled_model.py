@@ -23,7 +23,7 @@ from support.cached_generate import generate  # noqa: E402
 from support.numerics import logits_atol  # noqa: E402
 
 from jaxserve import cli  # noqa: E402
-from jaxserve.models import llama, loading  # noqa: E402
+from jaxserve.models import decoder, loading  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",
@@ -62,8 +62,8 @@ def test_logits_match_transformers(ours: loading.LoadedModel, hf) -> None:
     ids = tok(PROMPTS[2], return_tensors="pt").input_ids
     with torch.no_grad():
         ref = model(ids).logits[0].numpy()
-    got = np.asarray(llama.forward_jit(ours.params, ids.numpy().astype(np.int32),
-                                       np.array([ids.shape[1]], np.int32), cfg=ours.config))[0]
+    got = np.asarray(decoder.forward_jit(ours.params, ids.numpy().astype(np.int32),
+                                         np.array([ids.shape[1]], np.int32), cfg=ours.config))[0]
     # XLA against torch over 30 layers: support.numerics.logits_atol, from the weights.
     err, tol = np.max(np.abs(got - ref)), logits_atol(ours.config, ours.params, ids.shape[1])
     print(f"bundled SmolLM2 logits: max|diff| = {err:.2e}, {err / tol:.1e} of its bound")

@@ -17,7 +17,7 @@ from support.hf_models import build_hf_model, save_tiny_tokenizer  # noqa: E402
 from support.numerics import logits_atol  # noqa: E402
 
 from jaxserve import cli  # noqa: E402
-from jaxserve.models import hf_loader, llama, loading  # noqa: E402
+from jaxserve.models import decoder, hf_loader, llama, loading  # noqa: E402
 from jaxserve.models.config import ConfigError  # noqa: E402
 from jaxserve.models.safetensors_io import CheckpointError, read_safetensors  # noqa: E402
 
@@ -33,8 +33,9 @@ def hf_dir(tmp_path: pathlib.Path) -> pathlib.Path:
 
 
 def _logits(model: loading.LoadedModel) -> np.ndarray:
-    return np.asarray(llama.forward_jit(model.params, TOKENS, np.array([TOKENS.shape[1]], np.int32),
-                                        cfg=model.config))
+    return np.asarray(decoder.forward_jit(model.params, TOKENS,
+                                          np.array([TOKENS.shape[1]], np.int32),
+                                          cfg=model.config))
 
 
 def test_orbax_convert_round_trip_identical_logits(hf_dir: pathlib.Path, tmp_path) -> None:

@@ -26,7 +26,7 @@ from support.engine_fixtures import run_device_worker  # noqa: E402
 from support.hf_models import build_hf_model, save_tiny_tokenizer  # noqa: E402
 from support.numerics import logits_atol  # noqa: E402
 
-from jaxserve.models import compressed_tensors, llama, loading, quantized_params  # noqa: E402
+from jaxserve.models import compressed_tensors, decoder, loading, quantized_params  # noqa: E402
 from jaxserve.models.hf_loader import read_hf_tensors, with_quantized_views  # noqa: E402
 from jaxserve.models.quant import QuantizedWeight, WeightQuant, quantize_weight  # noqa: E402
 from jaxserve.models.safetensors_io import (CheckpointError, read_safetensors,  # noqa: E402
@@ -79,9 +79,9 @@ def _views(d: pathlib.Path) -> dict:
 
 
 def _logits(model: loading.LoadedModel) -> np.ndarray:
-    return np.asarray(llama.forward_jit(model.params, TOKENS, np.array([TOKENS.shape[1]],
-                                                                       np.int32),
-                                        cfg=model.config))
+    return np.asarray(decoder.forward_jit(model.params, TOKENS, np.array([TOKENS.shape[1]],
+                                                                         np.int32),
+                                          cfg=model.config))
 
 
 def _bits(a: object) -> np.ndarray:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from support.cached_generate import generate
 
-from jaxserve.models import llama, tiny
+from jaxserve.models import decoder, llama, tiny
 from jaxserve.models.config import ModelConfig
 
 
@@ -29,8 +29,8 @@ def rollout(params: llama.LlamaParams, cfg: ModelConfig, prompt: list[int], n: i
     for _ in range(n):
         tokens = np.zeros((1, T), np.int32)
         tokens[0, :len(seq)] = seq
-        logits = llama.forward_jit(params, jnp.asarray(tokens),
-                                   jnp.asarray([len(seq)], jnp.int32), cfg=cfg)
+        logits = decoder.forward_jit(params, jnp.asarray(tokens),
+                                     jnp.asarray([len(seq)], jnp.int32), cfg=cfg)
         seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
     return seq[len(prompt):]
 

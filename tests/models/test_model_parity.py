@@ -19,7 +19,7 @@ from support.hf_models import ARCHS, build_hf_model  # noqa: E402
 from support.numerics import logits_atol, params_logit_bound, unit_roundoff  # noqa: E402
 
 from jaxserve.kernels_pallas import cpu_build  # noqa: E402
-from jaxserve.models import hf_loader, llama  # noqa: E402
+from jaxserve.models import decoder, hf_loader  # noqa: E402
 from jaxserve.models.packing import pack_params  # noqa: E402
 
 LENGTHS = [13, 7, 1, 10]
@@ -49,7 +49,8 @@ def test_logits_match_transformers(arch: str, packed: bool, tmp_path) -> None:
         params = pack_params(params)
     tokens, lengths = _batch(cfg.vocab_size, seed=hash(arch) % 1000)
 
-    ours = np.asarray(llama.forward_jit(params, jnp.asarray(tokens), jnp.asarray(lengths), cfg=cfg))
+    ours = np.asarray(decoder.forward_jit(params, jnp.asarray(tokens), jnp.asarray(lengths),
+                                          cfg=cfg))
     worst = 0.0
     for b, n in enumerate(LENGTHS):
         # The oracle runs each row unpadded: independent of any padding convention.
@@ -66,7 +67,7 @@ def test_bfloat16_params_close_to_float32(tmp_path) -> None:
     tensors = hf_loader.read_hf_tensors(tmp_path)
     tokens, lengths = _batch(cfg.vocab_size, seed=3)
     p32 = hf_loader.params_from_hf(cfg, tensors, jnp.float32)
-    f32 = llama.forward_jit(p32, jnp.asarray(tokens), jnp.asarray(lengths), cfg=cfg)
+    f32 = decoder.forward_jit(p32, jnp.asarray(tokens), jnp.asarray(lengths), cfg=cfg)
     # Every weight rounded to bfloat16 (u = 2^-8 relative): first order, each stage that
     # multiplies by weights adds u of its magnitude: per layer the two norms, q/k/v, o_proj,
     # gate/up and down (6), then the embedding, the final norm and the lm_head (3); times the
@@ -75,7 +76,7 @@ def test_bfloat16_params_close_to_float32(tmp_path) -> None:
            + logits_atol(cfg, p32, max(LENGTHS)))
     p16 = hf_loader.params_from_hf(cfg, tensors, jnp.bfloat16)
     assert p16.embed.dtype == jnp.bfloat16
-    b16 = llama.forward_jit(p16, jnp.asarray(tokens), jnp.asarray(lengths), cfg=cfg)
+    b16 = decoder.forward_jit(p16, jnp.asarray(tokens), jnp.asarray(lengths), cfg=cfg)
     assert b16.dtype == jnp.float32
     for b, n in enumerate(LENGTHS):
         ref, got = np.asarray(f32[b, :n]), np.asarray(b16[b, :n])
@@ -88,12 +89,12 @@ def test_padding_does_not_leak_between_rows(tmp_path) -> None:
     cfg = hf_loader.read_hf_config(tmp_path)
     params = hf_loader.params_from_hf(cfg, hf_loader.read_hf_tensors(tmp_path))
     tokens, lengths = _batch(cfg.vocab_size, seed=5)
-    full = np.asarray(llama.forward_jit(params, jnp.asarray(tokens), jnp.asarray(lengths),
-                                        cfg=cfg))
+    full = np.asarray(decoder.forward_jit(params, jnp.asarray(tokens), jnp.asarray(lengths),
+                                          cfg=cfg))
     noisy = tokens.copy()
     for b, n in enumerate(LENGTHS):
         noisy[b, n:] = (np.arange(tokens.shape[1] - n) * 7 + 3) % cfg.vocab_size
-    again = np.asarray(llama.forward_jit(params, jnp.asarray(noisy), jnp.asarray(lengths),
-                                         cfg=cfg))
+    again = np.asarray(decoder.forward_jit(params, jnp.asarray(noisy), jnp.asarray(lengths),
+                                           cfg=cfg))
     for b, n in enumerate(LENGTHS):
         np.testing.assert_array_equal(full[b, :n], again[b, :n])

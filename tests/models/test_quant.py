@@ -25,8 +25,9 @@ from jaxserve.kernels_pallas.dense_quant_cpu import (dense_quant_packed, dense_q
                                                      pack_quant)
 from jaxserve.models.gguf_loader import open_gguf
 from jaxserve.models.hf_loader import host_params_from_hf
-from jaxserve.models.llama import LlamaParams, PackedWeight
-from jaxserve.models.config import ModelConfig
+from jaxserve.models.linear import PackedWeight
+from jaxserve.models.llama import LlamaParams
+from jaxserve.models.families import config_from_hf
 from jaxserve.models.quant import QuantizedWeight, WeightQuant, quantize_weight
 from jaxserve.models.quantized_params import quantize_params
 
@@ -199,7 +200,7 @@ def _gguf_params(tmp_path, qtype: gguf.GGMLQuantizationType | None = None,  # no
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, weights, types=types)
     ckpt = open_gguf(path)
-    cfg = ModelConfig.from_hf_dict(ckpt.hf_config)
+    cfg = config_from_hf(ckpt.hf_config)
     return host_params_from_hf(cfg, ckpt.tensors, jnp.float32)
 
 

@@ -47,7 +47,7 @@ def test_dense_impl_packs_weights_where_it_applies(dense_impl: str, dtype: str,
     from support.engine_fixtures import tiny_model
 
     from jaxserve.kernels_pallas import cpu_build
-    from jaxserve.models.llama import PackedWeight
+    from jaxserve.models.linear import PackedWeight
 
     if packed and cpu_build.dense_kernel_target() is None:
         pytest.skip("the CPU kernels could not be built here (see the log)")
@@ -79,7 +79,7 @@ def test_dense_isa_reaches_every_packed_weight() -> None:
     from support.engine_fixtures import tiny_model
 
     from jaxserve.kernels_pallas import cpu_build
-    from jaxserve.models.llama import PackedWeight
+    from jaxserve.models.linear import PackedWeight
 
     isas = cpu_build.dense_isas()
     if not isas:

@@ -38,7 +38,7 @@ from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.llm import LLM
 from jaxserve.models import loading
-from jaxserve.models.llama import PackedWeight
+from jaxserve.models.linear import PackedWeight
 from jaxserve.models.packing import LINEAR_FIELDS
 from jaxserve.models.quant import QuantizedWeight
 

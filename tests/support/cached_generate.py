@@ -20,8 +20,10 @@ import numpy as np
 from flax import struct
 
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.llama import (LlamaParams, causal_mask, embed, lm_logits, masked_attention,
-                                   run_layers)
+from jaxserve.models.blocks import causal_mask, embed, lm_logits, masked_attention
+from jaxserve.models.config import LayerSpec
+from jaxserve.models.decoder import run_layers
+from jaxserve.models.llama import LlamaParams
 
 
 @struct.dataclass
@@ -49,17 +51,16 @@ def cached_step(params: LlamaParams, cache: KVCache, tokens: jax.Array, position
     S = cache.k.shape[2]
     rows = jnp.arange(B)[:, None]
     k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    mask = causal_mask(positions, k_pos, jnp.ones((B, S), bool), cfg.sliding_window)
-    scale = cfg.head_dim ** -0.5
 
-    def attn(q: jax.Array, k: jax.Array, v: jax.Array,
-             state: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    def attn(q: jax.Array, k: jax.Array, v: jax.Array, state: tuple[jax.Array, jax.Array],
+             spec: LayerSpec) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         ck, cv = state
         ck = ck.at[rows, positions].set(k.astype(ck.dtype), mode="drop")
         cv = cv.at[rows, positions].set(v.astype(cv.dtype), mode="drop")
-        return masked_attention(q, ck, cv, mask, scale), (ck, cv)
+        mask = causal_mask(positions, k_pos, jnp.ones((B, S), bool), spec.sliding_window)
+        return masked_attention(q, ck, cv, mask, spec.query_scale, spec.soft_cap), (ck, cv)
 
-    x = embed(params, tokens)
+    x = embed(params, tokens, cfg.embed_scale)
     x, (new_k, new_v) = run_layers(cfg, params.layers, x, positions, attn, (cache.k, cache.v))
     last = x[jnp.arange(B), last_index]
     return lm_logits(cfg, params, last), KVCache(k=new_k, v=new_v)

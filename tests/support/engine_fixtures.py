@@ -6,6 +6,7 @@ shape (`TEST_SHAPE`: vocabulary VOCAB = 211, hidden 32) and init scale (`TEST_IN
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -21,7 +22,7 @@ from support.tiers import run_slow  # noqa: F401 - re-exported for the workers
 from jaxserve.config import EngineConfig
 from jaxserve.engine.batch import default_buckets
 from jaxserve.engine.engine import Engine
-from jaxserve.models import llama, tiny
+from jaxserve.models import decoder, tiny
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loading import LoadedModel
 from jaxserve.models.tokenizer import Tokenizer
@@ -66,6 +67,20 @@ def tiny_logprob_atol(context_len: int = 256, seed: int = 0) -> float:
     return model_logprob_atol(m.config, m.params, context_len)
 
 
+def mixed_layer_model(tokenizer: Tokenizer | None = None, **overrides: object) -> LoadedModel:
+    """The test model (`overrides` as tiny_model's) with four layers of three specs: two
+    sliding-window layers (window 5), a global one with its own rope base and a soft-cap,
+    one more local: what the engine's step runs as data (one scan per group of equal spec),
+    handing each layer's window and soft-cap to the attention kernel."""
+    cfg = tiny_model_config(**({"num_layers": 4} | overrides))
+    u = cfg.uniform_spec()
+    local = dataclasses.replace(u, sliding_window=5)
+    glob = dataclasses.replace(u, rope_theta=1e6, soft_cap=2.0)
+    cfg = dataclasses.replace(cfg, per_layer=(local, local, glob, local))
+    return tiny.random_model(cfg, seed=1, scale=tiny.TEST_INIT_SCALE,
+                             tokenizer=tokenizer or tiny_tokenizer())
+
+
 def tiny_engine(model: LoadedModel | None = None, warmup: bool = True,
                 **cfg: object) -> Engine:
     base = dict(max_num_seqs=8, max_num_batched_tokens=64, page_size=8,
@@ -89,8 +104,8 @@ def rollout(model: LoadedModel, prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         tokens = np.zeros((1, T), np.int32)
         tokens[0, : len(seq)] = seq
-        logits = llama.forward_jit(model.params, tokens, np.array([len(seq)], np.int32),
-                                   cfg=model.config)
+        logits = decoder.forward_jit(model.params, tokens, np.array([len(seq)], np.int32),
+                                     cfg=model.config)
         seq.append(int(np.argmax(np.asarray(logits[0, len(seq) - 1]))))
     return seq[len(prompt):]
 

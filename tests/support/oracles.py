@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from support.engine_fixtures import tiny_model
 
-from jaxserve.models import llama
+from jaxserve.models import decoder
 from jaxserve.models.loading import LoadedModel
 
 
@@ -16,8 +16,8 @@ def oracle(prompt: list[int], k: int, model: LoadedModel | None = None
     T = 1 << (len(prompt) - 1).bit_length()
     tokens = np.zeros((1, T), np.int32)
     tokens[0, : len(prompt)] = prompt
-    logits = np.asarray(llama.forward_jit(model.params, tokens, np.array([len(prompt)], np.int32),
-                                          cfg=model.config))[0].astype(np.float64)
+    logits = np.asarray(decoder.forward_jit(model.params, tokens, np.array([len(prompt)], np.int32),
+                                            cfg=model.config))[0].astype(np.float64)
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
                                                                                 keepdims=True)) \
         - logits.max(-1, keepdims=True)

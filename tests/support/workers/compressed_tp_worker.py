@@ -22,7 +22,7 @@ from support.hf_models import build_hf_model, save_tiny_tokenizer
 from support.numerics import logits_atol
 from support.workers.sharded_load_worker import greedy_tokens, recorded_load
 
-from jaxserve.models import llama, loading, placement
+from jaxserve.models import decoder, loading, placement
 from jaxserve.models.quant import WeightQuant
 
 TOKENS = np.array([[5, 17, 99, 3, 42, 8, 150, 7]], np.int32)
@@ -32,7 +32,7 @@ COLUMN_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # [out, i
 
 
 def logits(model: loading.LoadedModel, cfg: object) -> np.ndarray:
-    return np.asarray(llama.forward_jit(model.params, TOKENS, np.array([8], np.int32), cfg=cfg))
+    return np.asarray(decoder.forward_jit(model.params, TOKENS, np.array([8], np.int32), cfg=cfg))
 
 
 def value_reads(log: list, tp: int) -> tuple[int, list]:

@@ -33,7 +33,7 @@ from support.workers.tp_worker import greedy_outputs, shard_bytes
 from jaxserve.config import EngineConfig
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.sizing import available_host_memory
-from jaxserve.models import llama
+from jaxserve.models import decoder
 from jaxserve.serving.build import build_offline_engine
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 70)), [3, 1, 4, 1, 5, 9, 2, 6],
@@ -63,7 +63,7 @@ def full_logits(params, cfg) -> np.ndarray:  # noqa: ANN001
     for i, p in enumerate(PROMPTS):
         tokens[i, :len(p)] = p
     lens = np.array([len(p) for p in PROMPTS], np.int32)
-    out = np.asarray(llama.forward_jit(params, tokens, lens, cfg=cfg))
+    out = np.asarray(decoder.forward_jit(params, tokens, lens, cfg=cfg))
     mask = np.arange(T)[None, :] < lens[:, None]
     return out[mask]
 

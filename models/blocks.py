@@ -1,0 +1,176 @@
+"""The shared blocks every model family composes its layers from: pure functions.
+
+Norms (`rms_norm`, with Gemma's (offset + w) scale), rotary embeddings (`rope_inv_freq`,
+`apply_rope`: default / linear / llama3 frequencies at the layer's own base), the attention
+block (`attention`: q/k/v projections with optional bias, qk-norm, RoPE, then the caller's
+`AttnFn` with the layer's window, soft-cap and query scale, then the output projection), the
+gated MLP (`gated_mlp`: SwiGLU or GeGLU), the embeddings (`embed`: optionally scaled, tied
+or not) and the LM head (`lm_logits`: final norm, projection, optional final soft-cap). What a
+layer is made of comes from its `LayerSpec` (`models/config.py`); `decoder.decoder_layer`
+composes them. The dense masked attention at the end is the full-sequence oracle's attention.
+
+A block reads the weights it needs off the family's layer params by field name (`attn_norm`,
+`wq` ... `w_down`, and the optional `bq`/`bk`/`bv`, `q_norm`/`k_norm`, `post_attn_norm`,
+`post_mlp_norm` where the spec asks for them), unstacked (one layer's slice, or a packed stack
+with its layer index set).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import LayerSpec, ModelConfig, RopeScaling
+from .linear import PackedWeight, linear
+from .quant import QuantizedWeight
+
+
+class AttnFn(Protocol):
+    """Attention over one layer. q: [..., T, Hq, D], k/v: [..., T, Hkv, D] -> [..., T, Hq, D].
+
+    `layer_state` is whatever per-layer state the caller scans alongside the params (a KV
+    cache slice, pages, or None); `spec` gives the layer's window, soft-cap and query scale.
+    The function returns its output and the updated state.
+    """
+
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, layer_state: object,
+                 spec: LayerSpec) -> tuple[jax.Array, object]: ...
+
+
+# ------------------------------------------------------------------------------------- norms
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm computed in float32 (as HF does), scaled by (offset + weight), in x's dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    w = weight.astype(jnp.float32)
+    return ((w if offset == 0.0 else offset + w) * xf).astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------------- RoPE
+def rope_inv_freq(head_dim: int, theta: float, rs: RopeScaling) -> np.ndarray:
+    """Per-pair inverse frequencies f32[head_dim // 2], with linear / llama3 scaling applied.
+
+    Computed on the host in float64 so it is a trace-time constant identical to HF's.
+    """
+    d = head_dim
+    inv = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if rs.rope_type == "linear":
+        inv = inv / rs.factor
+    elif rs.rope_type == "llama3":
+        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+        wavelen = 2 * np.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+        smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half RoPE (HF layout). x: [..., T, H, D], positions: i32[..., T]."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., T, D/2]
+    cos = jnp.cos(angles)[..., None, :]
+    sin = jnp.sin(angles)[..., None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., : x.shape[-1] // 2], xf[..., x.shape[-1] // 2:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+# -------------------------------------------------------------------------------- attention
+def attention(cfg: ModelConfig, spec: LayerSpec, lp: Any, h: jax.Array, positions: jax.Array,
+              attn: AttnFn, layer_state: object) -> tuple[jax.Array, object]:
+    """The attention block on normed input h [..., T, hidden] -> ([..., T, hidden], state)."""
+    lead = h.shape[:-1]
+    bias = spec.attention_bias
+    q = linear(h, lp.wq, lp.bq if bias else None).reshape(*lead, cfg.num_heads, cfg.head_dim)
+    k = linear(h, lp.wk, lp.bk if bias else None).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    v = linear(h, lp.wv, lp.bv if bias else None).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    if spec.qk_norm:
+        q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps, spec.norm_offset)
+        k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps, spec.norm_offset)
+    inv_freq = rope_inv_freq(cfg.head_dim, spec.rope_theta, spec.rope_scaling)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    o, layer_state = attn(q, k, v, layer_state, spec)
+    return linear(o.reshape(*lead, cfg.q_size), lp.wo), layer_state
+
+
+# -------------------------------------------------------------------------------------- MLP
+def gated_mlp(activation: str, lp: Any, h: jax.Array) -> jax.Array:
+    """down(act(gate(h)) * up(h)): SwiGLU (silu) or GeGLU (gelu, tanh approximation)."""
+    gate = linear(h, lp.w_gate)
+    if activation == "silu":
+        act = jax.nn.silu(gate)
+    elif activation == "gelu_pytorch_tanh":
+        act = jax.nn.gelu(gate, approximate=True)
+    else:  # ModelConfig validates the names; a family passing another is a bug
+        raise ValueError(f"unknown MLP activation {activation!r}")
+    return linear(act * linear(h, lp.w_up), lp.w_down)
+
+
+# ------------------------------------------------------------------------- embeddings, head
+def embed(params: Any, tokens: jax.Array, scale: float | None = None) -> jax.Array:
+    """Token embeddings [..., hidden] in the norms' dtype, times `scale` if given (Gemma
+    scales by sqrt(hidden), rounded to the activations' dtype as HF does)."""
+    dtype = params.final_norm.dtype
+    # Packed or quantized, the embedding is stored transposed (as the tied lm_head) and its
+    # rows come back in f32: cast to the activations' dtype, the norms'.
+    if isinstance(params.embed, PackedWeight):
+        x = params.embed.rows(tokens).astype(dtype)
+    elif isinstance(params.embed, QuantizedWeight):
+        x = params.embed.columns(tokens).astype(dtype)
+    else:
+        x = jnp.take(params.embed, tokens, axis=0)
+    return x if scale is None else x * jnp.asarray(scale, x.dtype)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def lm_logits(cfg: ModelConfig, params: Any, hidden: jax.Array) -> jax.Array:
+    """Final norm + vocabulary projection, logits in float32. hidden: [..., hidden]."""
+    h = rms_norm(hidden, params.final_norm, cfg.rms_norm_eps, cfg.norm_offset)
+    head = params.embed if params.lm_head is None else params.lm_head
+    if isinstance(head, (PackedWeight, QuantizedWeight)):  # a tied embedding: transposed
+        logits = head.matmul(h.astype(jnp.float32))
+    elif params.lm_head is None:
+        logits = jnp.einsum("...h,vh->...v", h, params.embed.astype(h.dtype),
+                            preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("...h,hv->...v", h, params.lm_head.astype(h.dtype),
+                            preferred_element_type=jnp.float32)
+    return soft_cap(logits.astype(jnp.float32), cfg.final_soft_cap)
+
+
+# ------------------------------------------------------------ dense attention (the oracle's)
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                     sm_scale: float, cap: float | None = None) -> jax.Array:
+    """Dense GQA attention. q: [B, T, Hq, D], k/v: [B, S, Hkv, D], mask: bool[B, T, S]."""
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    qg = q.reshape(B, T, Hkv, Hq // Hkv, D)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = soft_cap(scores * sm_scale, cap)
+    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
+    # A fully masked row (padding query) would give NaN; keep it finite, it is never read.
+    scores = jnp.where(jnp.any(mask, axis=-1)[:, None, None, :, None], scores, 0.0)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(B, T, Hq, D).astype(q.dtype)
+
+
+def causal_mask(q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array,
+                sliding_window: int | None) -> jax.Array:
+    """bool[B, T, S]: key s visible to query t (causal, valid, inside the window)."""
+    m = (k_pos[:, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
+    if sliding_window is not None:
+        m &= k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
+    return m

@@ -1,0 +1,133 @@
+"""The decoder every family runs: layers composed of shared blocks, scanned group by group.
+
+Data flow: token ids -> `blocks.embed` -> for each `LayerGroup` of the config (consecutive
+layers of equal `LayerSpec`, in layer order) one `lax.scan` of `decoder_layer` over that
+group's layers of the stacked per-layer params -> `blocks.lm_logits`. The spec is static
+within a scan, so a layer's composition (norm kind, qk-norm, bias, MLP activation, sandwich
+norms) and its attention's window / soft-cap / rope base are trace-time data; a model of
+uniform layers (the Llama family) is one group and one scan, exactly as before.
+
+The stacked weights are read in place: one group scans them as `lax.scan` xs; several groups
+index layer i of the loop-invariant stack inside each scan (`lax.dynamic_index_in_dim`, the
+same per-layer read a scan's xs make), so no group slices the stack (a slice would copy the
+group's weights every step). A `PackedWeight` field is never sliced: the body gets the whole
+stack with `layer` set (the CPU kernel reads that layer's panels). Everything is a pure
+function of the params pytree; the config is a static argument. `forward` is the
+full-sequence correctness oracle; `models/paged.py` is the engine's step on the same layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from .blocks import AttnFn, attention, causal_mask, embed, gated_mlp, lm_logits
+from .blocks import masked_attention, rms_norm
+from .config import LayerGroup, LayerSpec, ModelConfig
+from .linear import PackedWeight
+
+# body(spec, carry, (one layer's params, layer index i32[], xs slice)) -> (carry, ys slice)
+LayerBody = Callable[[LayerSpec, Any, tuple[Any, jax.Array, Any]], tuple[Any, Any]]
+
+
+def decoder_layer(cfg: ModelConfig, spec: LayerSpec, lp: Any, x: jax.Array,
+                  positions: jax.Array, attn: AttnFn,
+                  layer_state: object) -> tuple[jax.Array, object]:
+    """One pre-norm block on one layer's (unstacked) params. x: [..., T, hidden]."""
+    eps, offset = cfg.rms_norm_eps, spec.norm_offset
+    h = rms_norm(x, lp.attn_norm, eps, offset)
+    o, layer_state = attention(cfg, spec, lp, h, positions, attn, layer_state)
+    if spec.post_norms:
+        o = rms_norm(o, lp.post_attn_norm, eps, offset)
+    x = x + o
+    m = gated_mlp(spec.mlp_activation, lp, rms_norm(x, lp.mlp_norm, eps, offset))
+    if spec.post_norms:
+        m = rms_norm(m, lp.post_mlp_norm, eps, offset)
+    return x + m, layer_state
+
+
+def _num_layers(layers: Any) -> int:
+    for f in dataclasses.fields(layers):
+        w = getattr(layers, f.name)
+        if w is not None and not isinstance(w, PackedWeight):
+            return jax.tree.leaves(w)[0].shape[0]
+    raise ValueError("layer params hold no unpacked field to count the layers by")
+
+
+def scan_layers(body: LayerBody, carry: object, layers: Any,
+                groups: tuple[LayerGroup, ...], xs: object = None) -> tuple[object, object]:
+    """`lax.scan` of body over the layers, one scan per group; `xs` ([L, ...] leaves) is
+    scanned alongside and the ys of the groups are concatenated in layer order."""
+    names = [f.name for f in dataclasses.fields(layers)
+             if isinstance(getattr(layers, f.name), PackedWeight)]
+    packed = {f: getattr(layers, f) for f in names}
+    stacked = layers.replace(**{f: None for f in names})
+    num_layers = _num_layers(stacked)
+    if groups[-1].stop != num_layers or groups[0].start != 0:
+        raise ValueError(f"layer groups cover [{groups[0].start}, {groups[-1].stop}); the "
+                         f"params hold {num_layers} layers")
+
+    def with_packed(lp: Any, i: jax.Array) -> Any:
+        return lp.replace(**{f: w.replace(layer=i) for f, w in packed.items()})
+
+    if len(groups) == 1:
+        spec = groups[0].spec
+
+        def step(c: object, s: tuple[Any, jax.Array, object]) -> tuple[object, object]:
+            lp, i, x = s
+            return body(spec, c, (with_packed(lp, i), i, x))
+
+        return jax.lax.scan(step, carry, (stacked, jnp.arange(num_layers, dtype=jnp.int32), xs))
+
+    ys = []
+    for g in groups:
+        def group_step(c: object, s: tuple[jax.Array, object],
+                       spec: LayerSpec = g.spec) -> tuple[object, object]:
+            i, x = s
+            lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
+                              stacked)
+            return body(spec, c, (with_packed(lp, i), i, x))
+
+        group_xs = jax.tree.map(lambda a, g=g: a[g.start:g.stop], xs)
+        carry, y = jax.lax.scan(group_step, carry,
+                                (jnp.arange(g.start, g.stop, dtype=jnp.int32), group_xs))
+        ys.append(y)
+    return carry, jax.tree.map(lambda *a: jnp.concatenate(a), *ys)
+
+
+def run_layers(cfg: ModelConfig, layers: Any, x: jax.Array, positions: jax.Array,
+               attn: AttnFn, layer_states: object = None) -> tuple[jax.Array, object]:
+    """Scan `decoder_layer` over the stacked layers; `layer_states` is scanned alongside."""
+
+    def body(spec: LayerSpec, carry: jax.Array, xs: tuple[Any, jax.Array, object]
+             ) -> tuple[jax.Array, object]:
+        lp, _, state = xs
+        return decoder_layer(cfg, spec, lp, carry, positions, attn, state)
+
+    return scan_layers(body, x, layers, cfg.layer_groups, layer_states)
+
+
+def forward(params: Any, tokens: jax.Array, lengths: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Full-sequence forward, the correctness oracle: f32[B, T, vocab] logits.
+
+    tokens: i32[B, T] right-padded; lengths: i32[B] valid tokens per row. Logits at padded
+    positions are garbage-but-finite. Jit with `cfg` static.
+    """
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    valid = positions < lengths[:, None]
+
+    def attn(q: jax.Array, k: jax.Array, v: jax.Array, state: object,
+             spec: LayerSpec) -> tuple[jax.Array, object]:
+        mask = causal_mask(positions, positions, valid, spec.sliding_window)
+        return masked_attention(q, k, v, mask, spec.query_scale, spec.soft_cap), state
+
+    x = embed(params, tokens, cfg.embed_scale)
+    x, _ = run_layers(cfg, params.layers, x, positions, attn)
+    return lm_logits(cfg, params, x)
+
+
+forward_jit: Callable[..., jax.Array] = jax.jit(forward, static_argnames=("cfg",))

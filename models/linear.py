@@ -1,0 +1,56 @@
+"""Linear weights in every form the engine holds them, and `x @ W` over each.
+
+A linear weight is stored [in_features, out_features] (x @ w), stacked over layers on axis 0:
+a plain array, a `QuantizedWeight` (`models/quant.py`; a quantized tied embedding is stored
+transposed, as the lm_head it also is) or, on a CPU host, a `PackedWeight` in the C++ dense
+kernel's panels (`models/packing.py`). `linear` runs whichever it is given; `decoder.scan_layers`
+hands a layer a packed stack whole with its index rather than a slice (a slice is a copy of the
+layer's weights every step).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from ..kernels_pallas.dense_cpu import PANEL, dense_packed
+from ..kernels_pallas.dense_quant_cpu import QuantPanels, dense_quant_packed, dequantize_columns
+from .quant import QuantizedWeight
+
+
+@struct.dataclass
+class PackedWeight:
+    """A linear weight W [in, out] (or a stack of them) in the CPU dense kernel's 16-column
+    panels (`kernels_pallas.dense_cpu`), float or quantized (`dense_quant_cpu`); `x @ W`
+    runs that kernel."""
+
+    panels: jax.Array | QuantPanels  # f32[(L,) ceil(out / 16), in, 16] or quantized panels
+    out_features: int = struct.field(pytree_node=False)
+    layer: jax.Array | None = None  # i32[]: the layer of a stack (set by scan_layers)
+    # The kernel's instruction set (cpu_build.dense_isas(); None: the best this CPU runs).
+    isa: str | None = struct.field(pytree_node=False, default=None)
+
+    def matmul(self, x: jax.Array) -> jax.Array:
+        if isinstance(self.panels, QuantPanels):
+            return dense_quant_packed(x.astype(jnp.float32), self.panels, self.layer,
+                                      self.out_features, isa=self.isa).astype(x.dtype)
+        return dense_packed(x, self.panels, self.layer, self.out_features, isa=self.isa)
+
+    def rows(self, ids: jax.Array) -> jax.Array:
+        """W^T[ids] -> [..., in]: rows of the transposed weight (a tied embedding's lookup)."""
+        if isinstance(self.panels, QuantPanels):
+            return dequantize_columns(self.panels, ids)
+        return self.panels[ids // PANEL, :, ids % PANEL]
+
+
+Weight = jax.Array | PackedWeight | QuantizedWeight
+
+
+def linear(x: jax.Array, w: Weight, b: jax.Array | None = None) -> jax.Array:
+    """x [..., in] @ w [in, out] (+ b [out]) in x's dtype."""
+    if isinstance(w, (PackedWeight, QuantizedWeight)):
+        y = w.matmul(x)
+    else:
+        y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype))
+    return y if b is None else y + b.astype(x.dtype)
