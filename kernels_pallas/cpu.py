@@ -31,23 +31,25 @@ import numpy as np
 
 from .common import (AttentionMetadata, KVPages, QuantizedKV, check_attention_inputs,
                      write_kv)
-from .cpu_build import QUANT_TARGET, WRITE_QUANT_TARGET, WRITE_TARGET, cpu_kernel_target
+from .cpu_build import (QUANT_TARGET, TARGET, WRITE_QUANT_TARGET, WRITE_TARGET,
+                        attention_target, cpu_kernel_target)
 from .reference import ragged_paged_attention_reference
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "isa"))
 def ragged_paged_attention_cpu(q: jax.Array, kv_pages: KVPages, md: AttentionMetadata, *,
                                sm_scale: float, sliding_window: int | None = None,
-                               soft_cap: float | None = None) -> jax.Array:
-    """out [T, Hq, Dq] in q's dtype: causal ragged paged attention (see module docstring)."""
+                               soft_cap: float | None = None, isa: str | None = None
+                               ) -> jax.Array:
+    """out [T, Hq, Dq] in q's dtype: causal ragged paged attention (see module docstring).
+    isa: force the library built for that instruction set (cpu_build.attention_target)."""
     _check(q, kv_pages, md, sm_scale, sliding_window, soft_cap)
-    target = cpu_kernel_target()
-    if target is None:
+    if cpu_kernel_target() is None:
         return ragged_paged_attention_reference(q, kv_pages, md, sm_scale=sm_scale,
                                                 sliding_window=sliding_window,
                                                 soft_cap=soft_cap)
     quantized = isinstance(kv_pages, QuantizedKV)
-    call = jax.ffi.ffi_call(QUANT_TARGET if quantized else target,
+    call = jax.ffi.ffi_call(attention_target(QUANT_TARGET if quantized else TARGET, isa),
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))
     pages = (kv_pages.pages, kv_pages.scales) if quantized else (kv_pages,)
     out = call(q.astype(jnp.float32), *pages, md.block_tables, md.kv_lens, md.cu_q_lens,
@@ -55,13 +57,14 @@ def ragged_paged_attention_cpu(q: jax.Array, kv_pages: KVPages, md: AttentionMet
     return out.astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "isa"))
 def write_kv_and_attend_cpu(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
                             kv_pages: KVPages, md: AttentionMetadata, *, sm_scale: float,
-                            sliding_window: int | None = None, soft_cap: float | None = None
-                            ) -> tuple[jax.Array, KVPages]:
+                            sliding_window: int | None = None, soft_cap: float | None = None,
+                            isa: str | None = None) -> tuple[jax.Array, KVPages]:
     """(out [T, Hq, Dq] in q's dtype, kv_pages with k_new/v_new [T, Hkv, <= D] stored at
-    md.slot_mapping): write_kv then attention, as one custom call (see module docstring)."""
+    md.slot_mapping): write_kv then attention, as one custom call (see module docstring);
+    isa as ragged_paged_attention_cpu's."""
     _check(q, kv_pages, md, sm_scale, sliding_window, soft_cap)
     # write_kv's own checks, traced only (it names the bad shape or dtype).
     jax.eval_shape(write_kv, kv_pages, k_new, v_new, md.slot_mapping)
@@ -74,13 +77,13 @@ def write_kv_and_attend_cpu(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
     out_q = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     if isinstance(kv_pages, QuantizedKV):
         pages, scales = kv_pages.pages, kv_pages.scales
-        call = jax.ffi.ffi_call(WRITE_QUANT_TARGET, (
+        call = jax.ffi.ffi_call(attention_target(WRITE_QUANT_TARGET, isa), (
             out_q, jax.ShapeDtypeStruct(pages.shape, pages.dtype),
             jax.ShapeDtypeStruct(scales.shape, scales.dtype)), input_output_aliases={3: 1, 4: 2})
         out, pages, scales = call(q.astype(jnp.float32), k_new, v_new, pages, scales, *metadata,
                                   **_attrs(sm_scale, sliding_window, soft_cap))
         return out.astype(q.dtype), QuantizedKV(pages, scales)
-    call = jax.ffi.ffi_call(WRITE_TARGET, (out_q,
+    call = jax.ffi.ffi_call(attention_target(WRITE_TARGET, isa), (out_q,
                                            jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype)),
                             input_output_aliases={3: 1})
     out, kv_pages = call(q.astype(jnp.float32), k_new, v_new, kv_pages, *metadata,

@@ -9,7 +9,10 @@ inline function, so the linker can never hand the AVX2 path an AVX-512 instance)
 ``JaxserveCpuSupports`` (cpu_features.cc, ``__builtin_cpu_supports``) says which this CPU runs;
 each runnable one is registered as ``<target>_<isa>`` and the best as the plain target name.
 ``dense_isas()`` lists the runnable ones best first; the wrappers take an ``isa`` argument
-that forces one (tests and figures run both paths on an AVX-512 host). Elsewhere (not x86-64)
+that forces one (tests and figures run both paths on an AVX-512 host). The attention library
+is built once with -march=native (its tall tiles pick AVX-512 or AVX2 at compile time,
+csrc/tile_simd.h); ``attention_target(target, isa)`` builds and registers the attention alone
+with an ISA's flags on request, as ``<target>_<isa>``, so the same tests run both there too. Elsewhere (not x86-64)
 one "native" variant is built with -march=native.
 
 Flow: the sources (csrc/*.cc, *.h), jaxlib's version, the compiler command, the flags and this
@@ -56,6 +59,9 @@ CSRC = pathlib.Path(__file__).parent / "csrc"
 NUCLEUS_TARGET = "jaxserve_nucleus_cutoffs_cpu"
 SOURCES = tuple(CSRC / name for name in ("paged_attention_cpu.cc", "cpu_features.cc",
                                          "nucleus_cpu.cc"))
+# The attention alone, built per ISA on request (attention_target): tests and figures run the
+# AVX2 tiles on an AVX-512 host; the engine runs the -march=native build.
+ATTENTION_SOURCES = (CSRC / "paged_attention_cpu.cc",)
 DENSE_SOURCES = tuple(CSRC / name for name in ("dense_cpu.cc", "dense_quant_cpu.cc"))
 CACHE_ENV = "JAXSERVE_KERNEL_CACHE_DIR"
 # Built on the machine that runs it, so -march=native is safe (the key holds the CPU flags).
@@ -171,6 +177,12 @@ _DENSE_SYMBOLS = {DENSE_TARGET: "JaxserveDenseCpu",
                   DENSE_QUANT_TARGETS["int4"]: "JaxserveDenseInt4Cpu"}
 
 
+_ATTENTION_SYMBOLS = {TARGET: "JaxservePagedAttentionCpu",
+                      WRITE_TARGET: "JaxservePagedAttentionWriteCpu",
+                      QUANT_TARGET: "JaxservePagedAttentionQuantCpu",
+                      WRITE_QUANT_TARGET: "JaxservePagedAttentionWriteQuantCpu"}
+
+
 def isa_target(target: str, isa: str) -> str:
     """The FFI target name of dense target `target` forced to `isa`."""
     return f"{target}_{isa}"
@@ -249,6 +261,40 @@ def dense_kernel_target(isa: str | None = None) -> str | None:
     """The dense projection's FFI target name (forced to `isa` if given), or None (after
     cpu_kernel_target's one warning) where the library could not be built."""
     return dense_target(DENSE_TARGET, isa)
+
+
+@functools.lru_cache(maxsize=None)
+def _register_attention_isa(isa: str) -> None:
+    """Build (if the cache lacks it), load and register the attention handlers compiled for
+    `isa` as ``<target>_<isa>``, once per process."""
+    extra = dict(dense_variants())[isa]
+    path = _compile(ATTENTION_SOURCES, f"jaxserve_attention_{isa}", (*FLAGS, *extra, *DENSE_LINK))
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(path))
+        handlers = {isa_target(target, isa): jax.ffi.pycapsule(getattr(lib, symbol))
+                    for target, symbol in _ATTENTION_SYMBOLS.items()}
+    except (OSError, AttributeError) as e:
+        raise BuildError(f"could not load {path}: {e}") from e
+    for name, handler in handlers.items():
+        jax.ffi.register_ffi_target(name, handler, platform="cpu")
+
+
+def attention_target(target: str, isa: str | None) -> str | None:
+    """Attention target `target` (TARGET, WRITE_TARGET, QUANT_TARGET or WRITE_QUANT_TARGET),
+    forced to the library built for `isa` (a dense_isas() name) if given; None where the
+    library could not be built. An isa this CPU cannot run is a ValueError, a forced build
+    that fails a BuildError (a test asking for a path must not silently get the reference)."""
+    if load_kernels() is None:
+        return None
+    if isa is None:
+        return target
+    known = [name for name, _ in dense_variants()]
+    if isa not in known:
+        raise ValueError(f"isa={isa!r} must be one of {known} (or None: the best this CPU runs)")
+    if isa not in dense_isas():
+        raise ValueError(f"isa={isa!r}: this CPU runs only {list(dense_isas())}")
+    _register_attention_isa(isa)
+    return isa_target(target, isa)
 
 
 def dense_target(target: str, isa: str | None) -> str | None:

@@ -1,5 +1,6 @@
-// Arithmetic of one key block of the CPU paged attention (paged_attention_cpu.cc): scores
-// of query rows against the block's keys, the online-softmax step, the weighted sum of V.
+// Arithmetic of one key block of the CPU paged attention's short tiles (paged_attention_cpu.cc:
+// up to kDirectRows rows, decode; taller tiles use tile_math.h): scores of query rows against
+// the block's keys, the online-softmax step, the weighted sum of V.
 // With AVX2 + FMA these are written with intrinsics (8 score / 8 accumulator registers in
 // flight); elsewhere portable loops compute the same thing. Page values load as f32 from
 // f32, bf16, f16, int8 or float8_e4m3fn (kv_quant.h); quantized pages' scales are applied by
@@ -21,7 +22,7 @@
 namespace jaxserve_cpu_attention {
 
 constexpr int kBlockKeys = 32;  // keys per inner block (scratch stays in L1)
-constexpr int kDirectRows = 8;  // tiles up to this many rows score K rows in place
+constexpr int kDirectRows = 8;  // tiles up to this many rows use these; taller: tile_math.h
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline float bf16_to_f32(uint16_t b) {
@@ -169,26 +170,6 @@ inline void qk_direct(const KV* const* krow, int64_t nk, const float* q, int64_t
   }
 }
 
-// s0/s1[j] = q0/q1 . K[j] for the block's kBlockKeys (= 32) keys, kt = K transposed [Dq][32].
-inline void qk_two_rows(const float* q0, const float* q1, const float* kt, int64_t Dq,
-                        float* s0, float* s1) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-  for (int64_t d = 0; d < Dq; ++d) {
-    const float* k = kt + d * kBlockKeys;
-    const __m256 k0 = _mm256_loadu_ps(k), k1 = _mm256_loadu_ps(k + 8),
-                 k2 = _mm256_loadu_ps(k + 16), k3 = _mm256_loadu_ps(k + 24);
-    const __m256 x = _mm256_broadcast_ss(q0 + d), y = _mm256_broadcast_ss(q1 + d);
-    a0 = _mm256_fmadd_ps(x, k0, a0); a1 = _mm256_fmadd_ps(x, k1, a1);
-    a2 = _mm256_fmadd_ps(x, k2, a2); a3 = _mm256_fmadd_ps(x, k3, a3);
-    b0 = _mm256_fmadd_ps(y, k0, b0); b1 = _mm256_fmadd_ps(y, k1, b1);
-    b2 = _mm256_fmadd_ps(y, k2, b2); b3 = _mm256_fmadd_ps(y, k3, b3);
-  }
-  _mm256_storeu_ps(s0, a0); _mm256_storeu_ps(s0 + 8, a1);
-  _mm256_storeu_ps(s0 + 16, a2); _mm256_storeu_ps(s0 + 24, a3);
-  _mm256_storeu_ps(s1, b0); _mm256_storeu_ps(s1 + 8, b1);
-  _mm256_storeu_ps(s1 + 16, b2); _mm256_storeu_ps(s1 + 24, b3);
-}
-
 // Online-softmax step over keys [jlo, jhi) of the block: s becomes the weights (0 outside),
 // m and l are updated; returns the factor the row's accumulator must be scaled by.
 inline float softmax_block(float* s, int jlo, int jhi, float* m, float* l) {
@@ -259,19 +240,6 @@ inline void qk_direct(const KV* const* krow, int64_t nk, const float* q, int64_t
       float s = 0.0f;
       for (int64_t d = 0; d < Dq; ++d) s += q[r * Dq + d] * load(krow[j], d);
       sc[r * kBlockKeys + j] = s;
-    }
-  }
-}
-
-inline void qk_two_rows(const float* q0, const float* q1, const float* kt, int64_t Dq,
-                        float* s0, float* s1) {
-  std::fill(s0, s0 + kBlockKeys, 0.0f);
-  std::fill(s1, s1 + kBlockKeys, 0.0f);
-  for (int64_t d = 0; d < Dq; ++d) {
-    const float* k = kt + d * kBlockKeys;
-    for (int j = 0; j < kBlockKeys; ++j) {
-      s0[j] += q0[d] * k[j];
-      s1[j] += q1[d] * k[j];
     }
   }
 }

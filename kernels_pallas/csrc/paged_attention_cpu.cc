@@ -8,16 +8,18 @@
 // row one (token, query head of the group), so a tile reads each K/V row of its key range
 // once for all query heads of the group. Per item, keys are visited in blocks of kBlockKeys
 // straight from the pages through the block table: tiles of up to 8 rows (decode) score the
-// K rows where they lie; taller tiles (prefill) transpose the block's K rows into a small
-// scratch so the QK product vectorises over keys. V rows are read where they lie (f32) or
-// converted into a block-sized scratch (other dtypes); nothing of the cache is copied beyond
-// one block. Quantized pages: the block's scores are multiplied by their keys' K scales and,
-// after the softmax step, the weights by the V scales (the denominator keeps the unscaled
-// weights). QK, an f32 online softmax and PV are fused per block (block_math.h). Items run on
-// XLA's intra-op thread pool, largest first; when there are fewer items than threads (few
-// long sequences) their key ranges are split and the partial softmax states merged at the
-// end. Tokens outside every live sequence get zeros. The write (kv_write.h) stores the step's
-// K/V rows first, quantizing them for int8 / fp8 pages (kv_quant.h).
+// K rows where they lie, row by row (block_math.h); taller tiles (prefill chunks) run
+// register-blocked micro-kernels with the tile's rows as vector lanes, AVX-512 or AVX2 as the
+// library is built (tile_math.h, tile_simd.h: ~4x the earlier tall path's GFLOP/s). V rows are
+// read where they lie (f32) or converted into a block-sized scratch (other dtypes); nothing of
+// the cache is copied beyond one block. Quantized pages: the block's scores are multiplied by
+// their keys' K scales and, after the softmax step, the weights by the V scales (the
+// denominator keeps the unscaled weights). QK, an f32 online softmax and PV are fused per
+// block. Items run on XLA's intra-op thread pool, largest first; when there are fewer items
+// than threads (few long sequences) their key ranges are split and the partial softmax
+// states merged at the end. Tokens outside every live sequence get zeros. The write
+// (kv_write.h) stores the step's K/V rows first, quantizing them for int8 / fp8 pages
+// (kv_quant.h).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -31,6 +33,7 @@
 
 #include "attention_plan.h"
 #include "block_math.h"
+#include "tile_math.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -44,15 +47,13 @@ using namespace jaxserve_cpu_attention;  // NOLINT: the block arithmetic of this
 template <typename KV>
 void run_item(const Problem& pb, const Item& it, float* partial_base) {
   const int64_t G = pb.G, Dq = pb.Dq, R = it.ntok * G;
+  if (R > kDirectRows) return run_tall_item<KV>(pb, it, partial_base);  // tile_math.h
   const KV* kv = static_cast<const KV*>(pb.kv);
   const int32_t* table = pb.block_tables + it.seq * pb.max_pages;
   const int64_t row_stride = pb.ps * pb.D;  // between rows 2h / 2h+1 of a page
-  // Scratch: q tile (pre-scaled), K block transposed [Dq][kBlockKeys] (tall tiles), V block
-  // (bf16/f16), scores [R][kBlockKeys].
-  const bool direct = R <= kDirectRows;
-  std::vector<float> qt(R * Dq), kt(direct ? 0 : Dq * kBlockKeys, 0.0f), vb;
+  // Scratch: q tile (pre-scaled), V block (non-f32 pages), scores [R][kBlockKeys].
+  std::vector<float> qt(R * Dq), vb;
   std::vector<float> sc(R * kBlockKeys);
-  float spare[kBlockKeys];
   std::vector<float> acc(R * Dq, 0.0f);
   float m[kMaxRows], l[kMaxRows];
   const float* vrow[kBlockKeys];
@@ -67,10 +68,9 @@ void run_item(const Problem& pb, const Item& it, float* partial_base) {
 
   for (int64_t k0 = it.klo; k0 < it.khi; k0 += kBlockKeys) {
     const int64_t nk = std::min<int64_t>(kBlockKeys, it.khi - k0);
-    // Rows of the block's keys, page by page through the block table. Tiles of a few rows
-    // (decode: the query heads of one group) take their scores straight from the K rows in
-    // the pages; taller tiles stage K transposed so the products vectorise over keys. V is
-    // read in place (f32) or converted into a block-sized scratch.
+    // Rows of the block's keys, page by page through the block table: the scores come
+    // straight from the K rows in the pages; V is read in place (f32) or converted into a
+    // block-sized scratch.
     const KV* krow[kBlockKeys];
     for (int64_t j = 0; j < nk; ++j) {
       const int64_t k = k0 + j;
@@ -92,9 +92,6 @@ void run_item(const Problem& pb, const Item& it, float* partial_base) {
           __builtin_prefetch(reinterpret_cast<const char*>(kv + next + row_stride) + off);
         }
       }
-      if (!direct) {
-        for (int64_t d = 0; d < Dq; ++d) kt[d * kBlockKeys + j] = load(kv, base + d);
-      }
       if constexpr (kF32) {
         vrow[j] = reinterpret_cast<const float*>(kv) + base + row_stride;
       } else {
@@ -103,15 +100,7 @@ void run_item(const Problem& pb, const Item& it, float* partial_base) {
         vrow[j] = dst;
       }
     }
-    if (direct) {
-      qk_direct(krow, nk, qt.data(), R, Dq, sc.data());
-    } else {
-      for (int64_t r = 0; r < R; r += 2) {  // two rows per K load
-        const float* q0 = qt.data() + r * Dq;
-        qk_two_rows(q0, r + 1 < R ? q0 + Dq : q0, kt.data(), Dq, sc.data() + r * kBlockKeys,
-                    r + 1 < R ? sc.data() + (r + 1) * kBlockKeys : spare);
-      }
-    }
+    qk_direct(krow, nk, qt.data(), R, Dq, sc.data());
     if (pb.scales != nullptr) {  // scores of quantized keys: (q . k_q) * k_scale
       for (int64_t r = 0; r < R; ++r) {
         float* s = sc.data() + r * kBlockKeys;

@@ -55,7 +55,7 @@ pytestmark = pytest.mark.skipif(cpu_build.cpu_kernel_target() is None,
 
 def check_case(specs: list[tuple[int, int]], *, hq: int, hkv: int, d: int, ps: int,
                dtype: str, window: int | None, cap: float | None, seed: int,
-               extra_tokens: int = 0, extra_seqs: int = 0) -> None:
+               extra_tokens: int = 0, extra_seqs: int = 0, isa: str | None = None) -> None:
     rng = np.random.default_rng(seed)
     batch = random_batch(rng, specs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                          page_size=ps, dtype=jnp.dtype(dtype),
@@ -65,7 +65,7 @@ def check_case(specs: list[tuple[int, int]], *, hq: int, hkv: int, d: int, ps: i
     opts = dict(sm_scale=d ** -0.5, sliding_window=window, soft_cap=cap)
     want = np.asarray(jnp.asarray(ragged_paged_attention_reference(batch.q, pages, batch.md,
                                                                    **opts), jnp.float32))
-    got = ragged_paged_attention_cpu(batch.q, pages, batch.md, **opts)
+    got = ragged_paged_attention_cpu(batch.q, pages, batch.md, **opts, isa=isa)
     assert got.shape == batch.q.shape and got.dtype == batch.q.dtype
     got = np.asarray(jnp.asarray(got, jnp.float32))
     live = int(np.asarray(batch.md.cu_q_lens)[len(specs)])
@@ -107,6 +107,32 @@ def test_matches_reference_on_long_and_odd_batches(name: str) -> None:
     specs, hq, hkv, d, ps, dtype, window, cap = EXTRA[name]
     check_case(specs, hq=hq, hkv=hkv, d=d, ps=ps, dtype=dtype, window=window, cap=cap,
                seed=zlib.crc32(name.encode()), extra_tokens=3, extra_seqs=2)
+
+
+# Long prefill chunks: tiles taller than 8 rows run the register-blocked micro-kernels
+# (csrc/tile_math.h: rows as lanes, 16 with AVX-512, 8 with AVX2), here with a chunk of 1,100
+# tokens (52 tiles of 21 tokens x 3 heads), a short chunk, decode rows and a lone long decode
+# whose key range is split over threads, on every instruction set this CPU runs (the library
+# rebuilt with that ISA's flags: AVX-512 and AVX2 on an AVX-512 host). Heads: SmolLM2's (9 / 3,
+# 64), and GQA 8 at head dim 80 (16 lanes of 8 tokens x 8 heads; 80 = 13 x 6 + 2 dims: every
+# remainder path of PV) with a window and a cap, in bf16; MHA at head dim 128.
+TALL = {
+    "smollm-window-cap": ([(0, 1100), (517, 1), (60, 37), (900, 1)], 9, 3, 64, 16, "float32",
+                          300, 30.0),
+    "g8-d80-bf16-window-cap": ([(200, 700), (33, 1), (0, 19)], 8, 1, 80, 32, "bfloat16", 129,
+                               5.0),
+    "mha-d128": ([(0, 520), (2100, 1), (40, 9)], 4, 4, 128, 16, "float32", None, None),
+}
+
+
+@pytest.mark.parametrize("isa", [isa for isa, _ in cpu_build.dense_variants()])
+@pytest.mark.parametrize("name", list(TALL))
+def test_long_prefill_tiles_on_each_isa(name: str, isa: str) -> None:
+    if isa not in cpu_build.dense_isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    specs, hq, hkv, d, ps, dtype, window, cap = TALL[name]
+    check_case(specs, hq=hq, hkv=hkv, d=d, ps=ps, dtype=dtype, window=window, cap=cap,
+               seed=zlib.crc32(name.encode()), extra_tokens=2, extra_seqs=1, isa=isa)
 
 
 def test_head_dim_stored_padded_and_selector_dispatch() -> None:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.kernels_pallas import cpu_build
 from jaxserve.kernels_pallas import (QuantizedKV, dequantize, init_kv_pages,
                                      ragged_paged_attention_reference, write_kv)
 from support.kernel_cases import quantized_pages, random_batch
@@ -214,6 +215,30 @@ def test_cpu_kernel_matches_reference_on_dequantized_pages(qname: str, case: tup
     got = np.asarray(got, np.float32)
     assert_close(got[:n], np.asarray(want)[:n],
                                **tolerance("cpu", batch, case[1], **opts))
+    np.testing.assert_array_equal(got[n:], 0.0, err_msg="padding tokens must be zeros")
+
+
+# Tall tiles (csrc/tile_math.h: K scales on the scores, V scales on the weights) on every
+# instruction set this CPU runs: a 600-token chunk with a window and a cap beside decode rows
+# and a short chunk (SmolLM2's heads: 9 / 3, head dim 64).
+@pytest.mark.parametrize("isa", [isa for isa, _ in cpu_build.dense_variants()])
+@pytest.mark.parametrize("qname", sorted(QDTYPES))
+def test_cpu_tall_tiles_on_quantized_pages_on_each_isa(qname: str, isa: str) -> None:
+    _cpu_kernel_or_skip()
+    if isa not in cpu_build.dense_isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    from jaxserve.kernels_pallas.cpu import ragged_paged_attention_cpu
+    batch = random_batch(np.random.default_rng(seed_of("tall", qname, isa)),
+                         [(40, 600), (700, 1), (0, 13)], num_q_heads=9, num_kv_heads=3,
+                         head_dim=64, page_size=16, dtype=jnp.dtype("float32"),
+                         num_tokens=616, num_seqs=4)
+    kv = written(batch, QDTYPES[qname])
+    opts = dict(sm_scale=0.125, sliding_window=250, soft_cap=25.0)
+    got = ragged_paged_attention_cpu(batch.q, kv, batch.md, **opts, isa=isa)
+    want = ragged_paged_attention_reference(batch.q, dequantize(kv), batch.md, **opts)
+    n = live_rows(batch)
+    got = np.asarray(got, np.float32)
+    assert_close(got[:n], np.asarray(want)[:n], **tolerance("cpu", batch, "float32", **opts))
     np.testing.assert_array_equal(got[n:], 0.0, err_msg="padding tokens must be zeros")
 
 
