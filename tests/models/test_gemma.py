@@ -123,17 +123,24 @@ def test_greedy_through_llm_equals_transformers_generate(hf) -> None:  # noqa: A
     n = 6
     gen = transformers.GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None,
                                         pad_token_id=0)
-    want = []
-    for p in PROMPTS:
+
+    def hf_greedy(p: list[int]) -> list[int]:
         with torch.no_grad():
             out = model.generate(torch.tensor([p], dtype=torch.long), generation_config=gen)
-        want.append(out[0, len(p):].tolist())
+        return out[0, len(p):].tolist()
+
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     # Tiny pages and a small step budget: windows span pages, prompts prefill in chunks.
     with LLM(model=str(d), max_num_seqs=4, max_num_batched_tokens=8, page_size=4,
              max_model_len=64, kv_cache_memory=1 << 20, enable_prefix_caching=True) as llm:
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=n,
-                                                    ignore_eos=True), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == want, arch
+        outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(p) for p in PROMPTS], arch
+        # A later prompt sharing the third one's 19 tokens: its first pages come from the
+        # prefix cache (every layer keeps all its pages today, so the hit is exact).
+        longer = PROMPTS[2] + [7, 8, 9]
+        again = llm.generate([longer], sp, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 16  # four full pages of the 19 shared tokens
+    assert again.outputs[0].token_ids == hf_greedy(longer), arch
 
 
 def test_orbax_round_trip_and_hf_export(hf, tmp_path: pathlib.Path) -> None:  # noqa: ANN001
