@@ -11,7 +11,8 @@ GGUF_ARCHITECTURES {GGUF arch: model_type}, GGUF_PERMUTED, config_from_hf(d, mod
 source), config_to_hf(cfg, torch_dtype), config_dict_from_gguf(key, tensor_names), Params,
 LayerParams, param_shapes(cfg), abstract_params(cfg, dtype), init_random_params(cfg, key,
 dtype, scale), HF_NAMES, HF_LAYER_NAMES, GGUF_NAMES, GGUF_LAYER_NAMES, LINEAR_FIELDS,
-TP_LAYOUT, KV_FIELDS. The layers are the shared blocks (`decoder.decoder_layer`), chosen by
+TP_LAYOUT, KV_FIELDS; optionally REFUSED_ARCHITECTURES / GGUF_REFUSED {name: why}, names
+the family knows but does not serve (the error says why instead of "unsupported"). The layers are the shared blocks (`decoder.decoder_layer`), chosen by
 the `LayerSpec`s the family's config mapping gives.
 Adding a family is that module, its import here and its entry in FAMILIES.
 """
@@ -21,10 +22,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Mapping
 
-from . import llama
+from . import gemma, llama
 from .config import ConfigError, ModelConfig
 
-FAMILIES: tuple[ModuleType, ...] = (llama,)
+FAMILIES: tuple[ModuleType, ...] = (llama, gemma)
 ModelParams = Any  # any family's params pytree (a flax.struct dataclass: `fam.Params`)
 
 
@@ -57,6 +58,14 @@ def family_for_hf(d: Mapping[str, object], source: str = "config.json"
         by_arch = {a: t for fam in FAMILIES for a, t in fam.ARCHITECTURES.items()}
         model_type = by_arch.get(arch) if isinstance(arch, str) else None
     if not isinstance(model_type, str) or model_type not in _model_types():
+        archs = d.get("architectures")
+        names = [model_type, *(archs if isinstance(archs, list) else [])]
+        for fam in FAMILIES:
+            refused = getattr(fam, "REFUSED_ARCHITECTURES", {})
+            why = next((refused[n] for n in names if isinstance(n, str) and n in refused), None)
+            if why is not None:
+                raise ConfigError(f"{source}: model_type={model_type!r} (architectures="
+                                  f"{archs!r}) {why}")
         raise ConfigError(
             f"{source}: model_type={model_type!r} (architectures={d.get('architectures')!r}) "
             f"is not supported; supported: {', '.join(supported_model_types())}")
@@ -68,6 +77,8 @@ def family_for_gguf(arch: object, source: str) -> tuple[ModuleType, str]:
     for fam in FAMILIES:
         if isinstance(arch, str) and arch in fam.GGUF_ARCHITECTURES:
             return fam, fam.GGUF_ARCHITECTURES[arch]
+        if isinstance(arch, str) and arch in getattr(fam, "GGUF_REFUSED", {}):
+            raise ConfigError(f"{source}: GGUF architecture {arch!r}: {fam.GGUF_REFUSED[arch]}")
     names = [a for fam in FAMILIES for a in fam.GGUF_ARCHITECTURES]
     raise ConfigError(f"{source}: GGUF metadata 'general.architecture'={arch!r} is not "
                       f"supported; supported: {', '.join(names)}")
