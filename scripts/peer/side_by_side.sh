@@ -2,7 +2,7 @@
 # The headline side-by-side: vLLM's own client (`vllm bench serve`) against jaxserve (its
 # default: the bundled GGUF's quantized blocks), jaxserve with `--quantization none` (float32,
 # like for like) and then vLLM-CPU (float32), one server at a time, the same requests (random
-# token prompts of exact length, ignore_eos, the same seed) on the bundled SmolLM2-135M.
+# token prompts of exact length, ignore_eos, one seed per workload) on the bundled SmolLM2-135M.
 #
 #   bash scripts/peer/side_by_side.sh                  # every server and workload (~75 min)
 #   SERVERS=jaxserve WORKLOADS="A32 S32" bash scripts/peer/side_by_side.sh
@@ -65,11 +65,17 @@ run_workload() {  # $1: server, $2: workload
     *) echo "unknown workload $2"; exit 1 ;;
   esac
   case $2 in S*) sampling="--temperature 1.0 --top-p 0.95" ;; esac
+  # Each workload its own prompts: with one seed, a workload's prompts repeated the ones
+  # before it (S32's were A32's), so a server with prefix caching skipped their prefill
+  # (jaxserve's TTFT fell 3.5x) where a server without it could not.
+  local seed
+  case $2 in A1) seed=1 ;; A8) seed=2 ;; A32) seed=3 ;; S1) seed=4 ;; S8) seed=5 ;;
+             S32) seed=6 ;; C8) seed=7 ;; esac
   "$VENV/bin/python" scripts/peer/vllm_cpu_serve.py bench serve --backend openai \
     --base-url "http://127.0.0.1:$PORT" --endpoint /v1/completions --model smollm2 \
     --tokenizer "$HF_DIR" --dataset-name random --random-input-len $input \
     --random-output-len $output --random-range-ratio 0 --num-prompts $num \
-    --max-concurrency $conc --request-rate inf --ignore-eos $sampling --seed 0 \
+    --max-concurrency $conc --request-rate inf --ignore-eos $sampling --seed $seed \
     --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
     --save-result --result-dir "$OUT" --result-filename "$1_$2.json" \
     2>&1 | grep -v -e "leaked" -e "nanobind" | tail -30 | tee "$OUT/$1_$2.log"
