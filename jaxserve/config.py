@@ -25,6 +25,7 @@ DENSE_ISAS = ("auto", "avx512", "avx2", "native")
 QUANTIZATION_SCHEMES = ("int8", "fp8", "int4")
 QUANTIZATIONS = ("auto", "none", *QUANTIZATION_SCHEMES)
 FP8_ACTIVATIONS = ("auto", "on", "off")
+IDLE_WINDOW_POLICIES = ("adaptive", "always")  # serving/idle_window.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +159,10 @@ class EngineConfig:
     # Serving: an idle engine woken by a request waits this long for others arriving with it,
     # so a burst is prefilled in one step (the fronts only; offline calls have theirs at once).
     idle_batch_window_ms: float = 20.0
+    # "adaptive": wait only when the previous wake-up had company (a lone request at
+    # concurrency 1 does not pay the window in its TTFT); "always": every wake-up waits.
+    # serving/idle_window.py says why.
+    idle_batch_window_policy: str = "adaptive"
     max_model_len: int | None = None  # None: min(model's max_position_embeddings, 4096)
     page_size: int = 16
     kv_cache_memory: int | None = None  # bytes for KV pages; None: a fraction of free memory
@@ -249,6 +254,9 @@ class EngineConfig:
         if not 0 <= self.idle_batch_window_ms <= 1000:
             raise ValueError(f"idle_batch_window_ms={self.idle_batch_window_ms!r} must be in "
                              "[0, 1000]")
+        if self.idle_batch_window_policy not in IDLE_WINDOW_POLICIES:
+            raise ValueError(f"idle_batch_window_policy={self.idle_batch_window_policy!r} must "
+                             f"be one of {IDLE_WINDOW_POLICIES}")
         if not self.multihost_keepalive_s > 0:
             raise ValueError(f"multihost_keepalive_s={self.multihost_keepalive_s!r} must be > 0")
         if not 0 < self.kv_cache_memory_fraction <= 1:

@@ -16,8 +16,8 @@ import logging
 import re
 from typing import Any, Callable, Mapping, Sequence
 
-from jaxserve.config import (DENSE_IMPLS, DENSE_ISAS, DTYPES, FP8_ACTIVATIONS, KV_CACHE_DTYPES,
-                             QUANTIZATIONS, DistributedConfig, EngineConfig)
+from jaxserve.config import (DENSE_IMPLS, DENSE_ISAS, DTYPES, FP8_ACTIVATIONS,
+                             IDLE_WINDOW_POLICIES, KV_CACHE_DTYPES, QUANTIZATIONS, DistributedConfig, EngineConfig)
 from jaxserve.engine import sampling_params
 
 # The serve command raises this logger to INFO: the follower lines show like the lifecycle ones.
@@ -36,6 +36,8 @@ _ENGINE_HELP = {
                            "--max-num-batched-tokens; 'none': no separate cap",
     "idle_batch_window_ms": "serving: an idle engine woken by a request waits this long for "
                             "others arriving with it, so a burst is prefilled in one step",
+    "idle_batch_window_policy": "serving: adaptive (wait only when the previous wake-up had "
+                                "company, so lone requests skip it) or always",
     "max_model_len": "prompt + generated tokens of one sequence (default: the model's, "
                      "capped at 4096)",
     "page_size": "tokens per KV page",
@@ -78,7 +80,7 @@ _ENGINE_HELP = {
                              "$JAXSERVE_COMPILATION_CACHE_DIR or ~/.cache/jaxserve/xla)",
 }
 _CHOICES = {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "dense_impl": DENSE_IMPLS,
-            "dense_isa": DENSE_ISAS,
+            "dense_isa": DENSE_ISAS, "idle_batch_window_policy": IDLE_WINDOW_POLICIES,
             "quantization": QUANTIZATIONS, "fp8_activations": FP8_ACTIVATIONS}
 _UNITS = {"": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}

@@ -12,7 +12,8 @@ Data flow:
   iterator) yields them; leaving it early aborts the request. Requests are added with the
   caller's `RequestOutputKind` (DELTA by default: outputs carry only what is new).
   When nothing is in flight the loop thread sleeps on a condition variable (no busy spin);
-  woken from idle by a request, it waits `idle_batch_window_ms` for others that arrive with it.
+  woken from idle by a request, it may wait `idle_batch_window_ms` for others that arrive with
+  it (`idle_window.py` decides: by default only when the previous wake-up had company).
 
 Admission errors come back through the same sink: a ValueError from `Engine.add_request`
 (naming the field) is raised by the stream's first `__anext__`. `QueueFull` is raised by
@@ -46,6 +47,7 @@ from jaxserve.engine.limits import (Admitted, EngineStats, check_not_in_flight,
                                     check_request_id)
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.serving.idle_window import IdleWindow
 from jaxserve.serving.request_stream import (DEFAULT_MAX_STREAM_BUFFER_TOKENS, RequestSink,
                                              RequestStream, StreamBufferFull, set_ready,
                                              wake)
@@ -79,6 +81,7 @@ class _Add:
     priority: int
     arrival_time: float
     output_kind: RequestOutputKind
+    queued_at: float  # time.monotonic() at submit (the idle window's clock)
 
 
 @dataclasses.dataclass(eq=False)
@@ -111,7 +114,9 @@ class AsyncEngine:
         self._waiting_seqs = 0  # the scheduler's waiting count as of the last iteration
         self._stopping = False
         self._error: BaseException | None = None
-        self._idle_window_s = engine.config.idle_batch_window_ms / 1e3
+        # Loop-thread only (after start): the idle wake-up's wait.
+        self._idle_window = IdleWindow(engine.config.idle_batch_window_ms / 1e3,
+                                       engine.config.idle_batch_window_policy)
         self._thread: threading.Thread | None = None
         # Loop-thread only: the sinks of requests the engine holds.
         self._sinks: dict[str, RequestSink] = {}
@@ -177,7 +182,8 @@ class AsyncEngine:
             params = prompt.params
         loop = asyncio.get_running_loop()
         sink = RequestSink(request_id, loop, self.max_stream_buffer_tokens)
-        arrival = time.monotonic() if arrival_time is None else arrival_time
+        now = time.monotonic()
+        arrival = now if arrival_time is None else arrival_time
         with self._cond:
             if self._error is not None:
                 raise EngineStopped(f"the engine loop failed: {self._error!r}")
@@ -191,7 +197,8 @@ class AsyncEngine:
                                 f"{self.max_waiting}); retry later")
             self._in_flight.add(request_id)
             self._queued_seqs += params.n
-            self._commands.append(_Add(sink, prompt, params, priority, arrival, output_kind))
+            self._commands.append(_Add(sink, prompt, params, priority, arrival, output_kind,
+                                       now))
             self._cond.notify()
         return RequestStream(self, sink)
 
@@ -234,11 +241,16 @@ class AsyncEngine:
             self._fail(e)
 
     def _gather_arrivals(self) -> None:
-        """Idle until a request came: wait `idle_batch_window_ms` more (under `_cond`) so that
+        """Idle until a request came: wait the idle window's time more (under `_cond`) so that
         requests arriving together (a client's burst, a batch) are all in the first step,
         prefilled together, and then decode in lockstep; one a moment late would trail the
         others by a step for good, its prefill stalling their streams at every turn."""
-        deadline = time.monotonic() + self._idle_window_s
+        wait_s = self._idle_window.wait_s()
+        queued = [cmd.queued_at for cmd in self._commands if isinstance(cmd, _Add)]
+        if not queued:  # woken by an abort or a stop: nothing to gather
+            return
+        self._idle_window.woke(min(queued))
+        deadline = time.monotonic() + wait_s
         while not self._stopping and (left := deadline - time.monotonic()) > 0:
             self._cond.wait(left)
 
@@ -252,6 +264,7 @@ class AsyncEngine:
                     self.engine.abort(rid)
                 continue
             added += cmd.params.n
+            self._idle_window.arrived(cmd.queued_at)
             rid = cmd.sink.request_id
             try:
                 self.engine.add_request(rid, cmd.prompt, cmd.params, priority=cmd.priority,
