@@ -142,7 +142,9 @@ class EngineConfig:
 
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     dtype: str = "float32"
-    kv_cache_dtype: str | None = None  # None / "auto": same as dtype; int8 / fp8: quantized
+    # None / "auto": same as dtype, but bfloat16 for quantized weights served in float32
+    # (serving/build.py `kv_cache_dtype` says why); int8 / fp8: quantized pages.
+    kv_cache_dtype: str | None = None
     max_num_seqs: int = 32
     # A burst of arrivals is prefilled in one step of up to 2048 tokens (vLLM-CPU's server
     # default), which keeps requests that arrive together in step with each other; a step

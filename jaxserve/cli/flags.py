@@ -27,7 +27,8 @@ _ENGINE_HELP = {
     "model": "model to load: an HF directory, a GGUF file or a jaxserve checkpoint; "
              "default: the bundled SmolLM2-135M-Instruct",
     "dtype": "parameter dtype",
-    "kv_cache_dtype": "KV cache dtype: auto (= --dtype), a float dtype, or int8 / fp8 pages "
+    "kv_cache_dtype": "KV cache dtype: auto (= --dtype; bfloat16 for quantized weights in float32, "
+                      "e.g. a GGUF's blocks), a float dtype, or int8 / fp8 pages "
                       "quantized with per-token scales (about half the bytes of bfloat16)",
     "max_num_seqs": "sequences in one step",
     "max_num_batched_tokens": "tokens (decodes + prefill chunks) in one step",

@@ -46,6 +46,8 @@ WEIGHTS = {
     "int4-g64+lm_head": {"quantization": "int4", "quantization_group_size": 64,
                          "quantize_lm_head": True},
 }
+# KV pages: "auto" here is float32 (the reference pages), not the engine's "auto" (bfloat16
+# under quantized weights); --kv-dtypes also takes float32 / bfloat16 / float16.
 KV_DTYPES = ("auto", "int8", "fp8")
 PAGE = 16
 
@@ -98,7 +100,8 @@ def text_logprobs(model_path: str | None, weights: dict, kv_dtype: str, ids: np.
         params = pack_params(params)
     n = len(ids)
     pages = -(-n // PAGE) + 1
-    dtype = {"auto": jnp.float32, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kv_dtype]
+    dtype = {"auto": jnp.float32, "float32": jnp.float32, "bfloat16": jnp.bfloat16,
+             "float16": jnp.float16, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kv_dtype]
     kv = init_kv_cache(cfg, pages + 1, PAGE, dtype)
     block_table = np.arange(1, pages + 1, dtype=np.int32)[None]
 

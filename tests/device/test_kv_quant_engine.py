@@ -34,6 +34,12 @@ def test_config_and_flags_take_the_quantized_dtypes() -> None:
                                                     "--dtype", "bfloat16"]))
         assert cfg.kv_cache_dtype == name and kv_cache_dtype(cfg).name == want
     assert kv_cache_dtype(EngineConfig(dtype="float32")).name == "float32"
+    # Quantized weights served in float32: 16-bit pages under "auto" only.
+    for kv, dtype, want in ((None, "float32", "bfloat16"), ("auto", "float32", "bfloat16"),
+                            ("float32", "float32", "float32"), (None, "float16", "float16"),
+                            ("int8", "float32", "int8")):
+        cfg = EngineConfig(dtype=dtype, kv_cache_dtype=kv)
+        assert kv_cache_dtype(cfg, weights_quantized=True).name == want, (kv, dtype)
     with pytest.raises(SystemExit):
         p.parse_args(["--kv-cache-dtype", "int4"])
     with pytest.raises(ValueError, match="kv_cache_dtype='int4' is not supported"):

@@ -60,7 +60,8 @@ F32_U = 2.0 ** -24
 
 # The default tier: each kind once, each quantization and each KV dtype at least once,
 # where they meet a stored quantization (the crash of #29 was a requantization).
-DEFAULT = ("gguf_quant-int8-int8", "gguf_quant-none-auto", "compressed-fp8-bfloat16",
+DEFAULT = ("gguf_quant-int8-int8", "gguf_quant-none-auto", "gguf_quant-auto-auto",
+           "hf-int8-auto", "compressed-fp8-bfloat16",
            "hf-auto-float16", "orbax-int4-fp8", "gguf_float-fp8-float32")
 CASES = grid([[(k, k) for k in KINDS], [(q, q) for q in QUANTIZATIONS],
               [(d, d) for d in KV_CACHE_DTYPES]], DEFAULT,
@@ -143,7 +144,10 @@ def test_every_entry_point_builds_the_same_engine(
         capsys: pytest.CaptureFixture) -> None:
     path = checkpoints[kind]
     kw = dict(ENGINE, quantization=quantization, kv_cache_dtype=kv)
-    want_kv = np.dtype({"auto": "float32", "fp8": "float8_e4m3fn"}.get(kv, kv))
+    # "auto" pages: the model's float32, or bfloat16 under quantized weights.
+    quantized = any(_expected_scheme(kind, quantization, f) != "float" for f in LINEAR_FIELDS)
+    want_kv = np.dtype({"auto": "bfloat16" if quantized else "float32",
+                        "fp8": "float8_e4m3fn"}.get(kv, kv))
     with LLM(str(path), **kw) as by_path, LLM(loaded=_loaded(path), **kw) as by_loaded:
         for llm in (by_path, by_loaded):
             layers = llm.engine.runner.params.layers
