@@ -8,11 +8,14 @@ that lists what is supported.
 
 A family module has (see `models/llama.py`): ARCHITECTURES {HF class: model_type},
 GGUF_ARCHITECTURES {GGUF arch: model_type}, GGUF_PERMUTED, config_from_hf(d, model_type,
-source), config_to_hf(cfg, torch_dtype), config_dict_from_gguf(key, tensor_names), Params,
+source), config_to_hf(cfg, torch_dtype), config_dict_from_gguf(key, tensor_names, model_type),
+Params,
 LayerParams, param_shapes(cfg), abstract_params(cfg, dtype), init_random_params(cfg, key,
 dtype, scale), HF_NAMES, HF_LAYER_NAMES, GGUF_NAMES, GGUF_LAYER_NAMES, LINEAR_FIELDS,
 TP_LAYOUT, KV_FIELDS; optionally REFUSED_ARCHITECTURES / GGUF_REFUSED {name: why}, names
-the family knows but does not serve (the error says why instead of "unsupported"). The layers are the shared blocks (`decoder.decoder_layer`), chosen by
+the family knows but does not serve (the error says why instead of "unsupported"), and
+GGUF_NORM_SHIFTS {GGUF tensor name or per-layer suffix: constant the file adds}, subtracted
+on read (`gguf_tensor.GGUFTensor`). The layers are the shared blocks (`decoder.decoder_layer`), chosen by
 the `LayerSpec`s the family's config mapping gives.
 Adding a family is that module, its import here and its entry in FAMILIES.
 """

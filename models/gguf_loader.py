@@ -9,7 +9,8 @@ Data flow:
      (`families.config_from_hf`); tensor table -> HF names by the family's GGUF name tables,
      shapes checked against that config before any data is touched (reading no weights) ->
      per tensor a lazy `GGUFTensor` (numpy shape: GGUF lists dims innermost-first, numpy
-     outermost-first, so dims are reversed; llama q/k rows un-permuted on read) that
+     outermost-first, so dims are reversed; llama q/k rows un-permuted on read, Gemma's
+     1 + w norm weights shifted back to w by the family's `GGUF_NORM_SHIFTS`) that
      dequantizes only the boxes asked of it -> `hf_loader.host_params_from_hf` ->
      `load_model` reads leaves whole, or each device's slice (`placement.place_params`): the
      host then dequantizes per device only that device's rows (and the quant blocks covering
@@ -67,6 +68,11 @@ def _hf_config(md: Mapping[str, object], names: set[str], path: str) -> dict[str
         if required and f"{arch}.{name}" not in md:
             raise CheckpointError(f"{path}: required GGUF metadata key '{arch}.{name}' is missing")
         value = md.get(f"{arch}.{name}", default)
+        if kind is list:  # a per-layer array, or one integer for every layer: as stored
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, list))):
+                raise CheckpointError(f"{path}: GGUF metadata {arch}.{name}={value!r} must be "
+                                      "an integer or an array")
+            return value
         if isinstance(value, list) and kind is int and value and all(v == value[0] for v in value):
             value = value[0]  # a per-layer list in some files; we need one value
         ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -76,6 +82,10 @@ def _hf_config(md: Mapping[str, object], names: set[str], path: str) -> dict[str
                                   f"{'an integer' if kind is int else 'a number'}")
         return value
 
+    try:  # the family's own checks (a pattern of the wrong length, ...) name the key
+        arch_fields = fam.config_dict_from_gguf(key, names, model_type)
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: {e}") from None
     vocab = key("vocab_size")
     if vocab is None:  # older files: the token list (or the embedding) is the vocabulary
         tokens = md.get("tokenizer.ggml.tokens")
@@ -84,7 +94,7 @@ def _hf_config(md: Mapping[str, object], names: set[str], path: str) -> dict[str
         "model_type": model_type,
         "vocab_size": vocab,
         # The architecture's own keys (shape, norms, rope base, ...): the family's table.
-        **fam.config_dict_from_gguf(key, names),
+        **arch_fields,
         "bos_token_id": _token_id(md, "bos"),
         "pad_token_id": _token_id(md, "padding"),
     }
@@ -186,7 +196,8 @@ class LazyGGUF:
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
-    """Read and dequantize a llama/qwen2/qwen3 GGUF into HF names, HF layout, float32."""
+    """Read and dequantize a llama/qwen2/qwen3/gemma2/gemma3 GGUF into HF names, HF layout,
+    float32."""
     lazy = open_gguf(path)
     try:
         tensors = {hf: t[...] for hf, t in lazy.tensors.items()}
@@ -199,7 +210,8 @@ def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
 
 
 def open_gguf(path: str | os.PathLike) -> LazyGGUF:
-    """Open a llama/qwen2/qwen3 GGUF: config and tensor table checked, no weights read.
+    """Open a llama/qwen2/qwen3/gemma2/gemma3 GGUF: config and tensor table checked, no weights
+    read.
 
     Only `rope_freqs` (needed for the config) is dequantized here.
     """
@@ -232,6 +244,8 @@ def _open_tensors(buf: mmap.mmap, spath: str) -> LazyGGUF:
                               f"{config.num_layers} but the file holds only {len(by_name)} tensors")
     shapes, required = _expected_shapes(config, fam)
     plan: dict[str, TensorInfo] = {}
+    shifts: dict[str, float] = {}
+    norm_shifts = getattr(fam, "GGUF_NORM_SHIFTS", {})
     for name, info in by_name.items():
         hf = _hf_name(name, fam, config.num_layers, spath)
         if hf not in shapes:
@@ -242,6 +256,10 @@ def _open_tensors(buf: mmap.mmap, spath: str) -> LazyGGUF:
                 f"{spath}: tensor {name!r} ({hf}) has shape {list(info.shape)} but the "
                 f"config implies {list(shapes[hf])}")
         plan[hf] = info
+        # by the GGUF name: a top-level one, else its suffix after `blk.{i}.`
+        shift = norm_shifts.get(name, norm_shifts.get(name.split(".", 2)[-1], 0.0))
+        if shift:
+            shifts[hf] = shift
     missing = sorted(required - plan.keys())
     if missing:
         raise CheckpointError(f"{spath}: {len(missing)} required tensor(s) missing, e.g. "
@@ -252,7 +270,7 @@ def _open_tensors(buf: mmap.mmap, spath: str) -> LazyGGUF:
         heads = None
         if permute and (".q_proj." in hf or ".k_proj." in hf):
             heads = config.num_heads if ".q_proj." in hf else config.num_kv_heads
-        tensors[hf] = GGUFTensor(buf, info, header.data_start, spath, heads)
+        tensors[hf] = GGUFTensor(buf, info, header.data_start, spath, heads, shifts.get(hf, 0.0))
     _check_disjoint(tensors, spath)
     return LazyGGUF(spath, hf_config, tensors, {hf: t.type_name for hf, t in tensors.items()})
 

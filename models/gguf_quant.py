@@ -32,8 +32,8 @@ _SCHEMES = {"Q8_0": ("int8", 32), "Q4_0": ("int4", 32), "Q4_1": ("int4", 32),
 
 def block_scheme(tensor: object) -> str | None:
     """The scheme a tensor's blocks map onto exactly, or None (float, Q5 / Q2 / Q3 ...)."""
-    if not isinstance(tensor, GGUFTensor) or tensor.ndim != 2:
-        return None
+    if not isinstance(tensor, GGUFTensor) or tensor.ndim != 2 or tensor.shift:
+        return None  # a shifted tensor's stored blocks are not its values
     return _SCHEMES.get(tensor.type_name, (None, 0))[0]
 
 

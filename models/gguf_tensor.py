@@ -10,6 +10,9 @@ inner dim a multiple of the quant block, data inside the file) -> `tensor[box]`:
   float32 and the box is cut out of the result. So a per-device read dequantizes that device's
   rows x (its columns rounded out to whole blocks), never the whole tensor.
   1-D tensors (norms, biases: small) and any other rank: dequantized whole, then sliced.
+A tensor opened with a `shift` (Gemma's RMSNorm weights, which llama.cpp's converter stores as
+1 + w: the family's `GGUF_NORM_SHIFTS`) has it subtracted in float32 right after
+dequantization, on every read path alike, so a per-device box and the whole tensor agree.
 The whole-tensor read (`tensor[:]`) is what `read_gguf` returns for every tensor.
 """
 
@@ -37,13 +40,14 @@ class GGUFTensor:
     """`info`'s data in `buf` as a float32 array of shape `info.shape` (HF layout).
 
     `permute_heads`: for llama-arch q/k projections, the number of heads whose stored rows
-    llama.cpp interleaved (None: stored as in HF).
+    llama.cpp interleaved (None: stored as in HF). `shift`: a constant the file adds to every
+    value (0.0: none), subtracted on read.
     """
 
     dtype = np.dtype(np.float32)
 
     def __init__(self, buf: mmap.mmap, info: TensorInfo, data_start: int, path: str,
-                 permute_heads: int | None = None) -> None:
+                 permute_heads: int | None = None, shift: float = 0.0) -> None:
         try:
             self.qtype = GGMLQuantizationType(info.ggml_type)
         except ValueError:
@@ -70,6 +74,7 @@ class GGUFTensor:
                                   f"{permute_heads} heads of two RoPE halves")
         self.buf, self.start, self.info, self.path = buf, start, info, path
         self.shape, self.permute_heads = info.shape, permute_heads
+        self.shift = float(shift)
         self.type_name = self.qtype.name
 
     @property
@@ -91,7 +96,10 @@ class GGUFTensor:
                                   f"{self.qtype.name}, which cannot be dequantized (unsupported "
                                   "by gguf.quants)") from None
         # F32 comes back as a view of the mapped file: copy so the arrays outlive the mapping.
-        return np.array(out, dtype=np.float32, copy=True)
+        out = np.array(out, dtype=np.float32, copy=True)
+        if self.shift:
+            out -= np.float32(self.shift)  # as transformers' loader does: float32, after dequant
+        return out
 
     def _stored_rows(self, hf_rows: np.ndarray) -> np.ndarray:
         """HF row index -> stored row index (llama.cpp: HF row t*half + j is stored j*2 + t)."""
@@ -120,4 +128,5 @@ class GGUFTensor:
         return out[rows - lo, c0 - b0 * self.block:c1 - b0 * self.block]
 
     def __repr__(self) -> str:
-        return f"GGUFTensor({self.info.name}, {self.type_name}, shape={self.shape})"
+        shift = f", shift={self.shift}" if self.shift else ""
+        return f"GGUFTensor({self.info.name}, {self.type_name}, shape={self.shape}{shift})"

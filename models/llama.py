@@ -218,10 +218,12 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, ob
     return d
 
 
-def config_dict_from_gguf(key: GGUFKey, tensor_names: set[str]) -> dict[str, object]:
+def config_dict_from_gguf(key: GGUFKey, tensor_names: set[str], model_type: str
+                          ) -> dict[str, object]:
     """The HF config.json fields of this family from a GGUF file's `{arch}.*` metadata, read
     through `key(name, default, required, kind)` (`gguf_loader`: checked, a CheckpointError
-    naming the key), and its tensor names."""
+    naming the key), and its tensor names; `model_type` is the one its architecture maps to
+    (one mapping serves all three here)."""
     hidden = int(key("embedding_length", required=True))  # type: ignore[call-overload]
     heads = int(key("attention.head_count", required=True))  # type: ignore[call-overload]
     head_dim = (key("attention.key_length") or key("rope.dimension_count")

@@ -22,8 +22,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from support.hf_models import save_tiny_tokenizer  # noqa: E402
-from support.numerics import (logits_atol, params_logit_bound, reordered_chain_bound,  # noqa: E402
-                              transcendental_bound)
+from support import numerics  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.models import decoder, families, loading  # noqa: E402
@@ -73,14 +72,7 @@ def hf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory)
 
 
 def gemma_logits_atol(model: loading.LoadedModel, context: int) -> float:
-    """logits_atol (a Llama-shaped chain) plus what a Gemma layer adds: two more norms (two
-    hidden-length sums and two rsqrt), GeGLU's tanh and the attention soft-cap's tanh per
-    layer, and the final soft-cap's tanh (soft-caps are 1-Lipschitz: they carry errors on
-    without growing them)."""
-    cfg, params = model.config, model.params
-    extra = (reordered_chain_bound([cfg.hidden_size] * 2 * cfg.num_layers)
-             + transcendental_bound(4 * cfg.num_layers + 1))
-    return logits_atol(cfg, params, context) + extra * params_logit_bound(params)
+    return numerics.gemma_logits_atol(model.config, model.params, context)
 
 
 def _ours(model: loading.LoadedModel, tokens: np.ndarray) -> np.ndarray:
@@ -193,9 +185,3 @@ def test_older_config_forms() -> None:
 def test_refused_configs_say_why(d: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         families.config_from_hf(d)
-
-
-def test_gemma_gguf_is_refused_with_a_reason() -> None:
-    for arch in ("gemma2", "gemma3"):
-        with pytest.raises(ConfigError, match="Gemma GGUF files are not supported"):
-            families.family_for_gguf(arch, "x.gguf")

@@ -3,7 +3,9 @@ weights, written with `gguf.GGUFWriter` the way llama.cpp's converter lays them 
 permuted, GGUF tensor names), any tensor in any GGML type, with keys dropped or overridden
 and tensors reshaped or added to make a malformed file; with `tokenizer=True` the file also
 carries a byte-level BPE vocabulary of TINY's size (`tiny_gguf_vocab`), so that it loads as a
-servable model."""
+servable model. `write_gemma_gguf` writes an HF Gemma 2 / Gemma 3 text model's weights as
+llama.cpp's converter does (gguf's own tensor-name map, every *norm.weight stored as 1 + w, no
+lm_head when tied, its metadata keys), with the same tokenizer metadata."""
 
 from __future__ import annotations
 
@@ -123,6 +125,94 @@ def write_tiny_gguf(path: pathlib.Path, weights: dict[str, np.ndarray], *, arch:
             writer.add_tensor(_gguf_name(hf), gguf.quants.quantize(w, qtype), raw_dtype=qtype)
     for name, w in (extra_tensors or {}).items():
         writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_gemma_gguf(path: pathlib.Path, weights: dict[str, np.ndarray], config: dict, *,
+                     qtype: Q = Q.F32, tokenizer: bool = True,
+                     meta_override: dict[str, object] | None = None,
+                     drop_keys: tuple[str, ...] = ()) -> None:
+    """An HF Gemma 2 (`config["model_type"]` gemma2) or Gemma 3 text (gemma3_text) model's
+    HF-named float32 `weights` as llama.cpp's `convert_hf_to_gguf.py` writes them
+    (Gemma2Model / Gemma3Model): tensor names from gguf's own name map for the architecture,
+    1 added to every tensor whose name ends in "norm.weight" (the converter's
+    `modify_tensors`), `lm_head.weight` skipped (Gemma ties it), the 2-D weights in `qtype`
+    (norms stay F32, as the converter keeps 1-D tensors); metadata: context / embedding /
+    block / feed-forward lengths, head counts, key and value lengths (head_dim), the rms eps,
+    the sliding window, Gemma 2's two soft-caps, Gemma 3's rope base. `meta_override` sets or
+    adds `{arch}.*` keys (name without the prefix; a bool list becomes an array), `drop_keys`
+    drops them."""
+    model_type = config["model_type"]
+    arch = {"gemma2": "gemma2", "gemma3_text": "gemma3"}[model_type]
+    model_arch = {"gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3}[arch]
+    names = gguf.get_tensor_name_map(model_arch, config["num_hidden_layers"])
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    if tokenizer:
+        tokens, merges = tiny_gguf_vocab()
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(tokens)
+        writer.add_token_merges(merges)
+    writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
+    writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    writer.add_uint32("tokenizer.ggml.padding_token_id", 0)
+    meta: dict[str, object] = {
+        "context_length": config["max_position_embeddings"],
+        "embedding_length": config["hidden_size"], "block_count": config["num_hidden_layers"],
+        "feed_forward_length": config["intermediate_size"],
+        "attention.head_count": config["num_attention_heads"],
+        "attention.head_count_kv": config["num_key_value_heads"],
+        "attention.key_length": config["head_dim"], "attention.value_length": config["head_dim"],
+        "attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
+        "attention.sliding_window": config["sliding_window"], "vocab_size": config["vocab_size"],
+    }
+    if arch == "gemma2":
+        meta["attn_logit_softcapping"] = float(config["attn_logit_softcapping"])
+        meta["final_logit_softcapping"] = float(config["final_logit_softcapping"])
+    else:
+        rope = config.get("rope_parameters") or {}
+        meta["rope.freq_base"] = float((rope.get("full_attention") or {}).get("rope_theta", 1e6))
+    meta.update(meta_override or {})
+    for key, value in meta.items():
+        if key in drop_keys:
+            continue
+        if isinstance(value, list):
+            writer.add_array(f"{arch}.{key}", value)
+        elif isinstance(value, float):
+            writer.add_float32(f"{arch}.{key}", value)
+        else:
+            writer.add_uint32(f"{arch}.{key}", int(value))
+    for hf, w in weights.items():
+        if hf == "lm_head.weight":
+            continue
+        base, suffix = hf.rsplit(".", 1)
+        name = f"{names.get_name(base)}.{suffix}"
+        w = np.asarray(w, np.float32)
+        if name.endswith("norm.weight"):
+            w = w + np.float32(1.0)
+        if w.ndim == 2 and qtype != Q.F32:
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_arch_gguf(path: pathlib.Path, arch: str, metadata: dict[str, object] | None = None
+                    ) -> None:
+    """A minimal GGUF of `general.architecture` `arch` (one small tensor): what a loader
+    must refuse by its architecture before reading anything else."""
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_uint32(key, int(value))
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

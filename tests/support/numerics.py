@@ -160,6 +160,24 @@ def logits_atol(cfg: object, params: object, context_len: int) -> float:
     return logits_rtol(cfg, context_len) * params_logit_bound(params)
 
 
+def gemma_logits_atol(cfg: object, params: object, context_len: int) -> float:
+    """logits_atol for a Gemma-family model (`models/gemma.py`), from the same first-order
+    analysis: the Llama-shaped chain (logits_rtol) plus what a Gemma layer adds, two more
+    RMSNorms (two hidden-length sums and two rsqrt per layer), GeGLU's tanh and the attention
+    soft-cap's tanh per layer, the final soft-cap's tanh (soft-caps are 1-Lipschitz: they
+    carry errors on without growing them) and the embedding scale's rounding; times the
+    logits' a priori magnitude with the final norm's real scale, 1 + w (`norm_offset`), not
+    its stored offset w."""
+    L, H = cfg.num_layers, cfg.hidden_size
+    rtol = (logits_rtol(cfg, context_len) + reordered_chain_bound([H] * 2 * L)
+            + transcendental_bound(4 * L + 1) + 2 * F32_UNIT_ROUNDOFF)
+    head = params.embed if params.lm_head is None else params.lm_head
+    if hasattr(head, "matmul"):
+        head = head.matmul(np.eye(H, dtype=np.float32))
+    scale = np.asarray(params.final_norm, np.float64) + getattr(cfg, "norm_offset", 0.0)
+    return rtol * logit_magnitude_bound(scale, head)
+
+
 def model_logprob_atol(cfg: object, params: object, context_len: int) -> float:
     """|logprob - ref| bound for the same two runs: log p_k = z_k - logsumexp(z) moves by at
     most twice the logits' error (once in z_k, once through the logsumexp, whose gradient is
