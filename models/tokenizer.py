@@ -1,10 +1,11 @@
 """Tokenizer: text <-> token ids, plus the chat template, for GGUF files and HF checkpoint folders.
 
 Data flow:
-  GGUF metadata (`tokenizer.ggml.*`, via `gguf_header.read_gguf_metadata`) -> `from_gguf` builds a
-  byte-level BPE `tokenizers.Tokenizer` (vocab, merges, pre-tokenizer chosen by
-  `tokenizer.ggml.pre`, control tokens as special added tokens, BOS/EOS post-processor) that
-  encodes exactly like `transformers.AutoTokenizer.from_pretrained(dir, gguf_file=...)`;
+  GGUF metadata (`tokenizer.ggml.*`, via `gguf_header.read_gguf_metadata`) -> `from_gguf`:
+  `gguf_vocab.build_backend` builds the `tokenizers.Tokenizer` of the file's kind (byte-level
+  BPE "gpt2" or SentencePiece "llama": vocab, merges, pre-tokenizer/normalizer/decoder, control
+  tokens as special added tokens), then the BOS/EOS post-processor, so that it encodes exactly
+  like `transformers.AutoTokenizer.from_pretrained(dir, gguf_file=...)`;
   or `tokenizer.json` + `tokenizer_config.json` (+ special_tokens_map.json, generation_config.json,
   chat_template.jinja) -> `from_hf_dir`;
   -> `Tokenizer` (encode/decode/special ids/`apply_chat_template` via `chat_template.ChatTemplate`)
@@ -20,40 +21,12 @@ import os
 import pathlib
 from typing import Iterable, Literal, Mapping
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as _Backend
 
 from .chat_template import ChatTemplate
 from .gguf_header import read_gguf_metadata
-
-# GGUF token types (llama.cpp's llama_token_type).
-_CONTROL, _USER_DEFINED = 3, 4
-
-# Split regexes for `tokenizer.ggml.pre` values whose merges were learned on a non-GPT-2 split.
-# The patterns are the published ones of those tokenizers (tiktoken-style for Llama 3, Qwen2's).
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_PRE_SPLITS = {
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
-                     "midm-2.0", "lfm2", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
-}
-# llama.cpp splits every digit off before the GPT-2 regex for these; transformers' GGUF
-# conversion does not (it uses the plain GPT-2 split), see `from_gguf(compat=...)`.
-_DIGIT_SPLIT_PRES = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
-                     "minerva")
-
-
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable char map: printable latin-1 bytes map to themselves, the other
-    bytes to chars from U+0100 on, so every byte string is spelled in visible characters."""
-    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    extra = (b for b in range(256) if b not in keep)
-    spelled = {b: chr(b) for b in keep}
-    spelled.update({b: chr(0x100 + n) for n, b in enumerate(extra)})
-    return spelled
+from .gguf_vocab import ADD_BOS_DEFAULT, build_backend, byte_alphabet
 
 
 def _template_processor(bos: str | None, bos_id: int | None, eos: str | None,
@@ -90,52 +63,20 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | os.PathLike,
                   compat: Literal["transformers", "llama.cpp"] = "transformers") -> "Tokenizer":
-        """Byte-level BPE tokenizer from a GGUF's `tokenizer.ggml.*` metadata.
+        """The tokenizer of a GGUF's `tokenizer.ggml.*` metadata: byte-level BPE
+        (`tokenizer.ggml.model` "gpt2") or SentencePiece ("llama": Llama 2, Mistral, Gemma).
 
         compat="transformers" (default) encodes exactly like transformers' GGUF tokenizer.
-        compat="llama.cpp" additionally splits digits for the `smollm`-like pre-tokenizers, as
-        llama.cpp does (and, for SmolLM, its original HF tokenizer.json); the two differ only
-        where whitespace precedes a numeral ("a  1": `a Ġ Ġ 1` vs `a ĠĠ 1`; " ²").
+        compat="llama.cpp" follows llama.cpp where the two differ: it splits digits for the
+        `smollm`-like byte-level pre-tokenizers (as SmolLM's original HF tokenizer.json does;
+        the two differ only where whitespace precedes a numeral, "a  1": `a Ġ Ġ 1` vs
+        `a ĠĠ 1`; " ²"), and honours a SentencePiece file's `add_space_prefix=false`.
         """
         if compat not in ("transformers", "llama.cpp"):
             raise ValueError(f"compat={compat!r} must be 'transformers' or 'llama.cpp'")
         md = read_gguf_metadata(path)
-        kind = md.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"{os.fspath(path)}: tokenizer.ggml.model={kind!r} is not supported "
-                             "(only byte-level BPE, 'gpt2')")
-        tokens = md.get("tokenizer.ggml.tokens")
-        merges = md.get("tokenizer.ggml.merges")
-        if not isinstance(tokens, list) or not isinstance(merges, list):
-            raise ValueError(f"{os.fspath(path)}: GGUF lacks tokenizer.ggml.tokens/merges")
-        token_types = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-
-        alphabet = _byte_alphabet()
-        letters = set(alphabet.values())
-        # Tokens outside the byte alphabet get spelled as their UTF-8 bytes (as transformers does).
-        vocab = {(t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8"))): i
-                 for i, t in enumerate(tokens)}
-        pairs = []
-        for n, merge in enumerate(merges):
-            parts = merge.split(" ") if isinstance(merge, str) else []
-            if len(parts) != 2:
-                raise ValueError(f"{os.fspath(path)}: tokenizer.ggml.merges[{n}]={merge!r} is "
-                                 "not two tokens separated by one space")
-            pairs.append((parts[0], parts[1]))
-        backend = _Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
-                                      byte_fallback=False, ignore_merges=False))
-        pre = md.get("tokenizer.ggml.pre")
-        if pre in _PRE_SPLITS:
-            backend.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        elif compat == "llama.cpp" and pre in _DIGIT_SPLIT_PRES:
-            backend.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-        else:  # "gpt2", "smollm", ...: the GPT-2 split, which transformers uses for all others
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        backend.decoder = decoders.ByteLevel()
+        backend = build_backend(md, os.fspath(path), compat)
+        tokens = md["tokenizer.ggml.tokens"]
 
         def named(key: str) -> str | None:
             i = md.get(f"tokenizer.ggml.{key}")
@@ -143,18 +84,8 @@ class Tokenizer:
 
         bos, eos, unk, pad = (named(k) for k in ("bos_token_id", "eos_token_id",
                                                  "unknown_token_id", "padding_token_id"))
-        # Control tokens match whole and are skipped by decode(skip_special_tokens); one spelled
-        # outside the byte alphabet is a mislabelled normal token, so it stays a plain BPE token.
-        control = [t for t, k in zip(tokens, token_types) if k == _CONTROL and set(t) <= letters]
-        named_specials = [t for t in (bos, eos, unk, pad)
-                          if t is not None and t in vocab and t not in control]
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t in [*control, *dict.fromkeys(named_specials)]])
-        user = [t for t, k in zip(tokens, token_types) if k == _USER_DEFINED and t in vocab]
-        if user:  # llama.cpp matches user-defined tokens (e.g. <think>) whole as well
-            backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
-
-        add_bos = bool(md.get("tokenizer.ggml.add_bos_token", False))
+        add_bos = bool(md.get("tokenizer.ggml.add_bos_token",
+                              ADD_BOS_DEFAULT[md["tokenizer.ggml.model"]]))
         add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
         backend.post_processor = _template_processor(
             bos, backend.token_to_id(bos) if bos else None, eos,
@@ -278,7 +209,7 @@ class Tokenizer:
         if not _covers_every_byte(spec):
             return None
         # A byte-level token spells each byte with one character of the byte alphabet.
-        one_byte = set(_byte_alphabet().values()) if _is_byte_level(spec) else set()
+        one_byte = set(byte_alphabet().values()) if _is_byte_level(spec) else set()
         longest = max(sum(1 if c in one_byte else len(c.encode("utf-8")) for c in t)
                       for t in self._backend.get_vocab(with_added_tokens=True))
         return max(longest, 4)

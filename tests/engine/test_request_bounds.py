@@ -25,7 +25,8 @@ from jaxserve import SamplingParams
 from jaxserve.engine import sampling_params as sp_mod
 from jaxserve.engine.limits import FALLBACK_TOKEN_BYTES, InvalidRequest, check_priority
 from jaxserve.models import bundled
-from jaxserve.models.tokenizer import Tokenizer, _byte_alphabet, _covers_every_byte
+from jaxserve.models.gguf_vocab import byte_alphabet
+from jaxserve.models.tokenizer import Tokenizer, _covers_every_byte
 from jaxserve.serving.admission import MAX_CHAT_MESSAGES, Admission, PromptInput, render_chat
 
 IDS = [5, 6, 7]
@@ -239,7 +240,7 @@ def test_no_text_covers_more_than_max_token_bytes_per_token(text: str) -> None:
     except UnicodeEncodeError:
         return  # refused before tokenization
     vocab = tok.backend.get_vocab(with_added_tokens=True)
-    unspellable = bytes(b for b, c in _byte_alphabet().items() if c not in vocab)
+    unspellable = bytes(b for b, c in byte_alphabet().items() if c not in vocab)
     size = len(data.translate(None, unspellable))
     assert size <= tok.max_token_bytes * len(tok.encode(text, add_special_tokens=False))
 
