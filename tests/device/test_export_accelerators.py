@@ -10,8 +10,10 @@ engine's step shows up here without a device. Exported, for both platforms:
     layers, KV write, attention, LM head; `sample_jit`) for every bucket `plan_engine` makes,
     for a Llama-3-8B-shaped and a Qwen3-shaped config (abstract weights: ShapeDtypeStructs,
     nothing allocated), with `attention_impl="auto"` resolved as on that platform, and under
-    tensor parallelism over an abstract 8-device mesh; and the 8B shape with Gemma 3's
-    interleaved sliding-window / global layers (per-layer specs: window, rope base, soft-cap).
+    tensor parallelism over an abstract 8-device mesh; the 8B shape with Gemma 3's
+    interleaved sliding-window / global layers (per-layer specs: window, rope base, soft-cap);
+    and the Gemma family's own step at Gemma 3 1B's and 4B's shapes (GeGLU, sandwich norms,
+    qk-norm, the embedding scale, head_dim 256, the 1B's single KV head, the two rope bases).
 Quantized KV pages (int8 / float8_e4m3fn with f32 scales): both kernels at decode and prefill
 shapes, and the whole step with an int8 cache (page_size 32, which 8-bit pages need on both),
 at TP 1 and TP 8.
@@ -44,9 +46,9 @@ from jaxserve.kernels_pallas import (AttentionMetadata, QuantizedKV, padded_head
                                      select_impl)
 from jaxserve.kernels_pallas import selector
 from jaxserve.kernels_pallas.selector import ragged_paged_attention
-from jaxserve.models import placement, shapes
+from jaxserve.models import families, placement, shapes
 from jaxserve.models.config import ModelConfig, RopeScaling
-from jaxserve.models.llama import LlamaParams, abstract_params
+from jaxserve.models.llama import LlamaParams
 from jaxserve.models.packing import LINEAR_FIELDS
 from jaxserve.models.quant import QuantizedWeight
 from jaxserve.models.paged import kv_cache_shape
@@ -251,8 +253,8 @@ def export_step(cfg: ModelConfig, platform: str, tp: int, int8_kv: bool = False,
     mesh = None
     run_cfg = cfg
 
-    def weights(c: ModelConfig) -> LlamaParams:
-        params = abstract_params(c, jnp.bfloat16)
+    def weights(c: ModelConfig) -> families.ModelParams:
+        params = families.family(c).abstract_params(c, jnp.bfloat16)
         return params if quant is None else abstract_quantized(params, *quant)
 
     params = weights(cfg)
@@ -353,6 +355,34 @@ def test_mixed_layer_step_lowers_for_platform(platform: str) -> None:
     whose module holds one layer body per distinct spec (two), not per group."""
     cfg = gemma3_pattern(MODELS["llama3-8b"])
     assert len(cfg.layer_groups) == 4
+    export_step(cfg, platform, tp=1)
+
+
+GEMMA_MODELS = {"gemma3-1b": shapes.gemma3_1b(), "gemma3-4b": shapes.gemma3_4b()}
+
+
+# Default tier: the 1B step (one KV head) for TPU and the 4B step (linear-scaled global rope)
+# for CUDA; the other pairs with JAXSERVE_RUN_SLOW=1.
+@pytest.mark.parametrize("model,platform", grid(
+    [[(m, m) for m in sorted(GEMMA_MODELS)], [(p, p) for p in PLATFORMS]],
+    {"gemma3-1b-tpu", "gemma3-4b-cuda"}, "each Gemma step for the other platform too"))
+def test_gemma3_step_lowers_for_platform(model: str, platform: str) -> None:
+    """The Gemma family's step (its own params pytree and layer blocks, not a Llama shape
+    with Gemma's pattern) at a real Gemma 3 shape: one layer body per distinct spec (local,
+    global) whatever the number of groups, the kernel's custom call in each, no vocabulary
+    sort in the sampler over Gemma's 262k vocabulary."""
+    cfg = GEMMA_MODELS[model]
+    specs = cfg.layer_specs
+    assert cfg.model_type == "gemma3_text" and cfg.head_dim == 256 and cfg.embed_scale
+    assert all(s.post_norms and s.qk_norm and s.mlp_activation == "gelu_pytorch_tanh"
+               for s in specs)
+    window, kv_heads, factor = {"gemma3-1b": (512, 1, 1.0), "gemma3-4b": (1024, 4, 8.0)}[model]
+    local, glob = specs[0], specs[5]
+    assert (local.sliding_window, local.rope_theta, glob.sliding_window, glob.rope_theta) == (
+        window, 1e4, None, 1e6)
+    assert cfg.num_kv_heads == kv_heads and glob.rope_scaling.factor == factor
+    assert local.rope_scaling.rope_type == "default"
+    assert len(cfg.layer_groups) > len(set(specs)) == 2
     export_step(cfg, platform, tp=1)
 
 

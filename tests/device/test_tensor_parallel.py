@@ -10,7 +10,9 @@ within that tolerance); no compile after warmup;
 per-device parameter and KV bytes exactly the sharded share; seeded structured-output requests
 (the grammar mask over a vocabulary-sharded LM head) give TP 1's tokens; and the gRPC server
 over a TP 4 engine streams the TP 1 tokens. A model of mixed layer specs (sliding-window and
-global layers, a soft-cap: `mixed_layers_tp_worker.py`) gives its TP 1 outputs at TP 2 and 4.
+global layers, a soft-cap: `mixed_layers_tp_worker.py`) gives its TP 1 outputs at TP 2 and 4,
+and so do the Gemma family's models at TP sizes their KV heads do not divide (Gemma 3 with
+Gemma 3 1B's single KV head, Gemma 2 with soft-caps: `gemma_tp_worker.py`).
 
 The default run checks one configuration, 8 KV heads at TP 2 against TP 1 (sharded attention,
 KV pages and vocabulary-sharded LM head; the sampler, prompt logprobs and the compile guard
@@ -188,3 +190,24 @@ def test_each_device_holds_its_share(rows: list[dict], kv_heads: int, tp: int) -
     if vocab % tp:
         replicated += 4 * 2 * vocab * HIDDEN  # embed + untied lm_head stay whole
     assert r["param_bytes_device0"] == (r["param_bytes_total"] - replicated) // tp + replicated
+
+
+@pytest.mark.parametrize("part", [
+    "default", pytest.param("slow", marks=pytest.mark.slow(
+        reason="the rest of the Gemma TP grid (Gemma 3 at TP 4, Gemma 2 at TP 2)"))])
+def test_gemma_family_with_kv_heads_tp_does_not_divide(part: str) -> None:
+    """Gemma 3 with 1 KV head (Gemma 3 1B's layout: qk-norm, local / global layers with two
+    rope bases) and Gemma 2 with soft-caps and 2 KV heads, at TP sizes past their KV heads
+    (KV heads replicated; Gemma 2 sharded at TP 2 in the slow part): TP 1's greedy tokens,
+    and its logprobs within the model's derived tolerance (`gemma_tp_worker.py`)."""
+    from support.workers.gemma_tp_worker import DEFAULT_ROWS
+
+    rows = run_device_worker("gemma_tp_worker.py", args=(part,))
+    assert {(r["model"], r["tp"]) for r in rows} >= (set(DEFAULT_ROWS) if part == "default"
+                                                     else {("gemma3-kv1", 4)})
+    by = {(r["model"], r["tp"]): r for r in rows}
+    for (name, tp), got in by.items():
+        if tp > 1:
+            if part == "default":
+                assert got["kv_heads"] % tp, (name, tp)  # TP does not divide the KV heads
+            _assert_same_outputs(by[(name, 1)], got, tp)

@@ -1,7 +1,10 @@
 """The engine end to end on tiny random models, against the plain full-sequence rollout.
 
 Greedy outputs must not depend on how the scheduler cut and packed the work: chunk size,
-page size, batch neighbours, preemption, prefix caching, arrival times, aborts.
+page size, batch neighbours, preemption, prefix caching, arrival times, aborts. The same
+invariants hold for the Gemma family (Gemma 2's soft-caps, Gemma 3's qk-norm and two rope
+bases, both with sliding windows of 4 tokens that every prompt outgrows), checked against
+transformers' greedy `generate` on the checkpoint jaxserve loads.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import functools
 import numpy as np
 import pytest
 from support.engine_fixtures import mixed_layer_model, rollout, tiny_engine, tiny_model
+from support.hf_models import GEMMA_ARCHS, GEMMA_WINDOW
 from support.numerics import gamma
 
 from jaxserve import SamplingParams
@@ -112,6 +116,53 @@ def test_mixed_layer_model_greedy_equals_rollout(budget, page_size, caching, kv_
     if caching:
         assert eng.scheduler.allocator.prefix_hits > 0
     assert compiles == 0
+
+
+@pytest.fixture(scope="module", params=sorted(GEMMA_ARCHS))
+def gemma(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """(arch, the loaded checkpoint, the transformers model it was saved from)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from support.hf_models import build_gemma_model
+
+    from jaxserve.models import loading
+
+    d = tmp_path_factory.mktemp(request.param)
+    hf_model = build_gemma_model(request.param, d)
+    return request.param, loading.load_model(d), hf_model
+
+
+# Chunked prefill with prefix hits on the C++ kernel; tiny pages with preemptions on the
+# reference (the two cases of the mixed-layer test above).
+@pytest.mark.parametrize("budget,page_size,caching,kv_pages,impl", [
+    (16, 8, True, None, "cpu"),
+    (64, 4, False, 30, "reference"),
+], ids=["chunked-prefix-cpu", "tiny-pages-preempt-reference"])
+def test_gemma_greedy_equals_transformers_generate(gemma, budget, page_size, caching,  # noqa: ANN001
+                                                   kv_pages, impl) -> None:
+    from support.hf_models import hf_greedy
+
+    arch, model, hf_model = gemma
+    assert {s.sliding_window for s in model.config.layer_specs} == {GEMMA_WINDOW, None}
+    prompts = make_prompts(seed=5, count=5, shared_prefix=20)
+    assert min(map(len, prompts)) > 4 * GEMMA_WINDOW  # every prompt spans several windows
+    n = 8
+    kw = dict(max_num_batched_tokens=budget, max_num_seqs=4, page_size=page_size,
+              enable_prefix_caching=caching, max_model_len=128, attention_impl=impl)
+    eng = tiny_engine(model, warmup=kv_pages is None, **kw)
+    if kv_pages is not None:
+        eng = tiny_engine(model, kv_cache_memory=kv_pages * eng.plan.kv_bytes_per_page, **kw)
+    finals = run_all(eng, prompts, max_tokens=n)
+    compiles = eng.runner.compiles_after_warmup
+    for i, p in enumerate(prompts):
+        assert finals[f"r{i}"].outputs[0].token_ids == hf_greedy(hf_model, p, n), \
+            f"{arch} prompt {i}"
+    if kv_pages is not None:
+        assert eng.scheduler.num_preemptions > 0
+    if caching:
+        assert eng.scheduler.allocator.prefix_hits > 0
+    assert compiles == 0
+    assert eng.scheduler.allocator.num_free_pages == eng.scheduler.allocator.num_usable_pages
 
 
 def test_aborts_mid_flight_free_pages_and_leave_others_intact() -> None:

@@ -3,8 +3,10 @@
 Each model is built at random by transformers (a 5-layer sliding / full pattern, a window of
 4 tokens, shorter than every prompt, head_dim 32; soft-caps on for Gemma 2, a linear-scaled
 global rope for Gemma 3), saved with `save_pretrained` and loaded the way
-`jaxserve generate --model DIR` loads it (`loading.load_model`). Checked: full-sequence
-logits, greedy decoding through `LLM(model=DIR)` (paged KV, chunked prefill, tiny pages)
+`jaxserve generate --model DIR` loads it (`loading.load_model`; the builders are
+support.hf_models', shared with the engine tests). Checked: full-sequence logits (float32, and
+bfloat16 weights against float32 transformers within the bound of their roundings), greedy
+decoding through `LLM(model=DIR)` (paged KV, chunked prefill, tiny pages)
 equal to transformers' greedy `generate`, the Orbax round trip of `jaxserve convert`, the HF
 export loading back in transformers, the config forms older files use, and the names that
 are refused with a reason.
@@ -21,58 +23,29 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from support.hf_models import save_tiny_tokenizer  # noqa: E402
-from support import numerics  # noqa: E402
+from support.hf_models import (GEMMA_ARCHS, GEMMA_WINDOW, build_gemma_model,  # noqa: E402
+                               hf_greedy)
+from support.numerics import logits_atol, params_logit_bound, unit_roundoff  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.models import decoder, families, loading  # noqa: E402
 from jaxserve.models.config import ConfigError  # noqa: E402
 
-VOCAB, WINDOW, LAYERS = 211, 4, 5
-_BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-             max_position_embeddings=256, query_pre_attn_scalar=24, sliding_window=WINDOW,
-             rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-ARCHS = {
-    # Gemma 2's default alternation (sliding, full, ...), both soft-caps on and low enough
-    # to bend the logits.
-    "gemma2": ("Gemma2Config", dict(_BASE, attn_logit_softcapping=5.0,
-                                    final_logit_softcapping=3.0)),
-    # Gemma 3: qk-norm, a 2:1 then 1:1 pattern, each kind its own rope base, linear scaling
-    # on the global layers only (as Gemma 3 4B+ ship it).
-    "gemma3": ("Gemma3TextConfig", dict(
-        _BASE, layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                            "sliding_attention", "full_attention"],
-        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
-                                            "rope_theta": 1e6},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
-}
+WINDOW = GEMMA_WINDOW
 PROMPTS = [[5, 17, 99, 3, 42, 8, 150, 7, 61, 33, 12, 190, 4], [9, 9, 100, 23, 77, 6],
            list(range(20, 39))]
 
 
-def build(arch: str, out: pathlib.Path):  # noqa: ANN201 - the torch model
-    cls, kwargs = ARCHS[arch]
-    config = getattr(transformers, cls)(**kwargs)
-    config._attn_implementation = "eager"  # the reference for soft-cap and the window
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # Gemma's norm offsets start at 0: perturb them, scale the rest
-        for name, p in model.named_parameters():
-            p.add_(0.3 * torch.randn_like(p)) if "norm" in name else p.mul_(2.0)
-    model.save_pretrained(out, safe_serialization=True)
-    save_tiny_tokenizer(out, VOCAB)
-    return model
-
-
-@pytest.fixture(scope="module", params=sorted(ARCHS))
+@pytest.fixture(scope="module", params=sorted(GEMMA_ARCHS))
 def hf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     d = tmp_path_factory.mktemp(request.param)
-    return request.param, d, build(request.param, d)
+    return request.param, d, build_gemma_model(request.param, d)
 
 
 def gemma_logits_atol(model: loading.LoadedModel, context: int) -> float:
-    return numerics.gemma_logits_atol(model.config, model.params, context)
+    """support.numerics.logits_atol, which counts what a Gemma layer adds to a Llama-shaped
+    chain (the sandwich norms, GeGLU's tanh, the soft-caps: `family_chain_extra`)."""
+    return logits_atol(model.config, model.params, context)
 
 
 def _ours(model: loading.LoadedModel, tokens: np.ndarray) -> np.ndarray:
@@ -113,26 +86,22 @@ def test_logits_match_transformers(hf) -> None:  # noqa: ANN001
 def test_greedy_through_llm_equals_transformers_generate(hf) -> None:  # noqa: ANN001
     arch, d, model = hf
     n = 6
-    gen = transformers.GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None,
-                                        pad_token_id=0)
 
-    def hf_greedy(p: list[int]) -> list[int]:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([p], dtype=torch.long), generation_config=gen)
-        return out[0, len(p):].tolist()
+    def hf_greedy_n(p: list[int]) -> list[int]:
+        return hf_greedy(model, p, n)
 
     sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     # Tiny pages and a small step budget: windows span pages, prompts prefill in chunks.
     with LLM(model=str(d), max_num_seqs=4, max_num_batched_tokens=8, page_size=4,
              max_model_len=64, kv_cache_memory=1 << 20, enable_prefix_caching=True) as llm:
         outs = llm.generate(PROMPTS, sp, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(p) for p in PROMPTS], arch
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy_n(p) for p in PROMPTS], arch
         # A later prompt sharing the third one's 19 tokens: its first pages come from the
         # prefix cache (every layer keeps all its pages today, so the hit is exact).
         longer = PROMPTS[2] + [7, 8, 9]
         again = llm.generate([longer], sp, use_tqdm=False)[0]
     assert again.num_cached_tokens >= 16  # four full pages of the 19 shared tokens
-    assert again.outputs[0].token_ids == hf_greedy(longer), arch
+    assert again.outputs[0].token_ids == hf_greedy_n(longer), arch
 
 
 def test_orbax_round_trip_and_hf_export(hf, tmp_path: pathlib.Path) -> None:  # noqa: ANN001
@@ -149,6 +118,41 @@ def test_orbax_round_trip_and_hf_export(hf, tmp_path: pathlib.Path) -> None:  # 
     with torch.no_grad():
         ref = ref_model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
     assert np.max(np.abs(_ours(src, tokens) - ref)) <= gemma_logits_atol(src, tokens.shape[1])
+
+
+# Roundings to bfloat16 on one Gemma layer's path with bfloat16 weights (jaxserve keeps the
+# activations in the weights' dtype; norms, rope and the softmax compute in float32 and round
+# their outputs): the input norm's weight and output, q/k/v's weights and outputs, the
+# qk-norms' weights and outputs, rope's output, the probabilities, the attention output,
+# o_proj's weight and output, the post-attention norm's weight and output, the residual sum;
+# the MLP norm's weight and output, gate/up's weights and outputs, GeGLU's output and
+# product, down's weight and output, the post-MLP norm's weight and output, the residual sum.
+BF16_ROUNDINGS_PER_LAYER = 24
+# The embedding's weight, its scaled rows, the final norm's weight and output, the (tied) head.
+BF16_ROUNDINGS_OUTSIDE = 5
+
+
+def test_bfloat16_weights_against_transformers(hf) -> None:  # noqa: ANN001
+    """Weights and activations in bfloat16 on CPU against transformers in float32: within the
+    first-order bound of the roundings (each of u = 2^-8 relative on what follows it, times
+    the logits' a priori magnitude) plus the float32 reordering bound, and the same argmax at
+    most positions (a wrong norm offset or a dropped scale moves logits by O(1))."""
+    arch, d, model = hf
+    f32, b16 = loading.load_model(d), loading.load_model(d, dtype="bfloat16")
+    assert str(b16.params.final_norm.dtype) == "bfloat16"
+    tokens = np.array([PROMPTS[2]], np.int32)
+    with torch.no_grad():
+        ref = model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()[0]
+    got = _ours(b16, tokens)[0]
+    assert got.dtype == np.float32
+    cfg = f32.config
+    tol = ((BF16_ROUNDINGS_PER_LAYER * cfg.num_layers + BF16_ROUNDINGS_OUTSIDE)
+           * unit_roundoff("bfloat16") * params_logit_bound(f32.params, cfg.norm_offset)
+           + logits_atol(cfg, f32.params, tokens.shape[1]))
+    err = float(np.max(np.abs(got - ref)))
+    print(f"{arch} bf16: max|diff| = {err:.2e}, bound {tol:.2e}, max|ref| {np.abs(ref).max():.2e}")
+    assert err <= tol
+    assert np.mean(np.argmax(got, -1) == np.argmax(ref, -1)) >= 0.8
 
 
 def _dict(model_type: str, **extra: object) -> dict:

@@ -4,6 +4,11 @@ The oracle side of model parity: transformers builds and initialises the model, 
 its own `save_pretrained` (safetensors), and jaxserve loads that directory with its own loader.
 `save_tiny_tokenizer(dir, vocab_size)` writes the package's word tokenizer beside them (it is
 `jaxserve.models.tiny.save_word_tokenizer`: one tokenizer factory for tests and scripts).
+
+The Gemma family (`GEMMA_ARCHS`, `build_gemma_model`) has builders of its own: a 5-layer
+sliding / full pattern with a window of 4 tokens (shorter than every test prompt, so prompts
+span several windows), head_dim 32, Gemma 2's soft-caps low enough to bend the logits, Gemma
+3's qk-norm and two rope bases; the model and engine tests of the family share them.
 """
 
 from __future__ import annotations
@@ -60,4 +65,59 @@ def build_hf_model(arch: str, out_dir: pathlib.Path, seed: int = 0):
     return model
 
 
-__all__ = ["ARCHS", "build_hf_model", "save_tiny_tokenizer"]
+GEMMA_VOCAB, GEMMA_WINDOW, GEMMA_LAYERS = 211, 4, 5
+_GEMMA_BASE = dict(vocab_size=GEMMA_VOCAB, hidden_size=64, intermediate_size=96,
+                   num_hidden_layers=GEMMA_LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=32, max_position_embeddings=256, query_pre_attn_scalar=24,
+                   sliding_window=GEMMA_WINDOW, rms_norm_eps=1e-6, bos_token_id=1,
+                   eos_token_id=2, pad_token_id=0)
+GEMMA_ARCHS: dict[str, tuple[str, dict]] = {
+    # Gemma 2's default alternation (sliding, full, ...), both soft-caps on and low enough
+    # to bend the logits.
+    "gemma2": ("Gemma2Config", dict(_GEMMA_BASE, attn_logit_softcapping=5.0,
+                                    final_logit_softcapping=3.0)),
+    # Gemma 3: qk-norm, a 2:1 then 1:1 pattern, each kind its own rope base, linear scaling
+    # on the global layers only (as Gemma 3 4B+ ship it).
+    "gemma3": ("Gemma3TextConfig", dict(
+        _GEMMA_BASE, layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                  "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+}
+
+
+def build_gemma_model(arch: str, out_dir: pathlib.Path, **overrides: object):  # noqa: ANN201
+    """Build the random HF Gemma model `arch` of GEMMA_ARCHS (config kwargs `overrides` on
+    top), save it with the word tokenizer to `out_dir`; returns the torch model (eager
+    attention: the reference for the soft-cap and the window)."""
+    import torch
+    import transformers
+
+    cls, kwargs = GEMMA_ARCHS[arch]
+    config = getattr(transformers, cls)(**(kwargs | overrides))
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # Gemma's norm offsets start at 0: perturb them, scale the rest
+        for name, p in model.named_parameters():
+            p.add_(0.3 * torch.randn_like(p)) if "norm" in name else p.mul_(2.0)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    save_tiny_tokenizer(out_dir, GEMMA_VOCAB)
+    return model
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001
+    """transformers' greedy `generate` of `n` new tokens after `prompt` (EOS ignored)."""
+    import torch
+    import transformers
+
+    gen = transformers.GenerationConfig(max_new_tokens=n, do_sample=False,
+                                        eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt], dtype=torch.long), generation_config=gen)
+    return out[0, len(prompt):].tolist()
+
+
+__all__ = ["ARCHS", "GEMMA_ARCHS", "build_gemma_model", "build_hf_model", "hf_greedy",
+           "save_tiny_tokenizer"]

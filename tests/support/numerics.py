@@ -100,7 +100,23 @@ def logits_rtol(cfg: object, context_len: int) -> float:
     docstring for what the max|ref| proxy does not cover)."""
     stages = TRANSCENDENTALS_PER_LAYER * cfg.num_layers + 1
     return (reordered_chain_bound(model_reduction_lengths(cfg, context_len, logits=True))
-            + transcendental_bound(stages))
+            + transcendental_bound(stages) + family_chain_extra(cfg))
+
+
+def family_chain_extra(cfg: object) -> float:
+    """What a layer's spec adds to the Llama-shaped chain of logits_rtol (0 for Llama):
+    Gemma's sandwich norms (`post_norms`: two more hidden-length sums and two rsqrt), GeGLU's
+    tanh, the attention soft-cap's tanh (soft-caps are 1-Lipschitz: they carry errors on
+    without growing them), the qk-norm's two rsqrt, and the final logit soft-cap's tanh."""
+    sums, stages = [], 0
+    for spec in getattr(cfg, "layer_specs", ()):
+        if spec.post_norms:
+            sums += [cfg.hidden_size] * 2
+            stages += 2
+        stages += ((spec.mlp_activation != "silu") + (spec.soft_cap is not None)
+                   + 2 * bool(spec.qk_norm))
+    stages += getattr(cfg, "final_soft_cap", None) is not None
+    return reordered_chain_bound(sums) + (transcendental_bound(stages) if stages else 0.0)
 
 
 def assert_close(got: object, want: object, *, atol: object = 0.0, rtol: float = 0.0,
@@ -124,14 +140,15 @@ def assert_close(got: object, want: object, *, atol: object = 0.0, rtol: float =
 
 
 # ------------------------------------------------------------------ whole models, from weights
-def logit_magnitude_bound(final_norm: object, head: object) -> float:
+def logit_magnitude_bound(final_norm: object, head: object, norm_offset: float = 0.0) -> float:
     """A priori bound, from the weights alone, on sum_i |h_i w_vi| for every logit v (so on
     every |logit| too): the final RMSNorm's output h_i = g_i x_i / sqrt(mean(x^2) + eps) has
     ||h||_2 <= sqrt(H) max|g| (eps only shrinks it), and Cauchy-Schwarz gives
     sum_i |h_i w_vi| <= ||h||_2 ||w_v||_2. `head` is the lm_head (or the tied embedding) as
-    [V, H] or [H, V], H = len(final_norm). Unlike max|ref| this is the magnitude Higham's
-    bound asks for: it does not shrink where a logit's terms cancel."""
-    g = np.abs(np.asarray(final_norm, np.float64)).reshape(-1)
+    [V, H] or [H, V], H = len(final_norm); g = norm_offset + final_norm (Gemma stores the
+    norm's scale as an offset from 1). Unlike max|ref| this is the magnitude Higham's bound
+    asks for: it does not shrink where a logit's terms cancel."""
+    g = np.abs(norm_offset + np.asarray(final_norm, np.float64)).reshape(-1)
     w = np.asarray(head, np.float64)
     norms = [np.sqrt((w ** 2).sum(axis)).max() for axis in (0, 1) if w.shape[axis] == len(g)]
     if not norms:
@@ -139,15 +156,16 @@ def logit_magnitude_bound(final_norm: object, head: object) -> float:
     return float(np.sqrt(len(g)) * g.max() * max(norms))
 
 
-def params_logit_bound(params: object) -> float:
-    """logit_magnitude_bound of a LlamaParams' head (the lm_head, else the tied embedding):
-    a plain array as it is; a quantized or packed one through its own matmul of the identity,
-    the values it really multiplies by."""
+def params_logit_bound(params: object, norm_offset: float = 0.0) -> float:
+    """logit_magnitude_bound of a family's params' head (the lm_head, else the tied
+    embedding): a plain array as it is; a quantized or packed one through its own matmul of
+    the identity, the values it really multiplies by. `norm_offset`: the config's (Gemma's
+    final norm scales by 1 + w)."""
     head = params.embed if params.lm_head is None else params.lm_head
     hidden = int(np.asarray(params.final_norm).shape[-1])
     if hasattr(head, "matmul"):
         head = head.matmul(np.eye(hidden, dtype=np.float32))
-    return logit_magnitude_bound(params.final_norm, head)
+    return logit_magnitude_bound(params.final_norm, head, norm_offset)
 
 
 def logits_atol(cfg: object, params: object, context_len: int) -> float:
@@ -157,20 +175,18 @@ def logits_atol(cfg: object, params: object, context_len: int) -> float:
     logits_rtol's relative error times the logits' a priori magnitude (params_logit_bound).
     First order: relative errors add along the chain; the last matmul turns the hidden
     state's relative error into at most that times sum_i |h_i w_vi|."""
-    return logits_rtol(cfg, context_len) * params_logit_bound(params)
+    return logits_rtol(cfg, context_len) * params_logit_bound(
+        params, getattr(cfg, "norm_offset", 0.0))
 
 
 def gemma_logits_atol(cfg: object, params: object, context_len: int) -> float:
-    """logits_atol for a Gemma-family model (`models/gemma.py`), from the same first-order
-    analysis: the Llama-shaped chain (logits_rtol) plus what a Gemma layer adds, two more
-    RMSNorms (two hidden-length sums and two rsqrt per layer), GeGLU's tanh and the attention
-    soft-cap's tanh per layer, the final soft-cap's tanh (soft-caps are 1-Lipschitz: they
-    carry errors on without growing them) and the embedding scale's rounding; times the
-    logits' a priori magnitude with the final norm's real scale, 1 + w (`norm_offset`), not
-    its stored offset w."""
-    L, H = cfg.num_layers, cfg.hidden_size
-    rtol = (logits_rtol(cfg, context_len) + reordered_chain_bound([H] * 2 * L)
-            + transcendental_bound(4 * L + 1) + 2 * F32_UNIT_ROUNDOFF)
+    """logits_atol for a Gemma-family model whose head may be stored quantized (a GGUF's
+    Q8_0 embedding, which params_logit_bound does not read): logits_rtol, which already counts
+    what a Gemma layer adds (`family_chain_extra`), plus the embedding scale's rounding; times
+    the logits' a priori magnitude with the dequantized head and the final norm's real scale,
+    1 + w (`norm_offset`), not its stored offset w."""
+    H = cfg.hidden_size
+    rtol = logits_rtol(cfg, context_len) + 2 * F32_UNIT_ROUNDOFF
     head = params.embed if params.lm_head is None else params.lm_head
     if hasattr(head, "matmul"):
         head = head.matmul(np.eye(H, dtype=np.float32))
@@ -185,7 +201,7 @@ def model_logprob_atol(cfg: object, params: object, context_len: int) -> float:
     exponentials (gamma_V relative, which the log turns absolute), the exp and the log
     (transcendental_bound(2)), and the subtraction's rounding (u (|z_k| + |lse|) <= 2u Z).
     The 2**-20 covers the last rounding of values near 0."""
-    z = params_logit_bound(params)
+    z = params_logit_bound(params, getattr(cfg, "norm_offset", 0.0))
     own = 2 * gamma(cfg.vocab_size) + transcendental_bound(2) + 4 * F32_UNIT_ROUNDOFF * z
     return 2 * logits_atol(cfg, params, context_len) + own + 2.0 ** -20
 
