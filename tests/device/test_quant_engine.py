@@ -56,8 +56,10 @@ def test_engine_equals_the_quantized_rollout(scheme: str) -> None:
     full-sequence forward's greedy tokens over the same quantized weights, stores them
     quantized, and compiles nothing after warmup."""
     model = tiny_model()
+    # float32 pages, as the rollout keeps K/V: under quantized weights the engine's "auto"
+    # pages are bfloat16 (a rounding the oracle does not make; test_kv_quant_engine covers it)
     eng = tiny_engine(model, quantization=scheme, token_buckets=FEW_TOKEN_BUCKETS,
-                      **OPTIONS[scheme])
+                      kv_cache_dtype="float32", **OPTIONS[scheme])
     wq = eng.runner.params.layers.wq
     assert isinstance(wq, PackedWeight) and isinstance(wq.panels, QuantPanels)
     assert wq.panels.scheme == scheme
@@ -71,7 +73,7 @@ def test_xla_path_equals_the_packed_path() -> None:
     """dense_impl=xla keeps QuantizedWeights (the TPU / GPU path) and gives the same tokens."""
     model = tiny_model()
     eng = tiny_engine(model, quantization="int4", quantization_group_size=16,
-                      dense_impl="xla", token_buckets=FEW_TOKEN_BUCKETS)
+                      dense_impl="xla", token_buckets=FEW_TOKEN_BUCKETS, kv_cache_dtype="float32")
     assert isinstance(eng.runner.params.layers.w_up, QuantizedWeight)
     got = greedy(eng, PROMPTS[:2], 6)
     assert eng.runner.compiles_after_warmup == 0
