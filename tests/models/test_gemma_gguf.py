@@ -30,6 +30,7 @@ transformers = pytest.importorskip("transformers")
 
 from support.gguf_files import Q, TINY, write_arch_gguf, write_gemma_gguf  # noqa: E402
 from support.numerics import gemma_logits_atol  # noqa: E402
+from support.spm_vocab import gemma_vocab  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.models import decoder, families, gemma, loading  # noqa: E402
@@ -170,6 +171,42 @@ def test_greedy_through_llm_equals_transformers_generate(gguf_file) -> None:  # 
         outs = llm.generate(PROMPTS, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(p) for p in PROMPTS], \
         (arch, qname)
+
+
+def test_a_gemma_gguf_with_its_sentencepiece_vocabulary_serves_text(tmp_path) -> None:  # noqa: ANN001
+    """A Gemma 3 GGUF as llama.cpp writes real ones: a SentencePiece vocabulary (Gemma's
+    layout, with merges) beside the weights. `LLM` on the file alone tokenizes a text prompt
+    as transformers' tokenizer for that file does, and generates transformers' greedy tokens
+    from the same file, decoded to the same text."""
+    vocab = gemma_vocab(with_merges=True)
+    cls, kwargs = ARCHS["gemma3"]
+    kwargs = dict(kwargs, vocab_size=len(vocab.tokens), bos_token_id=vocab.bos,
+                  eos_token_id=vocab.eos, pad_token_id=vocab.pad)
+    config = getattr(transformers, cls)(**kwargs)
+    torch.manual_seed(1)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(0.3 * torch.randn_like(p)) if "norm" in name else p.mul_(2.0)
+    path = tmp_path / "gemma3.gguf"
+    write_gemma_gguf(path, {k: v.detach().numpy() for k, v in model.state_dict().items()},
+                     model.config.to_dict(), vocab=vocab)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager").eval()
+    ref.generation_config.eos_token_id = None
+    prompt, n = "Hello, world! The weather, together with 你好 😀", 6
+    ids = tok(prompt)["input_ids"]
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                            pad_token_id=vocab.pad)[0, len(ids):].tolist()
+    with LLM(model=str(path), max_num_seqs=4, max_num_batched_tokens=8, page_size=4,
+             max_model_len=64, kv_cache_memory=8 << 20) as llm:
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n,
+                                                    ignore_eos=True), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == want
+    assert out.outputs[0].text == tok.decode(want, skip_special_tokens=True)
 
 
 # ------------------------------------------------------------------ metadata, as llama.cpp

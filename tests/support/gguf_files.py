@@ -134,7 +134,7 @@ def write_tiny_gguf(path: pathlib.Path, weights: dict[str, np.ndarray], *, arch:
 def write_gemma_gguf(path: pathlib.Path, weights: dict[str, np.ndarray], config: dict, *,
                      qtype: Q = Q.F32, tokenizer: bool = True,
                      meta_override: dict[str, object] | None = None,
-                     drop_keys: tuple[str, ...] = ()) -> None:
+                     drop_keys: tuple[str, ...] = (), vocab: object = None) -> None:
     """An HF Gemma 2 (`config["model_type"]` gemma2) or Gemma 3 text (gemma3_text) model's
     HF-named float32 `weights` as llama.cpp's `convert_hf_to_gguf.py` writes them
     (Gemma2Model / Gemma3Model): tensor names from gguf's own name map for the architecture,
@@ -144,20 +144,34 @@ def write_gemma_gguf(path: pathlib.Path, weights: dict[str, np.ndarray], config:
     block / feed-forward lengths, head counts, key and value lengths (head_dim), the rms eps,
     the sliding window, Gemma 2's two soft-caps, Gemma 3's rope base. `meta_override` sets or
     adds `{arch}.*` keys (name without the prefix; a bool list becomes an array), `drop_keys`
-    drops them."""
+    drops them. `vocab` (a `support.spm_vocab.SpmVocab`): write that SentencePiece vocabulary
+    and its special ids, as a real Gemma GGUF carries, instead of the tiny gpt2 one."""
     model_type = config["model_type"]
     arch = {"gemma2": "gemma2", "gemma3_text": "gemma3"}[model_type]
     model_arch = {"gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3}[arch]
     names = gguf.get_tensor_name_map(model_arch, config["num_hidden_layers"])
     writer = gguf.GGUFWriter(str(path), arch=arch)
-    if tokenizer:
-        tokens, merges = tiny_gguf_vocab()
-        writer.add_tokenizer_model("gpt2")
-        writer.add_token_list(tokens)
-        writer.add_token_merges(merges)
-    writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
-    writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
-    writer.add_uint32("tokenizer.ggml.padding_token_id", 0)
+    if vocab is not None:
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(list(vocab.tokens))
+        writer.add_token_scores(list(vocab.scores))
+        writer.add_token_types(list(vocab.types))
+        if vocab.merges is not None:
+            writer.add_token_merges(list(vocab.merges))
+        writer.add_unk_token_id(vocab.unk)
+        bos, eos, pad = vocab.bos, vocab.eos, vocab.pad
+    else:
+        if tokenizer:
+            tokens, merges = tiny_gguf_vocab()
+            writer.add_tokenizer_model("gpt2")
+            writer.add_token_list(tokens)
+            writer.add_token_merges(merges)
+        bos, eos, pad = 1, 2, 0
+    writer.add_uint32("tokenizer.ggml.bos_token_id", bos)
+    writer.add_uint32("tokenizer.ggml.eos_token_id", eos)
+    if pad is not None:
+        writer.add_uint32("tokenizer.ggml.padding_token_id", pad)
     meta: dict[str, object] = {
         "context_length": config["max_position_embeddings"],
         "embedding_length": config["hidden_size"], "block_count": config["num_hidden_layers"],
