@@ -54,6 +54,10 @@ DENSE_TARGET = "jaxserve_dense_cpu"  # x @ panel-packed weights (csrc/dense_cpu.
 # x @ quantized panel-packed weights, by scheme (csrc/dense_quant_cpu.cc)
 DENSE_QUANT_TARGETS = {"int8": "jaxserve_dense_int8_cpu", "fp8": "jaxserve_dense_fp8_cpu",
                        "int4": "jaxserve_dense_int4_cpu"}
+# x @ int8 / int4 weights as integer dots, activations quantized per row (csrc/dense_qdot_cpu.cc)
+DENSE_QDOT_TARGETS = {"int8": "jaxserve_dense_qdot_int8_cpu",
+                      "int4": "jaxserve_dense_qdot_int4_cpu"}
+QUANTIZE_ROWS_TARGET = "jaxserve_quantize_rows_cpu"  # its activation quantization alone
 CSRC = pathlib.Path(__file__).parent / "csrc"
 # The sampler's top-k / top-p cut-offs (csrc/nucleus_cpu.cc), built into the attention library.
 NUCLEUS_TARGET = "jaxserve_nucleus_cutoffs_cpu"
@@ -62,7 +66,8 @@ SOURCES = tuple(CSRC / name for name in ("paged_attention_cpu.cc", "cpu_features
 # The attention alone, built per ISA on request (attention_target): tests and figures run the
 # AVX2 tiles on an AVX-512 host; the engine runs the -march=native build.
 ATTENTION_SOURCES = (CSRC / "paged_attention_cpu.cc",)
-DENSE_SOURCES = tuple(CSRC / name for name in ("dense_cpu.cc", "dense_quant_cpu.cc"))
+DENSE_SOURCES = tuple(CSRC / name for name in ("dense_cpu.cc", "dense_quant_cpu.cc",
+                                               "dense_qdot_cpu.cc"))
 CACHE_ENV = "JAXSERVE_KERNEL_CACHE_DIR"
 # Built on the machine that runs it, so -march=native is safe (the key holds the CPU flags).
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
@@ -70,8 +75,12 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-er
 # for this CPU; the -m flags then fix the instruction set whatever this CPU has (AVX2's turns
 # every AVX-512 extension off, since -mno-avx512f disables those built on it). -Bsymbolic:
 # the library's calls bind to its own functions.
-_X86_ISAS = (("avx512", ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2",
-                         "-mfma", "-mf16c")),
+# avx512_vnni differs from avx512 only in the integer dots of csrc/dense_qdot_cpu.cc
+# (vpdpbusd); avx512 turns VNNI off, so an AVX-512 host without it (Skylake-X) runs that build
+# and a VNNI host can run both paths.
+_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma", "-mf16c")
+_X86_ISAS = (("avx512_vnni", (*_AVX512, "-mavx512vnni")),
+             ("avx512", (*_AVX512, "-mno-avx512vnni")),
              ("avx2", ("-mno-avx512f", "-mavx2", "-mfma", "-mf16c")))
 _NATIVE_ISAS = (("native", ()),)
 DENSE_LINK = ("-Wl,-Bsymbolic",)
@@ -116,6 +125,12 @@ def _cpu_flags() -> str:
 def dense_variants() -> tuple[tuple[str, tuple[str, ...]], ...]:
     """(isa name, its extra flags) for the dense kernels on this machine, best first."""
     return _X86_ISAS if platform.machine().lower() in ("x86_64", "amd64") else _NATIVE_ISAS
+
+
+def attention_variants() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The dense_variants() whose attention builds differ: its tiles are AVX-512 or AVX2
+    (csrc/tile_simd.h), and avx512_vnni adds only the dense kernels' integer dots."""
+    return tuple(v for v in dense_variants() if v[0] != "avx512_vnni")
 
 
 def library_path(compiler: list[str], name: str = "jaxserve_cpu_kernels",
@@ -174,7 +189,10 @@ def build_dense_library(isa: str) -> pathlib.Path:
 _DENSE_SYMBOLS = {DENSE_TARGET: "JaxserveDenseCpu",
                   DENSE_QUANT_TARGETS["int8"]: "JaxserveDenseInt8Cpu",
                   DENSE_QUANT_TARGETS["fp8"]: "JaxserveDenseFp8Cpu",
-                  DENSE_QUANT_TARGETS["int4"]: "JaxserveDenseInt4Cpu"}
+                  DENSE_QUANT_TARGETS["int4"]: "JaxserveDenseInt4Cpu",
+                  DENSE_QDOT_TARGETS["int8"]: "JaxserveDenseQdotInt8Cpu",
+                  DENSE_QDOT_TARGETS["int4"]: "JaxserveDenseQdotInt4Cpu",
+                  QUANTIZE_ROWS_TARGET: "JaxserveQuantizeRowsCpu"}
 
 
 _ATTENTION_SYMBOLS = {TARGET: "JaxservePagedAttentionCpu",

@@ -45,10 +45,15 @@ import numpy as np
 
 from jaxserve.kernels_pallas import cpu_build
 from jaxserve.kernels_pallas.dense_cpu import pack_panels
+from jaxserve.kernels_pallas.dense_qdot_cpu import ISAS as QDOT_ISAS
+from jaxserve.kernels_pallas.dense_qdot_cpu import QdotPanels, pack_qdot
 from jaxserve.kernels_pallas.dense_quant_cpu import QuantPanels, pack_quant
 from jaxserve.models.quant import quantize_weight
 
 SCHEMES = {"int8": None, "int4": 32, "fp8": None}  # scheme -> group size
+# The integer-dot kinds (csrc/dense_qdot_cpu.cc: activations quantized to int8 per row):
+# kind -> (scheme, group size); int8 in groups of 32 as a GGUF's Q8_0 blocks are.
+QDOT = {"int8q": ("int8", 32), "int4q": ("int4", 32)}
 HERE = pathlib.Path(__file__).parent
 
 
@@ -103,10 +108,11 @@ def register_baseline(src: pathlib.Path) -> dict[str, str]:
 
 def call(target: str, x: jax.Array, w, layer: jax.Array, n: int) -> jax.Array:  # noqa: ANN001
     """The FFI call itself (both the current and the baseline targets take these operands)."""
-    args = (x, w) if not isinstance(w, QuantPanels) else (
+    args = (x, w) if not isinstance(w, (QuantPanels, QdotPanels)) else (
         (x, w.values, w.scales) + (() if w.zeros is None else (w.zeros,)))
+    attrs = {"act_group": np.int64(w.act_group)} if isinstance(w, QdotPanels) else {}
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
-        *args, layer)
+        *args, layer, **attrs)
 
 
 def timer(target: str | None, x: jax.Array, w, layers: int, n: int):  # noqa: ANN001, ANN201
@@ -168,6 +174,11 @@ def main() -> int:
                 q = quantize_weight(w, scheme, group)
                 weights[scheme] = jax.tree.map(jnp.asarray, pack_quant(
                     np.asarray(q.values), q.scales, q.zeros, scheme))
+        for kind, (scheme, group) in QDOT.items():
+            if kind in kinds:
+                q = quantize_weight(w, scheme, group)
+                weights[kind] = jax.tree.map(jnp.asarray, pack_qdot(
+                    np.asarray(q.values), q.scales, q.zeros, scheme))
         del w
         for m in map(int, args.rows.split(",")):
             if layers == 1 and m > args.head_max_rows:
@@ -175,6 +186,13 @@ def main() -> int:
             x = jnp.asarray(rng.standard_normal((m, k), np.float32))
             variants = {}
             for kind in kinds:
+                if kind in QDOT:
+                    scheme = QDOT[kind][0]
+                    for isa in (i for i in isas if i in QDOT_ISAS[scheme]):
+                        variants[(kind, isa)] = timer(cpu_build.dense_target(
+                            cpu_build.DENSE_QDOT_TARGETS[scheme], isa), x, weights[kind],
+                            layers, n)
+                    continue
                 base = cpu_build.DENSE_TARGET if kind == "f32" else \
                     cpu_build.DENSE_QUANT_TARGETS[kind]
                 for isa in isas:
@@ -196,7 +214,7 @@ def main() -> int:
                      "best_ms": 1e3 * best, "median_ms": 1e3 * med,
                      "gflops": flop / best / 1e9, "median_gflops": flop / med / 1e9}
                 rows.append(r)
-                print(f"{k}x{n} M={m:5d} {kind:5s} {isa:7s} {r['best_ms']:8.3f} ms "
+                print(f"{k}x{n} M={m:5d} {kind:5s} {isa:11s} {r['best_ms']:8.3f} ms "
                       f"{r['gflops']:6.1f} GFLOP/s (median {r['median_gflops']:6.1f})",
                       flush=True)
     if args.json:

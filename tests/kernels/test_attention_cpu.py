@@ -125,7 +125,7 @@ TALL = {
 }
 
 
-@pytest.mark.parametrize("isa", [isa for isa, _ in cpu_build.dense_variants()])
+@pytest.mark.parametrize("isa", [isa for isa, _ in cpu_build.attention_variants()])
 @pytest.mark.parametrize("name", list(TALL))
 def test_long_prefill_tiles_on_each_isa(name: str, isa: str) -> None:
     if isa not in cpu_build.dense_isas():

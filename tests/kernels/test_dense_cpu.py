@@ -98,8 +98,9 @@ def test_runtime_isa_check_matches_cpuinfo() -> None:
     flags = cpuinfo_flags()
     if not flags or "native" in dict(cpu_build.dense_variants()):
         pytest.skip("no x86 /proc/cpuinfo flags here to check the runtime choice against")
-    want = [isa for isa, need in (("avx512", {"avx512f", "avx512bw", "avx512dq", "avx512vl",
-                                                "avx2", "fma"}),
+    avx512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma"}
+    want = [isa for isa, need in (("avx512_vnni", avx512 | {"avx512_vnni"}),
+                                  ("avx512", avx512),
                                   ("avx2", {"avx2", "fma", "f16c"})) if need <= flags]
     assert list(cpu_build.dense_isas()) == want
     assert cpu_build.dense_kernel_target() == cpu_build.DENSE_TARGET

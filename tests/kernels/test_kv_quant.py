@@ -221,7 +221,7 @@ def test_cpu_kernel_matches_reference_on_dequantized_pages(qname: str, case: tup
 # Tall tiles (csrc/tile_math.h: K scales on the scores, V scales on the weights) on every
 # instruction set this CPU runs: a 600-token chunk with a window and a cap beside decode rows
 # and a short chunk (SmolLM2's heads: 9 / 3, head dim 64).
-@pytest.mark.parametrize("isa", [isa for isa, _ in cpu_build.dense_variants()])
+@pytest.mark.parametrize("isa", [isa for isa, _ in cpu_build.attention_variants()])
 @pytest.mark.parametrize("qname", sorted(QDTYPES))
 def test_cpu_tall_tiles_on_quantized_pages_on_each_isa(qname: str, isa: str) -> None:
     _cpu_kernel_or_skip()
