@@ -19,12 +19,14 @@ KV_CACHE_DTYPES = ("auto", *DTYPES, "int8", "fp8")
 DENSE_IMPLS = ("auto", "xla", "cpu")
 # The C++ dense kernel's instruction set (kernels_pallas/cpu_build.py builds one variant per
 # ISA): auto = the best this CPU runs (a runtime cpuid check); one it cannot run fails at load.
-DENSE_ISAS = ("auto", "avx512", "avx2", "native")
+DENSE_ISAS = ("auto", "avx512_vnni", "avx512", "avx2", "native")
 # Weight storage (`jaxserve.models.quant`): auto keeps a checkpoint's own quantization (GGUF
 # blocks) and float weights float; none dequantizes everything; a scheme quantizes at load.
 QUANTIZATION_SCHEMES = ("int8", "fp8", "int4")
 QUANTIZATIONS = ("auto", "none", *QUANTIZATION_SCHEMES)
 FP8_ACTIVATIONS = ("auto", "on", "off")
+INT8_ACTIVATIONS = ("auto", "on", "off")
+INT8_ACTIVATION_GROUP_SIZES = (8, 16, 32)
 IDLE_WINDOW_POLICIES = ("adaptive", "always")  # serving/idle_window.py
 
 
@@ -190,6 +192,16 @@ class EngineConfig:
     # fp8 only: quantize activations per token too and run fp8 x fp8 dots (W8A8); auto: where
     # the device has fp8 matmuls (CUDA compute capability >= 8.9: Ada, Hopper, Blackwell).
     fp8_activations: str = "auto"
+    # int8 / int4 weights on the C++ dense kernel: quantize activations per row to int8 in
+    # groups of up to 32 and run integer dots (W8A8 / W4A8, llama.cpp's way with its blocks;
+    # kernels_pallas/dense_qdot_cpu.py); auto: where this CPU's kernel ISA has them for the
+    # weight (int8: AVX-512 VNNI; int4: AVX-512 or AVX2); on: a weight that cannot is an
+    # error at load; off: activations stay float (W8A16 / W4A16).
+    int8_activations: str = "auto"
+    # Activations per int8 scale (8 | 16 | 32; a weight group smaller than this sets its own):
+    # 32 is llama.cpp's Q8 activation block; smaller groups round less and run slower
+    # (docs/quantization.md has the figures).
+    int8_activation_group_size: int = 32
     # None: 1, 2, 4, 8, multiples of 8 to 64, then 4 per octave up to the token budget
     token_buckets: tuple[int, ...] | None = None
     # None: one per token bucket, min(tokens, max_num_seqs); else every (tokens, seqs) pair
@@ -250,6 +262,18 @@ class EngineConfig:
         if self.fp8_activations not in FP8_ACTIVATIONS:
             raise ValueError(f"fp8_activations={self.fp8_activations!r} must be one of "
                              f"{FP8_ACTIVATIONS}")
+        if self.int8_activations not in INT8_ACTIVATIONS:
+            raise ValueError(f"int8_activations={self.int8_activations!r} must be one of "
+                             f"{INT8_ACTIVATIONS}")
+        if self.int8_activation_group_size not in INT8_ACTIVATION_GROUP_SIZES:
+            raise ValueError(f"int8_activation_group_size={self.int8_activation_group_size!r} "
+                             f"must be one of {INT8_ACTIVATION_GROUP_SIZES}")
+        if self.int8_activations == "on" and self.quantization in ("none", "fp8"):
+            raise ValueError(f"int8_activations='on' needs int8 or int4 weights, not "
+                             f"quantization={self.quantization!r}")
+        if self.int8_activations == "on" and self.dense_impl == "xla":
+            raise ValueError("int8_activations='on' runs in the C++ dense kernel, which "
+                             "dense_impl='xla' turns off")
         if self.fp8_activations == "on" and self.quantization != "fp8":
             raise ValueError(f"fp8_activations='on' needs quantization='fp8', not "
                              f"{self.quantization!r}")

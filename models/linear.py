@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from ..kernels_pallas.dense_cpu import PANEL, dense_packed
+from ..kernels_pallas.dense_qdot_cpu import QdotPanels, dense_qdot_packed, qdot_columns
 from ..kernels_pallas.dense_quant_cpu import QuantPanels, dense_quant_packed, dequantize_columns
 from .quant import QuantizedWeight
 
@@ -25,13 +26,17 @@ class PackedWeight:
     panels (`kernels_pallas.dense_cpu`), float or quantized (`dense_quant_cpu`); `x @ W`
     runs that kernel."""
 
-    panels: jax.Array | QuantPanels  # f32[(L,) ceil(out / 16), in, 16] or quantized panels
+    # f32[(L,) ceil(out / 16), in, 16], quantized panels, or int8 / int4 quad panels
+    panels: jax.Array | QuantPanels | QdotPanels
     out_features: int = struct.field(pytree_node=False)
     layer: jax.Array | None = None  # i32[]: the layer of a stack (set by scan_layers)
     # The kernel's instruction set (cpu_build.dense_isas(); None: the best this CPU runs).
     isa: str | None = struct.field(pytree_node=False, default=None)
 
     def matmul(self, x: jax.Array) -> jax.Array:
+        if isinstance(self.panels, QdotPanels):
+            return dense_qdot_packed(x.astype(jnp.float32), self.panels, self.layer,
+                                     self.out_features, isa=self.isa).astype(x.dtype)
         if isinstance(self.panels, QuantPanels):
             return dense_quant_packed(x.astype(jnp.float32), self.panels, self.layer,
                                       self.out_features, isa=self.isa).astype(x.dtype)
@@ -39,6 +44,8 @@ class PackedWeight:
 
     def rows(self, ids: jax.Array) -> jax.Array:
         """W^T[ids] -> [..., in]: rows of the transposed weight (a tied embedding's lookup)."""
+        if isinstance(self.panels, QdotPanels):
+            return qdot_columns(self.panels, ids)
         if isinstance(self.panels, QuantPanels):
             return dequantize_columns(self.panels, ids)
         return self.panels[ids // PANEL, :, ids % PANEL]

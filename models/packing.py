@@ -6,7 +6,9 @@ Data flow: a family's params as loaded (f32 on one CPU device, weights [L, in, o
 where `_linear` runs the C++ kernel and `scan_layers` reads each layer in place. A tied
 embedding is packed transposed, as the lm_head it also is; token lookups read its columns.
 A `QuantizedWeight` (`models/quant.py`) is packed the same way into quantized panels
-(`kernels_pallas.dense_quant_cpu`; a quantized tied embedding is already transposed). Norms
+(`kernels_pallas.dense_quant_cpu`; a quantized tied embedding is already transposed), or, for
+int8 / int4 weights where the kernel runs integer dots and int8_activations allows, into the
+quad panels of `kernels_pallas.dense_qdot_cpu` (activations quantized to int8 per row). Norms
 and biases stay as they are. Packing runs leaf by leaf on the host; the unpacked tree
 lives until the caller drops it (at load, the peak is twice the weights).
 """
@@ -18,7 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..kernels_pallas.cpu_build import dense_isas
 from ..kernels_pallas.dense_cpu import pack_panels
+from ..kernels_pallas.dense_qdot_cpu import pack_qdot, qdot_scheme_supported
 from ..kernels_pallas.dense_quant_cpu import pack_quant
 from .families import ModelParams, family_of_params
 from .linear import PackedWeight
@@ -42,11 +46,28 @@ def can_pack(params: ModelParams) -> str | None:
     return None
 
 
+def qdot_choice(w: QuantizedWeight, isa: str | None, int8_activations: str,
+                max_group: int = 32) -> bool:
+    """Whether quantized weight `w` runs the integer dots (activations quantized to int8 in
+    groups of up to `max_group`) on the dense kernel's `isa` (None: the best this CPU runs):
+    int8_activations auto: where it can; on: it must (a ValueError saying why not); off:
+    never."""
+    if int8_activations == "off":
+        return False
+    resolved = isa if isa is not None else next(iter(dense_isas()), None)
+    why = qdot_scheme_supported(w.scheme, w.group_size, resolved, max_group)
+    if why is not None and int8_activations == "on":
+        raise ValueError(f"int8_activations='on': {why}")
+    return why is None
+
+
 def _pack(w: jax.Array | QuantizedWeight, transpose: bool = False,
-          isa: str | None = None) -> PackedWeight:
+          isa: str | None = None, qdot_group: int | None = None) -> PackedWeight:
+    """`qdot_group`: pack for the integer dots with activation groups of up to that size."""
     if isinstance(w, QuantizedWeight):  # a quantized tied embedding is already transposed
-        panels = pack_quant(np.asarray(w.values), np.asarray(w.scales),
-                            None if w.zeros is None else np.asarray(w.zeros), w.scheme)
+        args = (np.asarray(w.values), np.asarray(w.scales),
+                None if w.zeros is None else np.asarray(w.zeros), w.scheme)
+        panels = pack_quant(*args) if qdot_group is None else pack_qdot(*args, qdot_group)
         out_features, like = w.shape[-1], w.values
     else:
         host = np.asarray(w).T if transpose else np.asarray(w)
@@ -59,18 +80,37 @@ def _pack(w: jax.Array | QuantizedWeight, transpose: bool = False,
     return PackedWeight(panels=placed, out_features=int(out_features), isa=isa)
 
 
-def pack_params(params: ModelParams, isa: str | None = None) -> ModelParams:
+def pack_params(params: ModelParams, isa: str | None = None, int8_activations: str = "off",
+                int8_activation_group_size: int = 32) -> ModelParams:
     """Every linear weight of `params` (and the lm_head, or the tied embedding) packed, run by
-    the kernel's `isa` variant (None: the best this CPU runs; cpu_build.dense_isas())."""
+    the kernel's `isa` variant (None: the best this CPU runs; cpu_build.dense_isas()).
+
+    int8_activations (auto | on | off) and int8_activation_group_size: EngineConfig's; which
+    int8 / int4 weights are packed for the integer dots (`qdot_choice`), their activations
+    quantized in groups of up to that size; 'on' with no such weight is a ValueError."""
     why = can_pack(params)
     if why is not None:
         raise ValueError(f"cannot pack the weights for the CPU dense kernel: {why}")
+
+    def pack(w, transpose: bool = False) -> PackedWeight:  # noqa: ANN001
+        qdot = isinstance(w, QuantizedWeight) and qdot_choice(
+            w, isa, int8_activations, int8_activation_group_size)
+        chosen.append(qdot)
+        return _pack(w, transpose=transpose, isa=isa,
+                     qdot_group=int8_activation_group_size if qdot else None)
+
+    chosen: list[bool] = []
     layers = params.layers
     for name in family_of_params(params).LINEAR_FIELDS:
         w = getattr(layers, name)
         if not isinstance(w, PackedWeight):
-            layers = layers.replace(**{name: _pack(w, isa=isa)})
+            layers = layers.replace(**{name: pack(w)})
     params = params.replace(layers=layers)
     if params.lm_head is not None:
-        return params.replace(lm_head=_pack(params.lm_head, isa=isa))
-    return params.replace(embed=_pack(params.embed, transpose=True, isa=isa))
+        params = params.replace(lm_head=pack(params.lm_head))
+    else:
+        params = params.replace(embed=pack(params.embed, transpose=True))
+    if int8_activations == "on" and not any(chosen):
+        raise ValueError("int8_activations='on', but no weight is int8 or int4 (quantize them "
+                         "with --quantization int8 / int4, or load a GGUF's Q8_0 / Q4 blocks)")
+    return params

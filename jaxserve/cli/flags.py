@@ -17,7 +17,7 @@ import re
 from typing import Any, Callable, Mapping, Sequence
 
 from jaxserve.config import (DENSE_IMPLS, DENSE_ISAS, DTYPES, FP8_ACTIVATIONS,
-                             IDLE_WINDOW_POLICIES, KV_CACHE_DTYPES, QUANTIZATIONS, DistributedConfig, EngineConfig)
+                             IDLE_WINDOW_POLICIES, INT8_ACTIVATION_GROUP_SIZES, INT8_ACTIVATIONS, KV_CACHE_DTYPES, QUANTIZATIONS, DistributedConfig, EngineConfig)
 from jaxserve.engine import sampling_params
 
 # The serve command raises this logger to INFO: the follower lines show like the lifecycle ones.
@@ -54,7 +54,7 @@ _ENGINE_HELP = {
                   "keeps XLA's dot; auto: cpu on a CPU host with float32 weights and no "
                   "tensor parallelism",
     "dense_isa": "the C++ dense kernel's instruction set: auto picks the best this CPU runs "
-                 "(avx512, else avx2; a runtime check); naming one this CPU cannot run fails "
+                 "(avx512_vnni, avx512, else avx2; a runtime check); naming one this CPU cannot run fails "
                  "at load",
     "quantization": "dense weights: auto keeps a checkpoint's own quantization (GGUF Q8_0 / "
                     "Q4_0 / Q4_1 blocks) and float weights float; none dequantizes to --dtype; "
@@ -65,6 +65,12 @@ _ENGINE_HELP = {
     "quantize_lm_head": "with --quantization, quantize the lm_head (a tied embedding) too",
     "fp8_activations": "--quantization fp8: also quantize activations (W8A8 fp8 dots); auto: "
                        "on GPUs with fp8 matmuls (compute capability >= 8.9)",
+    "int8_activations": "int8 / int4 weights on the CPU: quantize activations per row to "
+                        "int8 (groups of up to 32) and run integer dots (AVX-512 VNNI; int4 "
+                        "also AVX-512 / AVX2); auto: where this CPU can; off: float "
+                        "activations",
+    "int8_activation_group_size": "activations per int8 scale with --int8-activations: 32 "
+                                  "(llama.cpp's blocks, fastest), 16 or 8 (closer to float)",
     "token_buckets": "comma-separated step token buckets (default: 1, 2, 4, 8, multiples of 8 "
                      "to 64, then 4 per octave up to the token budget)",
     "seq_buckets": "comma-separated sequence buckets (default: one per token bucket)",
@@ -82,7 +88,9 @@ _ENGINE_HELP = {
 }
 _CHOICES = {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "dense_impl": DENSE_IMPLS,
             "dense_isa": DENSE_ISAS, "idle_batch_window_policy": IDLE_WINDOW_POLICIES,
-            "quantization": QUANTIZATIONS, "fp8_activations": FP8_ACTIVATIONS}
+            "quantization": QUANTIZATIONS, "fp8_activations": FP8_ACTIVATIONS,
+            "int8_activations": INT8_ACTIVATIONS,
+            "int8_activation_group_size": INT8_ACTIVATION_GROUP_SIZES}
 _UNITS = {"": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 

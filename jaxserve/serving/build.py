@@ -239,10 +239,14 @@ def _dense_params(config: EngineConfig, params: ModelParams) -> ModelParams:
     if why is None and dense_kernel_target(isa) is None:
         why = "the C++ kernels could not be built (logged above)"
     if why is not None:
+        if config.int8_activations == "on":
+            raise ValueError(f"int8_activations='on' needs the C++ dense kernel, which cannot "
+                             f"run here: {why}")
         if config.dense_impl == "cpu":
             log.warning("dense_impl=cpu: using XLA's dot instead, because %s", why)
         return params
-    return pack_params(params, isa=isa)
+    return pack_params(params, isa=isa, int8_activations=config.int8_activations,
+                       int8_activation_group_size=config.int8_activation_group_size)
 
 
 def _kv_budget(placed: list[_Placed]) -> int:

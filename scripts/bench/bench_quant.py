@@ -35,13 +35,20 @@ from tqdm.auto import tqdm
 
 TEXT = pathlib.Path(__file__).resolve().parents[2] / "tests" / "data" / "apache-2.0.txt"
 # name -> EngineConfig options. "auto" on the bundled GGUF: its Q4_1 / Q8_0 blocks as stored.
+# The quantized schemes run as the engine runs them: int8_activations auto (int8 / int4
+# weights as integer dots where this CPU can, kernels_pallas/dense_qdot_cpu.py); the "-a16"
+# rows keep the activations float (int8_activations off), so the pair shows what quantizing
+# the activations costs.
 WEIGHTS = {
     "float32": {"quantization": "none"},
     "auto": {"quantization": "auto"},
+    "auto-a16": {"quantization": "auto", "int8_activations": "off"},
     "int8": {"quantization": "int8"},
     "int8+lm_head": {"quantization": "int8", "quantize_lm_head": True},
     "fp8": {"quantization": "fp8"},
     "int4-g32": {"quantization": "int4", "quantization_group_size": 32},
+    "int4-g32-a16": {"quantization": "int4", "quantization_group_size": 32,
+                     "int8_activations": "off"},
     "int4-g64": {"quantization": "int4", "quantization_group_size": 64},
     "int4-g64+lm_head": {"quantization": "int4", "quantization_group_size": 64,
                          "quantize_lm_head": True},
@@ -97,7 +104,7 @@ def text_logprobs(model_path: str | None, weights: dict, kv_dtype: str, ids: np.
     model = load_model(model_path, quant=wq)
     cfg, params = model.config, model.params
     if can_pack(params) is None:
-        params = pack_params(params)
+        params = pack_params(params, int8_activations=weights.get("int8_activations", "auto"))
     n = len(ids)
     pages = -(-n // PAGE) + 1
     dtype = {"auto": jnp.float32, "float32": jnp.float32, "bfloat16": jnp.bfloat16,

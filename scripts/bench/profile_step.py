@@ -17,6 +17,7 @@ XLA:CPU f32 GEMM rate at M = S.
     python scripts/bench/profile_step.py --seqs 32 --impl reference,cpu     # before / after
     python scripts/bench/profile_step.py --seqs 1,8,32 --dense xla,cpu      # XLA's dot / C++ dense
     python scripts/bench/profile_step.py --seqs 1,32 --kv-dtype float32,int8,fp8  # quantized KV
+    python scripts/bench/profile_step.py --seqs 1,32 --int8-activations auto,off  # integer dots
 
 --prefill N,... profiles a prefill step instead: one sequence of N new tokens from an empty
 context (a (T=N, 1) step, the last row's logits), so the same split says what a long prompt's
@@ -70,11 +71,11 @@ def prefill_metadata(n: int, page_size: int) -> AttentionMetadata:
 
 def profile(model: loading.LoadedModel, seqs: int, ctx: int, impl: str,
             page_size: int = 16, runs: int = 6, kv_dtype: str = "float32",
-            dense: str = "xla", prefill: int = 0) -> dict:
+            dense: str = "xla", prefill: int = 0, int8_activations: str = "off") -> dict:
     """`prefill` > 0: one sequence of that many new tokens (seqs and ctx unused)."""
     cfg, params = model.config, model.params
     if dense == "cpu":
-        params = pack_params(params)
+        params = pack_params(params, int8_activations=int8_activations)
     if prefill:
         md = prefill_metadata(prefill, page_size)
         num_pages = 1 + -(-prefill // page_size)
@@ -112,7 +113,7 @@ def profile(model: loading.LoadedModel, seqs: int, ctx: int, impl: str,
     # Round robin, best of `runs` (after one warm-up round): a burst of load on a shared host
     # then hits every variant alike instead of one.
     out = {"seqs": seqs, "context": ctx, "prefill": prefill, "impl": impl,
-           "kv_dtype": kv_dtype, "dense": dense,
+           "kv_dtype": kv_dtype, "dense": dense, "int8_activations": int8_activations,
            **{k: float("inf") for k in variants}}
     for i in range(runs + 1):
         for name, step in variants.items():
@@ -167,6 +168,10 @@ def main() -> int:
     ap.add_argument("--dense", default="cpu",
                     help="comma-separated dense impls: xla (XLA's dot) | cpu (packed weights, "
                          "the C++ kernel: what the engine runs on CPU)")
+    ap.add_argument("--int8-activations", default="auto",
+                    help="comma-separated EngineConfig.int8_activations values for --dense cpu "
+                         "(auto | off): int8 / int4 weights as integer dots, or float "
+                         "activations")
     ap.add_argument("--runs", type=int, default=6,
                     help="timed runs per variant (the best counts; raise it on a busy host)")
     ap.add_argument("--prefill", default=None,
@@ -182,11 +187,13 @@ def main() -> int:
     for d, n in per_gib.items():
         print(f"KV {d}: {n:,.0f} tokens per GiB", flush=True)
     sizes = args.prefill.split(",") if args.prefill else args.seqs.split(",")
-    for s, impl, dense, kvd in ((int(x), i, d, k) for x in sizes for i in impls
-                                for d in args.dense.split(",") for k in kv_dtypes):
+    for s, impl, dense, kvd, a8 in ((int(x), i, d, k, a) for x in sizes for i in impls
+                                    for d in args.dense.split(",") for k in kv_dtypes
+                                    for a in args.int8_activations.split(",")):
         n = s if args.prefill else 0
         r = profile(model, 1 if n else s, args.context, impl, runs=args.runs, kv_dtype=kvd,
-                    dense=dense, prefill=n)
+                    dense=dense, prefill=n, int8_activations=a8)
+        dense = f"{dense} (int8 activations {a8})" if dense == "cpu" else dense
         r["gemm_gflops_at_m"] = gemm_gflops(s)
         if n:
             share = r["attention_and_kv_write_ms"] / r["full_ms"]

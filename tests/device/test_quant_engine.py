@@ -19,11 +19,14 @@ from support.engine_fixtures import (FEW_TOKEN_BUCKETS, VOCAB, rollout, tiny_eng
 from support.hf_models import ARCHS, build_hf_model, save_tiny_tokenizer
 
 from jaxserve import cli
+from jaxserve.config import EngineConfig
 from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.kernels_pallas import cpu_build, dense_qdot_cpu
 from jaxserve.kernels_pallas.dense_quant_cpu import QuantPanels
 from jaxserve.models.decoder import forward_jit
 from jaxserve.models.linear import PackedWeight
 from jaxserve.models.loading import LoadedModel, load_model
+from jaxserve.models.packing import pack_params
 from jaxserve.models.quant import QuantizedWeight, WeightQuant
 from jaxserve.models.quantized_params import quantize_params
 
@@ -59,7 +62,7 @@ def test_engine_equals_the_quantized_rollout(scheme: str) -> None:
     # float32 pages, as the rollout keeps K/V: under quantized weights the engine's "auto"
     # pages are bfloat16 (a rounding the oracle does not make; test_kv_quant_engine covers it)
     eng = tiny_engine(model, quantization=scheme, token_buckets=FEW_TOKEN_BUCKETS,
-                      kv_cache_dtype="float32", **OPTIONS[scheme])
+                      kv_cache_dtype="float32", int8_activations="off", **OPTIONS[scheme])
     wq = eng.runner.params.layers.wq
     assert isinstance(wq, PackedWeight) and isinstance(wq.panels, QuantPanels)
     assert wq.panels.scheme == scheme
@@ -67,6 +70,57 @@ def test_engine_equals_the_quantized_rollout(scheme: str) -> None:
     assert eng.runner.compiles_after_warmup == 0  # before the oracle compiles its forward
     oracle = quantized(model, scheme, **OPTIONS[scheme])
     assert got == [rollout(oracle, p, 8) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_int8_activations_engine_equals_its_rollout(scheme: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8_activations=on: every linear weight runs the integer dots (activations quantized
+    per row), and the engine's greedy tokens are those of the full-sequence forward over the
+    same packed weights computed by the jnp reference of that product
+    (dense_qdot_reference: the oracle of the kernel, in a rollout with no pages or chunks)."""
+    isa = cpu_build.dense_isas()[0] if cpu_build.dense_isas() else None
+    why = dense_qdot_cpu.qdot_scheme_supported(scheme, 16, isa)
+    if why is not None:
+        pytest.skip(why)
+    model = tiny_model()
+    eng = tiny_engine(model, quantization=scheme, token_buckets=FEW_TOKEN_BUCKETS,
+                      kv_cache_dtype="float32", int8_activations="on", **OPTIONS[scheme])
+    layers = eng.runner.params.layers
+    assert all(isinstance(getattr(layers, f).panels, dense_qdot_cpu.QdotPanels)
+               for f in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
+    got = greedy(eng, PROMPTS, 8)
+    assert eng.runner.compiles_after_warmup == 0
+    oracle = quantized(model, scheme, **OPTIONS[scheme])
+    oracle = LoadedModel(oracle.config, pack_params(oracle.params, int8_activations="on"),
+                         oracle.tokenizer, oracle.source, oracle.format)
+    monkeypatch.setattr(dense_qdot_cpu, "dense_target", lambda *a: None)  # the jnp reference
+    assert got == [rollout(oracle, p, 8) for p in PROMPTS]
+
+
+def test_int8_activations_options_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """'on' where it cannot run is an error naming the option; 'off' keeps float activations."""
+    model = tiny_model()
+    with pytest.raises(ValueError, match=r"int8_activation_group_size=12 must be one of \(8, "):
+        EngineConfig(int8_activation_group_size=12)
+    with pytest.raises(ValueError, match="int8_activations='sometimes' must be one of"):
+        EngineConfig(int8_activations="sometimes")
+    with pytest.raises(ValueError, match="int8_activations='on' needs int8 or int4 weights"):
+        tiny_engine(model, quantization="fp8", int8_activations="on", warmup=False)
+    with pytest.raises(ValueError, match="dense_impl='xla' turns off"):
+        tiny_engine(model, quantization="int4", int8_activations="on", dense_impl="xla",
+                    warmup=False)
+    with pytest.raises(ValueError, match="no weight is int8 or int4"):
+        tiny_engine(model, int8_activations="on", warmup=False)
+    from jaxserve.serving import build
+    monkeypatch.setattr(build, "dense_kernel_target", lambda isa=None: None)
+    with pytest.raises(ValueError, match=r"int8_activations='on' needs the C\+\+ dense kernel"):
+        tiny_engine(model, quantization="int4", quantization_group_size=16,
+                    int8_activations="on", warmup=False)
+    monkeypatch.undo()
+    eng = tiny_engine(model, quantization="int4", quantization_group_size=16,
+                      int8_activations="off", warmup=False)
+    assert isinstance(eng.runner.params.layers.wq.panels, QuantPanels)
 
 
 def test_xla_path_equals_the_packed_path() -> None:
