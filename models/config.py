@@ -16,7 +16,9 @@ import dataclasses
 import math
 from typing import Mapping
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# "proportional" (Gemma 4's global layers): the default frequencies of the layer's head dim
+# on its first `partial_rotary_factor` of the pairs, the other pairs not rotated.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "proportional")
 MLP_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # SwiGLU, GeGLU (HF `hidden_act` names)
 
 
@@ -34,6 +36,8 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # proportional only: the fraction of the head's rotary pairs that rotate
+    partial_rotary_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +59,16 @@ class LayerSpec:
     mlp_activation: str = "silu"  # silu: SwiGLU; gelu_pytorch_tanh: GeGLU (Gemma)
     norm_offset: float = 0.0  # RMSNorm scale (offset + w): 0 for Llama, 1 for Gemma's (1 + w)
     post_norms: bool = False  # also norm the attention and MLP outputs (Gemma's sandwich)
+    # Layers of one model whose attention shapes differ (Gemma 4's global layers: a wider
+    # head, fewer KV heads). None: the model-wide `head_dim` / `num_kv_heads`. The model-wide
+    # values are then the widest (the stacked weights' and the KV pages' shape): a narrower
+    # layer's heads are zero-padded to it and its KV heads repeated to it at load time, and
+    # the attention block computes at the layer's own head dim (`blocks.attention`).
+    head_dim: int | None = None
+    num_kv_heads: int | None = None
+    v_norm: bool = False  # a scale-free RMSNorm on each value head (Gemma 4)
+    v_from_k: bool = False  # V is K's projection before k-norm (Gemma 4 attention_k_eq_v)
+    layer_scalar: bool = False  # the layer's output times a per-layer weight (Gemma 4)
 
     @property
     def attention_type(self) -> str:
@@ -133,6 +147,16 @@ class ModelConfig:
                                   f"supported: {', '.join(MLP_ACTIVATIONS)}")
             if spec.sliding_window is not None and spec.sliding_window <= 0:
                 raise ConfigError(f"sliding_window={spec.sliding_window!r} must be positive")
+            d = spec.head_dim
+            if d is not None and not (isinstance(d, int) and 0 < d <= self.head_dim
+                                      and d % 2 == 0):
+                raise ConfigError(f"a layer's head_dim={d!r} must be a positive even integer "
+                                  f"no larger than the model's head_dim={self.head_dim}")
+            kv = spec.num_kv_heads
+            if kv is not None and not (isinstance(kv, int) and kv > 0
+                                       and self.num_kv_heads % kv == 0):
+                raise ConfigError(f"a layer's num_key_value_heads={kv!r} must divide the "
+                                  f"model's num_kv_heads={self.num_kv_heads}")
 
     @property
     def q_size(self) -> int:
@@ -210,6 +234,13 @@ def hf_rope_scaling(d: Mapping[str, object], source: str) -> RopeScaling:
         )
     if rope_type == "default":
         return RopeScaling()
+    if rope_type == "proportional":
+        prf = float(rs.get("partial_rotary_factor", 1.0))  # type: ignore[arg-type]
+        if not 0.0 <= prf <= 1.0:
+            raise ConfigError(f"{source}: rope_parameters.partial_rotary_factor={prf!r} must "
+                              "be in [0, 1]")
+        return RopeScaling(rope_type=rope_type, partial_rotary_factor=prf,
+                           factor=float(rs.get("factor", 1.0)))  # type: ignore[arg-type]
     return RopeScaling(
         rope_type=rope_type,
         factor=float(rs.get("factor", 1.0)),  # type: ignore[arg-type]
@@ -224,6 +255,8 @@ def rope_scaling_to_hf(rs: RopeScaling) -> dict[str, object] | None:
     if rs.rope_type == "default":
         return None
     out: dict[str, object] = {"rope_type": rs.rope_type, "factor": rs.factor}
+    if rs.rope_type == "proportional":
+        out["partial_rotary_factor"] = rs.partial_rotary_factor
     if rs.rope_type == "llama3":
         out.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor,
                    original_max_position_embeddings=rs.original_max_position_embeddings)

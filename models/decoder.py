@@ -46,7 +46,10 @@ def decoder_layer(cfg: ModelConfig, spec: LayerSpec, lp: Any, x: jax.Array,
     m = gated_mlp(spec.mlp_activation, lp, rms_norm(x, lp.mlp_norm, eps, offset))
     if spec.post_norms:
         m = rms_norm(m, lp.post_mlp_norm, eps, offset)
-    return x + m, layer_state
+    x = x + m
+    if spec.layer_scalar:  # Gemma 4: the whole residual stream, times a weight [1]
+        x = x * lp.layer_scalar.astype(x.dtype)
+    return x, layer_state
 
 
 def _num_layers(layers: Any) -> int:
