@@ -127,7 +127,10 @@ def attention(cfg: ModelConfig, spec: LayerSpec, lp: Any, h: jax.Array, position
         pad = [(0, 0)] * (q.ndim - 1) + [(0, D - d)]
         q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
     o, layer_state = attn(q, k, v, layer_state, spec)
-    return linear(o.reshape(*lead, cfg.q_size), lp.wo), layer_state
+    # An output-projection bias: families whose attention_bias covers o_proj too (Gemma 4)
+    # have a `bo` field; Qwen2's bias stops at q/k/v.
+    bo = getattr(lp, "bo", None) if bias else None
+    return linear(o.reshape(*lead, cfg.q_size), lp.wo, bo), layer_state
 
 
 # -------------------------------------------------------------------------------------- MLP

@@ -254,9 +254,11 @@ def hf_rope_scaling(d: Mapping[str, object], source: str) -> RopeScaling:
 def rope_scaling_to_hf(rs: RopeScaling) -> dict[str, object] | None:
     if rs.rope_type == "default":
         return None
-    out: dict[str, object] = {"rope_type": rs.rope_type, "factor": rs.factor}
-    if rs.rope_type == "proportional":
-        out["partial_rotary_factor"] = rs.partial_rotary_factor
+    if rs.rope_type == "proportional":  # transformers reads `factor` but flags it if written
+        out: dict[str, object] = {"rope_type": rs.rope_type,
+                                  "partial_rotary_factor": rs.partial_rotary_factor}
+        return out if rs.factor == 1.0 else {**out, "factor": rs.factor}
+    out = {"rope_type": rs.rope_type, "factor": rs.factor}
     if rs.rope_type == "llama3":
         out.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor,
                    original_max_position_embeddings=rs.original_max_position_embeddings)
