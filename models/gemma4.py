@@ -240,7 +240,8 @@ def config_from_hf(d: Mapping[str, object], model_type: str, source: str) -> Mod
             num_layers=num_layers, num_heads=num_heads, num_kv_heads=kv_heads, head_dim=widest,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),  # type: ignore[arg-type]
             rope_theta=ropes["full_attention"][0], rope_scaling=ropes["full_attention"][1],
-            max_position_embeddings=int(d.get("max_position_embeddings", 131072)),  # type: ignore[arg-type]
+            max_position_embeddings=hf_int(d.get("max_position_embeddings", 131072),
+                                           "max_position_embeddings", source),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
             attention_bias=bias, qk_norm=True, sliding_window=None,
             bos_token_id=opt_token_id(d.get("bos_token_id", 2)),

@@ -149,11 +149,14 @@ def test_narrow_layer_in_a_wide_stack_is_its_own_layer() -> None:
 
     d, D, H = 8, 16, HIDDEN
     rng = np.random.default_rng(0)
-    own = dict(attn_norm=1 + 0.1 * rng.standard_normal(H), post_attn_norm=1 + 0.1 * rng.standard_normal(H),
-               mlp_norm=1 + 0.1 * rng.standard_normal(H), post_mlp_norm=1 + 0.1 * rng.standard_normal(H),
+    def near_one(n: int) -> np.ndarray:
+        return 1 + 0.1 * rng.standard_normal(n)
+
+    own = dict(attn_norm=near_one(H), post_attn_norm=near_one(H), mlp_norm=near_one(H),
+               post_mlp_norm=near_one(H),
                wq=rng.standard_normal((H, HEADS * d)) * 0.3, wk=rng.standard_normal((H, d)) * 0.3,
                wv=np.zeros((H, d)), wo=rng.standard_normal((HEADS * d, H)) * 0.3,
-               q_norm=1 + 0.1 * rng.standard_normal(d), k_norm=1 + 0.1 * rng.standard_normal(d),
+               q_norm=near_one(d), k_norm=near_one(d),
                w_gate=rng.standard_normal((H, 64)) * 0.3, w_up=rng.standard_normal((H, 64)) * 0.3,
                w_down=rng.standard_normal((64, H)) * 0.3, layer_scalar=np.array([0.7]))
     heads = {"wq": (1, HEADS, 1), "wk": (1, 1, 2), "wv": (1, 1, 2), "wo": (0, HEADS, 1),

@@ -146,5 +146,5 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001
     return out[0, len(prompt):].tolist()
 
 
-__all__ = ["ARCHS", "GEMMA_ARCHS", "GEMMA4_ARCHS", "build_gemma_model", "build_hf_model", "hf_greedy",
-           "save_tiny_tokenizer"]
+__all__ = ["ARCHS", "GEMMA_ARCHS", "GEMMA4_ARCHS", "build_gemma_model", "build_hf_model",
+           "hf_greedy", "save_tiny_tokenizer"]
