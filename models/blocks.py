@@ -97,8 +97,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 # -------------------------------------------------------------------------------- attention
 def attention(cfg: ModelConfig, spec: LayerSpec, lp: Any, h: jax.Array, positions: jax.Array,
-              attn: AttnFn, layer_state: object) -> tuple[jax.Array, object]:
-    """The attention block on normed input h [..., T, hidden] -> ([..., T, hidden], state).
+              attn: AttnFn, layer_state: object, shared_kv: jax.Array | None = None
+              ) -> tuple[jax.Array, object, jax.Array | None]:
+    """The attention block on normed input h [..., T, hidden] -> ([..., T, hidden], state,
+    shared_kv). `shared_kv` [slots, 2, ..., T, Hkv, D]: the K/V that layers storing them
+    (`spec.kv_store`) hand to later layers reusing them (`spec.kv_reuse`); None without.
 
     A layer narrower than the model (`spec.head_dim` < `cfg.head_dim`) has its heads stored
     zero-padded to `cfg.head_dim`: its q/k/v are cut to the layer's width before the norms
@@ -108,29 +111,39 @@ def attention(cfg: ModelConfig, spec: LayerSpec, lp: Any, h: jax.Array, position
     lead = h.shape[:-1]
     bias = spec.attention_bias
     D, d = cfg.head_dim, spec.head_dim or cfg.head_dim
+    pad = [(0, 0)] * (len(lead) + 1) + [(0, D - d)]
+    inv_freq = rope_inv_freq(d, spec.rope_theta, spec.rope_scaling)
     q = linear(h, lp.wq, lp.bq if bias else None).reshape(*lead, cfg.num_heads, D)[..., :d]
-    k = linear(h, lp.wk, lp.bk if bias else None).reshape(*lead, cfg.num_kv_heads, D)[..., :d]
-    if spec.v_from_k:  # the raw key projection, before k-norm and RoPE
-        v = k
-    else:
-        v = linear(h, lp.wv, lp.bv if bias else None).reshape(*lead, cfg.num_kv_heads,
-                                                              D)[..., :d]
     if spec.qk_norm:
         q = rms_norm(q, lp.q_norm[..., :d], cfg.rms_norm_eps, spec.norm_offset)
-        k = rms_norm(k, lp.k_norm[..., :d], cfg.rms_norm_eps, spec.norm_offset)
-    if spec.v_norm:
-        v = rms_norm(v, None, cfg.rms_norm_eps)
-    inv_freq = rope_inv_freq(d, spec.rope_theta, spec.rope_scaling)
     q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    if spec.kv_reuse is not None:  # an earlier layer's K/V, as that layer attended to them
+        k, v = shared_kv[spec.kv_reuse, 0], shared_kv[spec.kv_reuse, 1]  # type: ignore[index]
+    else:
+        k = linear(h, lp.wk, lp.bk if bias else None).reshape(*lead, cfg.num_kv_heads,
+                                                              D)[..., :d]
+        if spec.v_from_k:  # the raw key projection, before k-norm and RoPE
+            v = k
+        else:
+            v = linear(h, lp.wv, lp.bv if bias else None).reshape(*lead, cfg.num_kv_heads,
+                                                                  D)[..., :d]
+        if spec.qk_norm:
+            k = rms_norm(k, lp.k_norm[..., :d], cfg.rms_norm_eps, spec.norm_offset)
+        if spec.v_norm:
+            v = rms_norm(v, None, cfg.rms_norm_eps)
+        k = apply_rope(k, positions, inv_freq)
+        if d < D:
+            k, v = jnp.pad(k, pad), jnp.pad(v, pad)
     if d < D:
-        pad = [(0, 0)] * (q.ndim - 1) + [(0, D - d)]
-        q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
+        q = jnp.pad(q, pad)
+    if spec.kv_store is not None:
+        shared_kv = shared_kv.at[spec.kv_store].set(  # type: ignore[union-attr]
+            jnp.stack([k, v]).astype(shared_kv.dtype))  # type: ignore[union-attr]
     o, layer_state = attn(q, k, v, layer_state, spec)
     # An output-projection bias: families whose attention_bias covers o_proj too (Gemma 4)
     # have a `bo` field; Qwen2's bias stops at q/k/v.
     bo = getattr(lp, "bo", None) if bias else None
-    return linear(o.reshape(*lead, cfg.q_size), lp.wo, bo), layer_state
+    return linear(o.reshape(*lead, cfg.q_size), lp.wo, bo), layer_state, shared_kv
 
 
 # -------------------------------------------------------------------------------------- MLP
@@ -144,6 +157,35 @@ def gated_mlp(activation: str, lp: Any, h: jax.Array) -> jax.Array:
     else:  # ModelConfig validates the names; a family passing another is a bug
         raise ValueError(f"unknown MLP activation {activation!r}")
     return linear(act * linear(h, lp.w_up), lp.w_down)
+
+
+# ------------------------------------------------------- per-layer inputs (Gemma 4's PLE)
+def per_layer_inputs(cfg: ModelConfig, params: Any, tokens: jax.Array,
+                     x: jax.Array) -> jax.Array:
+    """[L, ..., T, P]: each layer's extra input per token, from the token's row of
+    `params.embed_per_layer` [V', L * P] times sqrt(P) and the embeddings x (already scaled)
+    projected by `per_layer_proj` [hidden, L * P] times hidden ** -0.5, RMS-normed per layer
+    by `per_layer_proj_norm` [P]; their sum times 2 ** -0.5 (transformers' Gemma 4). Layer
+    first: `decoder.scan_layers` scans it beside the layers."""
+    L, P = cfg.num_layers, cfg.per_layer_input_size
+    lead = tokens.shape
+    tok = jnp.take(params.embed_per_layer, tokens, axis=0).astype(x.dtype)
+    tok = (tok * jnp.asarray(P ** 0.5, x.dtype)).reshape(*lead, L, P)
+    proj = linear(x, params.per_layer_proj) * jnp.asarray(cfg.hidden_size ** -0.5, x.dtype)
+    proj = rms_norm(proj.reshape(*lead, L, P), params.per_layer_proj_norm, cfg.rms_norm_eps)
+    out = (proj + tok) * jnp.asarray(2 ** -0.5, x.dtype)
+    return jnp.moveaxis(out, -2, 0)
+
+
+def per_layer_input_block(cfg: ModelConfig, activation: str, lp: Any, x: jax.Array,
+                          inp: jax.Array) -> jax.Array:
+    """What a layer adds from its per-layer input inp [..., T, P]: the gated projection
+    post_norm(proj(act(gate(x)) * inp)) (weights `ple_gate` [hidden, P], `ple_proj`
+    [P, hidden], `ple_post_norm` [hidden])."""
+    g = linear(x, lp.ple_gate)
+    g = jax.nn.gelu(g, approximate=True) if activation == "gelu_pytorch_tanh" else jax.nn.silu(g)
+    return rms_norm(linear(g * inp.astype(x.dtype), lp.ple_proj), lp.ple_post_norm,
+                    cfg.rms_norm_eps)
 
 
 # ------------------------------------------------------------------------- embeddings, head

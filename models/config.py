@@ -69,6 +69,17 @@ class LayerSpec:
     v_norm: bool = False  # a scale-free RMSNorm on each value head (Gemma 4)
     v_from_k: bool = False  # V is K's projection before k-norm (Gemma 4 attention_k_eq_v)
     layer_scalar: bool = False  # the layer's output times a per-layer weight (Gemma 4)
+    # KV shared across layers (Gemma 4 num_kv_shared_layers): a layer with `kv_store` = s
+    # hands its K/V (normed, rotated, at the model-wide shape) to later layers through slot
+    # s of the scan's carry; a layer with `kv_reuse` = s computes no K/V of its own and uses
+    # slot s's instead (it still writes them into its own KV pages, so its pages hold what
+    # the storing layer's do and paging, prefix caching and preemption need nothing new).
+    kv_store: int | None = None
+    kv_reuse: int | None = None
+    # A layer whose MLP is narrower than the model's `intermediate_size` (Gemma 4's
+    # double-wide MLP on KV-sharing layers makes the others the narrow ones): its gate / up
+    # columns and down rows are zero-padded at load, which adds exact zeros. None: the model's.
+    intermediate_size: int | None = None
 
     @property
     def attention_type(self) -> str:
@@ -114,6 +125,11 @@ class ModelConfig:
     final_soft_cap: float | None = None  # final logit soft-cap (Gemma 2)
     norm_offset: float = 0.0  # every RMSNorm scales by (offset + w); Gemma: 1
     per_layer: tuple[LayerSpec, ...] = ()  # () : every layer `uniform_spec()`
+    # Per-layer inputs (Gemma 4's per-layer embeddings): each layer also gets a vector of
+    # this size per token, from a token table of `per_layer_vocab_size` rows and a projection
+    # of the embeddings (`blocks.per_layer_inputs`); 0: none.
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -152,11 +168,31 @@ class ModelConfig:
                                       and d % 2 == 0):
                 raise ConfigError(f"a layer's head_dim={d!r} must be a positive even integer "
                                   f"no larger than the model's head_dim={self.head_dim}")
+            if spec.intermediate_size is not None and not (
+                    0 < spec.intermediate_size <= self.intermediate_size):
+                raise ConfigError(f"a layer's intermediate_size={spec.intermediate_size!r} must "
+                                  f"be positive and no larger than {self.intermediate_size}")
             kv = spec.num_kv_heads
             if kv is not None and not (isinstance(kv, int) and kv > 0
                                        and self.num_kv_heads % kv == 0):
                 raise ConfigError(f"a layer's num_key_value_heads={kv!r} must divide the "
                                   f"model's num_kv_heads={self.num_kv_heads}")
+
+        stored: set[int] = set()
+        for i, spec in enumerate(self.layer_specs):
+            if spec.kv_reuse is not None and spec.kv_reuse not in stored:
+                raise ConfigError(f"layer {i} reuses KV slot {spec.kv_reuse}, which no earlier "
+                                  "layer stores")
+            if spec.kv_store is not None:
+                stored.add(spec.kv_store)
+        if self.per_layer_input_size and self.per_layer_vocab_size <= 0:
+            raise ConfigError("per-layer inputs need a positive per_layer_vocab_size")
+
+    @property
+    def kv_share_slots(self) -> int:
+        """How many K/V slots layers hand on to later ones (`LayerSpec.kv_store`)."""
+        return max((s.kv_store + 1 for s in self.layer_specs if s.kv_store is not None),
+                   default=0)
 
     @property
     def q_size(self) -> int:

@@ -99,7 +99,7 @@ def test_decoder_layer_matches_gemma3(layer_idx: int) -> None:
         m = causal_mask(positions, positions, jnp.ones((1, T), bool), s.sliding_window)
         return masked_attention(q, k, v, m, s.query_scale, s.soft_cap), state
 
-    got, _ = decoder.decoder_layer(our_config(), spec, params_of(layer),
+    got, *_ = decoder.decoder_layer(our_config(), spec, params_of(layer),
                                    jnp.asarray(x.numpy()), positions, attn, None)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
 
