@@ -19,17 +19,25 @@ transformers forces it). What Gemma 4's text decoder has beyond Gemma 3, and whe
 - proportional RoPE on the global layers (`rope_type` "proportional", `partial_rotary_factor`):
   `RopeScaling`, `blocks.rope_inv_freq`;
 - a per-layer `layer_scalar` weight multiplying the layer's output (`LayerSpec.layer_scalar`);
+- per-layer embeddings (`hidden_size_per_layer_input` P > 0, Gemma 4 E2B / E4B): a token
+  table [vocab_size_per_layer_input, L * P] and a projection of the embeddings give each
+  layer a P-vector per token (`blocks.per_layer_inputs`), added through a gated projection
+  after the MLP (`blocks.per_layer_input_block`);
+- KV shared across layers (`num_kv_shared_layers`): the last layers reuse the K/V of the last
+  earlier layer of their type (`LayerSpec.kv_store` / `kv_reuse`, carried through the scan;
+  each reusing layer still writes them into its own pages: memory for their pages is spent
+  as if they had their own, and nothing in paging / prefix caching / preemption changes);
+  those layers' double-wide MLPs (`use_double_wide_mlp`) are the model's intermediate size,
+  the other layers' zero-padded to it (`LayerSpec.intermediate_size`);
 - the sandwich norms, GeGLU, embeddings times sqrt(hidden), tied embeddings, the optional
   final logit soft-cap and per-kind rope bases / windows, as Gemma 3.
 
-Refused with the config field named (`_REFUSED_FIELDS`): per-layer embeddings
-(`hidden_size_per_layer_input` > 0, Gemma 4 E2B / E4B), KV sharing across layers
-(`num_kv_shared_layers` > 0), the MoE block (`enable_moe_block`), bidirectional attention.
-`use_double_wide_mlp` only widens KV-shared layers, so without them it changes nothing and
-is accepted. The multimodal `Gemma4ForConditionalGeneration` is refused (text weights under
-`model.language_model.*` beside vision / audio towers), as Gemma 3's is. GGUF: llama.cpp's
-`gemma4` architecture is refused in `gemma_gguf.GGUF_REFUSED` (its per-layer head sizes and
-shared-KV layout are not mapped).
+Refused with the config field named (`_REFUSED_FIELDS`): the MoE block (`enable_moe_block`,
+26B-A4B: the next issue's MoE block) and bidirectional attention
+(`use_bidirectional_attention`). The multimodal `Gemma4ForConditionalGeneration` is refused
+(text weights under `model.language_model.*` beside vision / audio towers), as Gemma 3's
+is. GGUF: llama.cpp's `gemma4` architecture is refused in `gemma_gguf.GGUF_REFUSED` (its
+per-layer head sizes and shared-KV / per-layer-embedding tensors are not mapped).
 """
 
 from __future__ import annotations
@@ -71,18 +79,13 @@ _DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 100
 _PATTERN = 6  # every 6th layer full when `layer_types` is absent
 # field -> (the value that is served, why another is not)
 _REFUSED_FIELDS = {
-    "hidden_size_per_layer_input": (0, "per-layer embeddings (PLE, Gemma 4 E2B / E4B) are not "
-                                    "supported; only 0 (none) is"),
-    "num_kv_shared_layers": (0, "layers that reuse an earlier layer's KV are not supported; "
-                             "only 0 is"),
     "enable_moe_block": (False, "the Gemma 4 mixture-of-experts block (26B-A4B) is not "
                          "supported; only false is"),
     "use_bidirectional_attention": (None, "bidirectional attention (an encoder / vision "
                                     "tokens) is not supported; only null is"),
 }
 # The class default of each: a config.json that omits one means the default.
-_FIELD_DEFAULTS = {"hidden_size_per_layer_input": 256, "num_kv_shared_layers": 0,
-                   "enable_moe_block": False, "use_bidirectional_attention": None}
+_FIELD_DEFAULTS = {"enable_moe_block": False, "use_bidirectional_attention": None}
 _PER_LAYER_KEYS = ("head_dim", "num_key_value_heads")
 
 
@@ -110,6 +113,10 @@ class LayerParams:
     bk: jax.Array | None = None  # f[L, num_kv_heads * head_dim] (attention_bias)
     bv: jax.Array | None = None  # f[L, num_kv_heads * head_dim] (attention_bias)
     bo: jax.Array | None = None  # f[L, hidden] (attention_bias: o_proj has one too)
+    # per-layer embeddings (hidden_size_per_layer_input = P > 0)
+    ple_gate: jax.Array | None = None  # f[L, hidden, P] (per_layer_input_gate)
+    ple_proj: jax.Array | None = None  # f[L, P, hidden] (per_layer_projection)
+    ple_post_norm: jax.Array | None = None  # f[L, hidden] (post_per_layer_input_norm)
 
 
 @struct.dataclass
@@ -120,13 +127,29 @@ class Gemma4Params:
     layers: LayerParams
     final_norm: jax.Array  # f[hidden]
     lm_head: Weight | None = None  # f[hidden, vocab]
+    # per-layer embeddings (`blocks.per_layer_inputs`)
+    embed_per_layer: jax.Array | None = None  # f[vocab_size_per_layer_input, L * P]
+    per_layer_proj: jax.Array | None = None  # f[hidden, L * P] (per_layer_model_projection)
+    per_layer_proj_norm: jax.Array | None = None  # f[P] (per_layer_projection_norm)
 
 
 Params = Gemma4Params
+HF_NAMES = dict(HF_NAMES, embed_per_layer=("model.embed_tokens_per_layer.weight", False),
+                per_layer_proj=("model.per_layer_model_projection.weight", True),
+                per_layer_proj_norm=("model.per_layer_projection_norm.weight", False))
 HF_LAYER_NAMES = dict(_GEMMA_HF_LAYER_NAMES, layer_scalar=("layer_scalar", False),
-                      bo=("self_attn.o_proj.bias", False))
-# bo is added after the row-parallel o_proj's reduction: replicated.
-TP_LAYOUT = dict(_GEMMA_TP_LAYOUT, layer_scalar="rep", bo="rep")
+                      bo=("self_attn.o_proj.bias", False),
+                      ple_gate=("per_layer_input_gate.weight", True),
+                      ple_proj=("per_layer_projection.weight", True),
+                      ple_post_norm=("post_per_layer_input_norm.weight", False))
+# bo is added after the row-parallel o_proj's reduction: replicated. The per-layer-embedding
+# linears are small (hidden x P): replicated.
+TP_LAYOUT = dict(_GEMMA_TP_LAYOUT, layer_scalar="rep", bo="rep", ple_gate="rep",
+                 ple_proj="rep", ple_post_norm="rep")
+# Top-level fields beyond embed / final_norm / lm_head (`placement.param_specs`): the
+# per-layer token table split by rows as the embedding is, the rest replicated.
+TOP_TP_LAYOUT = {"embed_per_layer": "vocab_rows", "per_layer_proj": "rep",
+                 "per_layer_proj_norm": "rep"}
 
 
 # ---------------------------------------------------------------- HF config <-> ModelConfig
@@ -175,6 +198,30 @@ def _layer_shapes(d: Mapping[str, object], types: list[str], head_dim: int, kv_h
     return [(g_dim, g_kv) if t == "full_attention" else s for t, s in zip(types, out)]
 
 
+def _kv_sharing(types: list[str], shared: int, source: str
+                ) -> list[tuple[int | None, int | None]]:
+    """(kv_store slot, kv_reuse slot) of each layer, as transformers' `kv_sharing_modes`:
+    the last `shared` layers reuse the K/V of the last earlier layer of their type, which
+    stores them; one slot per layer type."""
+    n = len(types)
+    if not shared:
+        return [(None, None)] * n
+    if not 0 < shared < n:
+        raise ConfigError(f"{source}: num_kv_shared_layers={shared} must be below "
+                          f"num_hidden_layers={n}: the shared layers reuse an earlier one's KV")
+    first = n - shared
+    slots = {t: i for i, t in enumerate(sorted(set(types)))}
+    if set(types[:first]) != set(types):
+        raise ConfigError(f"{source}: num_kv_shared_layers={shared}: a layer type among the "
+                          "shared layers has no earlier layer of its type to take KV from")
+    out: list[tuple[int | None, int | None]] = [(None, None)] * first + [
+        (None, slots[t]) for t in types[first:]]
+    for t in set(types):
+        last = max(i for i in range(first) if types[i] == t)
+        out[last] = (slots[t], None)
+    return out
+
+
 def _ropes(d: Mapping[str, object], source: str) -> dict[str, tuple[float, RopeScaling]]:
     rp = d.get("rope_parameters")
     if rp is not None and not (isinstance(rp, Mapping) and set(rp) <= set(_DEFAULT_ROPE)):
@@ -200,7 +247,7 @@ def config_from_hf(d: Mapping[str, object], model_type: str, source: str) -> Mod
 
     for field, (served, why) in _REFUSED_FIELDS.items():
         value = d.get(field, _FIELD_DEFAULTS[field])
-        if value != served and not (served == 0 and value is None):
+        if value != served:
             raise ConfigError(f"{source}: {field}={value!r}: {why}")
     act = d.get("hidden_activation") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
@@ -224,19 +271,31 @@ def config_from_hf(d: Mapping[str, object], model_type: str, source: str) -> Mod
         bias = bool(d.get("attention_bias", False))
         k_eq_v = bool(d.get("attention_k_eq_v", False))
         final_cap = d.get("final_logit_softcapping")
+        sharing = _kv_sharing(types, hf_int(d.get("num_kv_shared_layers") or 0,
+                                            "num_kv_shared_layers", source), source)
+        inter = hf_int(req("intermediate_size"), "intermediate_size", source)
+        # The double-wide MLP is on the KV-reusing layers only; the others are then the
+        # narrow ones (padded to the model's width).
+        wide = bool(d.get("use_double_wide_mlp")) and any(r is not None for _, r in sharing)
+        ple = hf_int(d.get("hidden_size_per_layer_input", 256) or 0,
+                     "hidden_size_per_layer_input", source)
+        ple_vocab = hf_int(d.get("vocab_size_per_layer_input", 262144),
+                           "vocab_size_per_layer_input", source) if ple else 0
         specs = tuple(LayerSpec(
             sliding_window=window if t == "sliding_attention" else None,
             rope_theta=ropes[t][0], rope_scaling=ropes[t][1], query_scale=1.0,
             attention_bias=bias, qk_norm=True, mlp_activation="gelu_pytorch_tanh",
             norm_offset=0.0, post_norms=True,
             head_dim=hd if hd != widest else None, num_kv_heads=kv if kv != kv_heads else None,
-            v_norm=True, v_from_k=k_eq_v and t == "full_attention", layer_scalar=True)
-            for t, (hd, kv) in zip(types, shapes))
+            v_norm=True, v_from_k=k_eq_v and t == "full_attention", layer_scalar=True,
+            kv_store=store, kv_reuse=reuse,
+            intermediate_size=inter if wide and reuse is None else None)
+            for t, (hd, kv), (store, reuse) in zip(types, shapes, sharing))
         return ModelConfig(
             model_type=model_type,
             vocab_size=int(req("vocab_size")),  # type: ignore[arg-type]
             hidden_size=hidden,
-            intermediate_size=int(req("intermediate_size")),  # type: ignore[arg-type]
+            intermediate_size=2 * inter if wide else inter,
             num_layers=num_layers, num_heads=num_heads, num_kv_heads=kv_heads, head_dim=widest,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),  # type: ignore[arg-type]
             rope_theta=ropes["full_attention"][0], rope_scaling=ropes["full_attention"][1],
@@ -249,7 +308,8 @@ def config_from_hf(d: Mapping[str, object], model_type: str, source: str) -> Mod
             pad_token_id=opt_token_id(d.get("pad_token_id", 0)),
             embed_scale=math.sqrt(hidden),
             final_soft_cap=float(final_cap) if final_cap else None,  # type: ignore[arg-type]
-            norm_offset=0.0, per_layer=specs)
+            norm_offset=0.0, per_layer=specs,
+            per_layer_input_size=ple, per_layer_vocab_size=ple_vocab)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}" if not str(e).startswith(source) else str(e)) from None
     except (TypeError, ValueError, OverflowError, AttributeError) as e:
@@ -276,13 +336,15 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, ob
     if local is not None:
         rope["sliding_attention"] = _rope_params_to_hf(local.rope_theta, local.rope_scaling)
     base = _layer_dims(cfg, 0)
+    narrow = next((s.intermediate_size for s in specs if s.intermediate_size is not None), None)
     per_layer = {str(i): {"head_dim": _layer_dims(cfg, i)[0],
                           "num_key_value_heads": _layer_dims(cfg, i)[1]}
                  for i in range(cfg.num_layers) if _layer_dims(cfg, i) != base}
     return {
         "architectures": ["Gemma4ForCausalLM"], "model_type": cfg.model_type,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "intermediate_size": cfg.intermediate_size if narrow is None else narrow,
+        "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": base[1],
         "head_dim": base[0], "per_layer_config": per_layer,
         "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": cfg.rms_norm_eps,
@@ -292,8 +354,10 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, ob
         "layer_types": [s.attention_type for s in specs],
         "final_logit_softcapping": cfg.final_soft_cap,
         "attention_k_eq_v": any(s.v_from_k for s in specs),
-        "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
-        "enable_moe_block": False, "use_double_wide_mlp": False,
+        "hidden_size_per_layer_input": cfg.per_layer_input_size,
+        "vocab_size_per_layer_input": cfg.per_layer_vocab_size or cfg.vocab_size,
+        "num_kv_shared_layers": sum(s.kv_reuse is not None for s in specs),
+        "enable_moe_block": False, "use_double_wide_mlp": narrow is not None,
         "rope_parameters": rope, "torch_dtype": torch_dtype,
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": (list(cfg.eos_token_ids) if len(cfg.eos_token_ids) > 1
@@ -314,6 +378,10 @@ _HEAD_AXES = {"wq": (0, "q"), "wk": (0, "kv"), "wv": (0, "kv"), "wo": (1, "q"),
               "bq": (0, "q"), "bk": (0, "kv"), "bv": (0, "kv"),
               "q_norm": (0, "norm"), "k_norm": (0, "norm")}
 _V_FROM_K = {"wv": ("wk", "self_attn.k_proj.weight"), "bv": ("bk", "self_attn.k_proj.bias")}
+# What a KV-reusing layer does not have (transformers builds none of it): zeros, never read.
+_KV_OWN = ("wk", "wv", "bk", "bv", "k_norm")
+# field -> the axis of the MLP's intermediate size in the checkpoint layout
+_MLP_AXES = {"w_gate": 0, "w_up": 0, "w_down": 1}
 
 
 def _head_layout(cfg: ModelConfig, field: str, i: int) -> tuple[int, int, int]:
@@ -333,9 +401,18 @@ def hf_layer_part(cfg: ModelConfig, field: str, i: int, suffix: str,
     as it is, or (a layer narrower than the model) its heads zero-padded to the widest head
     and its KV heads repeated (`PaddedHeads`); a `v_from_k` layer's value weights, which the
     checkpoint does not have, are its key weights (never read: the block uses k)."""
-    if cfg.layer_specs[i].v_from_k and field in _V_FROM_K:
-        field, suffix = _V_FROM_K[field]
+    spec = cfg.layer_specs[i]
     stacked = param_shapes(cfg)[f"layers.{field}"][1:]
+    transpose = HF_LAYER_NAMES[field][1]
+    if spec.kv_reuse is not None and field in _KV_OWN:
+        return np.broadcast_to(np.float32(0), stacked[::-1] if transpose else stacked)
+    if spec.v_from_k and field in _V_FROM_K:
+        field, suffix = _V_FROM_K[field]
+    if field in _MLP_AXES and spec.intermediate_size is not None:
+        width = cfg.intermediate_size
+        own = list(stacked)
+        own[1 - _MLP_AXES[field]] = spec.intermediate_size  # [in, out]: HF's axes swapped
+        return PaddedHeads(fetch(suffix, tuple(own)), _MLP_AXES[field], 1, 1, width)
     if field not in _HEAD_AXES:
         return fetch(suffix, stacked)
     heads, rep, d = _head_layout(cfg, field, i)
@@ -353,8 +430,13 @@ def hf_layer_part(cfg: ModelConfig, field: str, i: int, suffix: str,
 def hf_layer_export(cfg: ModelConfig, field: str, i: int, t: np.ndarray) -> np.ndarray | None:
     """The inverse of `hf_layer_part` on one layer's tensor in checkpoint layout: the first
     copy of each repeated head, its own width; None for a tensor the layer does not have."""
-    if cfg.layer_specs[i].v_from_k and field in _V_FROM_K:
+    spec = cfg.layer_specs[i]
+    if (spec.v_from_k and field in _V_FROM_K) or (spec.kv_reuse is not None
+                                                 and field in _KV_OWN):
         return None
+    if field in _MLP_AXES and spec.intermediate_size is not None:
+        return np.ascontiguousarray(np.take(t, np.arange(spec.intermediate_size),
+                                            axis=_MLP_AXES[field]))
     if field not in _HEAD_AXES:
         return t
     heads, rep, d = _head_layout(cfg, field, i)
@@ -383,6 +465,12 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if cfg.attention_bias:
         shapes.update({"layers.bq": (L, cfg.q_size), "layers.bk": (L, cfg.kv_size),
                        "layers.bv": (L, cfg.kv_size), "layers.bo": (L, H)})
+    P = cfg.per_layer_input_size
+    if P:
+        shapes.update({"embed_per_layer": (cfg.per_layer_vocab_size, L * P),
+                       "per_layer_proj": (H, L * P), "per_layer_proj_norm": (P,),
+                       "layers.ple_gate": (L, H, P), "layers.ple_proj": (L, P, H),
+                       "layers.ple_post_norm": (L, H)})
     return shapes
 
 
@@ -394,8 +482,8 @@ def abstract_params(cfg: ModelConfig, dtype: jnp.dtype) -> Gemma4Params:
         return jax.ShapeDtypeStruct(shapes[name], dtype) if name in shapes else None
 
     layer_fields = {f: leaf(f"layers.{f}") for f in LayerParams.__dataclass_fields__}
-    return Gemma4Params(embed=leaf("embed"), layers=LayerParams(**layer_fields),
-                        final_norm=leaf("final_norm"), lm_head=leaf("lm_head"))
+    top = {f: leaf(f) for f in Gemma4Params.__dataclass_fields__ if f != "layers"}
+    return Gemma4Params(layers=LayerParams(**layer_fields), **top)
 
 
 def init_random_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32,

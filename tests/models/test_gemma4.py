@@ -4,7 +4,8 @@ Each model is built at random by transformers' `Gemma4ForCausalLM` (support.hf_m
 GEMMA4_ARCHS: a 5-layer sliding / full pattern, a window of 4 tokens, shorter than every
 prompt; local heads of 16 and global heads of 32 with proportional RoPE; one model with K = V
 and a single global KV head and a final soft-cap, one with separate V, biases and an untied
-head), saved with `save_pretrained` and loaded as `jaxserve generate --model DIR` loads it.
+head, one with per-layer embeddings and its last two layers reusing earlier layers' K/V with
+double-wide MLPs, as Gemma 4 E2B / E4B), saved with `save_pretrained` and loaded as `jaxserve generate --model DIR` loads it.
 Checked: the per-layer specs the config maps to, full-sequence float32 logits within the
 error bound of the two computations (support.numerics: summation order and transcendentals
 along the chain, counting Gemma 4's value norm and layer scalar), greedy decoding through
@@ -63,7 +64,7 @@ def test_config_is_per_layer(hf) -> None:  # noqa: ANN001
     assert cfg.embed_scale == 8.0 and cfg.norm_offset == 0.0
     assert all(s.query_scale == 1.0 and s.post_norms and s.qk_norm and s.v_norm
                and s.layer_scalar and s.norm_offset == 0.0 for s in specs)
-    local, glob = specs[0], specs[2]
+    local, glob = specs[0], specs[types.index("full_attention")]
     assert (local.sliding_window, local.head_dim, local.rope_scaling.rope_type) == (
         GEMMA_WINDOW, 16, "default")
     assert glob.sliding_window is None and glob.head_dim is None  # the widest: the model's
@@ -71,6 +72,14 @@ def test_config_is_per_layer(hf) -> None:  # noqa: ANN001
     if arch == "gemma4_kv":
         assert glob.v_from_k and glob.num_kv_heads == 1 and not local.v_from_k
         assert cfg.final_soft_cap == 3.0 and cfg.tie_word_embeddings
+    elif arch == "gemma4_ple":
+        # Layers 4 (sliding) and 5 (full) reuse the K/V of layers 3 and 1, as transformers'
+        # kv_sharing_modes; their MLPs are the model's (double) width, the others half.
+        assert [(s.kv_store, s.kv_reuse) for s in specs] == [
+            (None, None), (0, None), (None, None), (1, None), (None, 1), (None, 0)]
+        assert cfg.intermediate_size == 192
+        assert [s.intermediate_size for s in specs] == [96] * 4 + [None] * 2
+        assert (cfg.per_layer_input_size, cfg.per_layer_vocab_size) == (8, cfg.vocab_size)
     else:
         assert not glob.v_from_k and glob.num_kv_heads is None
         assert glob.rope_theta == 1e5 and glob.rope_scaling.partial_rotary_factor == 0.5
@@ -157,9 +166,9 @@ def test_config_forms() -> None:
 @pytest.mark.parametrize("d, match", [
     ({"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"]},
      "multimodal Gemma 4"),
-    ({k: v for k, v in _dict().items() if k != "hidden_size_per_layer_input"},
-     "hidden_size_per_layer_input=256: per-layer embeddings"),
-    (_dict(num_kv_shared_layers=2), "num_kv_shared_layers=2"),
+    (_dict(num_kv_shared_layers=7), "num_kv_shared_layers=7 must be below"),
+    # Layers 0-4 slide, 5-6 are full: sharing 2 leaves no earlier full layer to take KV from.
+    (_dict(num_kv_shared_layers=2), "no earlier layer of its type"),
     (_dict(enable_moe_block=True, num_experts=4, top_k_experts=2), "enable_moe_block=True"),
     (_dict(use_bidirectional_attention="all"), "use_bidirectional_attention='all'"),
     (_dict(hidden_activation="gelu"), "hidden_activation"),

@@ -12,7 +12,8 @@ span several windows), head_dim 32, Gemma 2's soft-caps low enough to bend the l
 Gemma 4 (`GEMMA4_ARCHS`, built by the same `build_gemma_model`): the same pattern and window,
 local heads of 16 and global heads of 32 (proportional RoPE on a quarter of their pairs), and
 either K = V with one global KV head and a final soft-cap, or separate V with biases and an
-untied head; norms and layer scalars perturbed around their start, 1.
+untied head, or per-layer embeddings with KV shared into the last two layers (double-wide
+MLPs there); norms and layer scalars perturbed around their start, 1.
 """
 
 from __future__ import annotations
@@ -108,6 +109,14 @@ GEMMA4_ARCHS: dict[str, tuple[str, dict]] = {
                          "full_attention": {"rope_type": "proportional",
                                             "partial_rotary_factor": 0.5,
                                             "rope_theta": 1e5}})),
+    # Gemma 4 E2B / E4B's extras: per-layer embeddings (8 per layer), the last 2 layers
+    # reusing the K/V of the last earlier layer of their type, their MLP double-wide.
+    "gemma4_ple": ("Gemma4TextConfig", dict(
+        _GEMMA4_BASE, num_hidden_layers=6, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=GEMMA_VOCAB, num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                     "sliding_attention", "sliding_attention", "full_attention"])),
 }
 
 

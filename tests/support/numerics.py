@@ -108,8 +108,9 @@ def family_chain_extra(cfg: object) -> float:
     Gemma's sandwich norms (`post_norms`: two more hidden-length sums and two rsqrt), GeGLU's
     tanh, the attention soft-cap's tanh (soft-caps are 1-Lipschitz: they carry errors on
     without growing them), the qk-norm's two rsqrt, Gemma 4's value norm (a head-dim sum and
-    an rsqrt) and layer scalar (one more rounding, a sum of length 1), and the final logit
-    soft-cap's tanh."""
+    an rsqrt), layer scalar (one more rounding, a sum of length 1) and per-layer inputs (their
+    projection and norm, then per layer the gate, product, projection and norm), and the
+    final logit soft-cap's tanh."""
     sums, stages = [], 0
     for spec in getattr(cfg, "layer_specs", ()):
         if spec.post_norms:
@@ -120,6 +121,12 @@ def family_chain_extra(cfg: object) -> float:
             stages += 1
         if getattr(spec, "layer_scalar", False):
             sums.append(1)
+        if getattr(cfg, "per_layer_input_size", 0):  # the gated per-layer input: gate, its
+            sums += [cfg.hidden_size, cfg.per_layer_input_size, cfg.hidden_size]  # proj, norm
+            stages += 2  # tanh, rsqrt
+    if getattr(cfg, "per_layer_input_size", 0):  # the inputs' projection and its norm
+        sums += [cfg.hidden_size, cfg.per_layer_input_size]
+        stages += 1
         stages += ((spec.mlp_activation != "silu") + (spec.soft_cap is not None)
                    + 2 * bool(spec.qk_norm))
     stages += getattr(cfg, "final_soft_cap", None) is not None
