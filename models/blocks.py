@@ -172,7 +172,8 @@ def per_layer_inputs(cfg: ModelConfig, params: Any, tokens: jax.Array,
     tok = jnp.take(params.embed_per_layer, tokens, axis=0).astype(x.dtype)
     tok = (tok * jnp.asarray(P ** 0.5, x.dtype)).reshape(*lead, L, P)
     proj = linear(x, params.per_layer_proj) * jnp.asarray(cfg.hidden_size ** -0.5, x.dtype)
-    proj = rms_norm(proj.reshape(*lead, L, P), params.per_layer_proj_norm, cfg.rms_norm_eps)
+    proj = rms_norm(proj.reshape(*lead, L, P), params.per_layer_proj_norm, cfg.rms_norm_eps,
+                    cfg.norm_offset)
     out = (proj + tok) * jnp.asarray(2 ** -0.5, x.dtype)
     return jnp.moveaxis(out, -2, 0)
 
@@ -185,7 +186,7 @@ def per_layer_input_block(cfg: ModelConfig, activation: str, lp: Any, x: jax.Arr
     g = linear(x, lp.ple_gate)
     g = jax.nn.gelu(g, approximate=True) if activation == "gelu_pytorch_tanh" else jax.nn.silu(g)
     return rms_norm(linear(g * inp.astype(x.dtype), lp.ple_proj), lp.ple_post_norm,
-                    cfg.rms_norm_eps)
+                    cfg.rms_norm_eps, cfg.norm_offset)
 
 
 # ------------------------------------------------------------------------- embeddings, head
