@@ -1,9 +1,11 @@
 """The shared blocks every model family composes its layers from: pure functions.
 
 Norms (`rms_norm`, with Gemma's (offset + w) scale), rotary embeddings (`rope_inv_freq`,
-`apply_rope`: default / linear / llama3 frequencies at the layer's own base), the attention
-block (`attention`: q/k/v projections with optional bias, qk-norm, RoPE, then the caller's
-`AttnFn` with the layer's window, soft-cap and query scale, then the output projection), the
+`apply_rope`: default / linear / llama3 / proportional frequencies at the layer's own base),
+the attention block (`attention`: q/k/v projections with optional bias, qk-norm, the value
+norm or V = K where the spec asks, RoPE, then the caller's `AttnFn` with the layer's window,
+soft-cap and query scale, then the output projection; a layer narrower than the model computes
+at its own head size inside the model's padded one), the
 gated MLP (`gated_mlp`: SwiGLU or GeGLU), the embeddings (`embed`: optionally scaled, tied
 or not) and the LM head (`lm_logits`: final norm, projection, optional final soft-cap). What a
 layer is made of comes from its `LayerSpec` (`models/config.py`); `decoder.decoder_layer`
@@ -41,10 +43,14 @@ class AttnFn(Protocol):
 
 
 # ------------------------------------------------------------------------------------- norms
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
-    """RMSNorm computed in float32 (as HF does), scaled by (offset + weight), in x's dtype."""
+def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float,
+             offset: float = 0.0) -> jax.Array:
+    """RMSNorm computed in float32 (as HF does), scaled by (offset + weight), in x's dtype;
+    weight None: no scale (Gemma 4's value norm)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if weight is None:
+        return xf.astype(x.dtype)
     w = weight.astype(jnp.float32)
     return ((w if offset == 0.0 else offset + w) * xf).astype(x.dtype)
 
@@ -57,7 +63,13 @@ def rope_inv_freq(head_dim: int, theta: float, rs: RopeScaling) -> np.ndarray:
     """
     d = head_dim
     inv = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    if rs.rope_type == "linear":
+    if rs.rope_type == "proportional":
+        # transformers' proportional RoPE: the first int(factor * d // 2) pairs keep their
+        # default frequency (exponents over the whole head dim), the rest get frequency 0 (a
+        # rotation by 0: cos 1, sin 0), then all are divided by `factor`.
+        rotated = int(rs.partial_rotary_factor * d // 2)
+        inv = np.where(np.arange(d // 2) < rotated, inv, 0.0) / rs.factor
+    elif rs.rope_type == "linear":
         inv = inv / rs.factor
     elif rs.rope_type == "llama3":
         low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
@@ -85,21 +97,53 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 # -------------------------------------------------------------------------------- attention
 def attention(cfg: ModelConfig, spec: LayerSpec, lp: Any, h: jax.Array, positions: jax.Array,
-              attn: AttnFn, layer_state: object) -> tuple[jax.Array, object]:
-    """The attention block on normed input h [..., T, hidden] -> ([..., T, hidden], state)."""
+              attn: AttnFn, layer_state: object, shared_kv: jax.Array | None = None
+              ) -> tuple[jax.Array, object, jax.Array | None]:
+    """The attention block on normed input h [..., T, hidden] -> ([..., T, hidden], state,
+    shared_kv). `shared_kv` [slots, 2, ..., T, Hkv, D]: the K/V that layers storing them
+    (`spec.kv_store`) hand to later layers reusing them (`spec.kv_reuse`); None without.
+
+    A layer narrower than the model (`spec.head_dim` < `cfg.head_dim`) has its heads stored
+    zero-padded to `cfg.head_dim`: its q/k/v are cut to the layer's width before the norms
+    and RoPE (which depend on the width) and zero-padded after, so the attention's scores
+    (zeros add nothing to q.k) and its output's real columns are the layer's own, and the
+    pages keep one width. The padded rows of `wo` are zero."""
     lead = h.shape[:-1]
     bias = spec.attention_bias
-    q = linear(h, lp.wq, lp.bq if bias else None).reshape(*lead, cfg.num_heads, cfg.head_dim)
-    k = linear(h, lp.wk, lp.bk if bias else None).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    v = linear(h, lp.wv, lp.bv if bias else None).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    D, d = cfg.head_dim, spec.head_dim or cfg.head_dim
+    pad = [(0, 0)] * (len(lead) + 1) + [(0, D - d)]
+    inv_freq = rope_inv_freq(d, spec.rope_theta, spec.rope_scaling)
+    q = linear(h, lp.wq, lp.bq if bias else None).reshape(*lead, cfg.num_heads, D)[..., :d]
     if spec.qk_norm:
-        q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps, spec.norm_offset)
-        k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps, spec.norm_offset)
-    inv_freq = rope_inv_freq(cfg.head_dim, spec.rope_theta, spec.rope_scaling)
+        q = rms_norm(q, lp.q_norm[..., :d], cfg.rms_norm_eps, spec.norm_offset)
     q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    if spec.kv_reuse is not None:  # an earlier layer's K/V, as that layer attended to them
+        k, v = shared_kv[spec.kv_reuse, 0], shared_kv[spec.kv_reuse, 1]  # type: ignore[index]
+    else:
+        k = linear(h, lp.wk, lp.bk if bias else None).reshape(*lead, cfg.num_kv_heads,
+                                                              D)[..., :d]
+        if spec.v_from_k:  # the raw key projection, before k-norm and RoPE
+            v = k
+        else:
+            v = linear(h, lp.wv, lp.bv if bias else None).reshape(*lead, cfg.num_kv_heads,
+                                                                  D)[..., :d]
+        if spec.qk_norm:
+            k = rms_norm(k, lp.k_norm[..., :d], cfg.rms_norm_eps, spec.norm_offset)
+        if spec.v_norm:
+            v = rms_norm(v, None, cfg.rms_norm_eps)
+        k = apply_rope(k, positions, inv_freq)
+        if d < D:
+            k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+    if d < D:
+        q = jnp.pad(q, pad)
+    if spec.kv_store is not None:
+        shared_kv = shared_kv.at[spec.kv_store].set(  # type: ignore[union-attr]
+            jnp.stack([k, v]).astype(shared_kv.dtype))  # type: ignore[union-attr]
     o, layer_state = attn(q, k, v, layer_state, spec)
-    return linear(o.reshape(*lead, cfg.q_size), lp.wo), layer_state
+    # An output-projection bias: families whose attention_bias covers o_proj too (Gemma 4)
+    # have a `bo` field; Qwen2's bias stops at q/k/v.
+    bo = getattr(lp, "bo", None) if bias else None
+    return linear(o.reshape(*lead, cfg.q_size), lp.wo, bo), layer_state, shared_kv
 
 
 # -------------------------------------------------------------------------------------- MLP
@@ -113,6 +157,36 @@ def gated_mlp(activation: str, lp: Any, h: jax.Array) -> jax.Array:
     else:  # ModelConfig validates the names; a family passing another is a bug
         raise ValueError(f"unknown MLP activation {activation!r}")
     return linear(act * linear(h, lp.w_up), lp.w_down)
+
+
+# ------------------------------------------------------- per-layer inputs (Gemma 4's PLE)
+def per_layer_inputs(cfg: ModelConfig, params: Any, tokens: jax.Array,
+                     x: jax.Array) -> jax.Array:
+    """[L, ..., T, P]: each layer's extra input per token, from the token's row of
+    `params.embed_per_layer` [V', L * P] times sqrt(P) and the embeddings x (already scaled)
+    projected by `per_layer_proj` [hidden, L * P] times hidden ** -0.5, RMS-normed per layer
+    by `per_layer_proj_norm` [P]; their sum times 2 ** -0.5 (transformers' Gemma 4). Layer
+    first: `decoder.scan_layers` scans it beside the layers."""
+    L, P = cfg.num_layers, cfg.per_layer_input_size
+    lead = tokens.shape
+    tok = jnp.take(params.embed_per_layer, tokens, axis=0).astype(x.dtype)
+    tok = (tok * jnp.asarray(P ** 0.5, x.dtype)).reshape(*lead, L, P)
+    proj = linear(x, params.per_layer_proj) * jnp.asarray(cfg.hidden_size ** -0.5, x.dtype)
+    proj = rms_norm(proj.reshape(*lead, L, P), params.per_layer_proj_norm, cfg.rms_norm_eps,
+                    cfg.norm_offset)
+    out = (proj + tok) * jnp.asarray(2 ** -0.5, x.dtype)
+    return jnp.moveaxis(out, -2, 0)
+
+
+def per_layer_input_block(cfg: ModelConfig, activation: str, lp: Any, x: jax.Array,
+                          inp: jax.Array) -> jax.Array:
+    """What a layer adds from its per-layer input inp [..., T, P]: the gated projection
+    post_norm(proj(act(gate(x)) * inp)) (weights `ple_gate` [hidden, P], `ple_proj`
+    [P, hidden], `ple_post_norm` [hidden])."""
+    g = linear(x, lp.ple_gate)
+    g = jax.nn.gelu(g, approximate=True) if activation == "gelu_pytorch_tanh" else jax.nn.silu(g)
+    return rms_norm(linear(g * inp.astype(x.dtype), lp.ple_proj), lp.ple_post_norm,
+                    cfg.rms_norm_eps, cfg.norm_offset)
 
 
 # ------------------------------------------------------------------------- embeddings, head

@@ -16,7 +16,9 @@ import dataclasses
 import math
 from typing import Mapping
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# "proportional" (Gemma 4's global layers): the default frequencies of the layer's head dim
+# on its first `partial_rotary_factor` of the pairs, the other pairs not rotated.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "proportional")
 MLP_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # SwiGLU, GeGLU (HF `hidden_act` names)
 
 
@@ -34,6 +36,8 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # proportional only: the fraction of the head's rotary pairs that rotate
+    partial_rotary_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +59,27 @@ class LayerSpec:
     mlp_activation: str = "silu"  # silu: SwiGLU; gelu_pytorch_tanh: GeGLU (Gemma)
     norm_offset: float = 0.0  # RMSNorm scale (offset + w): 0 for Llama, 1 for Gemma's (1 + w)
     post_norms: bool = False  # also norm the attention and MLP outputs (Gemma's sandwich)
+    # Layers of one model whose attention shapes differ (Gemma 4's global layers: a wider
+    # head, fewer KV heads). None: the model-wide `head_dim` / `num_kv_heads`. The model-wide
+    # values are then the widest (the stacked weights' and the KV pages' shape): a narrower
+    # layer's heads are zero-padded to it and its KV heads repeated to it at load time, and
+    # the attention block computes at the layer's own head dim (`blocks.attention`).
+    head_dim: int | None = None
+    num_kv_heads: int | None = None
+    v_norm: bool = False  # a scale-free RMSNorm on each value head (Gemma 4)
+    v_from_k: bool = False  # V is K's projection before k-norm (Gemma 4 attention_k_eq_v)
+    layer_scalar: bool = False  # the layer's output times a per-layer weight (Gemma 4)
+    # KV shared across layers (Gemma 4 num_kv_shared_layers): a layer with `kv_store` = s
+    # hands its K/V (normed, rotated, at the model-wide shape) to later layers through slot
+    # s of the scan's carry; a layer with `kv_reuse` = s computes no K/V of its own and uses
+    # slot s's instead (it still writes them into its own KV pages, so its pages hold what
+    # the storing layer's do and paging, prefix caching and preemption need nothing new).
+    kv_store: int | None = None
+    kv_reuse: int | None = None
+    # A layer whose MLP is narrower than the model's `intermediate_size` (Gemma 4's
+    # double-wide MLP on KV-sharing layers makes the others the narrow ones): its gate / up
+    # columns and down rows are zero-padded at load, which adds exact zeros. None: the model's.
+    intermediate_size: int | None = None
 
     @property
     def attention_type(self) -> str:
@@ -100,6 +125,11 @@ class ModelConfig:
     final_soft_cap: float | None = None  # final logit soft-cap (Gemma 2)
     norm_offset: float = 0.0  # every RMSNorm scales by (offset + w); Gemma: 1
     per_layer: tuple[LayerSpec, ...] = ()  # () : every layer `uniform_spec()`
+    # Per-layer inputs (Gemma 4's per-layer embeddings): each layer also gets a vector of
+    # this size per token, from a token table of `per_layer_vocab_size` rows and a projection
+    # of the embeddings (`blocks.per_layer_inputs`); 0: none.
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -133,6 +163,36 @@ class ModelConfig:
                                   f"supported: {', '.join(MLP_ACTIVATIONS)}")
             if spec.sliding_window is not None and spec.sliding_window <= 0:
                 raise ConfigError(f"sliding_window={spec.sliding_window!r} must be positive")
+            d = spec.head_dim
+            if d is not None and not (isinstance(d, int) and 0 < d <= self.head_dim
+                                      and d % 2 == 0):
+                raise ConfigError(f"a layer's head_dim={d!r} must be a positive even integer "
+                                  f"no larger than the model's head_dim={self.head_dim}")
+            if spec.intermediate_size is not None and not (
+                    0 < spec.intermediate_size <= self.intermediate_size):
+                raise ConfigError(f"a layer's intermediate_size={spec.intermediate_size!r} must "
+                                  f"be positive and no larger than {self.intermediate_size}")
+            kv = spec.num_kv_heads
+            if kv is not None and not (isinstance(kv, int) and kv > 0
+                                       and self.num_kv_heads % kv == 0):
+                raise ConfigError(f"a layer's num_key_value_heads={kv!r} must divide the "
+                                  f"model's num_kv_heads={self.num_kv_heads}")
+
+        stored: set[int] = set()
+        for i, spec in enumerate(self.layer_specs):
+            if spec.kv_reuse is not None and spec.kv_reuse not in stored:
+                raise ConfigError(f"layer {i} reuses KV slot {spec.kv_reuse}, which no earlier "
+                                  "layer stores")
+            if spec.kv_store is not None:
+                stored.add(spec.kv_store)
+        if self.per_layer_input_size and self.per_layer_vocab_size <= 0:
+            raise ConfigError("per-layer inputs need a positive per_layer_vocab_size")
+
+    @property
+    def kv_share_slots(self) -> int:
+        """How many K/V slots layers hand on to later ones (`LayerSpec.kv_store`)."""
+        return max((s.kv_store + 1 for s in self.layer_specs if s.kv_store is not None),
+                   default=0)
 
     @property
     def q_size(self) -> int:
@@ -210,6 +270,13 @@ def hf_rope_scaling(d: Mapping[str, object], source: str) -> RopeScaling:
         )
     if rope_type == "default":
         return RopeScaling()
+    if rope_type == "proportional":
+        prf = float(rs.get("partial_rotary_factor", 1.0))  # type: ignore[arg-type]
+        if not 0.0 <= prf <= 1.0:
+            raise ConfigError(f"{source}: rope_parameters.partial_rotary_factor={prf!r} must "
+                              "be in [0, 1]")
+        return RopeScaling(rope_type=rope_type, partial_rotary_factor=prf,
+                           factor=float(rs.get("factor", 1.0)))  # type: ignore[arg-type]
     return RopeScaling(
         rope_type=rope_type,
         factor=float(rs.get("factor", 1.0)),  # type: ignore[arg-type]
@@ -223,7 +290,11 @@ def hf_rope_scaling(d: Mapping[str, object], source: str) -> RopeScaling:
 def rope_scaling_to_hf(rs: RopeScaling) -> dict[str, object] | None:
     if rs.rope_type == "default":
         return None
-    out: dict[str, object] = {"rope_type": rs.rope_type, "factor": rs.factor}
+    if rs.rope_type == "proportional":  # transformers reads `factor` but flags it if written
+        out: dict[str, object] = {"rope_type": rs.rope_type,
+                                  "partial_rotary_factor": rs.partial_rotary_factor}
+        return out if rs.factor == 1.0 else {**out, "factor": rs.factor}
+    out = {"rope_type": rs.rope_type, "factor": rs.factor}
     if rs.rope_type == "llama3":
         out.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor,
                    original_max_position_embeddings=rs.original_max_position_embeddings)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from .blocks import AttnFn, attention, causal_mask, embed, gated_mlp, lm_logits
-from .blocks import masked_attention, rms_norm
+from .blocks import masked_attention, per_layer_input_block, per_layer_inputs, rms_norm
 from .config import LayerGroup, LayerSpec, ModelConfig
 from .linear import PackedWeight
 
@@ -34,19 +34,30 @@ LayerBody = Callable[[LayerSpec, Any, tuple[Any, jax.Array, Any]], tuple[Any, An
 
 
 def decoder_layer(cfg: ModelConfig, spec: LayerSpec, lp: Any, x: jax.Array,
-                  positions: jax.Array, attn: AttnFn,
-                  layer_state: object) -> tuple[jax.Array, object]:
-    """One pre-norm block on one layer's (unstacked) params. x: [..., T, hidden]."""
+                  positions: jax.Array, attn: AttnFn, layer_state: object,
+                  per_layer_input: jax.Array | None = None,
+                  shared_kv: jax.Array | None = None
+                  ) -> tuple[jax.Array, object, jax.Array | None]:
+    """One pre-norm block on one layer's (unstacked) params. x: [..., T, hidden] ->
+    (x, layer_state, shared_kv). `per_layer_input` [..., T, P]: this layer's slice of
+    `blocks.per_layer_inputs` (models that have them); `shared_kv`: the K/V slots layers
+    hand on (`blocks.attention`), None in models without."""
     eps, offset = cfg.rms_norm_eps, spec.norm_offset
     h = rms_norm(x, lp.attn_norm, eps, offset)
-    o, layer_state = attention(cfg, spec, lp, h, positions, attn, layer_state)
+    o, layer_state, shared_kv = attention(cfg, spec, lp, h, positions, attn, layer_state,
+                                          shared_kv)
     if spec.post_norms:
         o = rms_norm(o, lp.post_attn_norm, eps, offset)
     x = x + o
     m = gated_mlp(spec.mlp_activation, lp, rms_norm(x, lp.mlp_norm, eps, offset))
     if spec.post_norms:
         m = rms_norm(m, lp.post_mlp_norm, eps, offset)
-    return x + m, layer_state
+    x = x + m
+    if per_layer_input is not None:
+        x = x + per_layer_input_block(cfg, spec.mlp_activation, lp, x, per_layer_input)
+    if spec.layer_scalar:  # Gemma 4: the whole residual stream, times a weight [1]
+        x = x * lp.layer_scalar.astype(x.dtype)
+    return x, layer_state, shared_kv
 
 
 def _num_layers(layers: Any) -> int:
@@ -98,16 +109,32 @@ def scan_layers(body: LayerBody, carry: object, layers: Any,
     return carry, jax.tree.map(lambda *a: jnp.concatenate(a), *ys)
 
 
+def init_shared_kv(cfg: ModelConfig, lead: tuple[int, ...], dtype: object) -> jax.Array | None:
+    """Zeroed K/V slots [slots, 2, *lead, Hkv, D] for a model whose layers share K/V
+    (`ModelConfig.kv_share_slots`); None for the others (an empty part of a scan's carry)."""
+    if not cfg.kv_share_slots:
+        return None
+    return jnp.zeros((cfg.kv_share_slots, 2, *lead, cfg.num_kv_heads, cfg.head_dim), dtype)
+
+
 def run_layers(cfg: ModelConfig, layers: Any, x: jax.Array, positions: jax.Array,
-               attn: AttnFn, layer_states: object = None) -> tuple[jax.Array, object]:
-    """Scan `decoder_layer` over the stacked layers; `layer_states` is scanned alongside."""
+               attn: AttnFn, layer_states: object = None,
+               per_layer_inputs: jax.Array | None = None) -> tuple[jax.Array, object]:
+    """Scan `decoder_layer` over the stacked layers; `layer_states` and `per_layer_inputs`
+    ([L, ...]) are scanned alongside, the shared K/V slots carried."""
 
-    def body(spec: LayerSpec, carry: jax.Array, xs: tuple[Any, jax.Array, object]
-             ) -> tuple[jax.Array, object]:
-        lp, _, state = xs
-        return decoder_layer(cfg, spec, lp, carry, positions, attn, state)
+    def body(spec: LayerSpec, carry: tuple[jax.Array, jax.Array | None],
+             xs: tuple[Any, jax.Array, tuple[object, jax.Array | None]]
+             ) -> tuple[tuple[jax.Array, jax.Array | None], object]:
+        lp, _, (state, inp) = xs
+        x, shared = carry
+        x, state, shared = decoder_layer(cfg, spec, lp, x, positions, attn, state, inp, shared)
+        return (x, shared), state
 
-    return scan_layers(body, x, layers, cfg.layer_groups, layer_states)
+    shared = init_shared_kv(cfg, x.shape[:-1], x.dtype)
+    (x, _), states = scan_layers(body, (x, shared), layers, cfg.layer_groups,
+                                 (layer_states, per_layer_inputs))
+    return x, states
 
 
 def forward(params: Any, tokens: jax.Array, lengths: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -126,7 +153,8 @@ def forward(params: Any, tokens: jax.Array, lengths: jax.Array, cfg: ModelConfig
         return masked_attention(q, k, v, mask, spec.query_scale, spec.soft_cap), state
 
     x = embed(params, tokens, cfg.embed_scale)
-    x, _ = run_layers(cfg, params.layers, x, positions, attn)
+    inputs = per_layer_inputs(cfg, params, tokens, x) if cfg.per_layer_input_size else None
+    x, _ = run_layers(cfg, params.layers, x, positions, attn, per_layer_inputs=inputs)
     return lm_logits(cfg, params, x)
 
 

@@ -12,7 +12,9 @@ source), config_to_hf(cfg, torch_dtype), config_dict_from_gguf(key, tensor_names
 Params,
 LayerParams, param_shapes(cfg), abstract_params(cfg, dtype), init_random_params(cfg, key,
 dtype, scale), HF_NAMES, HF_LAYER_NAMES, GGUF_NAMES, GGUF_LAYER_NAMES, LINEAR_FIELDS,
-TP_LAYOUT, KV_FIELDS; optionally REFUSED_ARCHITECTURES / GGUF_REFUSED {name: why}, names
+TP_LAYOUT, KV_FIELDS; optionally `hf_layer_part` / `hf_layer_export` (a family whose layers
+differ in shape maps each layer's checkpoint tensor onto the stacked shape and back,
+`hf_loader`), REFUSED_ARCHITECTURES / GGUF_REFUSED {name: why}, names
 the family knows but does not serve (the error says why instead of "unsupported"), and
 GGUF_NORM_SHIFTS {GGUF tensor name or per-layer suffix: constant the file adds}, subtracted
 on read (`gguf_tensor.GGUFTensor`). The layers are the shared blocks (`decoder.decoder_layer`), chosen by
@@ -25,10 +27,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Mapping
 
-from . import gemma, llama
+from . import gemma, gemma4, llama
 from .config import ConfigError, ModelConfig
 
-FAMILIES: tuple[ModuleType, ...] = (llama, gemma)
+FAMILIES: tuple[ModuleType, ...] = (llama, gemma, gemma4)
 ModelParams = Any  # any family's params pytree (a flax.struct dataclass: `fam.Params`)
 
 

@@ -166,6 +166,18 @@ def host_params_from_hf(cfg: ModelConfig, tensors: Mapping[str, HostArray],
         shape = shapes[field]
         return LazyLeaf(name, [get(name, shape, transpose)], shape, np_dtype, transpose, False)
 
+    # A family whose layers differ in shape (Gemma 4) maps a layer's checkpoint tensor onto
+    # the stacked shape itself: `hf_layer_part(cfg, field, i, suffix, fetch)` -> a HostArray
+    # in checkpoint layout, fetch(suffix, shape) giving the checked tensor of that name.
+    layer_part = getattr(fam, "hf_layer_part", None)
+
+    def part(field: str, i: int, suffix: str, per_layer: tuple[int, ...],
+             transpose: bool) -> HostArray:
+        if layer_part is None:
+            return get(f"model.layers.{i}.{suffix}", per_layer, transpose)
+        return layer_part(cfg, field, i, suffix, lambda sfx, shape: get(
+            f"model.layers.{i}.{sfx}", shape, transpose))
+
     layers: dict[str, LazyLeaf | None] = {}
     for field, (suffix, transpose) in fam.HF_LAYER_NAMES.items():
         key = f"layers.{field}"
@@ -173,8 +185,7 @@ def host_params_from_hf(cfg: ModelConfig, tensors: Mapping[str, HostArray],
             layers[field] = None
             continue
         per_layer = shapes[key][1:]
-        parts = [get(f"model.layers.{i}.{suffix}", per_layer, transpose)
-                 for i in range(cfg.num_layers)]
+        parts = [part(field, i, suffix, per_layer, transpose) for i in range(cfg.num_layers)]
         layers[field] = LazyLeaf(f"model.layers.*.{suffix}", parts, shapes[key], np_dtype,
                                  transpose, True)
     top: dict[str, LazyLeaf | None] = {}
@@ -195,6 +206,7 @@ def host_params_from_hf(cfg: ModelConfig, tensors: Mapping[str, HostArray],
 def hf_tensors_from_params(cfg: ModelConfig, params: Any) -> dict[str, np.ndarray]:
     """Params -> HF-named numpy tensors ([out, in] linears), in the params' dtype."""
     fam = family(cfg)
+    export = getattr(fam, "hf_layer_export", None)  # the inverse of `hf_layer_part`
     out: dict[str, np.ndarray] = {}
     for field, (name, transpose) in fam.HF_NAMES.items():
         leaf = getattr(params, field)
@@ -206,7 +218,11 @@ def hf_tensors_from_params(cfg: ModelConfig, params: Any) -> dict[str, np.ndarra
             continue
         host = np.asarray(stacked)
         for i in range(cfg.num_layers):
-            out[f"model.layers.{i}.{suffix}"] = host[i].T if transpose else host[i]
+            t = host[i].T if transpose else host[i]
+            if export is not None:  # the layer's own shape back (None: not in the checkpoint)
+                t = export(cfg, field, i, t)
+            if t is not None:
+                out[f"model.layers.{i}.{suffix}"] = t
     return out
 
 

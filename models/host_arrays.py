@@ -13,6 +13,9 @@ lazy views here, which translate a box in the params' layout into reads of the c
   `RepeatedHeads`: `[..., Hkv * D]` seen as `[..., Hkv * rep * D]` (each head repeated `rep`
                    times, for tensor parallelism wider than the KV heads): a box maps back to
                    the original heads it covers and reads only those.
+  `PaddedHeads`:   one axis of heads seen with each head repeated and zero-padded to a wider
+                   head (the narrower layers of a model whose layers differ in head size or
+                   KV-head count): a box reads only the original entries it covers.
 
 The host therefore holds, per leaf, at most the slices asked for, never the stacked leaf nor a
 replicated copy (unless a box asks for the whole leaf: replicated leaves).
@@ -134,3 +137,48 @@ class RepeatedHeads:
 
     def __repr__(self) -> str:
         return f"RepeatedHeads({self.base!r}, heads={self.num_heads}, rep={self.rep})"
+
+
+class PaddedHeads:
+    """`base` whose axis `axis` holds `num_heads` heads of `head_dim` entries, seen as
+    `num_heads * rep` heads of `width` >= head_dim entries: head g is base head g // rep,
+    zero-padded at its end. A narrower layer's weights in the stacked shape of a model whose
+    layers differ in head size or KV-head count (`LayerSpec.head_dim` / `num_kv_heads`)."""
+
+    def __init__(self, base: HostArray, axis: int, num_heads: int, rep: int,
+                 width: int) -> None:
+        n = base.shape[axis]
+        if rep < 1 or num_heads < 1 or n % num_heads or width < n // num_heads:
+            raise ValueError(f"cannot pad {num_heads} heads of an axis of {n} to x{rep} heads "
+                             f"of {width}")
+        self.base, self.axis, self.rep, self.width = base, axis % len(base.shape), rep, width
+        self.head_dim = n // num_heads
+        shape = list(base.shape)
+        shape[self.axis] = num_heads * rep * width
+        self.shape, self.dtype = tuple(shape), base.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, index: object) -> np.ndarray:
+        box = normalize_box(index, self.shape, "padded heads")
+        a, d = self.axis, self.head_dim
+        idx = np.arange(box[a].start, box[a].stop)
+        within = idx % self.width
+        real = within < d
+        src = (idx // self.width // self.rep) * d + within  # where a real entry comes from
+        out_shape = [s.stop - s.start for s in box]
+        out = np.zeros(out_shape, np.dtype(self.dtype))
+        if not real.any():
+            return out
+        lo, hi = int(src[real].min()), int(src[real].max()) + 1
+        block = np.asarray(self.base[box[:a] + (slice(lo, hi),) + box[a + 1:]])
+        picked = np.take(block, src[real] - lo, axis=a)
+        where = [slice(None)] * len(out_shape)
+        where[a] = np.nonzero(real)[0]
+        out[tuple(where)] = picked
+        return out
+
+    def __repr__(self) -> str:
+        return f"PaddedHeads({self.base!r}, axis={self.axis}, rep={self.rep}, width={self.width})"

@@ -37,9 +37,9 @@ from jax.sharding import PartitionSpec as PS
 
 from ..kernels_pallas import (AttentionMetadata, KVPages, QuantizedKV, init_kv_pages,
                               kv_pages_shape, write_kv_and_attend)
-from .blocks import embed, lm_logits
+from .blocks import embed, lm_logits, per_layer_inputs
 from .config import LayerSpec, ModelConfig
-from .decoder import decoder_layer, scan_layers
+from .decoder import decoder_layer, init_shared_kv, scan_layers
 
 
 MODEL_AXIS = "model"  # the tensor-parallel mesh axis (models/placement.py)
@@ -100,10 +100,11 @@ def paged_hidden(params: Any, kv_pages: KVPages, token_ids: jax.Array,
     quantized = isinstance(kv_pages, QuantizedKV)
     kv_spec = kv_specs(quantized)
 
-    def layer(spec: LayerSpec, carry: tuple[jax.Array, KVPages], xs: tuple[Any, jax.Array, None]
-              ) -> tuple[tuple[jax.Array, KVPages], None]:
-        x, kv = carry
-        lp, i, _ = xs
+    def layer(spec: LayerSpec, carry: tuple[jax.Array, KVPages, jax.Array | None],
+              xs: tuple[Any, jax.Array, jax.Array | None]
+              ) -> tuple[tuple[jax.Array, KVPages, jax.Array | None], None]:
+        x, kv, shared = carry
+        lp, i, inp = xs
 
         def attn(q: jax.Array, k: jax.Array, v: jax.Array, flat: KVPages,
                  spec: LayerSpec) -> tuple[jax.Array, KVPages]:
@@ -131,9 +132,13 @@ def paged_hidden(params: Any, kv_pages: KVPages, token_ids: jax.Array,
                                  # end per-shard; each shard is independent, nothing to check.
                                  check_vma=False)(q, k, v, flat, layer_md)
 
-        x, kv = decoder_layer(cfg, spec, lp, x, positions, attn, kv)
-        return (x, kv), None
+        x, kv, shared = decoder_layer(cfg, spec, lp, x, positions, attn, kv, inp, shared)
+        return (x, kv, shared), None
 
     x = embed(params, token_ids, cfg.embed_scale)
-    (x, kv_pages), _ = scan_layers(layer, (x, kv_pages), params.layers, cfg.layer_groups)
+    # Gemma 4: per-layer inputs scanned beside the layers, K/V slots carried between them.
+    inputs = per_layer_inputs(cfg, params, token_ids, x) if cfg.per_layer_input_size else None
+    shared = init_shared_kv(cfg, token_ids.shape, x.dtype)
+    (x, kv_pages, _), _ = scan_layers(layer, (x, kv_pages, shared), params.layers,
+                                      cfg.layer_groups, inputs)
     return x, kv_pages

@@ -107,8 +107,13 @@ def param_specs(cfg: ModelConfig, tp: int, params: ModelParams | None = None) ->
     by_vocab = cfg.vocab_size % tp == 0
     rep = P()
     lm_head = None if cfg.tie_word_embeddings else (P(None, MODEL_AXIS) if by_vocab else rep)
+    # A family's further top-level leaves (`TOP_TP_LAYOUT`: Gemma 4's per-layer token table,
+    # split by rows as the embedding when tp divides them, and its replicated projection).
+    extra = {f: (P(MODEL_AXIS, None) if kind == "vocab_rows" and shapes[f][0] % tp == 0
+                 else rep)
+             for f, kind in getattr(fam, "TOP_TP_LAYOUT", {}).items() if f in shapes}
     specs = fam.Params(embed=P(MODEL_AXIS, None) if by_vocab else rep, layers=layers,
-                       final_norm=rep, lm_head=lm_head)
+                       final_norm=rep, lm_head=lm_head, **extra)
     return specs if params is None else _with_quant_specs(specs, params, tp)
 
 

@@ -13,7 +13,9 @@ engine's step shows up here without a device. Exported, for both platforms:
     tensor parallelism over an abstract 8-device mesh; the 8B shape with Gemma 3's
     interleaved sliding-window / global layers (per-layer specs: window, rope base, soft-cap);
     and the Gemma family's own step at Gemma 3 1B's and 4B's shapes (GeGLU, sandwich norms,
-    qk-norm, the embedding scale, head_dim 256, the 1B's single KV head, the two rope bases).
+    qk-norm, the embedding scale, head_dim 256, the 1B's single KV head, the two rope bases),
+    and Gemma 4's on TPU (local heads of 256 inside global heads of 512, K = V; the CUDA
+    kernel stops at heads of 256, so there Gemma 4 is served by the reference attention).
 Quantized KV pages (int8 / float8_e4m3fn with f32 scales): both kernels at decode and prefill
 shapes, and the whole step with an int8 cache (page_size 32, which 8-bit pages need on both),
 at TP 1 and TP 8.
@@ -42,8 +44,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.device import model_runner as mr
 from jaxserve.engine.batch import bitmask_words
 from jaxserve.engine.sizing import plan_engine
-from jaxserve.kernels_pallas import (AttentionMetadata, QuantizedKV, padded_head_dim,
-                                     select_impl)
+from jaxserve.kernels_pallas import (AttentionMetadata, KernelGeometry, QuantizedKV,
+                                     padded_head_dim, select_impl)
 from jaxserve.kernels_pallas import selector
 from jaxserve.kernels_pallas.selector import ragged_paged_attention
 from jaxserve.models import families, placement, shapes
@@ -384,6 +386,42 @@ def test_gemma3_step_lowers_for_platform(model: str, platform: str) -> None:
     assert local.rope_scaling.rope_type == "default"
     assert len(cfg.layer_groups) > len(set(specs)) == 2
     export_step(cfg, platform, tp=1)
+
+
+# Gemma 4's text layout at a realistic width (not a released checkpoint's config): five local
+# layers (heads of 256, 4 KV heads, window 1024) per global one (heads of 512, 1 KV head,
+# K = V, proportional RoPE on a quarter of the pairs), the value norm and layer scalars.
+GEMMA4_SHAPE = dict(architectures=["Gemma4ForCausalLM"], model_type="gemma4_text",
+                    vocab_size=262144, hidden_size=2048, intermediate_size=8192,
+                    num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4,
+                    head_dim=256, global_head_dim=512, num_global_key_value_heads=1,
+                    attention_k_eq_v=True, sliding_window=1024, hidden_size_per_layer_input=0,
+                    final_logit_softcapping=30.0)
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(8, marks=pytest.mark.slow(
+    reason="Gemma 4's TPU step at TP 8 too"))])
+def test_gemma4_step_lowers_for_tpu(tp: int) -> None:
+    """Gemma 4's step on TPU: the local layers computed at their own head size inside the
+    pages' 512, the global layers' K = V and repeated KV head, one layer body per distinct
+    spec."""
+    cfg = families.config_from_hf(GEMMA4_SHAPE, "gemma4/config.json")
+    local, glob = cfg.layer_specs[0], cfg.layer_specs[5]
+    assert (cfg.head_dim, cfg.num_kv_heads, local.head_dim, glob.num_kv_heads) == (512, 4, 256, 1)
+    assert glob.v_from_k and glob.rope_scaling.rope_type == "proportional"
+    assert len(cfg.layer_groups) > len(set(cfg.layer_specs)) == 2
+    export_step(cfg, "tpu", tp=tp)
+
+
+def test_gemma4_pages_are_past_the_gpu_kernel() -> None:
+    """On CUDA the Pallas kernel takes heads up to 256: Gemma 4's 512-wide pages are refused
+    by its contract, so 'auto' serves them with the reference attention (with a warning;
+    serving.build._attention_impl) and naming the kernel is an error that says why."""
+    cfg = families.config_from_hf(GEMMA4_SHAPE, "gemma4/config.json")
+    geometry = KernelGeometry(padded_head_dim(cfg.head_dim), 16, jnp.bfloat16,
+                              cfg.num_heads // cfg.num_kv_heads)
+    with pytest.raises(ValueError, match="head_dim"):
+        select_impl("pallas_gpu", "cuda", geometry=geometry)
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)

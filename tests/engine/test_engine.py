@@ -3,8 +3,10 @@
 Greedy outputs must not depend on how the scheduler cut and packed the work: chunk size,
 page size, batch neighbours, preemption, prefix caching, arrival times, aborts. The same
 invariants hold for the Gemma family (Gemma 2's soft-caps, Gemma 3's qk-norm and two rope
-bases, both with sliding windows of 4 tokens that every prompt outgrows), checked against
-transformers' greedy `generate` on the checkpoint jaxserve loads.
+bases, Gemma 4's wider global heads with K = V and one global KV head, and its per-layer
+embeddings with K/V shared across layers, all with sliding windows of 4 tokens that every
+prompt outgrows), checked against transformers' greedy
+`generate` on the checkpoint jaxserve loads.
 """
 
 from __future__ import annotations
@@ -118,7 +120,9 @@ def test_mixed_layer_model_greedy_equals_rollout(budget, page_size, caching, kv_
     assert compiles == 0
 
 
-@pytest.fixture(scope="module", params=sorted(GEMMA_ARCHS))
+# Gemma 4: the K = V model (padded narrower layers, repeated KV heads in the pages) and the
+# per-layer-embedding one with KV shared across layers (their pages written twice).
+@pytest.fixture(scope="module", params=[*sorted(GEMMA_ARCHS), "gemma4_kv", "gemma4_ple"])
 def gemma(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     """(arch, the loaded checkpoint, the transformers model it was saved from)."""
     pytest.importorskip("torch")

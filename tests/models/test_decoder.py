@@ -55,7 +55,7 @@ def loop_forward(params: object, tokens: jax.Array, lengths: jax.Array,
     x = embed(params, tokens)
     for i, spec in enumerate(cfg.layer_specs):
         lp = jax.tree.map(lambda a: a[i], params.layers)
-        x, _ = decoder.decoder_layer(cfg, spec, lp, x, positions, attn, None)
+        x, *_ = decoder.decoder_layer(cfg, spec, lp, x, positions, attn, None)
     return lm_logits(cfg, params, x)
 
 

@@ -124,7 +124,8 @@ def test_gguf_unknown_architecture_is_a_checkpoint_error(tmp_path: object) -> No
 @pytest.mark.parametrize("fam", families.FAMILIES, ids=lambda f: f.__name__.rsplit(".", 1)[-1])
 def test_family_tables_cover_the_params(fam) -> None:  # noqa: ANN001 - a family module
     """Every params field has an HF name, a TP layout; every GGUF name maps to an HF one (the
-    Llama family names every field in GGUF too; Gemma has no GGUF names for q/k/v biases)."""
+    Llama family names every field in GGUF too; Gemma has no GGUF names for q/k/v biases; a
+    family served from no GGUF architecture, Gemma 4, has no GGUF names)."""
     layer_fields = set(fam.LayerParams.__dataclass_fields__)
     assert set(fam.HF_LAYER_NAMES) == layer_fields == set(fam.TP_LAYOUT)
     assert set(fam.HF_NAMES) == set(fam.Params.__dataclass_fields__) - {"layers"}
@@ -132,7 +133,10 @@ def test_family_tables_cover_the_params(fam) -> None:  # noqa: ANN001 - a family
     assert set(fam.GGUF_LAYER_NAMES.values()) <= hf_layer
     if fam is llama:
         assert set(fam.GGUF_LAYER_NAMES.values()) == hf_layer
-    assert set(fam.GGUF_NAMES.values()) == {name for name, _ in fam.HF_NAMES.values()}
+    if fam.GGUF_ARCHITECTURES:
+        assert set(fam.GGUF_NAMES.values()) == {name for name, _ in fam.HF_NAMES.values()}
+    else:
+        assert not fam.GGUF_NAMES and not fam.GGUF_LAYER_NAMES
     assert set(fam.LINEAR_FIELDS) | set(fam.KV_FIELDS) <= layer_fields
 
 

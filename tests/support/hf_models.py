@@ -9,6 +9,11 @@ The Gemma family (`GEMMA_ARCHS`, `build_gemma_model`) has builders of its own: a
 sliding / full pattern with a window of 4 tokens (shorter than every test prompt, so prompts
 span several windows), head_dim 32, Gemma 2's soft-caps low enough to bend the logits, Gemma
 3's qk-norm and two rope bases; the model and engine tests of the family share them.
+Gemma 4 (`GEMMA4_ARCHS`, built by the same `build_gemma_model`): the same pattern and window,
+local heads of 16 and global heads of 32 (proportional RoPE on a quarter of their pairs), and
+either K = V with one global KV head and a final soft-cap, or separate V with biases and an
+untied head, or per-layer embeddings with KV shared into the last two layers (double-wide
+MLPs there); norms and layer scalars perturbed around their start, 1.
 """
 
 from __future__ import annotations
@@ -87,6 +92,34 @@ GEMMA_ARCHS: dict[str, tuple[str, dict]] = {
 }
 
 
+_GEMMA4_BASE = dict(
+    {k: v for k, v in _GEMMA_BASE.items() if k != "query_pre_attn_scalar"}, head_dim=16,
+    global_head_dim=32, hidden_size_per_layer_input=0,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                 "sliding_attention", "full_attention"])
+GEMMA4_ARCHS: dict[str, tuple[str, dict]] = {
+    # Gemma 4 31B's attention: K = V on the global layers, fewer global KV heads (1 of 2).
+    "gemma4_kv": ("Gemma4TextConfig", dict(_GEMMA4_BASE, attention_k_eq_v=True,
+                                            num_global_key_value_heads=1,
+                                            final_logit_softcapping=3.0)),
+    # Separate V, q/k/v biases, an untied head, a global rope base of its own.
+    "gemma4_bias": ("Gemma4TextConfig", dict(
+        _GEMMA4_BASE, attention_bias=True, tie_word_embeddings=False,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                         "full_attention": {"rope_type": "proportional",
+                                            "partial_rotary_factor": 0.5,
+                                            "rope_theta": 1e5}})),
+    # Gemma 4 E2B / E4B's extras: per-layer embeddings (8 per layer), the last 2 layers
+    # reusing the K/V of the last earlier layer of their type, their MLP double-wide.
+    "gemma4_ple": ("Gemma4TextConfig", dict(
+        _GEMMA4_BASE, num_hidden_layers=6, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=GEMMA_VOCAB, num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                     "sliding_attention", "sliding_attention", "full_attention"])),
+}
+
+
 def build_gemma_model(arch: str, out_dir: pathlib.Path, **overrides: object):  # noqa: ANN201
     """Build the random HF Gemma model `arch` of GEMMA_ARCHS (config kwargs `overrides` on
     top), save it with the word tokenizer to `out_dir`; returns the torch model (eager
@@ -94,7 +127,7 @@ def build_gemma_model(arch: str, out_dir: pathlib.Path, **overrides: object):  #
     import torch
     import transformers
 
-    cls, kwargs = GEMMA_ARCHS[arch]
+    cls, kwargs = (GEMMA_ARCHS | GEMMA4_ARCHS)[arch]
     config = getattr(transformers, cls)(**(kwargs | overrides))
     config._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -102,6 +135,9 @@ def build_gemma_model(arch: str, out_dir: pathlib.Path, **overrides: object):  #
     with torch.no_grad():  # Gemma's norm offsets start at 0: perturb them, scale the rest
         for name, p in model.named_parameters():
             p.add_(0.3 * torch.randn_like(p)) if "norm" in name else p.mul_(2.0)
+        for name, b in model.named_buffers():  # Gemma 4's layer scalars start at 1
+            if name.endswith("layer_scalar"):
+                b.add_(0.3 * torch.randn_like(b))
     model.save_pretrained(out_dir, safe_serialization=True)
     save_tiny_tokenizer(out_dir, GEMMA_VOCAB)
     return model
@@ -119,5 +155,5 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001
     return out[0, len(prompt):].tolist()
 
 
-__all__ = ["ARCHS", "GEMMA_ARCHS", "build_gemma_model", "build_hf_model", "hf_greedy",
-           "save_tiny_tokenizer"]
+__all__ = ["ARCHS", "GEMMA_ARCHS", "GEMMA4_ARCHS", "build_gemma_model", "build_hf_model",
+           "hf_greedy", "save_tiny_tokenizer"]

@@ -107,12 +107,26 @@ def family_chain_extra(cfg: object) -> float:
     """What a layer's spec adds to the Llama-shaped chain of logits_rtol (0 for Llama):
     Gemma's sandwich norms (`post_norms`: two more hidden-length sums and two rsqrt), GeGLU's
     tanh, the attention soft-cap's tanh (soft-caps are 1-Lipschitz: they carry errors on
-    without growing them), the qk-norm's two rsqrt, and the final logit soft-cap's tanh."""
+    without growing them), the qk-norm's two rsqrt, Gemma 4's value norm (a head-dim sum and
+    an rsqrt), layer scalar (one more rounding, a sum of length 1) and per-layer inputs (their
+    projection and norm, then per layer the gate, product, projection and norm), and the
+    final logit soft-cap's tanh."""
     sums, stages = [], 0
     for spec in getattr(cfg, "layer_specs", ()):
         if spec.post_norms:
             sums += [cfg.hidden_size] * 2
             stages += 2
+        if getattr(spec, "v_norm", False):
+            sums.append(getattr(spec, "head_dim", None) or cfg.head_dim)
+            stages += 1
+        if getattr(spec, "layer_scalar", False):
+            sums.append(1)
+        if getattr(cfg, "per_layer_input_size", 0):  # the gated per-layer input: gate, its
+            sums += [cfg.hidden_size, cfg.per_layer_input_size, cfg.hidden_size]  # proj, norm
+            stages += 2  # tanh, rsqrt
+    if getattr(cfg, "per_layer_input_size", 0):  # the inputs' projection and its norm
+        sums += [cfg.hidden_size, cfg.per_layer_input_size]
+        stages += 1
         stages += ((spec.mlp_activation != "silu") + (spec.soft_cap is not None)
                    + 2 * bool(spec.qk_norm))
     stages += getattr(cfg, "final_soft_cap", None) is not None

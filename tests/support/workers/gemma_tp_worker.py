@@ -8,7 +8,13 @@ random weights (`tiny.random_model`: the family's own init, at the test suite's 
     TP > 1) with qk-norm, a sliding / full pattern with both rope bases and linear scaling on
     the global layers, a window of 4 that every prompt but one outgrows;
   - "gemma2-cap": Gemma 2 with both soft-caps low enough to bend the logits and 2 KV heads
-    (sharded at TP 2, replicated at TP 4).
+    (sharded at TP 2, replicated at TP 4);
+  - "gemma4-kv": Gemma 4 with local heads of 16 padded into global heads of 32, K = V on the
+    global layers, the value norm, layer scalars and proportional RoPE, per-layer embeddings
+    (their token table split by rows at TP 2), the last layer reusing layer 1's K/V with a
+    double-wide MLP, an untied head (tied, the scaled input embedding dominates and every step
+    repeats one token); its 2 KV heads sharded at TP 2 (the padded layers' heads split with
+    the others).
 For each (model, TP) row of the part named by the argument: greedy tokens, top-5 logprobs and
 top-3 prompt logprobs of tp_worker's prompts, compiles after warmup, and the model's logprob
 tolerance. "default": DEFAULT_ROWS (each model at one TP size, with its TP 1); "slow": the
@@ -44,11 +50,23 @@ CONFIGS = {
         _BASE, architectures=["Gemma2ForCausalLM"], model_type="gemma2", num_hidden_layers=4,
         num_key_value_heads=2, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
         rope_theta=10000.0),
+    "gemma4-kv": dict(
+        {k: v for k, v in _BASE.items() if k != "query_pre_attn_scalar"},
+        architectures=["Gemma4ForCausalLM"], model_type="gemma4_text", num_hidden_layers=4,
+        num_key_value_heads=2, global_head_dim=32, attention_k_eq_v=True,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=256, num_kv_shared_layers=1,
+        use_double_wide_mlp=True, tie_word_embeddings=False,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                     "full_attention"]),
 }
+# Rows at a TP size that divides the model's KV heads (sharded, not replicated).
+SHARDED_ROWS = {("gemma4-kv", 2)}
 ROWS = [(m, tp) for m in CONFIGS for tp in (1, 2, 4)]
 # Each model once past its KV heads in the default run: Gemma 3's single KV head replicated
 # over 2 devices, Gemma 2's two over 4 (and its soft-caps under the sharded attention).
-DEFAULT_ROWS = [("gemma3-kv1", 1), ("gemma3-kv1", 2), ("gemma2-cap", 1), ("gemma2-cap", 4)]
+# Gemma 4 at TP 2: its KV heads and padded global layers sharded.
+DEFAULT_ROWS = [("gemma3-kv1", 1), ("gemma3-kv1", 2), ("gemma2-cap", 1), ("gemma2-cap", 4),
+                ("gemma4-kv", 1), ("gemma4-kv", 2)]
 
 
 def model_of(name: str):  # noqa: ANN201 - LoadedModel
