@@ -38,11 +38,13 @@ TEXT = pathlib.Path(__file__).resolve().parents[2] / "tests" / "data" / "apache-
 # The quantized schemes run as the engine runs them: int8_activations auto (int8 / int4
 # weights as integer dots where this CPU can, kernels_pallas/dense_qdot_cpu.py); the "-a16"
 # rows keep the activations float (int8_activations off), so the pair shows what quantizing
-# the activations costs.
+# the activations costs, and "-g16" / "-g8" quantize them in groups of 16 / 8 (default 32).
 WEIGHTS = {
     "float32": {"quantization": "none"},
     "auto": {"quantization": "auto"},
     "auto-a16": {"quantization": "auto", "int8_activations": "off"},
+    "auto-g16": {"quantization": "auto", "int8_activation_group_size": 16},
+    "auto-g8": {"quantization": "auto", "int8_activation_group_size": 8},
     "int8": {"quantization": "int8"},
     "int8+lm_head": {"quantization": "int8", "quantize_lm_head": True},
     "fp8": {"quantization": "fp8"},
@@ -104,7 +106,9 @@ def text_logprobs(model_path: str | None, weights: dict, kv_dtype: str, ids: np.
     model = load_model(model_path, quant=wq)
     cfg, params = model.config, model.params
     if can_pack(params) is None:
-        params = pack_params(params, int8_activations=weights.get("int8_activations", "auto"))
+        params = pack_params(params, int8_activations=weights.get("int8_activations", "auto"),
+                             int8_activation_group_size=weights.get(
+                                 "int8_activation_group_size", 32))
     n = len(ids)
     pages = -(-n // PAGE) + 1
     dtype = {"auto": jnp.float32, "float32": jnp.float32, "bfloat16": jnp.bfloat16,
