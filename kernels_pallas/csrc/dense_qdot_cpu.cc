@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "dense_common.h"
@@ -178,15 +179,29 @@ inline vi vbcast(const int8_t* p) {
 inline vi vand(vi a, vi b) { return _mm512_and_si512(a, b); }
 inline vi vsrl4(vi a) { return _mm512_srli_epi16(a, 4); }
 inline vi vset8(int v) { return _mm512_set1_epi8(static_cast<char>(v)); }
+// A Dot policy: dot4 adds four u8 x s8 products per 32-bit lane into acc; finish turns a
+// group's acc into s32 lane sums; add joins two accumulators of one group.
+// - Madd (any AVX-512BW): vpmaddubsw gives s16 pair sums, added up in s16 over the whole
+//   activation group, one vpmaddwd per group widens them. int4 only: a pair is at most
+//   2 x 15 x 127 = 3,810, and a group of at most 32 k is 16 pairs per s16 lane after 8 quads:
+//   30,480 < 32,767, so nothing saturates (s16 adds wrap modulo 2^16, exact as the sum fits).
+// - Vnni: vpdpbusd sums straight into s32 (int8's u8 up to 255 needs it); the build with
+//   VNNI takes it for both schemes.
+struct Madd {
+  static vi dot4(vi acc, vi u, vi s) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(u, s)); }
+  static vi finish(vi acc) { return _mm512_madd_epi16(acc, _mm512_set1_epi16(1)); }
+  static vi add(vi a, vi b) { return _mm512_add_epi16(a, b); }
+};
 #if defined(__AVX512VNNI__)
 constexpr bool kVnni = true;
-inline vi dot4(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
+struct Vnni {
+  static vi dot4(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
+  static vi finish(vi acc) { return acc; }
+  static vi add(vi a, vi b) { return _mm512_add_epi32(a, b); }
+};
 #else
 constexpr bool kVnni = false;
-inline vi dot4(vi acc, vi u, vi s) {
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s),
-                                                 _mm512_set1_epi16(1)));
-}
+using Vnni = Madd;  // never chosen for int8 here (DenseQdot refuses it)
 #endif
 inline vf vcvt(vi a) { return _mm512_cvtepi32_ps(a); }
 inline vi vsub(vi a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
@@ -219,11 +234,21 @@ inline vi vset8(int v) {
   const __m256i b = _mm256_set1_epi8(static_cast<char>(v));
   return {b, b};
 }
+// As the AVX-512 build's Madd: s16 pair sums over the group, widened by finish.
 inline __m256i dot4h(__m256i acc, __m256i u, __m256i s) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
-                                                 _mm256_set1_epi16(1)));
+  return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s));
 }
-inline vi dot4(vi acc, vi u, vi s) { return {dot4h(acc.lo, u.lo, s.lo), dot4h(acc.hi, u.hi, s.hi)}; }
+struct Madd {
+  static vi dot4(vi acc, vi u, vi s) {
+    return {dot4h(acc.lo, u.lo, s.lo), dot4h(acc.hi, u.hi, s.hi)};
+  }
+  static vi finish(vi acc) {
+    const __m256i one = _mm256_set1_epi16(1);
+    return {_mm256_madd_epi16(acc.lo, one), _mm256_madd_epi16(acc.hi, one)};
+  }
+  static vi add(vi a, vi b) { return {_mm256_add_epi16(a.lo, b.lo), _mm256_add_epi16(a.hi, b.hi)}; }
+};
+using Vnni = Madd;
 inline vf vcvt(vi a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
 inline vi vsub(vi a, int32_t b) {
   const __m256i c = _mm256_set1_epi32(b);
@@ -279,23 +304,36 @@ void qtile(const Act& act, int64_t row, int64_t k0, int64_t k1, int64_t G, const
   for (int r = 0; r < R; ++r) {
     for (int p = 0; p < NP; ++p) f[r][p] = vfload(out + r * ldo + p * kPanel);
   }
+  // Few rows (a decode step) leave few independent accumulators, and vpdpbusd's latency (not
+  // its throughput) would set the pace: there each accumulator is split into kChains that
+  // take the quads in turn and are added at the group's end.
+  constexpr int kChains = R == 1 ? 4 : R == 2 ? 2 : 1;
+  using D = std::conditional_t<kVnni, Vnni, Madd>;
   for (int64_t a0 = k0; a0 < k1; a0 += A) {
-    vi acc[R][NP];
+    vi acc[R][NP][kChains];
     for (int r = 0; r < R; ++r) {
-      for (int p = 0; p < NP; ++p) acc[r][p] = vzero();
+      for (int p = 0; p < NP; ++p) {
+        for (int c = 0; c < kChains; ++c) acc[r][p][c] = vzero();
+      }
     }
-    for (int64_t k = a0; k < a0 + A; k += W::kStep) {
+    for (int64_t k = a0, q = 0; k < a0 + A; k += W::kStep) {
       vi w[NP][W::kQuads];
       for (int p = 0; p < NP; ++p) {
         const uint8_t* line = panel + p * pstride + k / W::kStep * kQuadBytes;
         __builtin_prefetch(line + kPrefetchLines * kQuadBytes);
         W::load(line, w[p]);
       }
-      for (int u = 0; u < W::kQuads; ++u) {
+      for (int u = 0; u < W::kQuads; ++u, ++q) {
+        const int c = static_cast<int>(q % kChains);
         for (int r = 0; r < R; ++r) {
           const vi b = vbcast(xq + r * K + k + 4 * u);
-          for (int p = 0; p < NP; ++p) acc[r][p] = dot4(acc[r][p], w[p][u], b);
+          for (int p = 0; p < NP; ++p) acc[r][p][c] = D::dot4(acc[r][p][c], w[p][u], b);
         }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int p = 0; p < NP; ++p) {
+        for (int c = 1; c < kChains; ++c) acc[r][p][0] = D::add(acc[r][p][0], acc[r][p][c]);
       }
     }
     const int64_t a = a0 / A, g = a0 / G;
@@ -303,7 +341,8 @@ void qtile(const Act& act, int64_t row, int64_t k0, int64_t k1, int64_t G, const
       const vf s = vfload(scales + p * sstride + g * kPanel);
       for (int r = 0; r < R; ++r) {
         const int64_t i = (row + r) * act.groups + a;
-        const vi dot = W::kZeros ? acc[r][p] : vsub(acc[r][p], 128 * act.qs[i]);
+        const vi sum = D::finish(acc[r][p][0]);
+        const vi dot = W::kZeros ? sum : vsub(sum, 128 * act.qs[i]);
         f[r][p] = vfma(vcvt(dot), vmul(vfset(act.d[i]), s), f[r][p]);
       }
       if (W::kZeros) {
@@ -358,6 +397,9 @@ ffi::Error DenseQdot(ffi::ThreadPool pool, ffi::AnyBuffer x_buf, ffi::AnyBuffer 
   if (pd[nd - 2] * W::kStep != K || yd[0] != M || N > P * kPanel || N <= (P - 1) * kPanel ||
       sd[nd - 3] != P || (nd == 4 && sd[0] != L) || G * groups != K) {
     return ffi::Error::InvalidArgument("dense_qdot: x / panels / scales / y do not agree");
+  }
+  if (!kVnni && A > 32) {  // Madd's s16 group sums would saturate
+    return ffi::Error::InvalidArgument("dense_qdot: activation groups of at most 32 here");
   }
   if (A <= 0 || A % W::kStep || G % A) {
     return ffi::Error::InvalidArgument(

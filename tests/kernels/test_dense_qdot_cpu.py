@@ -258,3 +258,24 @@ def test_bad_inputs_name_the_problem() -> None:
     with pytest.raises(ValueError, match="x must be float32"):
         dq.dense_qdot_packed(jnp.ones((2, 64), jnp.bfloat16), w, None, 32)
     assert dq.dense_qdot_packed(jnp.ones((0, 64)), w, None, 32).shape == (0, 32)
+
+
+@pytest.mark.parametrize("scheme,isa", scheme_isa_params())
+def test_extreme_products_do_not_saturate(scheme: str, isa: str) -> None:
+    """Every weight at its largest magnitude (int4 15, int8 -127) and every activation at
+    +-127 after quantization: the largest sums the integer paths can meet (int4 without VNNI
+    keeps 16 products of 15 x 127 per s16 lane over a group of 32: 30,480), exactly."""
+    k, n = 64, 32
+    if scheme == "int4":
+        values, zeros = pack_int4(np.full((k, n), 15, np.uint8)), np.zeros((k // 32, n), np.float32)
+    else:
+        values, zeros = np.full((k, n), -127, np.int8), None
+    scales = np.ones((k // 32, n), np.float32)
+    w = jax.tree.map(jnp.asarray, dq.pack_qdot(values, scales, zeros, scheme))
+    x = np.ones((3, k), np.float32)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    y = np.asarray(dq.dense_qdot_packed(jnp.asarray(x), w, None, n, isa=isa))
+    wf = float_weight(values[None], scales[None], None if zeros is None else zeros[None],
+                      scheme)[0]
+    np.testing.assert_allclose(y, x.astype(np.float64) @ wf, rtol=4 * F32_UNIT_ROUNDOFF)
