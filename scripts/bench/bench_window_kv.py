@@ -19,6 +19,12 @@ Figures, each with and without window-aware pages:
              8192 tokens, 256 generated, chunked prefill of 2048): the most sequences decoding
              at once (context >= 8192) and the preemptions it took. No model: the tokens
              are arithmetic (only the pages matter).
+  prefix     prefix-cache hit rate with the same budget: one request computes a 4096-token
+             prefix and goes on (its windows slide off the prefix), then 0, 2, ..., 40 unrelated
+             1k-token requests (cache pressure), then fit + 4 more sharing that prefix (+1024 own
+             tokens) arrive at once: the share of their prefix served from the cache, and
+             the pages a hit was cut back by because a sliding group no longer had its
+             window pages cached (served shorter, never with missing KV).
 
     python scripts/bench/bench_window_kv.py --json benchmarks/results/window_kv.json
 """
@@ -105,6 +111,42 @@ def concurrent_run(p: EnginePlan, num_requests: int, gen: int, seed: int) -> dic
             "steps": steps, "host_seconds": round(time.perf_counter() - t0, 2)}
 
 
+def prefix_run(p: EnginePlan, num_requests: int, prefix_len: int, suffix_len: int, gen: int,
+               filler: int, seed: int) -> dict:
+    """Prefix-cache hits on a shared prefix: one request computes it (and goes on past it,
+    so a sliding group's window slides off the prefix's end); then `filler` unrelated
+    1024-token requests (cache pressure: once the free pages are used up they evict the
+    oldest cached pages, the shared prefix's slid-out window pages first); then `num_requests`
+    that share the prefix arrive at once. hit_rate = prefix tokens those requests were
+    served from the cache on admission / their shareable prefix tokens (full pages);
+    window_cut_pages: pages the global group could have served but a sliding group had lost
+    its window pages (the hit was cut back there, not served with missing KV)."""
+    sched = Scheduler(dataclasses.replace(
+        p.scheduler, max_model_len=max(prefix_len + suffix_len, CONTEXT) + gen))
+    rng = random.Random(seed)
+    prefix = [rng.randrange(1, 200_000) for _ in range(prefix_len)]
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(1, 200_000) for _ in range(n)]
+
+    def run(reqs: list[Request]) -> None:
+        for r in reqs:
+            sched.add_request(r)
+        while sched.has_unfinished():
+            _step(sched)
+
+    run([_request("warm", prefix + tokens(suffix_len), gen)])
+    run([_request(f"f{i}", tokens(1024), gen) for i in range(filler)])
+    sharers = [_request(f"p{i}", prefix + tokens(suffix_len), gen) for i in range(num_requests)]
+    run(sharers)
+    ps = sched.cfg.page_size
+    served = sum(r.metrics.num_cached_tokens for r in sharers)
+    return {"sharers": num_requests, "filler_1k_requests": filler, "prefix_tokens": prefix_len,
+            "hit_rate": round(served / (num_requests * (prefix_len // ps * ps)), 4),
+            "window_cut_pages": sched.kv.window_cut_pages,
+            "preemptions": sched.num_preemptions}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget-gib", type=float, default=1.0, help="fixed KV budget")
@@ -146,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("window_aware", "all_pages"):
             result[name]["run"] = concurrent_run(plans[name], n, args.gen, seed=2)
         result["run_requests"] = n
+        for name in ("window_aware", "all_pages"):
+            result[name]["prefix"] = [prefix_run(plans[name], n, 4096, 1024, args.gen,
+                                                 filler, seed=3)
+                                      for filler in range(0, 41, 2)]
 
     mib = 2**20
     print(f"{result['model']}; context {CONTEXT}, pages of {args.page_size}, "
@@ -161,6 +207,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{run.get('max_concurrent_at_8k', '-'):>15} {run.get('preemptions', '-'):>8}")
     print(f"ratio (all pages / window-aware): planner {result['ratio_planner']:.2f}x, "
           f"allocator {result['ratio_allocator']:.2f}x")
+    if "prefix" in w:
+        first = w["prefix"][0]
+        print(f"prefix cache: {first['sharers']} requests sharing {first['prefix_tokens']} "
+              "tokens after N unrelated 1k-token requests (hit rate: share of their prefix "
+              "served from the cache; cut: pages cut back for lost window pages)")
+        print(f"{'N':>4} {'window-aware hit':>17} {'cut':>5} {'all-pages hit':>14}")
+        for pw, pa in zip(w["prefix"], a["prefix"]):
+            print(f"{pw['filler_1k_requests']:4d} {pw['hit_rate']:17.3f} "
+                  f"{pw['window_cut_pages']:5d} {pa['hit_rate']:14.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2, default=lambda o: dataclasses.asdict(o))
