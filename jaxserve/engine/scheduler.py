@@ -7,8 +7,10 @@ Plain Python (no jax). Data flow per step:
   matches the prefix cache, `prefix_cache.PrefixCache`); preemption when pages run out) -> the
   engine builds the device batch and runs it -> `update(output, sampled)` appends sampled
   tokens, advances `num_computed_tokens`, registers full pages in the prefix cache, releases
-  the forks waiting on a computed prompt (`forks.Forks`), applies token stop rules and frees
-  the pages of finished sequences.
+  the forks waiting on a computed prompt (`forks.Forks`), frees the pages that slid out of
+  a sliding-window KV group's window (`kv_manager.KVManager.slide`), applies token stop rules
+  and frees the pages of finished sequences. A sequence's pages in every KV group are the
+  `KVManager`'s to allocate and free.
 
 Overlap: the engine may call `schedule()` for step N+1 before `update()` of step N (whose
 sampled tokens are still on the device). `schedule()` therefore plans from
