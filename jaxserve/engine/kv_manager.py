@@ -58,11 +58,16 @@ class KVManager:
     def pages_needed(self, req: Request, num_tokens: int) -> int:
         """Fresh page ids `req` needs to hold pages for its first `num_tokens` tokens."""
         want = -(-num_tokens // self.page_size)
+        if self.groups is None:  # (the per-step hot path of every model without groups)
+            return want - len(req.pages)
         return sum(max(0, want - len(t)) for t in self.tables(req))
 
     def allocate(self, req: Request, num_tokens: int) -> None:
         """Extend every table of `req` to cover `num_tokens` tokens (`pages_needed` free)."""
         want = -(-num_tokens // self.page_size)
+        if self.groups is None:
+            req.pages.extend(self.allocator.allocate(want - len(req.pages)))
+            return
         for table in self.tables(req):
             if want > len(table):
                 table.extend(self.allocator.allocate(want - len(table)))
@@ -84,6 +89,8 @@ class KVManager:
 
         `num_computed_tokens`, not the scheduled count: a step dispatched but not applied
         reads from its first query's window on, which is no older than this one."""
+        if not self.sliding:
+            return
         for g, window in self.sliding:
             table = req.group_pages[g - 1] if req.group_pages else []
             stop = min(first_live_page(window, req.num_computed_tokens, self.page_size),
