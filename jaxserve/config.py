@@ -10,7 +10,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
+
+if TYPE_CHECKING:
+    from jaxserve.models.kv_groups import KVGroups
 
 DTYPES = ("float32", "bfloat16", "float16")
 # KV cache: "auto" (or None) = the model's dtype; int8 / fp8 (float8_e4m3fn) pages are stored
@@ -105,6 +108,14 @@ class SchedulerConfig:
     page_size: int = 16  # tokens per KV page
     num_pages: int = 1024  # KV pages incl. the trash page 0 (derived from a memory budget)
     enable_prefix_caching: bool = True
+    # The model's KV groups (`models/kv_groups.py`): a block table per group, sliding ones
+    # freeing pages that leave the window. None: one table for every layer.
+    kv_groups: "KVGroups | None" = None
+
+    @property
+    def kv_windows(self) -> tuple[int | None, ...]:
+        """Each KV group's window (None: global); one global group without KV groups."""
+        return (None,) if self.kv_groups is None else self.kv_groups.windows
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):

@@ -19,6 +19,12 @@ tables and slots are offset by i * num_pages pages, so the scatter and the atten
 reads touch only the pages they need, in place. The array is stored flat rather than as
 [L, num_pages, ...]: reshaping the scan-carried KV inside the loop, even to a bitcast-able
 shape, made XLA:CPU copy the whole KV once a step (~40 ms for 750 MB on a 2-core host).
+KV groups (`models/kv_groups.py`, models with sliding-window and global layers): the array is
+f[slots * num_pages, ...] instead, one run of pages per layer slot of a group; layer i reads
+its group's block table (`md.block_tables` i32[G, S, W], slots `md.slot_mapping` i32[G, T])
+offset by its slot's run, both picked by the scan index (a dynamic index of the small
+tables, no copy of KV). A sliding group's table has the trash page where its pages slid out
+of the window; the attention masks those keys, so they are never read into the softmax.
 A quantized cache (`kv_cache_dtype` int8 / fp8) is a `QuantizedKV`: the same pages in int8 /
 float8_e4m3fn plus f32 scales [L * num_pages, 2 * Hkv, page_size], carried, offset and sharded
 (by KV head, axis 1) the same way; q, k and v then stay in the model's dtype (write_kv
@@ -31,6 +37,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as PS
@@ -40,6 +47,7 @@ from ..kernels_pallas import (AttentionMetadata, KVPages, QuantizedKV, init_kv_p
 from .blocks import embed, lm_logits, per_layer_inputs
 from .config import LayerSpec, ModelConfig
 from .decoder import decoder_layer, init_shared_kv, scan_layers
+from .kv_groups import kv_groups, kv_layer_slots
 
 
 MODEL_AXIS = "model"  # the tensor-parallel mesh axis (models/placement.py)
@@ -59,7 +67,7 @@ def kv_specs(quantized: bool) -> PS | QuantizedKV:
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: object,
                   head_dim: int | None = None) -> KVPages:
     """Zeroed KV cache of `kv_cache_shape` (a QuantizedKV for int8 / float8_e4m3fn)."""
-    return init_kv_pages(cfg.num_layers * num_pages, page_size, cfg.num_kv_heads,
+    return init_kv_pages(kv_layer_slots(cfg) * num_pages, page_size, cfg.num_kv_heads,
                          head_dim or cfg.head_dim, dtype)
 
 
@@ -67,7 +75,7 @@ def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int,
                    head_dim: int | None = None) -> tuple[int, ...]:
     """Shape of the KV pages of all layers, laid end to end (`num_pages` per layer);
     `head_dim` may be padded for a kernel's alignment."""
-    return kv_pages_shape(cfg.num_layers * num_pages, page_size, cfg.num_kv_heads,
+    return kv_pages_shape(kv_layer_slots(cfg) * num_pages, page_size, cfg.num_kv_heads,
                           head_dim or cfg.head_dim)
 
 
@@ -93,10 +101,12 @@ def paged_hidden(params: Any, kv_pages: KVPages, token_ids: jax.Array,
     slice of the KV pages, with the metadata replicated; XLA partitions the rest.
     """
     total_pages, _, page_size, _ = kv_pages.shape
-    if total_pages % cfg.num_layers:
-        raise ValueError(f"kv_pages has {total_pages} pages, not a multiple of num_layers="
-                         f"{cfg.num_layers} (expected kv_cache_shape's layout)")
-    num_pages = total_pages // cfg.num_layers
+    groups = kv_groups(cfg)  # static: a function of the config
+    slots = kv_layer_slots(cfg)
+    if total_pages % slots:
+        raise ValueError(f"kv_pages has {total_pages} pages, not a multiple of {slots} layer "
+                         "slots (expected kv_cache_shape's layout)")
+    num_pages = total_pages // slots
     quantized = isinstance(kv_pages, QuantizedKV)
     kv_spec = kv_specs(quantized)
 
@@ -119,9 +129,16 @@ def paged_hidden(params: Any, kv_pages: KVPages, token_ids: jax.Array,
                                                 soft_cap=spec.soft_cap, impl=attn_impl)
                 return out.astype(q.dtype), flat
 
-            base = i * num_pages
-            layer_md = dataclasses.replace(md, block_tables=md.block_tables + base,
-                                           slot_mapping=md.slot_mapping + base * page_size)
+            if groups is None:
+                base = i * num_pages
+                layer_md = dataclasses.replace(md, block_tables=md.block_tables + base,
+                                               slot_mapping=md.slot_mapping + base * page_size)
+            else:
+                g = jnp.asarray(groups.layer_groups, jnp.int32)[i]
+                base = jnp.asarray(groups.layer_slots, jnp.int32)[i] * num_pages
+                layer_md = dataclasses.replace(
+                    md, block_tables=md.block_tables[g] + base,
+                    slot_mapping=md.slot_mapping[g] + base * page_size)
             if mesh is None:
                 return attend(q, k, v, flat, layer_md)
             heads = PS(None, MODEL_AXIS, None)  # [T, H, D] split by head

@@ -124,11 +124,13 @@ def empty_batch(shape: BatchShape, num_tokens: int, num_seqs: int, penalties: bo
     S = num_seqs
     i32 = np.int32
     bias_ids, bias_values = pad_bias(S, bias)
+    groups = () if shape.num_kv_groups == 1 else (shape.num_kv_groups,)  # KV groups' tables
     return StepBatch(
         token_ids=np.zeros(num_tokens, i32), feed_rows=np.full(num_tokens, -1, i32),
         positions=np.zeros(num_tokens, i32),
-        slot_mapping=np.zeros(num_tokens, i32),
-        block_tables=np.zeros((S, shape.max_pages_per_seq), i32), kv_lens=np.zeros(S, i32),
+        slot_mapping=np.zeros(groups + (num_tokens,), i32),
+        block_tables=np.zeros(groups + (S, shape.max_pages_per_seq), i32),
+        kv_lens=np.zeros(S, i32),
         cu_q_lens=np.zeros(S + 1, i32), num_seqs=np.zeros(1, i32),
         logits_indices=np.zeros(S, i32), sampling=pad_rows(S),
         rng_key=np.zeros((S, 2), np.uint32), history=np.full((S, P), -1, i32),

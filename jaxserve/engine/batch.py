@@ -10,6 +10,12 @@ vLLM's vocabulary, for the T_b padded tokens of the S_b padded sequences of one 
   slot_mapping           i32[T_b]  page * page_size + offset where each new token's K/V goes;
                                     padding tokens write into the trash page 0
   block_tables           i32[S_b, max_pages_per_seq]  each sequence's pages (0-padded)
+                                    With KV groups (`BatchShape.num_kv_groups` G > 1, a model
+                                    with sliding-window and global layers): slot_mapping is
+                                    i32[G, T_b] and block_tables i32[G, S_b, max_pages_per_seq],
+                                    group g's slots and tables (`Request.pages`, then
+                                    `Request.group_pages`; a sliding group's slid-out pages
+                                    are the trash page 0)
   kv_lens                i32[S_b]  context + new tokens (0 for padding sequences)
   cu_q_lens              i32[S_b + 1]  query offsets (padding sequences have length 0)
   num_seqs               i32[1]
@@ -168,6 +174,7 @@ class BatchShape:
     max_pages_per_seq: int
     vocab_size: int
     history_len: int  # P when penalties are on (max_model_len)
+    num_kv_groups: int = 1  # G: block tables per sequence (`models/kv_groups.py`)
 
 
 def build_batch(out: SchedulerOutput, shape: BatchShape,
@@ -194,7 +201,10 @@ def build_batch(out: SchedulerOutput, shape: BatchShape,
     rows: list[tuple] = []
     seeds: list[int] = []
     counters: list[int] = []
-    block_tables = np.zeros((S, shape.max_pages_per_seq), np.int32)
+    G = shape.num_kv_groups
+    block_tables = np.zeros((S, shape.max_pages_per_seq), np.int32) if G == 1 else \
+        np.zeros((G, S, shape.max_pages_per_seq), np.int32)
+    group_slots: list[list[int]] = [[] for _ in range(G - 1)]  # groups 1.. (G > 1)
     penalised: list[int] = []
     biased: list[int] = []
     masked: list[tuple[int, Request]] = []  # rows that sample under a token mask
@@ -222,7 +232,14 @@ def build_batch(out: SchedulerOutput, shape: BatchShape,
             tok.extend(req.all_token_ids[start:start + n])
             pos.extend(p.tolist())
             slot.extend((np.asarray(pages)[p // ps] * ps + p % ps).tolist())
-        block_tables[row, : len(pages)] = pages
+        if G == 1:
+            block_tables[row, : len(pages)] = pages
+        else:
+            block_tables[0, row, : len(pages)] = pages
+            p = np.arange(start, start + n)
+            for g, table in enumerate(req.group_pages, 1):
+                block_tables[g, row, : len(table)] = table
+                group_slots[g - 1].extend((np.asarray(table)[p // ps] * ps + p % ps).tolist())
         q_lens.append(n)
         kv_lens_l.append(start + n)
         sp = req.sampling_params
@@ -242,13 +259,18 @@ def build_batch(out: SchedulerOutput, shape: BatchShape,
     t = len(tok)
     token_ids = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
-    slot_mapping = np.zeros(T, np.int32)  # padding -> trash page 0, offset 0
+    slot_mapping = np.zeros(T if G == 1 else (G, T), np.int32)  # padding -> trash page 0
     token_ids[:t] = tok
     feed_rows = np.full(T, -1, np.int32)
     for i, r in feeds:
         feed_rows[i] = r
     positions[:t] = pos
-    slot_mapping[:t] = slot
+    if G == 1:
+        slot_mapping[:t] = slot
+    else:
+        slot_mapping[0, :t] = slot
+        for g, slots in enumerate(group_slots, 1):
+            slot_mapping[g, :t] = slots
     kv_lens = np.zeros(S, np.int32)
     kv_lens[:num] = kv_lens_l
     cu_q_lens = np.zeros(S + 1, np.int32)

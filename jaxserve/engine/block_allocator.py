@@ -123,19 +123,31 @@ class BlockAllocator:
         """Take a reference on the longest cached run of `hashes`; returns those pages."""
         if not self.enable_prefix_caching:
             return []
-        self.prefix_queries += len(hashes)
         pages: list[int] = []
         for h in hashes:
-            page = self._cached.get(h)
+            page = self.cached_page(h)
             if page is None:
                 break
             pages.append(page)
+        self.take(pages)
+        self.count_prefix(len(hashes), len(pages))
+        return pages
+
+    def cached_page(self, page_hash: bytes) -> int | None:
+        """The page caching `page_hash` (live or evictable), or None; takes no reference."""
+        return self._cached.get(page_hash) if self.enable_prefix_caching else None
+
+    def take(self, pages: Sequence[int]) -> None:
+        """Take a reference on cached pages (`cached_page`), pulling free ones out of the LRU."""
         for page in pages:
             if self._ref[page] == 0:
                 del self._evictable[page]
             self._ref[page] += 1
-        self.prefix_hits += len(pages)
-        return pages
+
+    def count_prefix(self, queried: int, hit: int) -> None:
+        """Count a prefix lookup of `queried` pages of which `hit` were served."""
+        self.prefix_queries += queried
+        self.prefix_hits += hit
 
     def register(self, page: int, page_hash: bytes) -> None:
         """Record that `page` holds the full, computed page whose chained hash is `page_hash`."""

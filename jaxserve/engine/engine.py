@@ -101,7 +101,7 @@ class Engine:
             max_model_len=sc.max_model_len, vocab_size=plan.batch_shape.vocab_size,
             page_size=sc.page_size, num_kv_pages=sc.num_pages - 1,
             max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
-            eos_token_ids=self.eos_token_ids, max_token_bytes=tokenizer.max_token_bytes,
+            kv_windows=sc.kv_windows, eos_token_ids=self.eos_token_ids, max_token_bytes=tokenizer.max_token_bytes,
             grammars=grammar_compiler(tokenizer, plan.batch_shape.vocab_size),
             encode_words=functools.partial(tokenizer.encode, add_special_tokens=False))
         self.num_steps = 0

@@ -11,7 +11,7 @@ Data flow:
     once and it computes its prompt itself (mostly from the prefix cache when that is on).
   the parent's update reaches the end of its prompt, or the parent finishes first ->
     `release(parent)`: each held child still waiting takes a reference on the parent's full
-    prompt pages (`BlockAllocator.share`) as the start of its block table (`Request.pages`),
+    prompt pages (`KVManager.share_prefix`) as the start of its block table (`Request.pages`),
     with `num_computed_tokens` past them: only the partial last page is its own to compute.
     A finished parent has freed its pages and shares nothing. The scheduler queues the
     returned children in their arrival order.
@@ -23,13 +23,13 @@ scheduler counts them as waiting (`num_held`).
 
 from __future__ import annotations
 
-from jaxserve.engine.block_allocator import BlockAllocator
+from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.request import Request, RequestStatus
 
 
 class Forks:
-    def __init__(self, allocator: BlockAllocator, page_size: int):
-        self.allocator = allocator
+    def __init__(self, kv: KVManager, page_size: int):
+        self.kv = kv
         self.page_size = page_size
         self._held: dict[int, list[Request]] = {}  # parent seq_id -> its children waiting
 
@@ -54,17 +54,19 @@ class Forks:
         ps = self.page_size
         # Full pages before the prompt's last token: a child computes at least that token,
         # for the logits of its own first sample (as a prefix-cache match does).
-        shared = parent.pages[: (parent.num_prompt_tokens - 1) // ps] \
-            if parent.status is RequestStatus.RUNNING else []
+        k = (parent.num_prompt_tokens - 1) // ps \
+            if parent.status is RequestStatus.RUNNING else 0
         released = []
         for child in children:
             if child.status is not RequestStatus.WAITING:
                 continue
-            if shared:
-                self.allocator.share(shared)
-                child.pages = list(shared)
-                child.num_computed_tokens = child.num_scheduled_tokens = len(shared) * ps
-                child.num_registered_pages = len(shared)
+            # With sliding KV groups the parent may have freed the window pages the child's
+            # first query needs: then `share_prefix` shares nothing.
+            tables = self.kv.share_prefix(parent, k) if k else None
+            if tables is not None:
+                child.pages, child.group_pages = tables[0], tables[1:]
+                child.num_computed_tokens = child.num_scheduled_tokens = k * ps
+                child.num_registered_pages = k
                 child.metrics.num_cached_tokens = child.num_computed_tokens
             released.append(child)
         return released

@@ -97,9 +97,14 @@ def _check_prompt_len(n: int, limit: int) -> None:
 
 
 def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-               page_size: int, num_kv_pages: int) -> int:
+               page_size: int, num_kv_pages: int,
+               kv_windows: tuple[int | None, ...] = (None,), max_chunk: int = 0) -> int:
     """Prompt length and max_tokens against max_model_len, and the KV cache: can the
-    sequence run to completion? Returns max_tokens resolved (None: up to max_model_len)."""
+    sequence run to completion? Returns max_tokens resolved (None: up to max_model_len).
+
+    `kv_windows`: the window of each KV group (None: global), whose pages a sequence holds
+    side by side; a sliding group holds at most the pages of its window and of one prefill
+    chunk of up to `max_chunk` tokens."""
     n, limit = num_prompt_tokens, max_model_len
     _check_prompt_len(n, limit)
     if max_tokens is None:
@@ -110,7 +115,9 @@ def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: in
             f"must be <= max_model_len={limit}, so max_tokens must be in [0, {limit - n}]",
             "max_tokens")
     total = n + max_tokens
-    pages = -(-total // page_size)
+    full = -(-total // page_size)
+    pages = sum(full if w is None else min(full, -(-(w - 1 + max_chunk) // page_size) + 1)
+                for w in kv_windows)
     if pages > num_kv_pages:
         raise InvalidRequest(
             f"prompt + max_tokens = {total} tokens need {pages} KV pages but the cache "
@@ -132,6 +139,8 @@ class EngineLimits:
     eos_token_ids: tuple[int, ...]
     max_logprobs: int = MAX_LOGPROBS
     max_n: int = MAX_N
+    # Each KV group's window (`SchedulerConfig.kv_windows`): a sequence holds pages in all.
+    kv_windows: tuple[int | None, ...] = (None,)
     # UTF-8 bytes one token covers at most (`Tokenizer.max_token_bytes`); None: unknown, the
     # prompt byte bound falls back to FALLBACK_TOKEN_BYTES per token.
     max_token_bytes: int | None = None
@@ -191,7 +200,7 @@ class EngineLimits:
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
         return check_fits(num_prompt_tokens, max_tokens, self.max_model_len, self.page_size,
-                          self.num_kv_pages)
+                          self.num_kv_pages, self.kv_windows, self.max_num_batched_tokens)
 
     def truncate(self, ids: Sequence[int], params: SamplingParams) -> Sequence[int]:
         """The prompt ids `params.truncate_prompt_tokens` keeps (vLLM's left truncation): the

@@ -14,6 +14,10 @@ Data flow:
     become full and computed under its hash (`BlockAllocator.register`), for later sequences
     (and this one, recomputing after a preemption) to match.
 
+KV groups (`kv_manager.KVManager`): a hit is only as long as every group can serve it: a
+sliding group needs the pages under the window of the first query after the hit still
+cached (slid-out pages stay cached until evicted), else the hit is cut back.
+
 State: the cache itself (hash -> page, the LRU of cached free pages) is the allocator's; per
 sequence, `page_hashes` and `num_registered_pages` live on the `Request` (a preemption resets
 `num_registered_pages`, the hashes stay valid: the tokens do not change). This class keeps no
@@ -22,13 +26,14 @@ state of its own, only the rules.
 
 from __future__ import annotations
 
-from jaxserve.engine.block_allocator import BlockAllocator, hash_pages
+from jaxserve.engine.block_allocator import hash_pages
+from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.request import Request
 
 
 class PrefixCache:
-    def __init__(self, allocator: BlockAllocator, page_size: int, enabled: bool):
-        self.allocator = allocator
+    def __init__(self, kv: KVManager, page_size: int, enabled: bool):
+        self.kv = kv
         self.page_size = page_size
         self.enabled = enabled
 
@@ -38,10 +43,10 @@ class PrefixCache:
             return  # (cached positions are never computed, so they would have no logprobs)
         # At least one token must be computed to produce logits.
         hashes = self._full_page_hashes(req, req.num_tokens - 1)
-        pages = self.allocator.match_prefix(hashes)
-        req.pages = pages
-        req.num_computed_tokens = req.num_scheduled_tokens = len(pages) * self.page_size
-        req.num_registered_pages = len(pages)
+        k, tables = self.kv.match_prefix(hashes)
+        req.pages, req.group_pages = tables[0], tables[1:]
+        req.num_computed_tokens = req.num_scheduled_tokens = k * self.page_size
+        req.num_registered_pages = k
         if req.metrics.first_scheduled_time is None:
             req.metrics.num_cached_tokens = req.num_computed_tokens
 
@@ -49,8 +54,7 @@ class PrefixCache:
         """Give back the pages `match` took, if the sequence holds nothing else yet."""
         if req.pages and req.num_computed_tokens == req.num_registered_pages * self.page_size:
             # Matched pages only (nothing computed yet): give the references back.
-            self.allocator.free(req.pages)
-            req.pages = []
+            self.kv.free(req)
             req.num_computed_tokens = req.num_scheduled_tokens = 0
             req.num_registered_pages = 0
 
@@ -62,8 +66,7 @@ class PrefixCache:
         if full <= req.num_registered_pages:
             return
         hashes = self._full_page_hashes(req, full * self.page_size)
-        for i in range(req.num_registered_pages, full):
-            self.allocator.register(req.pages[i], hashes[i])
+        self.kv.register(req, req.num_registered_pages, full, hashes)
         req.num_registered_pages = full
 
     def _full_page_hashes(self, req: Request, num_tokens: int) -> list[bytes]:

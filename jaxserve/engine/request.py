@@ -96,7 +96,11 @@ class Request:
     num_computed_tokens: int = 0
     num_scheduled_tokens: int = 0  # >= num_computed_tokens: includes dispatched steps
     num_in_flight: int = 0  # tokens sampled by dispatched steps, not yet applied
-    pages: list[int] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)  # KV group 0's block table
+    # The block tables of KV groups 1.. (`models/kv_groups.py`; empty for a model without
+    # groups). A sliding group's table keeps its length (one entry per page of the
+    # sequence) with the trash page 0 where pages slid out of the window were freed.
+    group_pages: list[list[int]] = dataclasses.field(default_factory=list)
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of full pages
     num_registered_pages: int = 0  # pages already entered into the prefix cache
     output_token_ids: list[int] = dataclasses.field(default_factory=list)

@@ -7,8 +7,10 @@ Plain Python (no jax). Data flow per step:
   matches the prefix cache, `prefix_cache.PrefixCache`); preemption when pages run out) -> the
   engine builds the device batch and runs it -> `update(output, sampled)` appends sampled
   tokens, advances `num_computed_tokens`, registers full pages in the prefix cache, releases
-  the forks waiting on a computed prompt (`forks.Forks`), applies token stop rules and frees
-  the pages of finished sequences.
+  the forks waiting on a computed prompt (`forks.Forks`), frees the pages that slid out of
+  a sliding-window KV group's window (`kv_manager.KVManager.slide`), applies token stop rules
+  and frees the pages of finished sequences. A sequence's pages in every KV group are the
+  `KVManager`'s to allocate and free.
 
 Overlap: the engine may call `schedule()` for step N+1 before `update()` of step N (whose
 sampled tokens are still on the device). `schedule()` therefore plans from
@@ -52,6 +54,7 @@ from typing import Callable, Iterable, Sequence
 from jaxserve.config import SchedulerConfig
 from jaxserve.engine.block_allocator import BlockAllocator
 from jaxserve.engine.forks import Forks
+from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.limits import check_fits
 from jaxserve.engine.prefix_cache import PrefixCache
 from jaxserve.engine.request import FinishReason, Request, RequestStatus
@@ -85,9 +88,11 @@ class Scheduler:
         self.cfg = cfg
         self.clock = clock
         self.allocator = BlockAllocator(cfg.num_pages, cfg.page_size, cfg.enable_prefix_caching)
-        # The pages are the allocator's, the allocator the scheduler's: these two only call it.
-        self._prefix_cache = PrefixCache(self.allocator, cfg.page_size, cfg.enable_prefix_caching)
-        self._forks = Forks(self.allocator, cfg.page_size)  # n > 1 samples held for a prompt
+        # The pages are the allocator's, the allocator the KV manager's (a sequence's pages
+        # in every KV group), the manager the scheduler's: these two only call it.
+        self.kv = KVManager(self.allocator, cfg.kv_groups)
+        self._prefix_cache = PrefixCache(self.kv, cfg.page_size, cfg.enable_prefix_caching)
+        self._forks = Forks(self.kv, cfg.page_size)  # n > 1 samples held for a prompt
         self.running: list[Request] = []
         self._waiting: list[tuple[int, int, Request]] = []  # heap of (priority, order, req)
         self._num_waiting = 0
@@ -102,7 +107,8 @@ class Scheduler:
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise InvalidRequest when a sequence could never run to completion."""
         check_fits(num_prompt_tokens, max_tokens, self.cfg.max_model_len, self.cfg.page_size,
-                   self.allocator.num_usable_pages)
+                   self.allocator.num_usable_pages, self.cfg.kv_windows,
+                   self.cfg.max_num_batched_tokens)
 
     def add_request(self, req: Request, fork_of: Request | None = None,
                     checked: bool = False) -> None:
@@ -234,7 +240,7 @@ class Scheduler:
         A running `req` may preempt any running sequence ranked after it, or itself last
         (may_self); a waiting one only sequences of strictly lower priority.
         """
-        need = -(-num_tokens // self.cfg.page_size) - len(req.pages)
+        need = self.kv.pages_needed(req, num_tokens)
         while need > self.allocator.num_free_pages:
             victim = self.running[-1] if self.running else None
             if victim is None or victim is req:
@@ -248,13 +254,12 @@ class Scheduler:
                 return False
             self._preempt(victim, preempted)
         if need > 0:
-            req.pages.extend(self.allocator.allocate(need))
+            self.kv.allocate(req, num_tokens)
         return True
 
     def _preempt(self, req: Request, preempted: list[Request]) -> None:
         self.running.remove(req)
-        self.allocator.free(req.pages)
-        req.pages = []
+        self.kv.free(req)
         req.num_computed_tokens = req.num_scheduled_tokens = req.num_in_flight = 0
         req.num_registered_pages = 0
         req.status = RequestStatus.WAITING
@@ -295,6 +300,9 @@ class Scheduler:
         self._prefix_cache.register(req)
         if req.num_computed_tokens >= req.num_prompt_tokens:
             self._release_forks(req)
+        # After the prefix cache and the forks took what they share: pages that slid out of
+        # a sliding group's window are freed (still cached until evicted).
+        self.kv.slide(req)
         if not seq.samples or token is None:
             return False
         if req.max_tokens == 0:  # prefill only (prompt scoring): nothing is generated
@@ -338,9 +346,7 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING and not self._forks.drop(req):
             self._num_waiting -= 1  # lazy deletion: its heap entry is skipped at the top
-        if req.pages:
-            self.allocator.free(req.pages)
-            req.pages = []
+        self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.error = error

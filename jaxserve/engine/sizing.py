@@ -9,6 +9,12 @@ device memory after the weights (on a CPU host, of the available RAM), never mor
 plus the trash page 0. Bytes per page count the page dtype's values and, for a quantized
 cache, the scales beside them (`kv_scale_bytes` per token, KV head and K-or-V: 4 for int8 /
 fp8 pages' f32 scales), so the same budget holds ~2x the tokens of bfloat16 at head dim 64.
+
+KV groups (`models/kv_groups.py`, models with sliding-window and global layers): a page id
+holds one page in each of the group size's layer slots (not in every layer), and a sequence
+of max_model_len tokens holds all its pages in each global group but only ~window / page_size
+in each sliding group, so the same budget holds several times the long sequences
+(`EnginePlan.kv_bytes_per_seq`; scripts/bench/bench_window_kv.py measures it).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import TYPE_CHECKING
 from jaxserve.config import EngineConfig, SchedulerConfig
 from jaxserve.engine.batch import BatchShape, default_token_buckets
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.kv_groups import kv_groups
 
 if TYPE_CHECKING:
     import jax
@@ -33,6 +40,9 @@ class EnginePlan:
     batch_shape: BatchShape
     kv_bytes_per_page: int
     kv_budget_bytes: int
+    # KV bytes one sequence of max_model_len tokens holds at most (all its pages, over every
+    # KV group: a sliding group's window only).
+    kv_bytes_per_seq: int = 0
 
 
 def free_device_memory(device: "jax.Device") -> int | None:
@@ -51,10 +61,12 @@ def available_host_memory() -> int:
 
 
 def kv_bytes_per_token(model: ModelConfig, kv_itemsize: int, kv_head_dim: int | None = None,
-                       kv_scale_bytes: int = 0) -> int:
-    """KV bytes one token takes over all layers: K and V of every KV head, values + scales."""
+                       kv_scale_bytes: int = 0, num_layers: int | None = None) -> int:
+    """KV bytes one token takes over all layers (or `num_layers` of them: a page id's layer
+    slots with KV groups): K and V of every KV head, values + scales."""
     head_dim = kv_head_dim or model.head_dim
-    return model.num_layers * 2 * model.num_kv_heads * (head_dim * kv_itemsize + kv_scale_bytes)
+    layers = model.num_layers if num_layers is None else num_layers
+    return layers * 2 * model.num_kv_heads * (head_dim * kv_itemsize + kv_scale_bytes)
 
 
 def plan_engine(cfg: EngineConfig, model: ModelConfig, kv_itemsize: int,
@@ -66,9 +78,19 @@ def plan_engine(cfg: EngineConfig, model: ModelConfig, kv_itemsize: int,
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                          f"max_position_embeddings={model.max_position_embeddings}")
     ps = cfg.page_size
-    per_page = ps * kv_bytes_per_token(model, kv_itemsize, kv_head_dim, kv_scale_bytes)
-    pages_per_seq = -(-max_model_len // ps)
-    wanted = cfg.max_num_seqs * pages_per_seq
+    groups = kv_groups(model)
+    pages_per_seq = -(-max_model_len // ps)  # a block table's width
+    if groups is None:
+        per_page = ps * kv_bytes_per_token(model, kv_itemsize, kv_head_dim, kv_scale_bytes)
+        held_per_seq = pages_per_seq
+        wanted = cfg.max_num_seqs * pages_per_seq
+    else:
+        per_page = ps * kv_bytes_per_token(model, kv_itemsize, kv_head_dim, kv_scale_bytes,
+                                           groups.slots)
+        held_per_seq = groups.pages_per_seq(max_model_len, ps)
+        # Plus one step's prefill chunks, which each sliding group holds until they slide out.
+        wanted = cfg.max_num_seqs * held_per_seq + len(groups.sliding) * (
+            -(-cfg.max_num_batched_tokens // ps) + cfg.max_num_seqs)
     if cfg.kv_cache_memory is not None:
         budget = cfg.kv_cache_memory
     else:
@@ -84,7 +106,8 @@ def plan_engine(cfg: EngineConfig, model: ModelConfig, kv_itemsize: int,
                             max_num_batched_tokens=cfg.max_num_batched_tokens,
                             decode_token_budget=decode_budget,
                             max_model_len=max_model_len, page_size=ps, num_pages=usable + 1,
-                            enable_prefix_caching=cfg.enable_prefix_caching)
+                            enable_prefix_caching=cfg.enable_prefix_caching,
+                            kv_groups=groups)
     # Token buckets: 1, 2, 4, 8, multiples of 8 to 64, then 4 per octave
     # (`batch.default_token_buckets`, where the measurements behind it are). The smallest is
     # 1: a lone stream pays for no padding rows (bundled model, 2-core CPU, decode step of
@@ -102,6 +125,8 @@ def plan_engine(cfg: EngineConfig, model: ModelConfig, kv_itemsize: int,
         pairs = sorted((t, s) for t in token_buckets for s in cfg.seq_buckets if s <= t)
     shape = BatchShape(buckets=tuple(pairs),
                        page_size=ps, max_pages_per_seq=pages_per_seq,
-                       vocab_size=model.vocab_size, history_len=max_model_len)
+                       vocab_size=model.vocab_size, history_len=max_model_len,
+                       num_kv_groups=1 if groups is None else groups.num_groups)
     return EnginePlan(scheduler=sched, batch_shape=shape, kv_bytes_per_page=per_page,
-                      kv_budget_bytes=usable * per_page)
+                      kv_budget_bytes=usable * per_page,
+                      kv_bytes_per_seq=held_per_seq * per_page)

@@ -108,7 +108,10 @@ def test_mixed_layer_model_greedy_equals_rollout(budget, page_size, caching, kv_
               enable_prefix_caching=caching, max_model_len=128, attention_impl=impl)
     eng = tiny_engine(model, warmup=kv_pages is None, **kw)
     if kv_pages is not None:
-        eng = tiny_engine(model, kv_cache_memory=kv_pages * eng.plan.kv_bytes_per_page, **kw)
+        # kv_pages pages per block table: the model has a table per KV group, each page id
+        # a page in each of a group's layer slots.
+        eng = tiny_engine(model, kv_cache_memory=kv_pages * eng.plan.batch_shape.num_kv_groups
+                          * eng.plan.kv_bytes_per_page, **kw)
     finals = run_all(eng, prompts, max_tokens=12)
     compiles = eng.runner.compiles_after_warmup
     for i, p in enumerate(prompts):
@@ -137,10 +140,14 @@ def gemma(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 # Chunked prefill with prefix hits on the C++ kernel; tiny pages with preemptions on the
-# reference (the two cases of the mixed-layer test above).
+# reference, here in chunks of 16 tokens too. 36 page ids over the 3 block tables (global,
+# two sliding groups: each sliding table holds ~2 pages once decoding), just over the 34 one
+# sequence can need (22 global + 6 per sliding group during a chunk): the sliding groups
+# free what leaves the window, so the mixed-layer test's budget would hold every prompt at
+# once and nothing would be preempted.
 @pytest.mark.parametrize("budget,page_size,caching,kv_pages,impl", [
     (16, 8, True, None, "cpu"),
-    (64, 4, False, 30, "reference"),
+    (16, 4, False, 36, "reference"),
 ], ids=["chunked-prefix-cpu", "tiny-pages-preempt-reference"])
 def test_gemma_greedy_equals_transformers_generate(gemma, budget, page_size, caching,  # noqa: ANN001
                                                    kv_pages, impl) -> None:

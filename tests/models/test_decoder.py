@@ -20,6 +20,7 @@ from jaxserve.kernels_pallas import AttentionMetadata
 from jaxserve.models import decoder, paged, tiny
 from jaxserve.models.blocks import causal_mask, embed, lm_logits, masked_attention
 from jaxserve.models.config import LayerGroup, ModelConfig
+from jaxserve.models.kv_groups import first_live_page, kv_groups
 from jaxserve.models.packing import pack_params
 from jaxserve.models.quant import WeightQuant
 from jaxserve.models.quantized_params import quantize_params
@@ -99,13 +100,26 @@ def test_grouped_scan_reads_packed_and_quantized_stacks(model: tuple[ModelConfig
                                np.asarray(loop), rtol=1e-3, atol=1e-3)
 
 
-def _chunk_metadata(start: int, stop: int, page_size: int, max_pages: int) -> AttentionMetadata:
-    """One sequence at pages 1, 2, ... (page 0 is trash), new tokens [start, stop)."""
+def _chunk_metadata(start: int, stop: int, page_size: int, max_pages: int,
+                    cfg: ModelConfig) -> AttentionMetadata:
+    """One sequence, new tokens [start, stop); page 0 is trash. The model has KV groups
+    (`models/kv_groups.py`): group g's table is pages g * max_pages + 1, 2, ..., with the
+    trash page where a sliding group's pages slid out of the window of the chunk's first
+    query (as the engine's tables are: those pages must not be read)."""
+    groups = kv_groups(cfg)
+    assert groups is not None
     pos = np.arange(start, stop)
+    tables = []
+    for g, window in enumerate(groups.windows):
+        table = g * max_pages + np.arange(1, max_pages + 1)
+        if window is not None:
+            table[: first_live_page(window, start, page_size)] = 0
+        tables.append(table)
+    tables_np = np.stack(tables)[:, None, :]  # [G, S = 1, max_pages]
+    slots = np.stack([t[pos // page_size] * page_size + pos % page_size for t in tables])
     return AttentionMetadata(
-        slot_mapping=jnp.asarray((1 + pos // page_size) * page_size + pos % page_size,
-                                 jnp.int32),
-        block_tables=jnp.asarray([np.arange(1, max_pages + 1)], jnp.int32),
+        slot_mapping=jnp.asarray(slots, jnp.int32),
+        block_tables=jnp.asarray(tables_np, jnp.int32),
         kv_lens=jnp.asarray([stop], jnp.int32),
         cu_q_lens=jnp.asarray([0, stop - start], jnp.int32),
         num_seqs=jnp.asarray([1], jnp.int32))
@@ -114,15 +128,23 @@ def _chunk_metadata(start: int, stop: int, page_size: int, max_pages: int) -> At
 @pytest.mark.parametrize("impl", ["reference", "cpu"])
 def test_paged_step_passes_each_layers_spec(model: tuple[ModelConfig, object], impl: str
                                             ) -> None:
-    """Two prefill chunks through the paged step: the logits of every token equal the
-    full-sequence forward's, which needs each layer's own window, soft-cap and scale."""
+    """Prefill chunks through the paged step: the logits of every token equal the
+    full-sequence forward's, which needs each layer's own window, soft-cap and scale, and
+    each layer's pages read through its KV group's table and slot (sliding groups with
+    their slid-out pages replaced by the trash page)."""
     cfg, params = model
-    page_size, num_pages = 4, 6
+    page_size, max_pages = 4, 5
+    groups = kv_groups(cfg)
+    assert groups is not None and groups.windows == (None, 3, 3) and groups.slots == 2
+    num_pages = 1 + groups.num_groups * max_pages
     want = np.asarray(decoder.forward_jit(params, TOKENS[:1], LENGTHS[:1], cfg=cfg))[0]
     kv = paged.init_kv_cache(cfg, num_pages, page_size, jnp.float32)
+    assert kv.shape[0] == groups.slots * num_pages  # two layer slots, not five layers
     step = jax.jit(paged.paged_forward, static_argnames=("cfg", "attn_impl"))
-    for start, stop in ((0, 8), (8, 13)):
-        md = _chunk_metadata(start, stop, page_size, num_pages - 1)
+    # Three chunks: the second and third start past the window, with the sliding groups'
+    # first pages the trash page.
+    for start, stop in ((0, 8), (8, 11), (11, 13)):
+        md = _chunk_metadata(start, stop, page_size, max_pages, cfg)
         ids = jnp.asarray(TOKENS[0, start:stop])
         logits, kv = step(params, kv, ids, jnp.arange(start, stop, dtype=jnp.int32), md,
                           jnp.arange(stop - start, dtype=jnp.int32), cfg=cfg, attn_impl=impl)
