@@ -86,9 +86,74 @@ def _swiglu(x: jax.Array, gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
+def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def grouped_mlp_ragged(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                       w_down: jax.Array) -> jax.Array:
+    """The SwiGLU expert MLP of rows xs [M, hidden] sorted by expert (`sizes` i32[E] rows
+    each) through three `jax.lax.ragged_dot`s: XLA's ragged dot instruction on TPU and GPU."""
+    h = _swiglu(xs, grouped_matmul(xs, w_gate, sizes), grouped_matmul(xs, w_up, sizes))
+    return grouped_matmul(h, w_down, sizes)
+
+
+def tile_rows(rows: int, num_experts: int) -> int:
+    """The row tile of `grouped_mlp_tiled`: about one tile per expert's share of the rows
+    (a power of two in [8, 64]): small enough that a group's padding (< one tile) costs
+    little, large enough that each loop step is a real matmul."""
+    share = -(-rows // num_experts)
+    return int(min(64, max(8, 1 << max(share - 1, 0).bit_length())))
+
+
+def grouped_mlp_tiled(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                      w_down: jax.Array, tile: int | None = None) -> jax.Array:
+    """`grouped_mlp_ragged`'s result by a loop over row tiles, for XLA:CPU, whose lowering of
+    `ragged_dot` multiplies every row by every group's weights and masks (E times the work;
+    scripts/bench/bench_moe_cpu.py measures it). Each group is padded to a whole number of
+    tiles of `tile` rows (the padded layout's size is static: M + E * (tile - 1), rounded up),
+    and a `fori_loop` whose trip count is the data's tile count (a while loop: tiles past it
+    are not run) computes one tile through its expert's gate / up / down weights per step.
+    Work: the real rows plus under one tile of padding per non-empty group."""
+    m, hidden = xs.shape
+    num_experts = w_gate.shape[0]
+    t = tile or tile_rows(m, num_experts)
+    slots = -(-(m + num_experts * (t - 1)) // t) * t
+    padded = (sizes + t - 1) // t * t
+    ends, padded_ends = jnp.cumsum(sizes), jnp.cumsum(padded)
+    row = jnp.arange(m, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(ends, row, side="right"), num_experts - 1)
+    pos = (padded_ends - padded)[group] + row - (ends - sizes)[group]
+    xp = jnp.zeros((slots, hidden), xs.dtype).at[pos].set(xs)
+    tile_group = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(0, slots, t),
+                                              side="right"), num_experts - 1)
+
+    def step(i: jax.Array, yp: jax.Array) -> jax.Array:
+        def w(stack: jax.Array) -> jax.Array:  # the tile's expert's weights, read in place
+            return jax.lax.dynamic_index_in_dim(stack, tile_group[i], keepdims=False)
+
+        xt = jax.lax.dynamic_slice_in_dim(xp, i * t, t)
+        h = _swiglu(xt, _dot(xt, w(w_gate)), _dot(xt, w(w_up)))
+        return jax.lax.dynamic_update_slice_in_dim(yp, _dot(h, w(w_down)), i * t, 0)
+
+    yp = jax.lax.fori_loop(0, padded_ends[-1] // t, step, jnp.zeros((slots, hidden), xs.dtype))
+    return jnp.take(yp, pos, axis=0)
+
+
+def grouped_mlp(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                w_down: jax.Array) -> jax.Array:
+    """The grouped expert MLP per backend, chosen where the step is lowered (so an export
+    for TPU / CUDA from a CPU host gets the ragged dot): the tile loop on CPU, XLA's ragged
+    dot elsewhere."""
+    return jax.lax.platform_dependent(xs, sizes, w_gate, w_up, w_down,
+                                      cpu=grouped_mlp_tiled, default=grouped_mlp_ragged)
+
+
+GroupedMLP = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
 def expert_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array,
-               w_up: jax.Array, w_down: jax.Array,
-               matmul: Callable[[jax.Array, jax.Array, jax.Array], jax.Array] = grouped_matmul
+               w_up: jax.Array, w_down: jax.Array, mlp: GroupedMLP = grouped_mlp
                ) -> jax.Array:
     """sum_j weights[n, j] * MLP_{experts[n, j]}(x[n]) for x [N, hidden], the k choices per
     token as `route` gives them; stacked weights [E, hidden, I] (gate, up), [E, I, hidden]
@@ -99,8 +164,7 @@ def expert_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax
     order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     xs = jnp.take(x, order // k, axis=0)
-    h = _swiglu(xs, matmul(xs, w_gate, sizes), matmul(xs, w_up, sizes))
-    ys = matmul(h, w_down, sizes)
+    ys = mlp(xs, sizes, w_gate, w_up, w_down)
     # The inverse permutation gathers each pair's row back (a gather, not a scatter-add:
     # the k contributions of a token are then summed in one fixed order).
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
