@@ -27,7 +27,7 @@ from . import llama, moe
 from .config import ConfigError, ModelConfig, MoESpec, hf_int
 from .host_arrays import HostArray
 from .linear import Weight
-from .moe import EXPERT_FIELDS, KV_FIELDS, LINEAR_FIELDS, TP_LAYOUT  # noqa: F401
+from .moe import EXPERT_FIELDS, KV_FIELDS  # noqa: F401  (the family's names)
 
 ARCHITECTURES = {"MixtralForCausalLM": "mixtral"}
 # Names of MoE models the MoE families know but do not serve (the error says why).
@@ -59,6 +59,8 @@ class Params:
     final_norm: jax.Array  # f[hidden]
     lm_head: Weight | None = None  # f[hidden, vocab]
 
+
+TP_LAYOUT, LINEAR_FIELDS = moe.family_tables(LayerParams)
 
 HF_NAMES = llama.HF_NAMES
 HF_LAYER_NAMES: dict[str, tuple[str, bool]] = {

@@ -214,11 +214,12 @@ def dense_moe_reference(spec: MoESpec, lp: Any, h: jax.Array) -> jax.Array:
 # ------------------------------------------------------------- the families' shared parts
 @struct.dataclass
 class MoELayerParams:
-    """Per-layer weights of an MoE decoder, stacked on a leading layer axis L. A model whose
-    dense and sparse layers mix (Qwen3-MoE `mlp_only_layers` / `decoder_sparse_step`) has
-    both kinds of MLP stacked over all L, zeros on the layers of the other kind (never read:
-    the layer's spec picks its MLP). Cost: those zeros' memory; a model of sparse layers
-    only (every Qwen3-MoE / Mixtral release) has no dense MLP fields at all."""
+    """Per-layer weights of an MoE decoder of sparse layers only, stacked on a leading layer
+    axis L. A model whose dense and sparse layers mix (Qwen3-MoE `mlp_only_layers` /
+    `decoder_sparse_step`; `MixedMoELayerParams`) has both kinds of MLP stacked over all L,
+    zeros on the layers of the other kind (never read: the layer's spec picks its MLP).
+    Cost: those zeros' memory; a model of sparse layers only (every Qwen3-MoE / Mixtral
+    release) has no dense MLP fields at all."""
 
     attn_norm: jax.Array  # f[L, hidden]
     wq: Weight  # f[L, hidden, num_heads * head_dim]
@@ -235,6 +236,13 @@ class MoELayerParams:
     bv: jax.Array | None = None  # f[L, num_kv_heads * head_dim] (attention_bias)
     q_norm: jax.Array | None = None  # f[L, head_dim] (qk_norm)
     k_norm: jax.Array | None = None  # f[L, head_dim] (qk_norm)
+
+
+@struct.dataclass
+class MixedMoELayerParams(MoELayerParams):
+    """MoELayerParams plus what the Qwen-MoE models may have: dense layers' MLP between
+    sparse ones, and a shared expert."""
+
     # dense layers' MLP (a model with dense layers between sparse ones)
     w_gate: Weight | None = None  # f[L, hidden, intermediate]
     w_up: Weight | None = None  # f[L, hidden, intermediate]
@@ -280,6 +288,13 @@ def hf_num_experts(d: Mapping[str, object], default: int, source: str) -> int:
     if n < 0:
         raise ConfigError(f"{source}: num_experts={n} must not be negative")
     return n
+
+
+def family_tables(layer_params: type) -> tuple[dict[str, str], tuple[str, ...]]:
+    """(TP_LAYOUT, LINEAR_FIELDS) restricted to the fields of a family's layer params."""
+    fields = layer_params.__dataclass_fields__
+    return ({f: k for f, k in TP_LAYOUT.items() if f in fields},
+            tuple(f for f in LINEAR_FIELDS if f in fields))
 
 
 def sparse_layers(d: Mapping[str, object], num_layers: int, source: str) -> list[bool]:

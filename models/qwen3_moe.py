@@ -31,7 +31,7 @@ from . import llama, moe
 from .config import ConfigError, ModelConfig, MoESpec, hf_int
 from .host_arrays import HostArray
 from .linear import Weight
-from .moe import KV_FIELDS, LINEAR_FIELDS, TP_LAYOUT  # noqa: F401  (the family's names)
+from .moe import KV_FIELDS  # noqa: F401  (the family's names)
 
 ARCHITECTURES = {"Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe"}
 GGUF_ARCHITECTURES: dict[str, str] = {}
@@ -57,8 +57,8 @@ _DEFAULTS = {
 
 
 @struct.dataclass
-class LayerParams(moe.MoELayerParams):
-    """`moe.MoELayerParams` (the family's own class, so `family_of_params` finds it)."""
+class LayerParams(moe.MixedMoELayerParams):
+    """`moe.MixedMoELayerParams` (the family's own class, so `family_of_params` finds it)."""
 
 
 @struct.dataclass
@@ -70,6 +70,8 @@ class Params:
     final_norm: jax.Array  # f[hidden]
     lm_head: Weight | None = None  # f[hidden, vocab]
 
+
+TP_LAYOUT, LINEAR_FIELDS = moe.family_tables(LayerParams)
 
 HF_NAMES = llama.HF_NAMES
 # Expert fields are read by `hf_layer_part` from the per-expert names below and are already
