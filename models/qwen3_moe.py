@@ -13,8 +13,8 @@ Checkpoints: HF safetensors with one tensor per expert (`mlp.experts.{e}.gate_pr
 ...), stacked at load into [E, in, out] (`moe.ExpertStack`) and split back on export.
 Refused, with the field named: Qwen2-MoE's `use_sliding_window` (per-layer windows under
 `max_window_layers`) and what the Llama family's mapping refuses (hidden_act other than silu,
-rope types it does not know). GGUF `qwen3moe` / `qwen2moe` files are refused (`GGUF_REFUSED`): their merged expert
-tensors (`ffn_*_exps`) are not mapped yet.
+rope types it does not know). GGUF `qwen3moe` / `qwen2moe` files are refused
+(`GGUF_REFUSED`): their merged expert tensors (`ffn_*_exps`) are not mapped yet.
 """
 
 from __future__ import annotations
