@@ -9,9 +9,13 @@ Data flow for one layer (`moe_mlp`, called by `decoder.decoder_layer` where the 
   -> the N * k (token, expert) pairs sorted by expert (a stable argsort of the expert ids),
   group sizes i32[E] = how many pairs each expert got (data, not shape: the compiled step
   is one per bucket whatever the routing; no token is dropped, there is no capacity)
-  -> `jax.lax.ragged_dot` of the sorted rows against the stacked expert weights [E, in, out]
-  (gate and up, SwiGLU, then down): each row meets only its own expert's weights, so the
-  work is N * k rows, not N * E
+  -> the grouped SwiGLU MLP of the sorted rows against the stacked expert weights
+  [E, in, out] (`grouped_mlp`: gate and up, SwiGLU, then down), each row meeting only its
+  own expert's weights, chosen where the step is lowered: XLA's ragged dot on TPU / GPU
+  (`grouped_mlp_ragged`); on CPU a loop over row tiles (`grouped_mlp_tiled`), because JAX
+  lowers `ragged_dot` there by multiplying every row by every group's weights (E times the
+  work: scripts/bench/bench_moe_cpu.py). The work is N * k rows (plus under a tile of
+  padding per group on CPU), not N * E
   -> un-sorted (the inverse permutation), weighted by the routing probabilities and summed
   over the k choices per token; plus, with a shared expert (Qwen2-MoE), sigmoid(h @ gate) *
   the shared SwiGLU MLP.
@@ -19,9 +23,9 @@ Data flow for one layer (`moe_mlp`, called by `decoder.decoder_layer` where the 
 `dense_moe_reference` computes the same thing with every expert on every token, masked by the
 routing: the test oracle only (E / k times the work).
 
-The family side shared by the MoE families is here too: the layer-params base class
-(`MoELayerParams`; each family subclasses it so `families.family_of_params` tells them
-apart), the expert stacks' shapes / TP layout, and the HF checkpoint mapping of per-expert
+The family side shared by the MoE families is here too: the layer-params base classes
+(`MoELayerParams`, `MixedMoELayerParams` with a dense MLP and a shared expert; each family
+subclasses one so `families.family_of_params` tells them apart), the expert stacks' shapes / TP layout, and the HF checkpoint mapping of per-expert
 tensors stacked at load into [E, in, out] (`ExpertStack`) and split back on export.
 """
 
