@@ -39,9 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from .compressed_tensors import CompressedTensor
 from .config import ConfigError, LayerSpec, ModelConfig, MoESpec, hf_int
 from .host_arrays import HostArray, normalize_box
 from .linear import Weight, linear
+from .safetensors_io import CheckpointError
 
 
 # ------------------------------------------------------------------------------- routing
@@ -388,8 +390,14 @@ def hf_layer_part(cfg: ModelConfig, names: Mapping[str, tuple[str, bool]],
         return np.broadcast_to(np.float32(0), stacked[::-1] if transpose else stacked)
     if field in EXPERT_FIELDS:
         E, inp, out = stacked
-        return ExpertStack([fetch(expert_names[field].format(e=e), (out, inp))
-                            for e in range(E)])
+        parts = [fetch(expert_names[field].format(e=e), (out, inp)) for e in range(E)]
+        if isinstance(parts[0], CompressedTensor):
+            # Read through it, the experts would be dequantized to float while the rest keeps
+            # the checkpoint's scheme: refused rather than silently several times larger.
+            raise CheckpointError(
+                f"layer {i}: {expert_names[field].format(e=0)} is stored quantized "
+                "(compressed-tensors): quantized expert weights are not supported yet")
+        return ExpertStack(parts)
     return fetch(suffix, stacked)
 
 

@@ -324,6 +324,20 @@ def test_quantizing_experts_is_refused(hf) -> None:  # noqa: ANN001
         loading.load_model(d, quant=loading.WeightQuant("int8"))
 
 
+def test_compressed_tensors_experts_are_refused(hf, tmp_path: pathlib.Path) -> None:  # noqa: ANN001
+    """A compressed-tensors checkpoint whose experts are stored int8 is refused at load
+    (read through, they would silently become float beside quantized attention)."""
+    from jaxserve.models.safetensors_io import CheckpointError
+    from support.compressed_ckpt import write_compressed
+
+    arch, d, _ = hf
+    if arch == "mixtral":  # its experts' w1 / w2 / w3 are not `*_proj` modules there
+        pytest.skip("the test writer quantizes `*_proj` linears only")
+    write_compressed(d, tmp_path / "q", "int8", "channel")
+    with pytest.raises(CheckpointError, match="quantized expert weights are not supported"):
+        loading.load_model(tmp_path / "q")
+
+
 # ----------------------------------------------------------------------------- refusals
 def _q3(**extra: object) -> dict:
     return {**dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
