@@ -41,6 +41,23 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoESpec:
+    """A sparse mixture-of-experts MLP (`models/moe.py`) in place of the dense gated MLP.
+
+    Routing: softmax over the `num_experts` router logits in float32, the `top_k` largest
+    probabilities, renormalised to sum to 1 when `norm_topk_prob` (Qwen3-MoE's flag; Mixtral
+    always: its softmax over the top-k logits is the same numbers). Each expert is a SwiGLU
+    MLP of width `intermediate_size`. `shared_intermediate_size` > 0: a shared expert every
+    token also goes through, scaled by sigmoid of its own gate (Qwen2-MoE)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    shared_intermediate_size: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerSpec:
     """What one decoder layer is: its attention kind and which shared blocks it composes.
 
@@ -80,6 +97,9 @@ class LayerSpec:
     # double-wide MLP on KV-sharing layers makes the others the narrow ones): its gate / up
     # columns and down rows are zero-padded at load, which adds exact zeros. None: the model's.
     intermediate_size: int | None = None
+    # A sparse MoE MLP instead of the dense one (Qwen3-MoE, Mixtral); None: the dense MLP.
+    # Dense and sparse layers of one model differ in spec, so they scan in separate groups.
+    moe: MoESpec | None = None
 
     @property
     def attention_type(self) -> str:
@@ -172,6 +192,13 @@ class ModelConfig:
                     0 < spec.intermediate_size <= self.intermediate_size):
                 raise ConfigError(f"a layer's intermediate_size={spec.intermediate_size!r} must "
                                   f"be positive and no larger than {self.intermediate_size}")
+            moe = spec.moe
+            if moe is not None and not (0 < moe.top_k <= moe.num_experts
+                                        and moe.intermediate_size > 0
+                                        and moe.shared_intermediate_size >= 0):
+                raise ConfigError(f"num_experts_per_tok={moe.top_k} must be in [1, num_experts="
+                                  f"{moe.num_experts}] and the expert width "
+                                  f"{moe.intermediate_size} positive")
             kv = spec.num_kv_heads
             if kv is not None and not (isinstance(kv, int) and kv > 0
                                        and self.num_kv_heads % kv == 0):

@@ -28,6 +28,7 @@ from .blocks import AttnFn, attention, causal_mask, embed, gated_mlp, lm_logits
 from .blocks import masked_attention, per_layer_input_block, per_layer_inputs, rms_norm
 from .config import LayerGroup, LayerSpec, ModelConfig
 from .linear import PackedWeight
+from .moe import moe_mlp
 
 # body(spec, carry, (one layer's params, layer index i32[], xs slice)) -> (carry, ys slice)
 LayerBody = Callable[[LayerSpec, Any, tuple[Any, jax.Array, Any]], tuple[Any, Any]]
@@ -49,7 +50,8 @@ def decoder_layer(cfg: ModelConfig, spec: LayerSpec, lp: Any, x: jax.Array,
     if spec.post_norms:
         o = rms_norm(o, lp.post_attn_norm, eps, offset)
     x = x + o
-    m = gated_mlp(spec.mlp_activation, lp, rms_norm(x, lp.mlp_norm, eps, offset))
+    h = rms_norm(x, lp.mlp_norm, eps, offset)
+    m = gated_mlp(spec.mlp_activation, lp, h) if spec.moe is None else moe_mlp(spec.moe, lp, h)
     if spec.post_norms:
         m = rms_norm(m, lp.post_mlp_norm, eps, offset)
     x = x + m

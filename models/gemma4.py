@@ -33,7 +33,8 @@ transformers forces it). What Gemma 4's text decoder has beyond Gemma 3, and whe
   final logit soft-cap and per-kind rope bases / windows, as Gemma 3.
 
 Refused with the config field named (`_REFUSED_FIELDS`): the MoE block (`enable_moe_block`,
-26B-A4B: the next issue's MoE block) and bidirectional attention
+26B-A4B: its MoE layer is not mapped onto the shared MoE block, `models/moe.py`, yet) and
+bidirectional attention
 (`use_bidirectional_attention`). The multimodal `Gemma4ForConditionalGeneration` is refused
 (text weights under `model.language_model.*` beside vision / audio towers), as Gemma 3's
 is. GGUF: llama.cpp's `gemma4` architecture is refused in `gemma_gguf.GGUF_REFUSED` (its

@@ -219,9 +219,11 @@ def hf_tensors_from_params(cfg: ModelConfig, params: Any) -> dict[str, np.ndarra
         host = np.asarray(stacked)
         for i in range(cfg.num_layers):
             t = host[i].T if transpose else host[i]
-            if export is not None:  # the layer's own shape back (None: not in the checkpoint)
-                t = export(cfg, field, i, t)
-            if t is not None:
+            if export is not None:  # the layer's own shape back (None: not in the checkpoint;
+                t = export(cfg, field, i, t)  # a dict: several tensors, MoE experts)
+            if isinstance(t, dict):
+                out.update({f"model.layers.{i}.{sfx}": part for sfx, part in t.items()})
+            elif t is not None:
                 out[f"model.layers.{i}.{suffix}"] = t
     return out
 

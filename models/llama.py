@@ -223,7 +223,13 @@ def config_dict_from_gguf(key: GGUFKey, tensor_names: set[str], model_type: str
     """The HF config.json fields of this family from a GGUF file's `{arch}.*` metadata, read
     through `key(name, default, required, kind)` (`gguf_loader`: checked, a CheckpointError
     naming the key), and its tensor names; `model_type` is the one its architecture maps to
-    (one mapping serves all three here)."""
+    (one mapping serves all three here). A `llama` file with experts (llama.cpp's Mixtral)
+    is refused: its merged expert tensors are not mapped yet."""
+    experts = key("expert_count")
+    if experts or any("_exps." in n for n in tensor_names):
+        raise ConfigError(f"GGUF metadata '{model_type}.expert_count'={experts!r}: "
+                          "mixture-of-experts GGUF files (Mixtral as llama) are not supported "
+                          "yet; load the HF safetensors checkpoint")
     hidden = int(key("embedding_length", required=True))  # type: ignore[call-overload]
     heads = int(key("attention.head_count", required=True))  # type: ignore[call-overload]
     head_dim = (key("attention.key_length") or key("rope.dimension_count")

@@ -103,7 +103,8 @@ def pack_params(params: ModelParams, isa: str | None = None, int8_activations: s
     layers = params.layers
     for name in family_of_params(params).LINEAR_FIELDS:
         w = getattr(layers, name)
-        if not isinstance(w, PackedWeight):
+        # None: a field this model does not have (an MoE model's dense MLP, shared expert)
+        if w is not None and not isinstance(w, PackedWeight):
             layers = layers.replace(**{name: pack(w)})
     params = params.replace(layers=layers)
     if params.lm_head is not None:

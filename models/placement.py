@@ -99,6 +99,10 @@ def param_specs(cfg: ModelConfig, tp: int, params: ModelParams | None = None) ->
     by_kind = {"col": P(None, None, MODEL_AXIS),  # [L, in, out]: split outputs
                "row": P(None, MODEL_AXIS, None),  # [L, in, out]: split inputs
                "vec": P(None, MODEL_AXIS),        # [L, out] biases of split outputs
+               # MoE experts [L, E, in, out]: each expert's intermediate axis split, as the
+               # dense MLP's (gate / up outputs, down inputs)
+               "expert_col": P(None, None, None, MODEL_AXIS),
+               "expert_row": P(None, None, MODEL_AXIS, None),
                "rep": P()}
     layers = fam.LayerParams(**{
         f: by_kind[kind] if f"layers.{f}" in shapes else None

@@ -222,6 +222,15 @@ def quantize_params(params: ModelParams, wq: WeightQuant) -> ModelParams:
     """`params` with each dense weight quantized as `wq` says (module docstring)."""
     if wq.scheme == "none":
         return params
+    fam = family_of_params(params)
+    experts = [f for f in getattr(fam, "EXPERT_FIELDS", ())
+               if getattr(params.layers, f) is not None]
+    if experts and wq.scheme != "auto":
+        # The experts' grouped matmul (`moe.grouped_matmul`) takes float weights; quantizing
+        # only the attention would serve a model that is mostly float under a quantized name.
+        raise ValueError(f"quantization={wq.scheme!r}: the mixture-of-experts weights "
+                         f"(layers.{', layers.'.join(experts)}) are not quantized yet; "
+                         "serve this model with quantization 'auto' or 'none' (float)")
     _note_activations(params, wq)
     layers = params.layers
     for field in family_of_params(params).LINEAR_FIELDS:

@@ -15,7 +15,8 @@ engine's step shows up here without a device. Exported, for both platforms:
     and the Gemma family's own step at Gemma 3 1B's and 4B's shapes (GeGLU, sandwich norms,
     qk-norm, the embedding scale, head_dim 256, the 1B's single KV head, the two rope bases),
     and Gemma 4's on TPU (local heads of 256 inside global heads of 512, K = V; the CUDA
-    kernel stops at heads of 256, so there Gemma 4 is served by the reference attention).
+    kernel stops at heads of 256, so there Gemma 4 is served by the reference attention);
+    and Qwen3-30B-A3B's MoE step (its experts' grouped matmuls XLA's ragged dot).
 Quantized KV pages (int8 / float8_e4m3fn with f32 scales): both kernels at decode and prefill
 shapes, and the whole step with an int8 cache (page_size 32, which 8-bit pages need on both),
 at TP 1 and TP 8.
@@ -244,9 +245,11 @@ def abstract_kv(shape: tuple[int, ...], int8: bool, sharding=None):  # noqa: ANN
 
 
 def export_step(cfg: ModelConfig, platform: str, tp: int, int8_kv: bool = False,
-                quant: tuple[str, int | None, bool] | None = None) -> None:
+                quant: tuple[str, int | None, bool] | None = None
+                ) -> list[jax.export.Exported]:
     """Export `forward_jit` and `sample_jit` for the chosen buckets; asserts the kernel.
-    `quant`: (scheme, group size, fp8 activations) of the dense weights, else bf16."""
+    `quant`: (scheme, group size, fp8 activations) of the dense weights, else bf16. Returns
+    the exported forward steps."""
     impl = select_impl("auto", platform)
     engine = ENGINE if not int8_kv else EngineConfig(
         dtype="bfloat16", max_num_seqs=128, max_num_batched_tokens=1024, max_model_len=4096,
@@ -283,6 +286,7 @@ def export_step(cfg: ModelConfig, platform: str, tp: int, int8_kv: bool = False,
             return SDS(a.shape, a.dtype, sharding=rep)
 
     feed_len = max(s for _, s in plan.batch_shape.buckets)
+    forwards = []
     for t, s in buckets:
         batch = mr.empty_batch(plan.batch_shape, t, s, penalties=False)
         inputs, sampling, _ = jax.tree.map(replicated, mr.to_step_inputs(batch))
@@ -290,6 +294,7 @@ def export_step(cfg: ModelConfig, platform: str, tp: int, int8_kv: bool = False,
         fwd = jax.export.export(mr.forward_jit, platforms=[platform])(
             params, kv, inputs, feed, cfg=run_cfg, attn_impl=impl, mesh=mesh)
         assert fwd.nr_devices == tp
+        forwards.append(fwd)
         # One layer body per distinct layer spec, scanned over its layers: groups of equal
         # spec (Gemma 3's local runs) lower to one shared body, called once per group.
         assert_kernel_only(fwd, platform, len(set(cfg.layer_specs)))
@@ -304,6 +309,7 @@ def export_step(cfg: ModelConfig, platform: str, tp: int, int8_kv: bool = False,
             logits, sampling, apply_penalty=False, feed_len=feed_len)
         assert [a.shape for a in sample.out_avals][-1] == (feed_len,)
         assert_no_vocabulary_sort(sample, platform, cfg.vocab_size)
+    return forwards
 
 
 # Default tier: the Qwen3 step (qk-norm) for TPU and the Llama step for CUDA; the Llama step
@@ -422,6 +428,30 @@ def test_gemma4_pages_are_past_the_gpu_kernel() -> None:
                               cfg.num_heads // cfg.num_kv_heads)
     with pytest.raises(ValueError, match="head_dim"):
         select_impl("pallas_gpu", "cuda", geometry=geometry)
+
+
+# Qwen3-30B-A3B's shape: 48 sparse layers of 128 experts of 768, top-8 renormalised, qk-norm.
+QWEN3_MOE_SHAPE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                       vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                       num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                       head_dim=128, num_experts=128, num_experts_per_tok=8,
+                       moe_intermediate_size=768, norm_topk_prob=True, rms_norm_eps=1e-6,
+                       rope_theta=1e6, max_position_embeddings=40960,
+                       tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_qwen3_moe_step_lowers_for_platform(platform: str) -> None:
+    """The MoE step on TPU / CUDA: the experts' three grouped matmuls are XLA's ragged dot
+    (the CPU tile loop is not what these platforms get: `moe.grouped_mlp` chooses where the
+    step is lowered), in one layer body for the 48 sparse layers."""
+    cfg = families.config_from_hf(QWEN3_MOE_SHAPE, "qwen3-30b-a3b/config.json")
+    assert len(cfg.layer_groups) == 1 and cfg.layer_specs[0].moe.num_experts == 128
+    for fwd in export_step(cfg, platform, tp=1):
+        module = fwd.mlir_module()
+        # three ragged dots (gate, up, down) in the one layer body (the CPU tile loop has
+        # none: it is not what these platforms lower)
+        assert len(re.findall(r"composite \"chlo\.ragged_dot\"", module)) == 3, platform
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)

@@ -12,7 +12,8 @@ per-device parameter and KV bytes exactly the sharded share; seeded structured-o
 over a TP 4 engine streams the TP 1 tokens. A model of mixed layer specs (sliding-window and
 global layers, a soft-cap: `mixed_layers_tp_worker.py`) gives its TP 1 outputs at TP 2 and 4,
 and so do the Gemma family's models at TP sizes their KV heads do not divide (Gemma 3 with
-Gemma 3 1B's single KV head, Gemma 2 with soft-caps: `gemma_tp_worker.py`).
+Gemma 3 1B's single KV head, Gemma 2 with soft-caps: `gemma_tp_worker.py`), and the MoE
+families with each expert's intermediate axis split (`moe_tp_worker.py`).
 
 The default run checks one configuration, 8 KV heads at TP 2 against TP 1 (sharded attention,
 KV pages and vocabulary-sharded LM head; the sampler, prompt logprobs and the compile guard
@@ -211,4 +212,26 @@ def test_gemma_family_with_kv_heads_tp_does_not_divide(part: str) -> None:
         if tp > 1:
             if part == "default" and (name, tp) not in SHARDED_ROWS:
                 assert got["kv_heads"] % tp, (name, tp)  # TP does not divide the KV heads
+            _assert_same_outputs(by[(name, 1)], got, tp)
+
+
+@pytest.mark.parametrize("part", [
+    "default", pytest.param("slow", marks=pytest.mark.slow(
+        reason="the rest of the MoE TP grid (TP 4, Mixtral)"))])
+def test_moe_families_under_tp(part: str) -> None:
+    """Qwen3-MoE (a dense layer between sparse ones), Qwen2-MoE (a shared expert) and
+    Mixtral with each expert's intermediate axis split over the devices and the router
+    replicated: each device holds 1 / tp of every expert stack, TP 1's greedy tokens, its
+    logprobs within the model's derived tolerance, no compile after warmup
+    (`moe_tp_worker.py`)."""
+    from support.workers.moe_tp_worker import DEFAULT_ROWS
+
+    rows = run_device_worker("moe_tp_worker.py", args=(part,))
+    by = {(r["model"], r["tp"]): r for r in rows}
+    if part == "default":
+        assert set(by) == set(DEFAULT_ROWS)
+    for (name, tp), got in by.items():
+        for field, (device0, whole) in got["expert_bytes"].items():
+            assert device0 * tp == whole, (name, tp, field)  # each device its share
+        if tp > 1:
             _assert_same_outputs(by[(name, 1)], got, tp)

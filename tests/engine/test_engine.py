@@ -18,6 +18,7 @@ import pytest
 from support.engine_fixtures import mixed_layer_model, rollout, tiny_engine, tiny_model
 from support.hf_models import GEMMA_ARCHS, GEMMA_WINDOW
 from support.numerics import gamma
+from support.tiers import split_tiers
 
 from jaxserve import SamplingParams
 from jaxserve.engine.request import FinishReason
@@ -157,6 +158,59 @@ def test_gemma_greedy_equals_transformers_generate(gemma, budget, page_size, cac
     assert {s.sliding_window for s in model.config.layer_specs} == {GEMMA_WINDOW, None}
     prompts = make_prompts(seed=5, count=5, shared_prefix=20)
     assert min(map(len, prompts)) > 4 * GEMMA_WINDOW  # every prompt spans several windows
+    n = 8
+    kw = dict(max_num_batched_tokens=budget, max_num_seqs=4, page_size=page_size,
+              enable_prefix_caching=caching, max_model_len=128, attention_impl=impl)
+    eng = tiny_engine(model, warmup=kv_pages is None, **kw)
+    if kv_pages is not None:
+        eng = tiny_engine(model, kv_cache_memory=kv_pages * eng.plan.kv_bytes_per_page, **kw)
+    finals = run_all(eng, prompts, max_tokens=n)
+    compiles = eng.runner.compiles_after_warmup
+    for i, p in enumerate(prompts):
+        assert finals[f"r{i}"].outputs[0].token_ids == hf_greedy(hf_model, p, n), \
+            f"{arch} prompt {i}"
+    if kv_pages is not None:
+        assert eng.scheduler.num_preemptions > 0
+    if caching:
+        assert eng.scheduler.allocator.prefix_hits > 0
+    assert compiles == 0
+    assert eng.scheduler.allocator.num_free_pages == eng.scheduler.allocator.num_usable_pages
+
+
+# The MoE families (Qwen3-MoE with a dense layer between sparse ones, Qwen2-MoE's shared
+# expert, Mixtral): the routing is data inside one compiled step per bucket, so chunked
+# prefill, prefix hits and preemption change nothing, and nothing compiles after warmup.
+# Default tier: Qwen3-MoE (dense and sparse layer groups); the slow tier adds the others.
+_MOE_ENGINE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
+
+
+@pytest.fixture(scope="module", params=split_tiers(
+    _MOE_ENGINE_ARCHS, _MOE_ENGINE_ARCHS, ["qwen3_moe"],
+    "Mixtral / Qwen2-MoE through the engine: tests/models/test_moe.py runs their greedy"))
+def moe_family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """(arch, the loaded checkpoint, the transformers model it was saved from)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from support.hf_models import build_moe_model
+
+    from jaxserve.models import loading
+
+    d = tmp_path_factory.mktemp(request.param)
+    hf_model = build_moe_model(request.param, d)
+    return request.param, loading.load_model(d), hf_model
+
+
+@pytest.mark.parametrize("budget,page_size,caching,kv_pages,impl", [
+    (16, 8, True, None, "cpu"),
+    (64, 4, False, 30, "reference"),
+], ids=["chunked-prefix-cpu", "tiny-pages-preempt-reference"])
+def test_moe_greedy_equals_transformers_generate(moe_family, budget, page_size, caching,  # noqa: ANN001
+                                                 kv_pages, impl) -> None:
+    from support.hf_models import hf_greedy
+
+    arch, model, hf_model = moe_family
+    assert any(s.moe is not None for s in model.config.layer_specs)
+    prompts = make_prompts(seed=5, count=5, shared_prefix=20)
     n = 8
     kw = dict(max_num_batched_tokens=budget, max_num_seqs=4, page_size=page_size,
               enable_prefix_caching=caching, max_model_len=128, attention_impl=impl)

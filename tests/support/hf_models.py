@@ -155,5 +155,47 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001
     return out[0, len(prompt):].tolist()
 
 
-__all__ = ["ARCHS", "GEMMA_ARCHS", "GEMMA4_ARCHS", "build_gemma_model", "build_hf_model",
+# MoE families (`models/moe.py`): 4 experts, top-2, experts of 32 (dense MLPs of 96); the
+# Qwen3-MoE model has a dense layer between two sparse ones (mlp_only_layers) and renormalises
+# its top-k; the Qwen2-MoE model has a shared expert and q/k/v biases; Mixtral is top-2 of 4.
+_MOE_BASE = dict(_BASE, num_hidden_layers=3, head_dim=16, rope_theta=1e6,
+                 num_experts_per_tok=2)
+MOE_ARCHS: dict[str, tuple[str, dict]] = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_MOE_BASE, num_experts=4, moe_intermediate_size=32,
+                                         norm_topk_prob=True, mlp_only_layers=[1])),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(_MOE_BASE, num_hidden_layers=2, num_experts=4,
+                                         moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=48)),
+    "mixtral": ("MixtralConfig", dict(_MOE_BASE, num_hidden_layers=2, num_local_experts=4,
+                                      intermediate_size=32)),
+}
+
+
+def build_moe_model(arch: str, out_dir: pathlib.Path, seed: int = 0):  # noqa: ANN201
+    """Build the random HF MoE model `arch` of MOE_ARCHS, save it with the word tokenizer to
+    `out_dir`; returns the torch model. Norms and biases perturbed; the routers scaled up so
+    each token's top-k is decided by margins far above float32 rounding (a near tie would
+    make the choice, not the code, decide the comparison)."""
+    import torch
+    import transformers
+
+    cls, kwargs = MOE_ARCHS[arch]
+    config = getattr(transformers, cls)(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith("gate.weight") and p.shape[0] in (1, 4):  # routers
+                p.normal_(0.0, 0.5)
+            else:
+                p.mul_(2.0)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    save_tiny_tokenizer(out_dir, _BASE["vocab_size"])
+    return model
+
+
+__all__ = ["ARCHS", "GEMMA_ARCHS", "GEMMA4_ARCHS", "MOE_ARCHS", "build_gemma_model",
+           "build_hf_model", "build_moe_model",
            "hf_greedy", "save_tiny_tokenizer"]

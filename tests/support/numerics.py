@@ -109,8 +109,10 @@ def family_chain_extra(cfg: object) -> float:
     tanh, the attention soft-cap's tanh (soft-caps are 1-Lipschitz: they carry errors on
     without growing them), the qk-norm's two rsqrt, Gemma 4's value norm (a head-dim sum and
     an rsqrt), layer scalar (one more rounding, a sum of length 1) and per-layer inputs (their
-    projection and norm, then per layer the gate, product, projection and norm), and the
-    final logit soft-cap's tanh."""
+    projection and norm, then per layer the gate, product, projection and norm), an MoE
+    layer's router softmax, top-k renormalisation and weighted sum of experts (the same
+    experts chosen on both sides: a near tie in the router is a jump no bound covers, so the
+    tests' routers are decisive), and the final logit soft-cap's tanh."""
     sums, stages = [], 0
     for spec in getattr(cfg, "layer_specs", ()):
         if spec.post_norms:
@@ -121,6 +123,16 @@ def family_chain_extra(cfg: object) -> float:
             stages += 1
         if getattr(spec, "layer_scalar", False):
             sums.append(1)
+        moe = getattr(spec, "moe", None)
+        if moe is not None:  # the router (hidden), its softmax (E terms, an exp), the top-k
+            # renormalisation (k), the expert's down projection (its width), the weighted sum
+            # of the k experts' outputs; a shared expert: its gate (hidden, a sigmoid's exp)
+            sums += [cfg.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size,
+                     moe.top_k + 1]
+            stages += 1
+            if moe.shared_intermediate_size:
+                sums += [cfg.hidden_size, moe.shared_intermediate_size]
+                stages += 1
         if getattr(cfg, "per_layer_input_size", 0):  # the gated per-layer input: gate, its
             sums += [cfg.hidden_size, cfg.per_layer_input_size, cfg.hidden_size]  # proj, norm
             stages += 2  # tanh, rsqrt

@@ -25,6 +25,7 @@ import pytest
 HEAVY_MODULES: tuple[str, ...] = (
     "tests/engine/test_engine.py",
     "tests/kernels/test_attention_cpu.py",
+    "tests/models/test_moe.py",
     "tests/kernels/test_kv_quant.py",
     "tests/models/test_chat_template.py",
     "tests/cli/test_bench.py",
