@@ -49,7 +49,9 @@ QTYPES = {"F32": Q.F32, "Q8_0": Q.Q8_0}
 # 16-wide heads, zero-padded to the global 32 (`PaddedHeads`), straddle Q8_0's 32-blocks on
 # wo's input axis, so that field mixes padded and plain layers and "auto" falls back to
 # requantizing it to int8 (`quantized_params.quantize_leaf`, logged), an error of its own
-# that this float bound does not cover. (Released Gemma 4 heads, 256 / 512, are whole blocks.)
+# that this float bound does not cover. Released Gemma 4 heads (256 / 512) are whole blocks:
+# there the padded blocks stay aligned and "auto" keeps the values
+# (test_whole_block_heads_keep_q8_0_values_under_auto).
 _QUANT = WeightQuant(scheme="none")
 _VOCAB = dict(vocab_size=TINY["vocab"], vocab_size_per_layer_input=TINY["vocab"])
 
@@ -167,6 +169,21 @@ def test_greedy_through_llm_equals_transformers_generate(gguf_file) -> None:  # 
         outs = llm.generate(PROMPTS, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(ref, p, n)
                                                       for p in PROMPTS], (arch, qname)
+
+
+def test_whole_block_heads_keep_q8_0_values_under_auto(tmp_path: pathlib.Path) -> None:
+    """Heads of 32 / 64 (whole Q8_0 blocks, as released Gemma 4's 256 / 512): under the
+    default "auto" the padded layers' blocks stay aligned, so the logits are the dequantized
+    file's within the float bound."""
+    model = build_gemma_model("gemma4_kv", tmp_path / "hf", head_dim=32, global_head_dim=64,
+                              **_VOCAB)
+    path = tmp_path / "q8.gguf"
+    write_gemma4_gguf(path, _weights(model), model.config.to_dict(), qtype=Q.Q8_0)
+    ref = _dequantized(model, Q.Q8_0)
+    ours = loading.load_model(path)  # quantization "auto"
+    tokens = np.array([PROMPTS[0]], np.int32)
+    err = float(np.max(np.abs(_ours(ours, tokens) - _ref(ref, tokens))))
+    assert err <= logits_atol(ours.config, ours.params, tokens.shape[1])
 
 
 # --------------------------------------------------------------------------- refused
