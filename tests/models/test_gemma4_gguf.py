@@ -243,3 +243,17 @@ def test_k_eq_v_on_only_some_layers_is_refused(bias_model,  # noqa: ANN001
     write_gemma4_gguf(path, weights, bias_model.config.to_dict())
     with pytest.raises(CheckpointError, match="attn_v.weight is missing"):
         open_gguf(path)
+
+
+def test_gemma4_vocabulary_kind_is_refused_by_name(bias_model,  # noqa: ANN001
+                                                   tmp_path: pathlib.Path) -> None:
+    """The converter writes Gemma 4's vocabulary as tokenizer.ggml.model "gemma4", which no
+    GGUF tokenizer builder here reproduces (not verified against llama.cpp / transformers):
+    loading such a file stops at the tokenizer, naming the kind; its weights and config
+    open."""
+    path = tmp_path / "vocab.gguf"
+    write_gemma4_gguf(path, _weights(bias_model), bias_model.config.to_dict(),
+                      tokenizer_model="gemma4")
+    assert open_gguf(path).hf_config["model_type"] == "gemma4_text"
+    with pytest.raises(ValueError, match="tokenizer.ggml.model='gemma4' is not supported"):
+        loading.load_model(path)

@@ -236,7 +236,8 @@ def write_arch_gguf(path: pathlib.Path, arch: str, metadata: dict[str, object] |
 def write_gemma4_gguf(path: pathlib.Path, weights: dict[str, np.ndarray], config: dict, *,
                       qtype: Q = Q.F32, meta_override: dict[str, object] | None = None,
                       drop_keys: tuple[str, ...] = (),
-                      rope_freqs: bool | np.ndarray = True) -> None:
+                      rope_freqs: bool | np.ndarray = True,
+                      tokenizer_model: str = "gpt2") -> None:
     """An HF Gemma 4 text model's (`Gemma4TextConfig.to_dict()`) HF-named float32 `weights`
     as llama.cpp's converter writes them (`Gemma4Model` over `Gemma3Model` / `TextModel`):
     gguf's own tensor-name map for GEMMA4, `layer_scalar` renamed `layer_scalar.weight` first
@@ -251,7 +252,9 @@ def write_gemma4_gguf(path: pathlib.Path, weights: dict[str, np.ndarray], config
     pattern (booleans), shared-KV layer count, per-layer-input size, both rope bases and
     rope dimension counts, the final soft-cap when set. The global head size / KV-head
     count come from transformers 5's `per_layer_config` (the converter reads them from
-    `global_head_dim` / `num_global_key_value_heads`, which that form replaces)."""
+    `global_head_dim` / `num_global_key_value_heads`, which that form replaces). The
+    vocabulary is the tiny byte-level BPE one (`tokenizer_model` names its kind; the
+    converter writes "gemma4", Gemma 4's own vocabulary, with its real tokens)."""
     n = config["num_hidden_layers"]
     types = config["layer_types"]
     plc = config.get("per_layer_config") or {}
@@ -290,7 +293,7 @@ def write_gemma4_gguf(path: pathlib.Path, weights: dict[str, np.ndarray], config
     meta.update(meta_override or {})
     writer = gguf.GGUFWriter(str(path), arch="gemma4")
     tokens, merges = tiny_gguf_vocab()
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(tokenizer_model)
     writer.add_token_list(tokens)
     writer.add_token_merges(merges)
     writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
