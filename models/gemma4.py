@@ -37,8 +37,8 @@ Refused with the config field named (`_REFUSED_FIELDS`): the MoE block (`enable_
 bidirectional attention
 (`use_bidirectional_attention`). The multimodal `Gemma4ForConditionalGeneration` is refused
 (text weights under `model.language_model.*` beside vision / audio towers), as Gemma 3's
-is. GGUF: llama.cpp's `gemma4` architecture is refused in `gemma_gguf.GGUF_REFUSED` (its
-per-layer head sizes and shared-KV / per-layer-embedding tensors are not mapped).
+is. GGUF: llama.cpp's `gemma4` text files load through `gemma4_gguf.py` (its docstring
+lists the layout and what it refuses).
 """
 
 from __future__ import annotations
@@ -51,11 +51,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from . import gemma4_gguf
 from .config import (ConfigError, LayerSpec, ModelConfig, RopeScaling, eos_ids, hf_int,
                      hf_rope_scaling, opt_token_id, rope_scaling_to_hf)
 from .gemma import HF_LAYER_NAMES as _GEMMA_HF_LAYER_NAMES
 from .gemma import HF_NAMES, KV_FIELDS, LINEAR_FIELDS  # noqa: F401  (the same names)
 from .gemma import TP_LAYOUT as _GEMMA_TP_LAYOUT
+from .gemma4_gguf import (GGUF_ARCHITECTURES, GGUF_LAYER_NAMES, GGUF_NAMES,  # noqa: F401
+                          GGUF_PERMUTED, GGUF_ROPE_SCALING, GGUF_SHAPE_FIELDS)
 from .host_arrays import HostArray, PaddedHeads
 from .linear import Weight
 
@@ -67,11 +70,7 @@ REFUSED_ARCHITECTURES = {
     "gemma4": "is the multimodal Gemma 4 (Gemma4ForConditionalGeneration); only "
     "Gemma4ForCausalLM (model_type gemma4_text) is supported",
 }
-# GGUF: none served here; `gemma_gguf.GGUF_REFUSED` says why for llama.cpp's gemma4.
-GGUF_ARCHITECTURES: dict[str, str] = {}
-GGUF_PERMUTED: tuple[str, ...] = ()
-GGUF_NAMES: dict[str, str] = {}
-GGUF_LAYER_NAMES: dict[str, str] = {}
+# GGUF: llama.cpp's gemma4 files (text): the tables are `gemma4_gguf`'s (imported above).
 
 # transformers' Gemma4TextConfig defaults for fields a config.json may omit.
 _DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -367,10 +366,15 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, ob
     }
 
 
-def config_dict_from_gguf(key: object, tensor_names: set[str], model_type: str
+def config_dict_from_gguf(key: gemma4_gguf.GGUFKey, tensor_names: set[str], model_type: str
                           ) -> dict[str, object]:
-    # Unreachable: GGUF_ARCHITECTURES is empty (llama.cpp's gemma4 is refused by name).
-    raise ConfigError("Gemma 4 GGUF files are not supported")
+    """The HF config.json fields of a llama.cpp gemma4 GGUF (`gemma4_gguf.config_dict`)."""
+    return gemma4_gguf.config_dict(key, tensor_names, model_type)
+
+
+def gguf_rope_freqs(freqs: np.ndarray, hf_config: dict[str, object], path: str) -> None:
+    """A gemma4 GGUF's `rope_freqs` tensor -> the global layers' proportional RoPE."""
+    gemma4_gguf.rope_freqs(freqs, hf_config, path)
 
 
 # --------------------------------------------------- checkpoint tensors <-> stacked params

@@ -20,14 +20,11 @@ from .config import ConfigError
 # GGUF `general.architecture` -> model_type (llama.cpp's converter: Gemma2Model, Gemma3Model).
 GGUF_ARCHITECTURES = {"gemma2": "gemma2", "gemma3": "gemma3_text"}
 # GGUF architectures of the Gemma line that are not served, each with why.
-_SERVED = "supported Gemma GGUF architectures: gemma2, gemma3 (text)"
+_SERVED = "supported Gemma GGUF architectures: gemma2, gemma3, gemma4 (text)"
 GGUF_REFUSED = {
     "gemma": f"Gemma 1 (no sandwich norms, no soft-caps) is not supported; {_SERVED}",
     "gemma3n": "Gemma 3n (per-layer embeddings, AltUp, LAuReL, a MatFormer FFN), a different "
                f"architecture from Gemma 3, is not supported; {_SERVED}",
-    "gemma4": "Gemma 4 GGUF files (per-layer head sizes and KV-head counts, shared-KV and "
-              "per-layer-embedding layers in llama.cpp's layout) are not mapped; Gemma 4 is "
-              f"served from its HF checkpoint (Gemma4ForCausalLM); {_SERVED}",
     "gemma-embedding": "EmbeddingGemma, a bidirectional encoder for embeddings, not a causal "
                        f"LM, is not supported; {_SERVED}",
     "clip": "a multimodal projector (mmproj) file: the vision tower that ships beside a "

@@ -103,6 +103,9 @@ def _hf_config(md: Mapping[str, object], names: set[str], path: str) -> dict[str
                              if i is not None))
     cfg["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
     scaling = md.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none") and not getattr(fam, "GGUF_ROPE_SCALING", True):
+        raise CheckpointError(f"{path}: GGUF metadata {arch}.rope.scaling.type={scaling!r}: "
+                              f"model-wide rope scaling is not supported for {arch} files")
     if scaling not in (None, "none"):  # config.py rejects the types we cannot run (yarn, ...)
         cfg["rope_scaling"] = {
             "rope_type": scaling, "factor": key("rope.scaling.factor", 1.0, kind=float),
@@ -170,14 +173,27 @@ def _expected_shapes(c: ModelConfig, fam: ModuleType
             required.add(name)
     if "lm_head" not in params and "lm_head" in fam.HF_NAMES:
         shapes[fam.HF_NAMES["lm_head"][0]] = (c.vocab_size, c.hidden_size)
+    # A family whose layers differ in shape (Gemma 4) says per layer which tensors it reads
+    # at which shape (`hf_layer_part`, as `hf_loader` calls it): a narrower layer's own
+    # shape, none for what it does not have (K = V, KV-shared layers).
+    layer_part = getattr(fam, "hf_layer_part", None)
     for field, (suffix, transpose) in fam.HF_LAYER_NAMES.items():
         if f"layers.{field}" not in params:
             continue
         one = params[f"layers.{field}"][1:]
         for layer in range(c.num_layers):
-            name = f"model.layers.{layer}.{suffix}"
-            shapes[name] = one[::-1] if transpose else one
-            required.add(name)
+            asked: list[tuple[str, tuple[int, ...]]] = []
+            if layer_part is None:
+                asked.append((suffix, one))
+            else:
+                def fetch(sfx: str, shape: tuple[int, ...], t: bool = transpose) -> np.ndarray:
+                    asked.append((sfx, shape))
+                    return np.broadcast_to(np.float32(0), shape[::-1] if t else shape)
+                layer_part(c, field, layer, suffix, fetch)
+            for sfx, shape in asked:
+                name = f"model.layers.{layer}.{sfx}"
+                shapes[name] = shape[::-1] if transpose else shape
+                required.add(name)
     return shapes, required
 
 
@@ -196,7 +212,7 @@ class LazyGGUF:
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
-    """Read and dequantize a llama/qwen2/qwen3/gemma2/gemma3 GGUF into HF names, HF layout,
+    """Read and dequantize a llama/qwen2/qwen3/gemma2/gemma3/gemma4 GGUF into HF names, HF layout,
     float32."""
     lazy = open_gguf(path)
     try:
@@ -210,8 +226,8 @@ def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
 
 
 def open_gguf(path: str | os.PathLike) -> LazyGGUF:
-    """Open a llama/qwen2/qwen3/gemma2/gemma3 GGUF: config and tensor table checked, no weights
-    read.
+    """Open a llama/qwen2/qwen3/gemma2/gemma3/gemma4 GGUF: config and tensor table checked,
+    no weights read.
 
     Only `rope_freqs` (needed for the config) is dequantized here.
     """
@@ -233,10 +249,23 @@ def _open_tensors(buf: mmap.mmap, spath: str) -> LazyGGUF:
     hf_config = _hf_config(header.metadata, set(by_name), spath)
     if "vocab_size" not in hf_config and "token_embd.weight" in by_name:
         hf_config["vocab_size"] = by_name["token_embd.weight"].shape[0]
+    arch_fam, _ = family_for_gguf(header.metadata["general.architecture"], spath)
+    # config fields only a tensor's shape holds (Gemma 4's per-layer-embedding vocabulary)
+    for name, (field, axis) in getattr(arch_fam, "GGUF_SHAPE_FIELDS", {}).items():
+        if name in by_name:
+            hf_config[field] = by_name[name].shape[axis]
     rope_freqs = by_name.pop(_ROPE_FREQS, None)
     if rope_freqs is not None:
         freqs = GGUFTensor(buf, rope_freqs, header.data_start, spath)[...]
-        hf_config["rope_scaling"] = _llama3_rope_scaling(freqs.ravel(), hf_config, spath)
+        # a family's own encoding (Gemma 4: proportional RoPE), else llama 3's scaling
+        own = getattr(arch_fam, "gguf_rope_freqs", None)
+        if own is not None:
+            try:
+                own(freqs.ravel(), hf_config, spath)
+            except ConfigError as e:
+                raise CheckpointError(str(e)) from None
+        else:
+            hf_config["rope_scaling"] = _llama3_rope_scaling(freqs.ravel(), hf_config, spath)
     config = config_from_hf(hf_config, source=spath)  # ConfigError names the field
     fam = family(config)
     if config.num_layers * 9 > len(by_name):  # bound the work before planning per layer

@@ -231,3 +231,106 @@ def write_arch_gguf(path: pathlib.Path, arch: str, metadata: dict[str, object] |
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_gemma4_gguf(path: pathlib.Path, weights: dict[str, np.ndarray], config: dict, *,
+                      qtype: Q = Q.F32, meta_override: dict[str, object] | None = None,
+                      drop_keys: tuple[str, ...] = (),
+                      rope_freqs: bool | np.ndarray = True,
+                      tokenizer_model: str = "gpt2") -> None:
+    """An HF Gemma 4 text model's (`Gemma4TextConfig.to_dict()`) HF-named float32 `weights`
+    as llama.cpp's converter writes them (`Gemma4Model` over `Gemma3Model` / `TextModel`):
+    gguf's own tensor-name map for GEMMA4, `layer_scalar` renamed `layer_scalar.weight` first
+    (the converter's `filter_tensors`: -> `blk.N.layer_output_scale.weight`), norms as they
+    are (its `norm_shift` is 0 for Gemma 4), `lm_head.weight` skipped when tied, 2-D weights
+    of whole-block rows in `qtype`; the global layers' proportional RoPE as the `rope_freqs` tensor (1 on the
+    rotated pairs, 1e30 on the others; `rope_freqs=False` leaves it out, an array is written
+    in its place); metadata (`meta_override`: strings too): the
+    Gemma 3 keys, key / value lengths of the global heads and `_swa` ones of the sliding
+    heads, `head_count_kv` as an array of per-layer counts when the global layers' differ,
+    `feed_forward_length` as an array when the MLPs are double-wide, the per-layer sliding
+    pattern (booleans), shared-KV layer count, per-layer-input size, both rope bases and
+    rope dimension counts, the final soft-cap when set. The global head size / KV-head
+    count come from transformers 5's `per_layer_config` (the converter reads them from
+    `global_head_dim` / `num_global_key_value_heads`, which that form replaces). The
+    vocabulary is the tiny byte-level BPE one (`tokenizer_model` names its kind; the
+    converter writes "gemma4", Gemma 4's own vocabulary, with its real tokens)."""
+    n = config["num_hidden_layers"]
+    types = config["layer_types"]
+    plc = config.get("per_layer_config") or {}
+    shapes = [(plc.get(str(i), {}).get("head_dim", config["head_dim"]),
+               plc.get(str(i), {}).get("num_key_value_heads", config["num_key_value_heads"]))
+              for i in range(n)]
+    swa = [t == "sliding_attention" for t in types]
+    full_i = swa.index(False)
+    swa_i = swa.index(True) if True in swa else full_i
+    (d_full, kv_full), (d_swa, kv_swa) = shapes[full_i], shapes[swa_i]
+    rope = config["rope_parameters"]
+    shared = config.get("num_kv_shared_layers") or 0
+    inter = config["intermediate_size"]
+    ff: object = inter
+    if config.get("use_double_wide_mlp") and shared:
+        ff = [inter if i < n - shared else 2 * inter for i in range(n)]
+    meta: dict[str, object] = {
+        "context_length": config["max_position_embeddings"],
+        "embedding_length": config["hidden_size"], "block_count": n,
+        "feed_forward_length": ff, "attention.head_count": config["num_attention_heads"],
+        "attention.head_count_kv": (kv_swa if kv_full == kv_swa
+                                    else [kv_swa if s else kv_full for s in swa]),
+        "attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
+        "attention.key_length": d_full, "attention.value_length": d_full,
+        "attention.key_length_swa": d_swa, "attention.value_length_swa": d_swa,
+        "rope.freq_base": float(rope["full_attention"]["rope_theta"]),
+        "rope.freq_base_swa": float(rope["sliding_attention"]["rope_theta"]),
+        "rope.dimension_count": d_full, "rope.dimension_count_swa": d_swa,
+        "attention.sliding_window": config["sliding_window"],
+        "attention.shared_kv_layers": shared,
+        "embedding_length_per_layer_input": config.get("hidden_size_per_layer_input") or 0,
+        "attention.sliding_window_pattern": swa, "vocab_size": config["vocab_size"],
+    }
+    if config.get("final_logit_softcapping"):
+        meta["final_logit_softcapping"] = float(config["final_logit_softcapping"])
+    meta.update(meta_override or {})
+    writer = gguf.GGUFWriter(str(path), arch="gemma4")
+    tokens, merges = tiny_gguf_vocab()
+    writer.add_tokenizer_model(tokenizer_model)
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
+    writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    writer.add_uint32("tokenizer.ggml.padding_token_id", 0)
+    for key, value in meta.items():
+        if key in drop_keys:
+            continue
+        if isinstance(value, list):
+            writer.add_array(f"gemma4.{key}", value)
+        elif isinstance(value, str):
+            writer.add_string(f"gemma4.{key}", value)
+        elif isinstance(value, float):
+            writer.add_float32(f"gemma4.{key}", value)
+        else:
+            writer.add_uint32(f"gemma4.{key}", int(value))
+    if isinstance(rope_freqs, np.ndarray):
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    elif rope_freqs:
+        rotated = int(d_full * rope["full_attention"].get("partial_rotary_factor", 1.0) / 2)
+        writer.add_tensor("rope_freqs.weight", np.array(
+            [1.0] * rotated + [1e30] * (d_full // 2 - rotated), np.float32))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, n)
+    for hf, w in weights.items():
+        if hf == "lm_head.weight" and config.get("tie_word_embeddings", True):
+            continue
+        if hf.endswith("layer_scalar"):
+            hf += ".weight"
+        base, suffix = hf.rsplit(".", 1)
+        name = f"{names.get_name(base)}.{suffix}"
+        w = np.asarray(w, np.float32)
+        # rows not a whole number of blocks stay unquantized, as the converter falls back
+        if w.ndim == 2 and qtype != Q.F32 and w.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
