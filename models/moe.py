@@ -1,32 +1,12 @@
-"""The sparse mixture-of-experts MLP block (Qwen3-MoE, Qwen2-MoE, Mixtral): a pure function.
+"""What the mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral) share: the
+layer-params base classes (`MoELayerParams`, `MixedMoELayerParams` with a dense MLP and a
+shared expert; each family subclasses one so `families.family_of_params` tells them apart),
+the expert stacks' shapes and TP layout, and the HF checkpoint mapping of per-expert tensors
+stacked at load into [E, in, out] (`ExpertStack`) and split back on export.
 
-Data flow for one layer (`moe_mlp`, called by `decoder.decoder_layer` where the layer's
-`LayerSpec.moe` is set) on normed input h [..., T, hidden], flattened to N tokens:
-
-  router logits f32[N, E] = h @ router (float32: the choice of experts is a comparison of
-  these, so they are not rounded to a narrower activation dtype first) -> softmax -> top-k
-  (probabilities, expert ids) [N, k], renormalised to sum 1 if `norm_topk_prob`
-  -> the N * k (token, expert) pairs sorted by expert (a stable argsort of the expert ids),
-  group sizes i32[E] = how many pairs each expert got (data, not shape: the compiled step
-  is one per bucket whatever the routing; no token is dropped, there is no capacity)
-  -> the grouped SwiGLU MLP of the sorted rows against the stacked expert weights
-  [E, in, out] (`grouped_mlp`: gate and up, SwiGLU, then down), each row meeting only its
-  own expert's weights, chosen where the step is lowered: XLA's ragged dot on TPU / GPU
-  (`grouped_mlp_ragged`); on CPU a loop over row tiles (`grouped_mlp_tiled`), because JAX
-  lowers `ragged_dot` there by multiplying every row by every group's weights (E times the
-  work: scripts/bench/bench_moe_cpu.py). The work is N * k rows (plus under a tile of
-  padding per group on CPU), not N * E
-  -> un-sorted (the inverse permutation), weighted by the routing probabilities and summed
-  over the k choices per token; plus, with a shared expert (Qwen2-MoE), sigmoid(h @ gate) *
-  the shared SwiGLU MLP.
-
-`dense_moe_reference` computes the same thing with every expert on every token, masked by the
-routing: the test oracle only (E / k times the work).
-
-The family side shared by the MoE families is here too: the layer-params base classes
-(`MoELayerParams`, `MixedMoELayerParams` with a dense MLP and a shared expert; each family
-subclasses one so `families.family_of_params` tells them apart), the expert stacks' shapes / TP layout, and the HF checkpoint mapping of per-expert
-tensors stacked at load into [E, in, out] (`ExpertStack`) and split back on export.
+The block's computation (routing, the grouped expert matmul, the dense test oracle) is
+`models/moe_block.py`; its names are re-exported here, so `moe.moe_mlp` and the rest keep
+one import path.
 """
 
 from __future__ import annotations
@@ -42,181 +22,20 @@ from flax import struct
 from .compressed_tensors import CompressedTensor
 from .config import ConfigError, LayerSpec, ModelConfig, MoESpec, hf_int
 from .host_arrays import HostArray, normalize_box
-from .linear import Weight, linear
+from .linear import Weight
 from .safetensors_io import CheckpointError
-
-
-# ------------------------------------------------------------------------------- routing
-def route(spec: MoESpec, router: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(weights f32[N, k], experts i32[N, k]) of tokens x [N, hidden] under router
-    [hidden, E]: softmax over all E logits, the k largest (ties: the lower expert id, as
-    `lax.top_k`), renormalised over the k when `norm_topk_prob`."""
-    logits = jnp.einsum("nh,he->ne", x.astype(jnp.float32), router.astype(jnp.float32),
-                        preferred_element_type=jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
-    weights, experts = jax.lax.top_k(probs, spec.top_k)
-    if spec.norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, experts.astype(jnp.int32)
-
-
-def router_logits(router: jax.Array, x: jax.Array) -> jax.Array:
-    """f32[..., E]: the logits `route` ranks (tests compare its choice to HF's)."""
-    return jnp.einsum("...h,he->...e", x.astype(jnp.float32), router.astype(jnp.float32),
-                      preferred_element_type=jnp.float32)
-
-
-# ------------------------------------------------------------------- grouped expert matmul
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """Rows x [M, in] sorted by group, group g's `group_sizes[g]` rows times w[g] [in, out]
-    -> [M, out] in x's dtype (float32 accumulation). XLA's ragged dot: no row meets another
-    group's weights. Rows past sum(group_sizes) come out zero."""
-    y = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes,
-                           preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
-
-
-def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """grouped_matmul by the definition: each row's group from the cumulative sizes, then
-    that group's weights gathered per row (tests only: M copies of a weight matrix)."""
-    ends = jnp.cumsum(group_sizes)
-    row = jnp.arange(x.shape[0])
-    group = jnp.searchsorted(ends, row, side="right")
-    valid = row < ends[-1]
-    wg = w[jnp.minimum(group, w.shape[0] - 1)].astype(jnp.float32)
-    y = jnp.einsum("mi,mio->mo", x.astype(jnp.float32), wg)
-    return jnp.where(valid[:, None], y, 0.0).astype(x.dtype)
-
-
-def _swiglu(x: jax.Array, gate: jax.Array, up: jax.Array) -> jax.Array:
-    return jax.nn.silu(gate) * up
-
-
-def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-def grouped_mlp_ragged(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                       w_down: jax.Array) -> jax.Array:
-    """The SwiGLU expert MLP of rows xs [M, hidden] sorted by expert (`sizes` i32[E] rows
-    each) through three `jax.lax.ragged_dot`s: XLA's ragged dot instruction on TPU and GPU."""
-    h = _swiglu(xs, grouped_matmul(xs, w_gate, sizes), grouped_matmul(xs, w_up, sizes))
-    return grouped_matmul(h, w_down, sizes)
-
-
-def tile_rows(rows: int, num_experts: int) -> int:
-    """The row tile of `grouped_mlp_tiled`: the power of two covering an expert's share of
-    the rows, in [4, 32]. A tile's matmuls cost their full rows whatever the group fills, so
-    the padding (under a tile per group) is paid in compute: measured on XLA:CPU (hidden 512,
-    8 experts of 1024, top-2), 2 rows ran 0.97 ms at tiles of 4 and 6.1 ms at 64; 128 rows
-    were fastest at 16, 512 rows at 32 (64: 10% slower)."""
-    share = -(-rows // num_experts)
-    return int(min(32, max(4, 1 << max(share - 1, 0).bit_length())))
-
-
-def grouped_mlp_tiled(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                      w_down: jax.Array, tile: int | None = None) -> jax.Array:
-    """`grouped_mlp_ragged`'s result by a loop over row tiles, for XLA:CPU, whose lowering of
-    `ragged_dot` multiplies every row by every group's weights and masks (E times the work;
-    scripts/bench/bench_moe_cpu.py measures it). Each group is padded to a whole number of
-    tiles of `tile` rows (the padded layout's size is static: M + E * (tile - 1), rounded up),
-    and a `fori_loop` whose trip count is the data's tile count (a while loop: tiles past it
-    are not run) computes one tile through its expert's gate / up / down weights per step.
-    Work: the real rows plus under one tile of padding per non-empty group."""
-    m, hidden = xs.shape
-    num_experts = w_gate.shape[0]
-    t = tile or tile_rows(m, num_experts)
-    slots = -(-(m + num_experts * (t - 1)) // t) * t
-    padded = (sizes + t - 1) // t * t
-    ends, padded_ends = jnp.cumsum(sizes), jnp.cumsum(padded)
-    row = jnp.arange(m, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(ends, row, side="right"), num_experts - 1)
-    pos = (padded_ends - padded)[group] + row - (ends - sizes)[group]
-    xp = jnp.zeros((slots, hidden), xs.dtype).at[pos].set(xs)
-    tile_group = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(0, slots, t),
-                                              side="right"), num_experts - 1)
-
-    def step(i: jax.Array, yp: jax.Array) -> jax.Array:
-        def w(stack: jax.Array) -> jax.Array:  # the tile's expert's weights, read in place
-            return jax.lax.dynamic_index_in_dim(stack, tile_group[i], keepdims=False)
-
-        xt = jax.lax.dynamic_slice_in_dim(xp, i * t, t)
-        h = _swiglu(xt, _dot(xt, w(w_gate)), _dot(xt, w(w_up)))
-        return jax.lax.dynamic_update_slice_in_dim(yp, _dot(h, w(w_down)), i * t, 0)
-
-    yp = jax.lax.fori_loop(0, padded_ends[-1] // t, step, jnp.zeros((slots, hidden), xs.dtype))
-    return jnp.take(yp, pos, axis=0)
-
-
-def grouped_mlp(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                w_down: jax.Array) -> jax.Array:
-    """The grouped expert MLP per backend, chosen where the step is lowered (so an export
-    for TPU / CUDA from a CPU host gets the ragged dot): the tile loop on CPU, XLA's ragged
-    dot elsewhere."""
-    return jax.lax.platform_dependent(xs, sizes, w_gate, w_up, w_down,
-                                      cpu=grouped_mlp_tiled, default=grouped_mlp_ragged)
-
-
-GroupedMLP = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
-
-
-def expert_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array,
-               w_up: jax.Array, w_down: jax.Array, mlp: GroupedMLP = grouped_mlp
-               ) -> jax.Array:
-    """sum_j weights[n, j] * MLP_{experts[n, j]}(x[n]) for x [N, hidden], the k choices per
-    token as `route` gives them; stacked weights [E, hidden, I] (gate, up), [E, I, hidden]
-    (down). Sort by expert, grouped matmuls, un-sort, weight, sum."""
-    n, k = experts.shape
-    num_experts = w_gate.shape[0]
-    flat = experts.reshape(-1)  # pair p = token p // k, choice p % k
-    order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    xs = jnp.take(x, order // k, axis=0)
-    ys = mlp(xs, sizes, w_gate, w_up, w_down)
-    # The inverse permutation gathers each pair's row back (a gather, not a scatter-add:
-    # the k contributions of a token are then summed in one fixed order).
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
-    y = jnp.take(ys, inverse, axis=0).reshape(n, k, -1).astype(jnp.float32)
-    return jnp.einsum("nkh,nk->nh", y, weights.astype(jnp.float32)).astype(x.dtype)
-
-
-def moe_mlp(spec: MoESpec, lp: Any, h: jax.Array) -> jax.Array:
-    """The MoE MLP block on normed h [..., hidden] with one layer's params `lp` (fields
-    `router`, `we_gate`, `we_up`, `we_down`; with a shared expert `ws_gate`, `ws_up`,
-    `ws_down`, `ws_router`) -> [..., hidden]."""
-    lead, hidden = h.shape[:-1], h.shape[-1]
-    x = h.reshape(-1, hidden)
-    weights, experts = route(spec, lp.router, x)
-    out = expert_mlp(x, weights, experts, lp.we_gate, lp.we_up, lp.we_down)
-    if spec.shared_intermediate_size:
-        out = out + _shared_expert(lp, x)
-    return out.reshape(*lead, hidden)
-
-
-def _shared_expert(lp: Any, x: jax.Array) -> jax.Array:
-    shared = linear(jax.nn.silu(linear(x, lp.ws_gate)) * linear(x, lp.ws_up), lp.ws_down)
-    gate = jax.nn.sigmoid(linear(x, lp.ws_router).astype(jnp.float32))
-    return (gate * shared.astype(jnp.float32)).astype(x.dtype)
-
-
-def dense_moe_reference(spec: MoESpec, lp: Any, h: jax.Array) -> jax.Array:
-    """The test oracle: every expert's MLP on every token in float32, combined with the
-    routing weights where the token chose the expert (zero elsewhere). E / k times the work
-    of `moe_mlp`; never on a serving path."""
-    lead, hidden = h.shape[:-1], h.shape[-1]
-    x = h.reshape(-1, hidden).astype(jnp.float32)
-    weights, experts = route(spec, lp.router, x)
-    num_experts = lp.we_gate.shape[0]
-    comb = jnp.zeros((x.shape[0], num_experts), jnp.float32)
-    comb = comb.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)
-    f32 = jnp.float32
-    g = jnp.einsum("nh,ehi->nei", x, lp.we_gate.astype(f32))
-    u = jnp.einsum("nh,ehi->nei", x, lp.we_up.astype(f32))
-    y = jnp.einsum("nei,eih->neh", jax.nn.silu(g) * u, lp.we_down.astype(f32))
-    out = jnp.einsum("neh,ne->nh", y, comb)
-    if spec.shared_intermediate_size:
-        out = out + _shared_expert(lp, x)
-    return out.reshape(*lead, hidden).astype(h.dtype)
+from .moe_block import (  # noqa: F401  (re-exported: one import path for the block)
+    route,
+    router_logits,
+    grouped_matmul,
+    grouped_matmul_reference,
+    grouped_mlp_ragged,
+    tile_rows,
+    grouped_mlp_tiled,
+    grouped_mlp,
+    expert_mlp,
+    moe_mlp,
+    dense_moe_reference)
 
 
 # ------------------------------------------------------------- the families' shared parts

@@ -78,7 +78,8 @@ FORBIDDEN = {
     "server": {"cli"},
     "llm": {"server", "cli"},
 }
-ENGINE_MODELS = {"jaxserve.models.config", "jaxserve.models.tokenizer"}
+ENGINE_MODELS = {"jaxserve.models.config", "jaxserve.models.tokenizer",
+                 "jaxserve.models.kv_groups"}
 
 
 def _source_files(dirs: list[str]) -> list[pathlib.Path]:

@@ -166,8 +166,10 @@ def test_greedy_through_llm_equals_transformers_generate(gguf_file) -> None:  # 
 
     sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     # Tiny pages and a small step budget: windows span pages, prompts prefill in chunks.
+    # Float activations: the oracle is transformers' float model over the same weights, and
+    # int8 activations (the CPU default for Q8_0 blocks) would round every layer's input.
     with LLM(model=str(path), max_num_seqs=4, max_num_batched_tokens=8, page_size=4,
-             max_model_len=64, kv_cache_memory=8 << 20) as llm:
+             max_model_len=64, kv_cache_memory=8 << 20, int8_activations="off") as llm:
         outs = llm.generate(PROMPTS, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(p) for p in PROMPTS], \
         (arch, qname)
