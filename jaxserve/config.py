@@ -189,7 +189,8 @@ class EngineConfig:
     attention_impl: str = "auto"  # auto | reference | cpu | pallas_tpu | pallas_gpu
     # Dense projections: "cpu" packs the weights for the C++ kernel (kernels_pallas/dense_cpu);
     # "xla" keeps XLA's dot; "auto": cpu on a CPU host with float32 weights and no tensor
-    # parallelism, else xla.
+    # parallelism, else xla. An MoE model's float32 / bfloat16 experts go to the C++ grouped
+    # kernel (kernels_pallas/moe_grouped_cpu) on a CPU host under auto / cpu; xla: the tile loop.
     dense_impl: str = "auto"
     # The C++ dense kernel's instruction set: auto | avx512 | avx2 | native (DENSE_ISAS above;
     # avx2 on an AVX-512 host: the other path, for tests and figures).

@@ -21,7 +21,7 @@ $JAXSERVE_KERNEL_CACHE_DIR, default ~/.cache/jaxserve/kernels). A missing librar
 into a temporary file in the cache dir and renamed onto its name (atomic: processes building at
 once each rename identical bytes). ctypes loads it and ``jax.ffi.register_ffi_target`` registers
 its handlers (attention; write_kv + attention; both again for quantized pages; the cut-offs;
-dense, float and quantized) for the CPU platform, once per process (lru_cache). Where anything fails -- no
+dense, float and quantized; the MoE grouped expert MLP) for the CPU platform, once per process (lru_cache). Where anything fails -- no
 compiler, a compile error, a load error -- ``cpu_kernel_target`` logs one warning saying why
 and returns None, and callers use the jnp reference (``dense_kernel_target`` likewise).
 """
@@ -58,6 +58,10 @@ DENSE_QUANT_TARGETS = {"int8": "jaxserve_dense_int8_cpu", "fp8": "jaxserve_dense
 DENSE_QDOT_TARGETS = {"int8": "jaxserve_dense_qdot_int8_cpu",
                       "int4": "jaxserve_dense_qdot_int4_cpu"}
 QUANTIZE_ROWS_TARGET = "jaxserve_quantize_rows_cpu"  # its activation quantization alone
+# The MoE block's grouped expert MLP over packed expert panels, by weight dtype
+# (csrc/moe_grouped_cpu.cc), built into the dense libraries (one per ISA).
+MOE_GROUPED_TARGETS = {"float32": "jaxserve_moe_grouped_f32_cpu",
+                       "bfloat16": "jaxserve_moe_grouped_bf16_cpu"}
 CSRC = pathlib.Path(__file__).parent / "csrc"
 # The sampler's top-k / top-p cut-offs (csrc/nucleus_cpu.cc), built into the attention library.
 NUCLEUS_TARGET = "jaxserve_nucleus_cutoffs_cpu"
@@ -67,7 +71,7 @@ SOURCES = tuple(CSRC / name for name in ("paged_attention_cpu.cc", "cpu_features
 # AVX2 tiles on an AVX-512 host; the engine runs the -march=native build.
 ATTENTION_SOURCES = (CSRC / "paged_attention_cpu.cc",)
 DENSE_SOURCES = tuple(CSRC / name for name in ("dense_cpu.cc", "dense_quant_cpu.cc",
-                                               "dense_qdot_cpu.cc"))
+                                               "dense_qdot_cpu.cc", "moe_grouped_cpu.cc"))
 CACHE_ENV = "JAXSERVE_KERNEL_CACHE_DIR"
 # Built on the machine that runs it, so -march=native is safe (the key holds the CPU flags).
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
@@ -192,7 +196,9 @@ _DENSE_SYMBOLS = {DENSE_TARGET: "JaxserveDenseCpu",
                   DENSE_QUANT_TARGETS["int4"]: "JaxserveDenseInt4Cpu",
                   DENSE_QDOT_TARGETS["int8"]: "JaxserveDenseQdotInt8Cpu",
                   DENSE_QDOT_TARGETS["int4"]: "JaxserveDenseQdotInt4Cpu",
-                  QUANTIZE_ROWS_TARGET: "JaxserveQuantizeRowsCpu"}
+                  QUANTIZE_ROWS_TARGET: "JaxserveQuantizeRowsCpu",
+                  MOE_GROUPED_TARGETS["float32"]: "JaxserveMoeGroupedF32Cpu",
+                  MOE_GROUPED_TARGETS["bfloat16"]: "JaxserveMoeGroupedBf16Cpu"}
 
 
 _ATTENTION_SYMBOLS = {TARGET: "JaxservePagedAttentionCpu",

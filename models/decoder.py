@@ -10,8 +10,8 @@ uniform layers (the Llama family) is one group and one scan, exactly as before.
 The stacked weights are read in place: one group scans them as `lax.scan` xs; several groups
 index layer i of the loop-invariant stack inside each scan (`lax.dynamic_index_in_dim`, the
 same per-layer read a scan's xs make), so no group slices the stack (a slice would copy the
-group's weights every step). A `PackedWeight` field is never sliced: the body gets the whole
-stack with `layer` set (the CPU kernel reads that layer's panels). Everything is a pure
+group's weights every step). A `PackedWeight` / `PackedExperts` field is never sliced: the
+body gets the whole stack with `layer` set (the CPU kernel reads that layer's panels). Everything is a pure
 function of the params pytree; the config is a static argument. `forward` is the
 full-sequence correctness oracle; `models/paged.py` is the engine's step on the same layers.
 """
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from .blocks import AttnFn, attention, causal_mask, embed, gated_mlp, lm_logits
 from .blocks import masked_attention, per_layer_input_block, per_layer_inputs, rms_norm
 from .config import LayerGroup, LayerSpec, ModelConfig
-from .linear import PackedWeight
+from .linear import PACKED_STACKS
 from .moe import moe_mlp
 
 # body(spec, carry, (one layer's params, layer index i32[], xs slice)) -> (carry, ys slice)
@@ -65,7 +65,7 @@ def decoder_layer(cfg: ModelConfig, spec: LayerSpec, lp: Any, x: jax.Array,
 def _num_layers(layers: Any) -> int:
     for f in dataclasses.fields(layers):
         w = getattr(layers, f.name)
-        if w is not None and not isinstance(w, PackedWeight):
+        if w is not None and not isinstance(w, PACKED_STACKS):
             return jax.tree.leaves(w)[0].shape[0]
     raise ValueError("layer params hold no unpacked field to count the layers by")
 
@@ -75,7 +75,7 @@ def scan_layers(body: LayerBody, carry: object, layers: Any,
     """`lax.scan` of body over the layers, one scan per group; `xs` ([L, ...] leaves) is
     scanned alongside and the ys of the groups are concatenated in layer order."""
     names = [f.name for f in dataclasses.fields(layers)
-             if isinstance(getattr(layers, f.name), PackedWeight)]
+             if isinstance(getattr(layers, f.name), PACKED_STACKS)]
     packed = {f: getattr(layers, f) for f in names}
     stacked = layers.replace(**{f: None for f in names})
     num_layers = _num_layers(stacked)

@@ -5,7 +5,9 @@ a plain array, a `QuantizedWeight` (`models/quant.py`; a quantized tied embeddin
 transposed, as the lm_head it also is) or, on a CPU host, a `PackedWeight` in the C++ dense
 kernel's panels (`models/packing.py`). `linear` runs whichever it is given; `decoder.scan_layers`
 hands a layer a packed stack whole with its index rather than a slice (a slice is a copy of the
-layer's weights every step).
+layer's weights every step). An MoE layer's expert stacks [L, E, in, out] are not linear weights
+of their own (the grouped MLP reads three at once), but on a CPU host they are packed the same
+way, per expert (`PackedExperts`, run by `models/moe_block.grouped_mlp`), and read in place alike.
 """
 
 from __future__ import annotations
@@ -50,6 +52,26 @@ class PackedWeight:
             return dequantize_columns(self.panels, ids)
         return self.panels[ids // PANEL, :, ids % PANEL]
 
+
+@struct.dataclass
+class PackedExperts:
+    """An expert stack W [L, E, in, out] (gate, up or down) in the CPU grouped expert kernel's
+    16-column panels (`kernels_pallas.moe_grouped_cpu`), in the checkpoint's float32 or
+    bfloat16. Quantized experts would be another panel type beside `panels` (not yet)."""
+
+    panels: jax.Array  # f32 | bf16[L, E, ceil(out / 16), in, 16]
+    out_features: int = struct.field(pytree_node=False)
+    layer: jax.Array | None = None  # i32[]: the layer of the stack (set by scan_layers)
+    # The kernel's instruction set (cpu_build.dense_isas(); None: the best this CPU runs).
+    isa: str | None = struct.field(pytree_node=False, default=None)
+
+    @property
+    def num_experts(self) -> int:
+        return self.panels.shape[-4]
+
+
+# Stacks that scan_layers hands a layer whole, with `layer` set, rather than sliced.
+PACKED_STACKS = (PackedWeight, PackedExperts)
 
 Weight = jax.Array | PackedWeight | QuantizedWeight
 

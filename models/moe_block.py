@@ -12,11 +12,13 @@ Data flow for one layer (`moe_mlp`, called by `decoder.decoder_layer` where the 
   is one per bucket whatever the routing; no token is dropped, there is no capacity)
   -> the grouped SwiGLU MLP of the sorted rows against the stacked expert weights
   [E, in, out] (`grouped_mlp`: gate and up, SwiGLU, then down), each row meeting only its
-  own expert's weights, chosen where the step is lowered: XLA's ragged dot on TPU / GPU
+  own expert's weights: on a CPU host whose engine packed the experts (`PackedExperts`,
+  `models/packing.py`), one C++ call over their panels (`kernels_pallas.moe_grouped_cpu`);
+  else chosen where the step is lowered: XLA's ragged dot on TPU / GPU
   (`grouped_mlp_ragged`); on CPU a loop over row tiles (`grouped_mlp_tiled`), because JAX
   lowers `ragged_dot` there by multiplying every row by every group's weights (E times the
   work: scripts/bench/bench_moe_cpu.py). The work is N * k rows (plus under a tile of
-  padding per group on CPU), not N * E
+  padding per group in the tile loop), not N * E
   -> un-sorted (the inverse permutation), weighted by the routing probabilities and summed
   over the k choices per token; plus, with a shared expert (Qwen2-MoE), sigmoid(h @ gate) *
   the shared SwiGLU MLP.
@@ -32,8 +34,13 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from ..kernels_pallas.moe_grouped_cpu import grouped_mlp_packed
 from .config import MoESpec
-from .linear import linear
+from .linear import PackedExperts, linear
+
+
+# An expert stack [E, in, out] (one layer's), or a stack packed for the CPU kernel.
+Experts = jax.Array | PackedExperts
 
 
 # ------------------------------------------------------------------------------- routing
@@ -138,26 +145,33 @@ def grouped_mlp_tiled(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: 
     return jnp.take(yp, pos, axis=0)
 
 
-def grouped_mlp(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                w_down: jax.Array) -> jax.Array:
-    """The grouped expert MLP per backend, chosen where the step is lowered (so an export
-    for TPU / CUDA from a CPU host gets the ragged dot): the tile loop on CPU, XLA's ragged
-    dot elsewhere."""
+def grouped_mlp(xs: jax.Array, sizes: jax.Array, w_gate: Experts, w_up: Experts,
+                w_down: Experts) -> jax.Array:
+    """The grouped expert MLP: over packed expert panels (only a CPU engine packs them) the
+    C++ grouped kernel; over plain stacks per backend, chosen where the step is lowered (so
+    an export for TPU / CUDA from a CPU host gets the ragged dot): the tile loop on CPU,
+    XLA's ragged dot elsewhere."""
+    packed = [isinstance(w, PackedExperts) for w in (w_gate, w_up, w_down)]
+    if any(packed):
+        if not all(packed):
+            raise ValueError(f"expert stacks gate / up / down packed {packed}: all or none")
+        return grouped_mlp_packed(xs, sizes, w_gate.panels, w_up.panels, w_down.panels,
+                                  w_gate.layer, w_gate.out_features, isa=w_gate.isa)
     return jax.lax.platform_dependent(xs, sizes, w_gate, w_up, w_down,
                                       cpu=grouped_mlp_tiled, default=grouped_mlp_ragged)
 
 
-GroupedMLP = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+GroupedMLP = Callable[[jax.Array, jax.Array, Any, Any, Any], jax.Array]
 
 
-def expert_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array,
-               w_up: jax.Array, w_down: jax.Array, mlp: GroupedMLP = grouped_mlp
+def expert_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: Experts,
+               w_up: Experts, w_down: Experts, mlp: GroupedMLP = grouped_mlp
                ) -> jax.Array:
     """sum_j weights[n, j] * MLP_{experts[n, j]}(x[n]) for x [N, hidden], the k choices per
     token as `route` gives them; stacked weights [E, hidden, I] (gate, up), [E, I, hidden]
     (down). Sort by expert, grouped matmuls, un-sort, weight, sum."""
     n, k = experts.shape
-    num_experts = w_gate.shape[0]
+    num_experts = w_gate.num_experts if isinstance(w_gate, PackedExperts) else w_gate.shape[0]
     flat = experts.reshape(-1)  # pair p = token p // k, choice p % k
     order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)

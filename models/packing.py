@@ -8,7 +8,11 @@ embedding is packed transposed, as the lm_head it also is; token lookups read it
 A `QuantizedWeight` (`models/quant.py`) is packed the same way into quantized panels
 (`kernels_pallas.dense_quant_cpu`; a quantized tied embedding is already transposed), or, for
 int8 / int4 weights where the kernel runs integer dots and int8_activations allows, into the
-quad panels of `kernels_pallas.dense_qdot_cpu` (activations quantized to int8 per row). Norms
+quad panels of `kernels_pallas.dense_qdot_cpu` (activations quantized to int8 per row). An MoE
+model's expert stacks [L, E, in, out] (`EXPERT_FIELDS`) become `PackedExperts`
+(f32 | bf16[L, E, ceil(out / 16), in, 16], per expert the same panels) for the grouped expert
+kernel (`kernels_pallas.moe_grouped_cpu`); `pack_experts` packs them alone, in their own
+float32 or bfloat16, where the rest stays XLA's (a bfloat16 model). Norms
 and biases stay as they are. Packing runs leaf by leaf on the host; the unpacked tree
 lives until the caller drops it (at load, the peak is twice the weights).
 """
@@ -24,13 +28,14 @@ from ..kernels_pallas.cpu_build import dense_isas
 from ..kernels_pallas.dense_cpu import pack_panels
 from ..kernels_pallas.dense_qdot_cpu import pack_qdot, qdot_scheme_supported
 from ..kernels_pallas.dense_quant_cpu import pack_quant
+from ..kernels_pallas.moe_grouped_cpu import WEIGHT_DTYPES, pack_expert_panels
 from .families import ModelParams, family_of_params
-from .linear import PackedWeight
+from .linear import PackedExperts, PackedWeight
 from .llama import LINEAR_FIELDS
 from .quant import QuantizedWeight
 
 
-__all__ = ["LINEAR_FIELDS", "can_pack", "pack_params"]  # LINEAR_FIELDS: the Llama family's
+__all__ = ["LINEAR_FIELDS", "can_pack", "can_pack_experts", "pack_experts", "pack_params"]  # LINEAR_FIELDS: the Llama family's
 
 
 def can_pack(params: ModelParams) -> str | None:
@@ -44,6 +49,44 @@ def can_pack(params: ModelParams) -> str | None:
         if any(len(a.sharding.device_set) != 1 for a in arrays):
             return "the weights are sharded over several devices"
     return None
+
+
+def _expert_stacks(params: ModelParams) -> dict[str, jax.Array]:
+    """The model's unpacked expert stacks by field ({} for a model without experts)."""
+    fields = getattr(family_of_params(params), "EXPERT_FIELDS", ())
+    stacks = {f: getattr(params.layers, f) for f in fields}
+    return {f: w for f, w in stacks.items() if w is not None and not isinstance(w, PackedExperts)}
+
+
+def can_pack_experts(params: ModelParams) -> str | None:
+    """None if `params` has expert stacks the grouped kernel can take (float32 or bfloat16
+    on one device), else why not."""
+    stacks = _expert_stacks(params)
+    if not stacks:
+        return "the model has no (unpacked) expert stacks"
+    for name, w in stacks.items():
+        if not isinstance(w, jax.Array) or str(w.dtype) not in WEIGHT_DTYPES:
+            what = type(w).__name__ if not isinstance(w, jax.Array) else w.dtype
+            return f"the experts' {name} is {what}, the grouped kernel takes {WEIGHT_DTYPES}"
+        if len(w.sharding.device_set) != 1:
+            return "the expert weights are sharded over several devices"
+    return None
+
+
+def pack_experts(params: ModelParams, isa: str | None = None) -> ModelParams:
+    """`params` with its expert stacks packed for the grouped expert kernel, each in its own
+    dtype, run by the kernel's `isa` (None: the best this CPU runs); a ValueError naming why
+    where they cannot be."""
+    why = can_pack_experts(params)
+    if why is not None:
+        raise ValueError(f"cannot pack the experts for the CPU grouped kernel: {why}")
+    packed = {}
+    for name, w in _expert_stacks(params).items():
+        panels = pack_expert_panels(np.asarray(w), str(w.dtype))
+        device = next(iter(w.sharding.device_set))
+        placed = jax.device_put(panels, device) if w.committed else jnp.asarray(panels)
+        packed[name] = PackedExperts(panels=placed, out_features=int(w.shape[-1]), isa=isa)
+    return params.replace(layers=params.layers.replace(**packed))
 
 
 def qdot_choice(w: QuantizedWeight, isa: str | None, int8_activations: str,
@@ -107,6 +150,8 @@ def pack_params(params: ModelParams, isa: str | None = None, int8_activations: s
         if w is not None and not isinstance(w, PackedWeight):
             layers = layers.replace(**{name: pack(w)})
     params = params.replace(layers=layers)
+    if _expert_stacks(params):
+        params = pack_experts(params, isa=isa)
     if params.lm_head is not None:
         params = params.replace(lm_head=pack(params.lm_head))
     else:

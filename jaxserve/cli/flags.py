@@ -52,7 +52,8 @@ _ENGINE_HELP = {
     "attention_impl": "auto | reference | cpu | pallas_tpu | pallas_gpu",
     "dense_impl": "dense projections: cpu packs the weights for jaxserve's C++ kernel, xla "
                   "keeps XLA's dot; auto: cpu on a CPU host with float32 weights and no "
-                  "tensor parallelism",
+                  "tensor parallelism (MoE experts, float32 or bfloat16: the C++ grouped "
+                  "kernel on a CPU host unless xla)",
     "dense_isa": "the C++ dense kernel's instruction set: auto picks the best this CPU runs "
                  "(avx512_vnni, avx512, else avx2; a runtime check); naming one this CPU cannot run fails "
                  "at load",

@@ -42,7 +42,7 @@ from jaxserve.models import placement
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.families import ModelParams
 from jaxserve.models.loading import LoadedModel, detect_format, load_model, resolve_model_path
-from jaxserve.models.packing import can_pack, pack_params
+from jaxserve.models.packing import can_pack, can_pack_experts, pack_experts, pack_params
 from jaxserve.models.quant import QuantizedWeight, WeightQuant, weight_bytes, weight_quant
 from jaxserve.models.quantized_params import dequantized_params, quantize_params
 from jaxserve.models.paged import MODEL_AXIS
@@ -228,8 +228,9 @@ def _weight_quant(config: EngineConfig) -> WeightQuant:
 
 def _dense_params(config: EngineConfig, params: ModelParams) -> ModelParams:
     """`params` packed for the C++ dense kernel where `config.dense_impl` picks it (auto: on a
-    CPU host with float32 weights), else as they are; the kernel runs `config.dense_isa` (an
-    ISA this CPU cannot run is a ValueError here, at load)."""
+    CPU host with float32 weights; MoE experts too), else as they are but for the experts
+    (`_expert_params`); the kernel runs `config.dense_isa` (an ISA this CPU cannot run is a
+    ValueError here, at load)."""
     if config.dense_impl == "xla":
         return params
     why = can_pack(params)
@@ -244,9 +245,18 @@ def _dense_params(config: EngineConfig, params: ModelParams) -> ModelParams:
                              f"run here: {why}")
         if config.dense_impl == "cpu":
             log.warning("dense_impl=cpu: using XLA's dot instead, because %s", why)
-        return params
+        return _expert_params(params, isa)
     return pack_params(params, isa=isa, int8_activations=config.int8_activations,
                        int8_activation_group_size=config.int8_activation_group_size)
+
+
+def _expert_params(params: ModelParams, isa: str | None) -> ModelParams:
+    """Where the dense weights stay XLA's (e.g. bfloat16), an MoE model's float32 / bfloat16
+    experts still go to the C++ grouped kernel on a CPU host (else: the MoE tile loop)."""
+    if (can_pack_experts(params) is None and jax.local_devices()[0].platform == "cpu"
+            and dense_kernel_target(isa) is not None):
+        return pack_experts(params, isa=isa)
+    return params
 
 
 def _kv_budget(placed: list[_Placed]) -> int:
