@@ -81,9 +81,9 @@ class MixedMoELayerParams(MoELayerParams):
     ws_router: jax.Array | None = None  # f[L, hidden, 1] (shared_expert_gate)
 
 
-# The stacked experts' fields (not `LINEAR_FIELDS`: the CPU dense kernel's packing and the
-# quantization options do not cover them; `quantized_params` refuses quantizing a model
-# that has them).
+# The stacked experts' fields (not `LINEAR_FIELDS`: the CPU engine packs them for the grouped
+# expert kernel as `PackedExperts`, not as linear weights, and the quantization options do
+# not cover them; `quantized_params` refuses quantizing a model that has them).
 EXPERT_FIELDS = ("we_gate", "we_up", "we_down")
 # Tensor parallelism: each expert's intermediate axis split as the dense MLP's is (gate / up
 # outputs, down inputs; the down projection's partial sums are all-reduced); the router

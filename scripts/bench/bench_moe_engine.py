@@ -41,11 +41,12 @@ def configs(hidden: int, layers: int, experts: int, width: int, top_k: int,
     }
 
 
-def run(name: str, d: dict, prompts: list[list[int]], max_tokens: int) -> dict:
+def run(name: str, d: dict, prompts: list[list[int]], max_tokens: int,
+        engine_kw: dict) -> dict:
     cfg = families.config_from_hf(d, f"{name}/config.json")
     model = tiny.random_model(cfg, seed=0, scale=0.05)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    with LLM(loaded=model, max_num_seqs=len(prompts), max_model_len=512) as llm:
+    with LLM(loaded=model, max_num_seqs=len(prompts), max_model_len=512, **engine_kw) as llm:
         llm.generate(prompts[:2], sp, use_tqdm=False)  # warm the host paths
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -65,17 +66,29 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--token-buckets", default=None,
+                    help="comma-separated token buckets (default: the engine's, ~80 "
+                         "compiles per model; a few keep a shared host's run short)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    engine_kw: dict = {}
+    if a.token_buckets:
+        engine_kw["token_buckets"] = tuple(int(t) for t in a.token_buckets.split(","))
+    if a.max_num_batched_tokens:
+        engine_kw["max_num_batched_tokens"] = a.max_num_batched_tokens
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, a.vocab, a.prompt_len).tolist() for _ in range(a.prompts)]
-    rows = [run(name, d, prompts, a.max_tokens) for name, d in configs(
+    rows = [run(name, d, prompts, a.max_tokens, engine_kw) for name, d in configs(
         a.hidden, a.layers, a.experts, a.width, a.top_k, a.vocab).items()]
     for r in rows:
         print(f"{r['model']:12s} {r['tokens_per_s']:8.1f} tok/s  ({r['generated_tokens']} "
               f"tokens in {r['seconds']:.2f} s)")
     if a.json:
-        meta = {"backend": jax.default_backend(), "jax": jax.__version__, **vars(a)}
+        import jaxserve  # which checkout ran (before / after comparisons run two)
+
+        meta = {"backend": jax.default_backend(), "jax": jax.__version__,
+                "jaxserve": str(jaxserve.__file__), **vars(a)}
         with open(a.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
 

@@ -6,6 +6,7 @@
   MLP, the same combine;
 - a tiny Qwen3-MoE (a dense layer between sparse ones: two scan groups) with every weight
   packed gives the unpacked model's logits (`decoder.forward`; slow tier);
+- plain stacks lowered for TPU / CUDA keep the ragged dot;
 - the engine build packs the experts where `dense_impl` picks the C++ kernels: float32
   models with the dense weights, bfloat16 models the experts alone (in bfloat16), `xla`
   neither. tests/models/test_moe.py runs the packed engine against transformers.
@@ -104,3 +105,17 @@ def test_build_packs_experts_where_dense_impl_picks_the_kernels(
             assert isinstance(w, PackedExperts) and w.panels.dtype == experts and w.isa == isa
     with pytest.raises(ValueError, match="no \\(unpacked\\) expert stacks"):
         pack_experts(tiny.random_model().params)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_unpacked_experts_still_lower_to_the_ragged_dot_elsewhere(platform: str) -> None:
+    """The C++ kernel only replaces the CPU branch: plain stacks lowered for TPU / CUDA (an
+    export from a CPU host) get XLA's ragged dot, and no CPU custom call."""
+    e, hidden, width = 4, 16, 8
+    args = (jax.ShapeDtypeStruct((6, hidden), jnp.float32), jax.ShapeDtypeStruct((e,), jnp.int32),
+            jax.ShapeDtypeStruct((e, hidden, width), jnp.float32),
+            jax.ShapeDtypeStruct((e, hidden, width), jnp.float32),
+            jax.ShapeDtypeStruct((e, width, hidden), jnp.float32))
+    text = jax.jit(moe.grouped_mlp).trace(*args).lower(
+        lowering_platforms=(platform,)).as_text()
+    assert "ragged_dot" in text and "moe_grouped" not in text
