@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,8 @@ pytestmark = pytest.mark.skipif(cpu_build.dense_kernel_target() is None,
                                 reason="the CPU kernels could not be built here (see the log)")
 
 
-def _tiny_moe(dtype: str = "float32"):  # noqa: ANN202 - a LoadedModel
+@functools.lru_cache(maxsize=None)
+def _tiny_moe(dtype: str = "float32"):  # noqa: ANN202 - a LoadedModel (built once per dtype)
     d = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=96,
              hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, intermediate_size=48, num_experts=5,
@@ -42,8 +44,10 @@ def _tiny_moe(dtype: str = "float32"):  # noqa: ANN202 - a LoadedModel
              rope_theta=1e4, bos_token_id=1, eos_token_id=2)
     cfg = families.config_from_hf(d, "tiny_moe/config.json")
     model = tiny.random_model(cfg, seed=3, scale=0.2)
+    if dtype == "float32":
+        return model
     return dataclasses.replace(model, params=jax.tree.map(lambda a: a.astype(dtype),
-                                                          model.params))
+                                                          _tiny_moe().params))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -92,10 +96,8 @@ def test_build_packs_experts_where_dense_impl_picks_the_kernels(
         dense_impl: str, dtype: str, dense: bool, experts: str | None) -> None:
     model = _tiny_moe(dtype)
     isa = cpu_build.dense_isas()[-1]  # the config's ISA reaches the experts too
-    config = EngineConfig(dense_impl=dense_impl, dense_isa=isa, dtype=dtype, max_num_seqs=4,
-                          max_num_batched_tokens=16, max_model_len=64,
-                          kv_cache_memory=1 << 20)
-    params = build.build_engine(config, model, warmup=False).runner.params
+    config = EngineConfig(dense_impl=dense_impl, dense_isa=isa, dtype=dtype)
+    params = build._dense_params(config, model.params)  # the build's packing step alone
     assert isinstance(params.layers.wq, PackedWeight) is dense
     for name in moe.EXPERT_FIELDS:
         w = getattr(params.layers, name)
@@ -104,7 +106,7 @@ def test_build_packs_experts_where_dense_impl_picks_the_kernels(
         else:
             assert isinstance(w, PackedExperts) and w.panels.dtype == experts and w.isa == isa
     with pytest.raises(ValueError, match="no \\(unpacked\\) expert stacks"):
-        pack_experts(tiny.random_model().params)
+        pack_experts(pack_experts(model.params))
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
