@@ -14,7 +14,7 @@
 //
 // Work: phase 1's items are (row chunk of one expert, 16 columns of h); each sweeps the gate
 // and up panels of those columns together (a register tile of rows x {gate, up}: AVX-512 12
-// rows x 2 panels in 24 zmm, AVX2 3 x 2 in 12 ymm) and writes silu(gate) * up. Phase 2's items
+// rows x 2 panels in 24 zmm, AVX2 2 x 2 in 8 ymm) and writes silu(gate) * up. Phase 2's items
 // are (row chunk, one or two 16-column panels of y) over h. Items go to XLA's intra-op pool
 // from one atomic counter; the calling thread works too and waits for every item of phase 1
 // before phase 2 reads h (a barrier inside the call, so gate / up / act / down is one call).
@@ -42,28 +42,41 @@ constexpr int64_t kRowChunk = 256;  // rows per work item (as dense_common.h)
 constexpr int64_t kKBlock = 192;    // k per block when a chunk holds several tiles
 constexpr int64_t kPrefetch = 32;   // panel rows ahead
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t b16u __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
+// One native vector: a zmm (16 floats) with AVX-512, a ymm (8) otherwise (a 64-byte generic
+// vector on AVX2 is lowered through memory: 3-11x slower, measured); kVecs per panel row.
 #if defined(__AVX512F__)
+constexpr int kLanes = 16;
 constexpr int kRowsGU = 12;  // phase 1 tile: rows x {gate, up} (24 zmm accumulators)
 constexpr int kRowsD = 12;   // phase 2 tile: rows x kGroupD panels
 constexpr int64_t kGroupD = 2;
 #else
-constexpr int kRowsGU = 3;   // 3 x 2 panels x 2 ymm = 12 accumulators
-constexpr int kRowsD = 6;
+constexpr int kLanes = 8;
+// 2 rows x 2 panels x 2 ymm = 8 accumulators + 4 weights: 3 rows would spill (2.1x the
+// dense MLP at 128 tokens against 1.6x; gate and up as two 6-row blocks: the same 1.6x)
+constexpr int kRowsGU = 2;
+constexpr int kRowsD = 6;    // 6 x 1 panel x 2 ymm = 12 (the dense kernel's AVX2 block)
 constexpr int64_t kGroupD = 1;
 #endif
+constexpr int kVecs = kPanel / kLanes;
 
-inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef float vfu __attribute__((vector_size(4 * kLanes), aligned(4)));
+typedef uint16_t vhu __attribute__((vector_size(2 * kLanes), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
+
+inline vf loadv(const float* p) { return *reinterpret_cast<const vfu*>(p); }
 // bfloat16 is the top half of a float32: widen and shift.
-inline v16 load16(const uint16_t* p) {
-  const u32x16 w = __builtin_convertvector(*reinterpret_cast<const b16u*>(p), u32x16) << 16;
-  return (v16)w;
+inline vf loadv(const uint16_t* p) {
+  const vu w = __builtin_convertvector(*reinterpret_cast<const vhu*>(p), vu) << 16;
+  return (vf)w;
 }
-inline v16 splat(float s) { return v16{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+inline vf splat(float s) {
+#if defined(__AVX512F__)
+  return vf{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
+#else
+  return vf{s, s, s, s, s, s, s, s};
+#endif
+}
 
 // out[r, 16 p + c] (+)= sum_{k0 <= k < k1} x[r, k] * pan[p][k, c] for r < R, p < NP
 // (x stride ldx, out stride NP * 16); `add`: onto out (a later k block).
@@ -71,20 +84,21 @@ template <int R, int NP, class W>
 void tile(const float* x, int64_t ldx, int64_t k0, int64_t k1, const W* const* pan,
           float* out, bool add) {
   constexpr int64_t ldo = NP * kPanel;
-  v16 acc[R][NP];
+  constexpr int V = NP * kVecs;  // vectors per tile row
+  vf acc[R][V];
   for (int r = 0; r < R; ++r) {
-    for (int p = 0; p < NP; ++p) acc[r][p] = add ? load16(out + r * ldo + p * kPanel) : v16{};
+    for (int v = 0; v < V; ++v) acc[r][v] = add ? loadv(out + r * ldo + v * kLanes) : vf{};
   }
   for (int64_t k = k0; k < k1; ++k) {
-    v16 w[NP];
+    vf w[V];
     for (int p = 0; p < NP; ++p) {
       const W* pk = pan[p] + k * kPanel;
       if (k + kPrefetch < k1) __builtin_prefetch(pk + kPrefetch * kPanel);
-      w[p] = load16(pk);
+      for (int j = 0; j < kVecs; ++j) w[p * kVecs + j] = loadv(pk + j * kLanes);
     }
     for (int r = 0; r < R; ++r) {
-      const v16 a = splat(x[r * ldx + k]);
-      for (int p = 0; p < NP; ++p) acc[r][p] += a * w[p];
+      const vf a = splat(x[r * ldx + k]);
+      for (int v = 0; v < V; ++v) acc[r][v] += a * w[v];
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -209,7 +223,7 @@ ffi::Error Grouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
     const int64_t p = i % PI, rows = j.r1 - j.r0;
     const W* pan[2] = {gbase + j.e * gu_expert + p * H * kPanel,
                        ubase + j.e * gu_expert + p * H * kPanel};
-    float out[kRowChunk][2 * kPanel];
+    float out[kRowChunk][2 * kPanel];  // [gate | up] per row
     chunk<kRowsGU, 2, W>(rows, xs + j.r0 * H, H, H, pan, &out[0][0]);
     for (int64_t r = 0; r < rows; ++r) {
       float* hr = h + (j.r0 + r) * ldh + p * kPanel;
