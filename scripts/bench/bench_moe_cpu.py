@@ -67,7 +67,8 @@ def _timed(fn, argsets: list[tuple], runs: int) -> list[float]:  # noqa: ANN001
 
 
 def bench(tokens: int, hidden: int, experts: int, width: int, top_k: int, runs: int,
-          rounds: int, ragged: bool, copies: int, seed: int = 0) -> dict[str, object]:
+          rounds: int, ragged: bool, copies: int, isa: str | None = None, seed: int = 0
+          ) -> dict[str, object]:
     rng = np.random.default_rng(seed)
     f32 = np.float32
 
@@ -80,10 +81,10 @@ def bench(tokens: int, hidden: int, experts: int, width: int, top_k: int, runs: 
         ws = [normal(experts, hidden, width), normal(experts, hidden, width),
               normal(experts, width, hidden)]
         plain.append(tuple(map(jnp.asarray, ws)))
-        pf32.append(tuple(PackedExperts(jnp.asarray(pack_expert_panels(w)), w.shape[-1])
-                          for w in ws))
+        pf32.append(tuple(PackedExperts(jnp.asarray(pack_expert_panels(w)), w.shape[-1],
+                                        isa=isa) for w in ws))
         pbf16.append(tuple(PackedExperts(jnp.asarray(pack_expert_panels(w, "bfloat16")),
-                                         w.shape[-1]) for w in ws))
+                                         w.shape[-1], isa=isa) for w in ws))
         dw = [normal(hidden, top_k * width), normal(hidden, top_k * width),
               normal(top_k * width, hidden)]
         dense.append(tuple(map(jnp.asarray, dw)))
@@ -108,8 +109,9 @@ def bench(tokens: int, hidden: int, experts: int, width: int, top_k: int, runs: 
     @jax.jit
     def dense_cpp(x, pg, pu, pd):  # noqa: ANN001, ANN202
         n = top_k * width
-        h = jax.nn.silu(dense_packed(x, pg, None, n)) * dense_packed(x, pu, None, n)
-        return dense_packed(h, pd, None, hidden)
+        h = (jax.nn.silu(dense_packed(x, pg, None, n, isa=isa))
+             * dense_packed(x, pu, None, n, isa=isa))
+        return dense_packed(h, pd, None, hidden, isa=isa)
 
     variants = {"cpp": (grouped, [(xs, sizes, *w) for w in pf32]),
                 "cpp_bf16": (grouped, [(xs, sizes, *w) for w in pbf16]),
@@ -155,12 +157,15 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=3,
                     help="distinct weight sets the calls cycle through (3 x the dense MLP's "
                          "19 MB at the defaults is past a 32 MB L3: weights from memory)")
+    ap.add_argument("--isa", default=None,
+                    help="the C++ kernels' instruction set (cpu_build.dense_isas(); default: "
+                         "the best this CPU runs)")
     ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args()
     rows = []
     for n in a.tokens.split(","):
         r = bench(int(n), a.hidden, a.experts, a.width, a.top_k, a.runs, a.rounds, a.ragged,
-                  a.copies)
+                  a.copies, a.isa)
         rows.append(r)
         print(f"N={r['tokens']:4d} ({r['experts_read']:2d} experts read)  "
               f"cpp {r['cpp_best_ms']:.3f} ms  cpp_bf16 {r['cpp_bf16_best_ms']:.3f}  "
@@ -173,7 +178,7 @@ def main() -> None:
               f"tiled/dense_active {r['tiled_over_dense_active']:.2f}x  "
               f"tiled/cpp {r['tiled_over_cpp']:.2f}x", flush=True)
     meta = {"backend": jax.default_backend(), "jax": jax.__version__,
-            "devices": [str(d) for d in jax.devices()], "isa": (dense_isas() or [None])[0],
+            "devices": [str(d) for d in jax.devices()], "isa": a.isa or (dense_isas() or [None])[0],
             "cpus": os.cpu_count(), **vars(a)}
     if a.json:
         os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
