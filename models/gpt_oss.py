@@ -35,7 +35,7 @@ from .gpt_oss_config import (ARCHITECTURES, config_dict_from_gguf,  # noqa: F401
                              config_from_hf, config_to_hf)
 from .host_arrays import HostArray, normalize_box
 from .linear import Weight
-from .moe import KV_FIELDS  # noqa: F401  (the family's names)
+from .moe import EXPERT_FIELDS, KV_FIELDS  # noqa: F401  (the family's names)
 
 GGUF_ARCHITECTURES: dict[str, str] = {}
 GGUF_REFUSED = {"gpt-oss": "gpt-oss GGUF files are not supported yet (their MXFP4 expert "

@@ -156,6 +156,54 @@ def test_greedy_through_llm_equals_transformers_generate(hf) -> None:  # noqa: A
     assert again.outputs[0].token_ids == hf_greedy(model, longer, n)
 
 
+# ------------------------------------------------------------------- the biased MoE block
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+def test_biased_clamped_experts_equal_dense_reference(tokens: int) -> None:
+    """Both backends of `moe_biased` (CPU tile loop, ragged dot) through `moe_mlp`'s sort /
+    un-sort equal the dense all-experts oracle with the biases and the clamped SwiGLU
+    (limit 0.5: most gates and ups clamp)."""
+    import functools
+    import types
+
+    import jax
+
+    from jaxserve.models import moe_biased
+    from jaxserve.models.config import MoESpec
+
+    rng = np.random.default_rng(tokens)
+    e, hidden, width = 4, 16, 24
+    spec = MoESpec(e, 2, width, True, activation="swiglu_clamped", swiglu_limit=0.5,
+                   router_bias=True, expert_bias=True)
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    lp = types.SimpleNamespace(router=f(hidden, e), router_bias=f(e), we_gate=f(e, hidden, width),
+                               we_up=f(e, hidden, width), we_down=f(e, width, hidden),
+                               be_gate=f(e, width), be_up=f(e, width), be_down=f(e, hidden))
+    h = f(tokens, hidden)
+    want = np.asarray(moe.dense_moe_reference(spec, lp, h))
+    got_cpu = np.asarray(jax.jit(lambda h: moe.moe_mlp(spec, lp, h))(h))
+    w, ex = moe.route(spec, lp.router, h, lp.router_bias)
+    biases = (lp.be_gate, lp.be_up, lp.be_down)
+    ragged = functools.partial(moe_biased._biased_ragged, spec)
+    got_ragged = np.asarray(moe.expert_mlp(
+        h, w, ex, lp.we_gate, lp.we_up, lp.we_down,
+        lambda xs, sizes, g, u, d: ragged(xs, sizes, g, u, d, *biases)))
+    scale = np.abs(want).max()
+    assert scale > 1e-2
+    for got in (got_cpu, got_ragged):
+        np.testing.assert_allclose(got, want, atol=1e-5 * scale, rtol=1e-5)
+    # The clamp is exercised: without it the oracle differs.
+    loose = moe.dense_moe_reference(MoESpec(e, 2, width, True, activation="swiglu_clamped",
+                                            swiglu_limit=1e9, router_bias=True,
+                                            expert_bias=True), lp, h)
+    assert np.abs(np.asarray(loose) - want).max() > 1e-2 * scale
+
+
+def test_quantizing_experts_is_refused(hf) -> None:  # noqa: ANN001
+    d, _ = hf
+    with pytest.raises(ValueError, match=r"quantization='int8'.*layers.we_gate"):
+        loading.load_model(d, quant=loading.WeightQuant("int8"))
+
+
 # ---------------------------------------------------------------------------------- MXFP4
 def _fp4_value(code: np.ndarray) -> np.ndarray:
     """e2m1 by its bit fields: sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0."""
