@@ -82,6 +82,8 @@ _ATTN = {"attn_norm": ("input_layernorm.weight", False),
          "bq": ("self_attn.q_proj.bias", False), "bk": ("self_attn.k_proj.bias", False),
          "bv": ("self_attn.v_proj.bias", False), "bo": ("self_attn.o_proj.bias", False),
          "sinks": ("self_attn.sinks", False),
+         # MoELayerParams' qk-norm fields: gpt-oss has none (never in param_shapes)
+         "q_norm": ("self_attn.q_norm.weight", False), "k_norm": ("self_attn.k_norm.weight", False),
          "mlp_norm": ("post_attention_layernorm.weight", False)}
 # Expert fields are read by `hf_layer_part` (already [E, in, out], no transpose).
 HF_LAYER_NAMES: dict[str, tuple[str, bool]] = {

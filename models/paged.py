@@ -145,14 +145,20 @@ def paged_hidden(params: Any, kv_pages: KVPages, token_ids: jax.Array,
             if mesh is None:
                 return attend(q, k, v, flat, layer_md, sinks)
             heads = PS(None, MODEL_AXIS, None)  # [T, H, D] split by head
-            # Sinks [Hq] split with the query heads (None: an empty pytree, no spec needed).
-            sink_spec = None if sinks is None else PS(MODEL_AXIS)
-            return jax.shard_map(attend, mesh=mesh,
-                                 in_specs=(heads, heads, heads, kv_spec, PS(), sink_spec),
+            # Sinks [Hq] split with the query heads; a model without them passes nothing.
+            extra, extra_specs = ((), ()) if sinks is None else ((sinks,), (PS(MODEL_AXIS),))
+
+            def sharded(q: jax.Array, k: jax.Array, v: jax.Array, flat: KVPages,
+                        layer_md: AttentionMetadata, *sink: jax.Array
+                        ) -> tuple[jax.Array, KVPages]:
+                return attend(q, k, v, flat, layer_md, sink[0] if sink else None)
+
+            return jax.shard_map(sharded, mesh=mesh,
+                                 in_specs=(heads, heads, heads, kv_spec, PS(), *extra_specs),
                                  out_specs=(heads, kv_spec),
                                  # The attention's loops start from replicated zeros and
                                  # end per-shard; each shard is independent, nothing to check.
-                                 check_vma=False)(q, k, v, flat, layer_md, sinks)
+                                 check_vma=False)(q, k, v, flat, layer_md, *extra)
 
         x, kv, shared = decoder_layer(cfg, spec, lp, x, positions, attn, kv, inp, shared)
         return (x, kv, shared), None
