@@ -102,6 +102,28 @@ def test_config_specs_and_rope(hf) -> None:  # noqa: ANN001
                                rot.inv_freq.numpy(), rtol=1e-6)
 
 
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "factor": 8.0, "beta_fast": 16.0, "beta_slow": 2.0,
+     "truncate": True, "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+    {"rope_type": "yarn", "factor": 4.0, "truncate": False, "attention_factor": 1.5,
+     "original_max_position_embeddings": 128, "rope_theta": 150000.0},
+    {"rope_type": "yarn", "factor": 16.0, "mscale": 1.0, "mscale_all_dim": 0.5,
+     "original_max_position_embeddings": 32, "rope_theta": 500000.0},
+])
+def test_yarn_equals_transformers(rope: dict) -> None:
+    """YaRN's frequencies and attention factor (truncated ramp bounds or not, an explicit
+    attention_factor, DeepSeek's mscale pair) equal transformers' _compute_yarn_parameters."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_cfg = transformers.GptOssConfig(**{**CONFIG, "head_dim": 32}, rope_parameters=rope)
+    inv, factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg)
+    d = {**hf_cfg.to_dict(), "architectures": ["GptOssForCausalLM"]}
+    spec = families.config_from_hf(d).layer_specs[0]
+    assert spec.rope_scaling.attention_factor == pytest.approx(factor, rel=1e-12)
+    np.testing.assert_allclose(rope_inv_freq(32, spec.rope_theta, spec.rope_scaling),
+                               inv.numpy(), rtol=2e-6)
+
+
 def test_logits_match_transformers(hf) -> None:  # noqa: ANN001
     d, model = hf
     ours = loading.load_model(d)
