@@ -146,8 +146,10 @@ def grouped_mlp_tiled(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: 
     return jnp.take(yp, pos, axis=0)
 
 
-def _grouped_mlp_with(matmul: Callable[..., jax.Array], xs: jax.Array, sizes: jax.Array,
-                      w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+def grouped_mlp_with(matmul: Callable[..., jax.Array], xs: jax.Array, sizes: jax.Array,
+                     w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """The SwiGLU expert MLP through a grouped matmul `matmul(x, w, sizes)` (a kernel of
+    kernels_pallas/grouped_matmul*.py), the weights cast to the rows' dtype."""
     dt = xs.dtype
     gate = matmul(xs, w_gate.astype(dt), sizes)
     h = _swiglu(xs, gate, matmul(xs, w_up.astype(dt), sizes))
@@ -158,7 +160,7 @@ def grouped_mlp_pallas_tpu(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array,
                            w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """The expert MLP through the Pallas Mosaic TPU grouped matmul (Megablox's tile visits:
     kernels_pallas/grouped_matmul_tpu.py), three calls."""
-    return _grouped_mlp_with(grouped_matmul_tpu, xs, sizes, w_gate, w_up, w_down)
+    return grouped_mlp_with(grouped_matmul_tpu, xs, sizes, w_gate, w_up, w_down)
 
 
 def grouped_mlp_pallas_gpu(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array,
@@ -168,7 +170,7 @@ def grouped_mlp_pallas_gpu(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array,
     not divide the widths (hidden or expert width not a multiple of 16: toy shapes only)."""
     if not all(gpu_tiles_fit(w.shape[1], w.shape[2]) for w in (w_gate, w_down)):
         return grouped_mlp_ragged(xs, sizes, w_gate, w_up, w_down)
-    return _grouped_mlp_with(grouped_matmul_gpu, xs, sizes, w_gate, w_up, w_down)
+    return grouped_mlp_with(grouped_matmul_gpu, xs, sizes, w_gate, w_up, w_down)
 
 
 def grouped_mlp(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
