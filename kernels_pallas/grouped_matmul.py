@@ -4,10 +4,11 @@ reference. The kernels are grouped_matmul_tpu.py (Mosaic TPU) and grouped_matmul
 
     grouped_matmul(x [M, K], w [G, K, N], group_sizes i32[G]) -> [M, N] in x's dtype
 
-Rows of x are sorted by group: rows [offsets[g], offsets[g + 1]) meet w[g] only, with float32
-accumulation; rows at or past sum(group_sizes) come out zero. `group_sizes` is data (a
-routing result), never a shape: the compiled call is one per (M, K, N, G) whatever the
-routing. Sizes summing past M are cut at M.
+Rows of x are sorted by group: rows [offsets[g], offsets[g + 1]) (offsets = 0 then the
+cumulative group sizes) meet w[g] only, with float32 accumulation; rows at or past
+sum(group_sizes) come out zero. `group_sizes` is data (a routing result), never a shape:
+the compiled call is one per (M, K, N, G) whatever the routing. Sizes summing past M are
+cut at M.
 
 Tile metadata (`tile_visits`, jnp, computed on the device inside the step: no host round
 trip). M is cut into m-tiles of `tm` rows. Each non-empty group visits the m-tiles its rows
