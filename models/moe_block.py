@@ -12,11 +12,14 @@ Data flow for one layer (`moe_mlp`, called by `decoder.decoder_layer` where the 
   is one per bucket whatever the routing; no token is dropped, there is no capacity)
   -> the grouped SwiGLU MLP of the sorted rows against the stacked expert weights
   [E, in, out] (`grouped_mlp`: gate and up, SwiGLU, then down), each row meeting only its
-  own expert's weights, chosen where the step is lowered: XLA's ragged dot on TPU / GPU
-  (`grouped_mlp_ragged`); on CPU a loop over row tiles (`grouped_mlp_tiled`), because JAX
-  lowers `ragged_dot` there by multiplying every row by every group's weights (E times the
-  work: scripts/bench/bench_moe_cpu.py). The work is N * k rows (plus under a tile of
-  padding per group on CPU), not N * E
+  own expert's weights, chosen where the step is lowered: the Pallas grouped matmul on TPU
+  (Mosaic) and CUDA (Triton) (kernels_pallas/grouped_matmul*.py: tile metadata from the
+  group sizes, one visit per (m-tile, group) pair); on CPU a loop over row tiles
+  (`grouped_mlp_tiled`), because JAX lowers `ragged_dot` there by multiplying every row by
+  every group's weights (E times the work: scripts/bench/bench_moe_cpu.py); XLA's ragged
+  dot elsewhere (`grouped_mlp_ragged`). Under tensor parallelism `sharded_grouped_mlp`
+  runs it per device on the experts' intermediate slices and sums. The work is N * k rows
+  (plus under a tile of padding per group or m-tile), not N * E
   -> un-sorted (the inverse permutation), weighted by the routing probabilities and summed
   over the k choices per token; plus, with a shared expert (Qwen2-MoE), sigmoid(h @ gate) *
   the shared SwiGLU MLP.
@@ -36,6 +39,11 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as PS
+
+from ..kernels_pallas.grouped_matmul_gpu import gpu_tiles_fit, grouped_matmul_gpu
+from ..kernels_pallas.grouped_matmul_tpu import grouped_matmul_tpu
 from .config import MoESpec
 from .linear import linear
 from .moe_biased import expert_activation, grouped_mlp_biased
@@ -148,13 +156,58 @@ def grouped_mlp_tiled(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: 
     return jnp.take(yp, pos, axis=0)
 
 
+def grouped_mlp_with(matmul: Callable[..., jax.Array], xs: jax.Array, sizes: jax.Array,
+                     w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """The SwiGLU expert MLP through a grouped matmul `matmul(x, w, sizes)` (a kernel of
+    kernels_pallas/grouped_matmul*.py), the weights cast to the rows' dtype."""
+    dt = xs.dtype
+    gate = matmul(xs, w_gate.astype(dt), sizes)
+    h = _swiglu(xs, gate, matmul(xs, w_up.astype(dt), sizes))
+    return matmul(h, w_down.astype(dt), sizes)
+
+
+def grouped_mlp_pallas_tpu(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array,
+                           w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """The expert MLP through the Pallas Mosaic TPU grouped matmul (Megablox's tile visits:
+    kernels_pallas/grouped_matmul_tpu.py), three calls."""
+    return grouped_mlp_with(grouped_matmul_tpu, xs, sizes, w_gate, w_up, w_down)
+
+
+def grouped_mlp_pallas_gpu(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array,
+                           w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """The expert MLP through the Pallas Triton grouped matmul
+    (kernels_pallas/grouped_matmul_gpu.py); XLA's ragged dot where its power-of-two tiles do
+    not divide the widths (hidden or expert width not a multiple of 16: toy shapes only)."""
+    if not all(gpu_tiles_fit(w.shape[1], w.shape[2]) for w in (w_gate, w_down)):
+        return grouped_mlp_ragged(xs, sizes, w_gate, w_up, w_down)
+    return grouped_mlp_with(grouped_matmul_gpu, xs, sizes, w_gate, w_up, w_down)
+
+
 def grouped_mlp(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                 w_down: jax.Array) -> jax.Array:
     """The grouped expert MLP per backend, chosen where the step is lowered (so an export
-    for TPU / CUDA from a CPU host gets the ragged dot): the tile loop on CPU, XLA's ragged
-    dot elsewhere."""
+    for TPU / CUDA from a CPU host gets that platform's kernel): the tile loop on CPU, the
+    Pallas grouped matmul on TPU (Mosaic) and CUDA (Triton), XLA's ragged dot elsewhere
+    (`grouped_mlp_ragged`: also the reference the kernels' tests compare against)."""
     return jax.lax.platform_dependent(xs, sizes, w_gate, w_up, w_down,
-                                      cpu=grouped_mlp_tiled, default=grouped_mlp_ragged)
+                                      cpu=grouped_mlp_tiled, tpu=grouped_mlp_pallas_tpu,
+                                      cuda=grouped_mlp_pallas_gpu, default=grouped_mlp_ragged)
+
+
+def sharded_grouped_mlp(mesh: Mesh, axis: str) -> "GroupedMLP":
+    """`grouped_mlp` under tensor parallelism (the experts' intermediate axis split over
+    `axis`, as models/placement.py lays them out): each device runs the kernels on its
+    slice (gate / up columns, down rows) and the partial outputs are summed. Without it XLA
+    could not split a Pallas call and would gather every expert's weights to each device."""
+    col, row = PS(None, None, axis), PS(None, axis, None)
+
+    def local(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+              w_down: jax.Array) -> jax.Array:
+        y = grouped_mlp(xs, sizes, w_gate, w_up, w_down).astype(jnp.float32)
+        return jax.lax.psum(y, axis).astype(xs.dtype)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(PS(), PS(), col, col, row),
+                         out_specs=PS(), check_vma=False)
 
 
 GroupedMLP = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
@@ -180,15 +233,17 @@ def expert_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax
     return jnp.einsum("nkh,nk->nh", y, weights.astype(jnp.float32)).astype(x.dtype)
 
 
-def moe_mlp(spec: MoESpec, lp: Any, h: jax.Array) -> jax.Array:
+def moe_mlp(spec: MoESpec, lp: Any, h: jax.Array, mlp: GroupedMLP | None = None) -> jax.Array:
     """The MoE MLP block on normed h [..., hidden] with one layer's params `lp` (fields
     `router`, `we_gate`, `we_up`, `we_down`; with a shared expert `ws_gate`, `ws_up`,
     `ws_down`, `ws_router`; with biases `router_bias`, `be_gate`, `be_up`, `be_down`) ->
-    [..., hidden]."""
+    [..., hidden]. `mlp`: the grouped expert MLP of SwiGLU experts (default `grouped_mlp`;
+    `sharded_grouped_mlp` under tensor parallelism); biased / clamped experts (gpt-oss) take
+    `moe_biased.grouped_mlp_biased` instead, which XLA partitions under TP by itself."""
     lead, hidden = h.shape[:-1], h.shape[-1]
     x = h.reshape(-1, hidden)
     weights, experts = route(spec, lp.router, x, _router_bias(spec, lp))
-    mlp = grouped_mlp if _plain(spec) else grouped_mlp_biased(spec, lp)
+    mlp = (mlp or grouped_mlp) if _plain(spec) else grouped_mlp_biased(spec, lp)
     out = expert_mlp(x, weights, experts, lp.we_gate, lp.we_up, lp.we_down, mlp)
     if spec.shared_intermediate_size:
         out = out + _shared_expert(lp, x)
