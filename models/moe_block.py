@@ -27,6 +27,7 @@ routing: the test oracle only (E / k times the work).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -139,35 +140,50 @@ def grouped_mlp_tiled(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: 
 
 
 def grouped_mlp(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                w_down: jax.Array) -> jax.Array:
+                w_down: jax.Array, tile: int | None = None) -> jax.Array:
     """The grouped expert MLP per backend, chosen where the step is lowered (so an export
-    for TPU / CUDA from a CPU host gets the ragged dot): the tile loop on CPU, XLA's ragged
-    dot elsewhere."""
+    for TPU / CUDA from a CPU host gets the ragged dot): the tile loop on CPU (of `tile`
+    rows; None: `tile_rows` of the rows and groups given), XLA's ragged dot elsewhere."""
     return jax.lax.platform_dependent(xs, sizes, w_gate, w_up, w_down,
-                                      cpu=grouped_mlp_tiled, default=grouped_mlp_ragged)
+                                      cpu=functools.partial(grouped_mlp_tiled, tile=tile),
+                                      default=grouped_mlp_ragged)
 
 
 GroupedMLP = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def expert_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array,
-               w_up: jax.Array, w_down: jax.Array, mlp: GroupedMLP = grouped_mlp
-               ) -> jax.Array:
+               w_up: jax.Array, w_down: jax.Array, mlp: GroupedMLP = grouped_mlp,
+               first_expert: jax.Array | int = 0) -> jax.Array:
     """sum_j weights[n, j] * MLP_{experts[n, j]}(x[n]) for x [N, hidden], the k choices per
-    token as `route` gives them; stacked weights [E, hidden, I] (gate, up), [E, I, hidden]
-    (down). Sort by expert, grouped matmuls, un-sort, weight, sum."""
+    token as `route` gives them; stacked weights [E_l, hidden, I] (gate, up), [E_l, I, hidden]
+    (down) of experts first_expert .. first_expert + E_l - 1. Sort by expert, grouped matmuls,
+    un-sort, weight, sum.
+
+    All E experts (first_expert 0, E_l = E): the whole MoE sum. A slice of them (expert
+    parallelism, `models/moe_parallel.py`: one device's E / P experts): the pairs of the
+    other experts sort past the local groups (key E_l), beyond sum(sizes), where the grouped
+    matmul does no work for them, and count zero; the result is this slice's share of the
+    sum (tokens with no local expert: zero)."""
     n, k = experts.shape
-    num_experts = w_gate.shape[0]
-    flat = experts.reshape(-1)  # pair p = token p // k, choice p % k
-    order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    num_local = w_gate.shape[0]
+    flat = experts.reshape(-1) - first_expert  # pair p = token p // k, choice p % k
+    mine = (flat >= 0) & (flat < num_local)
+    key = jnp.where(mine, flat, num_local)
+    order = jnp.argsort(key, stable=True)  # pairs sorted by expert, the others last
+    sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
     xs = jnp.take(x, order // k, axis=0)
     ys = mlp(xs, sizes, w_gate, w_up, w_down)
     # The inverse permutation gathers each pair's row back (a gather, not a scatter-add:
     # the k contributions of a token are then summed in one fixed order).
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
     y = jnp.take(ys, inverse, axis=0).reshape(n, k, -1).astype(jnp.float32)
-    return jnp.einsum("nkh,nk->nh", y, weights.astype(jnp.float32)).astype(x.dtype)
+    # Rows past sum(sizes) are not results (the tile loop may leave padding there): a
+    # select, not a zero weight, so nothing of them reaches the sum.
+    mine = mine.reshape(n, k)
+    y = jnp.where(mine[..., None], y, 0.0)
+    w = jnp.where(mine, weights.astype(jnp.float32), 0.0)
+    return jnp.einsum("nkh,nk->nh", y, w).astype(x.dtype)
 
 
 def moe_mlp(spec: MoESpec, lp: Any, h: jax.Array) -> jax.Array:
