@@ -21,6 +21,10 @@ Data flow for one layer (`moe_mlp`, called by `decoder.decoder_layer` where the 
   over the k choices per token; plus, with a shared expert (Qwen2-MoE), sigmoid(h @ gate) *
   the shared SwiGLU MLP.
 
+Expert parallelism (`models/moe_parallel.py`) runs `expert_mlp` on each device with only its
+E / P experts' weights (`first_expert` says which): the pairs of the other experts sort past
+the local groups and count zero, and a psum over the devices adds the slices up.
+
 `dense_moe_reference` computes the same thing with every expert on every token, masked by the
 routing: the test oracle only (E / k times the work).
 """

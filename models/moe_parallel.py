@@ -13,7 +13,7 @@ Data flow of one sparse layer (`ep_moe_mlp`, in the jitted step, under `jax.shar
 the "model" axis), dispatch "psum":
   h [N, hidden], replicated: attention's all-reduce already left every token on every device
   -> every device routes every token (the same float32 router on the same numbers: the same
-     choice everywhere)
+     choice everywhere; h is the same bits on every device, an all-reduce's one result)
   -> `moe_block.expert_mlp` with this device's E / P experts (`first_expert` = d * E / P):
      the (token, expert) pairs of local experts sorted into E / P groups, the others sorted
      past sum(sizes), where the grouped matmul does no work for them; local results weighted

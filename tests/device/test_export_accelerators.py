@@ -245,11 +245,12 @@ def abstract_kv(shape: tuple[int, ...], int8: bool, sharding=None):  # noqa: ANN
 
 
 def export_step(cfg: ModelConfig, platform: str, tp: int, int8_kv: bool = False,
-                quant: tuple[str, int | None, bool] | None = None
-                ) -> list[jax.export.Exported]:
+                quant: tuple[str, int | None, bool] | None = None,
+                expert_parallel: bool = False) -> list[jax.export.Exported]:
     """Export `forward_jit` and `sample_jit` for the chosen buckets; asserts the kernel.
-    `quant`: (scheme, group size, fp8 activations) of the dense weights, else bf16. Returns
-    the exported forward steps."""
+    `quant`: (scheme, group size, fp8 activations) of the dense weights, else bf16;
+    `expert_parallel`: MoE experts split whole over the mesh. Returns the exported forward
+    steps."""
     impl = select_impl("auto", platform)
     engine = ENGINE if not int8_kv else EngineConfig(
         dtype="bfloat16", max_num_seqs=128, max_num_batched_tokens=1024, max_model_len=4096,
@@ -276,7 +277,8 @@ def export_step(cfg: ModelConfig, platform: str, tp: int, int8_kv: bool = False,
         run_params = weights(run_cfg)
         params = jax.tree.map(lambda a, spec: SDS(a.shape, a.dtype,
                                                   sharding=NamedSharding(mesh, spec)),
-                              run_params, placement.param_specs(cfg, tp, run_params))
+                              run_params, placement.param_specs(cfg, tp, run_params,
+                                                                expert_parallel))
         kv_shape = kv_cache_shape(run_cfg, plan.scheduler.num_pages,
                                   plan.scheduler.page_size, padded_head_dim(cfg.head_dim))
         kv = abstract_kv(kv_shape, int8_kv, placement.kv_sharding(mesh, int8_kv))
@@ -292,7 +294,8 @@ def export_step(cfg: ModelConfig, platform: str, tp: int, int8_kv: bool = False,
         inputs, sampling, _ = jax.tree.map(replicated, mr.to_step_inputs(batch))
         feed = replicated(SDS((feed_len,), jnp.int32))
         fwd = jax.export.export(mr.forward_jit, platforms=[platform])(
-            params, kv, inputs, feed, cfg=run_cfg, attn_impl=impl, mesh=mesh)
+            params, kv, inputs, feed, cfg=run_cfg, attn_impl=impl, mesh=mesh,
+            expert_parallel=expert_parallel)
         assert fwd.nr_devices == tp
         forwards.append(fwd)
         # One layer body per distinct layer spec, scanned over its layers: groups of equal
@@ -452,6 +455,26 @@ def test_qwen3_moe_step_lowers_for_platform(platform: str) -> None:
         # three ragged dots (gate, up, down) in the one layer body (the CPU tile loop has
         # none: it is not what these platforms lower)
         assert len(re.findall(r"composite \"chlo\.ragged_dot\"", module)) == 3, platform
+
+
+@pytest.mark.parametrize("platform", grid(
+    [[(p, p) for p in PLATFORMS]], {"tpu"}, "the expert-parallel step for CUDA too"))
+def test_qwen3_moe_step_lowers_under_expert_parallelism(platform: str) -> None:
+    """Qwen3-30B-A3B's step with its 128 experts split whole over an abstract 8-device mesh
+    (`--enable-expert-parallel`): inside the experts' shard_map each device's three ragged
+    dots take its 16 experts [16, in, out], and the step's one explicit collective is the
+    experts' psum of [tokens, hidden] in the layer body (XLA adds attention's all-reduce
+    when it partitions the step, after export; tests/device/test_expert_parallel.py counts
+    those on CPU)."""
+    cfg = families.config_from_hf(QWEN3_MOE_SHAPE, "qwen3-30b-a3b/config.json")
+    for fwd in export_step(cfg, platform, tp=8, expert_parallel=True):
+        module = fwd.mlir_module()
+        dots = re.findall(r"composite \"chlo\.ragged_dot\".*", module)
+        assert len(dots) == 3, platform
+        for shape in ("16x2048x768xbf16", "16x768x2048xbf16"):  # gate / up, down
+            assert any(shape in d for d in dots), (shape, dots)
+        psums = re.findall(r"stablehlo\.all_reduce.*\n?.*", module)
+        assert len(re.findall(r"stablehlo\.all_reduce", module)) == 1, psums
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
