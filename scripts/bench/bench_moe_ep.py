@@ -56,9 +56,11 @@ def all_reduces(llm: LLM) -> dict:
 
 
 def run(name: str, model, prompts: list[list[int]], max_tokens: int,  # noqa: ANN001
-        tp: int, ep: bool) -> dict:
+        tp: int, ep: bool, buckets: tuple[int, ...]) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    # A few token buckets: every bucket is compiled at start, per engine.
     with LLM(loaded=model, max_num_seqs=len(prompts), max_model_len=512,
+             max_num_batched_tokens=buckets[-1], token_buckets=buckets,
              tensor_parallel_size=tp, enable_expert_parallel=ep) as llm:
         llm.generate(prompts[:2], sp, use_tqdm=False)  # warm the host paths
         t0 = time.perf_counter()
@@ -87,6 +89,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--token-buckets", default="8,128")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     d = config(args.hidden, args.layers, args.experts, args.width, args.top_k, args.vocab)
@@ -95,9 +98,11 @@ def main() -> None:
     rng = np.random.default_rng(0)
     prompts = [[int(x) for x in rng.integers(3, args.vocab, args.prompt_len)]
                for _ in range(args.prompts)]
-    rows = [run("1 device", model, prompts, args.max_tokens, 1, False),
-            run(f"TP {args.devices}", model, prompts, args.max_tokens, args.devices, False),
-            run(f"EP {args.devices}", model, prompts, args.max_tokens, args.devices, True)]
+    buckets = tuple(int(b) for b in args.token_buckets.split(","))
+    rows = [run(name, model, prompts, args.max_tokens, tp, ep, buckets)
+            for name, tp, ep in (("1 device", 1, False), (f"TP {args.devices}", args.devices,
+                                                          False),
+                                 (f"EP {args.devices}", args.devices, True))]
     base = rows[0]["tokens"]
     for r in rows:
         r["same_tokens_as_one_device"] = r.pop("tokens") == base
