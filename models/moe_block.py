@@ -28,12 +28,17 @@ Experts with biases or another gated activation (gpt-oss: `MoESpec.expert_bias`,
 `activation` "swiglu_clamped", and a router bias, `router_bias`) take `moe_biased`'s grouped
 MLP instead of `grouped_mlp`; the SwiGLU path of the other families is unchanged.
 
+Expert parallelism (`models/moe_parallel.py`) runs `expert_mlp` on each device with only its
+E / P experts' weights (`first_expert` says which): the pairs of the other experts sort past
+the local groups and count zero, and a psum over the devices adds the slices up.
+
 `dense_moe_reference` computes the same thing with every expert on every token, masked by the
 routing: the test oracle only (E / k times the work).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -184,14 +189,16 @@ def grouped_mlp_pallas_gpu(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array,
 
 
 def grouped_mlp(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                w_down: jax.Array) -> jax.Array:
+                w_down: jax.Array, tile: int | None = None) -> jax.Array:
     """The grouped expert MLP per backend, chosen where the step is lowered (so an export
-    for TPU / CUDA from a CPU host gets that platform's kernel): the tile loop on CPU, the
-    Pallas grouped matmul on TPU (Mosaic) and CUDA (Triton), XLA's ragged dot elsewhere
-    (`grouped_mlp_ragged`: also the reference the kernels' tests compare against)."""
+    for TPU / CUDA from a CPU host gets that platform's kernel): the tile loop on CPU (of
+    `tile` rows; None: `tile_rows` of the rows and groups given), the Pallas grouped matmul
+    on TPU (Mosaic) and CUDA (Triton), XLA's ragged dot elsewhere (`grouped_mlp_ragged`:
+    also the reference the kernels' tests compare against)."""
     return jax.lax.platform_dependent(xs, sizes, w_gate, w_up, w_down,
-                                      cpu=grouped_mlp_tiled, tpu=grouped_mlp_pallas_tpu,
-                                      cuda=grouped_mlp_pallas_gpu, default=grouped_mlp_ragged)
+                                      cpu=functools.partial(grouped_mlp_tiled, tile=tile),
+                                      tpu=grouped_mlp_pallas_tpu, cuda=grouped_mlp_pallas_gpu,
+                                      default=grouped_mlp_ragged)
 
 
 def sharded_grouped_mlp(mesh: Mesh, axis: str) -> "GroupedMLP":
@@ -214,23 +221,37 @@ GroupedMLP = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], j
 
 
 def expert_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array,
-               w_up: jax.Array, w_down: jax.Array, mlp: GroupedMLP = grouped_mlp
-               ) -> jax.Array:
+               w_up: jax.Array, w_down: jax.Array, mlp: GroupedMLP = grouped_mlp,
+               first_expert: jax.Array | int = 0) -> jax.Array:
     """sum_j weights[n, j] * MLP_{experts[n, j]}(x[n]) for x [N, hidden], the k choices per
-    token as `route` gives them; stacked weights [E, hidden, I] (gate, up), [E, I, hidden]
-    (down). Sort by expert, grouped matmuls, un-sort, weight, sum."""
+    token as `route` gives them; stacked weights [E_l, hidden, I] (gate, up), [E_l, I, hidden]
+    (down) of experts first_expert .. first_expert + E_l - 1. Sort by expert, grouped matmuls,
+    un-sort, weight, sum.
+
+    All E experts (first_expert 0, E_l = E): the whole MoE sum. A slice of them (expert
+    parallelism, `models/moe_parallel.py`: one device's E / P experts): the pairs of the
+    other experts sort past the local groups (key E_l), beyond sum(sizes), where the grouped
+    matmul does no work for them, and count zero; the result is this slice's share of the
+    sum (tokens with no local expert: zero)."""
     n, k = experts.shape
-    num_experts = w_gate.shape[0]
-    flat = experts.reshape(-1)  # pair p = token p // k, choice p % k
-    order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    num_local = w_gate.shape[0]
+    flat = experts.reshape(-1) - first_expert  # pair p = token p // k, choice p % k
+    mine = (flat >= 0) & (flat < num_local)
+    key = jnp.where(mine, flat, num_local)
+    order = jnp.argsort(key, stable=True)  # pairs sorted by expert, the others last
+    sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
     xs = jnp.take(x, order // k, axis=0)
     ys = mlp(xs, sizes, w_gate, w_up, w_down)
     # The inverse permutation gathers each pair's row back (a gather, not a scatter-add:
     # the k contributions of a token are then summed in one fixed order).
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
     y = jnp.take(ys, inverse, axis=0).reshape(n, k, -1).astype(jnp.float32)
-    return jnp.einsum("nkh,nk->nh", y, weights.astype(jnp.float32)).astype(x.dtype)
+    # Rows past sum(sizes) are not results (the tile loop may leave padding there): a
+    # select, not a zero weight, so nothing of them reaches the sum.
+    mine = mine.reshape(n, k)
+    y = jnp.where(mine[..., None], y, 0.0)
+    w = jnp.where(mine, weights.astype(jnp.float32), 0.0)
+    return jnp.einsum("nkh,nk->nh", y, w).astype(x.dtype)
 
 
 def moe_mlp(spec: MoESpec, lp: Any, h: jax.Array, mlp: GroupedMLP | None = None) -> jax.Array:
