@@ -14,14 +14,25 @@ Data flow for one layer (`moe_mlp`, called by `decoder.decoder_layer` where the 
   [E, in, out] (`grouped_mlp`: gate and up, SwiGLU, then down), each row meeting only its
   own expert's weights: on a CPU host whose engine packed the experts (`PackedExperts`,
   `models/packing.py`), one C++ call over their panels (`kernels_pallas.moe_grouped_cpu`);
-  else chosen where the step is lowered: XLA's ragged dot on TPU / GPU
-  (`grouped_mlp_ragged`); on CPU a loop over row tiles (`grouped_mlp_tiled`), because JAX
-  lowers `ragged_dot` there by multiplying every row by every group's weights (E times the
-  work: scripts/bench/bench_moe_cpu.py). The work is N * k rows (plus under a tile of
-  padding per group in the tile loop), not N * E
+  else chosen where the step is lowered: the Pallas grouped matmul on TPU
+  (Mosaic) and CUDA (Triton) (kernels_pallas/grouped_matmul*.py: tile metadata from the
+  group sizes, one visit per (m-tile, group) pair); on CPU (unpacked) a loop over row tiles
+  (`grouped_mlp_tiled`), because JAX lowers `ragged_dot` there by multiplying every row by
+  every group's weights (E times the work: scripts/bench/bench_moe_cpu.py); XLA's ragged
+  dot elsewhere (`grouped_mlp_ragged`). Under tensor parallelism `sharded_grouped_mlp`
+  runs it per device on the experts' intermediate slices and sums. The work is N * k rows
+  (plus under a tile of padding per group or m-tile), not N * E
   -> un-sorted (the inverse permutation), weighted by the routing probabilities and summed
   over the k choices per token; plus, with a shared expert (Qwen2-MoE), sigmoid(h @ gate) *
   the shared SwiGLU MLP.
+
+Experts with biases or another gated activation (gpt-oss: `MoESpec.expert_bias`,
+`activation` "swiglu_clamped", and a router bias, `router_bias`) take `moe_biased`'s grouped
+MLP instead of `grouped_mlp`; the SwiGLU path of the other families is unchanged.
+
+Expert parallelism (`models/moe_parallel.py`) runs `expert_mlp` on each device with only its
+E / P experts' weights (`first_expert` says which): the pairs of the other experts sort past
+the local groups and count zero, and a psum over the devices adds the slices up.
 
 `dense_moe_reference` computes the same thing with every expert on every token, masked by the
 routing: the test oracle only (E / k times the work).
@@ -29,14 +40,21 @@ routing: the test oracle only (E / k times the work).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as PS
+
+from ..kernels_pallas.grouped_matmul_gpu import gpu_tiles_fit, grouped_matmul_gpu
+from ..kernels_pallas.grouped_matmul_tpu import grouped_matmul_tpu
 from ..kernels_pallas.moe_grouped_cpu import grouped_mlp_packed
 from .config import MoESpec
 from .linear import PackedExperts, linear
+from .moe_biased import expert_activation, grouped_mlp_biased
 
 
 # An expert stack [E, in, out] (one layer's), or a stack packed for the CPU kernel.
@@ -44,12 +62,16 @@ Experts = jax.Array | PackedExperts
 
 
 # ------------------------------------------------------------------------------- routing
-def route(spec: MoESpec, router: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def route(spec: MoESpec, router: jax.Array, x: jax.Array,
+          bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(weights f32[N, k], experts i32[N, k]) of tokens x [N, hidden] under router
-    [hidden, E]: softmax over all E logits, the k largest (ties: the lower expert id, as
-    `lax.top_k`), renormalised over the k when `norm_topk_prob`."""
+    [hidden, E] (+ bias [E], gpt-oss): softmax over all E logits, the k largest (ties: the
+    lower expert id, as `lax.top_k`), renormalised over the k when `norm_topk_prob` (the
+    same numbers as a softmax over the k largest logits: gpt-oss, Mixtral)."""
     logits = jnp.einsum("nh,he->ne", x.astype(jnp.float32), router.astype(jnp.float32),
                         preferred_element_type=jnp.float32)
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, spec.top_k)
     if spec.norm_topk_prob:
@@ -57,10 +79,11 @@ def route(spec: MoESpec, router: jax.Array, x: jax.Array) -> tuple[jax.Array, ja
     return weights, experts.astype(jnp.int32)
 
 
-def router_logits(router: jax.Array, x: jax.Array) -> jax.Array:
+def router_logits(router: jax.Array, x: jax.Array, bias: jax.Array | None = None) -> jax.Array:
     """f32[..., E]: the logits `route` ranks (tests compare its choice to HF's)."""
-    return jnp.einsum("...h,he->...e", x.astype(jnp.float32), router.astype(jnp.float32),
-                      preferred_element_type=jnp.float32)
+    logits = jnp.einsum("...h,he->...e", x.astype(jnp.float32), router.astype(jnp.float32),
+                        preferred_element_type=jnp.float32)
+    return logits if bias is None else logits + bias.astype(jnp.float32)
 
 
 # ------------------------------------------------------------------- grouped expert matmul
@@ -145,12 +168,41 @@ def grouped_mlp_tiled(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: 
     return jnp.take(yp, pos, axis=0)
 
 
+def grouped_mlp_with(matmul: Callable[..., jax.Array], xs: jax.Array, sizes: jax.Array,
+                     w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """The SwiGLU expert MLP through a grouped matmul `matmul(x, w, sizes)` (a kernel of
+    kernels_pallas/grouped_matmul*.py), the weights cast to the rows' dtype."""
+    dt = xs.dtype
+    gate = matmul(xs, w_gate.astype(dt), sizes)
+    h = _swiglu(xs, gate, matmul(xs, w_up.astype(dt), sizes))
+    return matmul(h, w_down.astype(dt), sizes)
+
+
+def grouped_mlp_pallas_tpu(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array,
+                           w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """The expert MLP through the Pallas Mosaic TPU grouped matmul (Megablox's tile visits:
+    kernels_pallas/grouped_matmul_tpu.py), three calls."""
+    return grouped_mlp_with(grouped_matmul_tpu, xs, sizes, w_gate, w_up, w_down)
+
+
+def grouped_mlp_pallas_gpu(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array,
+                           w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """The expert MLP through the Pallas Triton grouped matmul
+    (kernels_pallas/grouped_matmul_gpu.py); XLA's ragged dot where its power-of-two tiles do
+    not divide the widths (hidden or expert width not a multiple of 16: toy shapes only)."""
+    if not all(gpu_tiles_fit(w.shape[1], w.shape[2]) for w in (w_gate, w_down)):
+        return grouped_mlp_ragged(xs, sizes, w_gate, w_up, w_down)
+    return grouped_mlp_with(grouped_matmul_gpu, xs, sizes, w_gate, w_up, w_down)
+
+
 def grouped_mlp(xs: jax.Array, sizes: jax.Array, w_gate: Experts, w_up: Experts,
-                w_down: Experts) -> jax.Array:
+                w_down: Experts, tile: int | None = None) -> jax.Array:
     """The grouped expert MLP: over packed expert panels (only a CPU engine packs them) the
     C++ grouped kernel; over plain stacks per backend, chosen where the step is lowered (so
-    an export for TPU / CUDA from a CPU host gets the ragged dot): the tile loop on CPU,
-    XLA's ragged dot elsewhere."""
+    an export for TPU / CUDA from a CPU host gets that platform's kernel): the tile loop on
+    CPU (of `tile` rows; None: `tile_rows` of the rows and groups given), the Pallas grouped matmul
+    on TPU (Mosaic) and CUDA (Triton), XLA's ragged dot elsewhere (`grouped_mlp_ragged`:
+    also the reference the kernels' tests compare against)."""
     packed = [isinstance(w, PackedExperts) for w in (w_gate, w_up, w_down)]
     if any(packed):
         if not all(packed):
@@ -158,43 +210,88 @@ def grouped_mlp(xs: jax.Array, sizes: jax.Array, w_gate: Experts, w_up: Experts,
         return grouped_mlp_packed(xs, sizes, w_gate.panels, w_up.panels, w_down.panels,
                                   w_gate.layer, w_gate.out_features, isa=w_gate.isa)
     return jax.lax.platform_dependent(xs, sizes, w_gate, w_up, w_down,
-                                      cpu=grouped_mlp_tiled, default=grouped_mlp_ragged)
+                                      cpu=functools.partial(grouped_mlp_tiled, tile=tile),
+                                      tpu=grouped_mlp_pallas_tpu, cuda=grouped_mlp_pallas_gpu,
+                                      default=grouped_mlp_ragged)
+
+
+def sharded_grouped_mlp(mesh: Mesh, axis: str) -> "GroupedMLP":
+    """`grouped_mlp` under tensor parallelism (the experts' intermediate axis split over
+    `axis`, as models/placement.py lays them out): each device runs the kernels on its
+    slice (gate / up columns, down rows) and the partial outputs are summed. Without it XLA
+    could not split a Pallas call and would gather every expert's weights to each device."""
+    col, row = PS(None, None, axis), PS(None, axis, None)
+
+    def local(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+              w_down: jax.Array) -> jax.Array:
+        y = grouped_mlp(xs, sizes, w_gate, w_up, w_down).astype(jnp.float32)
+        return jax.lax.psum(y, axis).astype(xs.dtype)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(PS(), PS(), col, col, row),
+                         out_specs=PS(), check_vma=False)
 
 
 GroupedMLP = Callable[[jax.Array, jax.Array, Any, Any, Any], jax.Array]
 
 
 def expert_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: Experts,
-               w_up: Experts, w_down: Experts, mlp: GroupedMLP = grouped_mlp
-               ) -> jax.Array:
+               w_up: Experts, w_down: Experts, mlp: GroupedMLP = grouped_mlp,
+               first_expert: jax.Array | int = 0) -> jax.Array:
     """sum_j weights[n, j] * MLP_{experts[n, j]}(x[n]) for x [N, hidden], the k choices per
-    token as `route` gives them; stacked weights [E, hidden, I] (gate, up), [E, I, hidden]
-    (down). Sort by expert, grouped matmuls, un-sort, weight, sum."""
+    token as `route` gives them; stacked weights [E_l, hidden, I] (gate, up), [E_l, I, hidden]
+    (down) of experts first_expert .. first_expert + E_l - 1. Sort by expert, grouped matmuls,
+    un-sort, weight, sum.
+
+    All E experts (first_expert 0, E_l = E): the whole MoE sum. A slice of them (expert
+    parallelism, `models/moe_parallel.py`: one device's E / P experts): the pairs of the
+    other experts sort past the local groups (key E_l), beyond sum(sizes), where the grouped
+    matmul does no work for them, and count zero; the result is this slice's share of the
+    sum (tokens with no local expert: zero)."""
     n, k = experts.shape
-    num_experts = w_gate.num_experts if isinstance(w_gate, PackedExperts) else w_gate.shape[0]
-    flat = experts.reshape(-1)  # pair p = token p // k, choice p % k
-    order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    num_local = w_gate.num_experts if isinstance(w_gate, PackedExperts) else w_gate.shape[0]
+    flat = experts.reshape(-1) - first_expert  # pair p = token p // k, choice p % k
+    mine = (flat >= 0) & (flat < num_local)
+    key = jnp.where(mine, flat, num_local)
+    order = jnp.argsort(key, stable=True)  # pairs sorted by expert, the others last
+    sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
     xs = jnp.take(x, order // k, axis=0)
     ys = mlp(xs, sizes, w_gate, w_up, w_down)
     # The inverse permutation gathers each pair's row back (a gather, not a scatter-add:
     # the k contributions of a token are then summed in one fixed order).
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
     y = jnp.take(ys, inverse, axis=0).reshape(n, k, -1).astype(jnp.float32)
-    return jnp.einsum("nkh,nk->nh", y, weights.astype(jnp.float32)).astype(x.dtype)
+    # Rows past sum(sizes) are not results (the tile loop may leave padding there): a
+    # select, not a zero weight, so nothing of them reaches the sum.
+    mine = mine.reshape(n, k)
+    y = jnp.where(mine[..., None], y, 0.0)
+    w = jnp.where(mine, weights.astype(jnp.float32), 0.0)
+    return jnp.einsum("nkh,nk->nh", y, w).astype(x.dtype)
 
 
-def moe_mlp(spec: MoESpec, lp: Any, h: jax.Array) -> jax.Array:
+def moe_mlp(spec: MoESpec, lp: Any, h: jax.Array, mlp: GroupedMLP | None = None) -> jax.Array:
     """The MoE MLP block on normed h [..., hidden] with one layer's params `lp` (fields
     `router`, `we_gate`, `we_up`, `we_down`; with a shared expert `ws_gate`, `ws_up`,
-    `ws_down`, `ws_router`) -> [..., hidden]."""
+    `ws_down`, `ws_router`; with biases `router_bias`, `be_gate`, `be_up`, `be_down`) ->
+    [..., hidden]. `mlp`: the grouped expert MLP of SwiGLU experts (default `grouped_mlp`;
+    `sharded_grouped_mlp` under tensor parallelism); biased / clamped experts (gpt-oss) take
+    `moe_biased.grouped_mlp_biased` instead, which XLA partitions under TP by itself."""
     lead, hidden = h.shape[:-1], h.shape[-1]
     x = h.reshape(-1, hidden)
-    weights, experts = route(spec, lp.router, x)
-    out = expert_mlp(x, weights, experts, lp.we_gate, lp.we_up, lp.we_down)
+    weights, experts = route(spec, lp.router, x, _router_bias(spec, lp))
+    mlp = (mlp or grouped_mlp) if _plain(spec) else grouped_mlp_biased(spec, lp)
+    out = expert_mlp(x, weights, experts, lp.we_gate, lp.we_up, lp.we_down, mlp)
     if spec.shared_intermediate_size:
         out = out + _shared_expert(lp, x)
     return out.reshape(*lead, hidden)
+
+
+def _plain(spec: MoESpec) -> bool:
+    """SwiGLU experts without biases: `grouped_mlp` (Qwen3-MoE, Qwen2-MoE, Mixtral)."""
+    return spec.activation == "silu" and not spec.expert_bias
+
+
+def _router_bias(spec: MoESpec, lp: Any) -> jax.Array | None:
+    return lp.router_bias if spec.router_bias else None
 
 
 def _shared_expert(lp: Any, x: jax.Array) -> jax.Array:
@@ -209,14 +306,18 @@ def dense_moe_reference(spec: MoESpec, lp: Any, h: jax.Array) -> jax.Array:
     of `moe_mlp`; never on a serving path."""
     lead, hidden = h.shape[:-1], h.shape[-1]
     x = h.reshape(-1, hidden).astype(jnp.float32)
-    weights, experts = route(spec, lp.router, x)
+    weights, experts = route(spec, lp.router, x, _router_bias(spec, lp))
     num_experts = lp.we_gate.shape[0]
     comb = jnp.zeros((x.shape[0], num_experts), jnp.float32)
     comb = comb.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)
     f32 = jnp.float32
     g = jnp.einsum("nh,ehi->nei", x, lp.we_gate.astype(f32))
     u = jnp.einsum("nh,ehi->nei", x, lp.we_up.astype(f32))
-    y = jnp.einsum("nei,eih->neh", jax.nn.silu(g) * u, lp.we_down.astype(f32))
+    if spec.expert_bias:
+        g, u = g + lp.be_gate.astype(f32), u + lp.be_up.astype(f32)
+    y = jnp.einsum("nei,eih->neh", expert_activation(spec, g, u), lp.we_down.astype(f32))
+    if spec.expert_bias:
+        y = y + lp.be_down.astype(f32)
     out = jnp.einsum("neh,ne->nh", y, comb)
     if spec.shared_intermediate_size:
         out = out + _shared_expert(lp, x)

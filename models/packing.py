@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..kernels_pallas.cpu_build import dense_isas
+from ..kernels_pallas.cpu_build import MOE_GROUPED_TARGETS, dense_isas, dense_target
 from ..kernels_pallas.dense_cpu import pack_panels
 from ..kernels_pallas.dense_qdot_cpu import pack_qdot, qdot_scheme_supported
 from ..kernels_pallas.dense_quant_cpu import pack_quant
@@ -35,7 +35,8 @@ from .llama import LINEAR_FIELDS
 from .quant import QuantizedWeight
 
 
-__all__ = ["LINEAR_FIELDS", "can_pack", "can_pack_experts", "pack_experts", "pack_params"]  # LINEAR_FIELDS: the Llama family's
+__all__ = ["LINEAR_FIELDS", "can_pack", "can_pack_experts", "pack_experts",
+           "pack_experts_where_possible", "pack_params"]  # LINEAR_FIELDS: the Llama family's
 
 
 def can_pack(params: ModelParams) -> str | None:
@@ -64,6 +65,8 @@ def can_pack_experts(params: ModelParams) -> str | None:
     stacks = _expert_stacks(params)
     if not stacks:
         return "the model has no (unpacked) expert stacks"
+    if hasattr(params.layers, "be_gate"):  # gpt-oss: moe_biased's MLP, not grouped_mlp
+        return "the experts have biases and a clamped SwiGLU; the grouped kernel runs SwiGLU"
     for name, w in stacks.items():
         if not isinstance(w, jax.Array) or str(w.dtype) not in WEIGHT_DTYPES:
             what = type(w).__name__ if not isinstance(w, jax.Array) else w.dtype
@@ -87,6 +90,16 @@ def pack_experts(params: ModelParams, isa: str | None = None) -> ModelParams:
         placed = jax.device_put(panels, device) if w.committed else jnp.asarray(panels)
         packed[name] = PackedExperts(panels=placed, out_features=int(w.shape[-1]), isa=isa)
     return params.replace(layers=params.layers.replace(**packed))
+
+
+def pack_experts_where_possible(params: ModelParams, isa: str | None = None) -> ModelParams:
+    """Where the dense weights stay XLA's (e.g. bfloat16), an MoE model's float32 / bfloat16
+    experts still go to the C++ grouped kernel on a CPU host whose kernels built; else
+    `params` as they are (the MoE block's XLA path)."""
+    if (can_pack_experts(params) is None and jax.local_devices()[0].platform == "cpu"
+            and dense_target(MOE_GROUPED_TARGETS["float32"], isa) is not None):
+        return pack_experts(params, isa=isa)
+    return params
 
 
 def qdot_choice(w: QuantizedWeight, isa: str | None, int8_activations: str,
@@ -150,7 +163,7 @@ def pack_params(params: ModelParams, isa: str | None = None, int8_activations: s
         if w is not None and not isinstance(w, PackedWeight):
             layers = layers.replace(**{name: pack(w)})
     params = params.replace(layers=layers)
-    if _expert_stacks(params):
+    if can_pack_experts(params) is None:  # else they keep the MoE block's XLA path
         params = pack_experts(params, isa=isa)
     if params.lm_head is not None:
         params = params.replace(lm_head=pack(params.lm_head))

@@ -42,7 +42,7 @@ from jaxserve.models import placement
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.families import ModelParams
 from jaxserve.models.loading import LoadedModel, detect_format, load_model, resolve_model_path
-from jaxserve.models.packing import can_pack, can_pack_experts, pack_experts, pack_params
+from jaxserve.models.packing import can_pack, pack_experts_where_possible, pack_params
 from jaxserve.models.quant import QuantizedWeight, WeightQuant, weight_bytes, weight_quant
 from jaxserve.models.quantized_params import dequantized_params, quantize_params
 from jaxserve.models.paged import MODEL_AXIS
@@ -163,6 +163,7 @@ class _Placed:
     run_cfg: ModelConfig  # KV heads replicated where tensor parallelism needs it
     params: ModelParams
     mesh: Mesh | None
+    expert_parallel: bool  # MoE experts split whole over the mesh (models/moe_parallel.py)
     device: jax.Device  # where free memory is read
     weights_quantized: bool  # any weight stored quantized (the KV pages' "auto" dtype)
 
@@ -191,8 +192,10 @@ def _place(config: EngineConfig, model: LoadedModel | None,
     # slice of the checkpoint); place_params then hands those params back unchanged.
     loaded_here = model is None
     quant = _weight_quant(config)
+    ep = config.enable_expert_parallel
     if model is None:
-        model = load_model(config.model, config.dtype, mesh=mesh, quant=quant)
+        model = load_model(config.model, config.dtype, mesh=mesh, quant=quant,
+                           expert_parallel=ep)
     else:  # a model loaded by the caller, maybe quantized otherwise: bring it to `quant`
         model = dataclasses.replace(model, params=_requantize(model.params, quant, config))
     log.info("weights: %.1f MiB (quantization=%s)", weight_bytes(model.params) / 2**20,
@@ -202,9 +205,10 @@ def _place(config: EngineConfig, model: LoadedModel | None,
         params = _dense_params(config, model.params)
         if loaded_here:  # nothing else holds the unpacked weights: let them go
             model = dataclasses.replace(model, params=params)
-        return _Placed(model, model.config, params, None, jax.local_devices()[0], quantized)
+        return _Placed(model, model.config, params, None, False, jax.local_devices()[0],
+                       quantized)
     return _Placed(model, placement.tp_model_config(model.config, tp),
-                   placement.place_params(model.params, model.config, mesh), mesh,
+                   placement.place_params(model.params, model.config, mesh, ep), mesh, ep,
                    next(d for d in mesh.devices.flat if d.process_index == jax.process_index()),
                    quantized)
 
@@ -229,8 +233,8 @@ def _weight_quant(config: EngineConfig) -> WeightQuant:
 def _dense_params(config: EngineConfig, params: ModelParams) -> ModelParams:
     """`params` packed for the C++ dense kernel where `config.dense_impl` picks it (auto: on a
     CPU host with float32 weights; MoE experts too), else as they are but for the experts
-    (`_expert_params`); the kernel runs `config.dense_isa` (an ISA this CPU cannot run is a
-    ValueError here, at load)."""
+    (`packing.pack_experts_where_possible`); the kernel runs `config.dense_isa` (an ISA this
+    CPU cannot run is a ValueError here, at load)."""
     if config.dense_impl == "xla":
         return params
     why = can_pack(params)
@@ -245,18 +249,9 @@ def _dense_params(config: EngineConfig, params: ModelParams) -> ModelParams:
                              f"run here: {why}")
         if config.dense_impl == "cpu":
             log.warning("dense_impl=cpu: using XLA's dot instead, because %s", why)
-        return _expert_params(params, isa)
+        return pack_experts_where_possible(params, isa)
     return pack_params(params, isa=isa, int8_activations=config.int8_activations,
                        int8_activation_group_size=config.int8_activation_group_size)
-
-
-def _expert_params(params: ModelParams, isa: str | None) -> ModelParams:
-    """Where the dense weights stay XLA's (e.g. bfloat16), an MoE model's float32 / bfloat16
-    experts still go to the C++ grouped kernel on a CPU host (else: the MoE tile loop)."""
-    if (can_pack_experts(params) is None and jax.local_devices()[0].platform == "cpu"
-            and dense_kernel_target(isa) is not None):
-        return pack_experts(params, isa=isa)
-    return params
 
 
 def _kv_budget(placed: list[_Placed]) -> int:
@@ -300,7 +295,8 @@ def _make_runner(config: EngineConfig, placed: _Placed,
              plan.scheduler.num_pages - 1, plan.scheduler.page_size,
              plan.kv_budget_bytes / 2**20, kv_dtype.name, attn_impl, [d.id for d in devices])
     runner = ModelRunner(placed.run_cfg, placed.params, plan.batch_shape,
-                         plan.scheduler.num_pages, kv_dtype, attn_impl, kv_head_dim, placed.mesh)
+                         plan.scheduler.num_pages, kv_dtype, attn_impl, kv_head_dim, placed.mesh,
+                         placed.expert_parallel)
     return plan, runner
 
 

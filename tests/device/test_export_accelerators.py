@@ -16,7 +16,8 @@ engine's step shows up here without a device. Exported, for both platforms:
     qk-norm, the embedding scale, head_dim 256, the 1B's single KV head, the two rope bases),
     and Gemma 4's on TPU (local heads of 256 inside global heads of 512, K = V; the CUDA
     kernel stops at heads of 256, so there Gemma 4 is served by the reference attention);
-    and Qwen3-30B-A3B's MoE step (its experts' grouped matmuls XLA's ragged dot).
+    and Qwen3-30B-A3B's MoE step, at TP 1 and under tensor parallelism (its experts' three
+    grouped matmuls the Pallas grouped matmul: Mosaic TPU / Triton, no ragged dot).
 Quantized KV pages (int8 / float8_e4m3fn with f32 scales): both kernels at decode and prefill
 shapes, and the whole step with an int8 cache (page_size 32, which 8-bit pages need on both),
 at TP 1 and TP 8.
@@ -58,6 +59,10 @@ from jaxserve.models.paged import kv_cache_shape
 
 PLATFORMS = ("tpu", "cuda")
 KERNEL_CALL = {"tpu": "tpu_custom_call", "cuda": "mosaic_gpu_v2"}
+# The MoE grouped matmul's kernel: Mosaic TPU (the attention's custom call) or Triton (a call
+# jax.export keeps no compatibility promise for, so the check is waived for it by name).
+TRITON_CALL = "__gpu$xla.gpu.triton"
+EXPORT_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
 ALL_BUCKETS = os.environ.get("JAXSERVE_RUN_SLOW") == "1"
 SDS = jax.ShapeDtypeStruct
 
@@ -245,11 +250,12 @@ def abstract_kv(shape: tuple[int, ...], int8: bool, sharding=None):  # noqa: ANN
 
 
 def export_step(cfg: ModelConfig, platform: str, tp: int, int8_kv: bool = False,
-                quant: tuple[str, int | None, bool] | None = None
-                ) -> list[jax.export.Exported]:
+                quant: tuple[str, int | None, bool] | None = None,
+                expert_parallel: bool = False) -> list[jax.export.Exported]:
     """Export `forward_jit` and `sample_jit` for the chosen buckets; asserts the kernel.
-    `quant`: (scheme, group size, fp8 activations) of the dense weights, else bf16. Returns
-    the exported forward steps."""
+    `quant`: (scheme, group size, fp8 activations) of the dense weights, else bf16;
+    `expert_parallel`: MoE experts split whole over the mesh. Returns the exported forward
+    steps."""
     impl = select_impl("auto", platform)
     engine = ENGINE if not int8_kv else EngineConfig(
         dtype="bfloat16", max_num_seqs=128, max_num_batched_tokens=1024, max_model_len=4096,
@@ -276,7 +282,8 @@ def export_step(cfg: ModelConfig, platform: str, tp: int, int8_kv: bool = False,
         run_params = weights(run_cfg)
         params = jax.tree.map(lambda a, spec: SDS(a.shape, a.dtype,
                                                   sharding=NamedSharding(mesh, spec)),
-                              run_params, placement.param_specs(cfg, tp, run_params))
+                              run_params, placement.param_specs(cfg, tp, run_params,
+                                                                expert_parallel))
         kv_shape = kv_cache_shape(run_cfg, plan.scheduler.num_pages,
                                   plan.scheduler.page_size, padded_head_dim(cfg.head_dim))
         kv = abstract_kv(kv_shape, int8_kv, placement.kv_sharding(mesh, int8_kv))
@@ -291,13 +298,19 @@ def export_step(cfg: ModelConfig, platform: str, tp: int, int8_kv: bool = False,
         batch = mr.empty_batch(plan.batch_shape, t, s, penalties=False)
         inputs, sampling, _ = jax.tree.map(replicated, mr.to_step_inputs(batch))
         feed = replicated(SDS((feed_len,), jnp.int32))
-        fwd = jax.export.export(mr.forward_jit, platforms=[platform])(
-            params, kv, inputs, feed, cfg=run_cfg, attn_impl=impl, mesh=mesh)
+        fwd = jax.export.export(mr.forward_jit, platforms=[platform],
+                                disabled_checks=EXPORT_CHECKS)(
+            params, kv, inputs, feed, cfg=run_cfg, attn_impl=impl, mesh=mesh,
+            expert_parallel=expert_parallel)
         assert fwd.nr_devices == tp
         forwards.append(fwd)
         # One layer body per distinct layer spec, scanned over its layers: groups of equal
-        # spec (Gemma 3's local runs) lower to one shared body, called once per group.
-        assert_kernel_only(fwd, platform, len(set(cfg.layer_specs)))
+        # spec (Gemma 3's local runs) lower to one shared body, called once per group. On
+        # TPU an MoE body also holds its grouped matmuls' Mosaic calls: two in the text
+        # (gate and up, of one shape, call one lowered function; down its own).
+        moe_specs = sum(1 for sp in set(cfg.layer_specs) if sp.moe is not None)
+        assert_kernel_only(fwd, platform, len(set(cfg.layer_specs))
+                           + (2 * moe_specs if platform == "tpu" else 0))
         out_avals = fwd.out_avals
         assert out_avals[0].shape == kv_shape
         assert out_avals[1 + int8_kv].shape == (s, cfg.vocab_size)  # after the scales
@@ -440,18 +453,49 @@ QWEN3_MOE_SHAPE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_
                        tie_word_embeddings=False)
 
 
-@pytest.mark.parametrize("platform", PLATFORMS)
-def test_qwen3_moe_step_lowers_for_platform(platform: str) -> None:
-    """The MoE step on TPU / CUDA: the experts' three grouped matmuls are XLA's ragged dot
-    (the CPU tile loop is not what these platforms get: `moe.grouped_mlp` chooses where the
-    step is lowered), in one layer body for the 48 sparse layers."""
+@pytest.mark.parametrize("platform,tp", grid(
+    [[(p, p) for p in PLATFORMS], [("tp1", 1), ("tp4", 4)]],
+    {"tpu-tp1", "cuda-tp1", "tpu-tp4"}, "the MoE step under TP 4 for CUDA too"))
+def test_qwen3_moe_step_lowers_for_platform(platform: str, tp: int) -> None:
+    """The MoE step on TPU / CUDA: the experts' three grouped matmuls are the Pallas grouped
+    matmul (Mosaic TPU's `tpu_custom_call` beside the attention's, or Triton's call), in one
+    layer body for the 48 sparse layers: neither XLA's ragged dot nor the CPU tile loop is
+    what these platforms get (`moe.grouped_mlp` chooses where the step is lowered). Under
+    tensor parallelism the kernels run per device inside a shard_map (no expert weight is
+    gathered: the only all-reduces are the attention's and the experts' partial sums)."""
     cfg = families.config_from_hf(QWEN3_MOE_SHAPE, "qwen3-30b-a3b/config.json")
     assert len(cfg.layer_groups) == 1 and cfg.layer_specs[0].moe.num_experts == 128
-    for fwd in export_step(cfg, platform, tp=1):
+    for fwd in export_step(cfg, platform, tp=tp):
         module = fwd.mlir_module()
-        # three ragged dots (gate, up, down) in the one layer body (the CPU tile loop has
-        # none: it is not what these platforms lower)
-        assert len(re.findall(r"composite \"chlo\.ragged_dot\"", module)) == 3, platform
+        assert not re.findall(r"chlo\.ragged_dot", module), platform
+        # three call sites of the kernel (gate, up, down); gate and up share one lowering
+        kernel = {"tpu": "grouped_matmul_tpu", "cuda": "grouped_matmul_gpu"}[platform]
+        assert len(re.findall(rf"call @{kernel}\w*\(", module)) == 3, platform
+        if platform == "cuda":  # the TPU count is export_step's (attention + 2)
+            assert module.count(f"custom_call @{TRITON_CALL}(") == 2
+        gathers = [ln for ln in module.splitlines() if "all_gather" in ln]
+        assert not [ln for ln in gathers if "128x" in ln], gathers  # no expert weight gathered
+
+
+@pytest.mark.parametrize("platform", grid(
+    [[(p, p) for p in PLATFORMS]], {"tpu"}, "the expert-parallel step for CUDA too"))
+def test_qwen3_moe_step_lowers_under_expert_parallelism(platform: str) -> None:
+    """Qwen3-30B-A3B's step with its 128 experts split whole over an abstract 8-device mesh
+    (`--enable-expert-parallel`): inside the experts' shard_map each device's three calls
+    of the Pallas grouped matmul take its 16 experts [16, in, out], and the step's one
+    explicit collective is the experts' psum of [tokens, hidden] in the layer body (XLA adds
+    attention's all-reduce when it partitions the step, after export;
+    tests/device/test_expert_parallel.py counts those on CPU)."""
+    cfg = families.config_from_hf(QWEN3_MOE_SHAPE, "qwen3-30b-a3b/config.json")
+    kernel = {"tpu": "grouped_matmul_tpu", "cuda": "grouped_matmul_gpu"}[platform]
+    for fwd in export_step(cfg, platform, tp=8, expert_parallel=True):
+        module = fwd.mlir_module()
+        calls = re.findall(rf"call @{kernel}\w*\(.*", module)
+        assert len(calls) == 3, platform
+        for shape in ("16x2048x768xbf16", "16x768x2048xbf16"):  # gate / up, down
+            assert any(shape in c for c in calls), (shape, calls)
+        psums = re.findall(r"stablehlo\.all_reduce.*\n?.*", module)
+        assert len(re.findall(r"stablehlo\.all_reduce", module)) == 1, psums
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)

@@ -6,7 +6,7 @@
   MLP, the same combine;
 - a tiny Qwen3-MoE (a dense layer between sparse ones: two scan groups) with every weight
   packed gives the unpacked model's logits (`decoder.forward`; slow tier);
-- plain stacks lowered for TPU / CUDA keep the ragged dot;
+- plain stacks lowered for TPU / CUDA keep that platform's grouped matmul;
 - the engine build packs the experts where `dense_impl` picks the C++ kernels: float32
   models with the dense weights, bfloat16 models the experts alone (in bfloat16), `xla`
   neither. tests/models/test_moe.py runs the packed engine against transformers.
@@ -109,15 +109,18 @@ def test_build_packs_experts_where_dense_impl_picks_the_kernels(
         pack_experts(pack_experts(model.params))
 
 
-@pytest.mark.parametrize("platform", ["tpu", "cuda"])
-def test_unpacked_experts_still_lower_to_the_ragged_dot_elsewhere(platform: str) -> None:
+@pytest.mark.parametrize("platform,call", [("tpu", "tpu_custom_call"),
+                                           ("cuda", "__gpu$xla.gpu.triton")])
+def test_unpacked_experts_still_lower_to_the_platform_kernel_elsewhere(platform: str,
+                                                                       call: str) -> None:
     """The C++ kernel only replaces the CPU branch: plain stacks lowered for TPU / CUDA (an
-    export from a CPU host) get XLA's ragged dot, and no CPU custom call."""
-    e, hidden, width = 4, 16, 8
-    args = (jax.ShapeDtypeStruct((6, hidden), jnp.float32), jax.ShapeDtypeStruct((e,), jnp.int32),
-            jax.ShapeDtypeStruct((e, hidden, width), jnp.float32),
-            jax.ShapeDtypeStruct((e, hidden, width), jnp.float32),
-            jax.ShapeDtypeStruct((e, width, hidden), jnp.float32))
+    export from a CPU host) get that platform's grouped matmul, and no CPU custom call."""
+    e, hidden, width = 4, 32, 16
+    f32 = jnp.float32
+    args = (jax.ShapeDtypeStruct((6, hidden), f32), jax.ShapeDtypeStruct((e,), jnp.int32),
+            jax.ShapeDtypeStruct((e, hidden, width), f32),
+            jax.ShapeDtypeStruct((e, hidden, width), f32),
+            jax.ShapeDtypeStruct((e, width, hidden), f32))
     text = jax.jit(moe.grouped_mlp).trace(*args).lower(
         lowering_platforms=(platform,)).as_text()
-    assert "ragged_dot" in text and "moe_grouped" not in text
+    assert call in text and "moe_grouped" not in text
