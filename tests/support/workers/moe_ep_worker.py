@@ -37,6 +37,7 @@ from support.workers.tp_worker import PROMPTS, greedy_outputs
 from jaxserve.config import EngineConfig
 from jaxserve.device.model_runner import empty_batch, forward_jit, to_step_inputs
 from jaxserve.models import families, tiny
+from jaxserve.models.linear import PackedExperts
 from jaxserve.models.loading import load_model
 from jaxserve.serving.build import build_engine
 
@@ -113,9 +114,18 @@ def step_hlo(eng) -> tuple[str, list[int]]:  # noqa: ANN001 - an Engine
     return text, [t, s]
 
 
-def _box(a: jax.Array, device: jax.Device) -> list[list[int]]:
-    """[[first expert, past the last], [first column, past the last]] of `a`'s shard on
-    `device`."""
+def _stack(w: object) -> jax.Array:
+    """An expert stack's array: one device's engine packs it for the CPU grouped kernel
+    (`PackedExperts`, the same bytes as panels when the widths are whole 16-column panels)."""
+    return w.panels if isinstance(w, PackedExperts) else w
+
+
+def _box(w: object, device: jax.Device) -> list[list[int]]:
+    """[[first expert, past the last], [first column, past the last]] of `w`'s shard on
+    `device` (a packed stack lives whole on its one device)."""
+    if isinstance(w, PackedExperts):
+        return [[0, w.num_experts], [0, w.out_features]]
+    a = w
     index = next(s.index for s in a.addressable_shards if s.device == device)
     return [list(index[ax].indices(a.shape[ax])[:2]) for ax in (1, 3)]
 
@@ -132,9 +142,9 @@ def run(name: str, tp: int, ep: bool, folder: pathlib.Path) -> dict:
     eng = build_engine(config, warmup=True, progress=False)
     layers = eng.runner.params.layers
     # each device's bytes of each expert stack, and the whole stack's
-    experts = {f: [[sum(s.data.nbytes for s in getattr(layers, f).addressable_shards
+    experts = {f: [[sum(s.data.nbytes for s in _stack(getattr(layers, f)).addressable_shards
                         if s.device == d) for d in jax.devices()[:tp]],
-                   getattr(layers, f).nbytes]
+                   _stack(getattr(layers, f)).nbytes]
                for f in ("we_gate", "we_up", "we_down")}
     # each device's box of each stack [L, E, in, out]: (experts, output columns)
     boxes = {f: [_box(getattr(layers, f), d) for d in jax.devices()[:tp]]

@@ -29,6 +29,7 @@ from support.numerics import model_logprob_atol
 from support.workers.tp_worker import PROMPTS, greedy_outputs
 
 from jaxserve.models import families, tiny
+from jaxserve.models.linear import PackedExperts
 
 _BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -59,9 +60,11 @@ def run(name: str, tp: int) -> dict:
                       max_num_batched_tokens=64, attention_impl="cpu")
     layers = eng.runner.params.layers
     # bytes of each expert stack held by device 0 against the whole stack
-    experts = {f: [sum(s.data.nbytes for s in getattr(layers, f).addressable_shards
-                       if s.device == jax.devices()[0]), getattr(layers, f).nbytes]
-               for f in ("we_gate", "we_up", "we_down")}
+    # (TP 1 packs them for the CPU grouped kernel: PackedExperts, the same bytes as panels)
+    stacks = {f: getattr(layers, f) for f in ("we_gate", "we_up", "we_down")}
+    stacks = {f: w.panels if isinstance(w, PackedExperts) else w for f, w in stacks.items()}
+    experts = {f: [sum(s.data.nbytes for s in w.addressable_shards
+                       if s.device == jax.devices()[0]), w.nbytes] for f, w in stacks.items()}
     return {"model": name, "tp": tp, "outputs": greedy_outputs(eng, PROMPTS),
             "expert_bytes": experts,
             "compiles_after_warmup": eng.runner.compiles_after_warmup,
