@@ -377,23 +377,14 @@ def test_refused_configs_say_why(d: dict, match: str) -> None:
         families.config_from_hf(d)
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
-def test_moe_gguf_is_refused_by_name(arch: str) -> None:
-    with pytest.raises(ConfigError, match="GGUF files are not supported yet"):
-        families.family_for_gguf(arch, "model.gguf")
-
-
-def test_moe_gguf_files_are_refused_at_load(tmp_path: pathlib.Path) -> None:
-    """A GGUF of llama.cpp's MoE architectures, and a `llama` one with experts (how llama.cpp
-    writes Mixtral), are refused naming why, not loaded as a dense model."""
+def test_moe_gguf_without_experts_is_refused(tmp_path: pathlib.Path) -> None:
+    """A `qwen2` GGUF that claims experts is no architecture llama.cpp writes: refused, not
+    loaded as a dense model. (MoE GGUF files themselves: test_moe_gguf.py.)"""
     pytest.importorskip("gguf")
-    from support.gguf_files import tiny_weights, write_arch_gguf, write_tiny_gguf
+    from support.gguf_files import tiny_weights, write_tiny_gguf
 
-    path = tmp_path / "mixtral.gguf"
-    write_tiny_gguf(path, tiny_weights(np.random.default_rng(0)),
-                    meta_override={"llama.expert_count": 4, "llama.expert_used_count": 2})
-    with pytest.raises(ValueError, match=r"expert_count'=4: mixture-of-experts GGUF"):
+    path = tmp_path / "q2.gguf"
+    write_tiny_gguf(path, tiny_weights(np.random.default_rng(0), "qwen2"), arch="qwen2",
+                    meta_override={"qwen2.expert_count": 4, "qwen2.expert_used_count": 2})
+    with pytest.raises(ValueError, match=r"qwen2 file with experts is not a known"):
         loading.load_model(path)
-    write_arch_gguf(tmp_path / "q3.gguf", "qwen3moe")
-    with pytest.raises(ValueError, match="Qwen3-MoE GGUF files are not supported yet"):
-        loading.load_model(tmp_path / "q3.gguf")
