@@ -81,9 +81,9 @@ class MixedMoELayerParams(MoELayerParams):
     ws_router: jax.Array | None = None  # f[L, hidden, 1] (shared_expert_gate)
 
 
-# The stacked experts' fields (not `LINEAR_FIELDS`: the CPU dense kernel's packing and the
-# quantization options do not cover them; `quantized_params` refuses quantizing a model
-# that has them).
+# The stacked experts' fields (not `LINEAR_FIELDS`: the CPU dense kernel's packing does not
+# cover them; `quantized_params.quantize_experts` quantizes them per expert, and the grouped
+# matmul of `moe_block` takes them float or quantized).
 EXPERT_FIELDS = ("we_gate", "we_up", "we_down")
 # Tensor parallelism: each expert's intermediate axis split as the dense MLP's is (gate / up
 # outputs, down inputs; the down projection's partial sums are all-reduced); the router
@@ -214,7 +214,8 @@ def hf_layer_part(cfg: ModelConfig, names: Mapping[str, tuple[str, bool]],
         parts = [fetch(expert_names[field].format(e=e), (out, inp)) for e in range(E)]
         if isinstance(parts[0], CompressedTensor):
             # Read through it, the experts would be dequantized to float while the rest keeps
-            # the checkpoint's scheme: refused rather than silently several times larger.
+            # the checkpoint's scheme: refused rather than silently several times larger
+            # (mapping its per-expert scales onto `quantize_experts` is not done yet).
             raise CheckpointError(
                 f"layer {i}: {expert_names[field].format(e=0)} is stored quantized "
                 "(compressed-tensors): quantized expert weights are not supported yet")

@@ -17,6 +17,9 @@ Data flow for one layer (`moe_mlp`, called by `decoder.decoder_layer` where the 
   lowers `ragged_dot` there by multiplying every row by every group's weights (E times the
   work: scripts/bench/bench_moe_cpu.py). The work is N * k rows (plus under a tile of
   padding per group on CPU), not N * E
+  (quantized experts, `ExpertWeight`: the tile loop converts and scales only each tile's
+  expert's values; the ragged dot scales per-column outputs after the dot and dequantizes a
+  grouped-scale stack whole, docs/quantization.md)
   -> un-sorted (the inverse permutation), weighted by the routing probabilities and summed
   over the k choices per token; plus, with a shared expert (Qwen2-MoE), sigmoid(h @ gate) *
   the shared SwiGLU MLP.
@@ -34,6 +37,22 @@ import jax.numpy as jnp
 
 from .config import MoESpec
 from .linear import linear
+from .quant import QuantizedWeight
+
+# A layer's stacked expert weights: float [E, in, out], or quantized per expert (`quant`'s
+# format with a leading E axis: values [E, in, out] (int4: [E, in / 2, out]), scales (and
+# int4 zeros) [E, in / G, out], G = in for per-column scales). The grouped paths below take
+# either; a backend kernel recognises the quantized form by its type.
+ExpertWeight = jax.Array | QuantizedWeight
+
+
+def expert_floats(w: ExpertWeight, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """The whole stack as float [E, in, out] (references and tests: every expert)."""
+    return w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w.astype(dtype)
+
+
+def _per_column(w: QuantizedWeight) -> bool:
+    return w.scales.shape[-2] == 1 and w.zeros is None
 
 
 # ------------------------------------------------------------------------------- routing
@@ -57,23 +76,41 @@ def router_logits(router: jax.Array, x: jax.Array) -> jax.Array:
 
 
 # ------------------------------------------------------------------- grouped expert matmul
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def grouped_matmul(x: jax.Array, w: ExpertWeight, group_sizes: jax.Array) -> jax.Array:
     """Rows x [M, in] sorted by group, group g's `group_sizes[g]` rows times w[g] [in, out]
     -> [M, out] in x's dtype (float32 accumulation). XLA's ragged dot: no row meets another
-    group's weights. Rows past sum(group_sizes) come out zero."""
-    y = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes,
+    group's weights. Rows past sum(group_sizes) come out zero.
+
+    Quantized w: per-column scales (int8 / fp8 by default) multiply each row's output after
+    the dot, the values converted in the dot's operand as the dense path's are; grouped
+    scales (int4, GGUF blocks) are applied to the whole stack before the dot: every step
+    dequantizes all E experts of the layer (E * in * out multiply-adds, and a float copy
+    unless XLA fuses it into the operand), a cost the CPU tile loop does not pay."""
+    if isinstance(w, QuantizedWeight) and _per_column(w):
+        y = jax.lax.ragged_dot(x, w.values.astype(x.dtype), group_sizes,
+                               preferred_element_type=jnp.float32)
+        return (y * w.scales[_row_groups(group_sizes, x.shape[0]), 0]).astype(x.dtype)
+    y = jax.lax.ragged_dot(x, expert_floats(w, x.dtype), group_sizes,
                            preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
 
 
-def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def _row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """i32[rows]: each sorted row's group (rows past the sizes' sum: the last group)."""
+    ends = jnp.cumsum(group_sizes)
+    group = jnp.searchsorted(ends, jnp.arange(rows), side="right")
+    return jnp.minimum(group, group_sizes.shape[0] - 1)
+
+
+def grouped_matmul_reference(x: jax.Array, w: ExpertWeight, group_sizes: jax.Array
+                             ) -> jax.Array:
     """grouped_matmul by the definition: each row's group from the cumulative sizes, then
     that group's weights gathered per row (tests only: M copies of a weight matrix)."""
     ends = jnp.cumsum(group_sizes)
     row = jnp.arange(x.shape[0])
     group = jnp.searchsorted(ends, row, side="right")
     valid = row < ends[-1]
-    wg = w[jnp.minimum(group, w.shape[0] - 1)].astype(jnp.float32)
+    wg = expert_floats(w)[jnp.minimum(group, w.shape[0] - 1)]
     y = jnp.einsum("mi,mio->mo", x.astype(jnp.float32), wg)
     return jnp.where(valid[:, None], y, 0.0).astype(x.dtype)
 
@@ -82,12 +119,14 @@ def _swiglu(x: jax.Array, gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
-def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
+def _dot(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
+    if isinstance(w, QuantizedWeight):  # one expert's [in, out]: only its values converted
+        return w.matmul(x)
     return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def grouped_mlp_ragged(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                       w_down: jax.Array) -> jax.Array:
+def grouped_mlp_ragged(xs: jax.Array, sizes: jax.Array, w_gate: ExpertWeight,
+                       w_up: ExpertWeight, w_down: ExpertWeight) -> jax.Array:
     """The SwiGLU expert MLP of rows xs [M, hidden] sorted by expert (`sizes` i32[E] rows
     each) through three `jax.lax.ragged_dot`s: XLA's ragged dot instruction on TPU and GPU."""
     h = _swiglu(xs, grouped_matmul(xs, w_gate, sizes), grouped_matmul(xs, w_up, sizes))
@@ -104,15 +143,18 @@ def tile_rows(rows: int, num_experts: int) -> int:
     return int(min(32, max(4, 1 << max(share - 1, 0).bit_length())))
 
 
-def grouped_mlp_tiled(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                      w_down: jax.Array, tile: int | None = None) -> jax.Array:
+def grouped_mlp_tiled(xs: jax.Array, sizes: jax.Array, w_gate: ExpertWeight,
+                      w_up: ExpertWeight, w_down: ExpertWeight, tile: int | None = None
+                      ) -> jax.Array:
     """`grouped_mlp_ragged`'s result by a loop over row tiles, for XLA:CPU, whose lowering of
     `ragged_dot` multiplies every row by every group's weights and masks (E times the work;
     scripts/bench/bench_moe_cpu.py measures it). Each group is padded to a whole number of
     tiles of `tile` rows (the padded layout's size is static: M + E * (tile - 1), rounded up),
     and a `fori_loop` whose trip count is the data's tile count (a while loop: tiles past it
     are not run) computes one tile through its expert's gate / up / down weights per step.
-    Work: the real rows plus under one tile of padding per non-empty group."""
+    Work: the real rows plus under one tile of padding per non-empty group. Quantized
+    experts: each step converts only its tile's expert's values (and scales them: after the
+    dot for per-column scales, before it for groups), never the other experts'."""
     m, hidden = xs.shape
     num_experts = w_gate.shape[0]
     t = tile or tile_rows(m, num_experts)
@@ -127,8 +169,10 @@ def grouped_mlp_tiled(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: 
                                               side="right"), num_experts - 1)
 
     def step(i: jax.Array, yp: jax.Array) -> jax.Array:
-        def w(stack: jax.Array) -> jax.Array:  # the tile's expert's weights, read in place
-            return jax.lax.dynamic_index_in_dim(stack, tile_group[i], keepdims=False)
+        def w(stack: ExpertWeight) -> jax.Array | QuantizedWeight:
+            # the tile's expert's weights (a quantized one's values and scales), read in place
+            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(
+                a, tile_group[i], keepdims=False), stack)
 
         xt = jax.lax.dynamic_slice_in_dim(xp, i * t, t)
         h = _swiglu(xt, _dot(xt, w(w_gate)), _dot(xt, w(w_up)))
@@ -138,8 +182,8 @@ def grouped_mlp_tiled(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: 
     return jnp.take(yp, pos, axis=0)
 
 
-def grouped_mlp(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                w_down: jax.Array) -> jax.Array:
+def grouped_mlp(xs: jax.Array, sizes: jax.Array, w_gate: ExpertWeight, w_up: ExpertWeight,
+                w_down: ExpertWeight) -> jax.Array:
     """The grouped expert MLP per backend, chosen where the step is lowered (so an export
     for TPU / CUDA from a CPU host gets the ragged dot): the tile loop on CPU, XLA's ragged
     dot elsewhere."""
@@ -147,11 +191,12 @@ def grouped_mlp(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Ar
                                       cpu=grouped_mlp_tiled, default=grouped_mlp_ragged)
 
 
-GroupedMLP = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+GroupedMLP = Callable[[jax.Array, jax.Array, ExpertWeight, ExpertWeight, ExpertWeight],
+                      jax.Array]
 
 
-def expert_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array,
-               w_up: jax.Array, w_down: jax.Array, mlp: GroupedMLP = grouped_mlp
+def expert_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: ExpertWeight,
+               w_up: ExpertWeight, w_down: ExpertWeight, mlp: GroupedMLP = grouped_mlp
                ) -> jax.Array:
     """sum_j weights[n, j] * MLP_{experts[n, j]}(x[n]) for x [N, hidden], the k choices per
     token as `route` gives them; stacked weights [E, hidden, I] (gate, up), [E, I, hidden]
@@ -200,9 +245,9 @@ def dense_moe_reference(spec: MoESpec, lp: Any, h: jax.Array) -> jax.Array:
     comb = jnp.zeros((x.shape[0], num_experts), jnp.float32)
     comb = comb.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)
     f32 = jnp.float32
-    g = jnp.einsum("nh,ehi->nei", x, lp.we_gate.astype(f32))
-    u = jnp.einsum("nh,ehi->nei", x, lp.we_up.astype(f32))
-    y = jnp.einsum("nei,eih->neh", jax.nn.silu(g) * u, lp.we_down.astype(f32))
+    g = jnp.einsum("nh,ehi->nei", x, expert_floats(lp.we_gate, f32))
+    u = jnp.einsum("nh,ehi->nei", x, expert_floats(lp.we_up, f32))
+    y = jnp.einsum("nei,eih->neh", jax.nn.silu(g) * u, expert_floats(lp.we_down, f32))
     out = jnp.einsum("neh,ne->nh", y, comb)
     if spec.shared_intermediate_size:
         out = out + _shared_expert(lp, x)

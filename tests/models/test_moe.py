@@ -318,12 +318,6 @@ def test_orbax_round_trip_and_hf_export(hf, tmp_path: pathlib.Path) -> None:  # 
     assert err <= logits_atol(src.config, src.params, tokens.shape[1])
 
 
-def test_quantizing_experts_is_refused(hf) -> None:  # noqa: ANN001
-    _, d, _ = hf
-    with pytest.raises(ValueError, match=r"quantization='int8'.*layers.we_gate"):
-        loading.load_model(d, quant=loading.WeightQuant("int8"))
-
-
 def test_compressed_tensors_experts_are_refused(hf, tmp_path: pathlib.Path) -> None:  # noqa: ANN001
     """A compressed-tensors checkpoint whose experts are stored int8 is refused at load
     (read through, they would silently become float beside quantized attention)."""

@@ -10,7 +10,9 @@ written). Checked: the per-layer specs llama.cpp's conventions imply (Qwen3-MoE'
 Mixtral's top-k renormalised, Qwen2-MoE's not; the shared expert's width), full-sequence
 logits within the bound of two float32 computations (support.numerics), the experts each
 token selects equal transformers' router's on the same inputs, and the metadata refused with
-the key named. Qwen3-MoE in the default tier; the other families and types in the slow tier.
+the key named. Under quantization "auto" the stored blocks stay quantized, experts included
+(Q8_0 -> int8, Q4_0 -> int4, groups of 32), run by the grouped matmul as they are.
+Qwen3-MoE Q8_0 in the default tier; the other families and types in the slow tier.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from support.tiers import run_slow  # noqa: E402
 
 from jaxserve.models import decoder, loading, moe  # noqa: E402
 from jaxserve.models.config import MoESpec  # noqa: E402
+from jaxserve.models.quant import QuantizedWeight  # noqa: E402
 
 PROMPT = [5, 17, 90, 3, 42, 8, 75, 7, 61, 33, 12, 88, 4, 60, 23]
 CASES = [("qwen3_moe", "F32"), ("qwen3_moe", "Q8_0"), ("qwen2_moe", "F32"),
@@ -73,7 +76,12 @@ def test_specs_follow_llama_cpp(case) -> None:  # noqa: ANN001
 
 def test_logits_and_routing_match_transformers(case) -> None:  # noqa: ANN001
     arch, qname, path, oracle = case
-    ours = loading.load_model(path)
+    ours = loading.load_model(path)  # "auto": stored quantization kept, experts included
+    scheme = {"F32": None, "Q8_0": "int8", "Q4_0": "int4"}[qname]
+    for field in moe.EXPERT_FIELDS:
+        w = getattr(ours.params.layers, field)
+        assert (w.scheme, w.group_size) == (scheme, 32) if scheme else not isinstance(
+            w, QuantizedWeight), (field, type(w))
     tokens = np.array([PROMPT], np.int32)
     got = np.asarray(decoder.forward_jit(ours.params, tokens, np.array([len(PROMPT)], np.int32),
                                          cfg=ours.config))
