@@ -19,11 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from .compressed_tensors import CompressedTensor
 from .config import ConfigError, LayerSpec, ModelConfig, MoESpec, hf_int
 from .host_arrays import HostArray, normalize_box
 from .linear import Weight
-from .safetensors_io import CheckpointError
 from .moe_block import (  # noqa: F401  (re-exported: one import path for the block)
     route,
     router_logits,
@@ -212,13 +210,6 @@ def hf_layer_part(cfg: ModelConfig, names: Mapping[str, tuple[str, bool]],
     if field in EXPERT_FIELDS:
         E, inp, out = stacked
         parts = [fetch(expert_names[field].format(e=e), (out, inp)) for e in range(E)]
-        if isinstance(parts[0], CompressedTensor):
-            # Read through it, the experts would be dequantized to float while the rest keeps
-            # the checkpoint's scheme: refused rather than silently several times larger
-            # (mapping its per-expert scales onto `quantize_experts` is not done yet).
-            raise CheckpointError(
-                f"layer {i}: {expert_names[field].format(e=0)} is stored quantized "
-                "(compressed-tensors): quantized expert weights are not supported yet")
         return ExpertStack(parts)
     return fetch(suffix, stacked)
 

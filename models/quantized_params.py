@@ -212,11 +212,21 @@ def _expert_layers(leaf: object) -> list[list[object] | None]:
     return [list(p.parts) if isinstance(p, ExpertStack) else None for p in leaf.parts]
 
 
+def _stored_expert(t: object) -> QuantizedWeight:
+    """One expert's stored tensor [out, in] as it is: GGUF blocks, or compressed-tensors
+    values and per-row scales (read here: the stacks are built on the host)."""
+    if isinstance(t, CompressedTensor):
+        values = np.ascontiguousarray(np.asarray(t.values[...]).T)
+        return QuantizedWeight(values, t.scale[None, :].astype(np.float32), None, t.scheme)
+    return quantized_blocks(t)  # type: ignore[arg-type]
+
+
 def quantize_experts(leaf: object, wq: WeightQuant, name: str) -> QuantizedWeight | None:
     """An expert field [L, E, in, out] as one QuantizedWeight of numpy arrays (scales per
     expert and output column, or per group of input rows), or None to leave it as it is:
     the rules of `quantize_leaf` per expert (GGUF blocks as stored where they map exactly,
-    else read as float one expert at a time and quantized; under "auto" a float checkpoint
+    and compressed-tensors int8 / fp8 experts as stored where they map exactly, else read as
+    float one expert at a time and quantized; under "auto" a float checkpoint
     stays float). Always weight-only: the grouped matmul (`moe_block`) converts and scales
     the values; a dense layer's zeros (a model mixing dense and sparse layers) are quantized
     zeros of the same layout."""
@@ -233,7 +243,7 @@ def quantize_experts(leaf: object, wq: WeightQuant, name: str) -> QuantizedWeigh
     if kind is not None and (want is None or (want == kind[0]
                                               and wq.group_size in (None, kind[1]))):
         zero = quantize_weight(np.zeros((num_experts, k, n), np.float32), *kind)
-        return _stack([_stack([quantized_blocks(t) for t in layer]) if layer else zero
+        return _stack([_stack([_stored_expert(t) for t in layer]) if layer else zero
                        for layer in layers])
     scheme, group = want, wq.group_size
     types = "/".join(sorted({getattr(t, "type_name", "?") for t in stored

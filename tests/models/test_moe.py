@@ -318,18 +318,30 @@ def test_orbax_round_trip_and_hf_export(hf, tmp_path: pathlib.Path) -> None:  # 
     assert err <= logits_atol(src.config, src.params, tokens.shape[1])
 
 
-def test_compressed_tensors_experts_are_refused(hf, tmp_path: pathlib.Path) -> None:  # noqa: ANN001
-    """A compressed-tensors checkpoint whose experts are stored int8 is refused at load
-    (read through, they would silently become float beside quantized attention)."""
-    from jaxserve.models.safetensors_io import CheckpointError
+def test_compressed_tensors_experts_load_as_stored(hf, tmp_path: pathlib.Path) -> None:  # noqa: ANN001
+    """A compressed-tensors checkpoint whose experts are stored int8 per channel loads them
+    as they are (per-column int8 stacks, the stored values), and its logits equal
+    transformers' over the dequantized checkpoint (support.compressed_ckpt writes both)."""
+    from jaxserve.models.quant import QuantizedWeight
     from support.compressed_ckpt import write_compressed
 
     arch, d, _ = hf
     if arch == "mixtral":  # its experts' w1 / w2 / w3 are not `*_proj` modules there
         pytest.skip("the test writer quantizes `*_proj` linears only")
-    write_compressed(d, tmp_path / "q", "int8", "channel")
-    with pytest.raises(CheckpointError, match="quantized expert weights are not supported"):
-        loading.load_model(tmp_path / "q")
+    _default_tier(arch)
+    ref_dir = write_compressed(d, tmp_path / "q", "int8", "channel")
+    ours = loading.load_model(tmp_path / "q")
+    stored = np.load(tmp_path / "q" / "stored.npz")
+    for field, proj in (("we_gate", "gate_proj"), ("we_down", "down_proj")):
+        w = getattr(ours.params.layers, field)
+        assert isinstance(w, QuantizedWeight) and w.scheme == "int8" and w.group_size == (
+            w.shape[-2])
+        q = stored[f"model.layers.0.mlp.experts.1.{proj}.q"].view(np.int8)
+        np.testing.assert_array_equal(np.asarray(w.values[0, 1]), q.T)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)
+    tokens = np.array([PROMPTS[0]], np.int32)
+    err = np.max(np.abs(_ours(ours, tokens) - _ref(ref, tokens)))
+    assert err <= logits_atol(ours.config, ours.params, tokens.shape[1])
 
 
 # ----------------------------------------------------------------------------- refusals
