@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from .config import MoESpec
 from .linear import linear
+from ..kernels_pallas.dense_quant_cpu import decode_values
 from .quant import QuantizedWeight
 
 # A layer's stacked expert weights: float [E, in, out], or quantized per expert (`quant`'s
@@ -121,8 +122,33 @@ def _swiglu(x: jax.Array, gate: jax.Array, up: jax.Array) -> jax.Array:
 
 def _dot(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
     if isinstance(w, QuantizedWeight):  # one expert's [in, out]: only its values converted
-        return w.matmul(x)
+        return w.matmul(x) if _per_column(w) else _grouped_dot(x, w)
     return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _grouped_dot(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """x [t, in] @ one expert's weight of grouped scales (int4, GGUF blocks). Each group's
+    scale (and zero) is broadcast over the group by a reshape, and int4's two rows per byte
+    meet x's even and odd columns in two dots, rather than `QuantizedWeight.dequantize`'s
+    interleave and repeat: inside XLA:CPU's loop body those ran 10x slower (measured with
+    scripts/bench/bench_moe_quant_cpu.py)."""
+    k, n = w.shape
+    groups = w.scales.shape[-2]
+
+    def scaled(q: jax.Array) -> jax.Array:  # [rows, n], groups of rows // groups rows
+        f = q.reshape(groups, -1, n).astype(jnp.float32) * w.scales[:, None, :]
+        if w.zeros is not None:
+            f = f + w.zeros[:, None, :]
+        return f.reshape(-1, n).astype(x.dtype)
+
+    def dot(a: jax.Array, b: jax.Array) -> jax.Array:
+        return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+    if w.scheme == "int4":  # byte i: row 2i in the low nibble, 2i + 1 in the high one
+        y = dot(x[:, 0::2], scaled(w.values & 15)) + dot(x[:, 1::2], scaled(w.values >> 4))
+    else:
+        y = dot(x, scaled(decode_values(w.values, w.scheme, -2)))
+    return y.astype(x.dtype)
 
 
 def grouped_mlp_ragged(xs: jax.Array, sizes: jax.Array, w_gate: ExpertWeight,
