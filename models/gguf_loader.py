@@ -6,7 +6,9 @@ Data flow:
   reads vocab/merges from here)
   -> `open_gguf`: `general.architecture` -> the family (`families.family_for_gguf`); metadata
      `{arch}.*` keys -> HF `config.json`-shaped dict, validated by the family's mapping
-     (`families.config_from_hf`); tensor table -> HF names by the family's GGUF name tables,
+     (`families.config_from_hf`); tensor table -> HF names by the family's GGUF name tables
+     (an MoE family's merged `ffn_*_exps` tensors split into one 2-D entry per expert over the
+     same bytes, `gguf_tensor.split_experts`, named as its per-expert HF tensors),
      shapes checked against that config before any data is touched (reading no weights) ->
      per tensor a lazy `GGUFTensor` (numpy shape: GGUF lists dims innermost-first, numpy
      outermost-first, so dims are reversed; llama q/k rows un-permuted on read, Gemma's
@@ -241,8 +243,8 @@ class LazyGGUF:
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
-    """Read and dequantize a llama/qwen2/qwen3/gemma2/gemma3/gemma4 GGUF into HF names, HF layout,
-    float32."""
+    """Read and dequantize a llama/qwen2/qwen3/gemma2/gemma3/gemma4/qwen3moe/qwen2moe GGUF into
+    HF names, HF layout, float32."""
     lazy = open_gguf(path)
     try:
         tensors = {hf: t[...] for hf, t in lazy.tensors.items()}

@@ -124,3 +124,40 @@ def test_refused_metadata_names_the_key(tmp_path: pathlib.Path, meta: dict, matc
                                    **meta})
     with pytest.raises(ValueError, match=match):
         loading.load_model(path)
+
+
+def test_moe_metadata_defaults_are_llama_cpps() -> None:
+    """What a file leaves unsaid is llama.cpp's choice: Qwen3-MoE (and llama / Mixtral)
+    renormalise the top-k, Qwen2-MoE does not, unless `expert_weights_norm` says; experts of
+    feed_forward_length / expert_used_count without `expert_feed_forward_length`; the shared
+    expert feed_forward_length wide; dense layers where a layer has no router tensor."""
+    from jaxserve.models import families, moe_gguf
+
+    def fields(arch: str, **meta: object) -> dict:
+        md = {"embedding_length": 64, "attention.head_count": 4, "block_count": 2,
+              "feed_forward_length": 96, "attention.layer_norm_rms_epsilon": 1e-6,
+              "context_length": 256, "expert_count": 4, "expert_used_count": 2, **meta}
+
+        def key(name: str, default: object = None, required: bool = False,
+                kind: type = int) -> object:
+            return md.get(name, default)
+
+        names = {"blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate_shexp.weight",
+                 "blk.1.ffn_gate_shexp.weight"}
+        model_type = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}[arch]
+        if arch == "qwen3moe":
+            names = {n for n in names if "shexp" not in n}
+        d = families.family_for_gguf(arch, "x")[0].config_dict_from_gguf(key, names, model_type)
+        return dict(d, vocab_size=64)
+
+    q3 = families.config_from_hf(fields("qwen3moe"))
+    assert [s.moe is not None for s in q3.layer_specs] == [True, False]  # layer 1: no router
+    assert q3.layer_specs[0].moe == MoESpec(4, 2, 48, True)
+    assert families.config_from_hf(fields("qwen3moe", expert_weights_norm=False)
+                                   ).layer_specs[0].moe.norm_topk_prob is False
+    q2 = families.config_from_hf(fields("qwen2moe", expert_feed_forward_length=32))
+    assert q2.layer_specs[0].moe == MoESpec(4, 2, 32, False, 96)
+    assert moe_gguf.GGUF_EXPERT_FIELDS == {
+        f"{gguf.TENSOR_NAMES[t].split('.')[-1]}.weight": f for t, f in (
+            (gguf.MODEL_TENSOR.FFN_GATE_EXP, "we_gate"), (gguf.MODEL_TENSOR.FFN_UP_EXP, "we_up"),
+            (gguf.MODEL_TENSOR.FFN_DOWN_EXP, "we_down"))}
