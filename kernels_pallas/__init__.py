@@ -19,7 +19,9 @@ found), cpu (C++ kernel through XLA's FFI; cpu_build compiles csrc/ on first use
 TPU kernel; tpu_plan its trace-time decisions and contract), gpu (Mosaic GPU kernel: gpu the
 wrapper, gpu_kernel the body, gpu_plan its sizing and contract), selector (picks one from
 platform, config and the kernels' contracts). Beside the
-attention: dense_cpu, the models' projections on CPU over panel-packed weights (C++, FFI).
+attention: dense_cpu, the models' projections on CPU over panel-packed weights (C++, FFI);
+grouped_matmul (+ _tpu Mosaic, _gpu Triton), the MoE experts' grouped matmul: contract,
+tile metadata, jnp reference (imported by models/moe_block.py directly).
 This package imports nothing else from jaxserve.
 """
 

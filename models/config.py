@@ -89,8 +89,9 @@ class LayerSpec:
     # KV shared across layers (Gemma 4 num_kv_shared_layers): a layer with `kv_store` = s
     # hands its K/V (normed, rotated, at the model-wide shape) to later layers through slot
     # s of the scan's carry; a layer with `kv_reuse` = s computes no K/V of its own and uses
-    # slot s's instead (it still writes them into its own KV pages, so its pages hold what
-    # the storing layer's do and paging, prefix caching and preemption need nothing new).
+    # slot s's instead; its KV pages are the storing layer's (`kv_groups` gives it that
+    # layer's group and slot), into which it writes the same K/V again (a no-op by value),
+    # so paging, prefix caching and preemption need nothing new.
     kv_store: int | None = None
     kv_reuse: int | None = None
     # A layer whose MLP is narrower than the model's `intermediate_size` (Gemma 4's

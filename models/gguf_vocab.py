@@ -9,6 +9,10 @@ Data flow:
             space, `<0x00>`..`<0xFF>` byte-fallback pieces, and BPE merges taken from the file or
             derived from the vocabulary (by score; by file position for Gemma), with the
             normalizer / pre-tokenizer / decoder the architecture's SentencePiece form uses;
+    "gemma4" Gemma 4's SentencePiece-style BPE as llama.cpp reads it (its pre-type GEMMA4):
+            every space written `▁` (nothing prepended), the text cut into runs of newlines
+            and runs of anything else, the file's merges over whole code points (no byte
+            alphabet), `<0xNN>` byte fallback, BOS added unless the file says otherwise;
   -> control tokens as special added tokens, user-defined tokens as plain added tokens (both
   matched whole), the file's bos/eos/unk/pad tokens special; the BOS/EOS post-processor, the
   chat template and the eos ids are the caller's (`from_gguf`), `ADD_BOS_DEFAULT` gives the
@@ -32,7 +36,7 @@ _SPACE = "\u2581"  # SentencePiece's spelling of a space ("▁")
 
 # add_bos_token when the file has no tokenizer.ggml.add_bos_token: llama.cpp (and transformers)
 # add BOS to a SentencePiece vocabulary that does not say otherwise, never to a byte-level one.
-ADD_BOS_DEFAULT = {"gpt2": False, "llama": True}
+ADD_BOS_DEFAULT = {"gpt2": False, "llama": True, "gemma4": True}
 
 # Split regexes for `tokenizer.ggml.pre` values whose merges were learned on a non-GPT-2 split.
 # The patterns are the published ones of those tokenizers (tiktoken-style for Llama 3, Qwen2's).
@@ -71,9 +75,9 @@ def build_backend(md: dict, where: str, compat: Compat = "transformers") -> _Bac
     file) names the source in errors. An unknown `tokenizer.ggml.model` is refused by name."""
     kind = md.get("tokenizer.ggml.model")
     tokens = md.get("tokenizer.ggml.tokens")
-    if kind not in ("gpt2", "llama"):
+    if kind not in ("gpt2", "llama", "gemma4"):
         raise ValueError(f"{where}: tokenizer.ggml.model={kind!r} is not supported (byte-level "
-                         "BPE 'gpt2' and SentencePiece 'llama' are)")
+                         "BPE 'gpt2', SentencePiece 'llama' and Gemma 4's 'gemma4' are)")
     if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
         raise ValueError(f"{where}: GGUF lacks tokenizer.ggml.tokens (a list of strings)")
     types = md.get("tokenizer.ggml.token_type")
@@ -85,6 +89,8 @@ def build_backend(md: dict, where: str, compat: Compat = "transformers") -> _Bac
                          f"entries for {len(tokens)} tokens")
     if kind == "gpt2":
         return _byte_level(md, tokens, types, where, compat)
+    if kind == "gemma4":
+        return _gemma4(md, tokens, types, where)
     return _sentencepiece(md, tokens, types, where, compat)
 
 
@@ -236,5 +242,37 @@ def _sentencepiece(md: dict, tokens: list[str], types: list, where: str,
     control = [t for t, k in zip(tokens, types) if k == _CONTROL]
     # As the file spells them: a user-defined whitespace run ("   ") is then no vocabulary entry
     # (respelled above) and stays out of the added tokens, as in transformers.
+    _add_file_tokens(backend, md, tokens, types, control)
+    return backend
+
+
+# llama.cpp's pre-split for Gemma 4 (LLAMA_VOCAB_PRE_TYPE_GEMMA4): merges never cross a
+# boundary between a run of newlines and the text around it.
+_NEWLINE_RUNS = r"[^\n]+|[\n]+"
+
+
+def _gemma4(md: dict, tokens: list[str], types: list, where: str) -> _Backend:
+    """Gemma 4's vocabulary (`tokenizer.ggml.model` "gemma4"), as llama.cpp tokenizes it: a
+    BPE over whole code points whose merges the file stores (Gemma 4's converter writes
+    them; there are no scores to derive them from), spaces written `▁` by a normalizer with
+    no prefix, the text then cut into newline runs and the rest, characters without a piece
+    spelled as `<0xNN>` byte pieces, and the decoder undoing all three. The same shape as
+    transformers' GemmaTokenizer, plus llama.cpp's newline cut."""
+    merges = _file_merges(md, where)
+    if merges is None:
+        raise ValueError(f"{where}: a tokenizer.ggml.model='gemma4' GGUF lacks "
+                         "tokenizer.ggml.merges (its BPE needs them)")
+    # A whitespace-only token spelled with real spaces is respelled with `▁`, as for Gemma 2 / 3
+    # files: text reaches the model only through the normalizer's `▁`.
+    spelled = [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    unk_id = md.get("tokenizer.ggml.unknown_token_id")
+    unk = spelled[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
+    backend = _Backend(models.BPE(vocab={t: i for i, t in enumerate(spelled)}, merges=merges,
+                                  unk_token=unk, fuse_unk=True, byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", _SPACE)
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(_NEWLINE_RUNS), behavior="isolated")
+    backend.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
+    control = [t for t, k in zip(tokens, types) if k == _CONTROL]
     _add_file_tokens(backend, md, tokens, types, control)
     return backend

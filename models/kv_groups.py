@@ -86,15 +86,22 @@ def first_live_page(window: int, num_tokens: int, page_size: int) -> int:
 
 def kv_groups(cfg: ModelConfig) -> KVGroups | None:
     """The model's KV groups, or None when every layer has the same window (one group: the
-    layout and block table of a model without groups)."""
+    layout and block table of a model without groups).
+
+    Layers that reuse an earlier layer's K/V (Gemma 4's `num_kv_shared_layers`,
+    `LayerSpec.kv_reuse`) get no pages of their own: they take the storing layer's group and
+    slot, so they read the very pages it wrote (and write the same K/V into them again, a
+    no-op by value). Only the other layers are cut into groups."""
     specs = cfg.layer_specs
     windows = [s.sliding_window for s in specs]
-    if len(set(windows)) == 1 or None not in windows:
+    owners = [i for i, s in enumerate(specs) if s.kv_reuse is None]
+    own_windows = [windows[i] for i in owners]
+    if len(set(windows)) == 1 or None not in own_windows:
         # One window everywhere; or sliding layers of several windows with no global layer
         # (no model ships that; group 0 must be global): keep the plain layout.
         return None
-    kinds = [None] + [w for w in dict.fromkeys(windows) if w is not None]
-    layers_of = {k: [i for i, w in enumerate(windows) if w == k] for k in kinds}
+    kinds = [None] + [w for w in dict.fromkeys(own_windows) if w is not None]
+    layers_of = {k: [i for i in owners if windows[i] == k] for k in kinds}
     slots = min(len(v) for v in layers_of.values())
     group_windows: list[int | None] = []
     layer_groups = [0] * len(specs)
@@ -106,6 +113,14 @@ def kv_groups(cfg: ModelConfig) -> KVGroups | None:
             group_windows.append(k)
             for s, i in enumerate(layers[start:start + slots]):
                 layer_groups[i], layer_slots[i] = g, s
+    store = {s.kv_store: i for i, s in enumerate(specs) if s.kv_store is not None}
+    for i, spec in enumerate(specs):
+        if spec.kv_reuse is not None:
+            src = store.get(spec.kv_reuse)
+            if src is None or src >= i or windows[src] != windows[i]:
+                raise ValueError(f"layer {i} reuses K/V slot {spec.kv_reuse}, which no earlier "
+                                 "layer of its window stores")
+            layer_groups[i], layer_slots[i] = layer_groups[src], layer_slots[src]
     return KVGroups(tuple(group_windows), tuple(layer_groups), tuple(layer_slots), slots)
 
 

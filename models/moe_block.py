@@ -12,14 +12,17 @@ Data flow for one layer (`moe_mlp`, called by `decoder.decoder_layer` where the 
   is one per bucket whatever the routing; no token is dropped, there is no capacity)
   -> the grouped SwiGLU MLP of the sorted rows against the stacked expert weights
   [E, in, out] (`grouped_mlp`: gate and up, SwiGLU, then down), each row meeting only its
-  own expert's weights, chosen where the step is lowered: XLA's ragged dot on TPU / GPU
-  (`grouped_mlp_ragged`); on CPU a loop over row tiles (`grouped_mlp_tiled`), because JAX
-  lowers `ragged_dot` there by multiplying every row by every group's weights (E times the
-  work: scripts/bench/bench_moe_cpu.py). The work is N * k rows (plus under a tile of
-  padding per group on CPU), not N * E
+  own expert's weights, chosen where the step is lowered: the Pallas grouped matmul on TPU
+  (Mosaic) and CUDA (Triton) (kernels_pallas/grouped_matmul*.py: tile metadata from the
+  group sizes, one visit per (m-tile, group) pair); on CPU a loop over row tiles
+  (`grouped_mlp_tiled`), because JAX lowers `ragged_dot` there by multiplying every row by
+  every group's weights (E times the work: scripts/bench/bench_moe_cpu.py); XLA's ragged
+  dot elsewhere (`grouped_mlp_ragged`). Under tensor parallelism `sharded_grouped_mlp`
+  runs it per device on the experts' intermediate slices and sums. The work is N * k rows
+  (plus under a tile of padding per group or m-tile), not N * E
   (quantized experts, `ExpertWeight`: the tile loop converts and scales only each tile's
-  expert's values; the ragged dot scales per-column outputs after the dot and dequantizes a
-  grouped-scale stack whole, docs/quantization.md)
+  expert's values; the other paths run over the converted values, scale per-column outputs
+  after the dot and dequantize a grouped-scale stack whole, docs/quantization.md)
   -> un-sorted (the inverse permutation), weighted by the routing probabilities and summed
   over the k choices per token; plus, with a shared expert (Qwen2-MoE), sigmoid(h @ gate) *
   the shared SwiGLU MLP.
@@ -35,6 +38,11 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as PS
+
+from ..kernels_pallas.grouped_matmul_gpu import gpu_tiles_fit, grouped_matmul_gpu
+from ..kernels_pallas.grouped_matmul_tpu import grouped_matmul_tpu
 from .config import MoESpec
 from .linear import linear
 from ..kernels_pallas.dense_quant_cpu import decode_values
@@ -208,13 +216,98 @@ def grouped_mlp_tiled(xs: jax.Array, sizes: jax.Array, w_gate: ExpertWeight,
     return jnp.take(yp, pos, axis=0)
 
 
+def grouped_mlp_with(matmul: Callable[..., jax.Array], xs: jax.Array, sizes: jax.Array,
+                     w_gate: ExpertWeight, w_up: ExpertWeight, w_down: ExpertWeight
+                     ) -> jax.Array:
+    """The SwiGLU expert MLP through a grouped matmul `matmul(x, w, sizes)` of float stacks
+    (a kernel of kernels_pallas/grouped_matmul*.py), the weights cast to the rows' dtype;
+    quantized stacks as `grouped_matmul` takes them (`_over_quantized`)."""
+    gate = _over_quantized(matmul, xs, w_gate, sizes)
+    h = _swiglu(xs, gate, _over_quantized(matmul, xs, w_up, sizes))
+    return _over_quantized(matmul, h, w_down, sizes)
+
+
+def _over_quantized(matmul: Callable[..., jax.Array], x: jax.Array, w: ExpertWeight,
+                    sizes: jax.Array) -> jax.Array:
+    """`matmul` over a float or quantized stack: per-column scales multiply each row's
+    output after a dot over the converted values; grouped scales dequantize the whole
+    stack first (every expert of the layer, each step: the cost `grouped_matmul` notes)."""
+    if isinstance(w, QuantizedWeight) and _per_column(w):
+        y = matmul(x, w.values.astype(x.dtype), sizes).astype(jnp.float32)
+        return (y * w.scales[_row_groups(sizes, x.shape[0]), 0]).astype(x.dtype)
+    return matmul(x, expert_floats(w, x.dtype), sizes)
+
+
+def grouped_mlp_pallas_tpu(xs: jax.Array, sizes: jax.Array, w_gate: ExpertWeight,
+                           w_up: ExpertWeight, w_down: ExpertWeight) -> jax.Array:
+    """The expert MLP through the Pallas Mosaic TPU grouped matmul (Megablox's tile visits:
+    kernels_pallas/grouped_matmul_tpu.py), three calls."""
+    return grouped_mlp_with(grouped_matmul_tpu, xs, sizes, w_gate, w_up, w_down)
+
+
+def grouped_mlp_pallas_gpu(xs: jax.Array, sizes: jax.Array, w_gate: ExpertWeight,
+                           w_up: ExpertWeight, w_down: ExpertWeight) -> jax.Array:
+    """The expert MLP through the Pallas Triton grouped matmul
+    (kernels_pallas/grouped_matmul_gpu.py); XLA's ragged dot where its power-of-two tiles do
+    not divide the widths (hidden or expert width not a multiple of 16: toy shapes only)."""
+    if not all(gpu_tiles_fit(w.shape[1], w.shape[2]) for w in (w_gate, w_down)):
+        return grouped_mlp_ragged(xs, sizes, w_gate, w_up, w_down)
+    return grouped_mlp_with(grouped_matmul_gpu, xs, sizes, w_gate, w_up, w_down)
+
+
 def grouped_mlp(xs: jax.Array, sizes: jax.Array, w_gate: ExpertWeight, w_up: ExpertWeight,
                 w_down: ExpertWeight) -> jax.Array:
     """The grouped expert MLP per backend, chosen where the step is lowered (so an export
-    for TPU / CUDA from a CPU host gets the ragged dot): the tile loop on CPU, XLA's ragged
-    dot elsewhere."""
+    for TPU / CUDA from a CPU host gets that platform's kernel): the tile loop on CPU, the
+    Pallas grouped matmul on TPU (Mosaic) and CUDA (Triton), XLA's ragged dot elsewhere
+    (`grouped_mlp_ragged`: also the reference the kernels' tests compare against)."""
     return jax.lax.platform_dependent(xs, sizes, w_gate, w_up, w_down,
-                                      cpu=grouped_mlp_tiled, default=grouped_mlp_ragged)
+                                      cpu=grouped_mlp_tiled, tpu=grouped_mlp_pallas_tpu,
+                                      cuda=grouped_mlp_pallas_gpu, default=grouped_mlp_ragged)
+
+
+def sharded_grouped_mlp(mesh: Mesh, axis: str) -> "GroupedMLP":
+    """`grouped_mlp` under tensor parallelism (the experts' intermediate axis split over
+    `axis`, as models/placement.py lays them out): each device runs the kernels on its
+    slice (gate / up columns, down rows) and the partial outputs are summed. Without it XLA
+    could not split a Pallas call and would gather every expert's weights to each device.
+    A quantized stack's scales are split with its values (`_stack_spec`)."""
+    tp = mesh.shape[axis]
+    col, row = PS(None, None, axis), PS(None, axis, None)
+
+    def local(xs: jax.Array, sizes: jax.Array, w_gate: ExpertWeight, w_up: ExpertWeight,
+              w_down: ExpertWeight) -> jax.Array:
+        y = grouped_mlp(xs, sizes, w_gate, w_up, w_down).astype(jnp.float32)
+        return jax.lax.psum(y, axis).astype(xs.dtype)
+
+    def run(xs: jax.Array, sizes: jax.Array, w_gate: ExpertWeight, w_up: ExpertWeight,
+            w_down: ExpertWeight) -> jax.Array:
+        specs = (PS(), PS(), _stack_spec(w_gate, col, tp), _stack_spec(w_up, col, tp),
+                 _stack_spec(w_down, row, tp))
+        return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=PS(),
+                             check_vma=False)(xs, sizes, w_gate, w_up, w_down)
+
+    return run
+
+
+def _stack_spec(w: ExpertWeight, split: PS, tp: int) -> PS | QuantizedWeight:
+    """The shard_map spec of an expert stack: `split` for a float one; for a quantized one,
+    its values split so and its scales (and zeros) alike, except a row split (down's input
+    rows) of per-column scales [E, 1, out], which every device needs whole. Groups of rows
+    that the split would cut (tp not dividing the group count) are refused: a device's rows
+    would not start on a group."""
+    if not isinstance(w, QuantizedWeight):
+        return split
+    scales = split
+    if split[1] is not None and w.scales.shape[-2] % tp:
+        if not _per_column(w):
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the "
+                             f"{w.scales.shape[-2]} groups of {w.group_size} input rows of a "
+                             "quantized expert stack; choose quantization_group_size so "
+                             "that it does")
+        scales = PS()
+    return QuantizedWeight(split, scales, None if w.zeros is None else scales, w.scheme,
+                           w.act_fp8)
 
 
 GroupedMLP = Callable[[jax.Array, jax.Array, ExpertWeight, ExpertWeight, ExpertWeight],
@@ -241,14 +334,16 @@ def expert_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: Exp
     return jnp.einsum("nkh,nk->nh", y, weights.astype(jnp.float32)).astype(x.dtype)
 
 
-def moe_mlp(spec: MoESpec, lp: Any, h: jax.Array) -> jax.Array:
+def moe_mlp(spec: MoESpec, lp: Any, h: jax.Array, mlp: GroupedMLP | None = None) -> jax.Array:
     """The MoE MLP block on normed h [..., hidden] with one layer's params `lp` (fields
     `router`, `we_gate`, `we_up`, `we_down`; with a shared expert `ws_gate`, `ws_up`,
-    `ws_down`, `ws_router`) -> [..., hidden]."""
+    `ws_down`, `ws_router`) -> [..., hidden]. `mlp`: the grouped expert MLP (default
+    `grouped_mlp`; `sharded_grouped_mlp` under tensor parallelism)."""
     lead, hidden = h.shape[:-1], h.shape[-1]
     x = h.reshape(-1, hidden)
     weights, experts = route(spec, lp.router, x)
-    out = expert_mlp(x, weights, experts, lp.we_gate, lp.we_up, lp.we_down)
+    out = expert_mlp(x, weights, experts, lp.we_gate, lp.we_up, lp.we_down,
+                     mlp or grouped_mlp)
     if spec.shared_intermediate_size:
         out = out + _shared_expert(lp, x)
     return out.reshape(*lead, hidden)

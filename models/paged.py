@@ -48,6 +48,7 @@ from .blocks import embed, lm_logits, per_layer_inputs
 from .config import LayerSpec, ModelConfig
 from .decoder import decoder_layer, init_shared_kv, scan_layers
 from .kv_groups import kv_groups, kv_layer_slots
+from .moe_block import sharded_grouped_mlp
 
 
 MODEL_AXIS = "model"  # the tensor-parallel mesh axis (models/placement.py)
@@ -149,9 +150,13 @@ def paged_hidden(params: Any, kv_pages: KVPages, token_ids: jax.Array,
                                  # end per-shard; each shard is independent, nothing to check.
                                  check_vma=False)(q, k, v, flat, layer_md)
 
-        x, kv, shared = decoder_layer(cfg, spec, lp, x, positions, attn, kv, inp, shared)
+        x, kv, shared = decoder_layer(cfg, spec, lp, x, positions, attn, kv, inp, shared,
+                                      experts)
         return (x, kv, shared), None
 
+    # MoE layers: the Pallas grouped matmul cannot be split by XLA, so under tensor
+    # parallelism it runs per device on the experts' slices (moe_block.sharded_grouped_mlp).
+    experts = None if mesh is None else sharded_grouped_mlp(mesh, MODEL_AXIS)
     x = embed(params, token_ids, cfg.embed_scale)
     # Gemma 4: per-layer inputs scanned beside the layers, K/V slots carried between them.
     inputs = per_layer_inputs(cfg, params, token_ids, x) if cfg.per_layer_input_size else None

@@ -64,7 +64,8 @@ class Tokenizer:
     def from_gguf(cls, path: str | os.PathLike,
                   compat: Literal["transformers", "llama.cpp"] = "transformers") -> "Tokenizer":
         """The tokenizer of a GGUF's `tokenizer.ggml.*` metadata: byte-level BPE
-        (`tokenizer.ggml.model` "gpt2") or SentencePiece ("llama": Llama 2, Mistral, Gemma).
+        (`tokenizer.ggml.model` "gpt2"), SentencePiece ("llama": Llama 2, Mistral, Gemma) or
+        Gemma 4's ("gemma4": a BPE with stored merges, as llama.cpp reads it).
 
         compat="transformers" (default) encodes exactly like transformers' GGUF tokenizer.
         compat="llama.cpp" follows llama.cpp where the two differ: it splits digits for the

@@ -26,6 +26,9 @@ Figures, each with and without window-aware pages:
              the pages a hit was cut back by because a sliding group no longer had its
              window pages cached (served shorter, never with missing KV).
 
+  sharing    Gemma 4 E2B's shape: the planner's bytes per 8k sequence when the 20 layers that
+             reuse an earlier layer's K/V read its pages, against each holding its own.
+
     python scripts/bench/bench_window_kv.py --json benchmarks/results/window_kv.json
 """
 
@@ -60,12 +63,48 @@ def gemma3_1b_shape(windowed: bool, window: int = 512, num_layers: int = 26) -> 
                        attention_bias=False, qk_norm=True, per_layer=specs)
 
 
+def gemma4_e2b_shape(shared: bool, window: int = 512) -> ModelConfig:
+    """Gemma 4 E2B's KV shape: 35 layers (every fifth global), the last 20 reusing the K/V of
+    the last earlier layer of their type (`num_kv_shared_layers`), 1 KV head at the widest
+    head dim (512, the global layers'; the sliding layers' 256 padded to it). `shared=False`:
+    the same layers each holding pages of their own (what the engine did before)."""
+    types = ["full" if i % 5 == 4 else "sliding" for i in range(35)]
+    first, slot = 15, {"full": 0, "sliding": 1}
+    last = {t: max(i for i in range(first) if types[i] == t) for t in slot}
+    specs = tuple(LayerSpec(sliding_window=None if t == "full" else window,
+                            kv_store=slot[t] if shared and i == last[t] else None,
+                            kv_reuse=slot[t] if shared and i >= first else None)
+                  for i, t in enumerate(types))
+    return ModelConfig(model_type="gemma4_text", vocab_size=262144, hidden_size=1536,
+                       intermediate_size=6144, num_layers=35, num_heads=8, num_kv_heads=1,
+                       head_dim=512, rms_norm_eps=1e-6, rope_theta=1e6,
+                       max_position_embeddings=32768, tie_word_embeddings=True,
+                       attention_bias=False, qk_norm=True, per_layer=specs)
+
+
 def plan(windowed: bool, budget: int, page_size: int, max_num_seqs: int,
          chunk: int) -> EnginePlan:
     cfg = EngineConfig(max_model_len=CONTEXT, page_size=page_size, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=chunk, kv_cache_memory=budget,
                        decode_token_budget=chunk)  # prefill at full speed beside decodes
     return plan_engine(cfg, gemma3_1b_shape(windowed), 2, 0)  # bfloat16 pages
+
+
+def kv_sharing(budget: int, page_size: int, max_num_seqs: int, chunk: int) -> dict:
+    """Planner KV bytes per 8k sequence of the Gemma 4 E2B shape, shared-KV layers reading
+    their source layer's pages vs holding their own, and the sequences the budget fits."""
+    cfg = EngineConfig(max_model_len=CONTEXT, page_size=page_size, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=chunk, kv_cache_memory=budget,
+                       decode_token_budget=chunk)
+    out = {}
+    for name, shared in (("shared_pages", True), ("own_pages", False)):
+        p = plan_engine(cfg, gemma4_e2b_shape(shared), 2, 0)
+        out[name] = {"planner_kv_bytes_per_seq": p.kv_bytes_per_seq,
+                     "planner_seqs_fit": budget // p.kv_bytes_per_seq,
+                     "layer_slots_per_page": p.scheduler.kv_groups.slots}
+    out["ratio"] = (out["own_pages"]["planner_kv_bytes_per_seq"]
+                    / out["shared_pages"]["planner_kv_bytes_per_seq"])
+    return out
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int) -> Request:
@@ -193,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  filler, seed=3)
                                       for filler in range(0, 41, 2)]
 
+    result["gemma4_e2b_kv_sharing"] = kv_sharing(budget, args.page_size, args.max_num_seqs,
+                                                 args.chunk)
     mib = 2**20
     print(f"{result['model']}; context {CONTEXT}, pages of {args.page_size}, "
           f"budget {budget / mib:.0f} MiB")
@@ -216,6 +257,12 @@ def main(argv: list[str] | None = None) -> int:
         for pw, pa in zip(w["prefix"], a["prefix"]):
             print(f"{pw['filler_1k_requests']:4d} {pw['hit_rate']:17.3f} "
                   f"{pw['window_cut_pages']:5d} {pa['hit_rate']:14.3f}")
+    share = result["gemma4_e2b_kv_sharing"]
+    print("Gemma 4 E2B KV shape (35 layers, 20 reusing K/V, head dim 512, bf16), 8k context: "
+          + ", ".join(f"{k} {v['planner_kv_bytes_per_seq'] / mib:.1f} MiB/seq "
+                      f"({v['planner_seqs_fit']} fit)"
+                      for k, v in share.items() if isinstance(v, dict))
+          + f"; {share['ratio']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2, default=lambda o: dataclasses.asdict(o))

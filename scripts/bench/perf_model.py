@@ -2,7 +2,9 @@
 """The roofline model of the engine's step (`jaxserve.cli.bench.perf_model`) for Llama-3-8B on
 H200, TPU v5e and TPU v6e, as tables: per chip, weight format and batch, the decode step, its
 bound and output tokens/s, the 2k prefill; the published peer figures beside the model's; what
-`scripts/device/device_engine_check.py` should report on one H200. Plain arithmetic, no jax
+`scripts/device/device_engine_check.py` should report on one H200. Then the mixture-of-experts
+rows (`perf_model_moe`): Qwen3-30B-A3B bf16 decode on one H200 and on v6e-8 with expert
+parallelism, and its published peer figure. Plain arithmetic, no jax
 (docs/benchmarks/perf-model.md).
 
     python scripts/bench/perf_model.py                 # the tables
@@ -18,6 +20,7 @@ import pathlib
 
 from jaxserve.cli.bench.perf_model import (CHIPS, Assumptions, Weights, device_check_expectation,
                                            kv_bytes_per_token, peer_rows, table)
+from jaxserve.cli.bench import perf_model_moe as moe
 from jaxserve.models import shapes
 
 
@@ -56,8 +59,9 @@ def main() -> None:
     dev = device_check_expectation(cfg, a)
     print("\ndevice_engine_check on one H200 (64 x 2048, bf16): " + ", ".join(
         f"{k} {v:,.1f}" for k, v in dev.items()))
+    moe_out = print_moe(a)
     if args.json:
-        out = {"assumptions": dataclasses.asdict(a),
+        out = {"moe": moe_out, "assumptions": dataclasses.asdict(a),
                "chips": {k: dataclasses.asdict(c) for k, c in CHIPS.items()},
                "weights": {"params": w.params, "bf16_bytes": w.bytes("bf16"),
                            "int8_bytes": w.bytes("int8")},
@@ -65,6 +69,39 @@ def main() -> None:
                "peers": [{k: v for k, v in p.items() if k != "model"} for p in peers],
                "device_check_h200": dev}
         pathlib.Path(args.json).write_text(json.dumps(out, indent=2, default=str))
+
+
+def print_moe(a: Assumptions) -> dict:
+    """The MoE tables; returns their figures for the JSON."""
+    shape = moe.qwen3_30b_a3b()
+    print(f"\n{shape.name}: {shape.params / 1e9:.2f} B params ({shape.params * 2 / 1e9:.2f} GB "
+          f"bf16), {shape.active_params / 1e9:.2f} B active per token "
+          f"({shape.active_params * 2 / 1e9:.2f} GB); KV "
+          f"{shape.kv_bytes_per_token() / 1024:.0f} KiB/token; decode at context 2048")
+    rows = moe.table(shape, a=a)
+    print("| setup | batch | weights GB/chip | distinct experts/layer | busiest chip's | "
+          "GB read/chip/step (experts) | step ms | bound | comm ms | out tok/s | "
+          "ICI all-reduce MB/chip | all-to-all MB/chip |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        name = f"{CHIPS[r['chip']].name} x {r['chips']}"
+        print(f"| {name} | {r['batch']} | {r['weights_gb_per_chip']:.2f} | "
+              f"{r['distinct_experts']:.1f} | {r['busiest_chip_experts']:.2f} | "
+              f"{r['bytes_per_chip'] / 1e9:.2f} ({r['expert_bytes_read'] / 1e9:.2f}) | "
+              f"{r['step_ms']:.2f} | {r['bound']} | {r['comm_s'] * 1e3:.2f} | "
+              f"{r['out_tok_s']:,.0f} | {r['ici_allreduce_bytes'] / 1e6:.1f} | "
+              f"{r['ici_all_to_all_bytes'] / 1e6:.1f} |")
+    peers = moe.peer_rows(shape, a)
+    print("\n| engine | chip | conc | in/out | published out tok/s (TPOT ms) | "
+          "model out tok/s (TPOT ms) | published / model |")
+    print("|---|---|---|---|---|---|---|")
+    for p in peers:
+        print(f"| {p['engine']} | {CHIPS[p['chip']].name} | {p['conc']} | "
+              f"{p['in_len']}/{p['out_len']} | {p['measured']:,.0f} ({p['tpot_ms']:.2f}) | "
+              f"{p['predicted']:,.0f} ({p['predicted_tpot_ms']:.2f}) | "
+              f"{p['measured_over_predicted']:.2f} |")
+    return {"shape": dataclasses.asdict(shape), "params": shape.params,
+            "active_params": shape.active_params, "table": rows, "peers": peers}
 
 
 if __name__ == "__main__":

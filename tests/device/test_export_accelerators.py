@@ -16,7 +16,8 @@ engine's step shows up here without a device. Exported, for both platforms:
     qk-norm, the embedding scale, head_dim 256, the 1B's single KV head, the two rope bases),
     and Gemma 4's on TPU (local heads of 256 inside global heads of 512, K = V; the CUDA
     kernel stops at heads of 256, so there Gemma 4 is served by the reference attention);
-    and Qwen3-30B-A3B's MoE step (its experts' grouped matmuls XLA's ragged dot).
+    and Qwen3-30B-A3B's MoE step, at TP 1 and under tensor parallelism (its experts' three
+    grouped matmuls the Pallas grouped matmul: Mosaic TPU / Triton, no ragged dot).
 Quantized KV pages (int8 / float8_e4m3fn with f32 scales): both kernels at decode and prefill
 shapes, and the whole step with an int8 cache (page_size 32, which 8-bit pages need on both),
 at TP 1 and TP 8.
@@ -58,6 +59,10 @@ from jaxserve.models.paged import kv_cache_shape
 
 PLATFORMS = ("tpu", "cuda")
 KERNEL_CALL = {"tpu": "tpu_custom_call", "cuda": "mosaic_gpu_v2"}
+# The MoE grouped matmul's kernel: Mosaic TPU (the attention's custom call) or Triton (a call
+# jax.export keeps no compatibility promise for, so the check is waived for it by name).
+TRITON_CALL = "__gpu$xla.gpu.triton"
+EXPORT_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
 ALL_BUCKETS = os.environ.get("JAXSERVE_RUN_SLOW") == "1"
 SDS = jax.ShapeDtypeStruct
 
@@ -291,13 +296,18 @@ def export_step(cfg: ModelConfig, platform: str, tp: int, int8_kv: bool = False,
         batch = mr.empty_batch(plan.batch_shape, t, s, penalties=False)
         inputs, sampling, _ = jax.tree.map(replicated, mr.to_step_inputs(batch))
         feed = replicated(SDS((feed_len,), jnp.int32))
-        fwd = jax.export.export(mr.forward_jit, platforms=[platform])(
+        fwd = jax.export.export(mr.forward_jit, platforms=[platform],
+                                disabled_checks=EXPORT_CHECKS)(
             params, kv, inputs, feed, cfg=run_cfg, attn_impl=impl, mesh=mesh)
         assert fwd.nr_devices == tp
         forwards.append(fwd)
         # One layer body per distinct layer spec, scanned over its layers: groups of equal
-        # spec (Gemma 3's local runs) lower to one shared body, called once per group.
-        assert_kernel_only(fwd, platform, len(set(cfg.layer_specs)))
+        # spec (Gemma 3's local runs) lower to one shared body, called once per group. On
+        # TPU an MoE body also holds its grouped matmuls' Mosaic calls: two in the text
+        # (gate and up, of one shape, call one lowered function; down its own).
+        moe_specs = sum(1 for sp in set(cfg.layer_specs) if sp.moe is not None)
+        assert_kernel_only(fwd, platform, len(set(cfg.layer_specs))
+                           + (2 * moe_specs if platform == "tpu" else 0))
         out_avals = fwd.out_avals
         assert out_avals[0].shape == kv_shape
         assert out_avals[1 + int8_kv].shape == (s, cfg.vocab_size)  # after the scales
@@ -440,18 +450,28 @@ QWEN3_MOE_SHAPE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_
                        tie_word_embeddings=False)
 
 
-@pytest.mark.parametrize("platform", PLATFORMS)
-def test_qwen3_moe_step_lowers_for_platform(platform: str) -> None:
-    """The MoE step on TPU / CUDA: the experts' three grouped matmuls are XLA's ragged dot
-    (the CPU tile loop is not what these platforms get: `moe.grouped_mlp` chooses where the
-    step is lowered), in one layer body for the 48 sparse layers."""
+@pytest.mark.parametrize("platform,tp", grid(
+    [[(p, p) for p in PLATFORMS], [("tp1", 1), ("tp4", 4)]],
+    {"tpu-tp1", "cuda-tp1", "tpu-tp4"}, "the MoE step under TP 4 for CUDA too"))
+def test_qwen3_moe_step_lowers_for_platform(platform: str, tp: int) -> None:
+    """The MoE step on TPU / CUDA: the experts' three grouped matmuls are the Pallas grouped
+    matmul (Mosaic TPU's `tpu_custom_call` beside the attention's, or Triton's call), in one
+    layer body for the 48 sparse layers: neither XLA's ragged dot nor the CPU tile loop is
+    what these platforms get (`moe.grouped_mlp` chooses where the step is lowered). Under
+    tensor parallelism the kernels run per device inside a shard_map (no expert weight is
+    gathered: the only all-reduces are the attention's and the experts' partial sums)."""
     cfg = families.config_from_hf(QWEN3_MOE_SHAPE, "qwen3-30b-a3b/config.json")
     assert len(cfg.layer_groups) == 1 and cfg.layer_specs[0].moe.num_experts == 128
-    for fwd in export_step(cfg, platform, tp=1):
+    for fwd in export_step(cfg, platform, tp=tp):
         module = fwd.mlir_module()
-        # three ragged dots (gate, up, down) in the one layer body (the CPU tile loop has
-        # none: it is not what these platforms lower)
-        assert len(re.findall(r"composite \"chlo\.ragged_dot\"", module)) == 3, platform
+        assert not re.findall(r"chlo\.ragged_dot", module), platform
+        # three call sites of the kernel (gate, up, down); gate and up share one lowering
+        kernel = {"tpu": "grouped_matmul_tpu", "cuda": "grouped_matmul_gpu"}[platform]
+        assert len(re.findall(rf"call @{kernel}\w*\(", module)) == 3, platform
+        if platform == "cuda":  # the TPU count is export_step's (attention + 2)
+            assert module.count(f"custom_call @{TRITON_CALL}(") == 2
+        gathers = [ln for ln in module.splitlines() if "all_gather" in ln]
+        assert not [ln for ln in gathers if "128x" in ln], gathers  # no expert weight gathered
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)

@@ -32,6 +32,7 @@ from support.numerics import logits_atol  # noqa: E402
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.models import decoder, families, loading  # noqa: E402
 from jaxserve.models.config import ConfigError  # noqa: E402
+from jaxserve.models.kv_groups import kv_groups  # noqa: E402
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 150, 7, 61, 33, 12, 190, 4], [9, 9, 100, 23, 77, 6],
            list(range(20, 39))]
@@ -84,6 +85,28 @@ def test_config_is_per_layer(hf) -> None:  # noqa: ANN001
         assert not glob.v_from_k and glob.num_kv_heads is None
         assert glob.rope_theta == 1e5 and glob.rope_scaling.partial_rotary_factor == 0.5
         assert cfg.attention_bias and not cfg.tie_word_embeddings
+
+
+def test_kv_shared_layers_hold_no_pages_of_their_own(hf) -> None:  # noqa: ANN001
+    """A layer reusing an earlier layer's K/V reads that layer's pages (same KV group and
+    slot): the KV array holds pages for the storing layers only."""
+    arch, d, _ = hf
+    cfg = loading.load_model(d).config
+    groups = kv_groups(cfg)
+    owners = [i for i, s in enumerate(cfg.layer_specs) if s.kv_reuse is None]
+    where = list(zip(groups.layer_groups, groups.layer_slots))
+    assert len({where[i] for i in owners}) == len(owners)  # the others: one slot each
+    store = {s.kv_store: i for i, s in enumerate(cfg.layer_specs) if s.kv_store is not None}
+    for i, s in enumerate(cfg.layer_specs):
+        if s.kv_reuse is not None:
+            assert where[i] == where[store[s.kv_reuse]], (arch, i)
+    windows = [cfg.layer_specs[i].sliding_window for i in owners]
+    # every group's slots, padding included, cover the owners and nothing more than needed
+    assert groups.slots == min(windows.count(w) for w in set(windows))
+    if arch == "gemma4_ple":
+        # 6 layers, 2 of them reusing: 1 global and 3 sliding owners, so 1 slot per page id
+        # and a block table per owner (2 slots if the reusing layers held pages)
+        assert (groups.slots, groups.windows) == (1, (None,) + (GEMMA_WINDOW,) * 3)
 
 
 def test_logits_match_transformers(hf) -> None:  # noqa: ANN001

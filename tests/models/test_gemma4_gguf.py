@@ -30,7 +30,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from support.gguf_files import Q, TINY, write_gemma4_gguf  # noqa: E402
+from support import gemma4_bpe  # noqa: E402
+from support.gguf_files import Q, TINY, tiny_gguf_vocab, write_gemma4_gguf  # noqa: E402
 from support.hf_models import GEMMA4_ARCHS, build_gemma_model, hf_greedy  # noqa: E402
 from support.numerics import logits_atol  # noqa: E402
 
@@ -245,15 +246,18 @@ def test_k_eq_v_on_only_some_layers_is_refused(bias_model,  # noqa: ANN001
         open_gguf(path)
 
 
-def test_gemma4_vocabulary_kind_is_refused_by_name(bias_model,  # noqa: ANN001
-                                                   tmp_path: pathlib.Path) -> None:
-    """The converter writes Gemma 4's vocabulary as tokenizer.ggml.model "gemma4", which no
-    GGUF tokenizer builder here reproduces (not verified against llama.cpp / transformers):
-    loading such a file stops at the tokenizer, naming the kind; its weights and config
-    open."""
+def test_gemma4_vocabulary_kind_loads_with_the_model(bias_model,  # noqa: ANN001
+                                                      tmp_path: pathlib.Path) -> None:
+    """The converter writes Gemma 4's vocabulary as tokenizer.ggml.model "gemma4": the whole
+    file loads, its tokenizer encoding as llama.cpp's reading of that kind does
+    (support.gemma4_bpe; the kind itself: test_gguf_gemma4_tokenizer) and BOS on."""
     path = tmp_path / "vocab.gguf"
     write_gemma4_gguf(path, _weights(bias_model), bias_model.config.to_dict(),
                       tokenizer_model="gemma4")
     assert open_gguf(path).hf_config["model_type"] == "gemma4_text"
-    with pytest.raises(ValueError, match="tokenizer.ggml.model='gemma4' is not supported"):
-        loading.load_model(path)
+    model = loading.load_model(path)
+    tokens, merges = tiny_gguf_vocab()
+    for text in ("the cat", "sat on the mat"):
+        want = gemma4_bpe.encode(tokens, merges, [], text.replace(" ", "\u0120"), bos=1)
+        # the tiny vocabulary spells a space as GPT-2's "Ġ", which the text here spells itself
+        assert model.tokenizer.encode(text.replace(" ", "\u0120")) == want

@@ -84,6 +84,34 @@ def test_quantized_experts_equal_dense_reference(scheme: str, group: int | None,
     assert np.abs(want).max() > 1e-2
 
 
+@pytest.mark.parametrize("scheme, group", [("int8", None), ("int4", 16)])
+def test_pallas_kernel_over_quantized_stacks(scheme: str, group: int | None) -> None:
+    """The TPU / CUDA path (`grouped_mlp_with` a Pallas grouped matmul; the Triton kernel
+    interpreted here) over quantized stacks equals the ragged-dot path over the same stacks:
+    per-column scales after the kernel's dot, grouped ones on the dequantized stack. The
+    tolerance is test_grouped_matmul's for the float kernel (its tiles sum in other orders)."""
+    import functools
+
+    from jaxserve.kernels_pallas.grouped_matmul_gpu import grouped_matmul_gpu
+    from jaxserve.models import moe_block
+
+    rng = np.random.default_rng(4)
+    q, _ = _layer(rng, scheme, group, hidden=64, experts=6, width=32)
+    x = jnp.asarray(rng.standard_normal((12, 64)), jnp.float32)
+    experts = jnp.asarray(np.argsort(-rng.standard_normal((12, 6)), axis=1)[:, :2], jnp.int32)
+    weights = jnp.asarray(rng.random((12, 2)), jnp.float32)
+    kernel = functools.partial(grouped_matmul_gpu, interpret=True)
+
+    def through(mlp):  # noqa: ANN001, ANN202
+        return np.asarray(moe.expert_mlp(x, weights, experts, q.we_gate, q.we_up, q.we_down,
+                                         mlp))
+
+    want = through(moe.grouped_mlp_ragged)
+    got = through(functools.partial(moe_block.grouped_mlp_with, kernel))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert np.abs(want).max() > 1e-2
+
+
 def test_tile_loop_converts_only_its_experts_weights() -> None:
     """The CPU tile loop never materialises a float copy of a whole quantized stack: no
     operation in its program yields a float [E, in, out] array (the ragged path, which does
