@@ -26,6 +26,12 @@ Head dims other than the kernels' (on GPU multiples of 16, of 32 for 8-bit pages
 allocates multiples of 64 there) go through padding: allocate the
 pages with ``padded_head_dim(D)``; ``write_kv`` zero-pads K/V and the attention zero-pads q
 and slices the output, which leaves q.k and p.v unchanged (pass ``sm_scale`` for the true D).
+
+Attention sinks (gpt-oss): an optional ``sinks`` f32[Hq] per layer, one learned logit per
+query head that joins each row's softmax denominator but brings no value:
+``out = sum_j e^(s_j - m) v_j / (e^(sink - m) + sum_j e^(s_j - m))``. Every implementation
+takes it (None: no sink, the unchanged code path); they start the online softmax's running
+max at the sink and its running sum at 1, or fold the sink in when they normalise.
 """
 
 from __future__ import annotations
@@ -232,7 +238,8 @@ class AttentionGeometry(NamedTuple):
 
 def check_attention_inputs(q: jax.Array, kv_pages: KVPages, md: AttentionMetadata, *,
                            sm_scale: float, sliding_window: int | None,
-                           soft_cap: float | None) -> AttentionGeometry:
+                           soft_cap: float | None,
+                           sinks: jax.Array | None = None) -> AttentionGeometry:
     """Trace-time checks shared by every implementation; raise ValueError naming the culprit.
 
     Returns the call's static sizes so each implementation derives them the same way."""
@@ -259,10 +266,22 @@ def check_attention_inputs(q: jax.Array, kv_pages: KVPages, md: AttentionMetadat
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
     if soft_cap is not None and (not isinstance(soft_cap, (int, float)) or soft_cap <= 0):
         raise ValueError(f"soft_cap must be a positive float or None, got {soft_cap!r}")
+    if sinks is not None and (tuple(sinks.shape) != (num_q_heads,)
+                              or sinks.dtype != jnp.float32):
+        raise ValueError(f"sinks must be float32[{num_q_heads}] (one logit per query head of q "
+                         f"shape {tuple(q.shape)}), got {sinks.dtype}{list(sinks.shape)}")
     _, _, page_size, _ = kv_pages.shape
     num_seqs_max, max_pages = md.block_tables.shape
     return AttentionGeometry(num_tokens, num_q_heads, q_head_dim, num_kv_heads, page_size,
                              head_dim, num_q_heads // num_kv_heads, num_seqs_max, max_pages)
+
+
+def sink_rows(sinks: jax.Array, num_kv_heads: int, rows: int) -> jax.Array:
+    """f32[Hq] sinks -> f32[Hkv, rows]: the sink of each row of a kv head's query tile (row r
+    is query head r % G of the group, tiling.gather_q_tiles' order)."""
+    group = sinks.shape[0] // num_kv_heads
+    per_head = sinks.astype(jnp.float32).reshape(num_kv_heads, group)
+    return per_head[:, np.arange(rows) % group]
 
 
 def pad_head_dim(x: jax.Array, head_dim: int) -> jax.Array:

@@ -19,6 +19,10 @@ Quantized pages (``QuantizedKV``: int8 / float8_e4m3fn values + f32 row scales):
 calls, with the scales passed beside the pages (and, for the write, aliased and returned
 beside them); the kernel quantizes the new rows as ``write_kv`` does and dequantizes on the
 fly (kv_quant.h). k_new / v_new then stay in the model's dtype.
+
+Attention sinks (``sinks`` f32[Hq], gpt-oss): one more FFI buffer, folded into each row's
+softmax denominator where the kernel normalises (attention_plan.h ``inv_denominator``); without
+sinks an empty f32[0] buffer goes in its place and the kernel skips the fold.
 """
 
 from __future__ import annotations
@@ -39,21 +43,22 @@ from .reference import ragged_paged_attention_reference
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "isa"))
 def ragged_paged_attention_cpu(q: jax.Array, kv_pages: KVPages, md: AttentionMetadata, *,
                                sm_scale: float, sliding_window: int | None = None,
-                               soft_cap: float | None = None, isa: str | None = None
-                               ) -> jax.Array:
+                               soft_cap: float | None = None, isa: str | None = None,
+                               sinks: jax.Array | None = None) -> jax.Array:
     """out [T, Hq, Dq] in q's dtype: causal ragged paged attention (see module docstring).
-    isa: force the library built for that instruction set (cpu_build.attention_target)."""
-    _check(q, kv_pages, md, sm_scale, sliding_window, soft_cap)
+    isa: force the library built for that instruction set (cpu_build.attention_target);
+    sinks: f32[Hq] attention-sink logits or None."""
+    _check(q, kv_pages, md, sm_scale, sliding_window, soft_cap, sinks)
     if cpu_kernel_target() is None:
         return ragged_paged_attention_reference(q, kv_pages, md, sm_scale=sm_scale,
                                                 sliding_window=sliding_window,
-                                                soft_cap=soft_cap)
+                                                soft_cap=soft_cap, sinks=sinks)
     quantized = isinstance(kv_pages, QuantizedKV)
     call = jax.ffi.ffi_call(attention_target(QUANT_TARGET if quantized else TARGET, isa),
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))
     pages = (kv_pages.pages, kv_pages.scales) if quantized else (kv_pages,)
     out = call(q.astype(jnp.float32), *pages, md.block_tables, md.kv_lens, md.cu_q_lens,
-               md.num_seqs, **_attrs(sm_scale, sliding_window, soft_cap))
+               md.num_seqs, _sink_buffer(sinks), **_attrs(sm_scale, sliding_window, soft_cap))
     return out.astype(q.dtype)
 
 
@@ -61,19 +66,21 @@ def ragged_paged_attention_cpu(q: jax.Array, kv_pages: KVPages, md: AttentionMet
 def write_kv_and_attend_cpu(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
                             kv_pages: KVPages, md: AttentionMetadata, *, sm_scale: float,
                             sliding_window: int | None = None, soft_cap: float | None = None,
-                            isa: str | None = None) -> tuple[jax.Array, KVPages]:
+                            isa: str | None = None, sinks: jax.Array | None = None
+                            ) -> tuple[jax.Array, KVPages]:
     """(out [T, Hq, Dq] in q's dtype, kv_pages with k_new/v_new [T, Hkv, <= D] stored at
     md.slot_mapping): write_kv then attention, as one custom call (see module docstring);
-    isa as ragged_paged_attention_cpu's."""
-    _check(q, kv_pages, md, sm_scale, sliding_window, soft_cap)
+    isa and sinks as ragged_paged_attention_cpu's."""
+    _check(q, kv_pages, md, sm_scale, sliding_window, soft_cap, sinks)
     # write_kv's own checks, traced only (it names the bad shape or dtype).
     jax.eval_shape(write_kv, kv_pages, k_new, v_new, md.slot_mapping)
     if cpu_kernel_target() is None:
         kv_pages = write_kv(kv_pages, k_new, v_new, md.slot_mapping)
         return ragged_paged_attention_reference(q, kv_pages, md, sm_scale=sm_scale,
                                                 sliding_window=sliding_window,
-                                                soft_cap=soft_cap), kv_pages
-    metadata = (md.slot_mapping, md.block_tables, md.kv_lens, md.cu_q_lens, md.num_seqs)
+                                                soft_cap=soft_cap, sinks=sinks), kv_pages
+    metadata = (md.slot_mapping, md.block_tables, md.kv_lens, md.cu_q_lens, md.num_seqs,
+                _sink_buffer(sinks))
     out_q = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     if isinstance(kv_pages, QuantizedKV):
         pages, scales = kv_pages.pages, kv_pages.scales
@@ -91,6 +98,11 @@ def write_kv_and_attend_cpu(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
     return out.astype(q.dtype), kv_pages
 
 
+def _sink_buffer(sinks: jax.Array | None) -> jax.Array:
+    """The kernel's sinks argument: f32[Hq], or f32[0] for none."""
+    return jnp.zeros((0,), jnp.float32) if sinks is None else sinks
+
+
 def _attrs(sm_scale: float, sliding_window: int | None,
            soft_cap: float | None) -> dict[str, np.generic]:
     """The custom call's attributes; 0 means 'none' for the window and the cap."""
@@ -99,9 +111,11 @@ def _attrs(sm_scale: float, sliding_window: int | None,
 
 
 def _check(q: jax.Array, kv_pages: KVPages, md: AttentionMetadata, sm_scale: float,
-           sliding_window: int | None, soft_cap: float | None) -> None:
+           sliding_window: int | None, soft_cap: float | None,
+           sinks: jax.Array | None) -> None:
     geom = check_attention_inputs(q, kv_pages, md, sm_scale=sm_scale,
-                                  sliding_window=sliding_window, soft_cap=soft_cap)
+                                  sliding_window=sliding_window, soft_cap=soft_cap,
+                                  sinks=sinks)
     if geom.group > 64:
         raise ValueError(f"the CPU kernel takes at most 64 query heads per kv head, got "
                          f"{geom.group} (q shape {tuple(q.shape)}, kv_pages shape "

@@ -53,6 +53,12 @@ the causal end are masked to -inf-like logits and, on the (one) partial block, V
 are zeroed in SMEM before ``p @ v``: 0 * NaN from an unused slot would otherwise poison the
 accumulator.
 
+Attention sinks (``sinks`` f32[Hq], gpt-oss): folded in at finalisation. The kernel then
+writes each tile's rows' log-sum-exp beside the output (the split-KV outputs, with one split
+when there is no split) and ``merge_splits`` adds each row's e^(sink - m) to the
+denominator, as one more chunk with no value: the kernel body gains no inputs and no
+registers. Without sinks nothing of this runs.
+
 Split-KV (flash-decoding): NS = ``default_num_splits``: 1 when Hkv x NT (the bucket's tile
 bound) fills two waves of CTAs over ``num_sms`` SMs (132 on H100/H200), else enough splits to
 do so. A decode bucket of 8 sequences with 8 kv heads is 64 CTAs, under half the SMs: split
@@ -85,7 +91,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .common import (AttentionMetadata, KVPages, QuantizedKV, check_attention_inputs,
-                     kernel_geometry, pad_head_dim)
+                     kernel_geometry, pad_head_dim, sink_rows)
 from .gpu_kernel import attention_kernel
 from .gpu_plan import (_ROWS, _SWIZZLE, NUM_SMS, check_geometry, default_num_splits,
                        default_tuning, merge_splits)
@@ -112,15 +118,18 @@ def ragged_paged_attention_gpu(q: jax.Array, kv_pages: KVPages, md: AttentionMet
                                soft_cap: float | None = None, interpret: Any = False,
                                block_kv: int | None = None, num_stages: int | None = None,
                                tile_tokens: int | None = None, num_splits: int | None = None,
-                               num_sms: int = NUM_SMS) -> jax.Array:
-    """out [T, Hq, Dq]. ``interpret``: True or a ``InterpretGPUParams`` runs on CPU.
+                               num_sms: int = NUM_SMS, sinks: jax.Array | None = None
+                               ) -> jax.Array:
+    """out [T, Hq, Dq]. ``interpret``: True or a ``InterpretGPUParams`` runs on CPU;
+    ``sinks``: f32[Hq] attention-sink logits or None.
 
     Tuning (static): ``block_kv`` keys per block, ``num_stages`` ring slots (defaults per head
     dim: ``default_tuning``), ``tile_tokens`` per query tile, ``num_splits`` split-KV factor
     (default from ``num_sms``: ``default_num_splits``)."""
     (num_tokens, num_q_heads, q_head_dim, num_kv_heads, page_size, head_dim, group,
      num_seqs_max, max_pages) = check_attention_inputs(
-        q, kv_pages, md, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        q, kv_pages, md, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        sinks=sinks)
     try:
         check_geometry(kernel_geometry(q, kv_pages))
     except ValueError as err:
@@ -156,6 +165,7 @@ def ragged_paged_attention_gpu(q: jax.Array, kv_pages: KVPages, md: AttentionMet
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     bt = jnp.pad(md.block_tables, ((0, 0), (0, pages_per_row - max_pages)))
+    with_lse = num_splits > 1 or sinks is not None
     if interpret is True:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         interpret = InterpretGPUParams()
@@ -164,11 +174,11 @@ def ragged_paged_attention_gpu(q: jax.Array, kv_pages: KVPages, md: AttentionMet
         attention_kernel, group=group, block_kv=block_kv, page_size=page_size,
         pages_per_row=pages_per_row, num_stages=num_stages, num_splits=num_splits,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        interpreted=bool(interpret), quantized=quantized)
+        interpreted=bool(interpret), quantized=quantized, with_lse=with_lse)
     pages = (kv_pages.pages, kv_pages.scales) if quantized else (kv_pages,)
     tiles_shape = (num_kv_heads, plan.max_tiles)
     arrivals = pages_per_block * (2 if quantized else 1)
-    if num_splits > 1:
+    if with_lse:
         out_type = (jax.ShapeDtypeStruct((*tiles_shape, num_splits, _ROWS, head_dim), mma_dtype),
                     jax.ShapeDtypeStruct((*tiles_shape, num_splits, _ROWS), jnp.float32))
     else:
@@ -184,7 +194,7 @@ def ragged_paged_attention_gpu(q: jax.Array, kv_pages: KVPages, md: AttentionMet
             # One arrival per TMA: a page's K (V) rows, and with quantized pages their scales.
             plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),
-            *([plgpu.SMEM((_ROWS,), jnp.float32)] if num_splits > 1 else []),
+            *([plgpu.SMEM((_ROWS,), jnp.float32)] if with_lse else []),
             *([plgpu.SMEM((num_stages, block_kv), jnp.float32)] * 2 if quantized else []),
             *([_smem((block_kv, head_dim), mma_dtype)] if staged else []),
         ],
@@ -196,5 +206,9 @@ def ragged_paged_attention_gpu(q: jax.Array, kv_pages: KVPages, md: AttentionMet
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
     )(plan.info.reshape(-1), bt.reshape(-1), q_tiles, *pages)
-    out_tiles = merge_splits(*result) if num_splits > 1 else result
+    if with_lse:
+        rows = None if sinks is None else sink_rows(sinks, num_kv_heads, _ROWS)
+        out_tiles = merge_splits(*result, rows)
+    else:
+        out_tiles = result
     return scatter_out_tiles(out_tiles, plan, num_q_heads, q.dtype)[..., :q_head_dim]

@@ -27,14 +27,16 @@ def attention_kernel(info_ref, bt_ref, q_ref, kv_ref, *refs,
                      group: int, block_kv: int, page_size: int, pages_per_row: int,
                      num_stages: int, num_splits: int, sm_scale: float,
                      sliding_window: int | None, soft_cap: float | None, interpreted: bool,
-                     quantized: bool):
+                     quantized: bool, with_lse: bool = False):
     """One (kv head, tile[, split]) program; `refs`: (scales,) out(, lse), then the scratch
-    gpu.py allocates, in its order."""
+    gpu.py allocates, in its order. The log-sum-exp output exists under split-KV and with
+    attention sinks (`with_lse`: gpu.py folds the sinks in where it merges)."""
+    with_lse = with_lse or num_splits > 1
     sc_ref = ksc_smem = vsc_smem = None
     if quantized:                         # the scales [P, 2 * Hkv, page_size] come as input 5
         sc_ref, *refs = refs
     o_ref, *refs = refs
-    if num_splits > 1:
+    if with_lse:
         lse_ref, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, lse_smem, *staging = refs
     else:
         q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, *staging = refs
@@ -234,10 +236,10 @@ def attention_kernel(info_ref, bt_ref, q_ref, kv_ref, *refs,
         empty = l_i == 0.0
         l_i = jnp.where(empty, 1.0, l_i)
         q_smem[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(q_smem.dtype)
-        if num_splits > 1:                # log-sum-exp of the chunk, for the merge
+        if with_lse:                      # log-sum-exp of the chunk, for the merge
             lse_smem[...] = jnp.where(empty, MASK_VALUE, m_i + jnp.log(l_i))
         plgpu.commit_smem()
-        if num_splits > 1:
+        if with_lse:
             plgpu.copy_smem_to_gmem(q_smem, o_ref.at[h, tile, split])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[h, tile, split])
         else:

@@ -162,11 +162,18 @@ def default_num_splits(num_ctas: int, max_blocks: int, num_sms: int = NUM_SMS) -
     return max(1, min(-(-2 * num_sms // num_ctas), max_blocks, _MAX_SPLITS))
 
 
-def merge_splits(out: jax.Array, lse: jax.Array) -> jax.Array:
+def merge_splits(out: jax.Array, lse: jax.Array, sinks: jax.Array | None = None) -> jax.Array:
     """[Hkv, NT, NS, rows, D] partial outputs (each normalised over its chunk of keys) and
     their log-sum-exps [Hkv, NT, NS, rows] -> [Hkv, NT, rows, D] float32: the softmax over the
-    union of chunks. Empty chunks carry lse = MASK_VALUE, so their weight is 0."""
+    union of chunks. Empty chunks carry lse = MASK_VALUE, so their weight is 0. sinks
+    [Hkv, rows] (attention sinks, common.sink_rows): one more chunk of log-sum-exp = sink and
+    no value, i.e. e^(sink - m) joins the denominator only."""
     m = lse.max(axis=2, keepdims=True)
+    if sinks is not None:
+        m = jnp.maximum(m, sinks[:, None, None, :])
     w = jnp.exp(lse - m)
     acc = jnp.sum(w[..., None] * out.astype(jnp.float32), axis=2)
-    return acc / jnp.sum(w, axis=2)[..., None]
+    denom = jnp.sum(w, axis=2)
+    if sinks is not None:
+        denom = denom + jnp.exp(sinks[:, None, :] - m[:, :, 0])
+    return acc / denom[..., None]

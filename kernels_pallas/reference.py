@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from .common import (MASK_VALUE, AttentionMetadata, KVPages, QuantizedKV,
-                     check_attention_inputs, pad_head_dim)
+                     check_attention_inputs, pad_head_dim, sink_rows)
 from .tiling import (F_KV_HI, F_KV_LO, F_NQ, F_POS0, F_SEQ, gather_q_tiles, max_num_tiles,
                      plan_tiles, scatter_out_tiles, tile_rows)
 
@@ -40,8 +40,11 @@ _MAX_TILE_TOKENS = 64
 
 def _blocked_attention(q_tiles: jax.Array, info: jax.Array, kv_pages: KVPages,
                        block_tables: jax.Array, *, group: int, block_pages: int, sm_scale: float,
-                       sliding_window: int | None, soft_cap: float | None) -> jax.Array:
-    """q_tiles [NT, Hkv, rows, D] -> [NT, Hkv, rows, D] f32, online softmax over KV blocks."""
+                       sliding_window: int | None, soft_cap: float | None,
+                       sinks: jax.Array | None = None) -> jax.Array:
+    """q_tiles [NT, Hkv, rows, D] -> [NT, Hkv, rows, D] f32, online softmax over KV blocks.
+    sinks f32[Hkv, rows] (common.sink_rows) or None: each row's softmax starts from its sink
+    (running max = sink, running sum = 1, no value)."""
     num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
     page_size = kv_pages.shape[2]
     block = block_pages * page_size
@@ -95,8 +98,12 @@ def _blocked_attention(q_tiles: jax.Array, info: jax.Array, kv_pages: KVPages,
         acc = acc * corr + jnp.einsum("thrk,thkd->thrd", pv, v)
         return m_new, l, acc
 
-    init = (jnp.full((num_tiles, num_kv_heads, rows, 1), MASK_VALUE, jnp.float32),
-            jnp.zeros((num_tiles, num_kv_heads, rows, 1), jnp.float32),
+    shape = (num_tiles, num_kv_heads, rows, 1)
+    if sinks is None:
+        m0, l0 = jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32)
+    else:
+        m0, l0 = jnp.broadcast_to(sinks[None, :, :, None], shape), jnp.ones(shape, jnp.float32)
+    init = (m0, l0,
             jnp.zeros((num_tiles, num_kv_heads, rows, head_dim), jnp.float32))
     _, l, acc = jax.lax.fori_loop(first, last, body, init)
     return acc / jnp.where(l == 0.0, 1.0, l)
@@ -107,17 +114,24 @@ def _blocked_attention(q_tiles: jax.Array, info: jax.Array, kv_pages: KVPages,
 def ragged_paged_attention_reference(q: jax.Array, kv_pages: KVPages, md: AttentionMetadata,
                                      *, sm_scale: float, sliding_window: int | None = None,
                                      soft_cap: float | None = None,
-                                     tile_tokens: int | None = None) -> jax.Array:
-    """out [T, Hq, Dq] of causal ragged paged attention (see module docstring)."""
+                                     tile_tokens: int | None = None,
+                                     sinks: jax.Array | None = None) -> jax.Array:
+    """out [T, Hq, Dq] of causal ragged paged attention (see module docstring); sinks
+    f32[Hq] or None (common.py: attention sinks)."""
     (num_tokens, num_q_heads, q_head_dim, num_kv_heads, page_size, head_dim, group,
      num_seqs_max, max_pages) = check_attention_inputs(
-        q, kv_pages, md, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        q, kv_pages, md, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        sinks=sinks)
     block_pages = max(1, min(max_pages, _BLOCK_TOKENS // page_size))
     q = pad_head_dim(q, head_dim)
     attend = functools.partial(_blocked_attention, kv_pages=kv_pages,
                                block_tables=md.block_tables, group=group,
                                block_pages=block_pages, sm_scale=sm_scale,
                                sliding_window=sliding_window, soft_cap=soft_cap)
+    # Rows of a tile are (token, query head of the group) with the head fastest, so one
+    # [Hkv, rows] sink table serves every tile of a given height.
+    rows_of = (lambda rows: None) if sinks is None else (
+        lambda rows: sink_rows(sinks, num_kv_heads, rows))
     starts, ends = md.cu_q_lens[:-1], md.cu_q_lens[1:]
     live = jnp.arange(num_seqs_max) < md.num_seqs[0]
     is_decode = live & (ends - starts == 1)
@@ -129,7 +143,8 @@ def ragged_paged_attention_reference(q: jax.Array, kv_pages: KVPages, md: Attent
                         max_tiles=min(num_tokens, num_seqs_max))
     rows_d = tile_rows(1, group)
     q_d = gather_q_tiles(q, plan_d, num_kv_heads, rows_d).transpose(1, 0, 2, 3)
-    out_d = attend(q_d, plan_d.info).astype(q.dtype).transpose(1, 0, 2, 3)
+    out_d = attend(q_d, plan_d.info, sinks=rows_of(rows_d))
+    out_d = out_d.astype(q.dtype).transpose(1, 0, 2, 3)
     out = scatter_out_tiles(out_d, plan_d, num_q_heads)
 
     # Prefill chunks: tiles of `tile_tokens`, one at a time (lax.map), each looping over its
@@ -148,7 +163,7 @@ def ragged_paged_attention_reference(q: jax.Array, kv_pages: KVPages, md: Attent
             q_tile, info = args
             return jax.lax.cond(
                 info[F_NQ] > 0,
-                lambda: attend(q_tile[None], info[None])[0],
+                lambda: attend(q_tile[None], info[None], sinks=rows_of(rows_p))[0],
                 lambda: jnp.zeros(q_tile.shape, jnp.float32))
 
         def prefill_pass() -> jax.Array:

@@ -239,8 +239,11 @@ def page_head_dim(impl: str, head_dim: int) -> int | None:
 def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata, *,
                            sm_scale: float, sliding_window: int | None = None,
                            soft_cap: float | None = None, impl: str = "auto",
-                           interpret: Any = False, **tuning: int) -> jax.Array:
-    """Causal ragged paged attention: out [T, Hq, D] for q [T, Hq, D].
+                           interpret: Any = False, sinks: jax.Array | None = None,
+                           **tuning: int) -> jax.Array:
+    """Causal ragged paged attention: out [T, Hq, D] for q [T, Hq, D]; ``sinks`` f32[Hq]:
+    per-query-head attention-sink logits (gpt-oss), None for none; every implementation
+    takes them (common.py).
 
     Reads kv_pages [num_pages, 2 * Hkv, page_size, D] (after ``write_kv`` stored this step's
     K/V). ``interpret`` runs a Pallas kernel on CPU (True, or the backend's InterpretParams);
@@ -249,7 +252,8 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, md: AttentionMetad
     reference where it cannot run them; a kernel named explicitly raises its own error.
     """
     chosen = select_impl(impl, geometry=kernel_geometry(q, kv_pages) if impl == "auto" else None)
-    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, **tuning)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                  sinks=sinks, **tuning)
     if chosen == "reference":
         return ragged_paged_attention_reference(q, kv_pages, md, **kwargs)
     if chosen == "cpu":
@@ -266,15 +270,17 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, md: AttentionMetad
 def write_kv_and_attend(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_pages: jax.Array,
                         md: AttentionMetadata, *, sm_scale: float,
                         sliding_window: int | None = None, soft_cap: float | None = None,
-                        impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+                        impl: str = "auto", sinks: jax.Array | None = None
+                        ) -> tuple[jax.Array, jax.Array]:
     """(out [T, Hq, D], kv_pages with this step's K/V stored): ``write_kv`` then
     ``ragged_paged_attention``; the CPU kernel does both in one custom call, writing the new
     rows into the (donated) pages in place."""
     if select_impl(impl) == "cpu":
         from .cpu import write_kv_and_attend_cpu
         return write_kv_and_attend_cpu(q, k_new, v_new, kv_pages, md, sm_scale=sm_scale,
-                                       sliding_window=sliding_window, soft_cap=soft_cap)
+                                       sliding_window=sliding_window, soft_cap=soft_cap,
+                                       sinks=sinks)
     kv_pages = write_kv(kv_pages, k_new, v_new, md.slot_mapping)
     return ragged_paged_attention(q, kv_pages, md, sm_scale=sm_scale,
                                   sliding_window=sliding_window, soft_cap=soft_cap,
-                                  impl=impl), kv_pages
+                                  impl=impl, sinks=sinks), kv_pages

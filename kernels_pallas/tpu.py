@@ -37,6 +37,11 @@ denominator sums the unscaled weights). int8 / fp8 pages need page_size % 32 == 
 packing). The scale rows' lane concatenation of page_size-wide pieces is the part of this
 path Mosaic's layout passes (libtpu) never checked here.
 
+Attention sinks (``sinks`` f32[Hq], gpt-oss): the wrapper lays them out per tile row,
+lane-replicated like the running max (``[Hkv, rows, 128]``, a BlockSpec input fetched once per
+head block), and each live tile starts its online softmax from them: running max = sink,
+running sum = 1 (the sink's own e^0), no value. Without sinks that input does not exist.
+
 Limits (tpu_plan.py): page_size must fill whole sublane tiles (16 rows for bf16 / f16, 8 for
 f32); pages whose head dim is not a multiple of 128 are zero-padded by the wrapper, which
 copies the whole page array per call (allocate pages with 128-lane head dims on TPU to avoid
@@ -60,7 +65,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .common import (MASK_VALUE, AttentionMetadata, KVPages, QuantizedKV, check_attention_inputs,
-                     pad_head_dim)
+                     pad_head_dim, sink_rows)
 from .reference import ragged_paged_attention_reference
 from .tiling import (F_BLK_HI, F_BLK_LO, F_KV_HI, F_POS0, F_SEQ, NUM_FIELDS,
                      default_tile_tokens, gather_q_tiles, plan_tiles, row_to_token,
@@ -74,12 +79,17 @@ log = logging.getLogger(__name__)
 def _kernel(info_ref, num_tiles_ref, bt_ref,                  # scalar prefetch (SMEM)
             q_ref, kv_hbm, *refs,                             # q block, pages (+ scales), ...
             group: int, pages_per_block: int, pages_per_row: int, sm_scale: float,
-            sliding_window: int | None, soft_cap: float | None, quantized: bool):
-    if quantized:       # scales (HBM), out block, scratch with the scales' double buffer
-        sc_hbm, o_ref, kv_buf, sc_buf, sems, m_ref, l_ref, acc_ref, slot_ref = refs
+            sliding_window: int | None, soft_cap: float | None, quantized: bool,
+            has_sinks: bool):
+    sc_hbm = sc_buf = sink_ref = None
+    if quantized:       # scales (HBM) come after the pages
+        sc_hbm, *refs = refs
+    if has_sinks:       # then the sink rows [hb, rows, LANES] (VMEM block)
+        sink_ref, *refs = refs
+    if quantized:       # out block, scratch with the scales' double buffer
+        o_ref, kv_buf, sc_buf, sems, m_ref, l_ref, acc_ref, slot_ref = refs
     else:
         o_ref, kv_buf, sems, m_ref, l_ref, acc_ref, slot_ref = refs
-        sc_hbm = sc_buf = None
     hb, rows, head_dim = q_ref.shape
     block_kv = kv_buf.shape[2]
     page_size = block_kv // pages_per_block
@@ -140,8 +150,12 @@ def _kernel(info_ref, num_tiles_ref, bt_ref,                  # scalar prefetch 
             slot_ref[0] = 0
             start(tile, field(tile, F_BLK_LO), 0)
 
-        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        if has_sinks:      # the softmax starts from the sink: its e^0 in the sum, no value
+            m_ref[...] = sink_ref[...]
+            l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
+        else:
+            m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
         pos0, kv_hi = field(tile, F_POS0), field(tile, F_KV_HI)
         blk_hi = field(tile, F_BLK_HI)
@@ -212,7 +226,8 @@ def _kernel(info_ref, num_tiles_ref, bt_ref,                  # scalar prefetch 
 def _attend(q: jax.Array, kv_pages: KVPages, md: AttentionMetadata, *, group: int,
             num_q_heads: int, hb: int, pages_per_block: int, tile_tokens: int,
             sm_scale: float, sliding_window: int | None, soft_cap: float | None,
-            interpret: Any, vmem_limit_bytes: int | None) -> jax.Array:
+            interpret: Any, vmem_limit_bytes: int | None,
+            sinks: jax.Array | None = None) -> jax.Array:
     """One kernel call over md's sequences: out [T, Hq, D'] (q and pages lane-padded)."""
     num_tokens, head_dim = q.shape[0], q.shape[2]
     num_kv_heads, page_size = kv_pages.shape[1] // 2, kv_pages.shape[2]
@@ -229,10 +244,15 @@ def _attend(q: jax.Array, kv_pages: KVPages, md: AttentionMetadata, *, group: in
     kernel = functools.partial(_kernel, group=group, pages_per_block=pages_per_block,
                                pages_per_row=pages_per_row, sm_scale=sm_scale,
                                sliding_window=sliding_window, soft_cap=soft_cap,
-                               quantized=quantized)
+                               quantized=quantized, has_sinks=sinks is not None)
     tile_spec = pl.BlockSpec((hb, None, rows, head_dim), lambda h, t, *_: (h, t, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     pages = (kv_pages.pages, kv_pages.scales) if quantized else (kv_pages,)
+    sink_inputs, sink_specs = (), []
+    if sinks is not None:   # lane-replicated rows, one block per head block (never re-fetched)
+        sink_inputs = (jnp.broadcast_to(sink_rows(sinks, num_kv_heads, rows)[..., None],
+                                        (num_kv_heads, rows, LANES)),)
+        sink_specs = [pl.BlockSpec((hb, rows, LANES), lambda h, t, *_: (h, 0, 0))]
     scale_scratch = [pltpu.VMEM((2, pages_per_block, 2 * hb, page_size), jnp.float32)
                      ] if quantized else []
     out_tiles = pl.pallas_call(
@@ -241,7 +261,7 @@ def _attend(q: jax.Array, kv_pages: KVPages, md: AttentionMetadata, *, group: in
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(num_kv_heads // hb, plan.max_tiles),
-            in_specs=[tile_spec, *[hbm] * len(pages)],
+            in_specs=[tile_spec, *[hbm] * len(pages), *sink_specs],
             out_specs=tile_spec,
             scratch_shapes=[
                 pltpu.VMEM((2, 2 * hb, block_kv, head_dim), kv_pages.dtype),
@@ -258,7 +278,8 @@ def _attend(q: jax.Array, kv_pages: KVPages, md: AttentionMetadata, *, group: in
                                              vmem_limit_bytes=vmem_limit_bytes),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
-    )(plan.info.reshape(-1), plan.num_tiles.reshape(1), bt.reshape(-1), q_tiles, *pages)
+    )(plan.info.reshape(-1), plan.num_tiles.reshape(1), bt.reshape(-1), q_tiles, *pages,
+      *sink_inputs)
     return scatter_out_tiles(out_tiles, plan, num_q_heads)
 
 
@@ -295,14 +316,17 @@ def ragged_paged_attention_tpu(q: jax.Array, kv_pages: KVPages, md: AttentionMet
                                tile_tokens: int | None = None,
                                kv_heads_per_block: int | None = None,
                                vmem_limit_bytes: int | None = None,
-                               smem_budget_bytes: int | None = None) -> jax.Array:
-    """out [T, Hq, Dq]; tuning knobs default to sizes that suit v5e/v6e (untuned guesses).
+                               smem_budget_bytes: int | None = None,
+                               sinks: jax.Array | None = None) -> jax.Array:
+    """out [T, Hq, Dq]; tuning knobs default to sizes that suit v5e/v6e (untuned guesses);
+    sinks: f32[Hq] attention-sink logits or None.
 
     `smem_budget_bytes` bounds the SMEM operands of one kernel call (default: half of this
     TPU's SMEM, or of 1 MiB off-TPU); larger steps are split over sequence ranges."""
     (num_tokens, num_q_heads, q_head_dim, num_kv_heads, page_size, head_dim, group,
      num_seqs_max, max_pages) = check_attention_inputs(
-        q, kv_pages, md, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        q, kv_pages, md, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        sinks=sinks)
     check_page_alignment(page_size, kv_pages.dtype, kv_pages.shape)
     smem_capacity, num_cores = tpu_hardware()
     budget = smem_budget_bytes or smem_capacity // 2
@@ -315,7 +339,8 @@ def ragged_paged_attention_tpu(q: jax.Array, kv_pages: KVPages, md: AttentionMet
                                                      max(1, 128 // group))
     pages_per_row = -(-max_pages // pages_per_block) * pages_per_block
     seqs = seqs_per_call(num_tokens, num_seqs_max, pages_per_row, tile_tokens, budget)
-    opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                sinks=sinks)
     if seqs is None:
         log.warning("TPU attention falls back to the jnp reference: the tile info of %d "
                     "tokens (tile_tokens=%d) plus one block-table row of %d pages exceeds "

@@ -1,10 +1,12 @@
 """The shared blocks every model family composes its layers from: pure functions.
 
 Norms (`rms_norm`, with Gemma's (offset + w) scale), rotary embeddings (`rope_inv_freq`,
-`apply_rope`: default / linear / llama3 / proportional frequencies at the layer's own base),
+`apply_rope`: default / linear / llama3 / proportional / YaRN frequencies at the layer's own
+base),
 the attention block (`attention`: q/k/v projections with optional bias, qk-norm, the value
 norm or V = K where the spec asks, RoPE, then the caller's `AttnFn` with the layer's window,
-soft-cap and query scale, then the output projection; a layer narrower than the model computes
+soft-cap, query scale and attention sinks, then the output projection (with its bias where
+the family has one); a layer narrower than the model computes
 at its own head size inside the model's padded one), the
 gated MLP (`gated_mlp`: SwiGLU or GeGLU), the embeddings (`embed`: optionally scaled, tied
 or not) and the LM head (`lm_logits`: final norm, projection, optional final soft-cap). What a
@@ -35,7 +37,9 @@ class AttnFn(Protocol):
 
     `layer_state` is whatever per-layer state the caller scans alongside the params (a KV
     cache slice, pages, or None); `spec` gives the layer's window, soft-cap and query scale.
-    The function returns its output and the updated state.
+    The function returns its output and the updated state. Layers with
+    `spec.attention_sinks` also pass `sinks=` f32[Hq] (the layer's sink logits); others do
+    not, so an AttnFn of a model without sinks need not take the keyword.
     """
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, layer_state: object,
@@ -71,6 +75,8 @@ def rope_inv_freq(head_dim: int, theta: float, rs: RopeScaling) -> np.ndarray:
         inv = np.where(np.arange(d // 2) < rotated, inv, 0.0) / rs.factor
     elif rs.rope_type == "linear":
         inv = inv / rs.factor
+    elif rs.rope_type == "yarn":
+        inv = _yarn_inv_freq(inv, d, theta, rs)
     elif rs.rope_type == "llama3":
         low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
         high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
@@ -84,11 +90,34 @@ def rope_inv_freq(head_dim: int, theta: float, rs: RopeScaling) -> np.ndarray:
     return inv.astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half RoPE (HF layout). x: [..., T, H, D], positions: i32[..., T]."""
+def _yarn_inv_freq(inv: np.ndarray, d: int, theta: float, rs: RopeScaling) -> np.ndarray:
+    """YaRN (transformers' _compute_yarn_parameters): pairs rotating fewer than beta_slow
+    times over the original context are interpolated (divided by factor), those rotating more
+    than beta_fast times kept, a linear ramp between (bounds floored / ceiled if truncate)."""
+    def dim_of(rotations: float) -> float:
+        return d * np.log(rs.original_max_position_embeddings / (rotations * 2 * np.pi)) / (
+            2 * np.log(theta))
+
+    low, high = dim_of(rs.beta_fast), dim_of(rs.beta_slow)
+    if rs.truncate:
+        low, high = np.floor(low), np.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # the extrapolation weight
+    return inv / rs.factor * (1 - keep) + inv * keep
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
+               scale: float = 1.0) -> jax.Array:
+    """Rotate-half RoPE (HF layout). x: [..., T, H, D], positions: i32[..., T]; `scale`
+    multiplies cos and sin (YaRN's attention_factor)."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., T, D/2]
     cos = jnp.cos(angles)[..., None, :]
     sin = jnp.sin(angles)[..., None, :]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., : x.shape[-1] // 2], xf[..., x.shape[-1] // 2:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -113,10 +142,11 @@ def attention(cfg: ModelConfig, spec: LayerSpec, lp: Any, h: jax.Array, position
     D, d = cfg.head_dim, spec.head_dim or cfg.head_dim
     pad = [(0, 0)] * (len(lead) + 1) + [(0, D - d)]
     inv_freq = rope_inv_freq(d, spec.rope_theta, spec.rope_scaling)
+    rope_scale = spec.rope_scaling.attention_factor
     q = linear(h, lp.wq, lp.bq if bias else None).reshape(*lead, cfg.num_heads, D)[..., :d]
     if spec.qk_norm:
         q = rms_norm(q, lp.q_norm[..., :d], cfg.rms_norm_eps, spec.norm_offset)
-    q = apply_rope(q, positions, inv_freq)
+    q = apply_rope(q, positions, inv_freq, rope_scale)
     if spec.kv_reuse is not None:  # an earlier layer's K/V, as that layer attended to them
         k, v = shared_kv[spec.kv_reuse, 0], shared_kv[spec.kv_reuse, 1]  # type: ignore[index]
     else:
@@ -131,7 +161,7 @@ def attention(cfg: ModelConfig, spec: LayerSpec, lp: Any, h: jax.Array, position
             k = rms_norm(k, lp.k_norm[..., :d], cfg.rms_norm_eps, spec.norm_offset)
         if spec.v_norm:
             v = rms_norm(v, None, cfg.rms_norm_eps)
-        k = apply_rope(k, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq, rope_scale)
         if d < D:
             k, v = jnp.pad(k, pad), jnp.pad(v, pad)
     if d < D:
@@ -139,7 +169,10 @@ def attention(cfg: ModelConfig, spec: LayerSpec, lp: Any, h: jax.Array, position
     if spec.kv_store is not None:
         shared_kv = shared_kv.at[spec.kv_store].set(  # type: ignore[union-attr]
             jnp.stack([k, v]).astype(shared_kv.dtype))  # type: ignore[union-attr]
-    o, layer_state = attn(q, k, v, layer_state, spec)
+    if spec.attention_sinks:
+        o, layer_state = attn(q, k, v, layer_state, spec, sinks=lp.sinks.astype(jnp.float32))
+    else:
+        o, layer_state = attn(q, k, v, layer_state, spec)
     # An output-projection bias: families whose attention_bias covers o_proj too (Gemma 4)
     # have a `bo` field; Qwen2's bias stops at q/k/v.
     bo = getattr(lp, "bo", None) if bias else None
@@ -226,8 +259,10 @@ def lm_logits(cfg: ModelConfig, params: Any, hidden: jax.Array) -> jax.Array:
 
 # ------------------------------------------------------------ dense attention (the oracle's)
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                     sm_scale: float, cap: float | None = None) -> jax.Array:
-    """Dense GQA attention. q: [B, T, Hq, D], k/v: [B, S, Hkv, D], mask: bool[B, T, S]."""
+                     sm_scale: float, cap: float | None = None,
+                     sinks: jax.Array | None = None) -> jax.Array:
+    """Dense GQA attention. q: [B, T, Hq, D], k/v: [B, S, Hkv, D], mask: bool[B, T, S];
+    sinks f32[Hq]: one more logit per head in each row's softmax, with no value."""
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     qg = q.reshape(B, T, Hkv, Hq // Hkv, D)
@@ -236,7 +271,13 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
     # A fully masked row (padding query) would give NaN; keep it finite, it is never read.
     scores = jnp.where(jnp.any(mask, axis=-1)[:, None, None, :, None], scores, 0.0)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if sinks is not None:  # the sink column joins the softmax, then is dropped
+        col = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(Hkv, Hq // Hkv, 1, 1),
+                               (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, col], axis=-1), axis=-1)[..., :-1]
+        probs = probs.astype(v.dtype)
+    else:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(B, T, Hq, D).astype(q.dtype)
 

@@ -18,8 +18,11 @@ from typing import Mapping
 
 # "proportional" (Gemma 4's global layers): the default frequencies of the layer's head dim
 # on its first `partial_rotary_factor` of the pairs, the other pairs not rotated.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "proportional")
+# "yarn": YaRN (gpt-oss), transformers' _compute_yarn_parameters.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "proportional", "yarn")
 MLP_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # SwiGLU, GeGLU (HF `hidden_act` names)
+# An MoE expert's activation: SwiGLU, or gpt-oss's clamped SwiGLU (`MoESpec`).
+EXPERT_ACTIVATIONS = ("silu", "swiglu_clamped")
 
 
 class ConfigError(ValueError):
@@ -38,6 +41,14 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
     # proportional only: the fraction of the head's rotary pairs that rotate
     partial_rotary_factor: float = 1.0
+    # yarn only (original_max_position_embeddings above too): the ramp between extrapolated
+    # and interpolated frequencies over the rotations [beta_slow, beta_fast], its bounds
+    # rounded outward when `truncate`; cos / sin are multiplied by `attention_factor`
+    # (transformers' default 0.1 ln(factor) + 1, resolved when the config is parsed).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,13 +59,23 @@ class MoESpec:
     probabilities, renormalised to sum to 1 when `norm_topk_prob` (Qwen3-MoE's flag; Mixtral
     always: its softmax over the top-k logits is the same numbers). Each expert is a SwiGLU
     MLP of width `intermediate_size`. `shared_intermediate_size` > 0: a shared expert every
-    token also goes through, scaled by sigmoid of its own gate (Qwen2-MoE)."""
+    token also goes through, scaled by sigmoid of its own gate (Qwen2-MoE).
+
+    gpt-oss: `router_bias` (the router's logits get a bias [E] before the choice: top-k of the
+    logits, softmax over the k, i.e. `norm_topk_prob`), `expert_bias` (each expert's gate / up
+    and down projections add a bias), and `activation` "swiglu_clamped": gate clamped above
+    at `swiglu_limit`, up to [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate)."""
 
     num_experts: int
     top_k: int
     intermediate_size: int
     norm_topk_prob: bool
     shared_intermediate_size: int = 0
+    activation: str = "silu"  # one of EXPERT_ACTIVATIONS
+    swiglu_alpha: float = 1.702  # swiglu_clamped only
+    swiglu_limit: float = 7.0  # swiglu_clamped only
+    router_bias: bool = False
+    expert_bias: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +92,9 @@ class LayerSpec:
     rope_scaling: RopeScaling = RopeScaling()
     query_scale: float = 1.0  # the attention's sm_scale (HF: head_dim ** -0.5, Gemma: q_pre_attn)
     soft_cap: float | None = None  # attention logit soft-cap: cap * tanh(s / cap) (Gemma 2)
+    # A learned logit per query head joining the softmax denominator (gpt-oss; the layer's
+    # `sinks` param, passed to the attention kernel).
+    attention_sinks: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3, Gemma 3)
     mlp_activation: str = "silu"  # silu: SwiGLU; gelu_pytorch_tanh: GeGLU (Gemma)
@@ -200,6 +224,9 @@ class ModelConfig:
                 raise ConfigError(f"num_experts_per_tok={moe.top_k} must be in [1, num_experts="
                                   f"{moe.num_experts}] and the expert width "
                                   f"{moe.intermediate_size} positive")
+            if moe is not None and moe.activation not in EXPERT_ACTIVATIONS:
+                raise ConfigError(f"expert activation {moe.activation!r} is not supported; "
+                                  f"supported: {', '.join(EXPERT_ACTIVATIONS)}")
             kv = spec.num_kv_heads
             if kv is not None and not (isinstance(kv, int) and kv > 0
                                        and self.num_kv_heads % kv == 0):
@@ -298,6 +325,8 @@ def hf_rope_scaling(d: Mapping[str, object], source: str) -> RopeScaling:
         )
     if rope_type == "default":
         return RopeScaling()
+    if rope_type == "yarn":
+        return _yarn_scaling(rs, d, source)
     if rope_type == "proportional":
         prf = float(rs.get("partial_rotary_factor", 1.0))  # type: ignore[arg-type]
         if not 0.0 <= prf <= 1.0:
@@ -315,9 +344,46 @@ def hf_rope_scaling(d: Mapping[str, object], source: str) -> RopeScaling:
     )
 
 
+def _yarn_scaling(rs: Mapping[str, object], d: Mapping[str, object],
+                  source: str) -> RopeScaling:
+    """YaRN's fields as transformers reads them (`_compute_yarn_parameters`): factor (None:
+    max_position_embeddings / original_max_position_embeddings), attention_factor (None:
+    from mscale / mscale_all_dim where both are given, else 0.1 ln(factor) + 1), beta_fast /
+    beta_slow (falsy: 32 / 1), truncate (default true)."""
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if rs.get("original_max_position_embeddings") is None:
+        raise ConfigError(f"{source}: rope_scaling.original_max_position_embeddings is "
+                          "required for rope_type 'yarn'")
+    original = hf_int(rs["original_max_position_embeddings"],
+                      "rope_scaling.original_max_position_embeddings", source)
+    factor = rs.get("factor")
+    factor = (float(d.get("max_position_embeddings", original)) / original  # type: ignore[arg-type]
+              if factor is None else float(factor))  # type: ignore[arg-type]
+    if not (factor > 0 and math.isfinite(factor)) or original <= 0:
+        raise ConfigError(f"{source}: rope_scaling factor={factor!r} and "
+                          f"original_max_position_embeddings={original} must be positive")
+    att = rs.get("attention_factor")
+    ms, ms_all = rs.get("mscale"), rs.get("mscale_all_dim")
+    if att is None:
+        att = (mscale(factor, float(ms)) / mscale(factor, float(ms_all))  # type: ignore[arg-type]
+               if ms and ms_all else mscale(factor))
+    return RopeScaling(rope_type="yarn", factor=factor, original_max_position_embeddings=original,
+                       beta_fast=float(rs.get("beta_fast") or 32.0),  # type: ignore[arg-type]
+                       beta_slow=float(rs.get("beta_slow") or 1.0),  # type: ignore[arg-type]
+                       truncate=bool(rs.get("truncate", True)),
+                       attention_factor=float(att))  # type: ignore[arg-type]
+
+
 def rope_scaling_to_hf(rs: RopeScaling) -> dict[str, object] | None:
     if rs.rope_type == "default":
         return None
+    if rs.rope_type == "yarn":  # attention_factor written out: it was resolved at parse time
+        return {"rope_type": "yarn", "factor": rs.factor, "beta_fast": rs.beta_fast,
+                "beta_slow": rs.beta_slow, "truncate": rs.truncate,
+                "original_max_position_embeddings": rs.original_max_position_embeddings,
+                "attention_factor": rs.attention_factor}
     if rs.rope_type == "proportional":  # transformers reads `factor` but flags it if written
         out: dict[str, object] = {"rope_type": rs.rope_type,
                                   "partial_rotary_factor": rs.partial_rotary_factor}

@@ -155,9 +155,9 @@ def forward(params: Any, tokens: jax.Array, lengths: jax.Array, cfg: ModelConfig
     valid = positions < lengths[:, None]
 
     def attn(q: jax.Array, k: jax.Array, v: jax.Array, state: object,
-             spec: LayerSpec) -> tuple[jax.Array, object]:
+             spec: LayerSpec, sinks: jax.Array | None = None) -> tuple[jax.Array, object]:
         mask = causal_mask(positions, positions, valid, spec.sliding_window)
-        return masked_attention(q, k, v, mask, spec.query_scale, spec.soft_cap), state
+        return masked_attention(q, k, v, mask, spec.query_scale, spec.soft_cap, sinks), state
 
     x = embed(params, tokens, cfg.embed_scale)
     inputs = per_layer_inputs(cfg, params, tokens, x) if cfg.per_layer_input_size else None

@@ -29,10 +29,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Mapping
 
-from . import gemma, gemma4, llama, mixtral, qwen3_moe
+from . import gemma, gemma4, gpt_oss, llama, mixtral, qwen3_moe
 from .config import ConfigError, ModelConfig
 
-FAMILIES: tuple[ModuleType, ...] = (llama, gemma, gemma4, qwen3_moe, mixtral)
+FAMILIES: tuple[ModuleType, ...] = (llama, gemma, gemma4, qwen3_moe, mixtral, gpt_oss)
 ModelParams = Any  # any family's params pytree (a flax.struct dataclass: `fam.Params`)
 
 

@@ -3,7 +3,8 @@
 Data flow (load): directory -> `config.json` -> ModelConfig (`families.config_from_hf`);
 `model.safetensors` or the shards named by `model.safetensors.index.json` -> {HF tensor name:
 read-only memmap} (`with_quantized_views`: with a compressed-tensors `quantization_config`,
-each quantized linear's values and scale as one lazy `compressed_tensors.CompressedTensor`) ->
+each quantized linear's values and scale as one lazy `compressed_tensors.CompressedTensor`;
+with an "mxfp4" one, gpt-oss's MXFP4 expert stacks as float `mxfp4.Mxfp4Stack`s) ->
 `host_params_from_hf` (checks every name, shape and dtype against the family's `param_shapes`
 and HF name tables; reads nothing) -> the family's params of `LazyLeaf`s that transpose
 linears to [in, out], stack layers and cast only the boxes asked of them. Then either
@@ -31,6 +32,7 @@ from .compressed_tensors import parse_config, wrap_tensors
 from .config import ConfigError, ModelConfig
 from .families import config_from_hf, config_to_hf, family
 from .host_arrays import HostArray, LazyLeaf, read_all
+from .mxfp4 import wrap_mxfp4
 from .safetensors_io import CheckpointError, read_safetensors, write_safetensors
 
 _FLOAT_DTYPES = {np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64),
@@ -122,6 +124,8 @@ def with_quantized_views(model_dir: pathlib.Path,
     qc = _read_json_object(config).get("quantization_config")
     if qc is None:
         return dict(tensors)
+    if isinstance(qc, dict) and qc.get("quant_method") == "mxfp4":  # gpt-oss's experts
+        return wrap_mxfp4(tensors, qc, str(config))
     return wrap_tensors(tensors, parse_config(qc, str(config)), str(model_dir))
 
 
@@ -225,7 +229,10 @@ def hf_tensors_from_params(cfg: ModelConfig, params: Any) -> dict[str, np.ndarra
                 out.update({f"model.layers.{i}.{sfx}": part for sfx, part in t.items()})
             elif t is not None:
                 out[f"model.layers.{i}.{suffix}"] = t
-    return out
+    # A family whose checkpoint joins several fields into one tensor (gpt-oss's interleaved
+    # gate / up stacks) joins the parts its `hf_layer_export` tagged.
+    finish = getattr(fam, "hf_export_finish", None)
+    return out if finish is None else finish(out)
 
 
 def save_hf_dir(out_dir: pathlib.Path, cfg: ModelConfig, params: Any,

@@ -30,15 +30,6 @@ from .linear import Weight
 from .moe import EXPERT_FIELDS, KV_FIELDS  # noqa: F401  (the family's names)
 
 ARCHITECTURES = {"MixtralForCausalLM": "mixtral"}
-# Names of MoE models the MoE families know but do not serve (the error says why).
-REFUSED_ARCHITECTURES = {
-    "GptOssForCausalLM": "(gpt-oss) is not supported yet: its attention sinks, biased "
-    "experts with the clamped SwiGLU (swiglu_limit) and router bias, and MXFP4 expert weights "
-    "are not implemented; supported MoE families: Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, "
-    "MixtralForCausalLM",
-    "gpt_oss": "(gpt-oss) is not supported yet: its attention sinks, biased experts with the "
-    "clamped SwiGLU and MXFP4 expert weights are not implemented",
-}
 # llama.cpp writes Mixtral as architecture `llama` (q/k rows permuted as for Llama) with
 # experts: the Llama family's GGUF mapping hands such a file to this family (model_type
 # "mixtral", `llama.config_dict_from_gguf`), so no GGUF architecture names it directly.

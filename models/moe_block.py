@@ -27,6 +27,10 @@ Data flow for one layer (`moe_mlp`, called by `decoder.decoder_layer` where the 
   over the k choices per token; plus, with a shared expert (Qwen2-MoE), sigmoid(h @ gate) *
   the shared SwiGLU MLP.
 
+Experts with biases or another gated activation (gpt-oss: `MoESpec.expert_bias`,
+`activation` "swiglu_clamped", and a router bias, `router_bias`) take `moe_biased`'s grouped
+MLP instead of `grouped_mlp`; the SwiGLU path of the other families is unchanged.
+
 `dense_moe_reference` computes the same thing with every expert on every token, masked by the
 routing: the test oracle only (E / k times the work).
 """
@@ -43,9 +47,10 @@ from jax.sharding import PartitionSpec as PS
 
 from ..kernels_pallas.grouped_matmul_gpu import gpu_tiles_fit, grouped_matmul_gpu
 from ..kernels_pallas.grouped_matmul_tpu import grouped_matmul_tpu
+from ..kernels_pallas.dense_quant_cpu import decode_values
 from .config import MoESpec
 from .linear import linear
-from ..kernels_pallas.dense_quant_cpu import decode_values
+from .moe_biased import expert_activation, grouped_mlp_biased
 from .quant import QuantizedWeight
 
 # A layer's stacked expert weights: float [E, in, out], or quantized per expert (`quant`'s
@@ -65,12 +70,16 @@ def _per_column(w: QuantizedWeight) -> bool:
 
 
 # ------------------------------------------------------------------------------- routing
-def route(spec: MoESpec, router: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def route(spec: MoESpec, router: jax.Array, x: jax.Array,
+          bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(weights f32[N, k], experts i32[N, k]) of tokens x [N, hidden] under router
-    [hidden, E]: softmax over all E logits, the k largest (ties: the lower expert id, as
-    `lax.top_k`), renormalised over the k when `norm_topk_prob`."""
+    [hidden, E] (+ bias [E], gpt-oss): softmax over all E logits, the k largest (ties: the
+    lower expert id, as `lax.top_k`), renormalised over the k when `norm_topk_prob` (the
+    same numbers as a softmax over the k largest logits: gpt-oss, Mixtral)."""
     logits = jnp.einsum("nh,he->ne", x.astype(jnp.float32), router.astype(jnp.float32),
                         preferred_element_type=jnp.float32)
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, spec.top_k)
     if spec.norm_topk_prob:
@@ -78,10 +87,11 @@ def route(spec: MoESpec, router: jax.Array, x: jax.Array) -> tuple[jax.Array, ja
     return weights, experts.astype(jnp.int32)
 
 
-def router_logits(router: jax.Array, x: jax.Array) -> jax.Array:
+def router_logits(router: jax.Array, x: jax.Array, bias: jax.Array | None = None) -> jax.Array:
     """f32[..., E]: the logits `route` ranks (tests compare its choice to HF's)."""
-    return jnp.einsum("...h,he->...e", x.astype(jnp.float32), router.astype(jnp.float32),
-                      preferred_element_type=jnp.float32)
+    logits = jnp.einsum("...h,he->...e", x.astype(jnp.float32), router.astype(jnp.float32),
+                        preferred_element_type=jnp.float32)
+    return logits if bias is None else logits + bias.astype(jnp.float32)
 
 
 # ------------------------------------------------------------------- grouped expert matmul
@@ -337,16 +347,27 @@ def expert_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: Exp
 def moe_mlp(spec: MoESpec, lp: Any, h: jax.Array, mlp: GroupedMLP | None = None) -> jax.Array:
     """The MoE MLP block on normed h [..., hidden] with one layer's params `lp` (fields
     `router`, `we_gate`, `we_up`, `we_down`; with a shared expert `ws_gate`, `ws_up`,
-    `ws_down`, `ws_router`) -> [..., hidden]. `mlp`: the grouped expert MLP (default
-    `grouped_mlp`; `sharded_grouped_mlp` under tensor parallelism)."""
+    `ws_down`, `ws_router`; with biases `router_bias`, `be_gate`, `be_up`, `be_down`) ->
+    [..., hidden]. `mlp`: the grouped expert MLP of SwiGLU experts (default `grouped_mlp`;
+    `sharded_grouped_mlp` under tensor parallelism); biased / clamped experts (gpt-oss) take
+    `moe_biased.grouped_mlp_biased` instead, which XLA partitions under TP by itself."""
     lead, hidden = h.shape[:-1], h.shape[-1]
     x = h.reshape(-1, hidden)
-    weights, experts = route(spec, lp.router, x)
-    out = expert_mlp(x, weights, experts, lp.we_gate, lp.we_up, lp.we_down,
-                     mlp or grouped_mlp)
+    weights, experts = route(spec, lp.router, x, _router_bias(spec, lp))
+    mlp = (mlp or grouped_mlp) if _plain(spec) else grouped_mlp_biased(spec, lp)
+    out = expert_mlp(x, weights, experts, lp.we_gate, lp.we_up, lp.we_down, mlp)
     if spec.shared_intermediate_size:
         out = out + _shared_expert(lp, x)
     return out.reshape(*lead, hidden)
+
+
+def _plain(spec: MoESpec) -> bool:
+    """SwiGLU experts without biases: `grouped_mlp` (Qwen3-MoE, Qwen2-MoE, Mixtral)."""
+    return spec.activation == "silu" and not spec.expert_bias
+
+
+def _router_bias(spec: MoESpec, lp: Any) -> jax.Array | None:
+    return lp.router_bias if spec.router_bias else None
 
 
 def _shared_expert(lp: Any, x: jax.Array) -> jax.Array:
@@ -361,14 +382,18 @@ def dense_moe_reference(spec: MoESpec, lp: Any, h: jax.Array) -> jax.Array:
     of `moe_mlp`; never on a serving path."""
     lead, hidden = h.shape[:-1], h.shape[-1]
     x = h.reshape(-1, hidden).astype(jnp.float32)
-    weights, experts = route(spec, lp.router, x)
+    weights, experts = route(spec, lp.router, x, _router_bias(spec, lp))
     num_experts = lp.we_gate.shape[0]
     comb = jnp.zeros((x.shape[0], num_experts), jnp.float32)
     comb = comb.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)
     f32 = jnp.float32
     g = jnp.einsum("nh,ehi->nei", x, expert_floats(lp.we_gate, f32))
     u = jnp.einsum("nh,ehi->nei", x, expert_floats(lp.we_up, f32))
-    y = jnp.einsum("nei,eih->neh", jax.nn.silu(g) * u, expert_floats(lp.we_down, f32))
+    if spec.expert_bias:
+        g, u = g + lp.be_gate.astype(f32), u + lp.be_up.astype(f32)
+    y = jnp.einsum("nei,eih->neh", expert_activation(spec, g, u), expert_floats(lp.we_down, f32))
+    if spec.expert_bias:
+        y = y + lp.be_down.astype(f32)
     out = jnp.einsum("neh,ne->nh", y, comb)
     if spec.shared_intermediate_size:
         out = out + _shared_expert(lp, x)

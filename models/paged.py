@@ -118,16 +118,19 @@ def paged_hidden(params: Any, kv_pages: KVPages, token_ids: jax.Array,
         lp, i, inp = xs
 
         def attn(q: jax.Array, k: jax.Array, v: jax.Array, flat: KVPages,
-                 spec: LayerSpec) -> tuple[jax.Array, KVPages]:
+                 spec: LayerSpec, sinks: jax.Array | None = None
+                 ) -> tuple[jax.Array, KVPages]:
             def attend(q: jax.Array, k: jax.Array, v: jax.Array, flat: KVPages,
-                       layer_md: AttentionMetadata) -> tuple[jax.Array, KVPages]:
+                       layer_md: AttentionMetadata, sinks: jax.Array | None
+                       ) -> tuple[jax.Array, KVPages]:
                 # Float pages: everything in the pages' dtype. Quantized: q, k, v as they are.
                 dt = q.dtype if quantized else flat.dtype
                 # The layer's own window, soft-cap and scale: static, one kernel per spec.
                 out, flat = write_kv_and_attend(q.astype(dt), k.astype(dt), v.astype(dt), flat,
                                                 layer_md, sm_scale=spec.query_scale,
                                                 sliding_window=spec.sliding_window,
-                                                soft_cap=spec.soft_cap, impl=attn_impl)
+                                                soft_cap=spec.soft_cap, impl=attn_impl,
+                                                sinks=sinks)
                 return out.astype(q.dtype), flat
 
             if groups is None:
@@ -141,14 +144,22 @@ def paged_hidden(params: Any, kv_pages: KVPages, token_ids: jax.Array,
                     md, block_tables=md.block_tables[g] + base,
                     slot_mapping=md.slot_mapping[g] + base * page_size)
             if mesh is None:
-                return attend(q, k, v, flat, layer_md)
+                return attend(q, k, v, flat, layer_md, sinks)
             heads = PS(None, MODEL_AXIS, None)  # [T, H, D] split by head
-            return jax.shard_map(attend, mesh=mesh,
-                                 in_specs=(heads, heads, heads, kv_spec, PS()),
+            # Sinks [Hq] split with the query heads; a model without them passes nothing.
+            extra, extra_specs = ((), ()) if sinks is None else ((sinks,), (PS(MODEL_AXIS),))
+
+            def sharded(q: jax.Array, k: jax.Array, v: jax.Array, flat: KVPages,
+                        layer_md: AttentionMetadata, *sink: jax.Array
+                        ) -> tuple[jax.Array, KVPages]:
+                return attend(q, k, v, flat, layer_md, sink[0] if sink else None)
+
+            return jax.shard_map(sharded, mesh=mesh,
+                                 in_specs=(heads, heads, heads, kv_spec, PS(), *extra_specs),
                                  out_specs=(heads, kv_spec),
                                  # The attention's loops start from replicated zeros and
                                  # end per-shard; each shard is independent, nothing to check.
-                                 check_vma=False)(q, k, v, flat, layer_md)
+                                 check_vma=False)(q, k, v, flat, layer_md, *extra)
 
         x, kv, shared = decoder_layer(cfg, spec, lp, x, positions, attn, kv, inp, shared,
                                       experts)

@@ -289,6 +289,13 @@ def quantize_params(params: ModelParams, wq: WeightQuant) -> ModelParams:
     fam = family_of_params(params)
     experts = [f for f in getattr(fam, "EXPERT_FIELDS", ())
                if getattr(params.layers, f) is not None]
+    if experts and wq.quantizes and getattr(params.layers, "be_gate", None) is not None:
+        # gpt-oss's biased experts run `moe_biased`'s grouped MLP, which takes float stacks;
+        # quantizing only the attention would serve a mostly float model under this name.
+        raise ValueError(f"quantization={wq.scheme!r}: gpt-oss's biased expert weights "
+                         f"(layers.{', layers.'.join(experts)}) are not quantized yet (their "
+                         "grouped MLP takes float stacks); serve it with quantization 'auto' "
+                         "or 'none'")
     _note_activations(params, wq)
     layers = params.layers
     for field in family_of_params(params).LINEAR_FIELDS:

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -27,7 +28,17 @@ struct Problem {
   int64_t T, Hq, Dq, P, Hkv, ps, D, S, max_pages, G;
   float sm_scale, soft_cap;  // soft_cap 0: none
   int64_t window;            // 0: none
+  const float* sinks;        // [Hq] attention-sink logits (gpt-oss), nullptr: none
 };
+
+// 1 / the softmax denominator of a finished row of query head `q_head` (running max m, sum l
+// relative to it), with the head's attention sink folded in: a sink joins the denominator
+// as e^(sink - m) and brings no value. 0 for a row that saw nothing (and has no sink: with
+// one, l + e^(sink + inf) is inf, 1 / inf also 0).
+inline float inv_denominator(const Problem& pb, int64_t q_head, float m, float l) {
+  if (pb.sinks != nullptr) l += std::exp(pb.sinks[q_head] - m);
+  return l > 0.0f ? 1.0f / l : 0.0f;
+}
 
 // One unit of work: query tokens [tok0, tok0 + ntok) of sequence `seq` at positions
 // pos0.., kv head `head`, keys [klo, khi). partial < 0: write out; else partial-state slot.
@@ -58,7 +69,7 @@ void merge_partials(const Problem& pb, const std::vector<Item>& items, size_t fi
       const float* a = st + 2 * kMaxRows + r * Dq;
       for (int64_t d = 0; d < Dq; ++d) dst[d] += w * a[d];
     }
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const float inv = inv_denominator(pb, it.head * G + g, mx, l);
     for (int64_t d = 0; d < Dq; ++d) dst[d] *= inv;
   }
 }

@@ -138,7 +138,7 @@ void run_item(const Problem& pb, const Item& it, float* partial_base) {
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = r / G, g = r % G;
     float* dst = pb.out + ((it.tok0 + t) * pb.Hq + it.head * G + g) * Dq;
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    const float inv = inv_denominator(pb, it.head * G + g, m[r], l[r]);
     for (int64_t d = 0; d < Dq; ++d) dst[d] = acc[r * Dq + d] * inv;
   }
 }
@@ -172,8 +172,9 @@ struct Work {
 ffi::Error attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv,
                   const float* scales, ffi::Buffer<ffi::S32> block_tables,
                   ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu_q_lens,
-                  ffi::Buffer<ffi::S32> num_seqs, ffi::Result<ffi::Buffer<ffi::F32>> out,
-                  float sm_scale, int64_t sliding_window, float soft_cap) {
+                  ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::F32> sinks,
+                  ffi::Result<ffi::Buffer<ffi::F32>> out, float sm_scale,
+                  int64_t sliding_window, float soft_cap) {
   auto qd = q.dimensions(), kd = kv.dimensions(), bd = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2 || kd[1] % 2 || qd[1] % (kd[1] / 2) ||
       qd[2] > kd[3]) {
@@ -188,11 +189,16 @@ ffi::Error attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
     return ffi::Error::InvalidArgument(
         "paged attention: kv_pages must be f32, bf16 or f16, or int8 / f8e4m3fn with scales");
   }
+  // Sinks: an empty buffer is "none" (the call stays one handler whatever the model).
+  if (sinks.element_count() != 0 && sinks.element_count() != static_cast<size_t>(qd[1])) {
+    return ffi::Error::InvalidArgument("paged attention: sinks must hold one value per q head");
+  }
   auto work = std::make_shared<Work>();
   Problem& pb = work->pb;
   pb = {q.typed_data(), kv.untyped_data(), scales, block_tables.typed_data(), out->typed_data(),
         qd[0], qd[1], qd[2], kd[0], kd[1] / 2, kd[2], kd[3], bd[0], bd[1], qd[1] / (kd[1] / 2),
-        sm_scale, soft_cap, sliding_window};
+        sm_scale, soft_cap, sliding_window,
+        sinks.element_count() ? sinks.typed_data() : nullptr};
   if (pb.G > kMaxRows) {
     return ffi::Error::InvalidArgument("paged attention: more than 64 query heads per kv head");
   }
@@ -240,42 +246,44 @@ ffi::Error attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv,
                      ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
                      ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
-                     ffi::Result<ffi::Buffer<ffi::F32>> out, float sm_scale,
-                     int64_t sliding_window, float soft_cap) {
-  return attend(pool, q, kv, nullptr, block_tables, kv_lens, cu_q_lens, num_seqs, out,
+                     ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                     float sm_scale, int64_t sliding_window, float soft_cap) {
+  return attend(pool, q, kv, nullptr, block_tables, kv_lens, cu_q_lens, num_seqs, sinks, out,
                 sm_scale, sliding_window, soft_cap);
 }
 
 ffi::Error AttentionQ(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv,
                       ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> block_tables,
                       ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu_q_lens,
-                      ffi::Buffer<ffi::S32> num_seqs, ffi::Result<ffi::Buffer<ffi::F32>> out,
-                      float sm_scale, int64_t sliding_window, float soft_cap) {
+                      ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::F32> sinks,
+                      ffi::Result<ffi::Buffer<ffi::F32>> out, float sm_scale,
+                      int64_t sliding_window, float soft_cap) {
   if (scales.element_count() * kv.dimensions()[3] != kv.element_count()) {
     return ffi::Error::InvalidArgument("paged attention: scales do not fit kv_pages");
   }
   return attend(pool, q, kv, scales.typed_data(), block_tables, kv_lens, cu_q_lens, num_seqs,
-                out, sm_scale, sliding_window, soft_cap);
+                sinks, out, sm_scale, sliding_window, soft_cap);
 }
 
 ffi::Error WriteAndAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_new,
                           ffi::AnyBuffer v_new, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> slots,
                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
                           ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
-                          ffi::Result<ffi::Buffer<ffi::F32>> out,
+                          ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::Buffer<ffi::F32>> out,
                           ffi::Result<ffi::AnyBuffer> kv_out, float sm_scale,
                           int64_t sliding_window, float soft_cap) {
   ffi::Error err = WriteKv(k_new, v_new, slots, kv, *kv_out, nullptr, nullptr);
   if (err.failure()) return err;
-  return attend(pool, q, *kv_out, nullptr, block_tables, kv_lens, cu_q_lens, num_seqs, out,
-                sm_scale, sliding_window, soft_cap);
+  return attend(pool, q, *kv_out, nullptr, block_tables, kv_lens, cu_q_lens, num_seqs, sinks,
+                out, sm_scale, sliding_window, soft_cap);
 }
 
 ffi::Error WriteAndAttendQ(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_new,
                            ffi::AnyBuffer v_new, ffi::AnyBuffer kv, ffi::Buffer<ffi::F32> scales,
                            ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> block_tables,
                            ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu_q_lens,
-                           ffi::Buffer<ffi::S32> num_seqs, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                           ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::F32> sinks,
+                           ffi::Result<ffi::Buffer<ffi::F32>> out,
                            ffi::Result<ffi::AnyBuffer> kv_out,
                            ffi::Result<ffi::Buffer<ffi::F32>> scales_out, float sm_scale,
                            int64_t sliding_window, float soft_cap) {
@@ -286,18 +294,20 @@ ffi::Error WriteAndAttendQ(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   ffi::Error err = WriteKv(k_new, v_new, slots, kv, *kv_out, &scales, &*scales_out);
   if (err.failure()) return err;
   return attend(pool, q, *kv_out, scales_out->typed_data(), block_tables, kv_lens, cu_q_lens,
-                num_seqs, out, sm_scale, sliding_window, soft_cap);
+                num_seqs, sinks, out, sm_scale, sliding_window, soft_cap);
 }
 
 }  // namespace
 
 // Arguments of every handler: q, [k_new, v_new,] kv_pages, [scales,] [slot_mapping,]
-// block_tables, kv_lens, cu_q_lens, num_seqs; results: out[, kv_pages[, scales]] (aliased).
+// block_tables, kv_lens, cu_q_lens, num_seqs, sinks (f32[Hq] or f32[0]: none); results:
+// out[, kv_pages[, scales]] (aliased).
 #define JAXSERVE_ATTENTION_ATTRS                                        \
   .Attr<float>("sm_scale").Attr<int64_t>("sliding_window").Attr<float>("soft_cap")
 #define JAXSERVE_METADATA_ARGS                                          \
   .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()            \
-      .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()        \
+      .Arg<ffi::Buffer<ffi::F32>>()
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxservePagedAttentionCpu, Attention,

@@ -260,7 +260,7 @@ void run_tall_item(const Problem& pb, const Item& it, float* partial_base) {
   }
   for (int64_t r = 0; r < R; ++r) {
     float* dst = pb.out + ((it.tok0 + r / G) * pb.Hq + it.head * G + r % G) * Dq;
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    const float inv = inv_denominator(pb, it.head * G + r % G, m[r], l[r]);
     for (int64_t d = 0; d < Dq; ++d) dst[d] = acc[d * Rp + r] * inv;
   }
 }

@@ -123,14 +123,17 @@ def run_config(mix: str, specs, args, impl: str, tuning: dict[str, int]) -> dict
         t0 = time.perf_counter()
         pages = jax.block_until_ready(write(pages, k_new, v_new, md.slot_mapping))
         write_times.append(time.perf_counter() - t0)
+    # --sinks: gpt-oss's attention sinks, one random logit per query head.
+    sinks = (jnp.asarray(np.random.default_rng(1).standard_normal(args.num_q_heads),
+                         jnp.float32) if args.sinks else None)
     attn = jax.jit(lambda q, p, m: ragged_paged_attention(
         q, p, m, sm_scale=args.head_dim ** -0.5, sliding_window=args.sliding_window,
-        impl=impl, interpret=args.interpret, **tuning))
+        impl=impl, interpret=args.interpret, sinks=sinks, **tuning))
     check = None
     if args.check and impl != "reference":  # correctness at this very shape, before timing
         ref = jax.jit(lambda q, p, m: ragged_paged_attention(
             q, p, m, sm_scale=args.head_dim ** -0.5, sliding_window=args.sliding_window,
-            impl="reference"))(q, pages, md)
+            impl="reference", sinks=sinks))(q, pages, md)
         got = attn(q, pages, md)
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref.astype(jnp.float32))))
         scale = float(jnp.max(jnp.abs(ref.astype(jnp.float32))))
@@ -175,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--sliding-window", type=int, default=None)
+    ap.add_argument("--sinks", action="store_true",
+                    help="with attention sinks (gpt-oss): one random logit per query head")
     ap.add_argument("--iters", type=int, default=None, help="timed calls (default 3 CPU, 20)")
     ap.add_argument("--tuning", action="append",
                     help="kernel knobs, e.g. block_kv=128,num_stages=3; repeat to sweep")

@@ -376,7 +376,6 @@ def test_config_forms() -> None:
     (_q3(hidden_act="gelu"), "hidden_act='gelu'"),
     ({**_q3(), "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
       "use_sliding_window": True}, "use_sliding_window=true"),
-    ({"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"}, "gpt-oss"),
 ])
 def test_refused_configs_say_why(d: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):

@@ -8,7 +8,10 @@ top-k is decided by margins far above the sums' reordering under TP):
   - "qwen3-moe": 4 experts of 32, top-2 renormalised, qk-norm, a dense layer between two
     sparse ones (mlp_only_layers: two scan groups);
   - "qwen2-moe": 4 experts, top-2, a shared expert of 48 with its sigmoid gate, q/k/v biases;
-  - "mixtral": 4 experts, top-2.
+  - "mixtral": 4 experts, top-2;
+  - "gpt-oss": 4 experts of 32, top-2, router / expert biases, the clamped SwiGLU (limit 1,
+    so it clamps), attention sinks split with the query heads, q/k/v/o biases, sliding
+    (window 8) and full layers, YaRN (its own part, "gpt-oss": TP 1 and 2).
 TP splits each expert's intermediate axis (gate / up outputs, down inputs) as the dense MLP's;
 the router is replicated. For each (model, TP) row of the part named by the argument: greedy
 tokens, top-5 logprobs and top-3 prompt logprobs of tp_worker's prompts, compiles after
@@ -42,6 +45,9 @@ CONFIGS = {
                       shared_expert_intermediate_size=48),
     "mixtral": dict(_BASE, architectures=["MixtralForCausalLM"], model_type="mixtral",
                     num_hidden_layers=2, num_local_experts=4, intermediate_size=32),
+    "gpt-oss": dict(_BASE, architectures=["GptOssForCausalLM"], model_type="gpt_oss",
+                    num_local_experts=4, intermediate_size=32, sliding_window=8,
+                    swiglu_limit=1.0),
 }
 ROWS = [(m, tp) for m in CONFIGS for tp in (1, 2, 4)]
 DEFAULT_ROWS = [("qwen3-moe", 1), ("qwen3-moe", 2), ("qwen2-moe", 1), ("qwen2-moe", 2)]
@@ -80,6 +86,11 @@ def run(name: str, tp: int) -> dict:
 if __name__ == "__main__":
     assert jax.device_count() == 8, jax.devices()
     part = sys.argv[1] if len(sys.argv) > 1 else "default"
-    rows = DEFAULT_ROWS if part == "default" else QUANT_ROWS if part == "quant" else [
-        r for r in ROWS if r not in DEFAULT_ROWS or r[1] == 1]
+    if part == "gpt-oss":
+        rows = [("gpt-oss", 1), ("gpt-oss", 2)]
+    elif part == "quant":
+        rows = QUANT_ROWS
+    else:
+        rows = DEFAULT_ROWS if part == "default" else [
+            r for r in ROWS if (r not in DEFAULT_ROWS or r[1] == 1) and r[0] != "gpt-oss"]
     json.dump([run(*r) for r in rows], sys.stdout)
