@@ -224,6 +224,10 @@ class EngineConfig:
     # Devices one engine's step is split over (weights by head / MLP column / vocabulary, KV
     # pages by KV head; see jaxserve.models.placement). 1: a single device.
     tensor_parallel_size: int = 1
+    # MoE models: split the experts whole over the tensor-parallel devices (E / tp experts
+    # each) instead of splitting every expert's width; attention stays tensor parallel
+    # (jaxserve.models.moe_parallel). Needs tensor_parallel_size > 1 and a model with experts.
+    enable_expert_parallel: bool = False
     # Independent engine replicas (each its own scheduler, KV pages and tensor_parallel_size
     # devices) behind one server; requests go to the least loaded replica, or to one that
     # holds their prompt's prefix (jaxserve.serving.router). Needs data x tensor devices.
@@ -241,6 +245,14 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}={v!r} must be a positive integer")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel={self.enable_expert_parallel!r} must be "
+                             "true or false")
+        if self.enable_expert_parallel and self.tensor_parallel_size < 2:
+            # Data-parallel replicas are separate engines: experts are never split over them.
+            raise ValueError("enable_expert_parallel=True needs tensor_parallel_size > 1 (the "
+                             "experts are split over one engine's tensor-parallel devices; "
+                             f"got {self.tensor_parallel_size})")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {DTYPES}")
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:

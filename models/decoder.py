@@ -26,25 +26,27 @@ import jax.numpy as jnp
 
 from .blocks import AttnFn, attention, causal_mask, embed, gated_mlp, lm_logits
 from .blocks import masked_attention, per_layer_input_block, per_layer_inputs, rms_norm
-from .config import LayerGroup, LayerSpec, ModelConfig
+from .config import LayerGroup, LayerSpec, ModelConfig, MoESpec
 from .linear import PackedWeight
 from .moe import moe_mlp
-from .moe_block import GroupedMLP
 
 # body(spec, carry, (one layer's params, layer index i32[], xs slice)) -> (carry, ys slice)
 LayerBody = Callable[[LayerSpec, Any, tuple[Any, jax.Array, Any]], tuple[Any, Any]]
+# moe(spec, one layer's params, normed h [..., hidden]) -> [..., hidden]
+MoEFn = Callable[[MoESpec, Any, jax.Array], jax.Array]
 
 
 def decoder_layer(cfg: ModelConfig, spec: LayerSpec, lp: Any, x: jax.Array,
                   positions: jax.Array, attn: AttnFn, layer_state: object,
                   per_layer_input: jax.Array | None = None,
-                  shared_kv: jax.Array | None = None, experts: GroupedMLP | None = None
+                  shared_kv: jax.Array | None = None, moe: MoEFn = moe_mlp
                   ) -> tuple[jax.Array, object, jax.Array | None]:
     """One pre-norm block on one layer's (unstacked) params. x: [..., T, hidden] ->
     (x, layer_state, shared_kv). `per_layer_input` [..., T, P]: this layer's slice of
     `blocks.per_layer_inputs` (models that have them); `shared_kv`: the K/V slots layers
-    hand on (`blocks.attention`), None in models without. `experts`: an MoE layer's grouped
-    expert MLP (None: `moe_block.grouped_mlp`; tensor parallel: `sharded_grouped_mlp`)."""
+    hand on (`blocks.attention`), None in models without; `moe`: a sparse layer's MLP
+    (`moe_mlp`; tensor parallel: `moe_mlp` with `moe_block.sharded_grouped_mlp`; expert
+    parallel: `moe_parallel.ep_moe_mlp` on its mesh)."""
     eps, offset = cfg.rms_norm_eps, spec.norm_offset
     h = rms_norm(x, lp.attn_norm, eps, offset)
     o, layer_state, shared_kv = attention(cfg, spec, lp, h, positions, attn, layer_state,
@@ -53,10 +55,7 @@ def decoder_layer(cfg: ModelConfig, spec: LayerSpec, lp: Any, x: jax.Array,
         o = rms_norm(o, lp.post_attn_norm, eps, offset)
     x = x + o
     h = rms_norm(x, lp.mlp_norm, eps, offset)
-    if spec.moe is None:
-        m = gated_mlp(spec.mlp_activation, lp, h)
-    else:
-        m = moe_mlp(spec.moe, lp, h, experts)
+    m = gated_mlp(spec.mlp_activation, lp, h) if spec.moe is None else moe(spec.moe, lp, h)
     if spec.post_norms:
         m = rms_norm(m, lp.post_mlp_norm, eps, offset)
     x = x + m

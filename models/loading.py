@@ -99,13 +99,15 @@ def detect_format(path: pathlib.Path) -> Format:
 
 
 def load_model(path: str | pathlib.Path | None = None, dtype: str = "float32",
-               mesh: Mesh | None = None, quant: WeightQuant | None = None) -> LoadedModel:
+               mesh: Mesh | None = None, quant: WeightQuant | None = None,
+               expert_parallel: bool = False) -> LoadedModel:
     """Load weights and tokenizer from PATH (None: the bundled SmolLM2-135M-Instruct).
 
     mesh: a tensor-parallel mesh (axis "model"); the params come back placed on their
     shardings, each device having read only its own slice (see the module docstring).
     quant: how the dense weights are stored (`models/quantized_params.py`); None: "auto" (a
     pre-quantized checkpoint keeps its quantization, a float one stays float).
+    expert_parallel: with a mesh, MoE experts split whole over it (`placement.param_specs`).
     """
     quant = quant or WeightQuant()
     jdtype = parse_dtype(dtype)
@@ -118,33 +120,37 @@ def load_model(path: str | pathlib.Path | None = None, dtype: str = "float32",
         tokenizer = Tokenizer.from_gguf(gguf_file)
         cfg = _with_tokenizer_eos(cfg, tokenizer)
         host = host_params_from_hf(cfg, ckpt.tensors, jdtype, source=str(gguf_file))
-        params = _place(quantize_params(host, quant), cfg, mesh)
+        params = _place(quantize_params(host, quant), cfg, mesh, expert_parallel)
     elif fmt == "hf":
         cfg = read_hf_config(path)
         tensors = with_quantized_views(path, read_hf_tensors(path))
         host = host_params_from_hf(cfg, tensors, jdtype, source=str(path))
-        params = _place(quantize_params(host, quant), cfg, mesh)
+        params = _place(quantize_params(host, quant), cfg, mesh, expert_parallel)
         tokenizer = Tokenizer.from_hf_dir(path)
     else:
         cfg = read_hf_config(path)
-        params = _restore(path / "params", cfg, jdtype, mesh)
+        params = _restore(path / "params", cfg, jdtype, mesh, expert_parallel)
         if quant.quantizes:  # an Orbax checkpoint holds float weights
-            params = _place(quantize_params(params, quant), cfg, mesh)
+            params = _place(quantize_params(params, quant), cfg, mesh, expert_parallel)
         tokenizer = Tokenizer.from_hf_dir(path)
     return LoadedModel(config=cfg, params=params, tokenizer=tokenizer, source=path, format=fmt)
 
 
-def _place(host: Any, cfg: ModelConfig, mesh: Mesh | None) -> Any:
+def _place(host: Any, cfg: ModelConfig, mesh: Mesh | None, expert_parallel: bool) -> Any:
     if mesh is None:
+        if expert_parallel:
+            raise ValueError("expert_parallel=True needs a mesh (tensor_parallel_size > 1)")
         return jax.tree.map(lambda leaf: jnp.asarray(read_all(leaf)), host)
-    return place_params(host, cfg, mesh)
+    return place_params(host, cfg, mesh, expert_parallel)
 
 
 def _restore(path: pathlib.Path, cfg: ModelConfig, dtype: jnp.dtype,
-             mesh: Mesh | None) -> Any:
+             mesh: Mesh | None, expert_parallel: bool) -> Any:
     if mesh is None:
+        if expert_parallel:
+            raise ValueError("expert_parallel=True needs a mesh (tensor_parallel_size > 1)")
         return restore_params(path, cfg, dtype)
-    shardings = param_shardings(cfg, mesh)
+    shardings = param_shardings(cfg, mesh, expert_parallel=expert_parallel)
     rep = kv_head_replication(cfg, mesh.shape[MODEL_AXIS])
     if rep > 1 and jax.process_count() > 1:
         raise CheckpointError(
@@ -160,7 +166,8 @@ def _restore(path: pathlib.Path, cfg: ModelConfig, dtype: jnp.dtype,
         kv = {f: first for f in family(cfg).KV_FIELDS if getattr(shardings.layers, f)}
         shardings = dataclasses.replace(
             shardings, layers=dataclasses.replace(shardings.layers, **kv))
-    return place_params(restore_params(path, cfg, dtype, shardings), cfg, mesh)
+    return place_params(restore_params(path, cfg, dtype, shardings), cfg, mesh,
+                        expert_parallel)
 
 
 def _with_tokenizer_eos(cfg: ModelConfig, tokenizer: Tokenizer) -> ModelConfig:

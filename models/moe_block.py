@@ -31,12 +31,17 @@ Experts with biases or another gated activation (gpt-oss: `MoESpec.expert_bias`,
 `activation` "swiglu_clamped", and a router bias, `router_bias`) take `moe_biased`'s grouped
 MLP instead of `grouped_mlp`; the SwiGLU path of the other families is unchanged.
 
+Expert parallelism (`models/moe_parallel.py`) runs `expert_mlp` on each device with only its
+E / P experts' weights (`first_expert` says which): the pairs of the other experts sort past
+the local groups and count zero, and a psum over the devices adds the slices up.
+
 `dense_moe_reference` computes the same thing with every expert on every token, masked by the
 routing: the test oracle only (E / k times the work).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -47,27 +52,12 @@ from jax.sharding import PartitionSpec as PS
 
 from ..kernels_pallas.grouped_matmul_gpu import gpu_tiles_fit, grouped_matmul_gpu
 from ..kernels_pallas.grouped_matmul_tpu import grouped_matmul_tpu
-from ..kernels_pallas.dense_quant_cpu import decode_values
 from .config import MoESpec
 from .linear import linear
 from .moe_biased import expert_activation, grouped_mlp_biased
+from .moe_quant import (ExpertWeight, expert_floats, grouped_dot, over_quantized,  # noqa: F401
+                        per_column, row_groups, stack_spec)
 from .quant import QuantizedWeight
-
-# A layer's stacked expert weights: float [E, in, out], or quantized per expert (`quant`'s
-# format with a leading E axis: values [E, in, out] (int4: [E, in / 2, out]), scales (and
-# int4 zeros) [E, in / G, out], G = in for per-column scales). The grouped paths below take
-# either; a backend kernel recognises the quantized form by its type.
-ExpertWeight = jax.Array | QuantizedWeight
-
-
-def expert_floats(w: ExpertWeight, dtype: jnp.dtype = jnp.float32) -> jax.Array:
-    """The whole stack as float [E, in, out] (references and tests: every expert)."""
-    return w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w.astype(dtype)
-
-
-def _per_column(w: QuantizedWeight) -> bool:
-    return w.scales.shape[-2] == 1 and w.zeros is None
-
 
 # ------------------------------------------------------------------------------- routing
 def route(spec: MoESpec, router: jax.Array, x: jax.Array,
@@ -105,20 +95,13 @@ def grouped_matmul(x: jax.Array, w: ExpertWeight, group_sizes: jax.Array) -> jax
     scales (int4, GGUF blocks) are applied to the whole stack before the dot: every step
     dequantizes all E experts of the layer (E * in * out multiply-adds, and a float copy
     unless XLA fuses it into the operand), a cost the CPU tile loop does not pay."""
-    if isinstance(w, QuantizedWeight) and _per_column(w):
+    if isinstance(w, QuantizedWeight) and per_column(w):
         y = jax.lax.ragged_dot(x, w.values.astype(x.dtype), group_sizes,
                                preferred_element_type=jnp.float32)
-        return (y * w.scales[_row_groups(group_sizes, x.shape[0]), 0]).astype(x.dtype)
+        return (y * w.scales[row_groups(group_sizes, x.shape[0]), 0]).astype(x.dtype)
     y = jax.lax.ragged_dot(x, expert_floats(w, x.dtype), group_sizes,
                            preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
-
-
-def _row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
-    """i32[rows]: each sorted row's group (rows past the sizes' sum: the last group)."""
-    ends = jnp.cumsum(group_sizes)
-    group = jnp.searchsorted(ends, jnp.arange(rows), side="right")
-    return jnp.minimum(group, group_sizes.shape[0] - 1)
 
 
 def grouped_matmul_reference(x: jax.Array, w: ExpertWeight, group_sizes: jax.Array
@@ -140,33 +123,8 @@ def _swiglu(x: jax.Array, gate: jax.Array, up: jax.Array) -> jax.Array:
 
 def _dot(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
     if isinstance(w, QuantizedWeight):  # one expert's [in, out]: only its values converted
-        return w.matmul(x) if _per_column(w) else _grouped_dot(x, w)
+        return w.matmul(x) if per_column(w) else grouped_dot(x, w)
     return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-def _grouped_dot(x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """x [t, in] @ one expert's weight of grouped scales (int4, GGUF blocks). Each group's
-    scale (and zero) is broadcast over the group by a reshape, and int4's two rows per byte
-    meet x's even and odd columns in two dots, rather than `QuantizedWeight.dequantize`'s
-    interleave and repeat: inside XLA:CPU's loop body those ran 10x slower (measured with
-    scripts/bench/bench_moe_quant_cpu.py)."""
-    k, n = w.shape
-    groups = w.scales.shape[-2]
-
-    def scaled(q: jax.Array) -> jax.Array:  # [rows, n], groups of rows // groups rows
-        f = q.reshape(groups, -1, n).astype(jnp.float32) * w.scales[:, None, :]
-        if w.zeros is not None:
-            f = f + w.zeros[:, None, :]
-        return f.reshape(-1, n).astype(x.dtype)
-
-    def dot(a: jax.Array, b: jax.Array) -> jax.Array:
-        return jnp.dot(a, b, preferred_element_type=jnp.float32)
-
-    if w.scheme == "int4":  # byte i: row 2i in the low nibble, 2i + 1 in the high one
-        y = dot(x[:, 0::2], scaled(w.values & 15)) + dot(x[:, 1::2], scaled(w.values >> 4))
-    else:
-        y = dot(x, scaled(decode_values(w.values, w.scheme, -2)))
-    return y.astype(x.dtype)
 
 
 def grouped_mlp_ragged(xs: jax.Array, sizes: jax.Array, w_gate: ExpertWeight,
@@ -231,21 +189,10 @@ def grouped_mlp_with(matmul: Callable[..., jax.Array], xs: jax.Array, sizes: jax
                      ) -> jax.Array:
     """The SwiGLU expert MLP through a grouped matmul `matmul(x, w, sizes)` of float stacks
     (a kernel of kernels_pallas/grouped_matmul*.py), the weights cast to the rows' dtype;
-    quantized stacks as `grouped_matmul` takes them (`_over_quantized`)."""
-    gate = _over_quantized(matmul, xs, w_gate, sizes)
-    h = _swiglu(xs, gate, _over_quantized(matmul, xs, w_up, sizes))
-    return _over_quantized(matmul, h, w_down, sizes)
-
-
-def _over_quantized(matmul: Callable[..., jax.Array], x: jax.Array, w: ExpertWeight,
-                    sizes: jax.Array) -> jax.Array:
-    """`matmul` over a float or quantized stack: per-column scales multiply each row's
-    output after a dot over the converted values; grouped scales dequantize the whole
-    stack first (every expert of the layer, each step: the cost `grouped_matmul` notes)."""
-    if isinstance(w, QuantizedWeight) and _per_column(w):
-        y = matmul(x, w.values.astype(x.dtype), sizes).astype(jnp.float32)
-        return (y * w.scales[_row_groups(sizes, x.shape[0]), 0]).astype(x.dtype)
-    return matmul(x, expert_floats(w, x.dtype), sizes)
+    quantized stacks as `grouped_matmul` takes them (`over_quantized`)."""
+    gate = over_quantized(matmul, xs, w_gate, sizes)
+    h = _swiglu(xs, gate, over_quantized(matmul, xs, w_up, sizes))
+    return over_quantized(matmul, h, w_down, sizes)
 
 
 def grouped_mlp_pallas_tpu(xs: jax.Array, sizes: jax.Array, w_gate: ExpertWeight,
@@ -266,14 +213,16 @@ def grouped_mlp_pallas_gpu(xs: jax.Array, sizes: jax.Array, w_gate: ExpertWeight
 
 
 def grouped_mlp(xs: jax.Array, sizes: jax.Array, w_gate: ExpertWeight, w_up: ExpertWeight,
-                w_down: ExpertWeight) -> jax.Array:
+                w_down: ExpertWeight, tile: int | None = None) -> jax.Array:
     """The grouped expert MLP per backend, chosen where the step is lowered (so an export
-    for TPU / CUDA from a CPU host gets that platform's kernel): the tile loop on CPU, the
-    Pallas grouped matmul on TPU (Mosaic) and CUDA (Triton), XLA's ragged dot elsewhere
-    (`grouped_mlp_ragged`: also the reference the kernels' tests compare against)."""
+    for TPU / CUDA from a CPU host gets that platform's kernel): the tile loop on CPU (of
+    `tile` rows; None: `tile_rows` of the rows and groups given), the Pallas grouped matmul
+    on TPU (Mosaic) and CUDA (Triton), XLA's ragged dot elsewhere (`grouped_mlp_ragged`:
+    also the reference the kernels' tests compare against)."""
     return jax.lax.platform_dependent(xs, sizes, w_gate, w_up, w_down,
-                                      cpu=grouped_mlp_tiled, tpu=grouped_mlp_pallas_tpu,
-                                      cuda=grouped_mlp_pallas_gpu, default=grouped_mlp_ragged)
+                                      cpu=functools.partial(grouped_mlp_tiled, tile=tile),
+                                      tpu=grouped_mlp_pallas_tpu, cuda=grouped_mlp_pallas_gpu,
+                                      default=grouped_mlp_ragged)
 
 
 def sharded_grouped_mlp(mesh: Mesh, axis: str) -> "GroupedMLP":
@@ -281,7 +230,7 @@ def sharded_grouped_mlp(mesh: Mesh, axis: str) -> "GroupedMLP":
     `axis`, as models/placement.py lays them out): each device runs the kernels on its
     slice (gate / up columns, down rows) and the partial outputs are summed. Without it XLA
     could not split a Pallas call and would gather every expert's weights to each device.
-    A quantized stack's scales are split with its values (`_stack_spec`)."""
+    A quantized stack's scales are split with its values (`stack_spec`)."""
     tp = mesh.shape[axis]
     col, row = PS(None, None, axis), PS(None, axis, None)
 
@@ -292,32 +241,12 @@ def sharded_grouped_mlp(mesh: Mesh, axis: str) -> "GroupedMLP":
 
     def run(xs: jax.Array, sizes: jax.Array, w_gate: ExpertWeight, w_up: ExpertWeight,
             w_down: ExpertWeight) -> jax.Array:
-        specs = (PS(), PS(), _stack_spec(w_gate, col, tp), _stack_spec(w_up, col, tp),
-                 _stack_spec(w_down, row, tp))
+        specs = (PS(), PS(), stack_spec(w_gate, col, tp), stack_spec(w_up, col, tp),
+                 stack_spec(w_down, row, tp))
         return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=PS(),
                              check_vma=False)(xs, sizes, w_gate, w_up, w_down)
 
     return run
-
-
-def _stack_spec(w: ExpertWeight, split: PS, tp: int) -> PS | QuantizedWeight:
-    """The shard_map spec of an expert stack: `split` for a float one; for a quantized one,
-    its values split so and its scales (and zeros) alike, except a row split (down's input
-    rows) of per-column scales [E, 1, out], which every device needs whole. Groups of rows
-    that the split would cut (tp not dividing the group count) are refused: a device's rows
-    would not start on a group."""
-    if not isinstance(w, QuantizedWeight):
-        return split
-    scales = split
-    if split[1] is not None and w.scales.shape[-2] % tp:
-        if not _per_column(w):
-            raise ValueError(f"tensor_parallel_size={tp} does not divide the "
-                             f"{w.scales.shape[-2]} groups of {w.group_size} input rows of a "
-                             "quantized expert stack; choose quantization_group_size so "
-                             "that it does")
-        scales = PS()
-    return QuantizedWeight(split, scales, None if w.zeros is None else scales, w.scheme,
-                           w.act_fp8)
 
 
 GroupedMLP = Callable[[jax.Array, jax.Array, ExpertWeight, ExpertWeight, ExpertWeight],
@@ -325,23 +254,37 @@ GroupedMLP = Callable[[jax.Array, jax.Array, ExpertWeight, ExpertWeight, ExpertW
 
 
 def expert_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: ExpertWeight,
-               w_up: ExpertWeight, w_down: ExpertWeight, mlp: GroupedMLP = grouped_mlp
-               ) -> jax.Array:
+               w_up: ExpertWeight, w_down: ExpertWeight, mlp: GroupedMLP = grouped_mlp,
+               first_expert: jax.Array | int = 0) -> jax.Array:
     """sum_j weights[n, j] * MLP_{experts[n, j]}(x[n]) for x [N, hidden], the k choices per
-    token as `route` gives them; stacked weights [E, hidden, I] (gate, up), [E, I, hidden]
-    (down). Sort by expert, grouped matmuls, un-sort, weight, sum."""
+    token as `route` gives them; stacked weights [E_l, hidden, I] (gate, up), [E_l, I, hidden]
+    (down) of experts first_expert .. first_expert + E_l - 1. Sort by expert, grouped matmuls,
+    un-sort, weight, sum.
+
+    All E experts (first_expert 0, E_l = E): the whole MoE sum. A slice of them (expert
+    parallelism, `models/moe_parallel.py`: one device's E / P experts): the pairs of the
+    other experts sort past the local groups (key E_l), beyond sum(sizes), where the grouped
+    matmul does no work for them, and count zero; the result is this slice's share of the
+    sum (tokens with no local expert: zero)."""
     n, k = experts.shape
-    num_experts = w_gate.shape[0]
-    flat = experts.reshape(-1)  # pair p = token p // k, choice p % k
-    order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    num_local = w_gate.shape[0]
+    flat = experts.reshape(-1) - first_expert  # pair p = token p // k, choice p % k
+    mine = (flat >= 0) & (flat < num_local)
+    key = jnp.where(mine, flat, num_local)
+    order = jnp.argsort(key, stable=True)  # pairs sorted by expert, the others last
+    sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
     xs = jnp.take(x, order // k, axis=0)
     ys = mlp(xs, sizes, w_gate, w_up, w_down)
     # The inverse permutation gathers each pair's row back (a gather, not a scatter-add:
     # the k contributions of a token are then summed in one fixed order).
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
     y = jnp.take(ys, inverse, axis=0).reshape(n, k, -1).astype(jnp.float32)
-    return jnp.einsum("nkh,nk->nh", y, weights.astype(jnp.float32)).astype(x.dtype)
+    # Rows past sum(sizes) are not results (the tile loop may leave padding there): a
+    # select, not a zero weight, so nothing of them reaches the sum.
+    mine = mine.reshape(n, k)
+    y = jnp.where(mine[..., None], y, 0.0)
+    w = jnp.where(mine, weights.astype(jnp.float32), 0.0)
+    return jnp.einsum("nkh,nk->nh", y, w).astype(x.dtype)
 
 
 def moe_mlp(spec: MoESpec, lp: Any, h: jax.Array, mlp: GroupedMLP | None = None) -> jax.Array:

@@ -34,6 +34,7 @@ quantizes, the attention dequantizes on the fly).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -48,7 +49,8 @@ from .blocks import embed, lm_logits, per_layer_inputs
 from .config import LayerSpec, ModelConfig
 from .decoder import decoder_layer, init_shared_kv, scan_layers
 from .kv_groups import kv_groups, kv_layer_slots
-from .moe_block import sharded_grouped_mlp
+from .moe_block import moe_mlp, sharded_grouped_mlp
+from .moe_parallel import ep_moe_mlp
 
 
 MODEL_AXIS = "model"  # the tensor-parallel mesh axis (models/placement.py)
@@ -83,24 +85,37 @@ def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int,
 def paged_forward(params: Any, kv_pages: KVPages, token_ids: jax.Array,
                   positions: jax.Array, md: AttentionMetadata, logits_indices: jax.Array,
                   cfg: ModelConfig, attn_impl: str = "reference",
-                  mesh: Mesh | None = None) -> tuple[jax.Array, KVPages]:
+                  mesh: Mesh | None = None, expert_parallel: bool = False
+                  ) -> tuple[jax.Array, KVPages]:
     """-> (f32[S, vocab] logits at `logits_indices`, updated kv_pages). Pure; jit it."""
     hidden, kv_pages = paged_hidden(params, kv_pages, token_ids, positions, md, cfg,
-                                    attn_impl, mesh)
+                                    attn_impl, mesh, expert_parallel)
     return lm_logits(cfg, params, hidden[logits_indices]), kv_pages
 
 
 def paged_hidden(params: Any, kv_pages: KVPages, token_ids: jax.Array,
                  positions: jax.Array, md: AttentionMetadata, cfg: ModelConfig,
-                 attn_impl: str = "reference",
-                 mesh: Mesh | None = None) -> tuple[jax.Array, KVPages]:
+                 attn_impl: str = "reference", mesh: Mesh | None = None,
+                 expert_parallel: bool = False) -> tuple[jax.Array, KVPages]:
     """-> ([T, hidden] last layer's output of every token (before the final norm), updated
     kv_pages). Pure; jit it. `lm_logits` of a row gives that token's next-token logits.
 
     With a `mesh` (tensor parallel, axis "model"; see `placement`), the KV write and
     the attention run under `jax.shard_map`: each device on its own query / KV heads and its
     slice of the KV pages, with the metadata replicated; XLA partitions the rest.
+    `expert_parallel` (with a mesh): the MoE layers' experts are split whole over the same
+    axis and their MLP runs under its own `jax.shard_map` (`moe_parallel.ep_moe_mlp`).
     """
+    if expert_parallel and mesh is None:
+        raise ValueError("expert_parallel=True needs a mesh (tensor_parallel_size > 1)")
+    if expert_parallel:
+        moe = functools.partial(ep_moe_mlp, mesh=mesh, axis=MODEL_AXIS)
+    elif mesh is not None:
+        # MoE layers under tensor parallelism: the Pallas grouped matmul cannot be split by
+        # XLA, so it runs per device on the experts' slices (moe_block.sharded_grouped_mlp).
+        moe = functools.partial(moe_mlp, mlp=sharded_grouped_mlp(mesh, MODEL_AXIS))
+    else:
+        moe = moe_mlp
     total_pages, _, page_size, _ = kv_pages.shape
     groups = kv_groups(cfg)  # static: a function of the config
     slots = kv_layer_slots(cfg)
@@ -162,12 +177,9 @@ def paged_hidden(params: Any, kv_pages: KVPages, token_ids: jax.Array,
                                  check_vma=False)(q, k, v, flat, layer_md, *extra)
 
         x, kv, shared = decoder_layer(cfg, spec, lp, x, positions, attn, kv, inp, shared,
-                                      experts)
+                                      moe)
         return (x, kv, shared), None
 
-    # MoE layers: the Pallas grouped matmul cannot be split by XLA, so under tensor
-    # parallelism it runs per device on the experts' slices (moe_block.sharded_grouped_mlp).
-    experts = None if mesh is None else sharded_grouped_mlp(mesh, MODEL_AXIS)
     x = embed(params, token_ids, cfg.embed_scale)
     # Gemma 4: per-layer inputs scanned beside the layers, K/V slots carried between them.
     inputs = per_layer_inputs(cfg, params, token_ids, x) if cfg.per_layer_input_size else None

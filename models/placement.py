@@ -24,6 +24,8 @@ family's `TP_LAYOUT` (`models/llama.py`):
   wo / w_down: rows (inputs) split, so each block ends in one all-reduce;
   embed [vocab, hidden] / lm_head [hidden, vocab]: split by vocabulary, replicated when tp does
   not divide it; norms (and q/k norms): replicated;
+  MoE expert stacks [L, E, in, out]: each expert's intermediate axis split as the dense MLP's;
+  with `expert_parallel` split on E instead (whole experts per device: models/moe_parallel.py);
   KV pages [L * num_pages, 2 * Hkv, page_size, D]: split on the 2 * Hkv axis, so each device
   holds the pages of its own KV heads (rows 2h / 2h + 1 stay together); a quantized cache's
   scales [L * num_pages, 2 * Hkv, page_size] split on the same axis.
@@ -44,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .config import ModelConfig
 from .families import ModelParams, family
 from .host_arrays import RepeatedHeads
+from .moe_parallel import check_expert_parallel
 from .paged import MODEL_AXIS, kv_specs
 from .quant import QuantizedWeight
 from .safetensors_io import CheckpointError
@@ -91,9 +94,14 @@ def _with_quant_specs(specs: ModelParams, params: ModelParams, tp: int) -> Model
     return out
 
 
-def param_specs(cfg: ModelConfig, tp: int, params: ModelParams | None = None) -> ModelParams:
+def param_specs(cfg: ModelConfig, tp: int, params: ModelParams | None = None,
+                expert_parallel: bool = False) -> ModelParams:
     """The family's params of PartitionSpecs (None where the config has no such leaf); with
-    `params`, its quantized weights get one spec per array (`_quant_spec`)."""
+    `params`, its quantized weights get one spec per array (`_quant_spec`);
+    `expert_parallel`: MoE expert stacks split whole by expert (`models/moe_parallel.py`;
+    ValueError where the model cannot be)."""
+    if expert_parallel:
+        check_expert_parallel(cfg, tp)
     fam = family(cfg)
     shapes = fam.param_shapes(cfg)
     by_kind = {"col": P(None, None, MODEL_AXIS),  # [L, in, out]: split outputs
@@ -104,6 +112,9 @@ def param_specs(cfg: ModelConfig, tp: int, params: ModelParams | None = None) ->
                "expert_col": P(None, None, None, MODEL_AXIS),
                "expert_row": P(None, None, MODEL_AXIS, None),
                "rep": P()}
+    if expert_parallel:  # [L, E, in, out]: whole experts per device
+        by_kind.update(expert_col=P(None, MODEL_AXIS, None, None),
+                       expert_row=P(None, MODEL_AXIS, None, None))
     layers = fam.LayerParams(**{
         f: by_kind[kind] if f"layers.{f}" in shapes else None
         for f, kind in fam.TP_LAYOUT.items()})
@@ -121,12 +132,12 @@ def param_specs(cfg: ModelConfig, tp: int, params: ModelParams | None = None) ->
     return specs if params is None else _with_quant_specs(specs, params, tp)
 
 
-def param_shardings(cfg: ModelConfig, mesh: Mesh,
-                    params: ModelParams | None = None) -> ModelParams:
-    """The family's params of the NamedSharding each leaf is placed on (`params`: see
-    param_specs)."""
+def param_shardings(cfg: ModelConfig, mesh: Mesh, params: ModelParams | None = None,
+                    expert_parallel: bool = False) -> ModelParams:
+    """The family's params of the NamedSharding each leaf is placed on (`params`,
+    `expert_parallel`: see param_specs)."""
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec),
-                        param_specs(cfg, mesh.shape[MODEL_AXIS], params),
+                        param_specs(cfg, mesh.shape[MODEL_AXIS], params, expert_parallel),
                         is_leaf=lambda x: isinstance(x, P))
 
 
@@ -174,10 +185,12 @@ def place_leaf(leaf: object, sharding: NamedSharding, name: str = "leaf") -> jax
         raise ValueError(f"cannot place {name} {shape} on {sharding.spec}: {e}") from e
 
 
-def place_params(params: ModelParams, cfg: ModelConfig, mesh: Mesh) -> ModelParams:
-    """Every leaf of `params` (host sources or jax arrays) onto its tensor-parallel sharding."""
+def place_params(params: ModelParams, cfg: ModelConfig, mesh: Mesh,
+                 expert_parallel: bool = False) -> ModelParams:
+    """Every leaf of `params` (host sources or jax arrays) onto its tensor-parallel sharding
+    (`expert_parallel`: experts split whole, see param_specs)."""
     params = with_replicated_kv_heads(params, cfg, mesh.shape[MODEL_AXIS])
-    shardings = param_shardings(cfg, mesh, params)
+    shardings = param_shardings(cfg, mesh, params, expert_parallel)
     named = jax.tree_util.tree_flatten_with_path(params)[0]
     leaves, treedef = jax.tree_util.tree_flatten(params)
     targets = treedef.flatten_up_to(shardings)

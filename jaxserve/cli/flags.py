@@ -77,6 +77,9 @@ _ENGINE_HELP = {
     "seed": "seed of the seeds drawn for requests that give none",
     "tensor_parallel_size": "devices one engine's step is split over (weights by head, MLP "
                             "column and vocabulary; KV pages by KV head)",
+    "enable_expert_parallel": "MoE models: split the experts whole over the tensor-parallel "
+                              "devices (E / tp each) instead of each expert's width; "
+                              "attention stays tensor parallel",
     "multihost_keepalive_s": "several hosts: idle seconds after which process 0 tells the "
                              "others it is alive",
     "data_parallel_size": "independent engine replicas, each on its own tensor-parallel "

@@ -64,8 +64,8 @@ class StepInputs:
 
 
 def forward_step(params: ModelParams, kv_pages: KVPages, inputs: StepInputs, feed: jax.Array,
-                 cfg: ModelConfig, attn_impl: str, mesh: Mesh | None = None
-                 ) -> tuple[KVPages, jax.Array, jax.Array]:
+                 cfg: ModelConfig, attn_impl: str, mesh: Mesh | None = None,
+                 expert_parallel: bool = False) -> tuple[KVPages, jax.Array, jax.Array]:
     """`feed` i32[max_num_seqs]: the previous step's sampled tokens. `kv_pages`: the float
     pages, or a QuantizedKV (pages and scales, both donated). -> (updated kv_pages,
     f32[S, vocab] logits of each sequence's sampling position, [T, hidden] every token's last
@@ -73,7 +73,7 @@ def forward_step(params: ModelParams, kv_pages: KVPages, inputs: StepInputs, fee
     fed = feed[jnp.maximum(inputs.feed_rows, 0)]
     token_ids = jnp.where(inputs.feed_rows >= 0, fed, inputs.token_ids)
     hidden, kv_pages = paged_hidden(params, kv_pages, token_ids, inputs.positions,
-                                    inputs.md, cfg, attn_impl, mesh)
+                                    inputs.md, cfg, attn_impl, mesh, expert_parallel)
     return kv_pages, lm_logits(cfg, params, hidden[inputs.logits_indices]), hidden
 
 
@@ -88,7 +88,8 @@ def sample_step(logits: jax.Array, st: SamplingTensors, apply_penalty: bool, fee
 # The jitted step functions the runner compiles and runs, one executable per bucket /
 # variant; public so that the export tests and the benchmarks (scripts/bench/bench_sampler.py,
 # ...) lower and time exactly what the engine runs.
-forward_jit = jax.jit(forward_step, static_argnames=("cfg", "attn_impl", "mesh"),
+forward_jit = jax.jit(forward_step,
+                      static_argnames=("cfg", "attn_impl", "mesh", "expert_parallel"),
                       donate_argnames=("kv_pages",))
 sample_jit = jax.jit(sample_step, static_argnames=("apply_penalty", "feed_len"))
 prompt_logprobs_jit = jax.jit(prompt_logprobs, static_argnames=("cfg",))
@@ -175,9 +176,12 @@ class ModelPending:
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, params: ModelParams, shape: BatchShape,
                  num_pages: int, kv_dtype: jnp.dtype, attn_impl: str = "reference",
-                 kv_head_dim: int | None = None, mesh: Mesh | None = None):
+                 kv_head_dim: int | None = None, mesh: Mesh | None = None,
+                 expert_parallel: bool = False):
         """`mesh`: tensor parallel over its "model" axis; `model_cfg` and `params` are then
-        the sharded model's (`placement.tp_model_config`, `placement.place_params`)."""
+        the sharded model's (`placement.tp_model_config`, `placement.place_params`);
+        `expert_parallel`: the params' experts are split whole over that axis
+        (`place_params(..., expert_parallel=True)`) and the step runs them so."""
         if MAX_LOGPROBS > model_cfg.vocab_size:
             raise ValueError(f"vocab_size={model_cfg.vocab_size} < MAX_LOGPROBS={MAX_LOGPROBS}")
         self.model_cfg = model_cfg
@@ -185,6 +189,7 @@ class ModelRunner:
         self.shape = shape
         self.attn_impl = attn_impl
         self.mesh = mesh
+        self.expert_parallel = expert_parallel
         def zeros() -> KVPages:  # int8 / fp8: a QuantizedKV (pages + scales)
             return init_kv_cache(model_cfg, num_pages, shape.page_size, kv_dtype, kv_head_dim)
 
@@ -249,7 +254,8 @@ class ModelRunner:
         each for the large token buckets on a CPU)."""
         inputs, sampling, plp = self._place(batch)
         fwd = forward_jit.lower(self.params, self.kv_pages, inputs, self._feed,
-                                cfg=self.model_cfg, attn_impl=self.attn_impl, mesh=self.mesh)
+                                cfg=self.model_cfg, attn_impl=self.attn_impl, mesh=self.mesh,
+                                expert_parallel=self.expert_parallel)
         compiled = fwd.compile()
         # The forward's outputs as the sampler will receive them: placed by the mesh under
         # tensor parallelism, else uncommitted like everything else on one device (a
@@ -283,7 +289,8 @@ class ModelRunner:
         try:
             self.kv_pages, logits, hidden = forward_jit(
                 self.params, self.kv_pages, inputs, self._feed, cfg=self.model_cfg,
-                attn_impl=self.attn_impl, mesh=self.mesh)
+                attn_impl=self.attn_impl, mesh=self.mesh,
+                expert_parallel=self.expert_parallel)
             scored = None if plp is None else prompt_logprobs_jit(self.params, hidden, plp,
                                                                   cfg=self.model_cfg)
         except Exception as e:  # noqa: BLE001 - classified for the engine

@@ -163,6 +163,7 @@ class _Placed:
     run_cfg: ModelConfig  # KV heads replicated where tensor parallelism needs it
     params: ModelParams
     mesh: Mesh | None
+    expert_parallel: bool  # MoE experts split whole over the mesh (models/moe_parallel.py)
     device: jax.Device  # where free memory is read
     weights_quantized: bool  # any weight stored quantized (the KV pages' "auto" dtype)
 
@@ -191,8 +192,10 @@ def _place(config: EngineConfig, model: LoadedModel | None,
     # slice of the checkpoint); place_params then hands those params back unchanged.
     loaded_here = model is None
     quant = _weight_quant(config)
+    ep = config.enable_expert_parallel
     if model is None:
-        model = load_model(config.model, config.dtype, mesh=mesh, quant=quant)
+        model = load_model(config.model, config.dtype, mesh=mesh, quant=quant,
+                           expert_parallel=ep)
     else:  # a model loaded by the caller, maybe quantized otherwise: bring it to `quant`
         model = dataclasses.replace(model, params=_requantize(model.params, quant, config))
     log.info("weights: %.1f MiB (quantization=%s)", weight_bytes(model.params) / 2**20,
@@ -202,9 +205,10 @@ def _place(config: EngineConfig, model: LoadedModel | None,
         params = _dense_params(config, model.params)
         if loaded_here:  # nothing else holds the unpacked weights: let them go
             model = dataclasses.replace(model, params=params)
-        return _Placed(model, model.config, params, None, jax.local_devices()[0], quantized)
+        return _Placed(model, model.config, params, None, False, jax.local_devices()[0],
+                       quantized)
     return _Placed(model, placement.tp_model_config(model.config, tp),
-                   placement.place_params(model.params, model.config, mesh), mesh,
+                   placement.place_params(model.params, model.config, mesh, ep), mesh, ep,
                    next(d for d in mesh.devices.flat if d.process_index == jax.process_index()),
                    quantized)
 
@@ -290,7 +294,8 @@ def _make_runner(config: EngineConfig, placed: _Placed,
              plan.scheduler.num_pages - 1, plan.scheduler.page_size,
              plan.kv_budget_bytes / 2**20, kv_dtype.name, attn_impl, [d.id for d in devices])
     runner = ModelRunner(placed.run_cfg, placed.params, plan.batch_shape,
-                         plan.scheduler.num_pages, kv_dtype, attn_impl, kv_head_dim, placed.mesh)
+                         plan.scheduler.num_pages, kv_dtype, attn_impl, kv_head_dim, placed.mesh,
+                         placed.expert_parallel)
     return plan, runner
 
 

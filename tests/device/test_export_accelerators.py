@@ -250,11 +250,12 @@ def abstract_kv(shape: tuple[int, ...], int8: bool, sharding=None):  # noqa: ANN
 
 
 def export_step(cfg: ModelConfig, platform: str, tp: int, int8_kv: bool = False,
-                quant: tuple[str, int | None, bool] | None = None
-                ) -> list[jax.export.Exported]:
+                quant: tuple[str, int | None, bool] | None = None,
+                expert_parallel: bool = False) -> list[jax.export.Exported]:
     """Export `forward_jit` and `sample_jit` for the chosen buckets; asserts the kernel.
-    `quant`: (scheme, group size, fp8 activations) of the dense weights, else bf16. Returns
-    the exported forward steps."""
+    `quant`: (scheme, group size, fp8 activations) of the dense weights, else bf16;
+    `expert_parallel`: MoE experts split whole over the mesh. Returns the exported forward
+    steps."""
     impl = select_impl("auto", platform)
     engine = ENGINE if not int8_kv else EngineConfig(
         dtype="bfloat16", max_num_seqs=128, max_num_batched_tokens=1024, max_model_len=4096,
@@ -281,7 +282,8 @@ def export_step(cfg: ModelConfig, platform: str, tp: int, int8_kv: bool = False,
         run_params = weights(run_cfg)
         params = jax.tree.map(lambda a, spec: SDS(a.shape, a.dtype,
                                                   sharding=NamedSharding(mesh, spec)),
-                              run_params, placement.param_specs(cfg, tp, run_params))
+                              run_params, placement.param_specs(cfg, tp, run_params,
+                                                                expert_parallel))
         kv_shape = kv_cache_shape(run_cfg, plan.scheduler.num_pages,
                                   plan.scheduler.page_size, padded_head_dim(cfg.head_dim))
         kv = abstract_kv(kv_shape, int8_kv, placement.kv_sharding(mesh, int8_kv))
@@ -298,7 +300,8 @@ def export_step(cfg: ModelConfig, platform: str, tp: int, int8_kv: bool = False,
         feed = replicated(SDS((feed_len,), jnp.int32))
         fwd = jax.export.export(mr.forward_jit, platforms=[platform],
                                 disabled_checks=EXPORT_CHECKS)(
-            params, kv, inputs, feed, cfg=run_cfg, attn_impl=impl, mesh=mesh)
+            params, kv, inputs, feed, cfg=run_cfg, attn_impl=impl, mesh=mesh,
+            expert_parallel=expert_parallel)
         assert fwd.nr_devices == tp
         forwards.append(fwd)
         # One layer body per distinct layer spec, scanned over its layers: groups of equal
@@ -472,6 +475,27 @@ def test_qwen3_moe_step_lowers_for_platform(platform: str, tp: int) -> None:
             assert module.count(f"custom_call @{TRITON_CALL}(") == 2
         gathers = [ln for ln in module.splitlines() if "all_gather" in ln]
         assert not [ln for ln in gathers if "128x" in ln], gathers  # no expert weight gathered
+
+
+@pytest.mark.parametrize("platform", grid(
+    [[(p, p) for p in PLATFORMS]], {"tpu"}, "the expert-parallel step for CUDA too"))
+def test_qwen3_moe_step_lowers_under_expert_parallelism(platform: str) -> None:
+    """Qwen3-30B-A3B's step with its 128 experts split whole over an abstract 8-device mesh
+    (`--enable-expert-parallel`): inside the experts' shard_map each device's three calls
+    of the Pallas grouped matmul take its 16 experts [16, in, out], and the step's one
+    explicit collective is the experts' psum of [tokens, hidden] in the layer body (XLA adds
+    attention's all-reduce when it partitions the step, after export;
+    tests/device/test_expert_parallel.py counts those on CPU)."""
+    cfg = families.config_from_hf(QWEN3_MOE_SHAPE, "qwen3-30b-a3b/config.json")
+    kernel = {"tpu": "grouped_matmul_tpu", "cuda": "grouped_matmul_gpu"}[platform]
+    for fwd in export_step(cfg, platform, tp=8, expert_parallel=True):
+        module = fwd.mlir_module()
+        calls = re.findall(rf"call @{kernel}\w*\(.*", module)
+        assert len(calls) == 3, platform
+        for shape in ("16x2048x768xbf16", "16x768x2048xbf16"):  # gate / up, down
+            assert any(shape in c for c in calls), (shape, calls)
+        psums = re.findall(r"stablehlo\.all_reduce.*\n?.*", module)
+        assert len(re.findall(r"stablehlo\.all_reduce", module)) == 1, psums
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)

@@ -32,6 +32,7 @@ HEAVY_MODULES: tuple[str, ...] = (
     "tests/kernels/test_attention_kernels.py",
     "tests/device/test_quant_engine.py",
     "tests/device/test_tensor_parallel.py",
+    "tests/device/test_expert_parallel.py",
     "tests/device/test_export_accelerators.py",
     "tests/serving/test_data_parallel.py",
     "tests/device/test_multihost.py",
