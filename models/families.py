@@ -17,7 +17,9 @@ differ in shape maps each layer's checkpoint tensor onto the stacked shape and b
 `hf_loader`), REFUSED_ARCHITECTURES / GGUF_REFUSED {name: why}, names
 the family knows but does not serve (the error says why instead of "unsupported"), and
 GGUF_NORM_SHIFTS {GGUF tensor name or per-layer suffix: constant the file adds}, subtracted
-on read (`gguf_tensor.GGUFTensor`). The layers are the shared blocks (`decoder.decoder_layer`), chosen by
+on read (`gguf_tensor.GGUFTensor`), GGUF_EXPERT_NAMES {merged expert tensor suffix: per-expert
+HF name with `{e}`} (an MoE family: split per expert at load, `moe_gguf`) and GGUF_SQUEEZED
+(per-layer suffixes some files store without their unit axis). The layers are the shared blocks (`decoder.decoder_layer`), chosen by
 the `LayerSpec`s the family's config mapping gives.
 Adding a family is that module, its import here and its entry in FAMILIES.
 """

@@ -6,7 +6,9 @@ Data flow:
   reads vocab/merges from here)
   -> `open_gguf`: `general.architecture` -> the family (`families.family_for_gguf`); metadata
      `{arch}.*` keys -> HF `config.json`-shaped dict, validated by the family's mapping
-     (`families.config_from_hf`); tensor table -> HF names by the family's GGUF name tables,
+     (`families.config_from_hf`); tensor table -> HF names by the family's GGUF name tables
+     (an MoE family's merged `ffn_*_exps` tensors split into one 2-D entry per expert over the
+     same bytes, `gguf_tensor.split_experts`, named as its per-expert HF tensors),
      shapes checked against that config before any data is touched (reading no weights) ->
      per tensor a lazy `GGUFTensor` (numpy shape: GGUF lists dims innermost-first, numpy
      outermost-first, so dims are reversed; llama q/k rows un-permuted on read, Gemma's
@@ -34,7 +36,7 @@ import numpy as np
 from .config import ConfigError, ModelConfig
 from .families import config_from_hf, family, family_for_gguf
 from .gguf_header import close_gguf, map_gguf, parse_header, read_gguf_metadata
-from .gguf_tensor import GGUFTensor, TensorInfo
+from .gguf_tensor import GGUFTensor, TensorInfo, split_experts
 # One error type for every checkpoint format (a ValueError naming the file and key/tensor).
 from .safetensors_io import CheckpointError
 
@@ -68,6 +70,11 @@ def _hf_config(md: Mapping[str, object], names: set[str], path: str) -> dict[str
         if required and f"{arch}.{name}" not in md:
             raise CheckpointError(f"{path}: required GGUF metadata key '{arch}.{name}' is missing")
         value = md.get(f"{arch}.{name}", default)
+        if kind is bool:
+            if value is not None and not isinstance(value, bool):
+                raise CheckpointError(f"{path}: GGUF metadata {arch}.{name}={value!r} must be "
+                                      "a boolean")
+            return value
         if kind is list:  # a per-layer array, or one integer for every layer: as stored
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, list))):
                 raise CheckpointError(f"{path}: GGUF metadata {arch}.{name}={value!r} must be "
@@ -160,6 +167,30 @@ def _hf_name(gguf_name: str, fam: ModuleType, num_layers: int, path: str) -> str
                           f"{fam.__name__.rsplit('.', 1)[-1]}-family weight)")
 
 
+def _entries(by_name: Mapping[str, TensorInfo], fam: ModuleType, num_layers: int, path: str
+             ) -> list[tuple[str, TensorInfo]]:
+    """(name, entry) per tensor of the file; a merged expert tensor (the family's
+    `GGUF_EXPERT_NAMES`) as one entry per expert named by its HF per-expert name."""
+    experts = getattr(fam, "GGUF_EXPERT_NAMES", {})
+    out: list[tuple[str, TensorInfo]] = []
+    for name, info in by_name.items():
+        parts = name.split(".", 2)
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in experts:
+            layer = _hf_layer(name, parts, num_layers, path)
+            out += [(f"model.layers.{layer}.{experts[parts[2]].format(e=e)}", view)
+                    for e, view in enumerate(split_experts(info, path))]
+        else:
+            out.append((name, info))
+    return out
+
+
+def _hf_layer(gguf_name: str, parts: list[str], num_layers: int, path: str) -> int:
+    if not parts[1].isdigit() or int(parts[1]) >= num_layers:
+        raise CheckpointError(f"{path}: tensor {gguf_name!r} is for layer {parts[1]} but "
+                              f"block_count is {num_layers}")
+    return int(parts[1])
+
+
 def _expected_shapes(c: ModelConfig, fam: ModuleType
                      ) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """HF name -> HF shape for every tensor this config may have, and the required names:
@@ -212,8 +243,8 @@ class LazyGGUF:
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
-    """Read and dequantize a llama/qwen2/qwen3/gemma2/gemma3/gemma4 GGUF into HF names, HF layout,
-    float32."""
+    """Read and dequantize a llama/qwen2/qwen3/gemma2/gemma3/gemma4/qwen3moe/qwen2moe GGUF into
+    HF names, HF layout, float32."""
     lazy = open_gguf(path)
     try:
         tensors = {hf: t[...] for hf, t in lazy.tensors.items()}
@@ -275,14 +306,18 @@ def _open_tensors(buf: mmap.mmap, spath: str) -> LazyGGUF:
     plan: dict[str, TensorInfo] = {}
     shifts: dict[str, float] = {}
     norm_shifts = getattr(fam, "GGUF_NORM_SHIFTS", {})
-    for name, info in by_name.items():
-        hf = _hf_name(name, fam, config.num_layers, spath)
+    for name, info in _entries(by_name, fam, config.num_layers, spath):
+        hf = _hf_name(name, fam, config.num_layers, spath) if info.name == name else name
         if hf not in shapes:
-            raise CheckpointError(f"{spath}: tensor {name!r} ({hf}) is not used by a "
+            raise CheckpointError(f"{spath}: tensor {info.name!r} ({hf}) is not used by a "
                                   f"{config.model_type} model with this config")
+        squeezed = getattr(fam, "GGUF_SQUEEZED", ())
+        if (info.shape != shapes[hf] and name.split(".", 2)[-1] in squeezed
+                and [d for d in info.shape if d != 1] == [d for d in shapes[hf] if d != 1]):
+            info = info._replace(shape=shapes[hf])  # the same bytes at the HF shape
         if info.shape != shapes[hf]:
             raise CheckpointError(
-                f"{spath}: tensor {name!r} ({hf}) has shape {list(info.shape)} but the "
+                f"{spath}: tensor {info.name!r} ({hf}) has shape {list(info.shape)} but the "
                 f"config implies {list(shapes[hf])}")
         plan[hf] = info
         # by the GGUF name: a top-level one, else its suffix after `blk.{i}.`

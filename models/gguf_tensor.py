@@ -130,3 +130,24 @@ class GGUFTensor:
     def __repr__(self) -> str:
         shift = f", shift={self.shift}" if self.shift else ""
         return f"GGUFTensor({self.info.name}, {self.type_name}, shape={self.shape}{shift})"
+
+
+def split_experts(info: TensorInfo, path: str) -> list[TensorInfo]:
+    """A merged expert tensor (llama.cpp's `ffn_*_exps`: numpy [E, out, in], the experts'
+    [out, in] matrices one after another) as E 2-D tensor entries over the same bytes, expert
+    e's starting e * out rows in. Nothing is read; each entry is checked when opened."""
+    if len(info.shape) != 3:
+        raise CheckpointError(f"{path}: expert tensor {info.name!r} has shape {list(info.shape)}; "
+                              "expected 3 dims [experts, out, in]")
+    try:
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
+    except (ValueError, KeyError):
+        raise CheckpointError(f"{path}: tensor {info.name!r} has unknown GGML type id "
+                              f"{info.ggml_type}") from None
+    experts, out, inner = info.shape
+    if inner % block:
+        raise CheckpointError(f"{path}: tensor {info.name!r} has inner dim {inner} not "
+                              f"divisible by its block size {block}")
+    stride = out * (inner // block) * type_size
+    return [TensorInfo(f"{info.name}[{e}]", (out, inner), info.ggml_type, info.offset + e * stride)
+            for e in range(experts)]

@@ -223,13 +223,24 @@ def config_dict_from_gguf(key: GGUFKey, tensor_names: set[str], model_type: str
     """The HF config.json fields of this family from a GGUF file's `{arch}.*` metadata, read
     through `key(name, default, required, kind)` (`gguf_loader`: checked, a CheckpointError
     naming the key), and its tensor names; `model_type` is the one its architecture maps to
-    (one mapping serves all three here). A `llama` file with experts (llama.cpp's Mixtral)
-    is refused: its merged expert tensors are not mapped yet."""
+    (one mapping serves all three here). A `llama` file with experts is llama.cpp's Mixtral:
+    its fields are the Mixtral family's (`moe_gguf`), model_type "mixtral" (which the loader
+    then maps the tensors by)."""
     experts = key("expert_count")
     if experts or any("_exps." in n for n in tensor_names):
-        raise ConfigError(f"GGUF metadata '{model_type}.expert_count'={experts!r}: "
-                          "mixture-of-experts GGUF files (Mixtral as llama) are not supported "
-                          "yet; load the HF safetensors checkpoint")
+        if model_type != "llama":
+            raise ConfigError(f"GGUF metadata '{model_type}.expert_count'={experts!r}: a "
+                              f"{model_type} file with experts is not a known architecture")
+        from . import moe_gguf  # the MoE families' GGUF side (it builds on this module)
+
+        return moe_gguf.config_dict(key, tensor_names, "mixtral",
+                                    gguf_attention_fields(key, tensor_names))
+    return gguf_attention_fields(key, tensor_names)
+
+
+def gguf_attention_fields(key: GGUFKey, tensor_names: set[str]) -> dict[str, object]:
+    """The HF config fields of a llama / qwen2 / qwen3 GGUF (and the attention of their MoE
+    variants): shape, norms, rope base, tying, q/k/v bias."""
     hidden = int(key("embedding_length", required=True))  # type: ignore[call-overload]
     heads = int(key("attention.head_count", required=True))  # type: ignore[call-overload]
     head_dim = (key("attention.key_length") or key("rope.dimension_count")

@@ -9,8 +9,8 @@ the top-k renormalised: the same numbers, `MoESpec.norm_topk_prob`).
 Checkpoints: HF safetensors with one tensor per expert
 (`block_sparse_moe.experts.{e}.w1 / w3 / w2.weight`: gate / up / down), stacked at load into
 [E, in, out] (`moe.ExpertStack`) and split back on export. GGUF: llama.cpp writes Mixtral as
-architecture `llama` with merged expert tensors; the Llama family refuses such a file
-(`llama.config_dict_from_gguf`: `llama.expert_count`), as their mapping is not done yet.
+architecture `llama` with `llama.expert_count` > 0 and merged expert tensors, which the Llama
+family's GGUF mapping hands to this family (`moe_gguf`).
 """
 
 from __future__ import annotations
@@ -23,17 +23,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from . import llama, moe
+from . import llama, moe, moe_gguf
 from .config import ConfigError, ModelConfig, MoESpec, hf_int
 from .host_arrays import HostArray
 from .linear import Weight
 from .moe import EXPERT_FIELDS, KV_FIELDS  # noqa: F401  (the family's names)
 
 ARCHITECTURES = {"MixtralForCausalLM": "mixtral"}
+# llama.cpp writes Mixtral as architecture `llama` (q/k rows permuted as for Llama) with
+# experts: the Llama family's GGUF mapping hands such a file to this family (model_type
+# "mixtral", `llama.config_dict_from_gguf`), so no GGUF architecture names it directly.
 GGUF_ARCHITECTURES: dict[str, str] = {}
-GGUF_PERMUTED: tuple[str, ...] = ()
-GGUF_NAMES: dict[str, str] = {}
-GGUF_LAYER_NAMES: dict[str, str] = {}
+GGUF_PERMUTED = ("llama",)
+GGUF_NAMES = llama.GGUF_NAMES
+GGUF_LAYER_NAMES = {**{k: v for k, v in llama.GGUF_LAYER_NAMES.items()
+                       if not k.startswith("ffn_") or k == "ffn_norm.weight"},
+                    **moe_gguf.MIXTRAL_LAYER_NAMES}
 
 
 @struct.dataclass
@@ -64,6 +69,7 @@ HF_LAYER_NAMES: dict[str, tuple[str, bool]] = {
 EXPERT_NAMES = {"we_gate": "block_sparse_moe.experts.{e}.w1.weight",
                 "we_up": "block_sparse_moe.experts.{e}.w3.weight",
                 "we_down": "block_sparse_moe.experts.{e}.w2.weight"}
+GGUF_EXPERT_NAMES = moe_gguf.expert_names(EXPERT_NAMES)
 
 
 # ---------------------------------------------------------------- HF config <-> ModelConfig
@@ -94,11 +100,11 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, ob
     return d
 
 
-def config_dict_from_gguf(key: object, tensor_names: set[str], model_type: str
+def config_dict_from_gguf(key: moe_gguf.GGUFKey, tensor_names: set[str], model_type: str
                           ) -> dict[str, object]:
-    # Unreachable: GGUF_ARCHITECTURES is empty (llama.cpp writes Mixtral as `llama`, which
-    # the Llama family refuses when it has experts).
-    raise ConfigError("Mixtral GGUF files are not supported")
+    """Not reached through GGUF_ARCHITECTURES (empty): `llama.config_dict_from_gguf` maps a
+    `llama` file with experts (`moe_gguf.config_dict`)."""
+    return llama.config_dict_from_gguf(key, tensor_names, "llama")
 
 
 # --------------------------------------------------- checkpoint tensors <-> stacked params

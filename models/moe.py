@@ -19,11 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from .compressed_tensors import CompressedTensor
 from .config import ConfigError, LayerSpec, ModelConfig, MoESpec, hf_int
 from .host_arrays import HostArray, normalize_box
 from .linear import Weight
-from .safetensors_io import CheckpointError
 from .moe_block import (  # noqa: F401  (re-exported: one import path for the block)
     route,
     router_logits,
@@ -81,9 +79,10 @@ class MixedMoELayerParams(MoELayerParams):
     ws_router: jax.Array | None = None  # f[L, hidden, 1] (shared_expert_gate)
 
 
-# The stacked experts' fields (not `LINEAR_FIELDS`: the CPU engine packs them for the grouped
-# expert kernel as `PackedExperts`, not as linear weights, and the quantization options do
-# not cover them; `quantized_params` refuses quantizing a model that has them).
+# The stacked experts' fields (not `LINEAR_FIELDS`: the CPU engine packs float ones for the
+# grouped expert kernel as `PackedExperts`, not as linear weights;
+# `quantized_params.quantize_experts` quantizes them per expert, and the grouped matmul of
+# `moe_block` takes them float or quantized).
 EXPERT_FIELDS = ("we_gate", "we_up", "we_down")
 # Tensor parallelism: each expert's intermediate axis split as the dense MLP's is (gate / up
 # outputs, down inputs; the down projection's partial sums are all-reduced); the router
@@ -212,12 +211,6 @@ def hf_layer_part(cfg: ModelConfig, names: Mapping[str, tuple[str, bool]],
     if field in EXPERT_FIELDS:
         E, inp, out = stacked
         parts = [fetch(expert_names[field].format(e=e), (out, inp)) for e in range(E)]
-        if isinstance(parts[0], CompressedTensor):
-            # Read through it, the experts would be dequantized to float while the rest keeps
-            # the checkpoint's scheme: refused rather than silently several times larger.
-            raise CheckpointError(
-                f"layer {i}: {expert_names[field].format(e=0)} is stored quantized "
-                "(compressed-tensors): quantized expert weights are not supported yet")
         return ExpertStack(parts)
     return fetch(suffix, stacked)
 

@@ -22,6 +22,9 @@ Data flow for one layer (`moe_mlp`, called by `decoder.decoder_layer` where the 
   dot elsewhere (`grouped_mlp_ragged`). Under tensor parallelism `sharded_grouped_mlp`
   runs it per device on the experts' intermediate slices and sums. The work is N * k rows
   (plus under a tile of padding per group or m-tile), not N * E
+  (quantized experts, `ExpertWeight`: the tile loop converts and scales only each tile's
+  expert's values; the other paths run over the converted values, scale per-column outputs
+  after the dot and dequantize a grouped-scale stack whole, docs/quantization.md)
   -> un-sorted (the inverse permutation), weighted by the routing probabilities and summed
   over the k choices per token; plus, with a shared expert (Qwen2-MoE), sigmoid(h @ gate) *
   the shared SwiGLU MLP.
@@ -55,10 +58,12 @@ from ..kernels_pallas.moe_grouped_cpu import grouped_mlp_packed
 from .config import MoESpec
 from .linear import PackedExperts, linear
 from .moe_biased import expert_activation, grouped_mlp_biased
+from .moe_quant import (ExpertWeight, expert_floats, grouped_dot, over_quantized,  # noqa: F401
+                        per_column, row_groups, stack_spec)
+from .quant import QuantizedWeight
 
-
-# An expert stack [E, in, out] (one layer's), or a stack packed for the CPU kernel.
-Experts = jax.Array | PackedExperts
+# An expert stack [E, in, out] (one layer's; float or quantized), or packed for the CPU kernel.
+Experts = ExpertWeight | PackedExperts
 
 
 # ------------------------------------------------------------------------------- routing
@@ -87,23 +92,34 @@ def router_logits(router: jax.Array, x: jax.Array, bias: jax.Array | None = None
 
 
 # ------------------------------------------------------------------- grouped expert matmul
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def grouped_matmul(x: jax.Array, w: ExpertWeight, group_sizes: jax.Array) -> jax.Array:
     """Rows x [M, in] sorted by group, group g's `group_sizes[g]` rows times w[g] [in, out]
     -> [M, out] in x's dtype (float32 accumulation). XLA's ragged dot: no row meets another
-    group's weights. Rows past sum(group_sizes) come out zero."""
-    y = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes,
+    group's weights. Rows past sum(group_sizes) come out zero.
+
+    Quantized w: per-column scales (int8 / fp8 by default) multiply each row's output after
+    the dot, the values converted in the dot's operand as the dense path's are; grouped
+    scales (int4, GGUF blocks) are applied to the whole stack before the dot: every step
+    dequantizes all E experts of the layer (E * in * out multiply-adds, and a float copy
+    unless XLA fuses it into the operand), a cost the CPU tile loop does not pay."""
+    if isinstance(w, QuantizedWeight) and per_column(w):
+        y = jax.lax.ragged_dot(x, w.values.astype(x.dtype), group_sizes,
+                               preferred_element_type=jnp.float32)
+        return (y * w.scales[row_groups(group_sizes, x.shape[0]), 0]).astype(x.dtype)
+    y = jax.lax.ragged_dot(x, expert_floats(w, x.dtype), group_sizes,
                            preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
 
 
-def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def grouped_matmul_reference(x: jax.Array, w: ExpertWeight, group_sizes: jax.Array
+                             ) -> jax.Array:
     """grouped_matmul by the definition: each row's group from the cumulative sizes, then
     that group's weights gathered per row (tests only: M copies of a weight matrix)."""
     ends = jnp.cumsum(group_sizes)
     row = jnp.arange(x.shape[0])
     group = jnp.searchsorted(ends, row, side="right")
     valid = row < ends[-1]
-    wg = w[jnp.minimum(group, w.shape[0] - 1)].astype(jnp.float32)
+    wg = expert_floats(w)[jnp.minimum(group, w.shape[0] - 1)]
     y = jnp.einsum("mi,mio->mo", x.astype(jnp.float32), wg)
     return jnp.where(valid[:, None], y, 0.0).astype(x.dtype)
 
@@ -112,12 +128,14 @@ def _swiglu(x: jax.Array, gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
-def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
+def _dot(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
+    if isinstance(w, QuantizedWeight):  # one expert's [in, out]: only its values converted
+        return w.matmul(x) if per_column(w) else grouped_dot(x, w)
     return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def grouped_mlp_ragged(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                       w_down: jax.Array) -> jax.Array:
+def grouped_mlp_ragged(xs: jax.Array, sizes: jax.Array, w_gate: ExpertWeight,
+                       w_up: ExpertWeight, w_down: ExpertWeight) -> jax.Array:
     """The SwiGLU expert MLP of rows xs [M, hidden] sorted by expert (`sizes` i32[E] rows
     each) through three `jax.lax.ragged_dot`s: XLA's ragged dot instruction on TPU and GPU."""
     h = _swiglu(xs, grouped_matmul(xs, w_gate, sizes), grouped_matmul(xs, w_up, sizes))
@@ -134,15 +152,18 @@ def tile_rows(rows: int, num_experts: int) -> int:
     return int(min(32, max(4, 1 << max(share - 1, 0).bit_length())))
 
 
-def grouped_mlp_tiled(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                      w_down: jax.Array, tile: int | None = None) -> jax.Array:
+def grouped_mlp_tiled(xs: jax.Array, sizes: jax.Array, w_gate: ExpertWeight,
+                      w_up: ExpertWeight, w_down: ExpertWeight, tile: int | None = None
+                      ) -> jax.Array:
     """`grouped_mlp_ragged`'s result by a loop over row tiles, for XLA:CPU, whose lowering of
     `ragged_dot` multiplies every row by every group's weights and masks (E times the work;
     scripts/bench/bench_moe_cpu.py measures it). Each group is padded to a whole number of
     tiles of `tile` rows (the padded layout's size is static: M + E * (tile - 1), rounded up),
     and a `fori_loop` whose trip count is the data's tile count (a while loop: tiles past it
     are not run) computes one tile through its expert's gate / up / down weights per step.
-    Work: the real rows plus under one tile of padding per non-empty group."""
+    Work: the real rows plus under one tile of padding per non-empty group. Quantized
+    experts: each step converts only its tile's expert's values (and scales them: after the
+    dot for per-column scales, before it for groups), never the other experts'."""
     m, hidden = xs.shape
     num_experts = w_gate.shape[0]
     t = tile or tile_rows(m, num_experts)
@@ -157,8 +178,10 @@ def grouped_mlp_tiled(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: 
                                               side="right"), num_experts - 1)
 
     def step(i: jax.Array, yp: jax.Array) -> jax.Array:
-        def w(stack: jax.Array) -> jax.Array:  # the tile's expert's weights, read in place
-            return jax.lax.dynamic_index_in_dim(stack, tile_group[i], keepdims=False)
+        def w(stack: ExpertWeight) -> jax.Array | QuantizedWeight:
+            # the tile's expert's weights (a quantized one's values and scales), read in place
+            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(
+                a, tile_group[i], keepdims=False), stack)
 
         xt = jax.lax.dynamic_slice_in_dim(xp, i * t, t)
         h = _swiglu(xt, _dot(xt, w(w_gate)), _dot(xt, w(w_up)))
@@ -169,24 +192,25 @@ def grouped_mlp_tiled(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: 
 
 
 def grouped_mlp_with(matmul: Callable[..., jax.Array], xs: jax.Array, sizes: jax.Array,
-                     w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """The SwiGLU expert MLP through a grouped matmul `matmul(x, w, sizes)` (a kernel of
-    kernels_pallas/grouped_matmul*.py), the weights cast to the rows' dtype."""
-    dt = xs.dtype
-    gate = matmul(xs, w_gate.astype(dt), sizes)
-    h = _swiglu(xs, gate, matmul(xs, w_up.astype(dt), sizes))
-    return matmul(h, w_down.astype(dt), sizes)
+                     w_gate: ExpertWeight, w_up: ExpertWeight, w_down: ExpertWeight
+                     ) -> jax.Array:
+    """The SwiGLU expert MLP through a grouped matmul `matmul(x, w, sizes)` of float stacks
+    (a kernel of kernels_pallas/grouped_matmul*.py), the weights cast to the rows' dtype;
+    quantized stacks as `grouped_matmul` takes them (`over_quantized`)."""
+    gate = over_quantized(matmul, xs, w_gate, sizes)
+    h = _swiglu(xs, gate, over_quantized(matmul, xs, w_up, sizes))
+    return over_quantized(matmul, h, w_down, sizes)
 
 
-def grouped_mlp_pallas_tpu(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array,
-                           w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+def grouped_mlp_pallas_tpu(xs: jax.Array, sizes: jax.Array, w_gate: ExpertWeight,
+                           w_up: ExpertWeight, w_down: ExpertWeight) -> jax.Array:
     """The expert MLP through the Pallas Mosaic TPU grouped matmul (Megablox's tile visits:
     kernels_pallas/grouped_matmul_tpu.py), three calls."""
     return grouped_mlp_with(grouped_matmul_tpu, xs, sizes, w_gate, w_up, w_down)
 
 
-def grouped_mlp_pallas_gpu(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array,
-                           w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+def grouped_mlp_pallas_gpu(xs: jax.Array, sizes: jax.Array, w_gate: ExpertWeight,
+                           w_up: ExpertWeight, w_down: ExpertWeight) -> jax.Array:
     """The expert MLP through the Pallas Triton grouped matmul
     (kernels_pallas/grouped_matmul_gpu.py); XLA's ragged dot where its power-of-two tiles do
     not divide the widths (hidden or expert width not a multiple of 16: toy shapes only)."""
@@ -198,11 +222,11 @@ def grouped_mlp_pallas_gpu(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array,
 def grouped_mlp(xs: jax.Array, sizes: jax.Array, w_gate: Experts, w_up: Experts,
                 w_down: Experts, tile: int | None = None) -> jax.Array:
     """The grouped expert MLP: over packed expert panels (only a CPU engine packs them) the
-    C++ grouped kernel; over plain stacks per backend, chosen where the step is lowered (so
-    an export for TPU / CUDA from a CPU host gets that platform's kernel): the tile loop on
-    CPU (of `tile` rows; None: `tile_rows` of the rows and groups given), the Pallas grouped matmul
-    on TPU (Mosaic) and CUDA (Triton), XLA's ragged dot elsewhere (`grouped_mlp_ragged`:
-    also the reference the kernels' tests compare against)."""
+    C++ grouped kernel; over plain or quantized stacks per backend, chosen where the step is
+    lowered (so an export for TPU / CUDA from a CPU host gets that platform's kernel): the
+    tile loop on CPU (of `tile` rows; None: `tile_rows` of the rows and groups given), the
+    Pallas grouped matmul on TPU (Mosaic) and CUDA (Triton), XLA's ragged dot elsewhere
+    (`grouped_mlp_ragged`: also the reference the kernels' tests compare against)."""
     packed = [isinstance(w, PackedExperts) for w in (w_gate, w_up, w_down)]
     if any(packed):
         if not all(packed):
@@ -219,16 +243,24 @@ def sharded_grouped_mlp(mesh: Mesh, axis: str) -> "GroupedMLP":
     """`grouped_mlp` under tensor parallelism (the experts' intermediate axis split over
     `axis`, as models/placement.py lays them out): each device runs the kernels on its
     slice (gate / up columns, down rows) and the partial outputs are summed. Without it XLA
-    could not split a Pallas call and would gather every expert's weights to each device."""
+    could not split a Pallas call and would gather every expert's weights to each device.
+    A quantized stack's scales are split with its values (`stack_spec`)."""
+    tp = mesh.shape[axis]
     col, row = PS(None, None, axis), PS(None, axis, None)
 
-    def local(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-              w_down: jax.Array) -> jax.Array:
+    def local(xs: jax.Array, sizes: jax.Array, w_gate: ExpertWeight, w_up: ExpertWeight,
+              w_down: ExpertWeight) -> jax.Array:
         y = grouped_mlp(xs, sizes, w_gate, w_up, w_down).astype(jnp.float32)
         return jax.lax.psum(y, axis).astype(xs.dtype)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(PS(), PS(), col, col, row),
-                         out_specs=PS(), check_vma=False)
+    def run(xs: jax.Array, sizes: jax.Array, w_gate: ExpertWeight, w_up: ExpertWeight,
+            w_down: ExpertWeight) -> jax.Array:
+        specs = (PS(), PS(), stack_spec(w_gate, col, tp), stack_spec(w_up, col, tp),
+                 stack_spec(w_down, row, tp))
+        return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=PS(),
+                             check_vma=False)(xs, sizes, w_gate, w_up, w_down)
+
+    return run
 
 
 GroupedMLP = Callable[[jax.Array, jax.Array, Any, Any, Any], jax.Array]
@@ -311,11 +343,11 @@ def dense_moe_reference(spec: MoESpec, lp: Any, h: jax.Array) -> jax.Array:
     comb = jnp.zeros((x.shape[0], num_experts), jnp.float32)
     comb = comb.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)
     f32 = jnp.float32
-    g = jnp.einsum("nh,ehi->nei", x, lp.we_gate.astype(f32))
-    u = jnp.einsum("nh,ehi->nei", x, lp.we_up.astype(f32))
+    g = jnp.einsum("nh,ehi->nei", x, expert_floats(lp.we_gate, f32))
+    u = jnp.einsum("nh,ehi->nei", x, expert_floats(lp.we_up, f32))
     if spec.expert_bias:
         g, u = g + lp.be_gate.astype(f32), u + lp.be_up.astype(f32)
-    y = jnp.einsum("nei,eih->neh", expert_activation(spec, g, u), lp.we_down.astype(f32))
+    y = jnp.einsum("nei,eih->neh", expert_activation(spec, g, u), expert_floats(lp.we_down, f32))
     if spec.expert_bias:
         y = y + lp.be_down.astype(f32)
     out = jnp.einsum("neh,ne->nh", y, comb)

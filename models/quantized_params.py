@@ -18,6 +18,9 @@ time (the linear fields are the family's `LINEAR_FIELDS`):
     under "auto", a stored quantization with no exact mapping (Q5_*, Q2_K, mixed types) is
     dequantized and quantized to int8 in groups of 32, with a log line;
   - else the field stays as it is (a float checkpoint under "auto"; "none": the float views).
+The expert stacks of an MoE model [L, E, in, out] follow the same rules per expert
+(`quantize_experts`: scales per expert and column or group, read one expert at a time;
+always weight-only).
 The layers are stacked into one QuantizedWeight (host peak: one field's quantized stack plus one
 float layer), which placement then puts on the devices like any leaf.
 The lm_head and the embedding follow the same rules, but an explicit scheme quantizes them only
@@ -34,6 +37,7 @@ quantization="none".
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
@@ -43,6 +47,7 @@ import numpy as np
 from .compressed_tensors import CompressedTensor, quantized_weight
 from .gguf_quant import block_group, block_scheme, quantized_blocks
 from .host_arrays import LazyLeaf
+from .moe import ExpertStack
 from .families import ModelParams, family_of_params
 from .quant import QuantizedWeight, WeightQuant, quantize_weight
 
@@ -199,6 +204,65 @@ def quantize_leaf(leaf: object, wq: WeightQuant, name: str, stacked: bool = True
     return _stack(layers) if stacked else layers[0]
 
 
+def _expert_layers(leaf: object) -> list[list[object] | None]:
+    """Per layer of an expert field: its E stored tensors (an `ExpertStack`'s parts), or None
+    for a layer without experts (a dense layer's zeros)."""
+    if not isinstance(leaf, LazyLeaf):
+        return []
+    return [list(p.parts) if isinstance(p, ExpertStack) else None for p in leaf.parts]
+
+
+def _stored_expert(t: object) -> QuantizedWeight:
+    """One expert's stored tensor [out, in] as it is: GGUF blocks, or compressed-tensors
+    values and per-row scales (read here: the stacks are built on the host)."""
+    if isinstance(t, CompressedTensor):
+        values = np.ascontiguousarray(np.asarray(t.values[...]).T)
+        return QuantizedWeight(values, t.scale[None, :].astype(np.float32), None, t.scheme)
+    return quantized_blocks(t)  # type: ignore[arg-type]
+
+
+def quantize_experts(leaf: object, wq: WeightQuant, name: str) -> QuantizedWeight | None:
+    """An expert field [L, E, in, out] as one QuantizedWeight of numpy arrays (scales per
+    expert and output column, or per group of input rows), or None to leave it as it is:
+    the rules of `quantize_leaf` per expert (GGUF blocks as stored where they map exactly,
+    and compressed-tensors int8 / fp8 experts as stored where they map exactly, else read as
+    float one expert at a time and quantized; under "auto" a float checkpoint
+    stays float). Always weight-only: the grouped matmul (`moe_block`) converts and scales
+    the values; a dense layer's zeros (a model mixing dense and sparse layers) are quantized
+    zeros of the same layout."""
+    if wq.scheme == "none":
+        return None
+    want = wq.scheme if wq.quantizes else None
+    if isinstance(leaf, QuantizedWeight):
+        return _requantized(leaf, dataclasses.replace(wq, act_fp8=False), want, name, True)
+    layers = _expert_layers(leaf)
+    stored = [t for layer in layers if layer for t in layer]
+    kinds = {_exact_kind(t) for t in stored}
+    kind = kinds.pop() if len(kinds) == 1 else None
+    num_layers, num_experts, k, n = leaf.shape  # type: ignore[attr-defined]
+    if kind is not None and (want is None or (want == kind[0]
+                                              and wq.group_size in (None, kind[1]))):
+        zero = quantize_weight(np.zeros((num_experts, k, n), np.float32), *kind)
+        return _stack([_stack([_stored_expert(t) for t in layer]) if layer else zero
+                       for layer in layers])
+    scheme, group = want, wq.group_size
+    types = "/".join(sorted({getattr(t, "type_name", "?") for t in stored
+                             if _is_quantized_storage(t)}))
+    if scheme is None:
+        if wq.scheme != "auto" or not types:
+            return None
+        scheme, group = "int8", FALLBACK_GROUP
+        log.info("%s: stored as %s, which maps onto no jaxserve scheme exactly; dequantized "
+                 "and quantized to int8 in groups of %d", name, types, group)
+    elif types:
+        log.info("%s: stored as %s; dequantized and quantized to %s (group size %s)", name,
+                 types, scheme, group or "default")
+    return _stack([_stack([
+        quantize_weight(np.asarray(leaf[i:i + 1, e:e + 1], np.float32)[0, 0],  # type: ignore[index]
+                        scheme, group, False, name) for e in range(num_experts)])
+        for i in range(num_layers)])
+
+
 def _note_activations(params: ModelParams, wq: WeightQuant) -> None:
     """A log line when a compressed-tensors checkpoint was made for quantized activations."""
     fields = family_of_params(params).LINEAR_FIELDS
@@ -225,18 +289,28 @@ def quantize_params(params: ModelParams, wq: WeightQuant) -> ModelParams:
     fam = family_of_params(params)
     experts = [f for f in getattr(fam, "EXPERT_FIELDS", ())
                if getattr(params.layers, f) is not None]
-    if experts and wq.scheme != "auto":
-        # The experts' grouped matmul (`moe.grouped_matmul`) takes float weights; quantizing
-        # only the attention would serve a model that is mostly float under a quantized name.
-        raise ValueError(f"quantization={wq.scheme!r}: the mixture-of-experts weights "
-                         f"(layers.{', layers.'.join(experts)}) are not quantized yet; "
-                         "serve this model with quantization 'auto' or 'none' (float)")
+    if experts and wq.quantizes and getattr(params.layers, "be_gate", None) is not None:
+        # gpt-oss's biased experts run `moe_biased`'s grouped MLP, which takes float stacks;
+        # quantizing only the attention would serve a mostly float model under this name.
+        raise ValueError(f"quantization={wq.scheme!r}: gpt-oss's biased expert weights "
+                         f"(layers.{', layers.'.join(experts)}) are not quantized yet (their "
+                         "grouped MLP takes float stacks); serve it with quantization 'auto' "
+                         "or 'none'")
     _note_activations(params, wq)
     layers = params.layers
     for field in family_of_params(params).LINEAR_FIELDS:
+        if getattr(layers, field) is None:  # a field this model lacks (MoE: a shared expert)
+            continue
         q = quantize_leaf(getattr(layers, field), wq, f"layers.{field}")
         if q is not None:
             layers = layers.replace(**{field: q})
+    for field in experts:
+        q = quantize_experts(getattr(layers, field), wq, f"layers.{field}")
+        if q is not None:
+            layers = layers.replace(**{field: q})
+    if experts and wq.act_fp8 and isinstance(getattr(layers, experts[0]), QuantizedWeight):
+        log.info("fp8 activations (W8A8) apply to the dense linears; the experts' fp8 weights "
+                 "run weight-only (activations in the model dtype)")
     params = params.replace(layers=layers)
     if params.lm_head is not None:
         head = quantize_leaf(params.lm_head, wq, "lm_head", stacked=False, asked=wq.lm_head)
@@ -255,7 +329,8 @@ def dequantized_params(params: ModelParams, dtype: jnp.dtype) -> ModelParams:
     def dq(w: object) -> object:
         return w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w
 
-    fields = family_of_params(params).LINEAR_FIELDS
+    fam = family_of_params(params)
+    fields = fam.LINEAR_FIELDS + tuple(getattr(fam, "EXPERT_FIELDS", ()))
     layers = params.layers.replace(**{f: dq(getattr(params.layers, f)) for f in fields})
     embed = params.embed
     if isinstance(embed, QuantizedWeight):

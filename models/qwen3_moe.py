@@ -13,8 +13,8 @@ Checkpoints: HF safetensors with one tensor per expert (`mlp.experts.{e}.gate_pr
 ...), stacked at load into [E, in, out] (`moe.ExpertStack`) and split back on export.
 Refused, with the field named: Qwen2-MoE's `use_sliding_window` (per-layer windows under
 `max_window_layers`) and what the Llama family's mapping refuses (hidden_act other than silu,
-rope types it does not know). GGUF `qwen3moe` / `qwen2moe` files are refused
-(`GGUF_REFUSED`): their merged expert tensors (`ffn_*_exps`) are not mapped yet.
+rope types it does not know). GGUF: llama.cpp's `qwen3moe` / `qwen2moe` files, their merged
+expert tensors (`ffn_*_exps`) split per expert at load (`moe_gguf`).
 """
 
 from __future__ import annotations
@@ -27,24 +27,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from . import llama, moe
+from . import llama, moe, moe_gguf
 from .config import ConfigError, ModelConfig, MoESpec, hf_int
 from .host_arrays import HostArray
 from .linear import Weight
 from .moe import KV_FIELDS  # noqa: F401  (the family's names)
 
 ARCHITECTURES = {"Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe"}
-GGUF_ARCHITECTURES: dict[str, str] = {}
+# GGUF `general.architecture` -> model_type (llama.cpp's Qwen3MoeModel / Qwen2MoeModel
+# converters); the names and metadata are `moe_gguf`'s. Stored as in HF (NEOX RoPE, no q/k
+# permutation).
+GGUF_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
 GGUF_PERMUTED: tuple[str, ...] = ()
-GGUF_NAMES: dict[str, str] = {}
-GGUF_LAYER_NAMES: dict[str, str] = {}
-GGUF_REFUSED = {
-    "qwen3moe": "Qwen3-MoE GGUF files are not supported yet (their merged expert tensors "
-    "ffn_gate_exps / ffn_up_exps / ffn_down_exps are not mapped); load the HF safetensors "
-    "checkpoint",
-    "qwen2moe": "Qwen2-MoE GGUF files are not supported yet (merged expert tensors and the "
-    "shared expert are not mapped); load the HF safetensors checkpoint",
-}
+GGUF_NAMES = llama.GGUF_NAMES
+GGUF_LAYER_NAMES = {**llama.GGUF_LAYER_NAMES, **moe_gguf.QWEN_MOE_LAYER_NAMES}
+GGUF_SQUEEZED = moe_gguf.GGUF_SQUEEZED
 # The base Llama-family mapping of each (its attention: qk-norm for qwen3, biases for qwen2).
 _BASE_TYPE = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2"}
 # transformers' class defaults for the MoE fields a config.json may omit.
@@ -94,6 +91,7 @@ EXPERT_NAMES = {"we_gate": "mlp.experts.{e}.gate_proj.weight",
                 "we_up": "mlp.experts.{e}.up_proj.weight",
                 "we_down": "mlp.experts.{e}.down_proj.weight"}
 EXPERT_FIELDS = moe.EXPERT_FIELDS
+GGUF_EXPERT_NAMES = moe_gguf.expert_names(EXPERT_NAMES)
 
 
 # ---------------------------------------------------------------- HF config <-> ModelConfig
@@ -156,10 +154,11 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, ob
     return d
 
 
-def config_dict_from_gguf(key: object, tensor_names: set[str], model_type: str
+def config_dict_from_gguf(key: moe_gguf.GGUFKey, tensor_names: set[str], model_type: str
                           ) -> dict[str, object]:
-    # Unreachable: GGUF_ARCHITECTURES is empty (qwen3moe / qwen2moe are refused by name).
-    raise ConfigError("Qwen-MoE GGUF files are not supported")
+    """The HF config.json fields of a qwen3moe / qwen2moe GGUF (`moe_gguf.config_dict`)."""
+    return moe_gguf.config_dict(key, tensor_names, model_type,
+                                llama.gguf_attention_fields(key, tensor_names))
 
 
 # --------------------------------------------------- checkpoint tensors <-> stacked params

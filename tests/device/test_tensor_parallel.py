@@ -217,13 +217,15 @@ def test_gemma_family_with_kv_heads_tp_does_not_divide(part: str) -> None:
 
 @pytest.mark.parametrize("part", [
     "default", pytest.param("slow", marks=pytest.mark.slow(
-        reason="the rest of the MoE TP grid (TP 4, Mixtral)"))])
+        reason="the rest of the MoE TP grid (TP 4, Mixtral)")),
+    pytest.param("quant", marks=pytest.mark.slow(
+        reason="int8 expert stacks under TP (two more engines)"))])
 def test_moe_families_under_tp(part: str) -> None:
     """Qwen3-MoE (a dense layer between sparse ones), Qwen2-MoE (a shared expert) and
     Mixtral with each expert's intermediate axis split over the devices and the router
     replicated: each device holds 1 / tp of every expert stack, TP 1's greedy tokens, its
     logprobs within the model's derived tolerance, no compile after warmup
-    (`moe_tp_worker.py`)."""
+    (`moe_tp_worker.py`); "quant": the same of Qwen3-MoE with int8 expert stacks."""
     from support.workers.moe_tp_worker import DEFAULT_ROWS
 
     rows = run_device_worker("moe_tp_worker.py", args=(part,))

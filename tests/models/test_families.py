@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 from support.hf_models import ARCHS
 
-from jaxserve.models import families, llama
+from jaxserve.models import families, llama, mixtral
 from jaxserve.models.config import ConfigError, LayerGroup, LayerSpec, RopeScaling
 from jaxserve.models.safetensors_io import CheckpointError
 from jaxserve.models.tiny import tiny_config
@@ -133,10 +133,13 @@ def test_family_tables_cover_the_params(fam) -> None:  # noqa: ANN001 - a family
     assert set(fam.GGUF_LAYER_NAMES.values()) <= hf_layer
     if fam is llama:
         assert set(fam.GGUF_LAYER_NAMES.values()) == hf_layer
-    if fam.GGUF_ARCHITECTURES:
+    if fam.GGUF_ARCHITECTURES or fam is mixtral:  # Mixtral: files of architecture `llama`
         assert set(fam.GGUF_NAMES.values()) == {name for name, _ in fam.HF_NAMES.values()}
     else:
         assert not fam.GGUF_NAMES and not fam.GGUF_LAYER_NAMES
+    # MoE families: the merged expert tensors name each expert's HF tensor
+    if hasattr(fam, "GGUF_EXPERT_NAMES"):
+        assert set(fam.GGUF_EXPERT_NAMES.values()) == set(fam.EXPERT_NAMES.values())
     assert set(fam.LINEAR_FIELDS) | set(fam.KV_FIELDS) <= layer_fields
 
 

@@ -318,24 +318,30 @@ def test_orbax_round_trip_and_hf_export(hf, tmp_path: pathlib.Path) -> None:  # 
     assert err <= logits_atol(src.config, src.params, tokens.shape[1])
 
 
-def test_quantizing_experts_is_refused(hf) -> None:  # noqa: ANN001
-    _, d, _ = hf
-    with pytest.raises(ValueError, match=r"quantization='int8'.*layers.we_gate"):
-        loading.load_model(d, quant=loading.WeightQuant("int8"))
-
-
-def test_compressed_tensors_experts_are_refused(hf, tmp_path: pathlib.Path) -> None:  # noqa: ANN001
-    """A compressed-tensors checkpoint whose experts are stored int8 is refused at load
-    (read through, they would silently become float beside quantized attention)."""
-    from jaxserve.models.safetensors_io import CheckpointError
+def test_compressed_tensors_experts_load_as_stored(hf, tmp_path: pathlib.Path) -> None:  # noqa: ANN001
+    """A compressed-tensors checkpoint whose experts are stored int8 per channel loads them
+    as they are (per-column int8 stacks, the stored values), and its logits equal
+    transformers' over the dequantized checkpoint (support.compressed_ckpt writes both)."""
+    from jaxserve.models.quant import QuantizedWeight
     from support.compressed_ckpt import write_compressed
 
     arch, d, _ = hf
     if arch == "mixtral":  # its experts' w1 / w2 / w3 are not `*_proj` modules there
         pytest.skip("the test writer quantizes `*_proj` linears only")
-    write_compressed(d, tmp_path / "q", "int8", "channel")
-    with pytest.raises(CheckpointError, match="quantized expert weights are not supported"):
-        loading.load_model(tmp_path / "q")
+    _default_tier(arch)
+    ref_dir = write_compressed(d, tmp_path / "q", "int8", "channel")
+    ours = loading.load_model(tmp_path / "q")
+    stored = np.load(tmp_path / "q" / "stored.npz")
+    for field, proj in (("we_gate", "gate_proj"), ("we_down", "down_proj")):
+        w = getattr(ours.params.layers, field)
+        assert isinstance(w, QuantizedWeight) and w.scheme == "int8" and w.group_size == (
+            w.shape[-2])
+        q = stored[f"model.layers.0.mlp.experts.1.{proj}.q"].view(np.int8)
+        np.testing.assert_array_equal(np.asarray(w.values[0, 1]), q.T)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)
+    tokens = np.array([PROMPTS[0]], np.int32)
+    err = np.max(np.abs(_ours(ours, tokens) - _ref(ref, tokens)))
+    assert err <= logits_atol(ours.config, ours.params, tokens.shape[1])
 
 
 # ----------------------------------------------------------------------------- refusals
@@ -376,23 +382,14 @@ def test_refused_configs_say_why(d: dict, match: str) -> None:
         families.config_from_hf(d)
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
-def test_moe_gguf_is_refused_by_name(arch: str) -> None:
-    with pytest.raises(ConfigError, match="GGUF files are not supported yet"):
-        families.family_for_gguf(arch, "model.gguf")
-
-
-def test_moe_gguf_files_are_refused_at_load(tmp_path: pathlib.Path) -> None:
-    """A GGUF of llama.cpp's MoE architectures, and a `llama` one with experts (how llama.cpp
-    writes Mixtral), are refused naming why, not loaded as a dense model."""
+def test_moe_gguf_without_experts_is_refused(tmp_path: pathlib.Path) -> None:
+    """A `qwen2` GGUF that claims experts is no architecture llama.cpp writes: refused, not
+    loaded as a dense model. (MoE GGUF files themselves: test_moe_gguf.py.)"""
     pytest.importorskip("gguf")
-    from support.gguf_files import tiny_weights, write_arch_gguf, write_tiny_gguf
+    from support.gguf_files import tiny_weights, write_tiny_gguf
 
-    path = tmp_path / "mixtral.gguf"
-    write_tiny_gguf(path, tiny_weights(np.random.default_rng(0)),
-                    meta_override={"llama.expert_count": 4, "llama.expert_used_count": 2})
-    with pytest.raises(ValueError, match=r"expert_count'=4: mixture-of-experts GGUF"):
+    path = tmp_path / "q2.gguf"
+    write_tiny_gguf(path, tiny_weights(np.random.default_rng(0), "qwen2"), arch="qwen2",
+                    meta_override={"qwen2.expert_count": 4, "qwen2.expert_used_count": 2})
+    with pytest.raises(ValueError, match=r"qwen2 file with experts is not a known"):
         loading.load_model(path)
-    write_arch_gguf(tmp_path / "q3.gguf", "qwen3moe")
-    with pytest.raises(ValueError, match="Qwen3-MoE GGUF files are not supported yet"):
-        loading.load_model(tmp_path / "q3.gguf")

@@ -171,15 +171,17 @@ MOE_ARCHS: dict[str, tuple[str, dict]] = {
 }
 
 
-def build_moe_model(arch: str, out_dir: pathlib.Path, seed: int = 0):  # noqa: ANN201
-    """Build the random HF MoE model `arch` of MOE_ARCHS, save it with the word tokenizer to
-    `out_dir`; returns the torch model. Norms and biases perturbed; the routers scaled up so
+def build_moe_model(arch: str, out_dir: pathlib.Path, seed: int = 0,
+                    overrides: dict | None = None):  # noqa: ANN201
+    """Build the random HF MoE model `arch` of MOE_ARCHS (config fields `overrides` changed),
+    save it with the word tokenizer to `out_dir`; returns the torch model. Norms and biases perturbed; the routers scaled up so
     each token's top-k is decided by margins far above float32 rounding (a near tie would
     make the choice, not the code, decide the comparison)."""
     import torch
     import transformers
 
     cls, kwargs = MOE_ARCHS[arch]
+    kwargs = {**kwargs, **(overrides or {})}
     config = getattr(transformers, cls)(**kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -192,7 +194,7 @@ def build_moe_model(arch: str, out_dir: pathlib.Path, seed: int = 0):  # noqa: A
             else:
                 p.mul_(2.0)
     model.save_pretrained(out_dir, safe_serialization=True)
-    save_tiny_tokenizer(out_dir, _BASE["vocab_size"])
+    save_tiny_tokenizer(out_dir, kwargs["vocab_size"])
     return model
 
 

@@ -15,7 +15,9 @@ top-k is decided by margins far above the sums' reordering under TP):
 TP splits each expert's intermediate axis (gate / up outputs, down inputs) as the dense MLP's;
 the router is replicated. For each (model, TP) row of the part named by the argument: greedy
 tokens, top-5 logprobs and top-3 prompt logprobs of tp_worker's prompts, compiles after
-warmup, the model's logprob tolerance. "default": DEFAULT_ROWS; "slow": the rest of ROWS.
+warmup, the model's logprob tolerance. "default": DEFAULT_ROWS; "slow": the rest of ROWS;
+"quant": QUANT_ROWS, Qwen3-MoE with --quantization int8 (the expert stacks quantized per
+expert and column: values split as the float stacks, scales with them) at TP 1 and 2.
 """
 
 from __future__ import annotations
@@ -50,19 +52,32 @@ CONFIGS = {
 }
 ROWS = [(m, tp) for m in CONFIGS for tp in (1, 2, 4)]
 DEFAULT_ROWS = [("qwen3-moe", 1), ("qwen3-moe", 2), ("qwen2-moe", 1), ("qwen2-moe", 2)]
+QUANT_ROWS = [("qwen3-moe-int8", 1), ("qwen3-moe-int8", 2)]
 
 
 def run(name: str, tp: int) -> dict:
-    cfg = families.config_from_hf(CONFIGS[name], f"{name}/config.json")
+    base, _, scheme = name.partition("-int")
+    # int8 activations off: TP 1 would otherwise run the packed dense linears as W8A8 on
+    # CPU and TP 2 (sharded, unpacked) as W8A16, a difference of numerics, not of TP.
+    quant = {"quantization": f"int{scheme}", "int8_activations": "off"} if scheme else {}
+    name_cfg = base if scheme else name
+    cfg = families.config_from_hf(CONFIGS[name_cfg], f"{name_cfg}/config.json")
     model = tiny.random_model(cfg, seed=2, scale=tiny.TEST_INIT_SCALE,
                               tokenizer=tiny_tokenizer())
     eng = tiny_engine(model, tensor_parallel_size=tp, token_buckets=FEW_TOKEN_BUCKETS,
-                      max_num_batched_tokens=64, attention_impl="cpu")
+                      max_num_batched_tokens=64, attention_impl="cpu", **quant)
     layers = eng.runner.params.layers
+
+    def stored(f: str) -> jax.Array:  # a quantized stack's values
+        w = getattr(layers, f)
+        assert bool(scheme) == hasattr(w, "values"), (name, f, type(w))
+        return getattr(w, "values", w)
+
     # bytes of each expert stack held by device 0 against the whole stack
-    # (TP 1 packs them for the CPU grouped kernel: PackedExperts, the same bytes as panels)
+    # (TP 1 packs float ones for the CPU grouped kernel: PackedExperts, the bytes as panels)
     stacks = {f: getattr(layers, f) for f in ("we_gate", "we_up", "we_down")}
-    stacks = {f: w.panels if isinstance(w, PackedExperts) else w for f, w in stacks.items()}
+    stacks = {f: w.panels if isinstance(w, PackedExperts) else stored(f)
+              for f, w in stacks.items()}
     experts = {f: [sum(s.data.nbytes for s in w.addressable_shards
                        if s.device == jax.devices()[0]), w.nbytes] for f, w in stacks.items()}
     return {"model": name, "tp": tp, "outputs": greedy_outputs(eng, PROMPTS),
@@ -77,6 +92,8 @@ if __name__ == "__main__":
     part = sys.argv[1] if len(sys.argv) > 1 else "default"
     if part == "gpt-oss":
         rows = [("gpt-oss", 1), ("gpt-oss", 2)]
+    elif part == "quant":
+        rows = QUANT_ROWS
     else:
         rows = DEFAULT_ROWS if part == "default" else [
             r for r in ROWS if (r not in DEFAULT_ROWS or r[1] == 1) and r[0] != "gpt-oss"]
