@@ -103,8 +103,10 @@ def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: in
     sequence run to completion? Returns max_tokens resolved (None: up to max_model_len).
 
     `kv_windows`: the window of each KV group (None: global), whose pages a sequence holds
-    side by side; a sliding group holds at most the pages of its window and of one prefill
-    chunk of up to `max_chunk` tokens."""
+    side by side; a sliding group holds at most the pages of its window and of two prefill
+    chunks of up to `max_chunk` tokens: the one in flight, whose pages slide out only once
+    it is applied, and the one scheduled beside it. (Sized for one chunk, a sequence alone
+    in the cache preempted itself for the second and recomputed to the same point forever.)"""
     n, limit = num_prompt_tokens, max_model_len
     _check_prompt_len(n, limit)
     if max_tokens is None:
@@ -116,7 +118,7 @@ def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: in
             "max_tokens")
     total = n + max_tokens
     full = -(-total // page_size)
-    pages = sum(full if w is None else min(full, -(-(w - 1 + max_chunk) // page_size) + 1)
+    pages = sum(full if w is None else min(full, -(-(w - 1 + 2 * max_chunk) // page_size) + 1)
                 for w in kv_windows)
     if pages > num_kv_pages:
         raise InvalidRequest(

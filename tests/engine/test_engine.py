@@ -125,7 +125,7 @@ def test_mixed_layer_model_greedy_equals_rollout(budget, page_size, caching, kv_
 
 
 # Gemma 4: the K = V model (padded narrower layers, repeated KV heads in the pages) and the
-# per-layer-embedding one with KV shared across layers (their pages written twice).
+# per-layer-embedding one with KV shared across layers (reading the storing layer's pages).
 @pytest.fixture(scope="module", params=[*sorted(GEMMA_ARCHS), "gemma4_kv", "gemma4_ple"])
 def gemma(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     """(arch, the loaded checkpoint, the transformers model it was saved from)."""
@@ -163,6 +163,15 @@ def test_gemma_greedy_equals_transformers_generate(gemma, budget, page_size, cac
               enable_prefix_caching=caching, max_model_len=128, attention_impl=impl)
     eng = tiny_engine(model, warmup=kv_pages is None, **kw)
     if kv_pages is not None:
+        # Just over what the longest sequence holds at once (a model with more KV groups,
+        # e.g. Gemma 4's shared-KV layers leaving 3 sliding tables, needs more page ids).
+        total = max(map(len, prompts)) + n
+        full = -(-total // page_size)
+        groups = eng.plan.scheduler.kv_groups
+        # (limits.check_request's rule: a sliding group holds its window and two chunks)
+        one = sum(full if w is None else min(full, -(-(w - 1 + 2 * budget) // page_size) + 1)
+                  for w in (groups.windows if groups else (None,)))
+        kv_pages = max(kv_pages, one + 2)
         eng = tiny_engine(model, kv_cache_memory=kv_pages * eng.plan.kv_bytes_per_page, **kw)
     finals = run_all(eng, prompts, max_tokens=n)
     compiles = eng.runner.compiles_after_warmup
@@ -216,6 +225,15 @@ def test_moe_greedy_equals_transformers_generate(moe_family, budget, page_size, 
               enable_prefix_caching=caching, max_model_len=128, attention_impl=impl)
     eng = tiny_engine(model, warmup=kv_pages is None, **kw)
     if kv_pages is not None:
+        # Just over what the longest sequence holds at once (a model with more KV groups,
+        # e.g. Gemma 4's shared-KV layers leaving 3 sliding tables, needs more page ids).
+        total = max(map(len, prompts)) + n
+        full = -(-total // page_size)
+        groups = eng.plan.scheduler.kv_groups
+        # (limits.check_request's rule: a sliding group holds its window and two chunks)
+        one = sum(full if w is None else min(full, -(-(w - 1 + 2 * budget) // page_size) + 1)
+                  for w in (groups.windows if groups else (None,)))
+        kv_pages = max(kv_pages, one + 2)
         eng = tiny_engine(model, kv_cache_memory=kv_pages * eng.plan.kv_bytes_per_page, **kw)
     finals = run_all(eng, prompts, max_tokens=n)
     compiles = eng.runner.compiles_after_warmup

@@ -197,8 +197,8 @@ def test_config_forms() -> None:
     (_dict(hidden_activation="gelu"), "hidden_activation"),
     (_dict(per_layer_config={"6": {"intermediate_size": 8}}),
      r"per_layer_config\['6'\].intermediate_size"),
-    (_dict(rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 1e6}}),
-     "rope_type='yarn'"),
+    (_dict(rope_parameters={"full_attention": {"rope_type": "dynamic", "rope_theta": 1e6}}),
+     "rope_type='dynamic'"),
 ])
 def test_refused_configs_say_why(d: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
