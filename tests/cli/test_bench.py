@@ -256,6 +256,8 @@ def test_sweep_against_a_real_server_writes_json_and_plots(tmp_path) -> None:  #
     assert "concurrency=1" in table_of(reread) and "rate=inf/s" in table_of(reread)
 
 
+@pytest.mark.slow(reason="a tuning sweep of real engines: test_cli_tune_end_to_end runs "
+                  "the tuner in the default tier")
 def test_tune_picks_the_fastest_setting_that_meets_the_slo(tmp_path) -> None:  # noqa: ANN001
     wl = WorkloadSpec(input_len=LengthDist("uniform", 3, 30), output_len=LengthDist("fixed", 4))
     spec = TuneSpec(ttft_p99_s=120, itl_p99_s=120, batched_tokens=(8, 32), max_seqs=(4, 16),

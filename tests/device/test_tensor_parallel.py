@@ -170,6 +170,8 @@ def _assert_same_outputs(base: dict, got: dict, tp: int) -> None:
     assert got["compiles_after_warmup"] == 0
 
 
+@pytest.mark.slow(reason="mixed layer specs under TP: the Gemma TP test runs Gemma's "
+                  "mixed sliding / global layers in the default tier")
 def test_mixed_layer_specs_under_tp() -> None:
     """Sliding-window and global layers (groups of specs, a soft-cap) at TP 2 and at TP 4
     (KV heads replicated) give TP 1's tokens and logprobs: each group's scan and each
@@ -194,7 +196,10 @@ def test_each_device_holds_its_share(rows: list[dict], kv_heads: int, tp: int) -
 
 
 @pytest.mark.parametrize("part", [
-    "default", pytest.param("slow", marks=pytest.mark.slow(
+    pytest.param("default", marks=pytest.mark.slow(
+        reason="MoE under TP 2: tests/device/test_expert_parallel.py compares MoE on a mesh "
+               "with one device in the default tier")),
+    pytest.param("slow", marks=pytest.mark.slow(
         reason="the rest of the Gemma TP grid (Gemma 3 at TP 4, Gemma 2 at TP 2)"))])
 def test_gemma_family_with_kv_heads_tp_does_not_divide(part: str) -> None:
     """Gemma 3 with 1 KV head (Gemma 3 1B's layout: qk-norm, local / global layers with two

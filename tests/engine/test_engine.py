@@ -18,7 +18,7 @@ import pytest
 from support.engine_fixtures import mixed_layer_model, rollout, tiny_engine, tiny_model
 from support.hf_models import GEMMA_ARCHS, GEMMA_WINDOW
 from support.numerics import gamma
-from support.tiers import split_tiers
+from support.tiers import run_slow, slow, split_tiers
 
 from jaxserve import SamplingParams
 from jaxserve.engine.request import FinishReason
@@ -98,7 +98,9 @@ def test_greedy_equals_rollout(budget, page_size, caching, kv_pages, arrive, imp
 
 
 @pytest.mark.parametrize("budget,page_size,caching,kv_pages,impl", [
-    (16, 8, True, None, "cpu"),     # chunked prefill, prefix hits, the C++ kernel
+    # chunked prefill, prefix hits, the C++ kernel (the Gemma tests below run it too)
+    pytest.param(16, 8, True, None, "cpu", marks=slow("the mixed-layer model's chunked-"
+                                                      "prefix case: the Gemma tests run it")),
     (64, 4, False, 30, "reference"),  # tiny pages, preemptions, the jnp reference
 ])
 def test_mixed_layer_model_greedy_equals_rollout(budget, page_size, caching, kv_pages,
@@ -141,11 +143,15 @@ def gemma(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 # Chunked prefill with prefix hits on the C++ kernel; tiny pages with preemptions on the
-# reference, here in chunks of 16 tokens too. 36 page ids over the 3 block tables (global,
-# two sliding groups: each sliding table holds ~2 pages once decoding), just over the 34 one
-# sequence can need (22 global + 6 per sliding group during a chunk): the sliding groups
-# free what leaves the window, so the mixed-layer test's budget would hold every prompt at
-# once and nothing would be preempted.
+# reference, here in chunks of 16 tokens too, with page ids just over what one sequence can
+# need over its block tables (a global one and the sliding ones, which hold their window and
+# two chunks): the sliding groups free what leaves the window, so the mixed-layer test's
+# budget would hold every prompt at once and nothing would be preempted.
+# Default tier: Gemma 3 through the C++ kernel with prefix hits, and Gemma 4's shared-KV
+# model under preemption (its layers reading other layers' pages); the slow tier runs all.
+_GEMMA_DEFAULT_TIER = {("gemma3", "cpu"), ("gemma4_ple", "reference")}
+
+
 @pytest.mark.parametrize("budget,page_size,caching,kv_pages,impl", [
     (16, 8, True, None, "cpu"),
     (16, 4, False, 36, "reference"),
@@ -155,6 +161,9 @@ def test_gemma_greedy_equals_transformers_generate(gemma, budget, page_size, cac
     from support.hf_models import hf_greedy
 
     arch, model, hf_model = gemma
+    if (arch, impl) not in _GEMMA_DEFAULT_TIER and not run_slow():
+        pytest.skip("slow test (the other Gemma cases through the engine; tests/models runs "
+                    "each family's greedy through LLM): set JAXSERVE_RUN_SLOW=1 to run it")
     assert {s.sliding_window for s in model.config.layer_specs} == {GEMMA_WINDOW, None}
     prompts = make_prompts(seed=5, count=5, shared_prefix=20)
     assert min(map(len, prompts)) > 4 * GEMMA_WINDOW  # every prompt spans several windows
@@ -195,7 +204,7 @@ _MOE_ENGINE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 
 @pytest.fixture(scope="module", params=split_tiers(
     _MOE_ENGINE_ARCHS, _MOE_ENGINE_ARCHS, ["qwen3_moe"],
-    "Mixtral / Qwen2-MoE through the engine: tests/models/test_moe.py runs their greedy"))
+    "Mixtral / Qwen2-MoE through the engine: tests/models/test_moe.py compares their logits"))
 def moe_family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     """(arch, the loaded checkpoint, the transformers model it was saved from)."""
     pytest.importorskip("torch")
@@ -218,6 +227,9 @@ def test_moe_greedy_equals_transformers_generate(moe_family, budget, page_size, 
     from support.hf_models import hf_greedy
 
     arch, model, hf_model = moe_family
+    if impl == "reference" and not run_slow():
+        pytest.skip("slow test (MoE under tiny pages and preemption: the routing is data, "
+                    "the paging the engine's own): set JAXSERVE_RUN_SLOW=1 to run it")
     assert any(s.moe is not None for s in model.config.layer_specs)
     prompts = make_prompts(seed=5, count=5, shared_prefix=20)
     n = 8

@@ -240,6 +240,8 @@ def test_no_compiler_falls_back_to_the_reference_with_one_warning(tmp_path, monk
         cpu_build.load_kernels.cache_clear()
 
 
+@pytest.mark.slow(reason="an 8-device subprocess: the TP engine tests run this kernel under "
+                  "tensor parallelism in the default tier")
 @pytest.mark.timeout(960)  # past the worker's own 900 s subprocess limit
 def test_under_tensor_parallelism_on_8_virtual_devices() -> None:
     """The kernel inside shard_map on 8 devices equals the unsharded reference; an engine at

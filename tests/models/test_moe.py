@@ -282,6 +282,8 @@ def test_router_choice_equals_transformers(hf) -> None:  # noqa: ANN001
                                    atol=1e-7, err_msg=f"{arch} {name}")
 
 
+@pytest.mark.slow(reason="MoE greedy through LLM: tests/engine/test_engine.py runs Qwen3-MoE "
+                  "against transformers' generate through the engine in the default tier")
 def test_greedy_through_llm_equals_transformers_generate(hf) -> None:  # noqa: ANN001
     arch, d, model = hf
     _default_tier(arch)
