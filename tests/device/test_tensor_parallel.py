@@ -196,10 +196,7 @@ def test_each_device_holds_its_share(rows: list[dict], kv_heads: int, tp: int) -
 
 
 @pytest.mark.parametrize("part", [
-    pytest.param("default", marks=pytest.mark.slow(
-        reason="MoE under TP 2: tests/device/test_expert_parallel.py compares MoE on a mesh "
-               "with one device in the default tier")),
-    pytest.param("slow", marks=pytest.mark.slow(
+    "default", pytest.param("slow", marks=pytest.mark.slow(
         reason="the rest of the Gemma TP grid (Gemma 3 at TP 4, Gemma 2 at TP 2)"))])
 def test_gemma_family_with_kv_heads_tp_does_not_divide(part: str) -> None:
     """Gemma 3 with 1 KV head (Gemma 3 1B's layout: qk-norm, local / global layers with two
@@ -221,7 +218,10 @@ def test_gemma_family_with_kv_heads_tp_does_not_divide(part: str) -> None:
 
 
 @pytest.mark.parametrize("part", [
-    "default", pytest.param("slow", marks=pytest.mark.slow(
+    pytest.param("default", marks=pytest.mark.slow(
+        reason="MoE under TP 2: tests/device/test_expert_parallel.py compares MoE on a mesh "
+               "with one device in the default tier")),
+    pytest.param("slow", marks=pytest.mark.slow(
         reason="the rest of the MoE TP grid (TP 4, Mixtral)")),
     pytest.param("quant", marks=pytest.mark.slow(
         reason="int8 expert stacks under TP (two more engines)"))])

@@ -219,6 +219,8 @@ def tp_rows() -> dict:
     return {r["variant"]: r for r in run_device_worker("compressed_tp_worker.py")["rows"]}
 
 
+@pytest.mark.slow(reason="an 8-device subprocess loading compressed-tensors checkpoints at "
+                  "TP 2: the single-device loads are tested in the default tier")
 @pytest.mark.parametrize("variant", ["fp8_dynamic", "w8a16_packed_tensor"])
 def test_tensor_parallel_load_gives_the_single_device_logits(tp_rows, variant) -> None:
     """TP 2 straight from the file (8 heads, 2 KV heads): the TP 1 params placed on the mesh,
