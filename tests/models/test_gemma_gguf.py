@@ -175,6 +175,9 @@ def test_greedy_through_llm_equals_transformers_generate(gguf_file) -> None:  # 
         (arch, qname)
 
 
+@pytest.mark.slow(reason="text through a served Gemma GGUF: its SentencePiece vocabulary is "
+                  "tested against transformers in test_gguf_spm_tokenizer.py, the model's "
+                  "greedy here on ids")
 def test_a_gemma_gguf_with_its_sentencepiece_vocabulary_serves_text(tmp_path) -> None:  # noqa: ANN001
     """A Gemma 3 GGUF as llama.cpp writes real ones: a SentencePiece vocabulary (Gemma's
     layout, with merges) beside the weights. `LLM` on the file alone tokenizes a text prompt
