@@ -117,8 +117,11 @@ def run_fake(overlap: bool, args: argparse.Namespace) -> dict:
     vocab = 4096
     tok = word_tokenizer(vocab)
     # A budget that prefills every prompt in a few steps, so all sequences then decode together.
-    cfg = EngineConfig(max_num_seqs=args.fake_seqs, max_num_batched_tokens=8192, page_size=16,
-                       max_model_len=1024, async_scheduling=overlap)
+    # decode_token_budget = the whole budget: the default (256) would prefill one prompt a
+    # step beside the decodes, and the first streams would finish before the batch is full.
+    cfg = EngineConfig(max_num_seqs=args.fake_seqs, max_num_batched_tokens=8192,
+                       decode_token_budget=8192, page_size=16, max_model_len=1024,
+                       async_scheduling=overlap)
     model = tiny_config(vocab_size=vocab, max_position_embeddings=1024)
     plan = plan_engine(cfg, model, 4, 1 << 34)
     runner = ArithmeticRunner(vocab, device_time_s=args.fake_device_ms / 1e3)
