@@ -1,7 +1,7 @@
 """The host/device boundary: owns params and KV pages on device, runs one compiled step.
 
-Data flow: StepBatch (numpy, from `batch.py`) -> one `jax.device_put` of the whole
-`StepInputs` pytree -> `forward_step` (module-level, jitted once per (tokens, seqs) bucket,
+Data flow: StepBatch (numpy, from `batch.py`, one part per feature) -> `to_step_inputs` (the
+parts as device pytrees) -> one `jax.device_put` of the whole tree -> `forward_step` (module-level, jitted once per (tokens, seqs) bucket,
 KV pages donated so XLA updates them in place; fed tokens taken from the previous step's
 sampled tokens, still on device) -> logits f32[S, V] stay on device -> `sample_step` (jitted
 once per seqs bucket, penalties on/off and logit bias width 0 / on; also the sampled tokens
@@ -41,7 +41,7 @@ from jaxserve.device.compile_guard import CompileGuard
 from jaxserve.device.prompt_logprobs import (PromptLogprobsInputs, PromptLogprobsOutput,
                                            prompt_logprobs)
 from jaxserve.device.sampler import SampleOutput, SamplingTensors, sample
-from jaxserve.engine.batch import BatchShape, StepBatch, bitmask_words, pad_bias, pad_rows
+from jaxserve.engine.batch import BatchShape, StepBatch, bitmask_words, empty_batch
 from jaxserve.engine.runner import LateMask, RunnerFailed, StepResult
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.kernels_pallas import AttentionMetadata, KVPages, is_quantized_dtype
@@ -99,46 +99,23 @@ StepTree = tuple[StepInputs, SamplingTensors, PromptLogprobsInputs | None]
 
 
 def to_step_inputs(b: StepBatch) -> StepTree:
-    """The batch as the device pytrees: the forward's inputs, the sampler's (kept apart so
-    the penalties history, which only the sampler reads, never changes the forward's input
-    shapes) and, on a step that scores prompt tokens, the prompt logprobs pass's."""
-    md = AttentionMetadata(slot_mapping=b.slot_mapping, block_tables=b.block_tables,
-                           kv_lens=b.kv_lens, cu_q_lens=b.cu_q_lens, num_seqs=b.num_seqs)
-    st = SamplingTensors(knobs=b.sampling, rng_key=b.rng_key, history=b.history,
-                         history_is_output=b.history_is_output, bias_ids=b.bias_ids,
-                         bias_values=b.bias_values, bitmask=b.bitmask,  # None: the runner's
-                         constrained=b.constrained)
-    plp = None
-    if len(b.prompt_lp_indices):
-        plp = PromptLogprobsInputs(indices=b.prompt_lp_indices, targets=b.prompt_lp_targets,
-                                   num=b.num_prompt_lp)
-    return StepInputs(token_ids=b.token_ids, feed_rows=b.feed_rows, positions=b.positions,
-                      md=md, logits_indices=b.logits_indices), st, plp
-
-
-def empty_batch(shape: BatchShape, num_tokens: int, num_seqs: int, penalties: bool,
-                bias: bool = False, prompt_lp: bool = False) -> StepBatch:
-    """An all-padding batch of one bucket (no live sequence): what warmup compiles with;
-    `penalties` / `bias` / `prompt_lp` give it the history / logit bias / prompt logprobs
-    arrays of a step that uses them."""
-    P = shape.history_len if penalties else 0
-    S = num_seqs
-    i32 = np.int32
-    bias_ids, bias_values = pad_bias(S, bias)
-    groups = () if shape.num_kv_groups == 1 else (shape.num_kv_groups,)  # KV groups' tables
-    return StepBatch(
-        token_ids=np.zeros(num_tokens, i32), feed_rows=np.full(num_tokens, -1, i32),
-        positions=np.zeros(num_tokens, i32),
-        slot_mapping=np.zeros(groups + (num_tokens,), i32),
-        block_tables=np.zeros(groups + (S, shape.max_pages_per_seq), i32),
-        kv_lens=np.zeros(S, i32),
-        cu_q_lens=np.zeros(S + 1, i32), num_seqs=np.zeros(1, i32),
-        logits_indices=np.zeros(S, i32), sampling=pad_rows(S),
-        rng_key=np.zeros((S, 2), np.uint32), history=np.full((S, P), -1, i32),
-        history_is_output=np.zeros((S, P), bool), bias_ids=bias_ids, bias_values=bias_values,
-        bitmask=None, constrained=np.zeros(S, bool), prompt_lp_indices=np.zeros(num_tokens if prompt_lp else 0, i32),
-        prompt_lp_targets=np.zeros(num_tokens if prompt_lp else 0, i32),
-        num_prompt_lp=np.zeros(1, i32))
+    """The batch's parts as the device pytrees: the forward's inputs, the sampler's (kept
+    apart so the penalties history, which only the sampler reads, never changes the forward's
+    input shapes) and, on a step that scores prompt tokens, the prompt logprobs pass's."""
+    f = b.forward
+    md = AttentionMetadata(slot_mapping=f.slot_mapping, block_tables=f.block_tables,
+                           kv_lens=f.kv_lens, cu_q_lens=f.cu_q_lens, num_seqs=f.num_seqs)
+    st = SamplingTensors(knobs=b.sampling.knobs, rng_key=b.sampling.rng_key,
+                         history=b.penalties.history,
+                         history_is_output=b.penalties.history_is_output,
+                         bias_ids=b.bias.ids, bias_values=b.bias.values,
+                         bitmask=b.mask.bitmask,  # None: the runner's (`_place`)
+                         constrained=b.mask.constrained)
+    lp = b.prompt_logprobs
+    plp = PromptLogprobsInputs(indices=lp.indices, targets=lp.targets, num=lp.num) \
+        if lp.present else None
+    return StepInputs(token_ids=f.token_ids, feed_rows=f.feed_rows, positions=f.positions,
+                      md=md, logits_indices=f.logits_indices), st, plp
 
 
 def place_inputs(tree: StepTree, sharding: NamedSharding | None) -> StepTree:
@@ -235,7 +212,7 @@ class ModelRunner:
         device-resident one (never sent: `constrained` is all False, so it is not read)."""
         inputs, sampling, plp = place_inputs(to_step_inputs(batch), self.inputs_sharding)
         if sampling.bitmask is None:
-            sampling = sampling.replace(bitmask=self._no_mask_of(len(batch.kv_lens)))
+            sampling = sampling.replace(bitmask=self._no_mask_of(batch.num_seqs_bucket))
         return inputs, sampling, plp
 
     def _no_mask_of(self, S: int) -> jax.Array:
@@ -264,7 +241,7 @@ class ModelRunner:
             lambda info, sharding: jax.ShapeDtypeStruct(
                 info.shape, info.dtype, sharding=None if self.mesh is None else sharding),
             fwd.out_info, compiled.output_shardings)
-        sample_jit.lower(logits, sampling, apply_penalty=batch.history.shape[1] > 0,
+        sample_jit.lower(logits, sampling, apply_penalty=batch.penalties.history.shape[1] > 0,
                          feed_len=self.feed_len).compile()
         if plp is not None:
             prompt_logprobs_jit.lower(self.params, hidden, plp, cfg=self.model_cfg).compile()
@@ -302,7 +279,7 @@ class ModelRunner:
             except Exception as e:  # noqa: BLE001 - classified for the engine
                 raise self._failed("placing the step's grammar mask", e) from e
         try:
-            out, feed = sample_jit(logits, sampling, apply_penalty=batch.history.shape[1] > 0,
+            out, feed = sample_jit(logits, sampling, apply_penalty=batch.penalties.history.shape[1] > 0,
                                    feed_len=self.feed_len)
         except Exception as e:  # noqa: BLE001 - classified for the engine
             raise self._failed("the compiled step", e) from e

@@ -9,10 +9,11 @@ detokenizer, gRPC / HTTP fronts) and makes the other processes mirror its device
                broadcast header i32[7] = (STEP, T_b, S_b, P, B, L, M)  -- which bucket,
                                                  sampler and prompt logprobs variant; M = 1:
                                                  the step has a grammar bitmask
-               broadcast the forward arrays of that bucket     -- token ids, block tables, ...
-               broadcast the sampling arrays (S_b, P, B)      -- knob matrix, keys, history,
-                                                                  logit bias
-               broadcast the prompt logprobs arrays (L > 0 only)
+               broadcast the batch's parts, one broadcast per WIRE group (`batch_parts.py`):
+                 "forward" (T_b, S_b)                 -- token ids, block tables, ...
+                 "sampler" (S_b, P, B)                -- knob matrix, keys, history, logit
+                                                         bias, constrained rows
+                 "prompt_logprobs" (L > 0 only)
                ModelRunner.dispatch(batch)  -- M = 1: after the forward is queued, the
                                   engine's late mask (`runner.LateMask`), then broadcast
                                   the grammar bitmask i32[S_b, W] and constrained rows;
@@ -55,22 +56,33 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxserve.config import DistributedConfig
-from jaxserve.device.model_runner import ModelPending, ModelRunner, compile_buckets, empty_batch
-from jaxserve.engine.batch import StepBatch, bitmask_words
+from jaxserve.device.model_runner import ModelPending, ModelRunner, compile_buckets
+from jaxserve.engine.batch import (StepBatch, bitmask_words, empty_batch, leaves, parts,
+                                   present)
 from jaxserve.engine.runner import LateMask, RunnerFailed, StepResult
 
 log = logging.getLogger(__name__)
 
 STEP, ARM, STOP, KEEPALIVE = 1, 2, 3, 4
-# Each StepBatch field travels in exactly one of the three broadcasts: the forward's inputs
-# (shapes from tokens x seqs), the prompt logprobs pass's (L, sent only when L > 0) and every
-# other field, the sampler's (seqs x penalty history x logit bias width).
-_FORWARD = ("token_ids", "feed_rows", "positions", "slot_mapping", "block_tables", "kv_lens", "cu_q_lens",
-            "num_seqs", "logits_indices")
-_PROMPT_LP = ("prompt_lp_indices", "prompt_lp_targets", "num_prompt_lp")
-_MASK = ("bitmask",)  # sent after the forward is queued (M = 1), with the constrained rows
-_SAMPLING = tuple(f.name for f in dataclasses.fields(StepBatch)
-                  if f.name not in _FORWARD + _PROMPT_LP + _MASK)
+# Each StepBatch part travels in the broadcast its WIRE names (`batch_parts.py`), its LATE
+# fields apart: "forward" (shapes from tokens x seqs), "sampler" (seqs x penalty history x
+# logit bias width) and "prompt_logprobs" (L, sent only when the part is present). One
+# broadcast per group, not per part: each is one collective per step.
+WireKey = tuple[str, str, str]  # (broadcast group, part, field)
+
+
+def _wire(batch: StepBatch) -> dict[str, list[tuple[WireKey, np.ndarray]]]:
+    """The batch's arrays that travel with the step, by broadcast group, in walk order (the
+    same on every process: the follower walks its mold of the same shapes)."""
+    groups: dict[str, list[tuple[WireKey, np.ndarray]]] = {}
+    for name, part in parts(batch):
+        if not present(part):
+            continue
+        for field, array in leaves(part):
+            if field not in part.LATE:  # type: ignore[attr-defined]
+                group = part.WIRE  # type: ignore[attr-defined]
+                groups.setdefault(group, []).append(((group, name, field), array))
+    return groups
 
 
 def initialize(cfg: DistributedConfig) -> None:
@@ -105,9 +117,9 @@ def _header(op: int, batch: StepBatch | None, is_source: bool, late: bool = Fals
             ) -> np.ndarray:
     h = np.zeros(7, np.int32)
     if batch is not None:
-        h[:] = (op, len(batch.token_ids), len(batch.kv_lens), batch.history.shape[1],
-                batch.bias_ids.shape[1], len(batch.prompt_lp_indices),
-                late or batch.bitmask is not None)
+        h[:] = (op, len(batch.forward.token_ids), batch.num_seqs_bucket,
+                batch.penalties.history.shape[1], batch.bias.ids.shape[1],
+                len(batch.prompt_logprobs.indices), late or batch.mask.bitmask is not None)
     else:
         h[0] = op
     return _broadcast([h], is_source)[0]
@@ -115,10 +127,8 @@ def _header(op: int, batch: StepBatch | None, is_source: bool, late: bool = Fals
 
 def _send_batch(batch: StepBatch, late: bool) -> None:
     _header(STEP, batch, True, late)
-    _broadcast([getattr(batch, n) for n in _FORWARD], True)
-    _broadcast([getattr(batch, n) for n in _SAMPLING], True)
-    if len(batch.prompt_lp_indices):
-        _broadcast([getattr(batch, n) for n in _PROMPT_LP], True)
+    for entries in _wire(batch).values():
+        _broadcast([array for _, array in entries], True)
 
 
 def _mask_wire(num_seqs: int, vocab_size: int, bitmask: np.ndarray | None,
@@ -135,17 +145,19 @@ def _receive_batch(runner: ModelRunner, num_tokens: int, num_seqs: int, history_
     """The leader's batch of this bucket (an empty batch of the same shapes is the mold)."""
     mold = empty_batch(runner.shape, num_tokens, num_seqs, history_len > 0, bias_width > 0,
                        prompt_lp_len > 0)
-    got = (mold.history.shape[1], mold.bias_ids.shape[1], len(mold.prompt_lp_indices))
-    if got != (history_len, bias_width, prompt_lp_len):
+    ours = (mold.penalties.history.shape[1], mold.bias.ids.shape[1],
+            len(mold.prompt_logprobs.indices))
+    if ours != (history_len, bias_width, prompt_lp_len):
         raise RuntimeError(f"the leader's (penalty history length, logit bias width, prompt "
                            f"logprobs length) {(history_len, bias_width, prompt_lp_len)} "
-                           f"differs from this process's {got}: engines built differently")
-    fields = _FORWARD + _SAMPLING + (_PROMPT_LP if prompt_lp_len else ())
-    got_arrays = _broadcast([getattr(mold, n) for n in _FORWARD], False) + \
-        _broadcast([getattr(mold, n) for n in _SAMPLING], False)
-    if prompt_lp_len:
-        got_arrays += _broadcast([getattr(mold, n) for n in _PROMPT_LP], False)
-    return dataclasses.replace(mold, **dict(zip(fields, got_arrays)))
+                           f"differs from this process's {ours}: engines built differently")
+    got: dict[str, dict[str, np.ndarray]] = {}  # part -> field -> the leader's array
+    for entries in _wire(mold).values():
+        arrays = _broadcast([array for _, array in entries], False)
+        for ((_, name, field), _), array in zip(entries, arrays):
+            got.setdefault(name, {})[field] = array
+    return dataclasses.replace(mold, **{name: dataclasses.replace(getattr(mold, name), **fields)
+                                        for name, fields in got.items()})
 
 
 @dataclasses.dataclass
@@ -210,13 +222,13 @@ class LeaderRunner:
 
     def _late(self, batch: StepBatch, late_mask: LateMask | None) -> LateMask | None:
         """The late mask the followers also get (M = 1): the engine's, or the batch's own."""
-        if late_mask is None and batch.bitmask is None:
+        if late_mask is None and batch.mask.bitmask is None:
             return None
-        S, vocab = len(batch.kv_lens), self.runner.shape.vocab_size
+        S, vocab = batch.num_seqs_bucket, self.runner.shape.vocab_size
 
         def send() -> tuple[np.ndarray | None, np.ndarray]:
             bitmask, constrained = late_mask() if late_mask is not None else \
-                (batch.bitmask, batch.constrained)
+                (batch.mask.bitmask, batch.mask.constrained)
             _mask_wire(S, vocab, bitmask, constrained, True)
             return bitmask, constrained
         return send
@@ -282,8 +294,8 @@ def follow(runner: ModelRunner) -> FollowStats:
         op, t, s, p, b, lp, m = (int(x) for x in _header(0, None, False))
         if op == STEP:
             batch = _receive_batch(runner, t, s, p, b, lp)
-            late = (lambda: _mask_wire(s, runner.shape.vocab_size, None, batch.constrained,
-                                       False)) if m else None
+            late = (lambda: _mask_wire(s, runner.shape.vocab_size, None,
+                                       batch.mask.constrained, False)) if m else None
             runner.collect(runner.dispatch(batch, late_mask=late))
             stats.steps += 1
         elif op == KEEPALIVE:

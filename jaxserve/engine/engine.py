@@ -11,7 +11,7 @@ Data flow of `step()`:
 Overlap (`EngineConfig.async_scheduling`, on by default): `step()` schedules and dispatches
 step N+1 while step N runs on the device, then collects and applies step N, so the device
 never idles while the host schedules, builds batches, detokenizes and streams. Step N+1's
-decode rows feed on step N's sampled tokens on the device (`StepBatch.feed_rows`); what
+decode rows feed on step N's sampled tokens on the device (`ForwardInputs.feed_rows`); what
 only a token's value can end (EOS, stop ids, stop strings) ends one step late and the extra
 token is discarded, so outputs are the same as without overlap (see `scheduler.py`). When
 step N samples a row with penalties (step N+1 needs its history), N is applied before N+1 is
@@ -265,7 +265,7 @@ class Engine:
         def late_mask() -> tuple[np.ndarray | None, np.ndarray]:
             self._apply(prev, touched)  # type: ignore[arg-type]
             prev.applied = True  # type: ignore[union-attr]
-            return late_bitmask(out, len(batch.kv_lens), self.plan.batch_shape.vocab_size,
+            return late_bitmask(out, batch.num_seqs_bucket, self.plan.batch_shape.vocab_size,
                                 failed)
         try:
             pending = self.runner.dispatch(batch, late_mask) if late else \

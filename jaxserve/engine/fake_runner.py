@@ -4,7 +4,7 @@ Implements the `runner.Runner` protocol on numpy alone (no jax): each sequence's
 token is a function of the token it just fed and that token's position, so a test can
 predict every output and a benchmark can time the host side (schedule + batch build) with
 no device work in the way. Like the model runner it keeps each step's sampled tokens for the
-next step's fed rows (`StepBatch.feed_rows`), so overlapped scheduling is tested against the
+next step's fed rows (`ForwardInputs.feed_rows`), so overlapped scheduling is tested against the
 same arithmetic.
 
 `device_time_s` > 0 simulates a device: each step takes that long after the previous one
@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 from jaxserve.engine.batch import StepBatch
+from jaxserve.engine.batch_mask import TokenMaskRows
 from jaxserve.engine.fault_injection import FaultInjector, InjectedFault
 from jaxserve.engine.runner import LateMask, StepResult
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
@@ -77,7 +78,7 @@ class ArithmeticRunner:
             self._injector.check(batch)
         if late_mask is not None:  # between the (here, no) forward and the sampler
             bitmask, constrained = late_mask()
-            batch = dataclasses.replace(batch, bitmask=bitmask, constrained=constrained)
+            batch = dataclasses.replace(batch, mask=TokenMaskRows(bitmask, constrained))
         result = self._compute(batch)
         now = time.monotonic()
         start = now if self._busy_until is None else max(now, self._busy_until)
@@ -93,26 +94,24 @@ class ArithmeticRunner:
         return pending.result
 
     def _compute(self, batch: StepBatch) -> StepResult:
-        fed = batch.feed_rows >= 0
-        token_ids = batch.token_ids.copy()
-        token_ids[fed] = self._prev_tokens[batch.feed_rows[fed]]
-        last = np.maximum(batch.cu_q_lens[1:] - 1, 0)
-        tokens = (token_ids[last].astype(np.int64) * 31 + batch.positions[last] * 7 + 1) \
+        f, mask, lp = batch.forward, batch.mask, batch.prompt_logprobs
+        fed = f.feed_rows >= 0
+        token_ids = f.token_ids.copy()
+        token_ids[fed] = self._prev_tokens[f.feed_rows[fed]]
+        last = np.maximum(f.cu_q_lens[1:] - 1, 0)
+        tokens = (token_ids[last].astype(np.int64) * 31 + f.positions[last] * 7 + 1) \
             % self.vocab_size
-        if batch.bitmask is not None:
-            tokens = allowed_tokens(tokens, batch.bitmask, batch.constrained, self.vocab_size)
+        if mask.bitmask is not None:
+            tokens = allowed_tokens(tokens, mask.bitmask, mask.constrained, self.vocab_size)
         self._prev_tokens = tokens.astype(np.int32)
-        S = len(batch.kv_lens)
+        S = batch.num_seqs_bucket
         self.steps += 1
         result = StepResult(tokens=tokens.astype(np.int32), logprob=np.zeros(S, np.float32),
                             top_ids=np.zeros((S, MAX_LOGPROBS), np.int32),
                             top_logprobs=np.zeros((S, MAX_LOGPROBS), np.float32))
-        if len(batch.prompt_lp_indices):
-            lp, ids, tops = arithmetic_prompt_logprobs(token_ids[batch.prompt_lp_indices],
-                                                       batch.prompt_lp_targets,
-                                                       self.vocab_size)
+        if lp.present:
             result.prompt_logprob, result.prompt_top_ids, result.prompt_top_logprobs = \
-                lp, ids, tops
+                arithmetic_prompt_logprobs(token_ids[lp.indices], lp.targets, self.vocab_size)
         return result
 
 

@@ -48,11 +48,12 @@ class FaultInjector:
         f = self.fault
         if f.times is not None and self.faults_raised >= f.times:
             return
-        num = int(batch.num_seqs[0])
-        cu = batch.cu_q_lens
-        hit = batch.token_ids[:cu[num]] == f.token_id
+        fwd = batch.forward
+        num = int(fwd.num_seqs[0])
+        cu = fwd.cu_q_lens
+        hit = fwd.token_ids[:cu[num]] == f.token_id
         if f.at_start:
-            hit &= batch.positions[:cu[num]] == 0
+            hit &= fwd.positions[:cu[num]] == 0
         rows = tuple(r for r in range(num) if hit[cu[r]:cu[r + 1]].any())
         if not rows:
             return

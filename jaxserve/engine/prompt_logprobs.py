@@ -6,9 +6,12 @@ position j predicts token j + 1, so each j with j + 1 < num_prompt_tokens scores
 j + 1 (the last prompt position predicts the first generated token: the sampler's job).
 
   spans(out)        -> one `Span` per such row: its first scored position and how many
-  pack(out, T_b)    -> (indices, targets, num): i32[T_b] flat token index of each scored
-                       position (row after row, in span order), i32[T_b] the prompt token it
-                       predicts, i32[1] the count; what `jaxserve.device.prompt_logprobs` reads
+  pack_prompt_logprobs(out, T_b, cu_q_lens)
+                    -> PromptLogprobRows, the step batch's part: i32[L] flat token index of
+                       each scored position (row after row, in span order), i32[L] the prompt
+                       token it predicts, i32[1] the count; what
+                       `jaxserve.device.prompt_logprobs` reads. L = 0 when no row wants prompt
+                       logprobs (the runner then skips that pass), else T_b
   unpack(out, ...)  -> the device's (logprob, top ids, top logprobs) rows written into each
                        request's `prompt_logprobs[j + 1]` as {target: logprob, top-N...}
 
@@ -20,7 +23,7 @@ prefix cache (`PrefixCache.match`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import numpy as np
 
@@ -55,18 +58,48 @@ def spans(out: SchedulerOutput, rows: Sequence[int] | None = None,
     return found
 
 
-def pack(out: SchedulerOutput, found: list[Span], num_tokens: int
-         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(indices i32[num_tokens], targets i32[num_tokens], num i32[1]) of `found` (padding 0)."""
-    indices = np.zeros(num_tokens, np.int32)
-    targets = np.zeros(num_tokens, np.int32)
+@dataclasses.dataclass
+class PromptLogprobRows:
+    """The step batch's prompt logprobs part (L = 0: no row scores prompt tokens; sent and
+    run only when L > 0)."""
+
+    WIRE: ClassVar[str] = "prompt_logprobs"
+    LATE: ClassVar[tuple[str, ...]] = ()
+    indices: np.ndarray  # i32[L] flat token index of each scored position (padding 0)
+    targets: np.ndarray  # i32[L] the prompt token it predicts (padding 0)
+    num: np.ndarray  # i32[1] how many leading entries are real
+
+    @classmethod
+    def padding(cls, length: int) -> "PromptLogprobRows":
+        return cls(np.zeros(length, np.int32), np.zeros(length, np.int32),
+                   np.zeros(1, np.int32))
+
+    @property
+    def present(self) -> bool:
+        """Whether the step runs the prompt logprobs pass (and, over hosts, sends these)."""
+        return len(self.indices) > 0
+
+
+def pack_prompt_logprobs(out: SchedulerOutput, num_tokens: int, cu_q_lens: np.ndarray
+                         ) -> PromptLogprobRows:
+    """The part of a step of `num_tokens` padded tokens with query offsets `cu_q_lens`."""
+    rows = [i for i, s in enumerate(out.seqs)
+            if s.request.sampling_params.prompt_logprobs is not None]
+    found = spans(out, rows, cu_q_lens) if rows else []
+    return pack(out, found, num_tokens if found else 0)
+
+
+def pack(out: SchedulerOutput, found: list[Span], num_tokens: int) -> PromptLogprobRows:
+    """`found`'s entries in arrays of length `num_tokens` (padding 0)."""
+    part = PromptLogprobRows.padding(num_tokens)
     k = 0
     for s in found:
         ids = out.seqs[s.row].request.prompt_token_ids
-        indices[k:k + s.count] = np.arange(s.flat, s.flat + s.count)
-        targets[k:k + s.count] = ids[s.first + 1: s.first + 1 + s.count]
+        part.indices[k:k + s.count] = np.arange(s.flat, s.flat + s.count)
+        part.targets[k:k + s.count] = ids[s.first + 1: s.first + 1 + s.count]
         k += s.count
-    return indices, targets, np.array([k], np.int32)
+    part.num[0] = k
+    return part
 
 
 def unpack(out: SchedulerOutput, found: list[Span], logprob: np.ndarray, top_ids: np.ndarray,

@@ -44,7 +44,7 @@ class StepResult:
     logprob: np.ndarray  # f32[S_b]
     top_ids: np.ndarray  # i32[S_b, MAX_LOGPROBS] (sampling_params.MAX_LOGPROBS)
     top_logprobs: np.ndarray  # f32[S_b, MAX_LOGPROBS]
-    # Only on steps that score prompt tokens (StepBatch.num_prompt_lp > 0), in
+    # Only on steps that score prompt tokens (StepBatch.prompt_logprobs present), in
     # `engine.prompt_logprobs.pack`'s order; else None.
     prompt_logprob: np.ndarray | None = None  # f32[L]
     prompt_top_ids: np.ndarray | None = None  # i32[L, MAX_LOGPROBS]

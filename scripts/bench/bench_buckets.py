@@ -90,7 +90,7 @@ def decode_batch(empty: StepBatch, n: int, ctx: int, page_size: int) -> StepBatc
     context `ctx`, each on its own pages."""
     pages = ctx // page_size + 1
     tables = 1 + np.arange(n * pages, dtype=np.int32).reshape(n, pages)
-    b = empty
+    b = empty.forward
     b.token_ids[:] = 1
     b.positions[:] = ctx
     b.slot_mapping[:] = tables[:, -1] * page_size + ctx % page_size
@@ -99,7 +99,7 @@ def decode_batch(empty: StepBatch, n: int, ctx: int, page_size: int) -> StepBatc
     b.cu_q_lens[:] = np.arange(n + 1)
     b.num_seqs[:] = n
     b.logits_indices[:] = np.arange(n)
-    return b
+    return empty
 
 
 def measure_cost(args: argparse.Namespace) -> dict:

@@ -60,8 +60,8 @@ class ReadyWatcher:
         self.starts.append(time.perf_counter())
         pending = self.inner.dispatch(batch)
         self.dispatched.append(time.perf_counter())
-        num = int(batch.num_seqs[0])
-        self.decode_only.append(int(batch.cu_q_lens[num]) == num)
+        num = int(batch.forward.num_seqs[0])
+        self.decode_only.append(int(batch.forward.cu_q_lens[num]) == num)
         self._queue.put(pending)
         return pending
 
@@ -129,8 +129,8 @@ def run_fake(overlap: bool, args: argparse.Namespace) -> dict:
     real_dispatch = runner.dispatch
 
     def dispatch(batch):  # noqa: ANN001, ANN202 - notes which steps are full decode steps
-        num = int(batch.num_seqs[0])
-        steady.append(num == args.fake_seqs and int(batch.cu_q_lens[num]) == num)
+        num = int(batch.forward.num_seqs[0])
+        steady.append(num == args.fake_seqs and int(batch.forward.cu_q_lens[num]) == num)
         return real_dispatch(batch)
 
     runner.dispatch = dispatch  # type: ignore[method-assign]

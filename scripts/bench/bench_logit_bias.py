@@ -21,7 +21,6 @@ point.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 
@@ -30,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.device.model_runner import ModelRunner, place_inputs, sample_jit, to_step_inputs
-from jaxserve.engine.batch import BatchShape, bitmask_words, build_batch
+from jaxserve.engine.batch import BatchShape, bitmask_words, build_batch, leaves
 from jaxserve.engine.request import Request
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -81,10 +80,9 @@ def measure(S: int, biased_rows: int, vocab: int, runner: ModelRunner, runs: int
         jax.block_until_ready(sample_jit(logits, st, apply_penalty=False,
                                          feed_len=runner.feed_len))
 
-    sent = sum(getattr(batch, f.name).nbytes for f in dataclasses.fields(batch)
-               if f.name in ("sampling", "rng_key", "history", "history_is_output",
-                             "bias_ids", "bias_values"))
-    return {"num_seqs": S, "biased_rows": biased_rows, "bias_width": batch.bias_ids.shape[1],
+    sent = sum(array.nbytes for part in (batch.sampling, batch.penalties, batch.bias)
+               for _, array in leaves(part))
+    return {"num_seqs": S, "biased_rows": biased_rows, "bias_width": batch.bias.ids.shape[1],
             "sampling_bytes": int(sent),
             "pack_ms": best_ms(lambda: build_batch(out, runner.shape), runs),
             "sampler_ms": best_ms(sampler, runs),

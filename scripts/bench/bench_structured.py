@@ -24,7 +24,7 @@ import time
 from tqdm.auto import tqdm
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine import batch as batch_mod
+from jaxserve.engine import batch_mask as batch_mod
 
 SCHEMA = {"type": "array", "minItems": 1000, "items": {
     "type": "object", "properties": {
@@ -36,7 +36,7 @@ PROMPT = "List people as JSON records with name, age and tags:"
 
 
 class FillTimer:
-    """Wraps batch.fill_bitmask: seconds spent and steps that filled a mask."""
+    """Wraps batch_mask.fill_bitmask: seconds spent and steps that filled a mask."""
 
     def __init__(self) -> None:
         self.seconds, self.steps = 0.0, 0

@@ -59,9 +59,9 @@ def run_workload(cfg: EngineConfig, prompt_len: int, max_tokens: int, concurrenc
     real_dispatch = runner.dispatch
 
     def dispatch(batch: StepBatch):  # noqa: ANN202 - records each step's shape
-        n = int(batch.num_seqs[0])
-        steps.append((int(batch.cu_q_lens[n]), n, len(batch.token_ids),
-                      len(batch.logits_indices)))
+        f = batch.forward
+        n = int(f.num_seqs[0])
+        steps.append((int(f.cu_q_lens[n]), n, len(f.token_ids), len(f.logits_indices)))
         return real_dispatch(batch)
 
     runner.dispatch = dispatch  # type: ignore[method-assign]

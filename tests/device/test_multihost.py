@@ -234,20 +234,26 @@ def test_follower_flags_need_a_coordinator() -> None:
 
 
 def test_leader_runner_sends_every_field_and_returns_the_runner_results() -> None:
-    import dataclasses
-
     from support.engine_fixtures import tiny_engine
 
     from jaxserve.device import multihost
-    from jaxserve.engine.batch import StepBatch
+    from jaxserve.engine.batch import BatchShape, empty_batch, leaves, parts
 
     want = rollout(tiny_model(), [5, 6, 7, 8], 6)  # first: the guard counts every compile
-    fields = [f.name for f in dataclasses.fields(StepBatch)]
-    # Each field travels in exactly one of the broadcasts (a new StepBatch field must be
-    # added to one of them, or the followers would run with its default).
-    sent = (multihost._FORWARD + multihost._SAMPLING + multihost._PROMPT_LP  # noqa: SLF001
-            + multihost._MASK)  # noqa: SLF001
-    assert sorted(sent) == sorted(fields) and len(set(sent)) == len(sent)
+    # Each array of every part travels in exactly one of the three broadcasts, or late (the
+    # bitmask): a part walked generically cannot be forgotten, and a new part joins one of
+    # the existing broadcasts (its WIRE) rather than adding a collective per step.
+    shape = BatchShape(buckets=((8, 4),), page_size=4, max_pages_per_seq=2, vocab_size=64,
+                       history_len=8)
+    batch = empty_batch(shape, 8, 4, True, bias=True, prompt_lp=True)
+    wire = multihost._wire(batch)  # noqa: SLF001
+    assert list(wire) == ["forward", "sampler", "prompt_logprobs"]
+    sent = [key[1:] for entries in wire.values() for key, _ in entries]
+    late = [(name, f) for name, part in parts(batch) for f in part.LATE]
+    every = [(name, f) for name, part in parts(batch) for f, _ in leaves(part)]
+    assert sorted(sent + late) == sorted(every) and len(set(sent + late)) == len(every)
+    assert list(multihost._wire(empty_batch(shape, 8, 4, False))) == [  # noqa: SLF001
+        "forward", "sampler"]  # no prompt logprobs: that broadcast is skipped
     # Two token buckets: what travels is the same for every bucket; warmup compiles 7
     # executables, not 26.
     plain = tiny_engine(tiny_model(), token_buckets=FEW_TOKEN_BUCKETS)

@@ -33,8 +33,8 @@ class RecordingRunner(ArithmeticRunner):
         self.rows_per_step: list[int] = []
 
     def dispatch(self, batch):  # noqa: ANN001, ANN201 - the Runner protocol
-        self.fed_tokens += int((batch.feed_rows >= 0).sum())
-        self.rows_per_step.append(int(batch.num_seqs[0]))
+        self.fed_tokens += int((batch.forward.feed_rows >= 0).sum())
+        self.rows_per_step.append(int(batch.forward.num_seqs[0]))
         return super().dispatch(batch)
 
 

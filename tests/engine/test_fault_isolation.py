@@ -277,7 +277,7 @@ def test_real_runner_input_failure_is_per_request(real_engine, monkeypatch) -> N
     original = model_runner.to_step_inputs
 
     def to_step_inputs(batch):  # noqa: ANN001, ANN202
-        if MARK in batch.token_ids.tolist():
+        if MARK in batch.forward.token_ids.tolist():
             raise ValueError("unconvertible step input")
         return original(batch)
 

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from jaxserve.engine import sampling_params as sp_mod
-from jaxserve.engine.batch import BIAS_PAD_ID, BatchShape, StepBatch, build_batch, pad_bias
+from jaxserve.engine.batch import (BIAS_PAD_ID, BatchShape, build_batch, leaves, pad_bias,
+                                   parts)
 from jaxserve.engine.request import Request
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -207,26 +208,29 @@ def test_build_batch_rows_and_padding_follow_the_registry() -> None:
         req = Request(f"r{i}", [1, 2, 3], params, (0,), 0.0, pages=[1 + i])
         seqs.append(ScheduledSeq(req, start=0, num_new_tokens=3, samples=True))
     b = build_batch(SchedulerOutput(seqs, 6, []), shape)
-    assert b.sampling.dtype == np.float32 and b.sampling.shape == (4, len(sp_mod.DEVICE_FIELDS))
-    np.testing.assert_array_equal(b.sampling[0], np.float32(FULL.row))
-    np.testing.assert_array_equal(b.sampling[1], np.float32(SamplingParams().row))
-    np.testing.assert_array_equal(b.sampling[2:], np.float32([sp_mod.PAD_ROW] * 2))
-    assert b.history.shape == (4, 8)  # FULL has penalties
+    knobs = b.sampling.knobs
+    assert knobs.dtype == np.float32 and knobs.shape == (4, len(sp_mod.DEVICE_FIELDS))
+    np.testing.assert_array_equal(knobs[0], np.float32(FULL.row))
+    np.testing.assert_array_equal(knobs[1], np.float32(SamplingParams().row))
+    np.testing.assert_array_equal(knobs[2:], np.float32([sp_mod.PAD_ROW] * 2))
+    assert b.penalties.history.shape == (4, 8)  # FULL has penalties
     # logit_bias: FULL's entries in row 0, then (BIAS_PAD_ID, 0.0) padding (an id the
     # sampler drops); other rows all padding.
     n = len(FULL.logit_bias)
-    assert b.bias_ids.shape == b.bias_values.shape == (4, sp_mod.MAX_LOGIT_BIAS)
-    assert b.bias_ids.dtype == np.int32 and b.bias_values.dtype == np.float32
-    np.testing.assert_array_equal(b.bias_ids[0, :n], [t for t, _ in VALUES["logit_bias"]])
-    np.testing.assert_array_equal(b.bias_values[0, :n], [v for _, v in VALUES["logit_bias"]])
-    assert (b.bias_ids[0, n:] == BIAS_PAD_ID).all() and not b.bias_values[0, n:].any()
-    assert (b.bias_ids[1:] == BIAS_PAD_ID).all() and not b.bias_values[1:].any()
+    bias = b.bias
+    assert bias.ids.shape == bias.values.shape == (4, sp_mod.MAX_LOGIT_BIAS)
+    assert bias.ids.dtype == np.int32 and bias.values.dtype == np.float32
+    np.testing.assert_array_equal(bias.ids[0, :n], [t for t, _ in VALUES["logit_bias"]])
+    np.testing.assert_array_equal(bias.values[0, :n], [v for _, v in VALUES["logit_bias"]])
+    assert (bias.ids[0, n:] == BIAS_PAD_ID).all() and not bias.values[0, n:].any()
+    assert (bias.ids[1:] == BIAS_PAD_ID).all() and not bias.values[1:].any()
     assert BIAS_PAD_ID >= 2**31 - 1  # outside any vocabulary
     # A step where no row has a bias sends no bias arrays at all (width 0).
     plain = build_batch(SchedulerOutput(seqs[1:], 3, []), shape)
-    assert plain.bias_ids.shape == plain.bias_values.shape == (4, 0)
+    assert plain.bias.ids.shape == plain.bias.values.shape == (4, 0)
     # No knob has a StepBatch array of its own: they travel in the matrix.
-    assert not {f.name for f in dataclasses.fields(StepBatch)} & set(sp_mod.DEVICE_FIELDS)
+    arrays = {field for _, part in parts(b) for field, _ in leaves(part)}
+    assert not arrays & set(sp_mod.DEVICE_FIELDS)
 
 
 def test_build_batch_reads_each_requests_bias_packed_once() -> None:
@@ -242,8 +246,8 @@ def test_build_batch_reads_each_requests_bias_packed_once() -> None:
     # cached row is what lands in the batch.
     req.__dict__["logit_bias_arrays"] = (np.array([7], np.int32), np.array([1.5], np.float32))
     b = build_batch(SchedulerOutput([ScheduledSeq(req, 0, 3, True)], 3, []), shape)
-    assert b.bias_ids[0, :2].tolist() == [7, BIAS_PAD_ID]
-    assert b.bias_values[0, :2].tolist() == [1.5, 0.0]
+    assert b.bias.ids[0, :2].tolist() == [7, BIAS_PAD_ID]
+    assert b.bias.values[0, :2].tolist() == [1.5, 0.0]
 
 
 def test_empty_batch_and_multihost_lists_are_derived() -> None:
@@ -253,19 +257,21 @@ def test_empty_batch_and_multihost_lists_are_derived() -> None:
     shape = BatchShape(buckets=((8, 4),), page_size=4, max_pages_per_seq=2, vocab_size=64,
                        history_len=8)
     b = empty_batch(shape, 8, 4, True)
-    np.testing.assert_array_equal(b.sampling, np.float32([sp_mod.PAD_ROW] * 4))
-    assert b.bias_ids.shape == b.bias_values.shape == (4, 0)  # no bias: width 0
+    np.testing.assert_array_equal(b.sampling.knobs, np.float32([sp_mod.PAD_ROW] * 4))
+    assert b.bias.ids.shape == b.bias.values.shape == (4, 0)  # no bias: width 0
     b = empty_batch(shape, 8, 4, False, bias=True)  # the biased sampler variant's shapes
-    assert b.bias_ids.shape == b.bias_values.shape == (4, sp_mod.MAX_LOGIT_BIAS)
-    assert (b.bias_ids == BIAS_PAD_ID).all() and not b.bias_values.any()
-    assert b.prompt_lp_indices.shape == b.prompt_lp_targets.shape == (0,)
+    assert b.bias.ids.shape == b.bias.values.shape == (4, sp_mod.MAX_LOGIT_BIAS)
+    assert (b.bias.ids == BIAS_PAD_ID).all() and not b.bias.values.any()
+    assert b.prompt_logprobs.indices.shape == b.prompt_logprobs.targets.shape == (0,)
     b = empty_batch(shape, 8, 4, False, prompt_lp=True)  # the prompt logprobs pass's shapes
-    assert b.prompt_lp_indices.shape == b.prompt_lp_targets.shape == (8,)
-    assert b.num_prompt_lp.tolist() == [0]
-    sent = (multihost._FORWARD + multihost._SAMPLING + multihost._PROMPT_LP  # noqa: SLF001
-            + multihost._MASK)  # noqa: SLF001
-    assert sorted(sent) == sorted(f.name for f in dataclasses.fields(StepBatch))
-    assert len(set(sent)) == len(sent)
+    assert b.prompt_logprobs.indices.shape == b.prompt_logprobs.targets.shape == (8,)
+    assert b.prompt_logprobs.num.tolist() == [0]
+    # Every array of every part travels with the step or late (the bitmask), exactly once.
+    sent = [key[1:] for entries in multihost._wire(b).values()  # noqa: SLF001
+            for key, _ in entries]
+    late = [(name, f) for name, part in parts(b) for f in part.LATE]
+    every = [(name, f) for name, part in parts(b) for f, _ in leaves(part)]
+    assert sorted(sent + late) == sorted(every) and len(set(sent + late)) == len(every)
 
 
 def test_sampler_reads_every_column_by_name_and_padding_is_greedy() -> None:

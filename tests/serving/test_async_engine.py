@@ -221,7 +221,7 @@ class RecordingRunner(ArithmeticRunner):
         self.seqs_per_step: list[int] = []
 
     def dispatch(self, batch):  # noqa: ANN001, ANN201 - the Runner protocol
-        self.seqs_per_step.append(int(batch.num_seqs[0]))
+        self.seqs_per_step.append(int(batch.forward.num_seqs[0]))
         return super().dispatch(batch)
 
 
