@@ -26,9 +26,9 @@ detokenizer, gRPC / HTTP fronts) and makes the other processes mirror its device
 
 Broadcasts use `jax.experimental.multihost_utils.broadcast_one_to_all` (a psum over all
 devices, compiled once per shape: the header's is fixed, the arrays' are the warmup buckets,
-so serving compiles nothing). The forward, sampling and prompt logprobs arrays travel
+so serving compiles nothing). The forward, sampler and prompt logprobs groups travel
 separately because their shapes vary independently (tokens x seqs; seqs x penalty history x
-logit bias width; L = 0 or tokens). Every
+logit bias width; L = 0 or tokens); the parts of a group share one broadcast. Every
 process builds the same engine (same config, model, mesh of all processes' devices, and a KV
 page count agreed as the minimum over processes: `agree_min`), so the step's shapes and
 shardings match.

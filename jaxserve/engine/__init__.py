@@ -2,7 +2,8 @@
 
 Data flow of one step (`engine.Engine.step`): `scheduler.Scheduler.schedule` (which requests
 run, how many tokens each, pages from `block_allocator`, shared through `prefix_cache` and
-`forks`) -> `batch.build_batch` (flat ragged numpy arrays padded to a compiled bucket) -> a
+`forks`) -> `batch.build_batch` (ragged numpy arrays padded to a compiled bucket, one part per feature,
+`batch_parts` / `batch_mask`) -> a
 `runner.Runner` (the device one lives in `jaxserve.device`; `fake_runner.ArithmeticRunner`
 here for tests) -> `Scheduler.update` (tokens appended, stop rules, pages freed) ->
 `detokenizer` -> `outputs.RequestOutput`; `recovery` decides what a failing step costs (the

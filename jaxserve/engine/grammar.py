@@ -12,7 +12,7 @@ Data flow:
   mask i32[S, ceil(vocab / 32)] (bit t % 32 of word t // 32: token t allowed), the sampler
   masks with it, then `accept(token)` advances the matcher. `finished` (the grammar reached
   its end) finishes the sequence with STOP; a row with no allowed token finishes it with
-  ERROR and the reason (`batch.fill_bitmask`) rather than sampling from nothing.
+  ERROR and the reason (`batch_mask.fill_bitmask`) rather than sampling from nothing.
 
 llguidance builds its token trie from the model's `tokenizers` JSON (`Tokenizer.backend`), so
 HF and GGUF-loaded tokenizers work alike. EOS is allowed exactly where the grammar may end.

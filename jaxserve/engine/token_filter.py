@@ -5,7 +5,7 @@ Plain numpy (no jax). Data flow: a request's SamplingParams -> `compile_filter` 
 `TokenFilter` carried by the `Admitted` request and shared by its n sequences (it holds no
 per-sequence state) -> each step that samples the sequence, `TokenFilter.fill` writes (or,
 under a grammar, ANDs) its allowed next tokens into the row of the step's packed bitmask
-(`batch.fill_bitmask`), the same i32[S, ceil(V / 32)] mask the sampler's masked branch
+(`batch_mask.fill_bitmask`), the same i32[S, ceil(V / 32)] mask the sampler's masked branch
 already applies for grammars: a filter adds no device array, no static argument and so no
 executable (nothing compiles while serving).
 

@@ -7,7 +7,7 @@ Offline (`LLM.generate`), the bundled model unless --model: --concurrency reques
 schema is an array of at least 1000 records, so a constrained output cannot end early and
 every mix does the same work). Greedy by default (--temperature), like the side-by-side
 runs. Each mix runs --runs times, mixes interleaved, after one warm-up generate; the figure
-is the median run. The bitmask host time is measured by wrapping `batch.fill_bitmask` (the
+is the median run. The bitmask host time is measured by wrapping `batch_mask.fill_bitmask` (the
 one place the engine fills masks): per step that has a constrained row, and in all.
 
     python scripts/bench/bench_structured.py --concurrency 32 --max-tokens 128 \
