@@ -105,12 +105,8 @@ def to_step_inputs(b: StepBatch) -> StepTree:
     f = b.forward
     md = AttentionMetadata(slot_mapping=f.slot_mapping, block_tables=f.block_tables,
                            kv_lens=f.kv_lens, cu_q_lens=f.cu_q_lens, num_seqs=f.num_seqs)
-    st = SamplingTensors(knobs=b.sampling.knobs, rng_key=b.sampling.rng_key,
-                         history=b.penalties.history,
-                         history_is_output=b.penalties.history_is_output,
-                         bias_ids=b.bias.ids, bias_values=b.bias.values,
-                         bitmask=b.mask.bitmask,  # None: the runner's (`_place`)
-                         constrained=b.mask.constrained)
+    # The sampler reads the engine's parts as they are (a None bitmask: `_place` adds one).
+    st = SamplingTensors(b.sampling, b.penalties, b.bias, b.mask)
     lp = b.prompt_logprobs
     plp = PromptLogprobsInputs(indices=lp.indices, targets=lp.targets, num=lp.num) \
         if lp.present else None
@@ -211,8 +207,8 @@ class ModelRunner:
         """The batch's inputs on device; a batch without a grammar mask gets this bucket's
         device-resident one (never sent: `constrained` is all False, so it is not read)."""
         inputs, sampling, plp = place_inputs(to_step_inputs(batch), self.inputs_sharding)
-        if sampling.bitmask is None:
-            sampling = sampling.replace(bitmask=self._no_mask_of(batch.num_seqs_bucket))
+        if sampling.mask.bitmask is None:
+            sampling = sampling.with_mask(self._no_mask_of(batch.num_seqs_bucket))
         return inputs, sampling, plp
 
     def _no_mask_of(self, S: int) -> jax.Array:
@@ -294,8 +290,8 @@ class ModelRunner:
         """`sampling` with a late grammar mask (None: this bucket's unused one)."""
         S = len(constrained)
         placed = place_inputs((bitmask, constrained), self.inputs_sharding)  # type: ignore
-        return sampling.replace(bitmask=self._no_mask_of(S) if bitmask is None else placed[0],
-                                constrained=placed[1])
+        return sampling.with_mask(self._no_mask_of(S) if bitmask is None else placed[0],
+                                  placed[1])
 
     def collect(self, pending: "ModelPending") -> StepResult:
         """Wait for a dispatched step and copy its result to the host (any failure here is

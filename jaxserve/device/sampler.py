@@ -25,8 +25,9 @@ Every knob is a per-row array, so a new value never recompiles. What a step may 
 static, like its bucket: whether penalties are applied (`apply_penalty`; the history array is
 only sent when a row needs it), and the logit bias width B: 0 when no row has a bias (no
 scatter traced, no second copy of the logits written: the argmax reads the model's logits
-directly), else `sampling_params.MAX_LOGIT_BIAS` (see `jaxserve.engine.batch`). With a bias
-the scatter-add writes a biased copy of f32[S, V], as the logprobs still read the raw logits.
+directly), else `sampling_params.MAX_LOGIT_BIAS` (see `engine.batch_parts.LogitBiasRows`).
+With a bias the scatter-add writes a biased copy of f32[S, V], as the logprobs still read the
+raw logits. The inputs are the engine's batch parts themselves (`SamplingTensors`).
 """
 
 from __future__ import annotations
@@ -36,30 +37,37 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxserve.device import nucleus
+from jaxserve.engine.batch_mask import TokenMaskRows
+from jaxserve.engine.batch_parts import LogitBiasRows, PenaltyRows, SamplingRows
 from jaxserve.engine.sampling_params import DEVICE_COLUMN, MAX_LOGPROBS, PAD_ROW
+
+
+# The engine's per-feature batch parts (`engine/batch_parts.py`, `engine/batch_mask.py`) are
+# the sampler's inputs as they are: on the device the same classes hold jax arrays.
+for _part in (SamplingRows, PenaltyRows, LogitBiasRows, TokenMaskRows):
+    jax.tree_util.register_dataclass(_part)
 
 
 @struct.dataclass
 class SamplingTensors:
-    """Per-row sampling inputs; S is the step's sequence bucket."""
+    """Per-row sampling inputs, one part per feature as in the engine's `StepBatch`; S is the
+    step's sequence bucket (each part's arrays and shapes are described with its class)."""
 
-    knobs: jax.Array  # f32[S, K] one column per device field (sampling_params.DEVICE_FIELDS)
-    rng_key: jax.Array  # u32[S, 2] raw threefry key data, already folded with the step index
-    history: jax.Array  # i32[S, P] prompt + output token ids, -1 padded (P = 0: no penalties)
-    history_is_output: jax.Array  # bool[S, P] True where history holds a generated token
-    bias_ids: jax.Array  # i32[S, B] token ids of each row's logit_bias, padded with an id
-    #                      >= V (dropped); B = 0: no row has a bias
-    bias_values: jax.Array  # f32[S, B] their biases, 0.0 where padded
-    bitmask: jax.Array  # i32[S, W] W = ceil(V / 32): bit t % 32 of word t // 32 set = token t
-    #                     allowed, in the rows where `constrained` is set (W = 0: no mask
-    #                     traced; the runner always sends the full width)
-    constrained: jax.Array  # bool[S] rows under a grammar
+    sampling: SamplingRows  # knobs f32[S, K] (sampling_params.DEVICE_FIELDS), rng_key u32[S, 2]
+    #                         raw threefry key data, already folded with the draw number
+    penalties: PenaltyRows  # history i32[S, P] -1 padded, history_is_output bool[S, P]
+    #                         (P = 0: no penalties)
+    bias: LogitBiasRows  # ids i32[S, B] (padded with an id >= V: dropped), values f32[S, B]
+    #                      (B = 0: no row has a bias)
+    mask: TokenMaskRows  # bitmask i32[S, W] W = ceil(V / 32): bit t % 32 of word t // 32 set =
+    #                      token t allowed, in the rows where constrained bool[S] is set (W = 0:
+    #                      no mask traced; the runner always sends the full width)
 
     def knob(self, name: str) -> jax.Array:
         """f32[S]: the column of sampling field `name` (resolved at trace time). A column's
         padding value (`Column.pad` in sampling_params) turns its knob off; top_k <= 0 is the
         whole vocabulary, logprobs >= 0 asks for logprobs."""
-        return self.knobs[:, DEVICE_COLUMN[name]]
+        return self.sampling.knobs[:, DEVICE_COLUMN[name]]
 
     @classmethod
     def of(cls, rng_key: jax.Array, history: jax.Array, history_is_output: jax.Array,
@@ -79,8 +87,14 @@ class SamplingTensors:
                            for name, pad in zip(DEVICE_COLUMN, PAD_ROW)], axis=1)
         if columns:
             raise TypeError(f"unknown sampling columns {sorted(columns)}")
-        return cls(knobs, rng_key, history, history_is_output, bias_ids, bias_values, bitmask,
-                   constrained)
+        return cls(SamplingRows(knobs, rng_key), PenaltyRows(history, history_is_output),
+                   LogitBiasRows(bias_ids, bias_values), TokenMaskRows(bitmask, constrained))
+
+    def with_mask(self, bitmask: jax.Array, constrained: jax.Array | None = None
+                  ) -> "SamplingTensors":
+        """These tensors with another grammar mask (and constrained rows, if given)."""
+        return self.replace(mask=TokenMaskRows(
+            bitmask, self.mask.constrained if constrained is None else constrained))
 
 
 @struct.dataclass
@@ -102,7 +116,7 @@ def apply_grammar_mask(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     """-inf for every token a constrained row's bitmask does not allow (unconstrained rows
     unchanged)."""
     S, V = logits.shape
-    allowed = allowed_bits(st.bitmask, st.constrained).reshape(S, -1)[:, :V]
+    allowed = allowed_bits(st.mask.bitmask, st.mask.constrained).reshape(S, -1)[:, :V]
     return jnp.where(allowed, logits, -jnp.inf)
 
 
@@ -117,7 +131,7 @@ def _as_words(logits: jax.Array) -> jax.Array:
 
 
 def _masked_word_max(words: jax.Array, st: SamplingTensors) -> jax.Array:
-    return jnp.where(allowed_bits(st.bitmask, st.constrained), words, -jnp.inf).max(-1)
+    return jnp.where(allowed_bits(st.mask.bitmask, st.mask.constrained), words, -jnp.inf).max(-1)
 
 
 def _masked_word_max_rows(words: jax.Array, st: SamplingTensors) -> jax.Array:
@@ -129,8 +143,8 @@ def _masked_word_max_rows(words: jax.Array, st: SamplingTensors) -> jax.Array:
     if S <= ROW_CHUNK or S % ROW_CHUNK:
         return _masked_word_max(words, st)
     n = S // ROW_CHUNK
-    parts = (words.reshape(n, ROW_CHUNK, W, 32), st.bitmask.reshape(n, ROW_CHUNK, W),
-             st.constrained.reshape(n, ROW_CHUNK))
+    parts = (words.reshape(n, ROW_CHUNK, W, 32), st.mask.bitmask.reshape(n, ROW_CHUNK, W),
+             st.mask.constrained.reshape(n, ROW_CHUNK))
     return jax.lax.map(lambda p: jnp.where(allowed_bits(p[1], p[2]), p[0], -jnp.inf).max(-1),
                        parts).reshape(S, W)
 
@@ -154,19 +168,19 @@ def greedy_tokens(logits: jax.Array, st: SamplingTensors, masked: bool) -> jax.A
     best = jnp.argmax(word_max, axis=-1)  # i32[S]
     inner = jnp.take_along_axis(words, best[:, None, None], axis=1)[:, 0, :]  # f32[S, 32]
     if masked:
-        bits = jnp.take_along_axis(st.bitmask, best[:, None], axis=1)
-        inner = jnp.where(allowed_bits(bits, st.constrained)[:, 0, :], inner, -jnp.inf)
+        bits = jnp.take_along_axis(st.mask.bitmask, best[:, None], axis=1)
+        inner = jnp.where(allowed_bits(bits, st.mask.constrained)[:, 0, :], inner, -jnp.inf)
     return (best * 32 + jnp.argmax(inner, axis=-1)).astype(jnp.int32)
 
 
 def apply_logit_bias(logits: jax.Array, st: SamplingTensors) -> jax.Array:
-    """logits[r, bias_ids[r, j]] += bias_values[r, j]: a scatter-add of S x B entries (ids
+    """logits[r, bias.ids[r, j]] += bias.values[r, j]: a scatter-add of S x B entries (ids
     within a row are distinct). Ids outside [0, V) (the padding) are dropped, not clamped or
     wrapped, so padding does no work; B = 0 is no op at all (nothing traced)."""
-    if st.bias_ids.shape[1] == 0:
+    if st.bias.ids.shape[1] == 0:
         return logits
     rows = jnp.arange(logits.shape[0])[:, None]
-    return logits.at[rows, st.bias_ids].add(st.bias_values.astype(logits.dtype), mode="drop")
+    return logits.at[rows, st.bias.ids].add(st.bias.values.astype(logits.dtype), mode="drop")
 
 
 def apply_penalties(logits: jax.Array, st: SamplingTensors) -> jax.Array:
@@ -194,14 +208,14 @@ def apply_penalties(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     form stays.
     """
     S, V = logits.shape
-    if st.history.shape[1] == 0:
+    if st.penalties.history.shape[1] == 0:
         return logits
     rows = jnp.arange(S)[:, None]
-    valid = st.history >= 0
-    ids = jnp.where(valid, st.history, 0)  # i32[S, P]
+    valid = st.penalties.history >= 0
+    ids = jnp.where(valid, st.penalties.history, 0)  # i32[S, P]
     seen = jnp.zeros((S, V), bool).at[rows, ids].max(valid)  # bool[S, V]
     out_counts = jnp.zeros((S, V), jnp.float32).at[rows, ids].add(
-        (valid & st.history_is_output).astype(jnp.float32))  # f32[S, V]
+        (valid & st.penalties.history_is_output).astype(jnp.float32))  # f32[S, V]
     rep = st.knob("repetition_penalty")[:, None]  # f32[S, 1]
     inv_rep = 1 / rep
     # `seen`'s select stands between each product and the subtraction after it: without
@@ -279,7 +293,7 @@ def sample_rows(logits: jax.Array, st: SamplingTensors, apply_penalty: bool) -> 
 
         def draw(_: None) -> jax.Array:
             x = apply_grammar_mask(logits, st) if masked else logits
-            return nucleus.inverse_cdf_draw(filter_logits(x, st), st.rng_key)
+            return nucleus.inverse_cdf_draw(filter_logits(x, st), st.sampling.rng_key)
 
         drawn = jax.lax.cond(jnp.any(sampling), draw, lambda _: greedy, None)
         return jnp.where(sampling, drawn, greedy)
@@ -287,8 +301,8 @@ def sample_rows(logits: jax.Array, st: SamplingTensors, apply_penalty: bool) -> 
     # Masked or not, the whole rest of the sampler is one of two lax.cond branches: a branch
     # that only masked (or not) would hand the rest a copy of f32[S, V], and a step without
     # a grammar runs exactly the unmasked sampler.
-    tokens = pick(logits, False) if st.bitmask.shape[1] == 0 else jax.lax.cond(
-        jnp.any(st.constrained), lambda x: pick(x, True), lambda x: pick(x, False), logits)
+    tokens = pick(logits, False) if st.mask.bitmask.shape[1] == 0 else jax.lax.cond(
+        jnp.any(st.mask.constrained), lambda x: pick(x, True), lambda x: pick(x, False), logits)
 
     def logprobs(_: None) -> tuple[jax.Array, jax.Array, jax.Array]:
         lp = jax.nn.log_softmax(raw, axis=-1)

@@ -73,7 +73,7 @@ def measure(S: int, biased_rows: int, vocab: int, runner: ModelRunner, runs: int
     _, st, _ = place_inputs(to_step_inputs(batch), None)
     # A step without a grammar gets its bucket's all-zero mask on the device (as the runner
     # places it: never sent, never read).
-    st = st.replace(bitmask=jnp.zeros((S, bitmask_words(vocab)), jnp.int32))
+    st = st.with_mask(jnp.zeros((S, bitmask_words(vocab)), jnp.int32))
     logits = jax.device_put(np.random.default_rng(0).normal(0, 3, (S, vocab)).astype(np.float32))
 
     def sampler() -> None:

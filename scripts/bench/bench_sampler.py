@@ -117,7 +117,7 @@ def bench_grammar(seqs: list[int], V: int, runs: int) -> list[dict]:
                 st, pen = sampler_inputs(S, V, dict(temperature=t), rng,
                                          bitmask if constrained else None)
                 if not constrained:  # the runner always sends the full-width bitmask
-                    st = st.replace(bitmask=jnp.asarray(bitmask))
+                    st = st.with_mask(jnp.asarray(bitmask))
                 cases[(t, constrained)] = sampler_call(logits, st, pen)
         ms = time_round_robin(cases, runs)
         for t in (0.0, 1.0):

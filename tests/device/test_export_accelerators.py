@@ -316,7 +316,7 @@ def export_step(cfg: ModelConfig, platform: str, tp: int, int8_kv: bool = False,
         assert out_avals[1 + int8_kv].shape == (s, cfg.vocab_size)  # after the scales
         logits = replicated(SDS((s, cfg.vocab_size), jnp.float32))
         # The grammar bitmask the runner always hands the sampler (its own when none is sent).
-        sampling = sampling.replace(bitmask=replicated(
+        sampling = sampling.with_mask(replicated(
             SDS((s, bitmask_words(cfg.vocab_size)), jnp.int32)))
         sample = jax.export.export(mr.sample_jit, platforms=[platform])(
             logits, sampling, apply_penalty=False, feed_len=feed_len)
@@ -341,13 +341,16 @@ def test_sampled_step_sorts_no_vocabulary(platform: str, penalties: bool) -> Non
     bundled model's vocabulary: no sort over it in the lowered step, and the check itself
     finds a vocabulary sort where one is traced (`jnp.sort`, as the sampler once did)."""
     from jaxserve.device.sampler import SamplingTensors
+    from jaxserve.engine.batch_mask import TokenMaskRows
+    from jaxserve.engine.batch_parts import LogitBiasRows, PenaltyRows, SamplingRows
     from jaxserve.engine.sampling_params import DEVICE_FIELDS
 
     S, V, P = 32, 49152, 64 if penalties else 0
-    st = SamplingTensors(SDS((S, len(DEVICE_FIELDS)), jnp.float32), SDS((S, 2), jnp.uint32),
-                         SDS((S, P), jnp.int32), SDS((S, P), jnp.bool_),
-                         SDS((S, 8), jnp.int32), SDS((S, 8), jnp.float32),
-                         SDS((S, V // 32), jnp.int32), SDS((S,), jnp.bool_))
+    st = SamplingTensors(SamplingRows(SDS((S, len(DEVICE_FIELDS)), jnp.float32),
+                                      SDS((S, 2), jnp.uint32)),
+                         PenaltyRows(SDS((S, P), jnp.int32), SDS((S, P), jnp.bool_)),
+                         LogitBiasRows(SDS((S, 8), jnp.int32), SDS((S, 8), jnp.float32)),
+                         TokenMaskRows(SDS((S, V // 32), jnp.int32), SDS((S,), jnp.bool_)))
     logits = SDS((S, V), jnp.float32)
     sample = jax.export.export(mr.sample_jit, platforms=[platform])(
         logits, st, apply_penalty=penalties, feed_len=S)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 
@@ -173,7 +174,8 @@ def test_greedy_rows_take_argmax_and_samples_stay_in_allowed_set() -> None:
     st = tensors(S, temperature=temp, top_k=top_k, top_p=top_p)
     for trial in range(20):
         keys = np.stack([np.full(S, trial, np.uint32), np.arange(S, dtype=np.uint32)], 1)
-        out = sampler.sample(jnp.asarray(logits), st.replace(rng_key=jnp.asarray(keys)), False)
+        rows = dataclasses.replace(st.sampling, rng_key=jnp.asarray(keys))
+        out = sampler.sample(jnp.asarray(logits), st.replace(sampling=rows), False)
         toks = np.asarray(out.tokens)
         for r in range(S):
             if temp[r] == 0:
@@ -276,7 +278,7 @@ def test_logit_bias_matches_numpy_definition_and_padding_is_dropped(pad_id: int)
 def test_logit_bias_of_width_zero_is_no_op_at_trace_time() -> None:
     logits = jnp.asarray(np.random.default_rng(7).normal(size=(3, V)).astype(np.float32))
     st = tensors(3)  # no bias arrays: width 0
-    assert st.bias_ids.shape == (3, 0)
+    assert st.bias.ids.shape == (3, 0)
     assert sampler.apply_logit_bias(logits, st) is logits  # nothing traced, not even a copy
 
 
@@ -319,6 +321,8 @@ def test_sampler_with_logit_bias_lowers_for_tpu_and_cuda(platform: str, penaltie
     biased row (width 0) has no bias scatter in it at all."""
     from jaxserve.device.model_runner import sample_jit  # the shipped jit
     from jaxserve.engine.batch import bias_width
+    from jaxserve.engine.batch_mask import TokenMaskRows
+    from jaxserve.engine.batch_parts import LogitBiasRows, PenaltyRows, SamplingRows
     from jaxserve.engine.sampling_params import DEVICE_FIELDS
 
     S, Vb, P = 8, 32000, 64 if penalties else 0
@@ -327,11 +331,11 @@ def test_sampler_with_logit_bias_lowers_for_tpu_and_cuda(platform: str, penaltie
         return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
 
     def scatters(B: int) -> int:
-        st = sampler.SamplingTensors(spec((S, len(DEVICE_FIELDS)), "float32"),
-                                     spec((S, 2), "uint32"), spec((S, P), "int32"),
-                                     spec((S, P), "bool"), spec((S, B), "int32"),
-                                     spec((S, B), "float32"), spec((S, Vb // 32), "int32"),
-                                     spec((S,), "bool"))
+        st = sampler.SamplingTensors(
+            SamplingRows(spec((S, len(DEVICE_FIELDS)), "float32"), spec((S, 2), "uint32")),
+            PenaltyRows(spec((S, P), "int32"), spec((S, P), "bool")),
+            LogitBiasRows(spec((S, B), "int32"), spec((S, B), "float32")),
+            TokenMaskRows(spec((S, Vb // 32), "int32"), spec((S,), "bool")))
         text = sample_jit.trace(spec((S, Vb), "float32"), st, apply_penalty=penalties,
                                  feed_len=S).lower(lowering_platforms=(platform,)).as_text()
         return len(re.findall(r'"?stablehlo\.scatter"?\(', text))
@@ -356,7 +360,7 @@ def test_greedy_tokens_are_the_masked_argmax(S: int, V: int) -> None:
     weights = np.uint64(1) << np.arange(32, dtype=np.uint64)  # bit j of word w: token 32w+j
     bitmask = (bits.reshape(S, words, 32) * weights).sum(-1).astype(np.uint32).view(np.int32)
     constrained = rng.random(S) < 0.6
-    st = tensors(S).replace(bitmask=jnp.asarray(bitmask), constrained=jnp.asarray(constrained))
+    st = tensors(S).with_mask(jnp.asarray(bitmask), jnp.asarray(constrained))
     want = np.where(bits[:, :V] | ~constrained[:, None], logits, -np.inf).argmax(-1)
     got = jax.jit(sampler.greedy_tokens, static_argnums=2)(jnp.asarray(logits), st, True)
     np.testing.assert_array_equal(np.asarray(got), want)

@@ -278,20 +278,24 @@ def test_sampler_reads_every_column_by_name_and_padding_is_greedy() -> None:
     import jax.numpy as jnp
 
     from jaxserve.device import sampler
+    from jaxserve.engine.batch_mask import TokenMaskRows
+    from jaxserve.engine.batch_parts import LogitBiasRows, PenaltyRows, SamplingRows
 
     S, V = 3, 32
     knobs = np.arange(S * len(sp_mod.DEVICE_FIELDS), dtype=np.float32).reshape(S, -1)
-    st = sampler.SamplingTensors(jnp.asarray(knobs), jnp.zeros((S, 2), jnp.uint32),
-                                 jnp.zeros((S, 0), jnp.int32), jnp.zeros((S, 0), bool),
-                                 jnp.zeros((S, 0), jnp.int32), jnp.zeros((S, 0), jnp.float32),
-                                 jnp.zeros((S, 1), jnp.int32), jnp.zeros((S,), bool))
+    st = sampler.SamplingTensors(
+        SamplingRows(jnp.asarray(knobs), jnp.zeros((S, 2), jnp.uint32)),
+        PenaltyRows(jnp.zeros((S, 0), jnp.int32), jnp.zeros((S, 0), bool)),
+        LogitBiasRows(jnp.zeros((S, 0), jnp.int32), jnp.zeros((S, 0), jnp.float32)),
+        TokenMaskRows(jnp.zeros((S, 1), jnp.int32), jnp.zeros((S,), bool)))
     for name, col in sp_mod.DEVICE_COLUMN.items():
         np.testing.assert_array_equal(np.asarray(st.knob(name)), knobs[:, col])
     logits = np.random.default_rng(0).normal(size=(S, V)).astype(np.float32)
-    pad = sampler.SamplingTensors(jnp.asarray(np.float32([sp_mod.PAD_ROW] * S)),
-                                  jnp.zeros((S, 2), jnp.uint32), jnp.zeros((S, 0), jnp.int32),
-                                  jnp.zeros((S, 0), bool),
-                                  *map(jnp.asarray, pad_bias(S, True)),
-                                  jnp.zeros((S, 1), jnp.int32), jnp.zeros((S,), bool))
+    pad = sampler.SamplingTensors(
+        SamplingRows(jnp.asarray(np.float32([sp_mod.PAD_ROW] * S)),
+                     jnp.zeros((S, 2), jnp.uint32)),
+        PenaltyRows(jnp.zeros((S, 0), jnp.int32), jnp.zeros((S, 0), bool)),
+        LogitBiasRows(*map(jnp.asarray, pad_bias(S, True))),
+        TokenMaskRows(jnp.zeros((S, 1), jnp.int32), jnp.zeros((S,), bool)))
     out = sampler.sample(jnp.asarray(logits), pad, False)
     np.testing.assert_array_equal(np.asarray(out.tokens), logits.argmax(-1))
