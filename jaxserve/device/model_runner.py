@@ -1,9 +1,10 @@
 """The host/device boundary: owns params and KV pages on device, runs one compiled step.
 
 Data flow: StepBatch (numpy, from `batch.py`, one part per feature) -> `to_step_inputs` (the
-parts as device pytrees) -> one `jax.device_put` of the whole tree -> `forward_step` (module-level, jitted once per (tokens, seqs) bucket,
-KV pages donated so XLA updates them in place; fed tokens taken from the previous step's
-sampled tokens, still on device) -> logits f32[S, V] stay on device -> `sample_step` (jitted
+parts as device pytrees) -> one `jax.device_put` of the whole tree -> `forward_step`
+(module-level, jitted once per (tokens, seqs) bucket, KV pages donated so XLA updates them
+in place; fed tokens taken from the previous step's sampled tokens, still on device) -> logits
+f32[S, V] stay on device -> `sample_step` (jitted
 once per seqs bucket, penalties on/off and logit bias width 0 / on; also the sampled tokens
 padded to `max_num_seqs`, the next step's feed; a step without a grammar bitmask gets a
 device-resident one of its bucket, never sent, so masked and unmasked steps share one
@@ -275,7 +276,8 @@ class ModelRunner:
             except Exception as e:  # noqa: BLE001 - classified for the engine
                 raise self._failed("placing the step's grammar mask", e) from e
         try:
-            out, feed = sample_jit(logits, sampling, apply_penalty=batch.penalties.history.shape[1] > 0,
+            out, feed = sample_jit(logits, sampling,
+                                   apply_penalty=batch.penalties.history.shape[1] > 0,
                                    feed_len=self.feed_len)
         except Exception as e:  # noqa: BLE001 - classified for the engine
             raise self._failed("the compiled step", e) from e

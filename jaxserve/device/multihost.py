@@ -68,20 +68,18 @@ STEP, ARM, STOP, KEEPALIVE = 1, 2, 3, 4
 # fields apart: "forward" (shapes from tokens x seqs), "sampler" (seqs x penalty history x
 # logit bias width) and "prompt_logprobs" (L, sent only when the part is present). One
 # broadcast per group, not per part: each is one collective per step.
-WireKey = tuple[str, str, str]  # (broadcast group, part, field)
+Leaf = tuple[str, str, np.ndarray]  # (part, field, array)
 
 
-def _wire(batch: StepBatch) -> dict[str, list[tuple[WireKey, np.ndarray]]]:
+def _wire(batch: StepBatch) -> dict[str, list[Leaf]]:
     """The batch's arrays that travel with the step, by broadcast group, in walk order (the
     same on every process: the follower walks its mold of the same shapes)."""
-    groups: dict[str, list[tuple[WireKey, np.ndarray]]] = {}
+    groups: dict[str, list[Leaf]] = {}
     for name, part in parts(batch):
-        if not present(part):
-            continue
-        for field, array in leaves(part):
-            if field not in part.LATE:  # type: ignore[attr-defined]
-                group = part.WIRE  # type: ignore[attr-defined]
-                groups.setdefault(group, []).append(((group, name, field), array))
+        if present(part):
+            late = part.LATE  # type: ignore[attr-defined]
+            groups.setdefault(part.WIRE, []).extend(  # type: ignore[attr-defined]
+                (name, field, array) for field, array in leaves(part) if field not in late)
     return groups
 
 
@@ -128,7 +126,7 @@ def _header(op: int, batch: StepBatch | None, is_source: bool, late: bool = Fals
 def _send_batch(batch: StepBatch, late: bool) -> None:
     _header(STEP, batch, True, late)
     for entries in _wire(batch).values():
-        _broadcast([array for _, array in entries], True)
+        _broadcast([array for _, _, array in entries], True)
 
 
 def _mask_wire(num_seqs: int, vocab_size: int, bitmask: np.ndarray | None,
@@ -153,8 +151,8 @@ def _receive_batch(runner: ModelRunner, num_tokens: int, num_seqs: int, history_
                            f"differs from this process's {ours}: engines built differently")
     got: dict[str, dict[str, np.ndarray]] = {}  # part -> field -> the leader's array
     for entries in _wire(mold).values():
-        arrays = _broadcast([array for _, array in entries], False)
-        for ((_, name, field), _), array in zip(entries, arrays):
+        arrays = _broadcast([array for _, _, array in entries], False)
+        for (name, field, _), array in zip(entries, arrays):
             got.setdefault(name, {})[field] = array
     return dataclasses.replace(mold, **{name: dataclasses.replace(getattr(mold, name), **fields)
                                         for name, fields in got.items()})

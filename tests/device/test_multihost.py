@@ -248,7 +248,7 @@ def test_leader_runner_sends_every_field_and_returns_the_runner_results() -> Non
     batch = empty_batch(shape, 8, 4, True, bias=True, prompt_lp=True)
     wire = multihost._wire(batch)  # noqa: SLF001
     assert list(wire) == ["forward", "sampler", "prompt_logprobs"]
-    sent = [key[1:] for entries in wire.values() for key, _ in entries]
+    sent = [(name, field) for entries in wire.values() for name, field, _ in entries]
     late = [(name, f) for name, part in parts(batch) for f in part.LATE]
     every = [(name, f) for name, part in parts(batch) for f, _ in leaves(part)]
     assert sorted(sent + late) == sorted(every) and len(set(sent + late)) == len(every)

@@ -267,8 +267,8 @@ def test_empty_batch_and_multihost_lists_are_derived() -> None:
     assert b.prompt_logprobs.indices.shape == b.prompt_logprobs.targets.shape == (8,)
     assert b.prompt_logprobs.num.tolist() == [0]
     # Every array of every part travels with the step or late (the bitmask), exactly once.
-    sent = [key[1:] for entries in multihost._wire(b).values()  # noqa: SLF001
-            for key, _ in entries]
+    sent = [(name, field) for entries in multihost._wire(b).values()  # noqa: SLF001
+            for name, field, _ in entries]
     late = [(name, f) for name, part in parts(b) for f in part.LATE]
     every = [(name, f) for name, part in parts(b) for f, _ in leaves(part)]
     assert sorted(sent + late) == sorted(every) and len(set(sent + late)) == len(every)
