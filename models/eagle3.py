@@ -14,6 +14,13 @@ Data flow (one draft step, pure, jit with `cfg` static):
   the next draft token's hidden input; `eagle3_logits` applies the final `norm` and `lm_head`
   -> f32[rows, draft_vocab] (times `logit_scale`), and `draft_to_target` maps a draft id d to
   the target id d + d2t[d].
+How vLLM's proposer drives it (what a runner does with these functions): after a target step,
+the head runs over the same rows at the same positions and slots, each row pairing the
+target's hidden state of position p with the token of position p + 1 (the step's token ids
+shifted left by one within each sequence, its last row the token just sampled); draft logits
+are taken at each sequence's last row. Each later draft token is one more row per sequence at
+the next position, its token the previous draft (a target-vocabulary id, via
+`draft_to_target`) and its hidden the previous row's output. Token ids are always target ids.
 The token embedding is the head's own `embed_tokens.weight` when the checkpoint has one, else
 the target's (passed as `target_embed`: any embed `blocks.embed` reads, packed or quantized);
 a tied head (`tie_word_embeddings`, draft vocabulary = target's) uses that same table as its
