@@ -142,7 +142,8 @@ def paged_hidden(params: Any, kv_pages: KVPages, token_ids: jax.Array,
         x, kv, shared, *aux = carry
         lp, i, inp = xs
         if aux:  # the stream entering layer i into its slot (the spare slot if not kept)
-            aux = [jax.lax.dynamic_update_index_in_dim(aux[0], x, aux_slot[i], 0)]
+            slot = aux_slot[i]  # type: ignore[index]
+            aux = [jax.lax.dynamic_update_index_in_dim(aux[0], x, slot, 0)]
 
         def attn(q: jax.Array, k: jax.Array, v: jax.Array, flat: KVPages,
                  spec: LayerSpec, sinks: jax.Array | None = None
@@ -212,13 +213,16 @@ def paged_hidden(params: Any, kv_pages: KVPages, token_ids: jax.Array,
     return x, kv_pages, jnp.concatenate(kept, axis=-1)
 
 
-def _aux_slots(aux_layers: tuple[int, ...], num_layers: int) -> jax.Array:
+def _aux_slots(aux_layers: tuple[int, ...], num_layers: int) -> jax.Array | None:
     """i32[num_layers]: the aux buffer slot layer i's input goes to (the spare last slot for
-    a layer not kept); refuses indices out of [0, num_layers] or not strictly increasing."""
+    a layer not kept), None without aux layers; refuses indices out of [0, num_layers] or
+    not strictly increasing."""
     if any(not isinstance(i, int) or not 0 <= i <= num_layers for i in aux_layers) or any(
             a >= b for a, b in zip(aux_layers, aux_layers[1:])):
         raise ValueError(f"aux_layers={aux_layers!r} must be strictly increasing layer indices "
                          f"in [0, {num_layers}] (the model has {num_layers} layers)")
+    if not aux_layers:
+        return None
     inside = [i for i in aux_layers if i < num_layers]
     slot = np.full(num_layers, len(inside), np.int32)
     slot[inside] = np.arange(len(inside), dtype=np.int32)

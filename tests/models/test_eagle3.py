@@ -159,7 +159,8 @@ def test_d2t_maps_draft_ids_to_target_ids(head) -> None:  # noqa: ANN001
      r"midlayer\.self_attn\.q_proj\.bias"),
     (lambda w: w.update({"d2t": w["d2t"] + 500}), r"d2t maps draft ids outside"),
 ], ids=["missing", "missing_d2t", "transposed", "wrong_shape", "unknown", "d2t_range"])
-def test_bad_checkpoint_refused_naming_the_tensor(tmp_path, edit, match: str) -> None:  # noqa: ANN001
+def test_bad_checkpoint_refused_naming_the_tensor(tmp_path, edit,  # noqa: ANN001
+                                                  match: str) -> None:
     weights = random_weights(HEAD_CONFIG, seed=5)
     edit(weights)
     with pytest.raises(CheckpointError, match=match):

@@ -36,7 +36,8 @@ def random_weights(cfg: dict, seed: int = 0, embed: bool = True) -> dict[str, np
     H, I, V, Vd = (cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"],
                    cfg["draft_vocab_size"])
     Ht = cfg.get("target_hidden_size", H)
-    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
 
     def lin(out: int, inp: int) -> np.ndarray:
         return (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(np.float32)
