@@ -327,3 +327,15 @@ def test_aux_option_keeps_kv_in_place_and_is_checked(target) -> None:  # noqa: A
         with pytest.raises(ValueError, match="aux_layers"):
             jax.eval_shape(lambda *a, bad=bad: paged.paged_hidden(*a, cfg=cfg, aux_layers=bad),
                            *args)
+
+
+def test_per_group_tables_refused(head) -> None:  # noqa: ANN001
+    """A target with KV groups hands per-group tables [G, S, W]: refused, not misread."""
+    _, _, cfg, params = head
+    md = _metadata([(0, 0, 5)])
+    md = AttentionMetadata(md.slot_mapping[None], md.block_tables[None], md.kv_lens,
+                           md.cu_q_lens, md.num_seqs)
+    with pytest.raises(ValueError, match="KV groups"):
+        eagle3.eagle3_hidden(params, eagle3.init_eagle3_kv(cfg, 7, PAGE, jnp.float32),
+                             jnp.zeros(5, jnp.int32), jnp.zeros((5, 32)),
+                             jnp.arange(5, dtype=jnp.int32), md, cfg)
