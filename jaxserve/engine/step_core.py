@@ -108,7 +108,7 @@ class StepCore:
         built = self.recovery.build(out, self.shape, feeds, late=before_mask is not None)
         batch = built.value
         if batch is None:
-            return built  # type: ignore[return-value] - no value, only failures
+            return Staged(None, built.failures)
         failures: Failures = []
         late_mask: LateMask | None = None
         if before_mask is not None:
