@@ -164,7 +164,7 @@ class Engine:
         if group is None:
             return False
         self.scheduler.abort([s.seq_id for s in group.seqs])
-        self._core.news[request_id] = group  # its final ABORT output comes from the next step
+        self._core.touch([group])  # its final ABORT output comes from the next step
         return True
 
     def has_unfinished(self) -> bool:

@@ -86,6 +86,11 @@ class StepCore:
         if launched.value is not None:
             self.apply(launched.value)
 
+    def touch(self, groups: list[Group]) -> None:
+        """These groups have news for the next outputs (an abort, a failure, a token)."""
+        for g in groups:
+            self.news[g.request_id] = g
+
     def take_news(self) -> dict[str, Group]:
         """The groups with news since the last call (their outputs are due)."""
         news, self.news = self.news, {}
@@ -133,7 +138,7 @@ class StepCore:
         discarded extra) are skipped."""
         failures = [(r, m) for r, m in failures if not r.is_finished]
         if failures:
-            self._touch(self.recovery.fail(failures))
+            self.touch(self.recovery.fail(failures))
 
     def apply(self, step: InFlight) -> None:
         """Collect a dispatched step's result and apply it: tokens, stops, outputs."""
@@ -167,15 +172,11 @@ class StepCore:
                 self._fail_now([(req, f"processing the sampled token failed: {e!r}")])
 
     # ----------------------------------------------------------------------- helpers
-    def _touch(self, groups: list[Group]) -> None:
-        for g in groups:
-            self.news[g.request_id] = g
-
     def _fail_now(self, failures: Failures) -> None:
         """`Recovery.fail` without the finished filter: a sequence this very step finished
         (e.g. its last token) still takes the blame."""
         if failures:
-            self._touch(self.recovery.fail(failures))
+            self.touch(self.recovery.fail(failures))
 
     def _take_prompt_logprobs(self, out: SchedulerOutput, result: StepResult) -> Failures:
         scored = prompt_logprobs.spans(out)
