@@ -30,9 +30,11 @@ import dataclasses
 import functools
 from typing import Callable, Mapping
 
+import numpy as np
+
+from jaxserve.engine import prompt_logprobs
 from jaxserve.engine.batch import BatchShape, late_bitmask
 from jaxserve.engine.group import Group
-from jaxserve.engine import prompt_logprobs
 from jaxserve.engine.recovery import Failures, Recovery, Staged
 from jaxserve.engine.request import FinishReason, Request
 from jaxserve.engine.runner import LateMask, PendingStep, Runner, RunnerFailed, StepResult
@@ -114,12 +116,15 @@ class StepCore:
         batch = built.value
         if batch is None:
             return Staged(None, built.failures)
+        # The late mask is filled inside `dispatch` (the runner calls it between the forward
+        # and the sampler): the rows it cannot mask are collected here, part of this result.
         failures: Failures = []
         late_mask: LateMask | None = None
         if before_mask is not None:
-            def late_mask() -> tuple:
+            def fill_late() -> tuple[np.ndarray | None, np.ndarray]:
                 before_mask()
                 return late_bitmask(out, len(batch.kv_lens), self.shape.vocab_size, failures)
+            late_mask = fill_late
         try:
             pending = self.runner.dispatch(batch, late_mask) if late_mask is not None else \
                 self.runner.dispatch(batch)
