@@ -12,6 +12,8 @@ import os
 import pathlib
 from typing import TYPE_CHECKING, Mapping
 
+from jaxserve.spec_config import SpeculativeConfig  # noqa: F401  (re-exported: config layer)
+
 if TYPE_CHECKING:
     from jaxserve.models.kv_groups import KVGroups
 

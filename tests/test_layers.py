@@ -14,8 +14,9 @@ Layers, top to bottom (imports point down; a layer may skip the ones between):
     models          jaxserve.models (models/): functional models, loaders, tokenizer
     kernels_pallas  jaxserve.kernels_pallas (kernels_pallas/): imports nothing else of jaxserve
 
-`jaxserve.config` (frozen configuration) sits beside models: every layer above may read it, it
-imports nothing of engine / device / serving / server / llm / cli.
+`jaxserve.config` (frozen configuration; `jaxserve.spec_config` is part of it) sits beside models:
+every layer above may read it, it imports nothing of engine / device / serving / server / llm /
+cli.
 
 engine -> models: the engine reads the model's shape (`models.config`) and detokenizes with
 `models.tokenizer`; those are host-side modules. The engine may import only the jax-free
@@ -55,6 +56,7 @@ LAYER_PREFIXES = {
     "jaxserve.kernels_pallas": "kernels_pallas",
     "jaxserve.models": "models",
     "jaxserve.config": "config",
+    "jaxserve.spec_config": "config",
     "jaxserve.engine": "engine",
     "jaxserve.device": "device",
     "jaxserve.serving": "serving",

@@ -4,8 +4,9 @@ H200, TPU v5e and TPU v6e, as tables: per chip, weight format and batch, the dec
 bound and output tokens/s, the 2k prefill; the published peer figures beside the model's; what
 `scripts/device/device_engine_check.py` should report on one H200. Then the mixture-of-experts
 rows (`perf_model_moe`): Qwen3-30B-A3B bf16 decode on one H200 and on v6e-8 with expert
-parallelism, and its published peer figure. Plain arithmetic, no jax
-(docs/benchmarks/perf-model.md).
+parallelism, and its published peer figure. Then speculative decoding (`perf_model_spec`):
+Llama-3-8B with an EAGLE-3 head on one H200, output tokens/s and speed-up over plain decode
+at acceptance lengths 2, 3, 4. Plain arithmetic, no jax (docs/benchmarks/perf-model.md).
 
     python scripts/bench/perf_model.py                 # the tables
     python scripts/bench/perf_model.py --json out.json # and every figure as JSON
@@ -21,6 +22,7 @@ import pathlib
 from jaxserve.cli.bench.perf_model import (CHIPS, Assumptions, Weights, device_check_expectation,
                                            kv_bytes_per_token, peer_rows, table)
 from jaxserve.cli.bench import perf_model_moe as moe
+from jaxserve.cli.bench import perf_model_spec as spec
 from jaxserve.models import shapes
 
 
@@ -29,6 +31,8 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write every figure here")
     ap.add_argument("--eta-bw", type=float, default=Assumptions.eta_bw)
     ap.add_argument("--eta-flops", type=float, default=Assumptions.eta_flops)
+    ap.add_argument("--draft-overhead-us", type=float, default=spec.DRAFT_OVERHEAD_S * 1e6,
+                    help="fixed cost of one EAGLE-3 draft forward inside the step (us)")
     args = ap.parse_args()
     a = Assumptions(eta_bw=args.eta_bw, eta_flops=args.eta_flops)
     cfg = shapes.llama3_8b()
@@ -60,8 +64,10 @@ def main() -> None:
     print("\ndevice_engine_check on one H200 (64 x 2048, bf16): " + ", ".join(
         f"{k} {v:,.1f}" for k, v in dev.items()))
     moe_out = print_moe(a)
+    spec_rows = print_spec(cfg, a, args.draft_overhead_us * 1e-6)
     if args.json:
-        out = {"moe": moe_out, "assumptions": dataclasses.asdict(a),
+        out = {"moe": moe_out, "speculative_eagle3_h200": spec_rows,
+               "assumptions": dataclasses.asdict(a),
                "chips": {k: dataclasses.asdict(c) for k, c in CHIPS.items()},
                "weights": {"params": w.params, "bf16_bytes": w.bytes("bf16"),
                            "int8_bytes": w.bytes("int8")},
@@ -102,6 +108,25 @@ def print_moe(a: Assumptions) -> dict:
               f"{p['measured_over_predicted']:.2f} |")
     return {"shape": dataclasses.asdict(shape), "params": shape.params,
             "active_params": shape.active_params, "table": rows, "peers": peers}
+
+
+def print_spec(cfg, a: Assumptions, overhead_s: float) -> list[dict]:
+    """The EAGLE-3 speculative-decoding table; returns its rows for the JSON."""
+    head = spec.Eagle3Head.of(cfg)
+    print(f"\nSpeculative decoding, EAGLE-3 head ({head.params / 1e6:.0f} M params, draft vocab "
+          f"{spec.DRAFT_VOCAB:,}) on Llama-3-8B bf16, one H200, context 2048; draft forward "
+          f"overhead {overhead_s * 1e6:.0f} us; tau = tokens emitted per target step")
+    rows = spec.table(cfg, a=a, overhead_s=overhead_s)
+    print("| batch | k | decode ms | verify ms (bound) | k drafts ms | break-even tau | "
+          "tau 2: tok/s (x) | tau 3: tok/s (x) | tau 4: tok/s (x) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        cells = " | ".join(f"{r['tau'][t]['out_tok_s']:,.0f} ({r['tau'][t]['speedup']:.2f}x)"
+                           for t in spec.TAUS)
+        print(f"| {r['batch']} | {r['k']} | {r['decode_ms']:.2f} | {r['verify_ms']:.2f} "
+              f"({r['verify_bound']}) | {r['draft_ms']:.2f} | {r['break_even_tau']:.2f} | "
+              f"{cells} |")
+    return rows
 
 
 if __name__ == "__main__":

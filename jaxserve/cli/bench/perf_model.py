@@ -125,14 +125,18 @@ class Seq:
 
 
 def step_cost(cfg: ModelConfig, fmt: str, seqs: list[Seq], bucket: tuple[int, int],
-              kv_itemsize: int = 2, a: Assumptions = Assumptions()) -> dict:
-    """Bytes, FLOPs and all-reduce payloads of one step, summed over all chips."""
+              kv_itemsize: int = 2, a: Assumptions = Assumptions(),
+              logit_rows: int | None = None) -> dict:
+    """Bytes, FLOPs and all-reduce payloads of one step, summed over all chips. `logit_rows`:
+    rows the head runs on (None: one per padded sequence; speculative verification: every
+    query token, perf_model_spec)."""
     w = Weights.of(cfg)
     tb, sb = bucket
+    lr = sb if logit_rows is None else logit_rows
     h, i, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     kvt = kv_bytes_per_token(cfg, kv_itemsize)
     # Matmuls run on every padded token; logits only at one row per (padded) sequence.
-    flops = 2 * w.layer_matrix * tb + 2 * h * cfg.vocab_size * sb
+    flops = 2 * w.layer_matrix * tb + 2 * h * cfg.vocab_size * lr
     attn = 0
     kv_read = 0
     for s in seqs:
@@ -141,11 +145,11 @@ def step_cost(cfg: ModelConfig, fmt: str, seqs: list[Seq], bucket: tuple[int, in
         kv_read += math.ceil(s.q / a.q_block) * (s.ctx + s.q) * kvt
     real = sum(s.q for s in seqs)
     ch, ci = a.act_bytes_per_token_layer
-    act = tb * n * (ch * h + ci * i) * 2 + sb * cfg.vocab_size * 4 * 3  # + f32 logits x 3
+    act = tb * n * (ch * h + ci * i) * 2 + lr * cfg.vocab_size * 4 * 3  # + f32 logits x 3
     return {"weight_read": w.bytes_read_per_step(fmt, tb, h), "kv_read": kv_read,
             "kv_write": real * kvt, "activations": act, "flops": flops + attn,
             "attn_flops": attn, "allreduce_bytes": tb * h * 2, "allreduces": 2 * n,
-            "logits_bytes": sb * cfg.vocab_size * 4}
+            "logits_bytes": lr * cfg.vocab_size * 4}
 
 
 def step_time(cost: dict, chip: Chip, tp: int = 1,
