@@ -39,6 +39,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as PS
@@ -96,9 +97,18 @@ def paged_forward(params: Any, kv_pages: KVPages, token_ids: jax.Array,
 def paged_hidden(params: Any, kv_pages: KVPages, token_ids: jax.Array,
                  positions: jax.Array, md: AttentionMetadata, cfg: ModelConfig,
                  attn_impl: str = "reference", mesh: Mesh | None = None,
-                 expert_parallel: bool = False) -> tuple[jax.Array, KVPages]:
+                 expert_parallel: bool = False, aux_layers: tuple[int, ...] = ()
+                 ) -> tuple[jax.Array, KVPages] | tuple[jax.Array, KVPages, jax.Array]:
     """-> ([T, hidden] last layer's output of every token (before the final norm), updated
     kv_pages). Pure; jit it. `lm_logits` of a row gives that token's next-token logits.
+
+    `aux_layers` (static, strictly increasing, each in [0, num_layers]): also return, third,
+    the auxiliary hidden states an EAGLE-3 head reads (`models/eagle3.py`), f[T, n * hidden]:
+    for each index i in order, the residual stream entering layer i (= layer i - 1's output;
+    0: the embeddings, num_layers: the last layer's output before the final norm), as vLLM's
+    `aux_hidden_state_layers` / SGLang's `layers_to_capture` take them (`hidden + residual`
+    before layer i runs), concatenated along the features. Empty (the default): the step is
+    exactly the one without the option (no extra carry, no extra output).
 
     With a `mesh` (tensor parallel, axis "model"; see `placement`), the KV write and
     the attention run under `jax.shard_map`: each device on its own query / KV heads and its
@@ -108,6 +118,7 @@ def paged_hidden(params: Any, kv_pages: KVPages, token_ids: jax.Array,
     """
     if expert_parallel and mesh is None:
         raise ValueError("expert_parallel=True needs a mesh (tensor_parallel_size > 1)")
+    aux_slot = _aux_slots(aux_layers, cfg.num_layers)
     if expert_parallel:
         moe = functools.partial(ep_moe_mlp, mesh=mesh, axis=MODEL_AXIS)
     elif mesh is not None:
@@ -126,11 +137,13 @@ def paged_hidden(params: Any, kv_pages: KVPages, token_ids: jax.Array,
     quantized = isinstance(kv_pages, QuantizedKV)
     kv_spec = kv_specs(quantized)
 
-    def layer(spec: LayerSpec, carry: tuple[jax.Array, KVPages, jax.Array | None],
-              xs: tuple[Any, jax.Array, jax.Array | None]
-              ) -> tuple[tuple[jax.Array, KVPages, jax.Array | None], None]:
-        x, kv, shared = carry
+    def layer(spec: LayerSpec, carry: tuple[Any, ...],
+              xs: tuple[Any, jax.Array, jax.Array | None]) -> tuple[tuple[Any, ...], None]:
+        x, kv, shared, *aux = carry
         lp, i, inp = xs
+        if aux:  # the stream entering layer i into its slot (the spare slot if not kept)
+            slot = aux_slot[i]  # type: ignore[index]
+            aux = [jax.lax.dynamic_update_index_in_dim(aux[0], x, slot, 0)]
 
         def attn(q: jax.Array, k: jax.Array, v: jax.Array, flat: KVPages,
                  spec: LayerSpec, sinks: jax.Array | None = None
@@ -178,12 +191,39 @@ def paged_hidden(params: Any, kv_pages: KVPages, token_ids: jax.Array,
 
         x, kv, shared = decoder_layer(cfg, spec, lp, x, positions, attn, kv, inp, shared,
                                       moe)
-        return (x, kv, shared), None
+        return (x, kv, shared, *aux), None
 
     x = embed(params, token_ids, cfg.embed_scale)
     # Gemma 4: per-layer inputs scanned beside the layers, K/V slots carried between them.
     inputs = per_layer_inputs(cfg, params, token_ids, x) if cfg.per_layer_input_size else None
     shared = init_shared_kv(cfg, token_ids.shape, x.dtype)
-    (x, kv_pages, _), _ = scan_layers(layer, (x, kv_pages, shared), params.layers,
-                                      cfg.layer_groups, inputs)
-    return x, kv_pages
+    if not aux_layers:
+        (x, kv_pages, _), _ = scan_layers(layer, (x, kv_pages, shared), params.layers,
+                                          cfg.layer_groups, inputs)
+        return x, kv_pages
+    # One slot per kept layer input plus a spare one the other layers write into: a write
+    # at a traced index is a single in-place update of the carry, with no branch.
+    inside = [i for i in aux_layers if i < cfg.num_layers]
+    buf = jnp.zeros((len(inside) + 1, *x.shape), x.dtype)
+    (x, kv_pages, _, buf), _ = scan_layers(layer, (x, kv_pages, shared, buf), params.layers,
+                                           cfg.layer_groups, inputs)
+    kept = [buf[k] for k in range(len(inside))]
+    if len(inside) < len(aux_layers):  # num_layers itself: the last layer's output
+        kept.append(x)
+    return x, kv_pages, jnp.concatenate(kept, axis=-1)
+
+
+def _aux_slots(aux_layers: tuple[int, ...], num_layers: int) -> jax.Array | None:
+    """i32[num_layers]: the aux buffer slot layer i's input goes to (the spare last slot for
+    a layer not kept), None without aux layers; refuses indices out of [0, num_layers] or
+    not strictly increasing."""
+    if any(not isinstance(i, int) or not 0 <= i <= num_layers for i in aux_layers) or any(
+            a >= b for a, b in zip(aux_layers, aux_layers[1:])):
+        raise ValueError(f"aux_layers={aux_layers!r} must be strictly increasing layer indices "
+                         f"in [0, {num_layers}] (the model has {num_layers} layers)")
+    if not aux_layers:
+        return None
+    inside = [i for i in aux_layers if i < num_layers]
+    slot = np.full(num_layers, len(inside), np.int32)
+    slot[inside] = np.arange(len(inside), dtype=np.int32)
+    return jnp.asarray(slot)
