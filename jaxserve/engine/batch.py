@@ -41,7 +41,7 @@ from jaxserve.engine.token_filter import bitmask_words
 __all__ = ["BIAS_PAD_ID", "BatchShape", "StepBatch", "bias_width", "bitmask_words",
            "bucket_for", "build_batch", "default_buckets", "default_token_buckets",
            "empty_batch", "fill_bitmask", "late_bitmask", "leaves", "pad_bias", "pad_rows",
-           "parts", "rng_key_data"]
+           "parts", "present", "rng_key_data"]
 
 
 def bucket_for(num_tokens: int, num_seqs: int,

@@ -6,8 +6,9 @@ is one dataclass here (its arrays, each with its shape / dtype), one packer (`pa
 and one all-padding constructor (`padding`: what warmup compiles with and what a follower
 process fills from the leader's broadcast). What moves a part off the host walks
 `batch.parts` / `batch.leaves` instead of naming fields, so adding a part is a local change:
-the part, its packer, its line in `StepBatch` and in `build_batch` / `empty_batch`, and its
-device pytree in `model_runner.to_step_inputs`.
+the part, its packer, its line in `StepBatch` and in `build_batch` / `empty_batch`, and where
+the device reads it (`model_runner.to_step_inputs`; the sampler's parts are themselves
+fields of `device.sampler.SamplingTensors`, registered there as pytrees).
 
 Class attributes every part declares (read by the walkers and the multi-host broadcast):
   WIRE   which broadcast it travels in over several hosts (`device/multihost.py`): the parts
