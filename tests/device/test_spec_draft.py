@@ -14,6 +14,7 @@ rejection; and no compile happens after warmup.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -135,7 +136,7 @@ def test_eagle3_rounds_equal_dense_head(head) -> None:  # noqa: ANN001
             flat[idx] = aux[s][a:b]
             seqs.append(DraftSeq(toks[s][a + 1:b + 1], a, tables[s], idx.tolist()))
             off += b - a
-        return np.asarray(prop.propose(prop.pack(seqs, T), flat))
+        return np.asarray(prop.propose(prop.pack(seqs, T), jax.device_put(flat)))
 
     guard = CompileGuard()
     guard.arm()
