@@ -29,8 +29,9 @@ what the target disagrees with). The chain's K/V at positions past the next catc
 are stale but never read: attention reads only up to `kv_lens`, and the next round rewrites
 from its start.
 
-`truncated_draft(params, cfg, n)` -> (cfg, params) makes an honestly labelled draft from a model's first `n`
-layers (the issue's benchmark draft: the bundled model cut to its first layers).
+`truncated_draft(params, cfg, n)` -> (cfg, params): an honestly labelled draft made of a
+model's first `n` layers (the issue's benchmark draft: the bundled model cut to its first
+layers).
 """
 
 from __future__ import annotations
