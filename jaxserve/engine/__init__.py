@@ -1,6 +1,7 @@
 """jaxserve.engine: the host side of the engine, plain Python and numpy (no jax).
 
-Data flow of one step (`engine.Engine.step`): `scheduler.Scheduler.schedule` (which requests
+Data flow of one step (`engine.Engine.step`, whose stages are `step_core.StepCore`'s, wrapped
+by `pipeline.Pipeline` when steps overlap): `scheduler.Scheduler.schedule` (which requests
 run, how many tokens each, pages from `block_allocator`, shared through `prefix_cache` and
 `forks`) -> `batch.build_batch` (flat ragged numpy arrays padded to a compiled bucket) -> a
 `runner.Runner` (the device one lives in `jaxserve.device`; `fake_runner.ArithmeticRunner`

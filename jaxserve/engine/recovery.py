@@ -16,14 +16,15 @@ When a step fails (see `runner.RunnerFailed` and docs/serving/index.md, "When a 
     RunnerFailed or any other exception out of the runner (the device state is unknown),
     a failing `schedule()`, or a recovery that itself fails (the host state is unknown).
 
-Data flow: each stage of `Engine.step` adds the (request, message) pairs it fails to a list:
-`build` (a batch that cannot be built: the culprit rows), `step_lost` (a dispatch that raised a
-non-fatal RunnerFailed: its rows), and the engine's own apply stage (a malformed result, the
-rows `Scheduler.update` isolated, a request's token processing). `fail` then finishes each of
-them, and the other samples of its request, with ERROR through `Scheduler.finish`, and marks
-its group touched, so the step's outputs report it. A request whose output itself cannot be
-built gets `error_output`. Anything that leaves the device or host state unknown goes to `die`,
-after which `check_alive` raises EngineDead for good.
+Data flow: each stage of a step (`step_core.StepCore`) returns the (sequence, message) pairs
+it failed as a value: `build` (a `Staged` batch, None when it cannot be built, with the culprit
+rows), `step_lost` (a dispatch that raised a non-fatal RunnerFailed: its rows), and the core's
+apply stage (a malformed result, the rows `Scheduler.update` isolated, a sequence's token
+processing). The core hands them to `fail`, which finishes each of them, and the other samples
+of its request, with ERROR through `Scheduler.finish`, and returns the groups it touched, so
+the step's outputs report them. A request whose output itself cannot be built gets
+`error_output`. Anything that leaves the device or host state unknown goes to `die`, after
+which `check_alive` raises EngineDead for good.
 
 State: `dead` (why the engine cannot step any more) is this object's alone. The sequences are
 the scheduler's (finished and rolled back through it), the groups the engine's (`group_of`).
@@ -31,8 +32,9 @@ the scheduler's (finished and rolled back through it), the groups the engine's (
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Callable, Mapping
+from typing import Callable, Generic, Mapping, TypeVar
 
 from jaxserve.engine.batch import BatchShape, StepBatch, build_batch
 from jaxserve.engine.errors import EngineDead, bounded
@@ -47,6 +49,16 @@ from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 log = logging.getLogger("jaxserve.engine.engine")
 
 Failures = list[tuple[Request, str]]  # (sequence, why it failed), to finish with ERROR
+T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class Staged(Generic[T]):
+    """What one stage of a step produced (None: nothing, its rows were rolled back) and the
+    sequences it failed, for the caller to hand to `Recovery.fail`."""
+
+    value: T | None
+    failures: Failures = dataclasses.field(default_factory=list)
 
 
 class Recovery:
@@ -68,12 +80,12 @@ class Recovery:
 
     # ----------------------------------------------------------------------- a lost step
     def build(self, out: SchedulerOutput, shape: BatchShape, prev_rows: Mapping[int, int] | None,
-              failed: Failures, late: bool = False) -> StepBatch | None:
+              late: bool = False) -> Staged[StepBatch]:
         """The step's batch, or None when it could not be built: then the rows that fail
-        alone (else every row) go to `failed` and every row is rolled back to wait for the
-        next step, its pages reserved and nothing computed."""
+        alone (else every row) are its failures and every row is rolled back to wait for
+        the next step, its pages reserved and nothing computed."""
         try:
-            return build_batch(out, shape, prev_rows, fill_grammars=not late)
+            return Staged(build_batch(out, shape, prev_rows, fill_grammars=not late))
         except Exception as e:  # noqa: BLE001 - find the culprit rows
             error = e
         culprits = []
@@ -83,26 +95,27 @@ class Recovery:
                             fill_grammars=not late)
             except Exception as e:  # noqa: BLE001
                 culprits.append((s.request, f"building the step's batch failed: {e!r}"))
-        failed.extend(culprits or [(s.request, f"building the step's batch failed: {error!r}")
-                                   for s in out.seqs])
         self._scheduler.unschedule(out.seqs)
-        return None
+        return Staged(None, culprits or [(s.request, f"building the step's batch failed: "
+                                          f"{error!r}") for s in out.seqs])
 
-    def step_lost(self, out: SchedulerOutput, error: RunnerFailed, failed: Failures) -> None:
+    def step_lost(self, out: SchedulerOutput, error: RunnerFailed) -> Failures:
         """A dispatch of `out` raised `error`: fatal, the engine dies (EngineDead is raised);
-        else its rows (every row when it names none) go to `failed` and the step is rolled
-        back, its other rows scheduled again for the same tokens."""
+        else the step is rolled back, its other rows scheduled again for the same tokens, and
+        its rows (every row when it names none) are returned as failed."""
         if error.fatal:
             raise self.die("the model step failed", error) from error
         rows = range(len(out.seqs)) if error.rows is None else error.rows
-        failed.extend((out.seqs[i].request, f"the model step failed: {error}") for i in rows)
         self._scheduler.unschedule(out.seqs)
+        return [(out.seqs[i].request, f"the model step failed: {error}") for i in rows]
 
     # ----------------------------------------------------------------------- failed requests
-    def fail(self, failures: Failures, touched: dict[str, Group]) -> None:
+    def fail(self, failures: Failures) -> list[Group]:
         """Finish each failed sequence with ERROR and its message, and the other samples of
         its request (already finished ones keep their result); pages go back through
-        `Scheduler.finish`."""
+        `Scheduler.finish`. Returns the groups of the failed sequences (news for the step's
+        outputs), in failure order."""
+        touched = []
         for req, message in failures:
             # An exception's text can quote a whole grammar or prompt: the client's error
             # and the log line get a bounded excerpt.
@@ -118,7 +131,8 @@ class Recovery:
                 elif seq is req:  # finished by this very step (e.g. its last token)
                     seq.finish_reason, seq.error = FinishReason.ERROR, text
             if group is not None:
-                touched[group.request_id] = group
+                touched.append(group)
+        return touched
 
     def error_output(self, g: Group, message: str) -> RequestOutput:
         """A final output for a request whose output could not be built: its unfinished

@@ -10,16 +10,26 @@ scheduler's life), and every scheduler / allocator structure is keyed by it, so 
 string can collide with another request's sequences.
 
 State: WAITING -> RUNNING -> FINISHED, with RUNNING -> WAITING on preemption (its pages are
-freed and its tokens recomputed later). `num_computed_tokens` counts the tokens whose K/V are
-in pages (steps whose results were applied); `all_token_ids` = prompt + generated tokens.
+freed and its tokens recomputed later). Each preemption bumps `epoch`, the staleness key of
+the rows scheduled for it (`ScheduledSeq.epoch`: a row of an older epoch is skipped by
+`Scheduler.update` / `unschedule`); `metrics.num_preemptions` only counts them.
 
-Overlapped steps (the engine dispatches step N+1 before it applies step N's results):
-`num_scheduled_tokens` >= `num_computed_tokens` also counts the positions of steps dispatched
-but not yet applied, and `num_in_flight` the tokens those steps sample, known only on the
-device until applied. The next step computes positions [num_scheduled_tokens, ...) of the
-`num_tokens + num_in_flight` tokens; a position >= `num_tokens` is an in-flight token, which
-the device feeds from the previous step's sampler output. Without a step in flight the two
-counters agree and `num_in_flight` is 0.
+Progress counters (the one place their invariant is stated). `all_token_ids` = prompt +
+generated tokens known on the host (`num_tokens`); overlapped steps (the engine dispatches
+step N+1 before it applies step N's results) add tokens known only on the device:
+  num_computed_tokens <= num_scheduled_tokens <= num_tokens + num_in_flight
+- `num_computed_tokens`: positions whose K/V are in pages, from steps whose results were
+  applied (what the prefix cache, the forks and a WAITING sequence's next chunk read);
+- `num_scheduled_tokens`: also the positions of steps dispatched but not yet applied (what
+  `schedule()` plans the next chunk from; vLLM v1's `num_computed_tokens` under async
+  scheduling);
+- `num_in_flight`: tokens those dispatched steps sample, not on the host yet (vLLM v1's
+  `num_output_placeholders`); a position >= `num_tokens` is one of them, which the device
+  feeds from the previous step's sampler output.
+With no step in flight for it (always, without overlap; and after a preemption, which zeroes
+all three) computed == scheduled and `num_in_flight` is 0. They stay three counters rather
+than vLLM's two because the prefix cache and the forks must not see positions a failed or
+stale step may never write.
 """
 
 from __future__ import annotations
@@ -96,6 +106,7 @@ class Request:
     num_computed_tokens: int = 0
     num_scheduled_tokens: int = 0  # >= num_computed_tokens: includes dispatched steps
     num_in_flight: int = 0  # tokens sampled by dispatched steps, not yet applied
+    epoch: int = 0  # bumped by each preemption: rows scheduled before it are stale
     pages: list[int] = dataclasses.field(default_factory=list)  # KV group 0's block table
     # The block tables of KV groups 1.. (`models/kv_groups.py`; empty for a model without
     # groups). A sliding group's table keeps its length (one entry per page of the
@@ -159,7 +170,7 @@ class Request:
     @property
     def mask_follows_output(self) -> bool:
         """Whether that mask depends on the tokens generated so far (so a step behind one in
-        flight fills it late, see `Engine._launch`)."""
+        flight fills it late, see `pipeline.Pipeline`)."""
         return self.grammar is not None or (self.token_filter is not None
                                             and self.token_filter.follows_output)
 

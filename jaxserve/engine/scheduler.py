@@ -69,7 +69,7 @@ class ScheduledSeq:
     # The chunk's (single) token is still in flight: sampled by the step dispatched before
     # this one, on the device only; the batch feeds it from that step's sampler output.
     fed: bool = False
-    epoch: int = 0  # the request's preemption count when scheduled (stale rows are skipped)
+    epoch: int = 0  # `Request.epoch` when scheduled (a row of an older epoch is stale: skipped)
 
 
 @dataclasses.dataclass
@@ -165,7 +165,7 @@ class Scheduler:
             if not self._reserve(req, start + n, preempted, may_self=True):
                 continue
             seq = ScheduledSeq(req, start, n, samples=start + n == total,
-                               fed=start >= req.num_tokens, epoch=req.metrics.num_preemptions)
+                               fed=start >= req.num_tokens, epoch=req.epoch)
             (decodes if n == 1 and seq.samples else prefills).append(seq)
             budget -= n
 
@@ -189,7 +189,7 @@ class Scheduler:
                 req.metrics.first_scheduled_time = now
             prefills.append(ScheduledSeq(req, req.num_computed_tokens, n,
                                          samples=req.num_computed_tokens + n == req.num_tokens,
-                                         epoch=req.metrics.num_preemptions))
+                                         epoch=req.epoch))
             budget -= n
         # A sequence scheduled early in this step may have been preempted by a later one.
         gone = {id(r) for r in preempted}
@@ -226,7 +226,7 @@ class Scheduler:
         for seq in seqs:
             req = seq.request
             if req.status is RequestStatus.RUNNING and \
-                    seq.epoch == req.metrics.num_preemptions:
+                    seq.epoch == req.epoch:
                 req.num_scheduled_tokens = seq.start
                 req.num_in_flight -= seq.samples
 
@@ -263,6 +263,7 @@ class Scheduler:
         req.num_computed_tokens = req.num_scheduled_tokens = req.num_in_flight = 0
         req.num_registered_pages = 0
         req.status = RequestStatus.WAITING
+        req.epoch += 1  # rows scheduled before this are stale (`update`, `unschedule`)
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
         preempted.append(req)
@@ -293,7 +294,7 @@ class Scheduler:
     def _update_seq(self, seq: ScheduledSeq, token: int | None, now: float) -> bool:
         """One sequence's result; True when it got a new token."""
         req = seq.request
-        if req.status is not RequestStatus.RUNNING or seq.epoch != req.metrics.num_preemptions:
+        if req.status is not RequestStatus.RUNNING or seq.epoch != req.epoch:
             return False  # finished (aborted, a stop) or preempted since it was scheduled
         req.num_computed_tokens = seq.start + seq.num_new_tokens
         req.num_in_flight -= seq.samples

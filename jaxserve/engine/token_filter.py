@@ -17,7 +17,7 @@ What is allowed, as vLLM does it:
     sampled; a word of k > 1 tokens forbids its last token whenever the sequence's last k - 1
     generated tokens are its first k - 1 (the prompt is not looked at, as in vLLM).
 The words of several tokens depend on the sequence's output, so a step that masks such a row
-behind a step in flight fills its mask late, once those tokens are in (`Engine._launch`,
+behind a step in flight fills its mask late, once those tokens are in (`pipeline.Pipeline`,
 as for grammars: `TokenFilter.follows_output`).
 """
 

@@ -1,0 +1,210 @@
+"""The engine's synchronous step: schedule -> build -> run -> apply, each stage a method.
+
+Plain Python (no jax). Data flow of one `StepCore.step()`:
+  `schedule()` (scheduler.schedule(): a SchedulerOutput, rows in batch order) ->
+  `launch(out)`: `Recovery.build` (batch.build_batch(): numpy, bucketed) then
+    runner.dispatch() (one compiled device step, queued) -> an `InFlight` step, or None when
+    the build or a non-fatal dispatch failed (its rows rolled back) ->
+  `fail(failures)`: the sequences a stage failed finish with ERROR (`recovery.py`) ->
+  `apply(step)`: runner.collect() (one device->host copy) -> scheduler.update() (tokens
+    appended, token stop rules, pages freed) -> per sequence: prompt logprobs, logprobs,
+    grammar advance, incremental detokenization and stop strings.
+The overlapped pipeline (`pipeline.py`) calls the same stages in another order.
+
+Failures are values: `launch` returns a `recovery.Staged` (the step it dispatched, or None,
+and the (sequence, message) pairs it failed); the caller decides when they are failed (the
+pipeline first applies the step before). `apply` fails the rows it finds at once, in the
+order it finds them, so a failed sample's siblings are finished before their own tokens are
+processed. Anything that leaves the device or host state unknown raises EngineDead through
+`Recovery.die`.
+
+State, one owner each: the step counters (`num_steps`, `last_step_tokens`) and `news` (the
+groups with news for the next outputs: sampled tokens, failures, aborts) are this object's;
+the sequences' KV state is the scheduler's, the groups the engine's (`group_of`), the device
+the runner's, `dead` the recovery's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Mapping
+
+import numpy as np
+
+from jaxserve.engine import prompt_logprobs
+from jaxserve.engine.batch import BatchShape, late_bitmask
+from jaxserve.engine.group import Group
+from jaxserve.engine.recovery import Failures, Recovery, Staged
+from jaxserve.engine.request import FinishReason, Request
+from jaxserve.engine.runner import LateMask, PendingStep, Runner, RunnerFailed, StepResult
+from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A step on the device whose results have not been applied yet."""
+
+    out: SchedulerOutput
+    pending: PendingStep
+    applied: bool = False  # by the next step's late mask (`pipeline.Pipeline`)
+
+    @functools.cached_property
+    def sampled_rows(self) -> dict[int, int]:
+        """seq_id -> batch row of each sequence this step samples (the next step's feeds)."""
+        return {s.request.seq_id: i for i, s in enumerate(self.out.seqs) if s.samples}
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """A row it samples uses penalties: the next batch needs that token's history."""
+        return any(s.samples and s.request.sampling_params.uses_penalties
+                   for s in self.out.seqs)
+
+
+class StepCore:
+    def __init__(self, scheduler: Scheduler, runner: Runner, shape: BatchShape,
+                 recovery: Recovery, group_of: Callable[[Request], Group | None]):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.shape = shape
+        self.recovery = recovery
+        self._group_of = group_of
+        self.num_steps = 0
+        self.last_step_tokens = 0
+        self.news: dict[str, Group] = {}  # request_id -> group with news for the outputs
+
+    @property
+    def in_flight(self) -> InFlight | None:
+        """The step dispatched and not applied: never one, every step is applied at once."""
+        return None
+
+    def step(self) -> None:
+        """One synchronous step: schedule, build and dispatch, fail what failed, apply."""
+        out = self.schedule()
+        if not out.seqs:
+            return
+        launched = self.launch(out)
+        self.fail(launched.failures)
+        if launched.value is not None:
+            self.apply(launched.value)
+
+    def touch(self, groups: list[Group]) -> None:
+        """These groups have news for the next outputs (an abort, a failure, a token)."""
+        for g in groups:
+            self.news[g.request_id] = g
+
+    def take_news(self) -> dict[str, Group]:
+        """The groups with news since the last call (their outputs are due)."""
+        news, self.news = self.news, {}
+        return news
+
+    # ----------------------------------------------------------------------- stages
+    def schedule(self) -> SchedulerOutput:
+        try:
+            return self.scheduler.schedule()
+        except Exception as e:  # noqa: BLE001 - the scheduler's state is unknown
+            raise self.recovery.die("scheduling a step failed", e) from e
+
+    def launch(self, out: SchedulerOutput, feeds: Mapping[int, int] | None = None,
+               before_mask: Callable[[], None] | None = None) -> Staged[InFlight]:
+        """Build and dispatch one scheduled step; `feeds` (seq_id -> row of the step before)
+        are its fed rows. None when it did not run: its rows are rolled back to be scheduled
+        again, and the ones that caused it are its failures. `before_mask`: the rows whose
+        mask follows their output get it late, once the forward is queued and
+        `before_mask()` (the pipeline applying the step before) has run."""
+        built = self.recovery.build(out, self.shape, feeds, late=before_mask is not None)
+        batch = built.value
+        if batch is None:
+            return Staged(None, built.failures)
+        # The late mask is filled inside `dispatch` (the runner calls it between the forward
+        # and the sampler): the rows it cannot mask are collected here, part of this result.
+        failures: Failures = []
+        late_mask: LateMask | None = None
+        if before_mask is not None:
+            def fill_late() -> tuple[np.ndarray | None, np.ndarray]:
+                before_mask()
+                return late_bitmask(out, len(batch.kv_lens), self.shape.vocab_size, failures)
+            late_mask = fill_late
+        try:
+            pending = self.runner.dispatch(batch, late_mask) if late_mask is not None else \
+                self.runner.dispatch(batch)
+        except RunnerFailed as e:
+            failures += self.recovery.step_lost(out, e)  # EngineDead when it is fatal
+            return Staged(None, failures)
+        except Exception as e:  # noqa: BLE001 - the device state is unknown
+            raise self.recovery.die("the model step failed", e) from e
+        self.num_steps += 1
+        self.last_step_tokens = out.num_tokens
+        return Staged(InFlight(out, pending), failures)
+
+    def fail(self, failures: Failures) -> None:
+        """Finish the failed sequences with ERROR (`Recovery.fail`); their groups have news.
+        Sequences already finished (a step before ended them: their failed row was a
+        discarded extra) are skipped."""
+        failures = [(r, m) for r, m in failures if not r.is_finished]
+        if failures:
+            self.touch(self.recovery.fail(failures))
+
+    def apply(self, step: InFlight) -> None:
+        """Collect a dispatched step's result and apply it: tokens, stops, outputs."""
+        out = step.out
+        try:
+            result = self.runner.collect(step.pending)
+        except Exception as e:  # noqa: BLE001 - later steps may have read its outputs
+            raise self.recovery.die("the model step failed", e) from e
+        if result.prompt_logprob is not None:
+            self._fail_now(self._take_prompt_logprobs(out, result))
+        try:
+            sampled = [int(result.tokens[i]) if s.samples else None
+                       for i, s in enumerate(out.seqs)]
+        except Exception as e:  # noqa: BLE001 - a malformed result: every row's is suspect
+            self._fail_now([(s.request, f"the model step's result is unusable: {e!r}")
+                            for s in out.seqs])
+            return
+        errors: list[tuple[Request, Exception]] = []
+        progressed = self.scheduler.update(out, sampled, errors)
+        self._fail_now([(r, f"applying the step's result failed: {e!r}") for r, e in errors])
+        rows = {id(s.request): i for i, s in enumerate(out.seqs)}
+        for req in progressed:
+            group = self._group_of(req)
+            if group is None:  # no group to report to: only give the pages back
+                self.scheduler.finish(req, FinishReason.ERROR, "no request holds this sequence")
+                continue
+            self.news[group.request_id] = group
+            try:
+                self._take_token(req, group, result, rows[id(req)])
+            except Exception as e:  # noqa: BLE001 - this request's tokens only
+                self._fail_now([(req, f"processing the sampled token failed: {e!r}")])
+
+    # ----------------------------------------------------------------------- helpers
+    def _fail_now(self, failures: Failures) -> None:
+        """`Recovery.fail` without the finished filter: a sequence this very step finished
+        (e.g. its last token) still takes the blame."""
+        if failures:
+            self.touch(self.recovery.fail(failures))
+
+    def _take_prompt_logprobs(self, out: SchedulerOutput, result: StepResult) -> Failures:
+        scored = prompt_logprobs.spans(out)
+        try:
+            prompt_logprobs.unpack(out, scored, result.prompt_logprob, result.prompt_top_ids,
+                                   result.prompt_top_logprobs)
+        except Exception as e:  # noqa: BLE001 - a malformed result: the scored rows' fail
+            return [(out.seqs[s.row].request, f"the step's prompt logprobs are unusable: "
+                     f"{e!r}") for s in scored]
+        return []
+
+    def _take_token(self, req: Request, group: Group, result: StepResult, row: int) -> None:
+        """A sequence's new token on the host side: logprobs, grammar, text, stop strings."""
+        if not req.output_token_ids:
+            return  # a prefill-only request (max_tokens=0) finished without a token
+        if req.sampling_params.logprobs is not None:
+            req.record_logprobs(result.logprob[row], result.top_ids[row], result.top_logprobs[row])
+        detok = group.detoks[req.sample_index]
+        token = req.output_token_ids[-1]
+        if req.is_finished and req.finish_reason in (FinishReason.EOS, FinishReason.STOP):
+            return  # the stop token's own text is never shown
+        ended = req.grammar is not None and req.grammar.advance(token, req.num_output_tokens)
+        if detok.add_token(token):
+            self.scheduler.finish(req, FinishReason.STOP_STRING)
+        elif ended and not req.is_finished:  # the grammar's last token: its text is shown
+            self.scheduler.finish(req, FinishReason.STOP)
