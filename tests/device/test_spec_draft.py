@@ -22,6 +22,7 @@ from jaxserve.device.compile_guard import CompileGuard
 from jaxserve.device.spec_draft import DraftSeq, pack_round, truncated_draft
 from jaxserve.device.spec_draft_model import DraftModelProposer
 from jaxserve.device.spec_eagle3 import Eagle3Proposer
+from jaxserve.kernels_pallas import select_impl
 from jaxserve.models import decoder, eagle3, tiny
 from jaxserve.models.config import ConfigError
 from support.eagle3_oracle import HEAD_CONFIG, random_weights, reference, write_head
@@ -54,15 +55,18 @@ def target():  # noqa: ANN201
     return cfg, tiny.random_params(cfg, seed=0, scale=tiny.TEST_INIT_SCALE)
 
 
-@pytest.mark.parametrize("which", ["truncated", pytest.param("target", marks=slow(
-    "a second draft model's compiles; the truncated case covers the same round"))])
-def test_draft_model_rounds_equal_greedy_rollout(target, which: str) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("which,impl", [("truncated", "auto"), pytest.param(
+    "target", "reference", marks=slow("a second draft model's compiles; the truncated case "
+                                      "covers the same round"))])
+def test_draft_model_rounds_equal_greedy_rollout(target, which: str, impl: str
+                                                 ) -> None:  # noqa: ANN001
     tcfg, tparams = target
     # A draft truncated to the target's first layer; the target itself must propose its
     # own greedy continuation.
     cfg, params = truncated_draft(tparams, tcfg, 1) if which == "truncated" else target
+    # "auto": the attention the engine runs on this platform (the C++ kernel on a CPU).
     prop = DraftModelProposer(cfg, params, NUM_PAGES, PAGE, np.float32, K,
-                              [(8, 4), (16, 4)], W, target_cfg=tcfg)
+                              [(8, 4), (16, 4)], W, select_impl(impl), target_cfg=tcfg)
     prop.warmup()
     rng = np.random.default_rng(7)
     A, B, C = (rng.integers(3, V, n).tolist() for n in (9, 6, 5))
@@ -112,10 +116,13 @@ def _eagle3_oracle(weights: dict, rows: list[int], aux: np.ndarray, k: int) -> l
     return proposals
 
 
-def test_eagle3_rounds_equal_dense_head(head) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("impl", ["reference", pytest.param("auto", marks=slow(
+    "a second compile of the round; the draft model's case runs the platform's attention"))])
+def test_eagle3_rounds_equal_dense_head(head, impl: str) -> None:  # noqa: ANN001
     weights, cfg, params = head
     T = 16
-    prop = Eagle3Proposer(cfg, params, NUM_PAGES, PAGE, np.float32, K, [(T, 4)], W)
+    prop = Eagle3Proposer(cfg, params, NUM_PAGES, PAGE, np.float32, K, [(T, 4)], W,
+                          attn_impl=select_impl(impl))
     prop.warmup()
     rng = np.random.default_rng(3)
     # Per sequence: its tokens by position and the target's aux state of each position.
