@@ -84,6 +84,25 @@ class DraftSeq:
     aux_rows: Sequence[int] = ()
 
 
+def round_buckets(buckets: Sequence[tuple[int, int]], k: int) -> tuple[tuple[int, int], ...]:
+    """The engine's (tokens, seqs) buckets plus, for each of its seqs buckets s, s paired with
+    every token bucket from s up to the first that holds s * (k + 1) rows (a decode round's
+    most: k accepted proposals and the bonus token per sequence), sorted. Why: the engine
+    pairs each token bucket with one seqs bucket (min(tokens, max_num_seqs)), so a round of
+    one sequence catching up 6 tokens would run its k - 1 chain steps over 8 rows; the chain
+    costs per sequence row, the catch-up per token row. More compiles at warmup, each a
+    small model's."""
+    tokens = sorted({t for t, _ in buckets})
+    out = set(buckets)
+    for s in sorted({s for _, s in buckets}):
+        for t in tokens:
+            if t >= s:
+                out.add((t, s))
+            if t >= s * (k + 1):
+                break
+    return tuple(sorted(out))
+
+
 def pack_round(seqs: Sequence[DraftSeq], buckets: Sequence[tuple[int, int]], page_size: int,
                max_pages_per_seq: int, eagle3: bool = False,
                num_tokens: int | None = None) -> DraftRound:

@@ -10,10 +10,13 @@ the target. Target: the engine's own compiled step (`build_engine`, the serving 
 and the copy of the tokens to the host). Round: S sequences at the same context, each
 catching up --catch-up tokens (1: after proposal 1 was rejected; k + 1: after all k were
 accepted), then the greedy chain of k - 1 single-token draft steps, proposals copied to the
-host. Best of --runs wall times after a first (compiling) call, per (k, S).
+host. Best of --runs wall times after a first (compiling) call, per (k, S). Buckets: the
+engine's (tokens, seqs) pairs, or with --round-buckets `spec_draft.round_buckets` (small
+seqs buckets beside the token buckets a decode round needs).
 
     python scripts/bench/bench_spec_draft.py
     python scripts/bench/bench_spec_draft.py --ks 3,5 --seqs 1,8 --draft-layers 4 --json out.json
+    python scripts/bench/bench_spec_draft.py --catch-up k1 --round-buckets
 """
 
 from __future__ import annotations
@@ -50,13 +53,15 @@ def main() -> None:
     ap.add_argument("--catch-up", default="1", help="tokens caught up per sequence; 'k1': k+1")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--round-buckets", action="store_true",
+                    help="the round's own buckets (spec_draft.round_buckets), not the engine's")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
     from bench_buckets import decode_batch
 
     from jaxserve.device.model_runner import empty_batch
-    from jaxserve.device.spec_draft import DraftSeq, truncated_draft
+    from jaxserve.device.spec_draft import DraftSeq, round_buckets, truncated_draft
     from jaxserve.device.spec_draft_model import DraftModelProposer
     from jaxserve.models import loading
     from jaxserve.models.packing import can_pack, pack_params
@@ -80,8 +85,9 @@ def main() -> None:
         target_ms = best_ms(lambda: runner.execute(decode_batch(
             empty_batch(shape, *_bucket(shape, s), False), s, ctx, ps)), args.runs)
         for k in ks:
+            buckets = round_buckets(shape.buckets, k) if args.round_buckets else shape.buckets
             prop = DraftModelProposer(dcfg, dparams, num_pages, ps, runner.kv_pages.dtype, k,
-                                      shape.buckets, shape.max_pages_per_seq,
+                                      buckets, shape.max_pages_per_seq,
                                       runner.attn_impl, model.config,
                                       runner.kv_pages.shape[-1])
             n = k + 1 if args.catch_up == "k1" else int(args.catch_up)
@@ -95,7 +101,8 @@ def main() -> None:
                   f"{target_ms:7.2f} ms, ratio {round_ms / target_ms:.2f}", flush=True)
     out = {"model": str(model.source), "draft_layers": args.draft_layers,
            "target_layers": model.config.num_layers, "context": ctx, "runs": args.runs,
-           "packed": packed, "attn_impl": runner.attn_impl, "rows": rows}
+           "packed": packed, "attn_impl": runner.attn_impl,
+           "round_buckets": args.round_buckets, "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jaxserve.device.compile_guard import CompileGuard
-from jaxserve.device.spec_draft import DraftSeq, pack_round, truncated_draft
+from jaxserve.device.spec_draft import DraftSeq, pack_round, round_buckets, truncated_draft
 from jaxserve.device.spec_draft_model import DraftModelProposer
 from jaxserve.device.spec_eagle3 import Eagle3Proposer
 from jaxserve.kernels_pallas import select_impl
@@ -178,3 +178,16 @@ def test_refusals(target) -> None:  # noqa: ANN001
                    num_tokens=8)
     with pytest.raises(ValueError, match="num_layers=3"):
         truncated_draft(tparams, tcfg, 3)
+
+
+def test_round_buckets_pair_small_seqs_with_decode_token_counts() -> None:
+    engine = [(1, 1), (2, 2), (4, 4), (8, 8), (16, 8), (32, 8)]
+    got = round_buckets(engine, 3)
+    assert set(engine) <= set(got) and list(got) == sorted(got)
+    assert {(t, s) for t, s in got if s == 1} == {(1, 1), (2, 1), (4, 1)}
+    assert {(t, s) for t, s in got if s == 4} == {(4, 4), (8, 4), (16, 4)}
+    # One sequence catching up 4 rows (k=3, all accepted): 4 token rows, 1 sequence row.
+    rnd = pack_round([DraftSeq([5, 6, 7, 8], 0, [3, 4, 9])], got, PAGE, W)
+    assert rnd.token_ids.shape == (4,) and rnd.last_rows.shape == (1,)
+    assert rnd.md.slot_mapping.tolist() == [6, 7, 8, 9]
+    assert rnd.md.cu_q_lens.tolist() == [0, 4] and rnd.last_rows.tolist() == [3]
