@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from jaxserve.engine.outputs import CompletionOutput
-from jaxserve.engine.request import FinishReason
+from jaxserve.engine.sequence import FinishReason
 from jaxserve.engine.sampling_params import FIELDS as SAMPLING_FIELDS
 from jaxserve.engine.sampling_params import SamplingField, SamplingParams
 from jaxserve.server import openai_fields

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 from google.protobuf import unknown_fields
 
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
-from jaxserve.engine.request import FinishReason, RequestMetrics
+from jaxserve.engine.sequence import FinishReason, RequestMetrics
 from jaxserve.engine.sampling_params import BY_NAME as SAMPLING_BY_NAME
 from jaxserve.engine.sampling_params import FIELDS as SAMPLING_FIELDS
 from jaxserve.engine.sampling_params import SPECS, SamplingField, SamplingParams

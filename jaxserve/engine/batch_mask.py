@@ -19,11 +19,11 @@ masking at run time (one executable either way, no recompile).
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Sequence
+from typing import ClassVar, Sequence as GenericSequence
 
 import numpy as np
 
-from jaxserve.engine.request import Request
+from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.engine.token_filter import bitmask_words
 
@@ -47,8 +47,8 @@ def pack_token_mask(out: SchedulerOutput, num_seqs: int, vocab_size: int,
                     fill: bool = True) -> TokenMaskRows:
     """The mask of the rows that sample under one; `fill=False`: only mark them `constrained`
     (the runner gets their mask late, `late_bitmask`)."""
-    rows = [(i, s.request) for i, s in enumerate(out.seqs)
-            if s.samples and s.request.masks_tokens]
+    rows = [(i, s.sequence) for i, s in enumerate(out.seqs)
+            if s.samples and s.sequence.masks_tokens]
     if fill:
         return TokenMaskRows(*fill_bitmask(num_seqs, vocab_size, rows))
     part = TokenMaskRows.padding(num_seqs)
@@ -56,8 +56,8 @@ def pack_token_mask(out: SchedulerOutput, num_seqs: int, vocab_size: int,
     return part
 
 
-def fill_bitmask(num_seqs: int, vocab_size: int, rows: Sequence[tuple[int, Request]],
-                 errors: list[tuple[Request, str]] | None = None
+def fill_bitmask(num_seqs: int, vocab_size: int, rows: GenericSequence[tuple[int, Sequence]],
+                 errors: list[tuple[Sequence, str]] | None = None
                  ) -> tuple[np.ndarray | None, np.ndarray]:
     """(i32[S, W] or None, bool[S]): the allowed next tokens of each (row, sequence) under a
     grammar and / or a token filter (`token_filter`: ANDed into the grammar's). A sequence
@@ -87,7 +87,7 @@ def fill_bitmask(num_seqs: int, vocab_size: int, rows: Sequence[tuple[int, Reque
     return bitmask, constrained
 
 
-def _no_token_left(req: Request, empty: bool) -> str | None:
+def _no_token_left(req: Sequence, empty: bool) -> str | None:
     """Why `req` cannot sample its next token (None: it can): its grammar's error, or no
     token left by its mask (`empty`)."""
     error = req.grammar.error if req.grammar is not None else None
@@ -103,11 +103,11 @@ def _no_token_left(req: Request, empty: bool) -> str | None:
 
 
 def late_bitmask(out: SchedulerOutput, num_seqs: int, vocab_size: int,
-                 errors: list[tuple[Request, str]]) -> tuple[np.ndarray | None, np.ndarray]:
+                 errors: list[tuple[Sequence, str]]) -> tuple[np.ndarray | None, np.ndarray]:
     """The mask of a step built with `fill_grammars=False`, filled once the previous step's
     tokens have advanced the grammars (and are in the outputs token filters read): rows
     whose sequence has finished meanwhile (its grammar ended, a stop string) are left free
     (their token is discarded)."""
-    rows = [(i, s.request) for i, s in enumerate(out.seqs) if s.samples and
-            s.request.masks_tokens and not s.request.is_finished]
+    rows = [(i, s.sequence) for i, s in enumerate(out.seqs) if s.samples and
+            s.sequence.masks_tokens and not s.sequence.is_finished]
     return fill_bitmask(num_seqs, vocab_size, rows, errors)

@@ -45,7 +45,7 @@ class ForwardInputs:
     """The forward's ragged inputs, in vLLM's vocabulary (T = T_b, S = S_b). With KV groups
     (`BatchShape.num_kv_groups` G > 1: a model with sliding-window and global layers)
     slot_mapping and block_tables carry a leading G axis: group g's slots and tables
-    (`Request.pages`, then `Request.group_pages`; a sliding group's slid-out pages are the
+    (`Sequence.pages`, then `Sequence.group_pages`; a sliding group's slid-out pages are the
     trash page 0)."""
 
     WIRE: ClassVar[str] = "forward"
@@ -94,7 +94,7 @@ def pack_forward(out: SchedulerOutput, shape: "BatchShape", num_tokens: int, num
     group_slots: list[list[int]] = [[] for _ in range(G - 1)]  # groups 1.. (G > 1)
     tok_append, pos_append, slot_append = tok.append, pos.append, slot.append
     for row, seq in enumerate(out.seqs):
-        req = seq.request
+        req = seq.sequence
         n = seq.num_new_tokens
         start = seq.start
         pages = req.pages
@@ -195,7 +195,7 @@ def pack_sampling(out: SchedulerOutput, num_seqs: int) -> SamplingRows:
     part = SamplingRows.padding(num_seqs)
     if not out.seqs:
         return part
-    reqs = [s.request for s in out.seqs]
+    reqs = [s.sequence for s in out.seqs]
     part.knobs[:len(reqs)] = [r.sampling_params.row for r in reqs]
     # Draw number = output tokens before the one sampled here (counting any in flight),
     # the same whether or not the step overlapped the previous one.
@@ -223,11 +223,11 @@ class PenaltyRows:
 
 
 def pack_penalties(out: SchedulerOutput, num_seqs: int, history_len: int) -> PenaltyRows:
-    rows = [i for i, s in enumerate(out.seqs) if s.request.sampling_params.uses_penalties]
+    rows = [i for i, s in enumerate(out.seqs) if s.sequence.sampling_params.uses_penalties]
     P = history_len if rows else 0
     part = PenaltyRows.padding(num_seqs, P)
     for row in rows:
-        req = out.seqs[row].request
+        req = out.seqs[row].sequence
         ids = req.all_token_ids[-P:]
         part.history[row, : len(ids)] = ids
         n_out = min(req.num_output_tokens, len(ids))
@@ -268,10 +268,10 @@ class LogitBiasRows:
 
 
 def pack_logit_bias(out: SchedulerOutput, num_seqs: int) -> LogitBiasRows:
-    rows = [i for i, s in enumerate(out.seqs) if s.request.sampling_params.logit_bias]
+    rows = [i for i, s in enumerate(out.seqs) if s.sequence.sampling_params.logit_bias]
     part = LogitBiasRows.padding(num_seqs, bool(rows))
     for row in rows:
-        ids, values = out.seqs[row].request.logit_bias_arrays
+        ids, values = out.seqs[row].sequence.logit_bias_arrays
         part.ids[row, : len(ids)] = ids
         part.values[row, : len(ids)] = values
     return part

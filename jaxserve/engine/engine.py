@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import random
 import time
-from typing import Callable, Sequence
+from typing import Callable, Sequence as GenericSequence
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.errors import EngineDead
@@ -41,7 +41,7 @@ from jaxserve.engine.limits import (Admitted, EngineLimits, EngineStats, check_n
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.pipeline import Pipeline
 from jaxserve.engine.recovery import Recovery
-from jaxserve.engine.request import Request
+from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.runner import Runner
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
@@ -52,7 +52,7 @@ from jaxserve.models.tokenizer import Tokenizer
 
 class Engine:
     def __init__(self, config: EngineConfig, plan: EnginePlan, runner: Runner,
-                 tokenizer: Tokenizer, eos_token_ids: Sequence[int],
+                 tokenizer: Tokenizer, eos_token_ids: GenericSequence[int],
                  clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.plan = plan
@@ -120,7 +120,7 @@ class Engine:
             compiles_after_warmup=self.runner.compiles_after_warmup)
 
     # ----------------------------------------------------------------------- intake
-    def admit(self, prompt: str | Sequence[int], params: SamplingParams | None = None
+    def admit(self, prompt: str | GenericSequence[int], params: SamplingParams | None = None
               ) -> Admitted:
         """Every check of one request (its limits, its grammar's compile), without queueing
         it (thread-safe: it reads only the limits and the tokenizer)."""
@@ -129,7 +129,7 @@ class Engine:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True)
 
-    def add_request(self, request_id: str, prompt: str | Sequence[int] | Admitted,
+    def add_request(self, request_id: str, prompt: str | GenericSequence[int] | Admitted,
                     params: SamplingParams | None = None, priority: int = 0,
                     arrival_time: float | None = None,
                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
@@ -146,7 +146,7 @@ class Engine:
         now = self.clock() if arrival_time is None else arrival_time
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         grammars = self._limits.grammars  # one matcher per sample, of the admitted grammar
-        seqs = [Request(request_id, list(ids), params, self.eos_token_ids, now,
+        seqs = [Sequence(request_id, list(ids), params, self.eos_token_ids, now,
                         priority=priority, sample_index=i, max_tokens=req.max_tokens,
                         seed=(base_seed + i) % (1 << 64), grammar=None if req.grammar is None
                         else grammars.matcher(req.grammar),  # type: ignore[union-attr]
@@ -216,6 +216,6 @@ class Engine:
         except Exception as e2:  # noqa: BLE001 - a failed recovery: state unknown
             raise self._recovery.die("recovering from a failed output failed", e2) from e2
 
-    def _group_of(self, req: Request) -> Group | None:
+    def _group_of(self, req: Sequence) -> Group | None:
         group = self._groups.get(req.request_id)
         return group if group is not None and group.holds(req) else None

@@ -11,7 +11,7 @@ Data flow:
     once and it computes its prompt itself (mostly from the prefix cache when that is on).
   the parent's update reaches the end of its prompt, or the parent finishes first ->
     `release(parent)`: each held child still waiting takes a reference on the parent's full
-    prompt pages (`KVManager.share_prefix`) as the start of its block table (`Request.pages`),
+    prompt pages (`KVManager.share_prefix`) as the start of its block table (`Sequence.pages`),
     with `num_computed_tokens` past them: only the partial last page is its own to compute.
     A finished parent has freed its pages and shares nothing. The scheduler queues the
     returned children in their arrival order.
@@ -24,20 +24,20 @@ scheduler counts them as waiting (`num_held`).
 from __future__ import annotations
 
 from jaxserve.engine.kv_manager import KVManager
-from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.sequence import Sequence, SequenceStatus
 
 
 class Forks:
     def __init__(self, kv: KVManager, page_size: int):
         self.kv = kv
         self.page_size = page_size
-        self._held: dict[int, list[Request]] = {}  # parent seq_id -> its children waiting
+        self._held: dict[int, list[Sequence]] = {}  # parent seq_id -> its children waiting
 
     @property
     def num_held(self) -> int:
         return sum(len(c) for c in self._held.values())
 
-    def hold(self, child: Request, parent: Request) -> bool:
+    def hold(self, child: Sequence, parent: Sequence) -> bool:
         """Hold `child` until `parent` has computed its prompt; False when there is nothing
         to wait for (the caller queues it now)."""
         if parent.is_finished or parent.num_computed_tokens >= parent.num_prompt_tokens:
@@ -45,7 +45,7 @@ class Forks:
         self._held.setdefault(parent.seq_id, []).append(child)
         return True
 
-    def release(self, parent: Request) -> list[Request]:
+    def release(self, parent: Sequence) -> list[Sequence]:
         """Let `parent`'s held children go, sharing its full prompt pages; returns the ones
         still waiting, for the caller to queue (none when it held none)."""
         children = self._held.pop(parent.seq_id, None)
@@ -55,10 +55,10 @@ class Forks:
         # Full pages before the prompt's last token: a child computes at least that token,
         # for the logits of its own first sample (as a prefix-cache match does).
         k = (parent.num_prompt_tokens - 1) // ps \
-            if parent.status is RequestStatus.RUNNING else 0
+            if parent.status is SequenceStatus.RUNNING else 0
         released = []
         for child in children:
-            if child.status is not RequestStatus.WAITING:
+            if child.status is not SequenceStatus.WAITING:
                 continue
             # With sliding KV groups the parent may have freed the window pages the child's
             # first query needs: then `share_prefix` shares nothing.
@@ -71,7 +71,7 @@ class Forks:
             released.append(child)
         return released
 
-    def drop(self, req: Request) -> bool:
+    def drop(self, req: Sequence) -> bool:
         """Forget a held child (it finished while held); False when `req` is not held."""
         for children in self._held.values():
             if req in children:

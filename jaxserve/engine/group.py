@@ -15,7 +15,7 @@ from typing import Any
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.outputs import (CompletionOutput, RequestOutput, RequestOutputKind,
                                      TokenLogprobs)
-from jaxserve.engine.request import Request
+from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.sampling_params import SamplingParams
 
 
@@ -27,7 +27,7 @@ class Group:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    seqs: list[Request]
+    seqs: list[Sequence]
     detoks: list[IncrementalDetokenizer]
     sent_tokens: list[int]  # tokens already reported per sample
     sent_logprobs: list[int]
@@ -38,7 +38,7 @@ class Group:
 
     @classmethod
     def create(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-               params: SamplingParams, seqs: list[Request], backend: Any,
+               params: SamplingParams, seqs: list[Sequence], backend: Any,
                kind: RequestOutputKind) -> "Group":
         """A new request's group: a detokenizer per sample (`backend`: the tokenizer's)."""
         n = len(seqs)
@@ -46,7 +46,7 @@ class Group:
                    [IncrementalDetokenizer(backend, params) for _ in seqs], [0] * n, [0] * n,
                    [0.0] * n, kind)
 
-    def holds(self, req: Request) -> bool:
+    def holds(self, req: Sequence) -> bool:
         """Whether `req` is this group's sample (not a stale or foreign sequence)."""
         return req.sample_index < len(self.seqs) and self.seqs[req.sample_index] is req
 

@@ -4,8 +4,8 @@ Plain Python (no jax). The scheduler owns one `KVManager` (which owns the page p
 `BlockAllocator`); the scheduler, its prefix cache and its forks call it for a sequence's
 pages. The KV groups (`models/kv_groups.py`) all draw page ids from that one pool.
 
-Per sequence: group 0 (global) is `Request.pages`, as for a model without groups; groups
-1.. are `Request.group_pages`. Every table has one entry per page of the sequence so far
+Per sequence: group 0 (global) is `Sequence.pages`, as for a model without groups; groups
+1.. are `Sequence.group_pages`. Every table has one entry per page of the sequence so far
 (the kernels index a table by position // page_size). A sliding group's table is
 [trash page 0] * a + live pages: after every applied step (`slide`), the pages wholly older
 than the next query's window are freed and their entries set to the trash page, so a
@@ -24,10 +24,10 @@ Without groups (`groups` None) every method is the plain single-table path.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence as GenericSequence
 
 from jaxserve.engine.block_allocator import TRASH_PAGE, BlockAllocator
-from jaxserve.engine.request import Request
+from jaxserve.engine.sequence import Sequence
 from jaxserve.models.kv_groups import KVGroups, first_live_page
 
 
@@ -49,20 +49,20 @@ class KVManager:
         # Prefix-hit pages cut back because a sliding group's window pages were evicted.
         self.window_cut_pages = 0
 
-    def tables(self, req: Request) -> list[list[int]]:
+    def tables(self, req: Sequence) -> list[list[int]]:
         """The sequence's block tables, group by group (created empty on first use)."""
         if len(req.group_pages) != self.num_groups - 1:
             req.group_pages = [[] for _ in range(self.num_groups - 1)]
         return [req.pages, *req.group_pages]
 
-    def pages_needed(self, req: Request, num_tokens: int) -> int:
+    def pages_needed(self, req: Sequence, num_tokens: int) -> int:
         """Fresh page ids `req` needs to hold pages for its first `num_tokens` tokens."""
         want = -(-num_tokens // self.page_size)
         if self.groups is None:  # (the per-step hot path of every model without groups)
             return want - len(req.pages)
         return sum(max(0, want - len(t)) for t in self.tables(req))
 
-    def allocate(self, req: Request, num_tokens: int) -> None:
+    def allocate(self, req: Sequence, num_tokens: int) -> None:
         """Extend every table of `req` to cover `num_tokens` tokens (`pages_needed` free)."""
         want = -(-num_tokens // self.page_size)
         if self.groups is None:
@@ -72,7 +72,7 @@ class KVManager:
             if want > len(table):
                 table.extend(self.allocator.allocate(want - len(table)))
 
-    def free(self, req: Request) -> None:
+    def free(self, req: Sequence) -> None:
         """Drop every page `req` holds, in every group; its tables become empty."""
         if req.pages:
             self.allocator.free(req.pages)
@@ -83,7 +83,7 @@ class KVManager:
                 self.allocator.free(live)
         req.group_pages = []
 
-    def slide(self, req: Request) -> None:
+    def slide(self, req: Sequence) -> None:
         """Free each sliding group's pages that hold only keys older than the next query's
         window (its position is `num_computed_tokens`); a no-op without sliding groups.
 
@@ -106,12 +106,12 @@ class KVManager:
             if gone:
                 self.allocator.free(gone[::-1])  # (free releases in reverse: oldest last)
 
-    def num_live_pages(self, req: Request, group: int) -> int:
+    def num_live_pages(self, req: Sequence, group: int) -> int:
         """Pages `req` holds in `group` (not counting trash entries)."""
         return sum(p != TRASH_PAGE for p in self.tables(req)[group])
 
     # ------------------------------------------------------------------- prefix and forks
-    def match_prefix(self, hashes: Sequence[bytes]) -> tuple[int, list[list[int]]]:
+    def match_prefix(self, hashes: GenericSequence[bytes]) -> tuple[int, list[list[int]]]:
         """The longest cached prefix of full pages (`hashes`, chained) that every group can
         serve: its length in pages k and each group's table for it, with a reference taken
         on every page in them.
@@ -149,7 +149,7 @@ class KVManager:
         self.window_cut_pages += len(full) - k
         return k, result
 
-    def _window_pages(self, hashes: Sequence[bytes], k: int) -> list[list[int]] | None:
+    def _window_pages(self, hashes: GenericSequence[bytes], k: int) -> list[list[int]] | None:
         """Each sliding group's table for a cached prefix of k pages (trash below the window
         of the query at k * page_size), or None when one of its window pages is not cached."""
         out = []
@@ -164,14 +164,14 @@ class KVManager:
             out.append(table)
         return out
 
-    def register(self, req: Request, start: int, stop: int, hashes: Sequence[bytes]) -> None:
+    def register(self, req: Sequence, start: int, stop: int, hashes: GenericSequence[bytes]) -> None:
         """Cache pages [start, stop) of every group of `req` under their hashes."""
         for g, table in enumerate(self.tables(req)):
             for i in range(start, stop):
                 if table[i] != TRASH_PAGE:
                     self.allocator.register(table[i], group_key(g, hashes[i]))
 
-    def share_prefix(self, parent: Request, num_pages: int) -> list[list[int]] | None:
+    def share_prefix(self, parent: Sequence, num_pages: int) -> list[list[int]] | None:
         """Tables for a fork of `parent` that shares its first `num_pages` pages (a reference
         taken on each page), or None when a sliding group of the parent no longer holds the
         window pages the fork's first query needs (it then computes its prompt itself)."""

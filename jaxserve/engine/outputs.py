@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from jaxserve.engine.request import FinishReason, RequestMetrics
+from jaxserve.engine.sequence import FinishReason, RequestMetrics
 
 # One generated token's logprobs: {token_id: logprob} holding the sampled token and the top-N.
 TokenLogprobs = dict[int, float]

@@ -5,7 +5,7 @@ Plain Python (no jax). Data flow of one `Pipeline.step()`, step N on the device:
   step N samples a row with penalties (the next batch needs that token's history on the
   host): apply N first -> `core.schedule()` step N+1 -> `core.launch(N+1)`: its decode rows
   feed on step N's sampled tokens on the device (`InFlight.sampled_rows`); rows whose token
-  mask follows their output (a grammar, multi-token bad_words: `Request.mask_follows_output`)
+  mask follows their output (a grammar, multi-token bad_words: `Sequence.mask_follows_output`)
   get it late: the runner queues N+1's forward, then the pipeline applies N and the mask is
   filled while the device runs it -> apply N (unless the late mask did) -> fail N+1's failed
   rows (after N's tokens are in, and not for sequences N finished: their row was a discarded
@@ -50,7 +50,7 @@ class Pipeline:
         if prev is None:
             return self.core.launch(out)
         before_mask = None
-        if any(s.samples and s.request.mask_follows_output for s in out.seqs):
+        if any(s.samples and s.sequence.mask_follows_output for s in out.seqs):
             def before_mask() -> None:
                 self.core.apply(prev)
                 prev.applied = True

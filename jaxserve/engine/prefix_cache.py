@@ -4,9 +4,9 @@ Plain Python (no jax). The scheduler owns one `PrefixCache` and is its only call
 
 Data flow:
   admission: a waiting sequence that holds no pages -> `match(req)` hashes its full pages
-    (chained over every token before them, memoised on `Request.page_hashes`) and takes a
+    (chained over every token before them, memoised on `Sequence.page_hashes`) and takes a
     reference on the longest cached run (`BlockAllocator.match_prefix`); the sequence starts
-    with those pages as its block table (`Request.pages`) and `num_computed_tokens` past
+    with those pages as its block table (`Sequence.pages`) and `num_computed_tokens` past
     them.
   not admitted after all (no pages or seat for the rest this step) -> `undo_match(req)` gives
     the references back, so a sequence that waits holds no pages.
@@ -19,7 +19,7 @@ sliding group needs the pages under the window of the first query after the hit 
 cached (slid-out pages stay cached until evicted), else the hit is cut back.
 
 State: the cache itself (hash -> page, the LRU of cached free pages) is the allocator's; per
-sequence, `page_hashes` and `num_registered_pages` live on the `Request` (a preemption resets
+sequence, `page_hashes` and `num_registered_pages` live on the `Sequence` (a preemption resets
 `num_registered_pages`, the hashes stay valid: the tokens do not change). This class keeps no
 state of its own, only the rules.
 """
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from jaxserve.engine.block_allocator import hash_pages
 from jaxserve.engine.kv_manager import KVManager
-from jaxserve.engine.request import Request
+from jaxserve.engine.sequence import Sequence
 
 
 class PrefixCache:
@@ -37,7 +37,7 @@ class PrefixCache:
         self.page_size = page_size
         self.enabled = enabled
 
-    def match(self, req: Request) -> None:
+    def match(self, req: Sequence) -> None:
         """Start a page-less waiting sequence on the longest cached run of its full pages."""
         if not self.enabled or req.wants_prompt_logprobs:
             return  # (cached positions are never computed, so they would have no logprobs)
@@ -50,7 +50,7 @@ class PrefixCache:
         if req.metrics.first_scheduled_time is None:
             req.metrics.num_cached_tokens = req.num_computed_tokens
 
-    def undo_match(self, req: Request) -> None:
+    def undo_match(self, req: Sequence) -> None:
         """Give back the pages `match` took, if the sequence holds nothing else yet."""
         if req.pages and req.num_computed_tokens == req.num_registered_pages * self.page_size:
             # Matched pages only (nothing computed yet): give the references back.
@@ -58,7 +58,7 @@ class PrefixCache:
             req.num_computed_tokens = req.num_scheduled_tokens = 0
             req.num_registered_pages = 0
 
-    def register(self, req: Request) -> None:
+    def register(self, req: Sequence) -> None:
         """Enter the sequence's newly full, computed pages into the cache."""
         if not self.enabled:
             return
@@ -69,7 +69,7 @@ class PrefixCache:
         self.kv.register(req, req.num_registered_pages, full, hashes)
         req.num_registered_pages = full
 
-    def _full_page_hashes(self, req: Request, num_tokens: int) -> list[bytes]:
+    def _full_page_hashes(self, req: Sequence, num_tokens: int) -> list[bytes]:
         """Chained hashes of the full pages among the first `num_tokens` tokens (memoised)."""
         ps = self.page_size
         have = len(req.page_hashes)

@@ -1,7 +1,7 @@
 """Prompt logprobs, host side: which of a step's tokens to score, and where the scores go.
 
 Plain numpy (no jax). A prefill chunk of a sequence that wants prompt logprobs
-(`Request.wants_prompt_logprobs`) computes positions [start, start + n); the hidden state at
+(`Sequence.wants_prompt_logprobs`) computes positions [start, start + n); the hidden state at
 position j predicts token j + 1, so each j with j + 1 < num_prompt_tokens scores prompt token
 j + 1 (the last prompt position predicts the first generated token: the sampler's job).
 
@@ -23,7 +23,7 @@ prefix cache (`PrefixCache.match`).
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Sequence
+from typing import ClassVar, Sequence as GenericSequence
 
 import numpy as np
 
@@ -38,7 +38,7 @@ class Span:
     flat: int  # flat token index of position `first` in the step's token_ids
 
 
-def spans(out: SchedulerOutput, rows: Sequence[int] | None = None,
+def spans(out: SchedulerOutput, rows: GenericSequence[int] | None = None,
           cu_q_lens: np.ndarray | None = None) -> list[Span]:
     """The step's scored positions, row by row (empty when no row wants prompt logprobs).
     `rows` / `cu_q_lens`: the candidate rows (those whose request asked for prompt logprobs)
@@ -50,7 +50,7 @@ def spans(out: SchedulerOutput, rows: Sequence[int] | None = None,
     found = []
     for row in rows:
         seq = out.seqs[row]
-        req = seq.request
+        req = seq.sequence
         if req.wants_prompt_logprobs:
             end = min(seq.start + seq.num_new_tokens, req.num_prompt_tokens - 1)
             if end > seq.start:
@@ -84,7 +84,7 @@ def pack_prompt_logprobs(out: SchedulerOutput, num_tokens: int, cu_q_lens: np.nd
                          ) -> PromptLogprobRows:
     """The part of a step of `num_tokens` padded tokens with query offsets `cu_q_lens`."""
     rows = [i for i, s in enumerate(out.seqs)
-            if s.request.sampling_params.prompt_logprobs is not None]
+            if s.sequence.sampling_params.prompt_logprobs is not None]
     found = spans(out, rows, cu_q_lens) if rows else []
     return pack(out, found, num_tokens if found else 0)
 
@@ -94,7 +94,7 @@ def pack(out: SchedulerOutput, found: list[Span], num_tokens: int) -> PromptLogp
     part = PromptLogprobRows.padding(num_tokens)
     k = 0
     for s in found:
-        ids = out.seqs[s.row].request.prompt_token_ids
+        ids = out.seqs[s.row].sequence.prompt_token_ids
         part.indices[k:k + s.count] = np.arange(s.flat, s.flat + s.count)
         part.targets[k:k + s.count] = ids[s.first + 1: s.first + 1 + s.count]
         k += s.count
@@ -108,7 +108,7 @@ def unpack(out: SchedulerOutput, found: list[Span], logprob: np.ndarray, top_ids
     [>= total, MAX_LOGPROBS], in `pack`'s order) into each request's prompt_logprobs."""
     k = 0
     for s in found:
-        req = out.seqs[s.row].request
+        req = out.seqs[s.row].sequence
         n_top = req.sampling_params.prompt_logprobs or 0
         if req.prompt_logprobs is None:
             req.prompt_logprobs = [None] * req.num_prompt_tokens

@@ -40,7 +40,7 @@ from jaxserve.engine.batch import BatchShape, StepBatch, build_batch
 from jaxserve.engine.errors import EngineDead, bounded
 from jaxserve.engine.group import Group
 from jaxserve.engine.outputs import RequestOutput
-from jaxserve.engine.request import FinishReason, Request
+from jaxserve.engine.sequence import FinishReason, Sequence
 from jaxserve.engine.runner import RunnerFailed
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 
@@ -48,7 +48,7 @@ from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 # split out of engine.py, so log filters and alerts on it keep matching.
 log = logging.getLogger("jaxserve.engine.engine")
 
-Failures = list[tuple[Request, str]]  # (sequence, why it failed), to finish with ERROR
+Failures = list[tuple[Sequence, str]]  # (sequence, why it failed), to finish with ERROR
 T = TypeVar("T")
 
 
@@ -62,7 +62,7 @@ class Staged(Generic[T]):
 
 
 class Recovery:
-    def __init__(self, scheduler: Scheduler, group_of: Callable[[Request], Group | None]):
+    def __init__(self, scheduler: Scheduler, group_of: Callable[[Sequence], Group | None]):
         self._scheduler = scheduler
         self._group_of = group_of  # the engine's group of a sequence (None: it has none)
         self.dead: str | None = None  # why the engine cannot step any more (None: it can)
@@ -94,9 +94,9 @@ class Recovery:
                 build_batch(SchedulerOutput([s], s.num_new_tokens, []), shape, prev_rows,
                             fill_grammars=not late)
             except Exception as e:  # noqa: BLE001
-                culprits.append((s.request, f"building the step's batch failed: {e!r}"))
+                culprits.append((s.sequence, f"building the step's batch failed: {e!r}"))
         self._scheduler.unschedule(out.seqs)
-        return Staged(None, culprits or [(s.request, f"building the step's batch failed: "
+        return Staged(None, culprits or [(s.sequence, f"building the step's batch failed: "
                                           f"{error!r}") for s in out.seqs])
 
     def step_lost(self, out: SchedulerOutput, error: RunnerFailed) -> Failures:
@@ -107,7 +107,7 @@ class Recovery:
             raise self.die("the model step failed", error) from error
         rows = range(len(out.seqs)) if error.rows is None else error.rows
         self._scheduler.unschedule(out.seqs)
-        return [(out.seqs[i].request, f"the model step failed: {error}") for i in rows]
+        return [(out.seqs[i].sequence, f"the model step failed: {error}") for i in rows]
 
     # ----------------------------------------------------------------------- failed requests
     def fail(self, failures: Failures) -> list[Group]:

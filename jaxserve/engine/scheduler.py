@@ -14,8 +14,8 @@ Plain Python (no jax). Data flow per step:
 
 Overlap: the engine may call `schedule()` for step N+1 before `update()` of step N (whose
 sampled tokens are still on the device). `schedule()` therefore plans from
-`Request.num_scheduled_tokens` and counts each token a dispatched step samples as in flight
-(`Request.num_in_flight`): a sequence whose step N samples is scheduled in step N+1 as a
+`Sequence.num_scheduled_tokens` and counts each token a dispatched step samples as in flight
+(`Sequence.num_in_flight`): a sequence whose step N samples is scheduled in step N+1 as a
 decode of that unknown token (`ScheduledSeq.fed`: the device feeds it from step N's sampler
 output), unless the in-flight token is already its last by `max_tokens` / `max_model_len`.
 A stop that only the token's value reveals (EOS, stop ids, stop strings) lands one step late:
@@ -36,7 +36,7 @@ Policy:
   then share its full prompt pages (ref counts) and compute only the partial last page
   (`forks.py`).
 
-Every table here is keyed by `Request.seq_id`, an integer `add_request` assigns; the client's
+Every table here is keyed by `Sequence.seq_id`, an integer `add_request` assigns; the client's
 request id is only a label. Between `schedule()` and `update()` the state is consistent on its
 own (pages reserved, nothing computed yet): a step whose results never come back (it failed)
 leaves each scheduled sequence to be scheduled again for the same tokens, or to be finished
@@ -49,7 +49,7 @@ import dataclasses
 import heapq
 import itertools
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence as GenericSequence
 
 from jaxserve.config import SchedulerConfig
 from jaxserve.engine.block_allocator import BlockAllocator
@@ -57,26 +57,26 @@ from jaxserve.engine.forks import Forks
 from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.limits import check_fits
 from jaxserve.engine.prefix_cache import PrefixCache
-from jaxserve.engine.request import FinishReason, Request, RequestStatus
+from jaxserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclasses.dataclass
 class ScheduledSeq:
-    request: Request
+    sequence: Sequence
     start: int  # position of the first new token (= num_scheduled_tokens before the step)
     num_new_tokens: int
     samples: bool  # this chunk reaches the end of the sequence: sample its next token
     # The chunk's (single) token is still in flight: sampled by the step dispatched before
     # this one, on the device only; the batch feeds it from that step's sampler output.
     fed: bool = False
-    epoch: int = 0  # `Request.epoch` when scheduled (a row of an older epoch is stale: skipped)
+    epoch: int = 0  # `Sequence.epoch` when scheduled (a row of an older epoch is stale: skipped)
 
 
 @dataclasses.dataclass
 class SchedulerOutput:
     seqs: list[ScheduledSeq]  # batch row order: decodes first, then prefill chunks
     num_tokens: int
-    preempted: list[Request]
+    preempted: list[Sequence]
 
     @property
     def num_seqs(self) -> int:
@@ -93,14 +93,14 @@ class Scheduler:
         self.kv = KVManager(self.allocator, cfg.kv_groups)
         self._prefix_cache = PrefixCache(self.kv, cfg.page_size, cfg.enable_prefix_caching)
         self._forks = Forks(self.kv, cfg.page_size)  # n > 1 samples held for a prompt
-        self.running: list[Request] = []
-        self._waiting: list[tuple[int, int, Request]] = []  # heap of (priority, order, req)
+        self.running: list[Sequence] = []
+        self._waiting: list[tuple[int, int, Sequence]] = []  # heap of (priority, order, req)
         self._num_waiting = 0
         self._order = itertools.count()
         self._front = itertools.count(-1, -1)
         self._seq_ids = itertools.count()
         self._arrival_order: dict[int, int] = {}  # seq_id -> arrival rank
-        self.requests: dict[int, Request] = {}  # seq_id -> unfinished sequence
+        self.requests: dict[int, Sequence] = {}  # seq_id -> unfinished sequence
         self.num_preemptions = 0
 
     # ----------------------------------------------------------------------- intake
@@ -110,12 +110,12 @@ class Scheduler:
                    self.allocator.num_usable_pages, self.cfg.kv_windows,
                    self.cfg.max_num_batched_tokens)
 
-    def add_request(self, req: Request, fork_of: Request | None = None,
+    def add_request(self, req: Sequence, fork_of: Sequence | None = None,
                     checked: bool = False) -> None:
         """Queue `req` and assign its `seq_id`; `fork_of` (child 0 of its group, queued
         before) delays it to share that prompt. `checked`: the caller (the Engine) already
         ran `check_fits` for this request."""
-        if req.seq_id >= 0 or req.status is not RequestStatus.WAITING:
+        if req.seq_id >= 0 or req.status is not SequenceStatus.WAITING:
             raise ValueError(f"sequence {req.seq_id} of request {req.request_id!r} was "
                              "queued before")
         if not checked and fork_of is None:
@@ -127,7 +127,7 @@ class Scheduler:
             return
         self._push_waiting(req, front=False)
 
-    def _push_waiting(self, req: Request, front: bool) -> None:
+    def _push_waiting(self, req: Sequence, front: bool) -> None:
         order = next(self._front) if front else self._arrival_order[req.seq_id]
         heapq.heappush(self._waiting, (req.priority, order, req))
         self._num_waiting += 1
@@ -148,7 +148,7 @@ class Scheduler:
         now = self.clock()
         decodes: list[ScheduledSeq] = []
         prefills: list[ScheduledSeq] = []
-        preempted: list[Request] = []
+        preempted: list[Sequence] = []
         self.running.sort(key=self._rank)
         # Decodes (exactly one token left to compute) first, then running prefill chunks.
         todo = [(r, self._to_schedule(r)) for r in self.running]
@@ -157,7 +157,7 @@ class Scheduler:
         for req in order:
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             start = req.num_scheduled_tokens
             total = req.num_tokens + req.num_in_flight
@@ -171,7 +171,7 @@ class Scheduler:
 
         while self._waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             _, _, req = self._waiting[0]
-            if req.status is not RequestStatus.WAITING:  # aborted while waiting
+            if req.status is not SequenceStatus.WAITING:  # aborted while waiting
                 heapq.heappop(self._waiting)
                 continue
             if req in preempted:
@@ -183,7 +183,7 @@ class Scheduler:
                 break  # (a waiting sequence has nothing in flight: scheduled == computed)
             heapq.heappop(self._waiting)
             self._num_waiting -= 1
-            req.status = RequestStatus.RUNNING
+            req.status = SequenceStatus.RUNNING
             self.running.append(req)
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
@@ -193,14 +193,14 @@ class Scheduler:
             budget -= n
         # A sequence scheduled early in this step may have been preempted by a later one.
         gone = {id(r) for r in preempted}
-        seqs = [s for s in decodes + prefills if id(s.request) not in gone]
+        seqs = [s for s in decodes + prefills if id(s.sequence) not in gone]
         for s in seqs:
-            s.request.num_scheduled_tokens = s.start + s.num_new_tokens
-            s.request.num_in_flight += s.samples
+            s.sequence.num_scheduled_tokens = s.start + s.num_new_tokens
+            s.sequence.num_in_flight += s.samples
         return SchedulerOutput(seqs=seqs, num_tokens=sum(s.num_new_tokens for s in seqs),
                                preempted=preempted)
 
-    def _step_budget(self, todo: list[tuple[Request, int]]) -> int:
+    def _step_budget(self, todo: list[tuple[Sequence, int]]) -> int:
         """The whole budget, unless the step carries a decode of a stream past its first
         token: then `decode_token_budget` (how long a prefill chunk may stall it). A stream
         that has only its first token may wait one big step more, so that prompts arriving
@@ -210,7 +210,7 @@ class Scheduler:
         return self.cfg.step_budget(any(
             left == 1 and r.num_output_tokens + r.num_in_flight >= 2 for r, left in todo))
 
-    def _to_schedule(self, req: Request) -> int:
+    def _to_schedule(self, req: Sequence) -> int:
         """How many of a running sequence's tokens are left to schedule: 0 while its only
         one is an in-flight token that will end it anyway (max_tokens / max_model_len; its
         update finishes it), or a prefill-only request's last chunk is in flight."""
@@ -224,16 +224,16 @@ class Scheduler:
         """Roll back scheduled rows whose step never ran (its build or dispatch failed): each
         still-running sequence is scheduled again for the same tokens (its pages stay)."""
         for seq in seqs:
-            req = seq.request
-            if req.status is RequestStatus.RUNNING and \
+            req = seq.sequence
+            if req.status is SequenceStatus.RUNNING and \
                     seq.epoch == req.epoch:
                 req.num_scheduled_tokens = seq.start
                 req.num_in_flight -= seq.samples
 
-    def _rank(self, req: Request) -> tuple[int, int]:
+    def _rank(self, req: Sequence) -> tuple[int, int]:
         return req.priority, self._arrival_order[req.seq_id]
 
-    def _reserve(self, req: Request, num_tokens: int, preempted: list[Request],
+    def _reserve(self, req: Sequence, num_tokens: int, preempted: list[Sequence],
                  may_self: bool) -> bool:
         """Ensure `req` holds pages for `num_tokens`, preempting lower-ranked running seqs.
 
@@ -257,12 +257,12 @@ class Scheduler:
             self.kv.allocate(req, num_tokens)
         return True
 
-    def _preempt(self, req: Request, preempted: list[Request]) -> None:
+    def _preempt(self, req: Sequence, preempted: list[Sequence]) -> None:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = req.num_scheduled_tokens = req.num_in_flight = 0
         req.num_registered_pages = 0
-        req.status = RequestStatus.WAITING
+        req.status = SequenceStatus.WAITING
         req.epoch += 1  # rows scheduled before this are stale (`update`, `unschedule`)
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -270,8 +270,8 @@ class Scheduler:
         self._push_waiting(req, front=True)
 
     # ----------------------------------------------------------------------- update
-    def update(self, out: SchedulerOutput, sampled: Sequence[int | None],
-               errors: list[tuple[Request, Exception]] | None = None) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: GenericSequence[int | None],
+               errors: list[tuple[Sequence, Exception]] | None = None) -> list[Sequence]:
         """Apply one step's results; `sampled[i]` is the token of `out.seqs[i]` (None if the
         chunk did not sample). Returns the requests that got a new token this step.
 
@@ -280,21 +280,21 @@ class Scheduler:
         the failed ones); without it the first failure is raised.
         """
         now = self.clock()
-        progressed: list[Request] = []
+        progressed: list[Sequence] = []
         for seq, token in zip(out.seqs, sampled):
             try:
                 if self._update_seq(seq, token, now):
-                    progressed.append(seq.request)
+                    progressed.append(seq.sequence)
             except Exception as e:  # noqa: BLE001 - handed to the caller with its request
                 if errors is None:
                     raise
-                errors.append((seq.request, e))
+                errors.append((seq.sequence, e))
         return progressed
 
     def _update_seq(self, seq: ScheduledSeq, token: int | None, now: float) -> bool:
         """One sequence's result; True when it got a new token."""
-        req = seq.request
-        if req.status is not RequestStatus.RUNNING or seq.epoch != req.epoch:
+        req = seq.sequence
+        if req.status is not SequenceStatus.RUNNING or seq.epoch != req.epoch:
             return False  # finished (aborted, a stop) or preempted since it was scheduled
         req.num_computed_tokens = seq.start + seq.num_new_tokens
         req.num_in_flight -= seq.samples
@@ -321,7 +321,7 @@ class Scheduler:
             self.finish(req, reason)
         return True
 
-    def _token_stop(self, req: Request, token: int) -> FinishReason | None:
+    def _token_stop(self, req: Sequence, token: int) -> FinishReason | None:
         sp = req.sampling_params
         if req.num_output_tokens >= sp.min_tokens:
             if not sp.ignore_eos and token in req.eos_token_ids:
@@ -332,23 +332,23 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def _release_forks(self, parent: Request) -> None:
+    def _release_forks(self, parent: Sequence) -> None:
         """Queue the children `parent` held back (`Forks.release`): they share its full
         prompt pages and compute the rest themselves."""
         for child in self._forks.release(parent):
             self._push_waiting(child, front=False)
 
     # ----------------------------------------------------------------------- finish / abort
-    def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
+    def finish(self, req: Sequence, reason: FinishReason, error: str | None = None) -> None:
         """Finish `req` (any state) with `reason`, freeing its pages; `error` with ERROR."""
-        if req.status is RequestStatus.FINISHED or self.requests.get(req.seq_id) is not req:
+        if req.status is SequenceStatus.FINISHED or self.requests.get(req.seq_id) is not req:
             return
-        if req.status is RequestStatus.RUNNING:
+        if req.status is SequenceStatus.RUNNING:
             self.running.remove(req)
-        elif req.status is RequestStatus.WAITING and not self._forks.drop(req):
+        elif req.status is SequenceStatus.WAITING and not self._forks.drop(req):
             self._num_waiting -= 1  # lazy deletion: its heap entry is skipped at the top
         self.kv.free(req)
-        req.status = RequestStatus.FINISHED
+        req.status = SequenceStatus.FINISHED
         req.finish_reason = reason
         req.error = error
         req.metrics.finished_time = self.clock()
@@ -356,7 +356,7 @@ class Scheduler:
         self._arrival_order.pop(req.seq_id, None)
         self._release_forks(req)  # children it held compute the prompt themselves (no pages)
 
-    def abort(self, seq_ids: Iterable[int]) -> list[Request]:
+    def abort(self, seq_ids: Iterable[int]) -> list[Sequence]:
         """Finish the given sequences with ABORT, freeing every page they held."""
         aborted = []
         for sid in seq_ids:

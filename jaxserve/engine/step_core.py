@@ -36,7 +36,7 @@ from jaxserve.engine import prompt_logprobs
 from jaxserve.engine.batch import BatchShape, late_bitmask
 from jaxserve.engine.group import Group
 from jaxserve.engine.recovery import Failures, Recovery, Staged
-from jaxserve.engine.request import FinishReason, Request
+from jaxserve.engine.sequence import FinishReason, Sequence
 from jaxserve.engine.runner import LateMask, PendingStep, Runner, RunnerFailed, StepResult
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 
@@ -52,18 +52,18 @@ class InFlight:
     @functools.cached_property
     def sampled_rows(self) -> dict[int, int]:
         """seq_id -> batch row of each sequence this step samples (the next step's feeds)."""
-        return {s.request.seq_id: i for i, s in enumerate(self.out.seqs) if s.samples}
+        return {s.sequence.seq_id: i for i, s in enumerate(self.out.seqs) if s.samples}
 
     @property
     def needs_host_tokens(self) -> bool:
         """A row it samples uses penalties: the next batch needs that token's history."""
-        return any(s.samples and s.request.sampling_params.uses_penalties
+        return any(s.samples and s.sequence.sampling_params.uses_penalties
                    for s in self.out.seqs)
 
 
 class StepCore:
     def __init__(self, scheduler: Scheduler, runner: Runner, shape: BatchShape,
-                 recovery: Recovery, group_of: Callable[[Request], Group | None]):
+                 recovery: Recovery, group_of: Callable[[Sequence], Group | None]):
         self.scheduler = scheduler
         self.runner = runner
         self.shape = shape
@@ -158,13 +158,13 @@ class StepCore:
             sampled = [int(result.tokens[i]) if s.samples else None
                        for i, s in enumerate(out.seqs)]
         except Exception as e:  # noqa: BLE001 - a malformed result: every row's is suspect
-            self._fail_now([(s.request, f"the model step's result is unusable: {e!r}")
+            self._fail_now([(s.sequence, f"the model step's result is unusable: {e!r}")
                             for s in out.seqs])
             return
-        errors: list[tuple[Request, Exception]] = []
+        errors: list[tuple[Sequence, Exception]] = []
         progressed = self.scheduler.update(out, sampled, errors)
         self._fail_now([(r, f"applying the step's result failed: {e!r}") for r, e in errors])
-        rows = {id(s.request): i for i, s in enumerate(out.seqs)}
+        rows = {id(s.sequence): i for i, s in enumerate(out.seqs)}
         for req in progressed:
             group = self._group_of(req)
             if group is None:  # no group to report to: only give the pages back
@@ -189,11 +189,11 @@ class StepCore:
             prompt_logprobs.unpack(out, scored, result.prompt_logprob, result.prompt_top_ids,
                                    result.prompt_top_logprobs)
         except Exception as e:  # noqa: BLE001 - a malformed result: the scored rows' fail
-            return [(out.seqs[s.row].request, f"the step's prompt logprobs are unusable: "
+            return [(out.seqs[s.row].sequence, f"the step's prompt logprobs are unusable: "
                      f"{e!r}") for s in scored]
         return []
 
-    def _take_token(self, req: Request, group: Group, result: StepResult, row: int) -> None:
+    def _take_token(self, req: Sequence, group: Group, result: StepResult, row: int) -> None:
         """A sequence's new token on the host side: logprobs, grammar, text, stop strings."""
         if not req.output_token_ids:
             return  # a prefill-only request (max_tokens=0) finished without a token

@@ -25,7 +25,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 
 from jaxserve.engine.limits import EngineStats
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
-from jaxserve.engine.request import FinishReason
+from jaxserve.engine.sequence import FinishReason
 
 PREFIX = "jaxserve:"
 # Bucket edges follow vLLM's, so dashboards built for it read these unchanged.

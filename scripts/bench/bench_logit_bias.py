@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxserve.device.model_runner import ModelRunner, place_inputs, sample_jit, to_step_inputs
 from jaxserve.engine.batch import BatchShape, bitmask_words, build_batch, leaves
-from jaxserve.engine.request import Request
+from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from jaxserve.models import llama
@@ -50,7 +50,7 @@ def decode_step(S: int, biased_rows: int, vocab: int) -> SchedulerOutput:
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
                                 logit_bias=bias if i < biased_rows else {})
         prompt = [int(x) for x in rng.integers(3, vocab, CONTEXT + 1)]
-        req = Request(f"r{i}", prompt, params, (2,), 0.0,
+        req = Sequence(f"r{i}", prompt, params, (2,), 0.0,
                       pages=[1 + PAGES_PER_SEQ * i + j for j in range(PAGES_PER_SEQ)])
         req.num_computed_tokens = CONTEXT
         seqs.append(ScheduledSeq(req, start=CONTEXT, num_new_tokens=1, samples=True))

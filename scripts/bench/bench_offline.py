@@ -45,7 +45,7 @@ def bench_host(num_seqs: int, steps: int) -> dict:
     from jaxserve.config import SchedulerConfig
     from jaxserve.engine.batch import BatchShape, build_batch
     from jaxserve.engine.fake_runner import ArithmeticRunner
-    from jaxserve.engine.request import Request
+    from jaxserve.engine.sequence import Sequence
     from jaxserve.engine.sampling_params import SamplingParams
     from jaxserve.engine.scheduler import Scheduler
 
@@ -60,7 +60,7 @@ def bench_host(num_seqs: int, steps: int) -> dict:
     params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=1500, ignore_eos=True)
     for i in range(num_seqs):
         prompt = [int(x) for x in rng.integers(0, 49152, int(rng.integers(64, 512)))]
-        sched.add_request(Request(f"r{i}", prompt, params, (2,), 0.0, max_tokens=1500))
+        sched.add_request(Sequence(f"r{i}", prompt, params, (2,), 0.0, max_tokens=1500))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.requests.values()):
         out = sched.schedule()
         res = runner.execute(build_batch(out, shape))

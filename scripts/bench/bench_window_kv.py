@@ -42,7 +42,7 @@ import sys
 import time
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.request import Request
+from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sizing import EnginePlan, plan_engine
@@ -107,9 +107,9 @@ def kv_sharing(budget: int, page_size: int, max_num_seqs: int, chunk: int) -> di
     return out
 
 
-def _request(rid: str, prompt: list[int], max_tokens: int) -> Request:
+def _request(rid: str, prompt: list[int], max_tokens: int) -> Sequence:
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return Request(rid, prompt, sp, eos_token_ids=(), arrival_time=0.0, max_tokens=max_tokens)
+    return Sequence(rid, prompt, sp, eos_token_ids=(), arrival_time=0.0, max_tokens=max_tokens)
 
 
 def _step(sched: Scheduler) -> None:
@@ -168,7 +168,7 @@ def prefix_run(p: EnginePlan, num_requests: int, prefix_len: int, suffix_len: in
     def tokens(n: int) -> list[int]:
         return [rng.randrange(1, 200_000) for _ in range(n)]
 
-    def run(reqs: list[Request]) -> None:
+    def run(reqs: list[Sequence]) -> None:
         for r in reqs:
             sched.add_request(r)
         while sched.has_unfinished():

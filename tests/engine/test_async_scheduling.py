@@ -18,7 +18,7 @@ from jaxserve import SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.fake_runner import ArithmeticRunner, arithmetic_next_token
-from jaxserve.engine.request import FinishReason
+from jaxserve.engine.sequence import FinishReason
 from jaxserve.engine.sizing import plan_engine
 
 EOS = 2

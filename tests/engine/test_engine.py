@@ -21,7 +21,7 @@ from support.numerics import gamma
 from support.tiers import run_slow, slow, split_tiers
 
 from jaxserve import SamplingParams
-from jaxserve.engine.request import FinishReason
+from jaxserve.engine.sequence import FinishReason
 
 MODEL = tiny_model()
 

@@ -23,7 +23,7 @@ from jaxserve.engine.fake_runner import ArithmeticRunner
 from jaxserve.engine.fault_injection import InjectedFault
 from jaxserve.engine.limits import Admitted
 from jaxserve.engine.outputs import RequestOutputKind
-from jaxserve.engine.request import FinishReason
+from jaxserve.engine.sequence import FinishReason
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.serving.async_engine import AsyncEngine, EngineStopped
 

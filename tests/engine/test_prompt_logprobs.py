@@ -19,7 +19,7 @@ from jaxserve import SamplingParams
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.fake_runner import arithmetic_prompt_logprobs
 from jaxserve.engine.outputs import RequestOutputKind
-from jaxserve.engine.request import FinishReason
+from jaxserve.engine.sequence import FinishReason
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

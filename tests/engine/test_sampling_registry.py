@@ -18,7 +18,7 @@ import pytest
 from jaxserve.engine import sampling_params as sp_mod
 from jaxserve.engine.batch import (BIAS_PAD_ID, BatchShape, build_batch, leaves, pad_bias,
                                    parts)
-from jaxserve.engine.request import Request
+from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from jaxserve.engine.structured_outputs import StructuredOutputs
@@ -205,7 +205,7 @@ def test_build_batch_rows_and_padding_follow_the_registry() -> None:
                        history_len=8)
     seqs = []
     for i, params in enumerate((FULL, SamplingParams())):
-        req = Request(f"r{i}", [1, 2, 3], params, (0,), 0.0, pages=[1 + i])
+        req = Sequence(f"r{i}", [1, 2, 3], params, (0,), 0.0, pages=[1 + i])
         seqs.append(ScheduledSeq(req, start=0, num_new_tokens=3, samples=True))
     b = build_batch(SchedulerOutput(seqs, 6, []), shape)
     knobs = b.sampling.knobs
@@ -236,7 +236,7 @@ def test_build_batch_rows_and_padding_follow_the_registry() -> None:
 def test_build_batch_reads_each_requests_bias_packed_once() -> None:
     shape = BatchShape(buckets=((8, 4),), page_size=4, max_pages_per_seq=2, vocab_size=64,
                        history_len=8)
-    req = Request("r", [1, 2, 3], FULL, (0,), 0.0, pages=[1])
+    req = Sequence("r", [1, 2, 3], FULL, (0,), 0.0, pages=[1])
     ids, values = req.logit_bias_arrays
     assert ids.dtype == np.int32 and values.dtype == np.float32
     np.testing.assert_array_equal(ids, [t for t, _ in VALUES["logit_bias"]])

@@ -13,7 +13,7 @@ import pytest
 
 from jaxserve.config import SchedulerConfig
 from jaxserve.engine.block_allocator import BlockAllocator, NoFreePages, hash_pages
-from jaxserve.engine.request import FinishReason, Request, RequestStatus
+from jaxserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 
@@ -26,9 +26,9 @@ def expected_next(tokens: list[int]) -> int:
 
 
 def make_req(rid: str, prompt: list[int], max_tokens: int = 8, priority: int = 0,
-             arrival: float = 0.0, **sp: object) -> Request:
+             arrival: float = 0.0, **sp: object) -> Sequence:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **sp)  # type: ignore[arg-type]
-    return Request(rid, list(prompt), params, eos_token_ids=(EOS,), arrival_time=arrival,
+    return Sequence(rid, list(prompt), params, eos_token_ids=(EOS,), arrival_time=arrival,
                    priority=priority, max_tokens=max_tokens)
 
 
@@ -43,10 +43,10 @@ class FakeRunner:
         cfg = self.sched.cfg
         assert out.num_tokens <= cfg.max_num_batched_tokens
         assert len(out.seqs) <= cfg.max_num_seqs
-        assert len({id(s.request) for s in out.seqs}) == len(out.seqs)
+        assert len({id(s.sequence) for s in out.seqs}) == len(out.seqs)
         sampled: list[int | None] = []
         for s in out.seqs:
-            req = s.request
+            req = s.sequence
             end = s.start + s.num_new_tokens
             assert len(req.pages) * cfg.page_size >= end, "pages missing for scheduled tokens"
             # "Write" the K/V of the new tokens, then "read" the whole context back from pages:
@@ -126,11 +126,11 @@ def test_decodes_are_never_starved_by_a_long_prompt():
     def check(step: int, out: SchedulerOutput) -> None:
         if step == 2:
             sched.add_request(long)
-        running_decoders = [r for r in chats if r.status is RequestStatus.RUNNING
+        running_decoders = [r for r in chats if r.status is SequenceStatus.RUNNING
                             and r.num_computed_tokens == r.num_tokens - 1]
-        scheduled = {id(s.request) for s in out.seqs}
+        scheduled = {id(s.sequence) for s in out.seqs}
         assert all(id(r) in scheduled for r in running_decoders)
-        chunk = [s for s in out.seqs if s.request is long]
+        chunk = [s for s in out.seqs if s.sequence is long]
         if chunk:
             assert chunk[0].num_new_tokens <= 16 - len(running_decoders)
 
@@ -154,8 +154,8 @@ def test_decode_token_budget_caps_steps_with_decodes_only():
             sched.add_request(late)
         # Decodes of streams past their first token hold the step to 16 tokens.
         decodes = any(s.num_new_tokens == 1 and s.samples and s.start > 0
-                      and s.start == s.request.num_tokens - 1
-                      and s.request.num_output_tokens >= 2 for s in out.seqs)
+                      and s.start == s.sequence.num_tokens - 1
+                      and s.sequence.num_output_tokens >= 2 for s in out.seqs)
         sizes.append((out.num_tokens, decodes))
         assert out.num_tokens <= (16 if decodes else 64)
 
@@ -212,8 +212,8 @@ def test_priority_order_and_fcfs_within_level():
 
     def record(step: int, out: SchedulerOutput) -> None:
         for s in out.seqs:
-            if s.request.request_id not in order:
-                order.append(s.request.request_id)
+            if s.sequence.request_id not in order:
+                order.append(s.sequence.request_id)
 
     drive(sched, on_step=record)
     assert order == ["high", "mid", "low-a", "low-b"]
@@ -250,7 +250,7 @@ def test_refuses_requests_that_can_never_fit():
     z = make_req("z", [1] * 20, max_tokens=10)
     sched.add_request(z)
     # Client ids are labels (the Engine refuses duplicates): the scheduler keys sequences by
-    # the seq_id it assigns, so a second "z" is another sequence; one Request is queued once.
+    # the seq_id it assigns, so a second "z" is another sequence; one Sequence is queued once.
     z2 = make_req("z", [1], max_tokens=1)
     sched.add_request(z2)
     assert z.seq_id != z2.seq_id and sched.requests[z.seq_id] is z

@@ -1,18 +1,18 @@
-"""The staleness key of a scheduled row is `Request.epoch` (bumped by each preemption), not
+"""The staleness key of a scheduled row is `Sequence.epoch` (bumped by each preemption), not
 the preemption metric: a row scheduled before a preemption is skipped by `update` and
 `unschedule` even once the sequence runs again and whatever its metrics say (no jax)."""
 
 from __future__ import annotations
 
 from jaxserve.config import SchedulerConfig
-from jaxserve.engine.request import FinishReason, Request, RequestStatus
+from jaxserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
 
 
-def _seq(rid: str, prompt: list[int], priority: int) -> Request:
+def _seq(rid: str, prompt: list[int], priority: int) -> Sequence:
     params = SamplingParams(max_tokens=4, temperature=0.0)
-    return Request(rid, prompt, params, eos_token_ids=(999,), arrival_time=0.0,
+    return Sequence(rid, prompt, params, eos_token_ids=(999,), arrival_time=0.0,
                    priority=priority, max_tokens=4)
 
 
@@ -26,14 +26,14 @@ def test_a_row_scheduled_before_a_preemption_is_stale_after_it():
     sched.add_request(a)
     sched.update(sched.schedule(), [5])  # prefill: a's first token
     stale = sched.schedule()  # a's decode, dispatched (its result not applied yet)
-    assert [s.request for s in stale.seqs] == [a] and stale.seqs[0].epoch == 0
+    assert [s.sequence for s in stale.seqs] == [a] and stale.seqs[0].epoch == 0
     b = _seq("b", [2] * 8, priority=0)
     sched.add_request(b)
     out = sched.schedule()
     assert out.preempted == [a] and a.epoch == 1 and a.metrics.num_preemptions == 1
     sched.finish(b, FinishReason.ABORT)  # its pages back: a runs again
     again = sched.schedule()
-    assert [s.request for s in again.seqs] == [a] and a.status is RequestStatus.RUNNING
+    assert [s.sequence for s in again.seqs] == [a] and a.status is SequenceStatus.RUNNING
     assert again.seqs[0].epoch == 1
     a.metrics.num_preemptions = 0  # a metric only: the staleness check must not read it
     scheduled = a.num_scheduled_tokens

@@ -27,7 +27,7 @@ from support.numerics import model_logprob_atol
 from support.tiers import run_slow
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine.request import FinishReason
+from jaxserve.engine.sequence import FinishReason
 from jaxserve.engine.structured_outputs import StructuredOutputs
 from jaxserve.models import decoder
 

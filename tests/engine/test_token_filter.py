@@ -9,7 +9,7 @@ The word tokenizer reads "w17" as token 17, so a bad word is written by its ids.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from typing import Callable, Sequence as GenericSequence
 
 import numpy as np
 import pytest
@@ -17,7 +17,7 @@ from support.engine_fixtures import VOCAB, tiny_model
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.batch import fill_bitmask
-from jaxserve.engine.request import FinishReason, Request
+from jaxserve.engine.sequence import FinishReason, Sequence
 from jaxserve.engine.token_filter import compile_filter, pack
 from jaxserve.models import decoder
 
@@ -36,7 +36,7 @@ def _logits(seq: tuple[int, ...]) -> np.ndarray:
     return np.asarray(logits[0, len(seq) - 1])
 
 
-def masked_rollout(prompt: Sequence[int], n: int,
+def masked_rollout(prompt: GenericSequence[int], n: int,
                    allowed: Callable[[list[int]], np.ndarray]) -> list[int]:
     """Oracle: greedy decoding with the plain forward, the argmax over `allowed(output)`
     (bool[V]) at each step."""
@@ -47,13 +47,13 @@ def masked_rollout(prompt: Sequence[int], n: int,
     return out
 
 
-def only(ids: Sequence[int]) -> Callable[[list[int]], np.ndarray]:
+def only(ids: GenericSequence[int]) -> Callable[[list[int]], np.ndarray]:
     mask = np.zeros(VOCAB, bool)
     mask[list(ids)] = True
     return lambda out: mask
 
 
-def without(words: Sequence[Sequence[int]]) -> Callable[[list[int]], np.ndarray]:
+def without(words: GenericSequence[GenericSequence[int]]) -> Callable[[list[int]], np.ndarray]:
     """vLLM's bad_words on token sequences: a word's last token is banned when the output
     ends with the rest of it (a one-token word always)."""
     def allowed(out: list[int]) -> np.ndarray:
@@ -65,7 +65,7 @@ def without(words: Sequence[Sequence[int]]) -> Callable[[list[int]], np.ndarray]
     return allowed
 
 
-def words(*ids: Sequence[int]) -> list[str]:
+def words(*ids: GenericSequence[int]) -> list[str]:
     return [" ".join(f"w{t}" for t in w) for w in ids]
 
 
@@ -79,7 +79,7 @@ def greedy(max_tokens: int = N, **kw: object) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
-def plain(prompt: Sequence[int]) -> list[int]:
+def plain(prompt: GenericSequence[int]) -> list[int]:
     return masked_rollout(prompt, N, lambda out: np.ones(VOCAB, bool))
 
 
@@ -116,7 +116,7 @@ class _Grammar:
 
     error = None
 
-    def __init__(self, ids: Sequence[int]) -> None:
+    def __init__(self, ids: GenericSequence[int]) -> None:
         self.ids = ids
 
     def fill(self, bitmask: np.ndarray, row: int) -> None:
@@ -129,10 +129,10 @@ def _bits(row: np.ndarray) -> set[int]:
 
 def test_a_filter_is_anded_into_the_grammar_mask() -> None:
     filt = compile_filter(SamplingParams(allowed_token_ids=[4, 5, 6, 7, 8]), VOCAB, None)
-    both = Request("a", [1], SamplingParams(), (2,), 0.0, grammar=_Grammar([2, 5, 7, 9]),
+    both = Sequence("a", [1], SamplingParams(), (2,), 0.0, grammar=_Grammar([2, 5, 7, 9]),
                    token_filter=filt)
-    alone = Request("b", [1], SamplingParams(), (2,), 0.0, token_filter=filt)
-    none = Request("c", [1], SamplingParams(), (2,), 0.0, grammar=_Grammar([2]),
+    alone = Sequence("b", [1], SamplingParams(), (2,), 0.0, token_filter=filt)
+    none = Sequence("c", [1], SamplingParams(), (2,), 0.0, grammar=_Grammar([2]),
                    token_filter=filt)
     errors: list = []
     mask, rows = fill_bitmask(4, VOCAB, [(0, both), (1, alone), (3, none)], errors)

@@ -18,7 +18,7 @@ import pytest
 
 from jaxserve.config import EngineConfig, SchedulerConfig
 from jaxserve.engine.block_allocator import TRASH_PAGE
-from jaxserve.engine.request import FinishReason, Request
+from jaxserve.engine.sequence import FinishReason, Sequence
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.sizing import plan_engine
@@ -94,9 +94,9 @@ def rollout(prompt: list[int], n: int) -> list[int]:
 
 
 def make_req(rid: str, prompt: list[int], max_tokens: int, priority: int = 0,
-             sample_index: int = 0) -> Request:
+             sample_index: int = 0) -> Sequence:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    return Request(rid, list(prompt), params, eos_token_ids=(EOS,), arrival_time=0.0,
+    return Sequence(rid, list(prompt), params, eos_token_ids=(EOS,), arrival_time=0.0,
                    priority=priority, max_tokens=max_tokens, sample_index=sample_index)
 
 
@@ -114,7 +114,7 @@ class WindowKVRunner:
         windows = self.sched.cfg.kv_windows
         sampled: list[int | None] = []
         for s in out.seqs:
-            req = s.request
+            req = s.sequence
             tables = self.sched.kv.tables(req)
             end = s.start + s.num_new_tokens
             for table in tables:

@@ -15,7 +15,7 @@ from aiohttp.test_utils import make_mocked_request
 from jaxserve.server.openai_stream import stream_sse
 
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
-from jaxserve.engine.request import RequestMetrics
+from jaxserve.engine.sequence import RequestMetrics
 
 
 def _output(i: int) -> RequestOutput:

@@ -15,7 +15,7 @@ from support.probes import wait_pages_free
 
 from jaxserve import SamplingParams
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
-from jaxserve.engine.request import FinishReason, RequestMetrics
+from jaxserve.engine.sequence import FinishReason, RequestMetrics
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.client import Client, fold, prompt_logprobs_of
 from jaxserve.server.config import ServerConfig

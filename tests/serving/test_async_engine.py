@@ -14,7 +14,7 @@ from support.fake_engines import (DEADLINE_S, FailingRunner, GatedRunner, all_pa
 from jaxserve import SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.engine.fake_runner import ArithmeticRunner
-from jaxserve.engine.request import FinishReason
+from jaxserve.engine.sequence import FinishReason
 from jaxserve.serving.async_engine import AsyncEngine, EngineStopped, QueueFull
 
 REQUESTS = [

@@ -12,7 +12,7 @@ from support.engine_fixtures import rollout  # noqa: E402
 from support.hf_models import build_hf_model, save_tiny_tokenizer  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
-from jaxserve.engine.request import FinishReason
+from jaxserve.engine.sequence import FinishReason
 from jaxserve.models.loading import load_model  # noqa: E402
 
 

@@ -29,7 +29,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.fake_runner import ArithmeticRunner
 from jaxserve.engine.outputs import RequestOutputKind, merge_unread
-from jaxserve.engine.request import FinishReason
+from jaxserve.engine.sequence import FinishReason
 from jaxserve.engine.sizing import plan_engine
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.client import AsyncClient, Client

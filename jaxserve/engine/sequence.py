@@ -1,8 +1,9 @@
-"""Request state machine: one sequence's status, tokens, finish reason and timings.
+"""One sequence's state machine: its status, tokens, finish reason and timings.
 
-Plain Python (no jax). One `Request` is one sequence the scheduler runs; `n` parallel samples
-of one prompt are `n` Requests that share the client's `request_id` (child 0 prefills the prompt;
-the others fork its full prompt pages, see `forks.py`).
+Plain Python (no jax). A `Sequence` is what the scheduler runs; the user's request is a
+`group.Group` of `n` of them (its `n` parallel samples of one prompt), which share the
+client's `request_id` (child 0 prefills the prompt; the others fork its full prompt pages,
+see `forks.py`).
 
 Identity: `request_id` is the client's label and is never used as a key below the Engine;
 `seq_id` is an integer the Scheduler assigns when the sequence is queued (unique for the
@@ -48,7 +49,7 @@ if TYPE_CHECKING:  # the grammar library loads only where a compiler is built
     from jaxserve.engine.grammar import SequenceGrammar
 
 
-class RequestStatus(enum.Enum):
+class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -60,7 +61,7 @@ class FinishReason(str, enum.Enum):
     EOS = "eos"  # the model's end-of-sequence token
     STOP_STRING = "stop_string"  # a stop string appeared in the text
     ABORT = "abort"  # aborted by the caller, a disconnect, or shutdown
-    ERROR = "error"  # a step failed on this request (`Request.error` says why)
+    ERROR = "error"  # a step failed on this request (`Sequence.error` says why)
 
 
 @dataclasses.dataclass
@@ -89,7 +90,7 @@ class RequestMetrics:
 
 
 @dataclasses.dataclass(eq=False)
-class Request:
+class Sequence:
     request_id: str  # the client's id (a label: shared by the n samples of one request)
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -100,7 +101,7 @@ class Request:
     max_tokens: int = 1  # resolved from sampling_params and max_model_len
     seed: int = 0  # effective sampling seed (drawn by the engine when the caller gave none)
     seq_id: int = -1  # assigned by `Scheduler.add_request`; the key of every scheduler table
-    status: RequestStatus = RequestStatus.WAITING
+    status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None  # why the sequence finished with ERROR
     num_computed_tokens: int = 0
@@ -176,7 +177,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+        return self.status is SequenceStatus.FINISHED
 
     def record_logprobs(self, logprob: float, top_ids: np.ndarray, top_logprobs: np.ndarray
                         ) -> None:
