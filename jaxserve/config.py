@@ -242,8 +242,18 @@ class EngineConfig:
     # its first step (`engine.fault_injection`), so a test can send requests that fail on
     # purpose and check that the others carry on. None: off (always, in production).
     fault_injection_token: int | None = None
+    # Speculative decoding (vLLM's --speculative-config; `spec_config.SpeculativeConfig`):
+    # proposals verified in the ordinary step (docs/serving/speculative.md). None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        spec = self.speculative_config
+        if spec is not None:
+            if not isinstance(spec, SpeculativeConfig):
+                raise ValueError("speculative_config must be a SpeculativeConfig (build it "
+                                 "with SpeculativeConfig.from_dict / from_json), got "
+                                 f"{type(spec).__name__}")
+            spec.check_target(self.tensor_parallel_size)
         for name in ("tensor_parallel_size", "data_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

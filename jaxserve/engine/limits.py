@@ -287,11 +287,23 @@ class EngineStats:
     num_steps: int
     last_step_tokens: int
     compiles_after_warmup: int
+    # Speculative decoding (vLLM's spec_decode counters): verification rows that carried
+    # proposals (drafts), the proposed tokens, and those accepted; `spec_acceptance_counts[i]`
+    # drafts emitted i + 1 tokens (i accepted, plus the target's own; length k + 1).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_acceptance_counts: tuple[int, ...] = ()
 
     @classmethod
     def total(cls, stats: Sequence["EngineStats"]) -> "EngineStats":
-        """Several engines' stats added up (data-parallel replicas)."""
-        return cls(*(sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(cls)))
+        """Several engines' stats added up (data-parallel replicas; tuples element-wise)."""
+        def add(values: list) -> object:
+            if values and isinstance(values[0], tuple):
+                width = max(len(v) for v in values)
+                return tuple(sum(v[i] for v in values if i < len(v)) for i in range(width))
+            return sum(values)
+        return cls(*(add([getattr(s, f.name) for s in stats]) for f in dataclasses.fields(cls)))
 
     @property
     def kv_usage(self) -> float:

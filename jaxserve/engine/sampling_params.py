@@ -155,6 +155,11 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = knob(
         None, rule=TruncatePromptTokens(),
         help="keep only the prompt's last K tokens; -1: as many as leave room for max_tokens")
+    # Per-request opt-out of the engine's speculative decoding (EngineConfig.
+    # speculative_config): false, the request gets one token per step; its output is the
+    # same either way (greedy token for token, sampled in distribution).
+    speculative: bool = knob(True, help="let the engine propose and verify several tokens "
+                                        "per step for this request (speculative decoding)")
 
     def __post_init__(self) -> None:
         # Accept lists / a single string / a dict from callers; store tuples (frozen,

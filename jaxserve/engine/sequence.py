@@ -75,6 +75,9 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache / a fork
+    # Speculative decoding: tokens proposed for this sequence and those the target accepted.
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
     # Gaps between consecutive generated tokens (seconds), for ITL percentiles.
     inter_token_latencies: list[float] = dataclasses.field(default_factory=list)
 

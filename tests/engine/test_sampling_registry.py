@@ -31,7 +31,8 @@ VALUES = dict(n=3, temperature=0.75, top_p=0.5, top_k=7, min_p=0.125, seed=2**63
               skip_special_tokens=False, logit_bias=((3, 0.5), (9, -100.0)),
               structured_outputs=StructuredOutputs(json={"type": "object", "properties": {
                   "a": {"enum": ["x", 1]}}}),
-              allowed_token_ids=(3, 5, 9), bad_words=("w7", "w8 w9"), truncate_prompt_tokens=4)
+              allowed_token_ids=(3, 5, 9), bad_words=("w7", "w8 w9"), truncate_prompt_tokens=4,
+              speculative=False)
 FULL = SamplingParams(**VALUES)
 
 
