@@ -27,6 +27,7 @@ from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
+from jaxserve.engine import batch_spec
 from jaxserve.engine.batch_mask import (TokenMaskRows, fill_bitmask, late_bitmask,
                                         pack_token_mask)
 from jaxserve.engine.batch_parts import (BIAS_PAD_ID, ForwardInputs, LogitBiasRows,
@@ -157,13 +158,16 @@ def build_batch(out: SchedulerOutput, shape: BatchShape,
     each fed row's token; ValueError when a fed row's sequence is not there).
     `fill_grammars=False`: the masked rows are only marked `constrained`, and the runner
     gets their mask late (`late_bitmask`, once the previous step's tokens are in)."""
-    T, S = bucket_for(out.num_tokens, out.num_seqs, shape.buckets)
+    T, S = bucket_for(out.num_tokens, out.num_rows, shape.buckets)
     forward = pack_forward(out, shape, T, S, prev_rows)
-    return StepBatch(forward=forward, sampling=pack_sampling(out, S),
-                     penalties=pack_penalties(out, S, shape.history_len),
-                     bias=pack_logit_bias(out, S),
-                     mask=pack_token_mask(out, S, shape.vocab_size, fill_grammars),
-                     prompt_logprobs=pack_prompt_logprobs(out, T, forward.cu_q_lens))
+    batch = StepBatch(forward=forward, sampling=pack_sampling(out, S),
+                      penalties=pack_penalties(out, S, shape.history_len),
+                      bias=pack_logit_bias(out, S),
+                      mask=pack_token_mask(out, S, shape.vocab_size, fill_grammars),
+                      prompt_logprobs=pack_prompt_logprobs(out, T, forward.cu_q_lens))
+    if out.num_rows > out.num_seqs:  # rows that verify proposals: a sampler row a position
+        batch_spec.expand(batch, out)
+    return batch
 
 
 def empty_batch(shape: BatchShape, num_tokens: int, num_seqs: int, penalties: bool,

@@ -112,7 +112,11 @@ def pack_forward(out: SchedulerOutput, shape: "BatchShape", num_tokens: int, num
             slot_append(pages[start // ps] * ps + start % ps)
         else:
             p = np.arange(start, start + n)
-            tok.extend(req.all_token_ids[start:start + n])
+            if seq.spec_token_ids:  # a verification row: its last token, then the proposals
+                tok_append(req.all_token_ids[start])
+                tok.extend(seq.spec_token_ids)
+            else:
+                tok.extend(req.all_token_ids[start:start + n])
             pos.extend(p.tolist())
             slot.extend((np.asarray(pages)[p // ps] * ps + p % ps).tolist())
         if G == 1:

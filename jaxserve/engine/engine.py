@@ -46,6 +46,8 @@ from jaxserve.engine.runner import Runner
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sizing import EnginePlan
+from jaxserve.engine.spec_ngram import NgramProposer
+from jaxserve.engine.speculation import Proposer, Speculator
 from jaxserve.engine.step_core import InFlight, StepCore
 from jaxserve.models.tokenizer import Tokenizer
 
@@ -53,7 +55,11 @@ from jaxserve.models.tokenizer import Tokenizer
 class Engine:
     def __init__(self, config: EngineConfig, plan: EnginePlan, runner: Runner,
                  tokenizer: Tokenizer, eos_token_ids: GenericSequence[int],
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 proposer: Proposer | None = None):
+        """`proposer`: what proposes tokens for a `speculative_config` whose method needs a
+        model on the device (draft_model, eagle3: built with the runner by serving.build);
+        n-gram's is built here."""
         self.config = config
         self.plan = plan
         self.tokenizer = tokenizer
@@ -67,13 +73,14 @@ class Engine:
             max_model_len=sc.max_model_len, vocab_size=plan.batch_shape.vocab_size,
             page_size=sc.page_size, num_kv_pages=sc.num_pages - 1,
             max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
-            kv_windows=sc.kv_windows, eos_token_ids=self.eos_token_ids, max_token_bytes=tokenizer.max_token_bytes,
+            kv_windows=sc.kv_windows, eos_token_ids=self.eos_token_ids,
+            max_token_bytes=tokenizer.max_token_bytes,
             grammars=grammar_compiler(tokenizer, plan.batch_shape.vocab_size),
             encode_words=functools.partial(tokenizer.encode, add_special_tokens=False))
         # What a failed step costs; it alone keeps why the engine is dead.
         self._recovery = Recovery(self.scheduler, self._group_of)
         self._core = StepCore(self.scheduler, runner, plan.batch_shape, self._recovery,
-                              self._group_of)
+                              self._group_of, speculator(config, plan, proposer))
         self._steps: StepCore | Pipeline = \
             Pipeline(self._core) if config.async_scheduling else self._core
 
@@ -117,7 +124,16 @@ class Engine:
             prefix_cache_hits=alloc.prefix_hits * alloc.page_size,
             num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
             last_step_tokens=self.last_step_tokens,
-            compiles_after_warmup=self.runner.compiles_after_warmup)
+            compiles_after_warmup=self.runner.compiles_after_warmup,
+            **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        spec = self._core.speculator
+        if spec is None:
+            return {}
+        return dict(spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+                    spec_num_accepted_tokens=spec.num_accepted_tokens,
+                    spec_acceptance_counts=tuple(spec.acceptance_counts))
 
     # ----------------------------------------------------------------------- intake
     def admit(self, prompt: str | GenericSequence[int], params: SamplingParams | None = None
@@ -219,3 +235,19 @@ class Engine:
     def _group_of(self, req: Sequence) -> Group | None:
         group = self._groups.get(req.request_id)
         return group if group is not None and group.holds(req) else None
+
+
+def speculator(config: EngineConfig, plan: EnginePlan, proposer: Proposer | None
+               ) -> Speculator | None:
+    """The engine's speculative decoding (None without a speculative_config)."""
+    spec = config.speculative_config
+    if spec is None:
+        if proposer is not None:
+            raise ValueError("a proposer was given but the config has no speculative_config")
+        return None
+    if proposer is None:
+        if spec.method != "ngram":
+            raise ValueError(f"speculative_config method {spec.method!r} needs its proposer "
+                             "(built with the runner by jaxserve.serving.build)")
+        proposer = NgramProposer.from_config(spec, plan.scheduler.max_model_len)
+    return Speculator(proposer, spec.num_speculative_tokens, plan.speculative_max_running)

@@ -98,7 +98,7 @@ class ArithmeticRunner:
         fed = f.feed_rows >= 0
         token_ids = f.token_ids.copy()
         token_ids[fed] = self._prev_tokens[f.feed_rows[fed]]
-        last = np.maximum(f.cu_q_lens[1:] - 1, 0)
+        last = f.logits_indices  # each sampler row's position (several per verifying row)
         tokens = (token_ids[last].astype(np.int64) * 31 + f.positions[last] * 7 + 1) \
             % self.vocab_size
         if mask.bitmask is not None:

@@ -83,6 +83,18 @@ class KVManager:
                 self.allocator.free(live)
         req.group_pages = []
 
+    def trim(self, req: Sequence, num_tokens: int) -> None:
+        """Give back the pages past the first `num_tokens` tokens, in every group: the pages
+        a speculative step reserved for proposals that were rejected (`Scheduler.
+        _update_verified`). Never a page the prefix cache holds for this sequence: those
+        are full pages of computed tokens, all below `num_tokens`."""
+        want = -(-num_tokens // self.page_size)
+        for table in self.tables(req) if self.groups is not None else [req.pages]:
+            extra = [p for p in table[want:] if p != TRASH_PAGE]
+            del table[want:]
+            if extra:
+                self.allocator.free(extra)
+
     def slide(self, req: Sequence) -> None:
         """Free each sliding group's pages that hold only keys older than the next query's
         window (its position is `num_computed_tokens`); a no-op without sliding groups.
@@ -164,7 +176,8 @@ class KVManager:
             out.append(table)
         return out
 
-    def register(self, req: Sequence, start: int, stop: int, hashes: GenericSequence[bytes]) -> None:
+    def register(self, req: Sequence, start: int, stop: int,
+                 hashes: GenericSequence[bytes]) -> None:
         """Cache pages [start, stop) of every group of `req` under their hashes."""
         for g, table in enumerate(self.tables(req)):
             for i in range(start, stop):

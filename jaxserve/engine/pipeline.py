@@ -3,7 +3,9 @@ host schedules the next, wrapped around the synchronous `step_core.StepCore`.
 
 Plain Python (no jax). Data flow of one `Pipeline.step()`, step N on the device:
   step N samples a row with penalties (the next batch needs that token's history on the
-  host): apply N first -> `core.schedule()` step N+1 -> `core.launch(N+1)`: its decode rows
+  host), or the next step may speculate (its proposals follow N's tokens:
+  `StepCore.wants_host_tokens`): apply N first -> `core.schedule()` step N+1 ->
+  `core.launch(N+1)`: its decode rows
   feed on step N's sampled tokens on the device (`InFlight.sampled_rows`); rows whose token
   mask follows their output (a grammar, multi-token bad_words: `Sequence.mask_follows_output`)
   get it late: the runner queues N+1's forward, then the pipeline applies N and the mask is
@@ -34,7 +36,7 @@ class Pipeline:
         """Dispatch the next step and apply the one in flight (see the module docstring)."""
         core = self.core
         prev, self.in_flight = self.in_flight, None
-        if prev is not None and prev.needs_host_tokens:
+        if prev is not None and (prev.needs_host_tokens or core.wants_host_tokens()):
             core.apply(prev)  # the next batch needs its tokens on the host
             prev = None
         out = core.schedule()

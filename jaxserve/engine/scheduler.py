@@ -45,7 +45,6 @@ leaves each scheduled sequence to be scheduled again for the same tokens, or to 
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import time
@@ -57,30 +56,10 @@ from jaxserve.engine.forks import Forks
 from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.limits import check_fits
 from jaxserve.engine.prefix_cache import PrefixCache
+from jaxserve.engine.scheduled import ScheduledSeq, SchedulerOutput
 from jaxserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 
-
-@dataclasses.dataclass
-class ScheduledSeq:
-    sequence: Sequence
-    start: int  # position of the first new token (= num_scheduled_tokens before the step)
-    num_new_tokens: int
-    samples: bool  # this chunk reaches the end of the sequence: sample its next token
-    # The chunk's (single) token is still in flight: sampled by the step dispatched before
-    # this one, on the device only; the batch feeds it from that step's sampler output.
-    fed: bool = False
-    epoch: int = 0  # `Sequence.epoch` when scheduled (a row of an older epoch is stale: skipped)
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    seqs: list[ScheduledSeq]  # batch row order: decodes first, then prefill chunks
-    num_tokens: int
-    preempted: list[Sequence]
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seqs)
+__all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]  # (the step's rows: scheduled.py)
 
 
 class Scheduler:
@@ -161,12 +140,14 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             start = req.num_scheduled_tokens
             total = req.num_tokens + req.num_in_flight
-            n = min(total - start, budget)
+            spec = self._spec_tokens(req, start, budget)
+            n = min(total - start, budget) + len(spec)
             if not self._reserve(req, start + n, preempted, may_self=True):
                 continue
-            seq = ScheduledSeq(req, start, n, samples=start + n == total,
-                               fed=start >= req.num_tokens, epoch=req.epoch)
-            (decodes if n == 1 and seq.samples else prefills).append(seq)
+            seq = ScheduledSeq(req, start, n, samples=start + n - len(spec) == total,
+                               fed=start >= req.num_tokens, epoch=req.epoch,
+                               spec_token_ids=spec)
+            (decodes if n - len(spec) == 1 and seq.samples else prefills).append(seq)
             budget -= n
 
         while self._waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
@@ -199,6 +180,18 @@ class Scheduler:
             s.sequence.num_in_flight += s.samples
         return SchedulerOutput(seqs=seqs, num_tokens=sum(s.num_new_tokens for s in seqs),
                                preempted=preempted)
+
+    def _spec_tokens(self, req: Sequence, start: int, budget: int) -> tuple[int, ...]:
+        """The proposals `req`'s decode row verifies this step (consumed either way): only a
+        plain decode (its last token on the host, nothing in flight), cut to what the
+        budget, max_tokens and max_model_len leave (a row of 1 + j tokens emits up to
+        j + 1)."""
+        spec, req.spec_token_ids = req.spec_token_ids, []
+        if not spec or req.num_in_flight or start != req.num_tokens - 1:
+            return ()
+        j = min(len(spec), budget - 1, req.max_tokens - req.num_output_tokens - 1,
+                self.cfg.max_model_len - req.num_tokens - 1)
+        return tuple(spec[:j]) if j > 0 else ()
 
     def _step_budget(self, todo: list[tuple[Sequence, int]]) -> int:
         """The whole budget, unless the step carries a decode of a stream past its first
@@ -262,6 +255,7 @@ class Scheduler:
         self.kv.free(req)
         req.num_computed_tokens = req.num_scheduled_tokens = req.num_in_flight = 0
         req.num_registered_pages = 0
+        req.spec_token_ids = []
         req.status = SequenceStatus.WAITING
         req.epoch += 1  # rows scheduled before this are stale (`update`, `unschedule`)
         req.metrics.num_preemptions += 1
@@ -270,10 +264,13 @@ class Scheduler:
         self._push_waiting(req, front=True)
 
     # ----------------------------------------------------------------------- update
-    def update(self, out: SchedulerOutput, sampled: GenericSequence[int | None],
+    def update(self, out: SchedulerOutput,
+               sampled: GenericSequence[int | GenericSequence[int] | None],
                errors: list[tuple[Sequence, Exception]] | None = None) -> list[Sequence]:
         """Apply one step's results; `sampled[i]` is the token of `out.seqs[i]` (None if the
-        chunk did not sample). Returns the requests that got a new token this step.
+        chunk did not sample), or for a row that verified proposals the tokens it emits
+        (the accepted proposals, then the target's own: `speculation.Speculator.verify`).
+        Returns the requests that got a new token this step.
 
         `errors`: a failure while applying one sequence's result is appended there as
         (request, exception) and the other sequences are still applied (the caller finishes
@@ -291,11 +288,14 @@ class Scheduler:
                 errors.append((seq.sequence, e))
         return progressed
 
-    def _update_seq(self, seq: ScheduledSeq, token: int | None, now: float) -> bool:
+    def _update_seq(self, seq: ScheduledSeq, token: int | GenericSequence[int] | None,
+                    now: float) -> bool:
         """One sequence's result; True when it got a new token."""
         req = seq.sequence
         if req.status is not SequenceStatus.RUNNING or seq.epoch != req.epoch:
             return False  # finished (aborted, a stop) or preempted since it was scheduled
+        if seq.spec_token_ids:
+            return self._update_verified(seq, list(token or ()), now)  # type: ignore[arg-type]
         req.num_computed_tokens = seq.start + seq.num_new_tokens
         req.num_in_flight -= seq.samples
         self._prefix_cache.register(req)
@@ -321,16 +321,41 @@ class Scheduler:
             self.finish(req, reason)
         return True
 
+    def _update_verified(self, seq: ScheduledSeq, tokens: list[int], now: float) -> bool:
+        """A row that verified proposals: `tokens` (1 to 1 + len(proposals)) are appended one
+        by one up to the first token stop. The KV is then valid for every token but the last
+        appended (the last token before the step and the accepted proposals); what rejected
+        proposals wrote lies past `num_computed_tokens` (never cached, overwritten when those
+        positions are computed) and the pages only they needed go back to the pool. Such a
+        step is never overlapped (`Speculator.wants_host_tokens`): nothing else of the
+        sequence is in flight."""
+        req = seq.sequence
+        if not tokens:
+            raise ValueError(f"sequence {req.seq_id}'s verification row emitted no token")
+        m = req.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        else:  # one gap per step, as a stream sees it (the tokens arrive together)
+            m.inter_token_latencies.append(now - (m.last_token_time or now))
+        m.last_token_time = now
+        reason = None
+        for token in tokens:
+            req.append_token(int(token))
+            reason = self._token_stop(req, int(token))
+            if reason is not None:
+                break
+        req.num_computed_tokens = req.num_scheduled_tokens = req.num_tokens - 1
+        req.num_in_flight -= 1
+        self._prefix_cache.register(req)  # (after the tokens whose pages it hashes are in)
+        self.kv.slide(req)
+        if reason is not None:
+            self.finish(req, reason)
+        else:
+            self.kv.trim(req, req.num_tokens)
+        return True
+
     def _token_stop(self, req: Sequence, token: int) -> FinishReason | None:
-        sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens:
-            if not sp.ignore_eos and token in req.eos_token_ids:
-                return FinishReason.EOS
-            if token in sp.stop_token_ids:
-                return FinishReason.STOP
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.cfg.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        return req.token_stop(token, self.cfg.max_model_len)
 
     def _release_forks(self, parent: Sequence) -> None:
         """Queue the children `parent` held back (`Forks.release`): they share its full

@@ -133,6 +133,10 @@ class Sequence:
     # Its allowed_token_ids / bad_words (None: neither), compiled at admission and shared by
     # the request's samples (it keeps no state: `fill` reads the output tokens).
     token_filter: TokenFilter | None = None
+    # Speculative decoding: the tokens proposed to follow this sequence's last token, set by
+    # the proposer right before a step is scheduled and consumed by that step's schedule
+    # (`speculation.Speculator`); the step verifies them (a (1 + k)-token query).
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -182,12 +186,13 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def record_logprobs(self, logprob: float, top_ids: np.ndarray, top_logprobs: np.ndarray
-                        ) -> None:
-        """The last output token's logprobs entry: its own logprob, then the top
+    def record_logprobs(self, logprob: float, top_ids: np.ndarray, top_logprobs: np.ndarray,
+                        index: int = -1) -> None:
+        """Output token `index`'s logprobs entry (entries are recorded in output order: a
+        step that emits several tokens records each): its own logprob, then the top
         `sampling_params.logprobs` (ids already listed keep their first value)."""
         k = self.sampling_params.logprobs or 0
-        entry = {int(self.output_token_ids[-1]): float(logprob)}
+        entry = {int(self.output_token_ids[index]): float(logprob)}
         for tid, lp in zip(top_ids[:k], top_logprobs[:k]):
             entry.setdefault(int(tid), float(lp))
         self.output_logprobs.append((float(logprob), list(entry.items())))
@@ -195,3 +200,28 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def token_stop(self, token: int, max_model_len: int) -> FinishReason | None:
+        """The finish reason the token just appended gives this sequence (None: it goes on):
+        EOS / a stop token id once min_tokens are out, then max_tokens / max_model_len."""
+        sp = self.sampling_params
+        if self.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token in self.eos_token_ids:
+                return FinishReason.EOS
+            if token in sp.stop_token_ids:
+                return FinishReason.STOP
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop the output tokens after the first `num_output_tokens` (and their logprobs):
+        a step that emitted several tokens (speculative decoding) whose run a stop string or
+        the grammar's end cut short. Only for a sequence about to finish: its pages and
+        computed counts are not rolled back."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop <= 0:
+            return
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[len(self.all_token_ids) - drop:]
+        del self.output_logprobs[num_output_tokens:]

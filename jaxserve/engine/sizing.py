@@ -43,6 +43,28 @@ class EnginePlan:
     # KV bytes one sequence of max_model_len tokens holds at most (all its pages, over every
     # KV group: a sliding group's window only).
     kv_bytes_per_seq: int = 0
+    # Speculative decoding: steps with this many running sequences or more do not speculate
+    # (`speculative_max_running`); 0 without a speculative_config.
+    speculative_max_running: int = 0
+
+
+# Speculative decoding's default back-off (no disable_by_batch_size given): a step stops
+# speculating once its running sequences' verification queries, (k + 1) tokens each, would
+# exceed this many tokens. A step's cost is about a + b * T with the fixed part a (reading
+# the weights) worth ~64-70 tokens on the 2-core CPU (scripts/bench/bench_buckets.py,
+# docs/benchmarks/index.md "Buckets"): below, k more tokens a sequence cost little beside
+# a; above, the step is compute-bound and each rejected proposal costs a token's full
+# price. Measured with scripts/bench/bench_spec.py (docs/serving/speculative.md).
+SPEC_WEIGHT_BOUND_TOKENS = 64
+
+
+def speculative_max_running(k: int, disable_by_batch_size: int | None) -> int:
+    """Running sequences at which a step stops speculating: the user's
+    disable_by_batch_size, else the most whose k + 1 token queries fit the weight-bound
+    region (SPEC_WEIGHT_BOUND_TOKENS), at least 2 (one sequence always may)."""
+    if disable_by_batch_size is not None:
+        return disable_by_batch_size
+    return max(2, SPEC_WEIGHT_BOUND_TOKENS // (k + 1) + 1)
 
 
 def free_device_memory(device: "jax.Device") -> int | None:
@@ -116,12 +138,20 @@ def plan_engine(cfg: EngineConfig, model: ModelConfig, kv_itemsize: int,
     if token_buckets[-1] < cfg.max_num_batched_tokens:
         raise ValueError(f"token_buckets end at {token_buckets[-1]} < max_num_batched_tokens="
                          f"{cfg.max_num_batched_tokens}")
+    # Sampler rows a step may need: one per sequence, plus k per speculating sequence (each
+    # verified position samples; at most max_running - 1 of them speculate).
+    spec = cfg.speculative_config
+    max_running = 0 if spec is None else speculative_max_running(
+        spec.num_speculative_tokens, spec.disable_by_batch_size)
+    rows = cfg.max_num_seqs if spec is None else cfg.max_num_seqs + \
+        spec.num_speculative_tokens * min(max_running - 1, cfg.max_num_seqs)
     if cfg.seq_buckets is None:
-        pairs = sorted({(t, min(t, cfg.max_num_seqs)) for t in token_buckets})
+        pairs = sorted({(t, min(t, rows)) for t in token_buckets})
     else:
-        if cfg.seq_buckets[-1] < cfg.max_num_seqs:
-            raise ValueError(f"seq_buckets end at {cfg.seq_buckets[-1]} < max_num_seqs="
-                             f"{cfg.max_num_seqs}")
+        if cfg.seq_buckets[-1] < rows:
+            raise ValueError(f"seq_buckets end at {cfg.seq_buckets[-1]} < {rows} (max_num_seqs="
+                             f"{cfg.max_num_seqs}" + ("" if spec is None else
+                             ", plus k sampler rows per speculating sequence") + ")")
         pairs = sorted((t, s) for t in token_buckets for s in cfg.seq_buckets if s <= t)
     shape = BatchShape(buckets=tuple(pairs),
                        page_size=ps, max_pages_per_seq=pages_per_seq,
@@ -129,4 +159,5 @@ def plan_engine(cfg: EngineConfig, model: ModelConfig, kv_itemsize: int,
                        num_kv_groups=1 if groups is None else groups.num_groups)
     return EnginePlan(scheduler=sched, batch_shape=shape, kv_bytes_per_page=per_page,
                       kv_budget_bytes=usable * per_page,
-                      kv_bytes_per_seq=held_per_seq * per_page)
+                      kv_bytes_per_seq=held_per_seq * per_page,
+                      speculative_max_running=max_running)

@@ -32,13 +32,14 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from jaxserve.engine import prompt_logprobs
+from jaxserve.engine import batch_spec, prompt_logprobs
 from jaxserve.engine.batch import BatchShape, late_bitmask
 from jaxserve.engine.group import Group
 from jaxserve.engine.recovery import Failures, Recovery, Staged
 from jaxserve.engine.sequence import FinishReason, Sequence
 from jaxserve.engine.runner import LateMask, PendingStep, Runner, RunnerFailed, StepResult
-from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
+from jaxserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from jaxserve.engine.speculation import Speculator
 
 
 @dataclasses.dataclass
@@ -51,8 +52,11 @@ class InFlight:
 
     @functools.cached_property
     def sampled_rows(self) -> dict[int, int]:
-        """seq_id -> batch row of each sequence this step samples (the next step's feeds)."""
-        return {s.sequence.seq_id: i for i, s in enumerate(self.out.seqs) if s.samples}
+        """seq_id -> sampler row of the token each sequence this step samples (the next
+        step's feeds; a verifying row's last, though such steps are never overlapped)."""
+        rows = batch_spec.first_rows(self.out)
+        return {s.sequence.seq_id: r + len(s.spec_token_ids)
+                for r, s in zip(rows, self.out.seqs) if s.samples}
 
     @property
     def needs_host_tokens(self) -> bool:
@@ -63,8 +67,10 @@ class InFlight:
 
 class StepCore:
     def __init__(self, scheduler: Scheduler, runner: Runner, shape: BatchShape,
-                 recovery: Recovery, group_of: Callable[[Sequence], Group | None]):
+                 recovery: Recovery, group_of: Callable[[Sequence], Group | None],
+                 speculator: Speculator | None = None):
         self.scheduler = scheduler
+        self.speculator = speculator  # None: no speculative decoding
         self.runner = runner
         self.shape = shape
         self.recovery = recovery
@@ -99,8 +105,16 @@ class StepCore:
         return news
 
     # ----------------------------------------------------------------------- stages
+    def wants_host_tokens(self) -> bool:
+        """The next step may verify proposals, which follow the tokens of the step before:
+        the pipeline applies that step before scheduling (`Speculator.wants_host_tokens`)."""
+        return self.speculator is not None and \
+            self.speculator.wants_host_tokens(self.scheduler.running)
+
     def schedule(self) -> SchedulerOutput:
         try:
+            if self.speculator is not None:
+                self.speculator.propose(self.scheduler.running)
             return self.scheduler.schedule()
         except Exception as e:  # noqa: BLE001 - the scheduler's state is unknown
             raise self.recovery.die("scheduling a step failed", e) from e
@@ -154,17 +168,20 @@ class StepCore:
             raise self.recovery.die("the model step failed", e) from e
         if result.prompt_logprob is not None:
             self._fail_now(self._take_prompt_logprobs(out, result))
+        rows = batch_spec.first_rows(out) if out.num_rows > out.num_seqs else \
+            range(len(out.seqs))
         try:
-            sampled = [int(result.tokens[i]) if s.samples else None
-                       for i, s in enumerate(out.seqs)]
+            sampled = [self._row_tokens(s, result.tokens, r) if s.samples else None
+                       for s, r in zip(out.seqs, rows)]
         except Exception as e:  # noqa: BLE001 - a malformed result: every row's is suspect
             self._fail_now([(s.sequence, f"the model step's result is unusable: {e!r}")
                             for s in out.seqs])
             return
+        before = {id(s.sequence): s.sequence.num_output_tokens for s in out.seqs}
         errors: list[tuple[Sequence, Exception]] = []
         progressed = self.scheduler.update(out, sampled, errors)
         self._fail_now([(r, f"applying the step's result failed: {e!r}") for r, e in errors])
-        rows = {id(s.sequence): i for i, s in enumerate(out.seqs)}
+        first = {id(s.sequence): r for s, r in zip(out.seqs, rows)}
         for req in progressed:
             group = self._group_of(req)
             if group is None:  # no group to report to: only give the pages back
@@ -172,9 +189,18 @@ class StepCore:
                 continue
             self.news[group.request_id] = group
             try:
-                self._take_token(req, group, result, rows[id(req)])
+                self._take_tokens(req, group, result, first[id(req)], before[id(req)])
             except Exception as e:  # noqa: BLE001 - this request's tokens only
                 self._fail_now([(req, f"processing the sampled token failed: {e!r}")])
+
+    def _row_tokens(self, row: ScheduledSeq, tokens: np.ndarray, first: int
+                    ) -> int | list[int]:
+        """A sampling row's token, or the tokens a verification row emits."""
+        if not row.spec_token_ids:
+            return int(tokens[first])
+        if self.speculator is None:
+            raise ValueError("a row verifies proposals but the engine has no speculator")
+        return self.speculator.verify(row, tokens[first:first + 1 + len(row.spec_token_ids)])
 
     # ----------------------------------------------------------------------- helpers
     def _fail_now(self, failures: Failures) -> None:
@@ -193,18 +219,39 @@ class StepCore:
                      f"{e!r}") for s in scored]
         return []
 
-    def _take_token(self, req: Sequence, group: Group, result: StepResult, row: int) -> None:
-        """A sequence's new token on the host side: logprobs, grammar, text, stop strings."""
+    def _take_tokens(self, req: Sequence, group: Group, result: StepResult, row: int,
+                     before: int) -> None:
+        """A sequence's new tokens on the host side, one by one: logprobs (sampler rows
+        `row`, `row + 1`, ...), grammar, text, stop strings. A stop string or the grammar's
+        end at a token before the last of a verified run cuts the run there, as if the
+        later tokens had never been generated (the non-speculative engine stops there)."""
         if not req.output_token_ids:
             return  # a prefill-only request (max_tokens=0) finished without a token
-        if req.sampling_params.logprobs is not None:
-            req.record_logprobs(result.logprob[row], result.top_ids[row], result.top_logprobs[row])
+        new = req.num_output_tokens - before
         detok = group.detoks[req.sample_index]
-        token = req.output_token_ids[-1]
-        if req.is_finished and req.finish_reason in (FinishReason.EOS, FinishReason.STOP):
-            return  # the stop token's own text is never shown
-        ended = req.grammar is not None and req.grammar.advance(token, req.num_output_tokens)
-        if detok.add_token(token):
-            self.scheduler.finish(req, FinishReason.STOP_STRING)
-        elif ended and not req.is_finished:  # the grammar's last token: its text is shown
-            self.scheduler.finish(req, FinishReason.STOP)
+        for k in range(new):
+            index = before + k
+            token = req.output_token_ids[index]
+            if req.sampling_params.logprobs is not None:
+                req.record_logprobs(result.logprob[row + k], result.top_ids[row + k],
+                                    result.top_logprobs[row + k], index=index)
+            last = k == new - 1
+            if last and req.is_finished and req.finish_reason in (FinishReason.EOS,
+                                                                  FinishReason.STOP):
+                return  # the stop token's own text is never shown
+            ended = req.grammar is not None and req.grammar.advance(token, index + 1)
+            if detok.add_token(token):
+                self._end_at(req, index, last, FinishReason.STOP_STRING)
+                return
+            if ended and not req.is_finished:  # the grammar's last token: its text is shown
+                self._end_at(req, index, last, FinishReason.STOP)
+                return
+
+    def _end_at(self, req: Sequence, index: int, last: bool, reason: FinishReason) -> None:
+        """Finish `req` with `reason` at output token `index` (dropping any after it)."""
+        if not last:
+            req.truncate_output(index + 1)
+            if req.is_finished:  # by a later token of the run, which is gone now
+                req.finish_reason = reason
+                return
+        self.scheduler.finish(req, reason)

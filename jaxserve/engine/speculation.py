@@ -1,0 +1,110 @@
+"""Speculative decoding on the host: who speculates, the proposals, and their verification.
+
+Plain Python / numpy (no jax). The step core owns one `Speculator` when the engine is built
+with a `speculative_config`. Data flow around one step:
+  `propose(running)` (right before `Scheduler.schedule`): for each running sequence that may
+    speculate (a plain decode with its last token on the host, `SamplingParams.speculative`
+    on) the proposer's tokens, cut where its grammar refuses one or ends, go into
+    `Sequence.spec_token_ids`; nothing when the step is too big to gain (`active`);
+  `Scheduler.schedule` turns them into a (1 + j)-token verification row (cut to the budget,
+    max_tokens and max_model_len), `batch_spec.expand` gives each position a sampler row;
+  `verify(row, sampled)` (when the step is applied): the accepted proposals plus the
+    target's own token, which `Scheduler.update` appends (`batch_spec.py` states the rule and
+    why it keeps the target's distribution).
+The proposals need the previous step's tokens on the host, so while speculation is active
+(`wants_host_tokens`) the overlapped pipeline applies each step before it schedules the next.
+
+Backing off: a step with `max_running` or more running sequences does not speculate (vLLM's
+`disable_by_batch_size`; `engine.sizing.speculative_max_running` gives the default when the
+user sets none: the batch at which a step of (k + 1) tokens a sequence stops being
+weight-bound and verification would cost more than it saves).
+
+Counters (vLLM's spec_decode metrics, `EngineStats`): drafts (rows that verified at least one
+proposal), draft tokens, accepted tokens, and how many drafts emitted 1..k+1 tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as GenericSequence
+from typing import Protocol
+
+import numpy as np
+
+from jaxserve.engine.scheduler import ScheduledSeq
+from jaxserve.engine.sequence import Sequence, SequenceStatus
+
+
+class Proposer(Protocol):
+    def propose(self, sequences: GenericSequence[GenericSequence[int]]) -> list[list[int]]:
+        """Up to k proposed tokens to follow each token list (empty: none)."""
+
+
+class Speculator:
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int, max_running: int):
+        if num_speculative_tokens < 1 or max_running < 2:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1 "
+                             f"and max_running={max_running} >= 2")
+        self.proposer = proposer
+        self.k = num_speculative_tokens
+        self.max_running = max_running  # steps with this many running sequences do not
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.acceptance_counts = [0] * (num_speculative_tokens + 1)
+
+    # ----------------------------------------------------------------------- proposing
+    def active(self, running: GenericSequence[Sequence]) -> bool:
+        return len(running) < self.max_running
+
+    @staticmethod
+    def may_speculate(seq: Sequence) -> bool:
+        """A running plain decode whose tokens are all on the host, not opted out."""
+        return (seq.status is SequenceStatus.RUNNING and seq.sampling_params.speculative
+                and not seq.num_in_flight and seq.num_scheduled_tokens == seq.num_tokens - 1)
+
+    def wants_host_tokens(self, running: GenericSequence[Sequence]) -> bool:
+        """Whether the next step may speculate, so the step in flight must be applied
+        before it is scheduled (the proposals follow its tokens)."""
+        return self.active(running) and any(s.sampling_params.speculative for s in running)
+
+    def propose(self, running: GenericSequence[Sequence]) -> None:
+        """Fill `spec_token_ids` of the running sequences that may speculate this step."""
+        if not self.active(running):
+            return
+        seqs = [s for s in running if self.may_speculate(s)]
+        if not seqs:
+            return
+        for seq, tokens in zip(seqs, self.proposer.propose([s.all_token_ids for s in seqs])):
+            seq.spec_token_ids = _grammar_prefix(seq, tokens[:self.k])
+
+    # ----------------------------------------------------------------------- verifying
+    def verify(self, row: ScheduledSeq, sampled: np.ndarray) -> list[int]:
+        """The tokens a verification row emits, from its sampler rows' tokens `sampled`
+        (i32[1 + j]: y_m sampled after the prefix with proposals p_1..p_m): p_{m+1} is
+        accepted while y_m == p_{m+1}; then the first y_m that differs, or y_j (the bonus
+        token) when all were accepted."""
+        proposed = row.spec_token_ids
+        ys = [int(y) for y in sampled[:len(proposed) + 1]]
+        a = 0
+        while a < len(proposed) and ys[a] == proposed[a]:
+            a += 1
+        self.num_drafts += 1
+        self.num_draft_tokens += len(proposed)
+        self.num_accepted_tokens += a
+        self.acceptance_counts[a] += 1
+        m = row.sequence.metrics
+        m.spec_num_draft_tokens += len(proposed)
+        m.spec_num_accepted_tokens += a
+        return ys[:a + 1]
+
+
+def _grammar_prefix(seq: Sequence, tokens: list[int]) -> list[int]:
+    """`tokens` cut before the first one `seq`'s grammar refuses or that ends it (no mask
+    follows a finished grammar; the target samples that last token itself)."""
+    if seq.grammar is None or not tokens:
+        return tokens
+    g = seq.grammar.copy()
+    for i, t in enumerate(tokens):
+        if not g.accept(t) or g.finished:
+            return tokens[:i]
+    return tokens
