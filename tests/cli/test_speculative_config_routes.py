@@ -113,3 +113,21 @@ def test_llm_refuses_naming_the_argument(value: object, words: list[str],
     for w in words:
         assert w in str(exc.value)
     assert captured_config == []
+
+
+def test_per_request_opt_out_on_the_cli_and_batch_lines() -> None:
+    from jaxserve.cli.batch_io import LineRequest, parse_line
+
+    # `--no-speculative`: the sampling registry's flag (generate, client; batch's default).
+    args = build_parser().parse_args(["generate", "hi", "--no-speculative"])
+    assert flags.sampling_params_from_args(args).speculative is False
+    args = build_parser().parse_args(["generate", "hi"])
+    assert flags.sampling_params_from_args(args).speculative is True
+    line = parse_line('{"id": "a", "prompt": "x", "speculative": false}', 1, {})
+    assert isinstance(line, LineRequest) and line.params.speculative is False
+    # A line's own value wins over the command's default.
+    line = parse_line('{"id": "a", "prompt": "x", "speculative": true}', 1,
+                      {"speculative": False})
+    assert isinstance(line, LineRequest) and line.params.speculative is True
+    bad = parse_line('{"id": "a", "prompt": "x", "speculative": "no"}', 1, {})
+    assert not isinstance(bad, LineRequest) and "speculative" in bad.record()["error"]
