@@ -1,6 +1,7 @@
 """Offline API shaped like vLLM's: `LLM(model=...).generate(prompts, SamplingParams(...))`.
 
-Data flow: keyword arguments -> EngineConfig (validated) -> `serving.build` (load, size,
+Data flow: keyword arguments -> EngineConfig (validated; `speculative_config` as vLLM takes it:
+a dict of its keys, or JSON text, or a `SpeculativeConfig`) -> `serving.build` (load, size,
 place, compile: one Engine, or a ReplicaPool over `data_parallel_size` of them) -> `generate`
 reads vLLM's prompt forms (`serving.prompt_forms`: a text, token ids, {"prompt": ...},
 {"prompt_token_ids": [...]}) and admits every prompt (`Engine.admit`: the request checks
@@ -18,7 +19,7 @@ from typing import Any, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, SpeculativeConfig
 from jaxserve.engine.limits import Admitted, check_priority
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.sampling_params import SamplingParams
@@ -41,6 +42,8 @@ class LLM:
         "auto": as they are)."""
         if loaded is not None and model is not None:
             raise ValueError(f"give model={model!r} or loaded=..., not both")
+        if kwargs.get("speculative_config") is not None:
+            kwargs["speculative_config"] = speculative_config_of(kwargs["speculative_config"])
         self.config = EngineConfig(model=model, **kwargs)  # type: ignore[arg-type]
         self.engine = build_offline_engine(self.config, loaded)
         self._ids = itertools.count()
@@ -154,6 +157,23 @@ class LLM:
                         bar.update(1)
                 bar.set_postfix(tok_s=f"{toks / max(bar.format_dict['elapsed'], 1e-9):.1f}")
         return [final[i] for i in ids]
+
+
+def speculative_config_of(value: object) -> SpeculativeConfig:
+    """`LLM(speculative_config=...)`: a mapping of vLLM's keys (vLLM's way), the JSON text
+    `--speculative-config` takes, or a SpeculativeConfig; anything else is refused by name."""
+    if isinstance(value, SpeculativeConfig):
+        return value
+    try:
+        if isinstance(value, Mapping):
+            return SpeculativeConfig.from_dict(value)
+        if isinstance(value, str):
+            return SpeculativeConfig.from_json(value)
+    except ValueError as e:
+        raise ValueError(f"speculative_config: {e}") from None
+    raise ValueError(f"speculative_config must be a dict of vLLM's keys (e.g. {{'method': "
+                     f"'ngram', 'num_speculative_tokens': 5}}), JSON text or a "
+                     f"SpeculativeConfig, got {type(value).__name__}")
 
 
 __all__ = ["LLM", "SamplingParams", "build_engine"]

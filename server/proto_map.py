@@ -248,7 +248,8 @@ def timing_to_proto(m: RequestMetrics | None) -> Any:
         e2e_s=end - m.arrival_time,
         mean_itl_s=statistics.fmean(m.inter_token_latencies) if m.inter_token_latencies
         else 0.0,
-        num_preemptions=m.num_preemptions)
+        num_preemptions=m.num_preemptions, spec_num_draft_tokens=m.spec_num_draft_tokens,
+        spec_num_accepted_tokens=m.spec_num_accepted_tokens)
 
 
 def _top(entry: dict[int, float], n: int) -> list[Any]:

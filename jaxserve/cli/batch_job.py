@@ -10,6 +10,9 @@ both take SamplingParams' defaults. Blank lines are ignored.
 
 Output: one line per input line, in input order:
     {"id", "text", "prompt_tokens", "completion_tokens", "finish_reason", "cached_prompt_tokens"}
+and, when the engine speculates (--speculative-config), "spec_num_draft_tokens" and
+"spec_num_accepted_tokens": tokens proposed for the request and those accepted (over its
+samples).
 With n > 1, "text" and "finish_reason" are lists (one entry per sample, in sample order) and
 "completion_tokens" is the total over the samples. With "logprobs": k, "logprobs" (per token
 {token_id: logprob}; a list of those per sample when n > 1) is added; with
@@ -115,7 +118,10 @@ def admit_line(req: LineRequest, engine: Any) -> Admitted:
     return engine.admit(req.prompt if req.prompt is not None else [], req.params)
 
 
-def result_record(rid: Any, out: RequestOutput, params: SamplingParams) -> dict[str, Any]:
+def result_record(rid: Any, out: RequestOutput, params: SamplingParams,
+                  speculative: bool = False) -> dict[str, Any]:
+    """One output line; `speculative` (the engine speculates) adds the draft / accepted token
+    counts, summed over the samples (0 for a request that opted out)."""
     comps = sorted(out.outputs, key=lambda c: c.index)
     reasons = [c.finish_reason.value if c.finish_reason is not None else None for c in comps]
     rec: dict[str, Any] = {
@@ -126,6 +132,10 @@ def result_record(rid: Any, out: RequestOutput, params: SamplingParams) -> dict[
         "finish_reason": reasons[0] if params.n == 1 else reasons,
         "cached_prompt_tokens": out.num_cached_tokens,
     }
+    if speculative:
+        metrics = [c.metrics for c in comps if c.metrics is not None]
+        rec["spec_num_draft_tokens"] = sum(m.spec_num_draft_tokens for m in metrics)
+        rec["spec_num_accepted_tokens"] = sum(m.spec_num_accepted_tokens for m in metrics)
     if params.logprobs is not None:
         lps = [c.logprobs or [] for c in comps]
         rec["logprobs"] = lps[0] if params.n == 1 else lps
@@ -167,6 +177,7 @@ def run_batch(engine: Any, in_path: pathlib.Path, out_path: pathlib.Path,
     inflight: dict[str, tuple[int, Any, SamplingParams]] = {}  # engine id -> line, id, params
     # Keep every replica's batch full (data parallel: each replica runs max_num_seqs).
     low_water = engine.config.max_num_seqs * engine.config.data_parallel_size
+    speculative = engine.config.speculative_config is not None
     lines = read_lines(in_path)
     last_line = 0  # last line read
     live_tokens = 0
@@ -256,7 +267,7 @@ def run_batch(engine: Any, in_path: pathlib.Path, out_path: pathlib.Path,
                     summary.errors += 1
                     resolve(line, LineError(line, rid, out.error).record())
                     continue
-                rec = result_record(rid, out, params)
+                rec = result_record(rid, out, params, speculative)
                 summary.ok += 1
                 summary.output_tokens += rec["completion_tokens"]
                 resolve(line, rec)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 from jaxserve.config import (DENSE_IMPLS, DENSE_ISAS, DTYPES, FP8_ACTIVATIONS,
                              IDLE_WINDOW_POLICIES, INT8_ACTIVATION_GROUP_SIZES, INT8_ACTIVATIONS, KV_CACHE_DTYPES, QUANTIZATIONS, DistributedConfig, EngineConfig)
 from jaxserve.engine import sampling_params
+from jaxserve.spec_config import SpeculativeConfig
 
 # The serve command raises this logger to INFO: the follower lines show like the lifecycle ones.
 log = logging.getLogger("jaxserve.server")
@@ -87,6 +88,9 @@ _ENGINE_HELP = {
                           "devices; requests go to the least loaded or prefix-holding one",
     "fault_injection_token": "testing only: a request whose prompt starts with this token id "
                              "fails in its first step (finish reason error); others carry on",
+    "speculative_config": "speculative decoding (vLLM's flag): a JSON object such as "
+                          "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5}'; methods "
+                          "ngram, draft_model, eagle3 (docs/serving/speculative.md); default: off",
     "compilation_cache_dir": "JAX persistent compilation cache directory (default: "
                              "$JAXSERVE_COMPILATION_CACHE_DIR or ~/.cache/jaxserve/xla)",
 }
@@ -95,6 +99,7 @@ _CHOICES = {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "dense_impl": DE
             "quantization": QUANTIZATIONS, "fp8_activations": FP8_ACTIVATIONS,
             "int8_activations": INT8_ACTIVATIONS,
             "int8_activation_group_size": INT8_ACTIVATION_GROUP_SIZES}
+_METAVARS = {"speculative_config": "JSON"}
 _UNITS = {"": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 
@@ -122,10 +127,21 @@ def parse_optional_int(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer or 'none'") from None
 
 
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """`--speculative-config` JSON text -> SpeculativeConfig; argparse puts the flag's name
+    before the parser's message, which names the bad key."""
+    try:
+        return SpeculativeConfig.from_json(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _engine_flag_type(field: dataclasses.Field) -> Any:
     kind = str(field.type)
     if field.name == "kv_cache_memory":
         return parse_bytes
+    if field.name == "speculative_config":
+        return parse_speculative_config
     if kind == "int | None":
         return parse_optional_int
     if kind.startswith("tuple"):
@@ -159,7 +175,8 @@ def add_engine_flags(p: argparse.ArgumentParser, defaults: Mapping[str, Any] | N
         shown = "" if default is None or "default" in help_ else f" (default: {default})"
         g.add_argument(flag, dest=f"engine_{f.name}", type=_engine_flag_type(f),
                        default=default, choices=_CHOICES.get(f.name),
-                       metavar=None if f.name in _CHOICES else f.name.upper(),
+                       metavar=None if f.name in _CHOICES else
+                       _METAVARS.get(f.name, f.name.upper()),
                        help=help_ + shown)
 
 

@@ -241,10 +241,12 @@ def cmd_client(args: argparse.Namespace) -> int:
                 elif msg.HasField("chunk"):
                     print(msg.chunk.text, end="", flush=True)
                 elif args.verbose:
-                    f = msg.finished
+                    f, t = msg.finished, msg.finished.timing
+                    spec = (f" accepted={t.spec_num_accepted_tokens}/{t.spec_num_draft_tokens}"
+                            " drafted" if t.spec_num_draft_tokens else "")
                     print(f"\n[sample {f.index}: {f.usage.completion_tokens} tokens, "
-                          f"reason={pb2.FinishReason.Name(f.reason)}, ttft={f.timing.ttft_s:.3f}s "
-                          f"e2e={f.timing.e2e_s:.3f}s]", file=sys.stderr)
+                          f"reason={pb2.FinishReason.Name(f.reason)}, ttft={t.ttft_s:.3f}s "
+                          f"e2e={t.e2e_s:.3f}s{spec}]", file=sys.stderr)
         except grpc.RpcError as e:
             print(f"\njaxserve client: error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1

@@ -11,6 +11,14 @@ servers or tests can coexist) -> `MetricsHttpServer` exposes it at `/metrics`, a
 scrape's `Authorization` header of `authorize` when one is given (401 otherwise).
 
 Prefix-cache queries and hits are counted in tokens (full pages x page size), as vLLM does.
+
+Speculative decoding (`EngineConfig.speculative_config`): as vLLM does, its families exist only
+when the engine speculates (`num_speculative_tokens` k given). From the stats' cumulative
+spec_decode counts: drafts (verification rows that carried proposals), draft tokens, accepted
+tokens, vLLM's accepted-per-position counter (position j: drafts whose first j + 1 proposals
+were all accepted), and the acceptance length per draft (accepted + the target's own token,
+1..k+1) as a histogram with one bucket per length (vLLM has no such histogram; this one is
+`jaxserve:spec_decode_acceptance_length`).
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ class MetricFamilies:
     under data parallelism also by `engine` (the replica index), as vLLM labels its engines."""
 
     def __init__(self, registry: CollectorRegistry, max_num_batched_tokens: int,
-                 per_engine: bool = False):
+                 per_engine: bool = False, num_speculative_tokens: int | None = None):
         self.registry = r = registry
         self.labels = labels = _LABELS + (("engine",) if per_engine else ())
 
@@ -85,6 +93,33 @@ class MetricFamilies:
                           LATENCY_BUCKETS)
         self.iteration_tokens = hist("iteration_tokens_total", "Tokens computed per step.",
                                      _token_buckets(max_num_batched_tokens))
+        self.spec: SpecFamilies | None = None if num_speculative_tokens is None else \
+            SpecFamilies(r, labels, num_speculative_tokens)
+
+
+class SpecFamilies:
+    """The speculative-decoding families (registered only when the engine speculates)."""
+
+    def __init__(self, r: CollectorRegistry, labels: tuple[str, ...], k: int):
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"num_speculative_tokens={k!r} must be a positive integer")
+        self.k = k
+
+        def counter(n: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + n, doc, labels + extra, registry=r)
+
+        self.drafts = counter("spec_decode_num_drafts",
+                              "Verification rows that carried proposed tokens.")
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Proposed tokens.")
+        self.accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                       "Proposed tokens the target accepted.")
+        self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                        "Drafts whose proposals up to this position (0-based) "
+                                        "were all accepted.", ("position",))
+        self.acceptance_length = Histogram(
+            PREFIX + "spec_decode_acceptance_length",
+            "Tokens one draft emitted: its accepted proposals + the target's own (1..k+1).",
+            labels, buckets=tuple(range(1, k + 2)), registry=r)
 
 
 class EngineMetrics:
@@ -92,9 +127,13 @@ class EngineMetrics:
 
     def __init__(self, model_name: str, max_num_batched_tokens: int,
                  registry: CollectorRegistry | None = None,
-                 families: MetricFamilies | None = None, engine: int | None = None):
-        """`families`/`engine`: one replica's view of families shared by all replicas."""
-        fam = families or MetricFamilies(registry or CollectorRegistry(), max_num_batched_tokens)
+                 families: MetricFamilies | None = None, engine: int | None = None,
+                 num_speculative_tokens: int | None = None):
+        """`families`/`engine`: one replica's view of families shared by all replicas.
+        `num_speculative_tokens`: the engine's k when it speculates (adds the spec_decode
+        families; with `families`, theirs decides)."""
+        fam = families or MetricFamilies(registry or CollectorRegistry(), max_num_batched_tokens,
+                                         num_speculative_tokens=num_speculative_tokens)
         self.registry = fam.registry
         values = (model_name,) if engine is None else (model_name, str(engine))
         if len(values) != len(fam.labels):
@@ -116,6 +155,7 @@ class EngineMetrics:
         self.e2e = fam.e2e.labels(*values)
         self.queue = fam.queue.labels(*values)
         self.iteration_tokens = fam.iteration_tokens.labels(*values)
+        self.spec = None if fam.spec is None else SpecView(fam.spec, values)
         # Loop-thread state: last seen engine totals and per-sample ITL cursors.
         self._last_preemptions = 0
         self._last_queries = 0
@@ -125,10 +165,11 @@ class EngineMetrics:
 
     @classmethod
     def for_replicas(cls, model_name: str, max_num_batched_tokens: int, num_replicas: int,
-                     registry: CollectorRegistry | None = None) -> list["EngineMetrics"]:
+                     registry: CollectorRegistry | None = None,
+                     num_speculative_tokens: int | None = None) -> list["EngineMetrics"]:
         """One view per data-parallel replica over one registry (label engine="0", ...)."""
         fam = MetricFamilies(registry or CollectorRegistry(), max_num_batched_tokens,
-                             per_engine=True)
+                             per_engine=True, num_speculative_tokens=num_speculative_tokens)
         return [cls(model_name, max_num_batched_tokens, families=fam, engine=i)
                 for i in range(num_replicas)]
 
@@ -149,6 +190,8 @@ class EngineMetrics:
         if stepped and st.num_steps > self._last_step:
             self.iteration_tokens.observe(st.last_step_tokens)
             self._last_step = st.num_steps
+        if self.spec is not None:
+            self.spec.on_step(st)
         for out in outputs:
             for c in out.outputs:
                 self._on_completion(out, c)
@@ -187,6 +230,42 @@ class EngineMetrics:
         if m.first_token_time is not None and m.last_token_time is not None and \
                 c.num_tokens > 1:
             self.tpot.observe((m.last_token_time - m.first_token_time) / (c.num_tokens - 1))
+
+
+class SpecView:
+    """One engine's series of the spec_decode families, advanced by the deltas of the
+    engine's cumulative counts (`EngineStats.spec_*`)."""
+
+    def __init__(self, fam: SpecFamilies, values: tuple[str, ...]):
+        self.drafts = fam.drafts.labels(*values)
+        self.draft_tokens = fam.draft_tokens.labels(*values)
+        self.accepted_tokens = fam.accepted_tokens.labels(*values)
+        self.accepted_per_pos = [fam.accepted_per_pos.labels(*values, str(j))
+                                 for j in range(fam.k)]
+        self.acceptance_length = fam.acceptance_length.labels(*values)
+        self._last = (0, 0, 0)
+        self._last_counts: tuple[int, ...] = ()
+
+    def on_step(self, st: EngineStats) -> None:
+        now = (st.spec_num_drafts, st.spec_num_draft_tokens, st.spec_num_accepted_tokens)
+        for series, new, old in zip((self.drafts, self.draft_tokens, self.accepted_tokens),
+                                    now, self._last):
+            series.inc(new - old)
+        self._last = now
+        counts = st.spec_acceptance_counts
+        if counts == self._last_counts:
+            return
+        old = self._last_counts + (0,) * (len(counts) - len(self._last_counts))
+        # counts[i]: drafts that emitted i + 1 tokens. Each such draft is one observation of
+        # length i + 1 (at most one per running sequence per step, so the loop is short), and
+        # accepted its first i proposals: one for each position below i.
+        for i, (new_n, old_n) in enumerate(zip(counts, old)):
+            delta = new_n - old_n
+            for _ in range(delta):
+                self.acceptance_length.observe(i + 1)
+            for j in range(min(i, len(self.accepted_per_pos))):
+                self.accepted_per_pos[j].inc(delta)
+        self._last_counts = tuple(counts)
 
 
 Authorize = Callable[[str | None], bool]  # an Authorization header value -> allowed?

@@ -14,6 +14,8 @@ Definitions (the same as vLLM's `bench serve`, so figures compare):
 - Goodput: completed requests per second whose TTFT <= the TTFT SLO and whose own 99th
   percentile ITL <= the ITL SLO (the gaps a user of that stream felt).
 Throughput is over the measured window: first send to last completion.
+- Speculative decoding (jaxserve gRPC targets only: the server's per-sample Timing counts):
+  draft and accepted tokens over the completed requests; acceptance rate = accepted / draft.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class RequestRecord:
     prompt_tokens: int = 0
     output_tokens: int = 0  # from the server's usage when it reports one, else counted
     error: str | None = None
+    spec_draft_tokens: int = 0  # speculative decoding, from a jaxserve server's Timing
+    spec_accepted_tokens: int = 0
 
     def begin(self) -> None:
         self.start = time.perf_counter()
@@ -129,6 +133,13 @@ class Summary:
     goodput: float | None  # requests / s meeting the SLO; None without an SLO
     slo: Slo
     errors: tuple[str, ...]  # the first few distinct error messages
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        return self.spec_accepted_tokens / self.spec_draft_tokens \
+            if self.spec_draft_tokens else None
 
     def to_dict(self) -> dict:
         """JSON-ready: NaN (no samples) becomes None."""
@@ -161,7 +172,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: float,
     return Summary(len(ok), len(failed), incomplete, duration_s, len(ok) / dur, out_tok / dur,
                    (in_tok + out_tok) / dur, in_tok, out_tok, Dist.of(r.ttft for r in ok),
                    Dist.of(itls.tolist()), Dist.of(tpots), Dist.of(r.e2e for r in ok), good,
-                   slo, errors)
+                   slo, errors, sum(r.spec_draft_tokens for r in ok),
+                   sum(r.spec_accepted_tokens for r in ok))
 
 
 def by_kind(records: Sequence[RequestRecord], duration_s: float,
@@ -199,4 +211,7 @@ def format_table(rows: Sequence[tuple[str, Summary]], title: str = "") -> str:
     out += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in lines]
     out.append("(latencies in ms; fail = failed + cut off by the time bound; goodput: req/s "
                "meeting the TTFT and ITL SLOs)")
+    spec = [(name, s) for name, s in rows if s.spec_draft_tokens]
+    out += [f"speculation, {name}: {s.spec_accepted_tokens} of {s.spec_draft_tokens} draft "
+            f"tokens accepted ({100 * (s.spec_acceptance_rate or 0):.1f}%)" for name, s in spec]
     return "\n".join(out)

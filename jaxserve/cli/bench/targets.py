@@ -103,9 +103,11 @@ class GrpcTarget:
                 if msg.HasField("chunk"):
                     rec.on_tokens(len(msg.chunk.token_ids))
                 elif msg.HasField("finished"):  # (no PromptLogprobs: never asked for)
-                    u = msg.finished.usage
+                    u, t = msg.finished.usage, msg.finished.timing
                     rec.prompt_tokens = u.prompt_tokens
                     rec.output_tokens = u.completion_tokens
+                    rec.spec_draft_tokens = t.spec_num_draft_tokens
+                    rec.spec_accepted_tokens = t.spec_num_accepted_tokens
             rec.finish()
         except grpc.aio.AioRpcError as e:
             rec.error = f"{e.code().name}: {e.details()}"
