@@ -385,8 +385,11 @@ def start_serving(served: ServedModel, max_waiting: int | None,
     every replica's series. `max_stream_buffer_tokens`: per stream, see `request_stream`."""
     engines = served.engines
     max_tokens = served.engine.config.max_num_batched_tokens
-    metrics = ([EngineMetrics(served.name, max_tokens)] if len(engines) == 1 else
-               EngineMetrics.for_replicas(served.name, max_tokens, len(engines)))
+    spec = served.engine.config.speculative_config  # its metrics exist only when on, as vLLM's
+    k = None if spec is None else spec.num_speculative_tokens
+    metrics = ([EngineMetrics(served.name, max_tokens, num_speculative_tokens=k)]
+               if len(engines) == 1 else EngineMetrics.for_replicas(
+                   served.name, max_tokens, len(engines), num_speculative_tokens=k))
     replicas = [AsyncEngine(e, max_waiting, observers=[m], on_failure=on_failure,
                             max_stream_buffer_tokens=max_stream_buffer_tokens)
                 for e, m in zip(engines, metrics)]
