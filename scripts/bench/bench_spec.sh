@@ -29,7 +29,8 @@ PORT=8013
 mkdir -p "$OUT"
 { grep -m1 "model name" /proc/cpuinfo; grep -m1 -o -w -E "avx512f|avx2" /proc/cpuinfo | sort -u | tr "\n" " "; echo; } > "$OUT/host.txt" || true
 [ -f "$HF_DIR/config.json" ] || $JAXSERVE convert bundled "$HF_DIR" --format hf
-python scripts/bench/spec_workloads.py --out "$OUT/data" --num 96 > /dev/null
+python scripts/bench/spec_workloads.py --out "$OUT/data" --num 96 --chat-template "$HF_DIR" \
+  > /dev/null
 
 start_server() {  # $1: none | ngram; sets PID
   local extra=()
@@ -48,8 +49,8 @@ run() {  # $1 server, $2 workload, $3 concurrency
   local num=$(( $3 == 1 ? 8 : $3 * 3 ))
   "$VENV/bin/python" scripts/peer/vllm_cpu_serve.py bench serve --backend openai \
     --base-url "http://127.0.0.1:$PORT" --endpoint /v1/completions --model smollm2 \
-    --tokenizer "$HF_DIR" --dataset-name custom --dataset-path "$OUT/data/$2.jsonl" \
-    --custom-output-len 128 --num-prompts $num --max-concurrency $3 --request-rate inf \
+    --tokenizer "$HF_DIR" --dataset-name sharegpt --dataset-path "$OUT/data/$2.json" \
+    --sharegpt-output-len 128 --num-prompts $num --max-concurrency $3 --request-rate inf \
     --temperature 0 --seed 1 --percentile-metrics ttft,tpot,itl,e2el \
     --metric-percentiles 50,90,99 --save-result --result-dir "$OUT" \
     --result-filename "$1_$2_c$3.json" 2>&1 | grep -v -e "leaked" -e "nanobind" \

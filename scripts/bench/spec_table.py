@@ -31,7 +31,7 @@ def counters(path: pathlib.Path) -> dict[str, float]:
 def main() -> None:
     d = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "spec_bench")
     runs = sorted(d.glob("*_c*.json"))
-    keys = sorted({(p.stem.split("_")[1], int(p.stem.split("_c")[1])) for p in runs})
+    keys = sorted({(p.stem.split("_")[1], int(p.stem.rsplit("_c", 1)[1])) for p in runs})
     prev: dict[str, dict[str, float]] = {}
     spec: dict[tuple, dict] = {}
     for server in ("none", "ngram"):

@@ -1,13 +1,16 @@
 #!/usr/bin/env python
-"""The two request sets of the speculative decoding benchmark, as JSONL for `vllm bench serve
---dataset-name custom` (one {"prompt": ...} per line; the client applies the chat template).
+"""The two request sets of the speculative decoding benchmark, as ShareGPT-format JSON for
+`vllm bench serve --dataset-name sharegpt --sharegpt-output-len N` (vLLM's custom JSONL
+dataset needs pandas, which its CPU venv lacks). With --chat-template DIR (a checkpoint with
+a chat template: the bundled model converted to HF) each prompt is the chat-formatted user
+turn, ready for /v1/completions.
 
   copy   "repeat / summarise this passage" over prose passages taken from the docstrings of
          Python's standard library (present on every machine, the same text for a given
          Python version): the output copies spans of the prompt, where n-gram lookup pays.
   open   open-ended requests (stories, explanations) whose output copies nothing given.
 
-    python scripts/bench/spec_workloads.py --out spec_workloads   # copy.jsonl, open.jsonl
+    python scripts/bench/spec_workloads.py --out spec_workloads --chat-template /tmp/smollm2-hf
 """
 
 from __future__ import annotations
@@ -70,7 +73,16 @@ def main() -> None:
     ap.add_argument("--out", default="spec_workloads")
     ap.add_argument("--num", type=int, default=96, help="requests in each set")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chat-template", default=None,
+                    help="a checkpoint folder whose tokenizer's chat template formats prompts")
     args = ap.parse_args()
+    render = (lambda p: p)
+    if args.chat_template:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.chat_template)
+        render = (lambda p: tok.apply_chat_template([{"role": "user", "content": p}],
+                                                    tokenize=False, add_generation_prompt=True))
     rng = random.Random(args.seed)
     ps = passages()
     copy = [rng.choice(COPY_TASKS).format(p=rng.choice(ps)) for _ in range(args.num)]
@@ -79,10 +91,11 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, prompts in (("copy", copy), ("open", open_)):
-        with open(out / f"{name}.jsonl", "w") as f:
-            for p in prompts:
-                f.write(json.dumps({"prompt": p}) + "\n")
-        print(f"{out / name}.jsonl: {len(prompts)} prompts")
+        rows = [{"id": f"{name}{i}", "conversations": [
+            {"from": "human", "value": render(p)}, {"from": "gpt", "value": "-"}]}
+            for i, p in enumerate(prompts)]
+        (out / f"{name}.json").write_text(json.dumps(rows))
+        print(f"{out / name}.json: {len(prompts)} prompts")
     print(f"{len(ps)} passages")
 
 
