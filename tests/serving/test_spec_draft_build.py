@@ -92,6 +92,10 @@ def run(eng: Engine, ps: list[list[int]], max_tokens: int) -> dict[str, list[int
     return got
 
 
+def per_token(c) -> int:  # noqa: ANN001 - float32 KV bytes of one token, all layers
+    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
+
+
 def spec_counts(eng: Engine) -> tuple[int, int, tuple[int, ...]]:
     s = eng.stats()
     return s.spec_num_draft_tokens, s.spec_num_accepted_tokens, s.spec_acceptance_counts
@@ -171,12 +175,15 @@ def test_abort_mid_speculation_leaks_no_page(other: Engine) -> None:
 
 
 @slow(reason="two more engine builds (a small KV budget that preempts)")
-def test_preemption_restarts_the_draft(dirs: dict[str, pathlib.Path]) -> None:
-    eng = tiny_engine(speculative_config=draft_spec(dirs["other"]),
-                      **(SHARED | dict(kv_cache_memory=40 * 4 * 2 * 2 * 2 * 8 * 4 * 2)))
+def test_preemption_restarts_the_drafts_kv(dirs: dict[str, pathlib.Path]) -> None:
+    page = 4 * 2 * per_token(tiny_model().config)  # target + draft (same shape) bytes
+    eng = tiny_engine(speculative_config=draft_spec(dirs["same"]),
+                      **(SHARED | dict(kv_cache_memory=30 * page)))
     ps = prompts(8, 12)
     got = run(eng, ps, 30)
     assert eng.stats().num_preemptions > 0
+    drafted, accepted, _ = spec_counts(eng)  # the equal draft, restarted after preemption
+    assert drafted > 0 and accepted == drafted, (drafted, accepted)
     model = tiny_model()
     for i, p in enumerate(ps):
         assert got[f"r{i}"] == rollout(model, p, 30), i
@@ -202,7 +209,6 @@ def test_pages_cost_the_drafts_bytes_too() -> None:
     target, draft = tiny_model().config, tiny_model(num_layers=1).config
     alone = plan_engine(cfg, target, 4, 0)
     both = plan_engine(cfg, target, 4, 0, draft=draft)
-    per_token = lambda c: c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4  # noqa: E731
     assert alone.kv_bytes_per_page == 4 * per_token(target)
     assert both.kv_bytes_per_page == 4 * (per_token(target) + per_token(draft))
     assert both.scheduler.num_pages - 1 == (1 << 20) // both.kv_bytes_per_page
