@@ -74,9 +74,8 @@ class KVManager:
 
     def reserve(self, req: Sequence, num_tokens: int) -> bool:
         """Hold pages for `req`'s first `num_tokens` tokens if the free pool has them, never
-        preempting: a draft model's chain writes its KV at positions num_tokens .. + k - 2
-        before the verify step that would allocate them is scheduled
-        (`Speculator.propose`). False (nothing taken): no room. What the verify step does
+        preempting: a draft model writes its KV up to position num_tokens + k - 2 before
+        the verify step that would allocate those pages is scheduled (`Speculator.propose`). False (nothing taken): no room. What the verify step does
         not use is trimmed after it (`trim`) or freed with the sequence (`free`)."""
         need = self.pages_needed(req, num_tokens)
         if need > self.allocator.num_free_pages:

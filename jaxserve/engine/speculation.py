@@ -37,9 +37,10 @@ from jaxserve.engine.sequence import Sequence, SequenceStatus
 class Proposer(Protocol):
     """Proposes for whole sequences: a draft model needs each one's block table (`pages`),
     and keeps per-sequence state keyed by (seq_id, epoch). `lookahead` (optional, default
-    0): how many positions past `num_tokens` its proposing writes KV to before the step that
-    verifies them is scheduled (a draft model's chain: k - 1); the Speculator holds those
-    pages first (`reserve`) and proposes only for the sequences that got them."""
+    0): for how many tokens past `num_tokens` the sequence must hold pages before it
+    proposes (a draft model writes KV up to position num_tokens + k - 2 before the verify
+    step is scheduled: k, the verify step's own need); the Speculator holds them first
+    (`reserve`) and proposes only for the sequences that got them."""
 
     def propose(self, sequences: GenericSequence[Sequence]) -> list[list[int]]:
         """Up to k proposed tokens to follow each sequence's tokens (empty: none)."""

@@ -2,7 +2,7 @@
 sequence, and one proposal round per engine step (the engine's `speculation.Proposer`).
 
 Data flow of `propose(seqs)` (the Speculator calls it right before scheduling, after holding
-each sequence's pages up to num_tokens + k - 1, `KVManager.reserve`):
+each sequence's pages for num_tokens + k tokens, `KVManager.reserve`):
   per sequence, its `_Drafted` state (keyed by seq_id, restarted when `Sequence.epoch`
   changed: a preempted sequence recomputes everything) says up to where the drafter's KV is
   valid (`computed`) -> the rows still to compute, positions computed .. num_tokens - 1,
@@ -53,7 +53,10 @@ class DraftModelEngineProposer:
     def __init__(self, drafter: DraftModelProposer):
         self.drafter = drafter
         self.k = drafter.k
-        self.lookahead = drafter.k - 1  # the chain's positions past num_tokens
+        # Tokens past num_tokens whose pages must be held before a round: the catch-up
+        # writes the newest token's KV, the chain positions num_tokens .. + k - 2, and the
+        # verify step then reaches num_tokens + k - 1: hold that step's pages up front.
+        self.lookahead = drafter.k
         self.max_round_tokens = max(t for t, _ in drafter.buckets)
         self.max_round_seqs = max(s for _, s in drafter.buckets)
         self._state: dict[int, _Drafted] = {}

@@ -33,8 +33,8 @@ from jaxserve.models.quant import WeightQuant
 
 TEXT = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins "
         "with a single step. All that glitters is not gold. Actions speak louder than words.")
-PROMPTS = {
-    "copy": f"Repeat the following text exactly, word for word.\nText: {TEXT}\nRepeated text:",
+PROMPTS = {  # user messages, sent through the model's chat template (`LLM.chat`)
+    "copy": f"Repeat the following text exactly, word for word: {TEXT}",
     "open": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
 }
 
@@ -49,12 +49,13 @@ def save_draft(layers: int, out: pathlib.Path) -> str:
 
 def measure(llm: LLM, prompt: str, max_tokens: int, runs: int) -> dict:
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    first = llm.generate([prompt], sp)[0].outputs[0].token_ids  # untimed
+    msgs = [{"role": "user", "content": prompt}]
+    first = llm.chat(msgs, sp, use_tqdm=False)[0].outputs[0].token_ids  # untimed
     s0 = llm.engine.stats()
     best = float("inf")
     for _ in range(runs):
         t0 = time.perf_counter()
-        out = llm.generate([prompt], sp)[0].outputs[0]
+        out = llm.chat(msgs, sp, use_tqdm=False)[0].outputs[0]
         best = min(best, time.perf_counter() - t0)
         assert list(out.token_ids) == list(first), "greedy output changed between runs"
     s1 = llm.engine.stats()
@@ -77,6 +78,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--quantization", default="auto", help="both models' weight storage")
+    ap.add_argument("--int8-activations", default="auto", help="both engines' (off: float "
+                    "activations, so a (1 + k)-row verify step rounds as a 1-row decode)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="both engines' (fewer buckets to compile); default: EngineConfig's")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     tmp = pathlib.Path(tempfile.mkdtemp()) / f"draft-{args.draft_layers}l"
@@ -84,9 +89,13 @@ def main() -> None:
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k}
     results: dict = {"draft": f"bundled model truncated to its first {args.draft_layers} "
                               "layers (not a trained draft), float32", "k": args.k,
-                     "quantization": args.quantization}
+                     "quantization": args.quantization,
+                     "int8_activations": args.int8_activations}
     for label, sc in [("plain", None), ("draft_model", spec)]:
-        llm = LLM(speculative_config=sc, quantization=args.quantization, max_num_seqs=4)
+        extra = {} if args.max_num_batched_tokens is None else {
+            "max_num_batched_tokens": args.max_num_batched_tokens}
+        llm = LLM(speculative_config=sc, quantization=args.quantization, max_num_seqs=4,
+                  int8_activations=args.int8_activations, **extra)
         results[label] = {name: measure(llm, p, args.max_tokens, args.runs)
                           for name, p in PROMPTS.items()}
         assert llm.engine.stats().compiles_after_warmup == 0
