@@ -1,0 +1,29 @@
+"""Speculative decoding under tensor parallelism: the proposals are tokens of the step's batch,
+so an engine split over 2 devices verifies them exactly as one device does. Oracle: the same
+engine at tensor_parallel_size=1 (`tests/support/workers/spec_tp_worker.py`, a subprocess
+with 2 virtual CPU devices): greedy and seeded sampled requests give the same tokens, the
+same proposals are made and accepted, nothing compiles after warmup, no page leaks.
+"""
+
+from __future__ import annotations
+
+import pytest
+from support.engine_fixtures import run_device_worker
+from support.tiers import slow
+
+pytestmark = pytest.mark.timeout(960)
+
+
+@slow("two tiny engines compiled in a subprocess (~1 min); the fake runner's and the tiny "
+      "model's speculation tests run the verification itself, test_tensor_parallel the "
+      "sharded step")
+def test_tensor_parallel_speculation_equals_one_device() -> None:
+    doc = run_device_worker("spec_tp_worker.py", num_devices=2)
+    for name in ("ngram", "replay"):
+        one, two = doc["tp1"][name], doc["tp2"][name]
+        assert two["tokens"] == one["tokens"] == doc["tp1"]["ngram"]["tokens"], name
+        assert (two["drafts"], two["accepted"]) == (one["drafts"], one["accepted"]), name
+        assert one["drafts"] > 0
+        assert one["compiles"] == two["compiles"] == 0
+        assert one["leaked"] == two["leaked"] == 0
+    assert 0 < doc["tp1"]["replay"]["accepted"] < doc["tp1"]["replay"]["drafts"]
