@@ -5,7 +5,10 @@ with a `speculative_config`. Data flow around one step:
   `propose(running)` (right before `Scheduler.schedule`): for each running sequence that may
     speculate (a plain decode with its last token on the host, `SamplingParams.speculative`
     on) the proposer's tokens, cut where its grammar refuses one or ends, go into
-    `Sequence.spec_token_ids`; nothing when the step is too big to gain (`active`);
+    `Sequence.spec_token_ids`; nothing when the step is too big to gain (`active`). The
+    proposer gets the `Sequence`s (n-gram lookup reads their tokens, `OnTokens`; a draft
+    model, `serving/draft_proposer.py`, their block tables too, after `reserve` held the
+    pages its round writes);
   `Scheduler.schedule` turns them into a (1 + j)-token verification row (cut to the budget,
     max_tokens and max_model_len), `batch_spec.expand` gives each position a sampler row;
   `verify(row, sampled)` (when the step is applied): the accepted proposals plus the
