@@ -101,7 +101,7 @@ def build_engine(config: EngineConfig, model: LoadedModel | None = None,
                          "run multihost.follow(build_follower(config))")
     _apply_runtime(config)
     placed = _place(config, model, None)
-    draft = spec_build.load_draft(config, placed.run_cfg, _weight_quant(config),
+    draft = spec_build.load_draft(config, placed.model, _weight_quant(config),
                                   functools.partial(_dense_params, config))
     plan, runner, proposer = _make_runner(config, placed, _kv_budget([placed]), draft)
     if jax.process_count() > 1:

@@ -52,7 +52,7 @@ def check_supported(config: EngineConfig) -> None:
                          f"{why}: the draft model runs unsharded on one device")
 
 
-def load_draft(config: EngineConfig, target: ModelConfig, quant: WeightQuant,
+def load_draft(config: EngineConfig, target_model: LoadedModel, quant: WeightQuant,
                prepare: Callable[[Any], Any]) -> LoadedModel | None:
     """The draft model of a draft_model speculative_config (None for any other config),
     loaded as the target was (`config.dtype`, `quant`) and its params `prepare`d (the
@@ -62,7 +62,7 @@ def load_draft(config: EngineConfig, target: ModelConfig, quant: WeightQuant,
     if not wants_draft(config):
         return None
     path = config.speculative_config.model  # type: ignore[union-attr]
-    target_name = config.model or "the bundled model"
+    target, target_name = target_model.config, str(target_model.source)
     if kv_groups(target) is not None:
         raise ValueError(f"speculative_config method 'draft_model': the target "
                          f"{target_name} has KV groups (sliding-window layers), which a draft "
