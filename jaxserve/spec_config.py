@@ -167,6 +167,10 @@ class SpeculativeConfig:
             raise ValueError(f"draft_tensor_parallel_size={d} must equal the engine's "
                              f"tensor_parallel_size={tensor_parallel_size} (the draft runs on "
                              "the target's devices)")
+        if self.method == "draft_model" and tensor_parallel_size > 1:
+            raise ValueError(f"speculative method 'draft_model' is not supported with "
+                             f"tensor_parallel_size={tensor_parallel_size}: the draft model "
+                             "runs unsharded on one device")
 
     # ------------------------------------------------------------------ parsing
     @classmethod

@@ -46,7 +46,9 @@ def test_from_json_all_methods() -> None:
     d = SpeculativeConfig.from_dict({"method": "draft_model", "model": "/m",
                                      "num_speculative_tokens": 1})
     assert d.model == "/m" and d.draft_tensor_parallel_size is None
-    d.check_target(4)  # None: the target's
+    d.check_target(1)  # None: the target's
+    with pytest.raises(ValueError, match="'draft_model' is not supported with tensor_parallel"):
+        d.check_target(4)  # the draft model runs unsharded (serving/spec_build.py)
     # Frozen, hashable, equal by value.
     assert d == SpeculativeConfig("draft_model", 1, model="/m") and hash(d)
     with pytest.raises(Exception):

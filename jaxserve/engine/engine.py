@@ -47,7 +47,7 @@ from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sizing import EnginePlan
 from jaxserve.engine.spec_ngram import NgramProposer
-from jaxserve.engine.speculation import Proposer, Speculator
+from jaxserve.engine.speculation import OnTokens, Proposer, Speculator
 from jaxserve.engine.step_core import InFlight, StepCore
 from jaxserve.models.tokenizer import Tokenizer
 
@@ -80,7 +80,8 @@ class Engine:
         # What a failed step costs; it alone keeps why the engine is dead.
         self._recovery = Recovery(self.scheduler, self._group_of)
         self._core = StepCore(self.scheduler, runner, plan.batch_shape, self._recovery,
-                              self._group_of, speculator(config, plan, proposer))
+                              self._group_of,
+                              speculator(config, plan, proposer, self.scheduler))
         self._steps: StepCore | Pipeline = \
             Pipeline(self._core) if config.async_scheduling else self._core
 
@@ -183,6 +184,14 @@ class Engine:
         self._core.touch([group])  # its final ABORT output comes from the next step
         return True
 
+    def warmup_proposer(self) -> None:
+        """Compile a device proposer's rounds (a draft model's), if it has any to compile;
+        `serving.build.warm_up` calls it before arming the compile guard."""
+        spec = self._core.speculator
+        warmup = getattr(spec.proposer, "warmup", None) if spec is not None else None
+        if warmup is not None:
+            warmup()
+
     def has_unfinished(self) -> bool:
         return bool(self._groups) or self._in_flight is not None
 
@@ -237,9 +246,11 @@ class Engine:
         return group if group is not None and group.holds(req) else None
 
 
-def speculator(config: EngineConfig, plan: EnginePlan, proposer: Proposer | None
-               ) -> Speculator | None:
-    """The engine's speculative decoding (None without a speculative_config)."""
+def speculator(config: EngineConfig, plan: EnginePlan, proposer: Proposer | None,
+               scheduler: Scheduler) -> Speculator | None:
+    """The engine's speculative decoding (None without a speculative_config). A proposer's
+    lookahead pages (a draft model's chain) are held through `KVManager.reserve`, capped
+    at max_model_len tokens (no position past it is ever verified)."""
     spec = config.speculative_config
     if spec is None:
         if proposer is not None:
@@ -249,5 +260,11 @@ def speculator(config: EngineConfig, plan: EnginePlan, proposer: Proposer | None
         if spec.method != "ngram":
             raise ValueError(f"speculative_config method {spec.method!r} needs its proposer "
                              "(built with the runner by jaxserve.serving.build)")
-        proposer = NgramProposer.from_config(spec, plan.scheduler.max_model_len)
-    return Speculator(proposer, spec.num_speculative_tokens, plan.speculative_max_running)
+        proposer = OnTokens(NgramProposer.from_config(spec, plan.scheduler.max_model_len))
+    max_len = plan.scheduler.max_model_len
+
+    def reserve(seq: Sequence, num_tokens: int) -> bool:
+        return scheduler.kv.reserve(seq, min(num_tokens, max_len))
+
+    return Speculator(proposer, spec.num_speculative_tokens, plan.speculative_max_running,
+                      reserve)

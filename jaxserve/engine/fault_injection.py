@@ -14,9 +14,13 @@ only), around the real model runner by `serving.build`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
+from jaxserve.config import EngineConfig
 from jaxserve.engine.batch import StepBatch
 from jaxserve.engine.runner import LateMask, PendingStep, Runner, RunnerFailed, StepResult
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,3 +97,14 @@ class FaultInjectingRunner:
 
     def collect(self, pending: PendingStep) -> StepResult:
         return self.inner.collect(pending)
+
+
+def with_faults(config: EngineConfig, runner: Runner) -> Runner:
+    """The runner, wrapped to fail on purpose when fault injection is on (testing only;
+    every engine build applies it)."""
+    if config.fault_injection_token is None:
+        return runner
+    log.warning("fault injection on: steps holding token %d fail on purpose",
+                config.fault_injection_token)
+    return FaultInjectingRunner(runner, InjectedFault(
+        config.fault_injection_token, name_rows=True, times=None, at_start=True))

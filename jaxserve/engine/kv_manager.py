@@ -72,6 +72,18 @@ class KVManager:
             if want > len(table):
                 table.extend(self.allocator.allocate(want - len(table)))
 
+    def reserve(self, req: Sequence, num_tokens: int) -> bool:
+        """Hold pages for `req`'s first `num_tokens` tokens if the free pool has them, never
+        preempting: a draft model writes its KV up to position num_tokens + k - 2 before
+        the verify step that would allocate those pages is scheduled (`Speculator.propose`). False (nothing taken): no room. What the verify step does
+        not use is trimmed after it (`trim`) or freed with the sequence (`free`)."""
+        need = self.pages_needed(req, num_tokens)
+        if need > self.allocator.num_free_pages:
+            return False
+        if need > 0:
+            self.allocate(req, num_tokens)
+        return True
+
     def free(self, req: Sequence) -> None:
         """Drop every page `req` holds, in every group; its tables become empty."""
         if req.pages:

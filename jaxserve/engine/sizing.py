@@ -6,7 +6,8 @@ and passes it in), so every derived size is a return value that tests can check.
 KV budget: `kv_cache_memory` bytes if given; else `kv_cache_memory_fraction` of the free
 device memory after the weights (on a CPU host, of the available RAM), never more than
 `max_num_seqs` sequences of `max_model_len` tokens need. Pages = budget // bytes per page,
-plus the trash page 0. Bytes per page count the page dtype's values and, for a quantized
+plus the trash page 0. With a draft model (speculative decoding) a page id also holds the
+draft's page of every draft layer, so bytes per page add the draft's. Bytes per page count the page dtype's values and, for a quantized
 cache, the scales beside them (`kv_scale_bytes` per token, KV head and K-or-V: 4 for int8 /
 fp8 pages' f32 scales), so the same budget holds ~2x the tokens of bfloat16 at head dim 64.
 
@@ -93,7 +94,10 @@ def kv_bytes_per_token(model: ModelConfig, kv_itemsize: int, kv_head_dim: int | 
 
 def plan_engine(cfg: EngineConfig, model: ModelConfig, kv_itemsize: int,
                 free_memory: int, kv_head_dim: int | None = None,
-                kv_scale_bytes: int = 0) -> EnginePlan:
+                kv_scale_bytes: int = 0, draft: ModelConfig | None = None,
+                draft_kv_head_dim: int | None = None) -> EnginePlan:
+    """`draft`: a draft model's config (speculative method draft_model): its KV pages are
+    indexed by the target's page ids, so every page costs the draft's bytes too."""
     max_model_len = cfg.max_model_len or min(model.max_position_embeddings,
                                              DEFAULT_MAX_MODEL_LEN_CAP)
     if max_model_len > model.max_position_embeddings:
@@ -113,6 +117,9 @@ def plan_engine(cfg: EngineConfig, model: ModelConfig, kv_itemsize: int,
         # Plus one step's prefill chunks, which each sliding group holds until they slide out.
         wanted = cfg.max_num_seqs * held_per_seq + len(groups.sliding) * (
             -(-cfg.max_num_batched_tokens // ps) + cfg.max_num_seqs)
+    if draft is not None:  # one page of each of the draft's layers per page id
+        per_page += ps * kv_bytes_per_token(draft, kv_itemsize, draft_kv_head_dim,
+                                            kv_scale_bytes)
     if cfg.kv_cache_memory is not None:
         budget = cfg.kv_cache_memory
     else:

@@ -5,7 +5,10 @@ with a `speculative_config`. Data flow around one step:
   `propose(running)` (right before `Scheduler.schedule`): for each running sequence that may
     speculate (a plain decode with its last token on the host, `SamplingParams.speculative`
     on) the proposer's tokens, cut where its grammar refuses one or ends, go into
-    `Sequence.spec_token_ids`; nothing when the step is too big to gain (`active`);
+    `Sequence.spec_token_ids`; nothing when the step is too big to gain (`active`). The
+    proposer gets the `Sequence`s (n-gram lookup reads their tokens, `OnTokens`; a draft
+    model, `serving/draft_proposer.py`, their block tables too, after `reserve` held the
+    pages its round writes);
   `Scheduler.schedule` turns them into a (1 + j)-token verification row (cut to the budget,
     max_tokens and max_model_len), `batch_spec.expand` gives each position a sampler row;
   `verify(row, sampled)` (when the step is applied): the accepted proposals plus the
@@ -26,7 +29,7 @@ proposal), draft tokens, accepted tokens, and how many drafts emitted 1..k+1 tok
 from __future__ import annotations
 
 from collections.abc import Sequence as GenericSequence
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -35,16 +38,46 @@ from jaxserve.engine.sequence import Sequence, SequenceStatus
 
 
 class Proposer(Protocol):
+    """Proposes for whole sequences: a draft model needs each one's block table (`pages`),
+    and keeps per-sequence state keyed by (seq_id, epoch). `lookahead` (optional, default
+    0): for how many tokens past `num_tokens` the sequence must hold pages before it
+    proposes (a draft model writes KV up to position num_tokens + k - 2 before the verify
+    step is scheduled: k, the verify step's own need); the Speculator holds them first
+    (`reserve`) and proposes only for the sequences that got them."""
+
+    def propose(self, sequences: GenericSequence[Sequence]) -> list[list[int]]:
+        """Up to k proposed tokens to follow each sequence's tokens (empty: none)."""
+
+
+class TokenListProposer(Protocol):
     def propose(self, sequences: GenericSequence[GenericSequence[int]]) -> list[list[int]]:
         """Up to k proposed tokens to follow each token list (empty: none)."""
 
 
+class OnTokens:
+    """A proposer of token lists (n-gram lookup, test oracles) as a `Proposer`."""
+
+    lookahead = 0
+
+    def __init__(self, inner: TokenListProposer):
+        self.inner = inner
+
+    def propose(self, sequences: GenericSequence[Sequence]) -> list[list[int]]:
+        return self.inner.propose([s.all_token_ids for s in sequences])
+
+
+# Holds a sequence's pages for its first n tokens without preempting anyone; False: no room.
+Reserve = Callable[[Sequence, int], bool]
+
+
 class Speculator:
-    def __init__(self, proposer: Proposer, num_speculative_tokens: int, max_running: int):
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int, max_running: int,
+                 reserve: Reserve | None = None):
         if num_speculative_tokens < 1 or max_running < 2:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1 "
                              f"and max_running={max_running} >= 2")
         self.proposer = proposer
+        self.reserve = reserve  # needed by a proposer with a lookahead
         self.k = num_speculative_tokens
         self.max_running = max_running  # steps with this many running sequences do not
         self.num_drafts = 0
@@ -72,9 +105,14 @@ class Speculator:
         if not self.active(running):
             return
         seqs = [s for s in running if self.may_speculate(s)]
+        ahead = getattr(self.proposer, "lookahead", 0)
+        if ahead:  # the proposer writes KV up to there now; the verify step would anyway
+            if self.reserve is None:
+                raise ValueError("a proposer with a lookahead needs the Speculator's reserve")
+            seqs = [s for s in seqs if self.reserve(s, s.num_tokens + ahead)]
         if not seqs:
             return
-        for seq, tokens in zip(seqs, self.proposer.propose([s.all_token_ids for s in seqs])):
+        for seq, tokens in zip(seqs, self.proposer.propose(seqs)):
             seq.spec_token_ids = _grammar_prefix(seq, tokens[:self.k])
 
     # ----------------------------------------------------------------------- verifying

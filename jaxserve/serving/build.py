@@ -5,12 +5,12 @@ all build their engines here. Data flow of `build_engines(config)`:
   `_apply_runtime`: the process-wide JAX settings (compilation cache), once per build
   for each data-parallel replica (row i of a (data, model) mesh of the local devices):
     `_place`: load the checkpoint (unless a LoadedModel is given) straight into the replica's
-    tensor-parallel shardings (`models.placement`)
+    tensor-parallel shardings (`models.placement`); a draft model too (`spec_build.py`)
   -> `_kv_budget`: one free-memory figure read after every replica's weights are placed (the
     smallest over processes under `jax.distributed`)
   -> `_make_runner`: `sizing.plan_engine` (pages, buckets) and the ModelRunner (KV pages on
-    device) -> `Engine(config, plan, runner, tokenizer, eos ids)`
-  -> `warm_up`: compile every bucket of every replica, then arm every compile guard.
+    device; a draft's proposer) -> `Engine(config, plan, runner, tokenizer, eos ids)`
+  -> `warm_up`: compile every bucket (and draft round) of every replica, then arm the guards.
 `build_served` adds what callers are told about the model (its name and format). Engines then
 run either in lockstep for offline use (`build_offline_engine`: one Engine, or a
 `ReplicaPool` over the replicas) or each on its own loop thread for the servers
@@ -21,6 +21,7 @@ run either in lockstep for offline use (`build_offline_engine`: one Engine, or a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Callable, Sequence
 
@@ -32,8 +33,7 @@ from jaxserve.config import EngineConfig, RuntimeConfig, apply_runtime
 from jaxserve.device.model_runner import ModelRunner
 from jaxserve.device.multihost import LeaderRunner, agree_min
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.fault_injection import FaultInjectingRunner, InjectedFault
-from jaxserve.engine.runner import Runner
+from jaxserve.engine.fault_injection import with_faults
 from jaxserve.engine.sizing import (EnginePlan, available_host_memory, free_device_memory,
                                     plan_engine)
 from jaxserve.kernels_pallas import KernelGeometry, is_quantized_dtype, page_head_dim, select_impl
@@ -46,6 +46,7 @@ from jaxserve.models.packing import can_pack, pack_experts_where_possible, pack_
 from jaxserve.models.quant import QuantizedWeight, WeightQuant, weight_bytes, weight_quant
 from jaxserve.models.quantized_params import dequantized_params, quantize_params
 from jaxserve.models.paged import MODEL_AXIS
+from jaxserve.serving import spec_build
 from jaxserve.serving.async_engine import AsyncEngine
 from jaxserve.serving.async_replica_pool import AsyncReplicaPool, AsyncServing
 from jaxserve.serving.metrics import EngineMetrics
@@ -100,11 +101,13 @@ def build_engine(config: EngineConfig, model: LoadedModel | None = None,
                          "run multihost.follow(build_follower(config))")
     _apply_runtime(config)
     placed = _place(config, model, None)
-    plan, runner = _make_runner(config, placed, _kv_budget([placed]))
+    draft = spec_build.load_draft(config, placed.model, _weight_quant(config),
+                                  functools.partial(_dense_params, config))
+    plan, runner, proposer = _make_runner(config, placed, _kv_budget([placed]), draft)
     if jax.process_count() > 1:
         runner = LeaderRunner(runner, config.multihost_keepalive_s)
-    engine = Engine(config, plan, _with_faults(config, runner), placed.model.tokenizer,
-                    placed.model.config.eos_token_ids)
+    engine = Engine(config, plan, with_faults(config, runner), placed.model.tokenizer,
+                    placed.model.config.eos_token_ids, proposer=proposer)
     if warmup:
         warm_up([engine], progress)
     return engine
@@ -140,6 +143,7 @@ def build_engines(config: EngineConfig, model: LoadedModel | None = None,
         raise ValueError(f"data_parallel_size={dp} over {jax.process_count()} processes: data "
                          "parallelism is per host; across hosts run one job per replica")
     _apply_runtime(config)
+    spec_build.check_supported(config)
     # Given no model, each replica loads the checkpoint straight onto its own devices (a
     # memory-mapped re-read per replica) rather than staging one copy on device 0.
     placed = [_place(config, model, row)
@@ -147,8 +151,8 @@ def build_engines(config: EngineConfig, model: LoadedModel | None = None,
     free = _kv_budget(placed)
     engines = []
     for p in placed:
-        plan, runner = _make_runner(config, p, free)
-        engines.append(Engine(config, plan, _with_faults(config, runner), p.model.tokenizer,
+        plan, runner, _ = _make_runner(config, p, free)
+        engines.append(Engine(config, plan, with_faults(config, runner), p.model.tokenizer,
                               p.model.config.eos_token_ids))
     if warmup:
         warm_up(engines, progress)
@@ -284,12 +288,16 @@ def _attention_impl(config: EngineConfig, cfg: ModelConfig,
     return attn_impl, page_head_dim(attn_impl, cfg.head_dim)
 
 
-def _make_runner(config: EngineConfig, placed: _Placed,
-                 free: int) -> tuple[EnginePlan, ModelRunner]:
+def _make_runner(config: EngineConfig, placed: _Placed, free: int,
+                 draft: LoadedModel | None = None
+                 ) -> tuple[EnginePlan, ModelRunner, spec_build.DraftModelEngineProposer | None]:
+    """The plan, the runner and (`draft` given) the draft model's proposer, sized with it."""
     kv_dtype = kv_cache_dtype(config, placed.weights_quantized)
     attn_impl, kv_head_dim = _attention_impl(config, placed.run_cfg, kv_dtype)
+    d_attn, d_head = _attention_impl(config, draft.config, kv_dtype) if draft else (None, None)
     plan = plan_engine(config, placed.run_cfg, kv_dtype.itemsize, free, kv_head_dim,
-                       _KV_SCALE_BYTES if is_quantized_dtype(kv_dtype) else 0)
+                       _KV_SCALE_BYTES if is_quantized_dtype(kv_dtype) else 0,
+                       None if draft is None else draft.config, d_head)
     devices = placed.mesh.devices.flat if placed.mesh is not None else [placed.device]
     log.info("KV cache: %d pages of %d tokens (%.1f MiB, %s), attention=%s, devices=%s",
              plan.scheduler.num_pages - 1, plan.scheduler.page_size,
@@ -297,17 +305,9 @@ def _make_runner(config: EngineConfig, placed: _Placed,
     runner = ModelRunner(placed.run_cfg, placed.params, plan.batch_shape,
                          plan.scheduler.num_pages, kv_dtype, attn_impl, kv_head_dim, placed.mesh,
                          placed.expert_parallel)
-    return plan, runner
-
-
-def _with_faults(config: EngineConfig, runner: Runner) -> Runner:
-    """The runner, wrapped to fail on purpose when fault injection is on (testing only)."""
-    if config.fault_injection_token is None:
-        return runner
-    log.warning("fault injection on: steps holding token %d fail on purpose",
-                config.fault_injection_token)
-    return FaultInjectingRunner(runner, InjectedFault(
-        config.fault_injection_token, name_rows=True, times=None, at_start=True))
+    proposer = None if draft is None else spec_build.draft_proposer(
+        config, plan, draft, placed.run_cfg, kv_dtype, d_attn, d_head)  # type: ignore[arg-type]
+    return plan, runner, proposer
 
 
 def warm_up(engines: list[Engine], progress: bool = True) -> None:
@@ -320,6 +320,7 @@ def warm_up(engines: list[Engine], progress: bool = True) -> None:
             if len(engines) > 1:
                 log.info("compiling data-parallel replica %d/%d", i + 1, len(engines))
             eng.runner.warmup(progress)
+            eng.warmup_proposer()  # a draft model's rounds (none: a no-op)
         for eng in engines:
             eng.runner.arm()
     except BaseException:

@@ -16,6 +16,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.fake_runner import ArithmeticRunner, arithmetic_next_token
 from jaxserve.engine.sizing import plan_engine
+from jaxserve.engine.speculation import OnTokens
 
 EOS = 2
 
@@ -43,7 +44,7 @@ def engine_of(runner: ArithmeticRunner, overlap: bool, proposer: object = None,
     config = EngineConfig(**base)  # type: ignore[arg-type]
     plan = plan_engine(config, tiny_model_config(), 4, 1 << 30)
     return Engine(config, plan, runner, tiny_tokenizer(), (EOS,),
-                  proposer=proposer)  # type: ignore[arg-type]
+                  proposer=None if proposer is None else OnTokens(proposer))  # type: ignore[arg-type]
 
 
 def arithmetic(prompt: list[int], n: int) -> list[int]:

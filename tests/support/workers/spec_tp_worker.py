@@ -17,6 +17,7 @@ from support.engine_fixtures import FEW_TOKEN_BUCKETS, tiny_engine, tiny_model
 
 from jaxserve.config import SpeculativeConfig
 from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.speculation import OnTokens
 
 BASE = [5, 6, 7, 8, 9, 10]
 PROMPTS = [BASE * 3 + BASE[:2 + i] for i in range(3)]
@@ -34,7 +35,7 @@ class Replay:
     def __init__(self, reference: dict):
         self.full = [p + reference[f"r{i}"] for i, p in enumerate(PROMPTS)]
 
-    def propose(self, sequences):  # noqa: ANN001, ANN201 - the engine's Proposer protocol
+    def propose(self, sequences):  # noqa: ANN001, ANN201 - token lists (`OnTokens`)
         out = []
         for tokens in sequences:
             n, props = len(tokens), []
@@ -52,7 +53,7 @@ def run(tp: int, reference: dict | None) -> dict:
     eng = tiny_engine(model, speculative_config=SPEC, tensor_parallel_size=tp,
                       token_buckets=FEW_TOKEN_BUCKETS, max_model_len=96)
     ngram = round_of(eng)
-    eng._core.speculator.proposer = Replay(reference or ngram["tokens"])
+    eng._core.speculator.proposer = OnTokens(Replay(reference or ngram["tokens"]))
     return {"ngram": ngram, "replay": round_of(eng)}
 
 
