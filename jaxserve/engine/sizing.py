@@ -51,12 +51,15 @@ class EnginePlan:
 
 # Speculative decoding's default back-off (no disable_by_batch_size given): a step stops
 # speculating once its running sequences' verification queries, (k + 1) tokens each, would
-# exceed this many tokens. A step's cost is about a + b * T with the fixed part a (reading
-# the weights) worth ~64-70 tokens on the 2-core CPU (scripts/bench/bench_buckets.py,
-# docs/benchmarks/index.md "Buckets"): below, k more tokens a sequence cost little beside
-# a; above, the step is compute-bound and each rejected proposal costs a token's full
-# price. Measured with scripts/bench/bench_spec.py (docs/serving/speculative.md).
-SPEC_WEIGHT_BOUND_TOKENS = 64
+# exceed this many tokens. At small steps the cost on the 2-core CPU fits
+# cpu ms = 15.9 + 1.94 T + 0.33 S (bundled model; scripts/bench/bench_buckets.py --sections
+# cost --cost-tokens 1,2,4,8: benchmarks/results/spec_verify_step_cost.json): the fixed part
+# is worth only ~8 tokens, so a verifying step of several sequences soon costs more than the
+# decode it replaces. Measured (scripts/bench/bench_spec.sh, k = 3, docs/serving/
+# speculative.md): concurrency 1 gains 1.2-1.5x, concurrency 8 loses up to a fifth on
+# open-ended text; 16 tokens keeps speculation to <= 4 running sequences at k = 3.
+# Accelerators, whose fixed part is hundreds of tokens, want a larger disable_by_batch_size.
+SPEC_WEIGHT_BOUND_TOKENS = 16
 
 
 def speculative_max_running(k: int, disable_by_batch_size: int | None) -> int:

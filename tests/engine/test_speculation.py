@@ -22,7 +22,10 @@ from jaxserve.engine.fake_runner import ArithmeticRunner, arithmetic_next_token
 
 
 def ngram(k: int, **kw: object) -> SpeculativeConfig:
-    return SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": k, **kw})
+    """n-gram speculation; every running sequence may speculate (the workload's engines run
+    at most 6) unless `disable_by_batch_size` is given."""
+    return SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": k,
+                                        "disable_by_batch_size": 7, **kw})
 
 
 class ArithmeticProposer:
