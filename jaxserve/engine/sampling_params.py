@@ -157,7 +157,8 @@ class SamplingParams:
         help="keep only the prompt's last K tokens; -1: as many as leave room for max_tokens")
     # Per-request opt-out of the engine's speculative decoding (EngineConfig.
     # speculative_config): false, the request gets one token per step; its output is the
-    # same either way (greedy token for token, sampled in distribution).
+    # same either way (sampled in distribution, seeded and greedy token for token up to the
+    # numerics of the step: docs/serving/speculative.md).
     speculative: bool = knob(True, help="let the engine propose and verify several tokens "
                                         "per step for this request (speculative decoding)")
 

@@ -159,9 +159,9 @@ def plan_engine(cfg: EngineConfig, model: ModelConfig, kv_itemsize: int,
         pairs = sorted({(t, min(t, rows)) for t in token_buckets})
     else:
         if cfg.seq_buckets[-1] < rows:
-            raise ValueError(f"seq_buckets end at {cfg.seq_buckets[-1]} < {rows} (max_num_seqs="
+            raise ValueError(f"seq_buckets end at {cfg.seq_buckets[-1]} < max_num_seqs="
                              f"{cfg.max_num_seqs}" + ("" if spec is None else
-                             ", plus k sampler rows per speculating sequence") + ")")
+                             f" plus k sampler rows per speculating sequence ({rows})"))
         pairs = sorted((t, s) for t in token_buckets for s in cfg.seq_buckets if s <= t)
     shape = BatchShape(buckets=tuple(pairs),
                        page_size=ps, max_pages_per_seq=pages_per_seq,

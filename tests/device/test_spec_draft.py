@@ -55,7 +55,9 @@ def target():  # noqa: ANN201
     return cfg, tiny.random_params(cfg, seed=0, scale=tiny.TEST_INIT_SCALE)
 
 
-@pytest.mark.parametrize("which,impl", [("truncated", "auto"), pytest.param(
+@pytest.mark.parametrize("which,impl", [pytest.param("truncated", "auto", marks=slow(
+    "the draft model's round runs end to end against the rollout in the default tier "
+    "(tests/serving/test_spec_draft_build.py)")), pytest.param(
     "target", "reference", marks=slow("a second draft model's compiles; the truncated case "
                                       "covers the same round"))])
 def test_draft_model_rounds_equal_greedy_rollout(target, which: str, impl: str
@@ -116,8 +118,10 @@ def _eagle3_oracle(weights: dict, rows: list[int], aux: np.ndarray, k: int) -> l
     return proposals
 
 
-@pytest.mark.parametrize("impl", ["reference", pytest.param("auto", marks=slow(
-    "a second compile of the round; the draft model's case runs the platform's attention"))])
+@pytest.mark.parametrize("impl", [pytest.param("reference", marks=slow(
+    "eagle3 is not served yet (the engine refuses it): its round runs in the slow tier")),
+    pytest.param("auto", marks=slow(
+        "a second compile of the round; the draft model's case runs the platform's attention"))])
 def test_eagle3_rounds_equal_dense_head(head, impl: str) -> None:  # noqa: ANN001
     weights, cfg, params = head
     T = 16

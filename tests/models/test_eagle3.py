@@ -96,7 +96,9 @@ def _inputs(cfg_dict: dict, seed: int = 7) -> dict[int, tuple[np.ndarray, np.nda
             for s, n in LENGTHS.items()}
 
 
-@pytest.mark.parametrize("impl", ["cpu", pytest.param("reference", marks=slow(
+@pytest.mark.parametrize("impl", [pytest.param("cpu", marks=slow(
+    "eagle3 is not served yet (the engine refuses it): the paged head against the dense "
+    "oracle runs in the slow tier")), pytest.param("reference", marks=slow(
     "the jnp reference attention compiles ~6x slower; the CPU kernel runs by default"))])
 def test_paged_head_matches_dense_torch(head, impl: str) -> None:  # noqa: ANN001
     """Chunks, single tokens, two sequences in a step, pages out of order: every token's
