@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.device.spec_draft import (DraftRound, DraftSeq, chain_step_metadata,
                                         empty_round, pack_round)
@@ -34,9 +35,12 @@ from jaxserve.models.eagle3_config import NUM_AUX, Eagle3Config
 
 def eagle3_round(params: Eagle3Params, kv_pages: KVPages, rnd: DraftRound, aux: jax.Array,
                  cfg: Eagle3Config, k: int, target_embed: Any = None,
-                 attn_impl: str = "reference") -> tuple[jax.Array, KVPages]:
+                 attn_impl: str = "reference", chain: jax.Array | bool = True
+                 ) -> tuple[jax.Array, KVPages]:
     """aux f[T_target, 3 * Ht] -> (proposals i32[S, k] target ids, updated kv_pages). Pure;
-    jit with cfg, k, attn_impl static."""
+    jit with cfg, k, attn_impl static. `chain` (bool[], traced): False runs the catch-up
+    only (the head's KV of the step's rows; proposals 2..k are then 0): what the engine runs
+    after a step no sequence will speculate after, so the head's pages stay complete."""
     page_size = kv_pages.shape[2]
     S = rnd.last_rows.shape[0]
     live = jnp.arange(S) < rnd.md.num_seqs[0]
@@ -52,8 +56,8 @@ def eagle3_round(params: Eagle3Params, kv_pages: KVPages, rnd: DraftRound, aux: 
     proposals = jnp.zeros((S, k), jnp.int32).at[:, 0].set(propose(h))
     pos0 = rnd.positions[rnd.last_rows] + 1
 
-    def chain(j: jax.Array, carry: tuple[jax.Array, jax.Array, KVPages]
-              ) -> tuple[jax.Array, jax.Array, KVPages]:
+    def chain_step(j: jax.Array, carry: tuple[jax.Array, jax.Array, KVPages]
+                   ) -> tuple[jax.Array, jax.Array, KVPages]:
         proposals, h, kv = carry
         pos = pos0 + j - 1
         md = chain_step_metadata(rnd.md, pos, live, page_size)
@@ -62,7 +66,8 @@ def eagle3_round(params: Eagle3Params, kv_pages: KVPages, rnd: DraftRound, aux: 
         nxt = propose(h)
         return jax.lax.dynamic_update_index_in_dim(proposals, nxt, j, axis=1), h, kv
 
-    proposals, _, kv_pages = jax.lax.fori_loop(1, k, chain, (proposals, h, kv_pages))
+    steps = jnp.where(chain, k, 1)  # a traced bound: one executable for both
+    proposals, _, kv_pages = jax.lax.fori_loop(1, steps, chain_step, (proposals, h, kv_pages))
     return jnp.where(live[:, None], proposals, 0), kv_pages
 
 
@@ -101,15 +106,17 @@ class Eagle3Proposer:
         return pack_round(seqs, self.buckets, self.page_size, self.max_pages_per_seq,
                           eagle3=True, num_tokens=num_tokens)
 
-    def propose(self, rnd: DraftRound, aux: jax.Array) -> jax.Array:
+    def propose(self, rnd: DraftRound, aux: jax.Array, chain: bool = True) -> jax.Array:
         """Run one round (queued): aux f[T, 3 * Ht] the target step's aux output on the
-        device -> proposals i32[S, k] (target ids) on the device; the KV pages updated."""
+        device -> proposals i32[S, k] (target ids) on the device; the KV pages updated.
+        `chain` False: the catch-up only (`eagle3_round`)."""
         if aux.shape[0] != rnd.token_ids.shape[0]:
             raise ValueError(f"aux has {aux.shape[0]} rows; the round was packed for the token "
                              f"bucket {rnd.token_ids.shape[0]}")
         proposals, self.kv_pages = eagle3_round_jit(
             self.params, self.kv_pages, jax.device_put(rnd), aux, cfg=self.cfg, k=self.k,
-            target_embed=self.target_embed, attn_impl=self.attn_impl)
+            target_embed=self.target_embed, attn_impl=self.attn_impl,
+            chain=np.bool_(chain))
         return proposals
 
     def warmup(self) -> None:
@@ -120,4 +127,4 @@ class Eagle3Proposer:
             aux = jax.ShapeDtypeStruct((t, width), self.aux_dtype)
             eagle3_round_jit.lower(self.params, self.kv_pages, rnd, aux, cfg=self.cfg,
                                    k=self.k, target_embed=self.target_embed,
-                                   attn_impl=self.attn_impl).compile()
+                                   attn_impl=self.attn_impl, chain=np.bool_(True)).compile()

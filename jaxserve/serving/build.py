@@ -101,8 +101,8 @@ def build_engine(config: EngineConfig, model: LoadedModel | None = None,
                          "run multihost.follow(build_follower(config))")
     _apply_runtime(config)
     placed = _place(config, model, None)
-    draft = spec_build.load_draft(config, placed.model, _weight_quant(config),
-                                  functools.partial(_dense_params, config))
+    draft = spec_build.load_drafter(config, placed.model, _weight_quant(config),
+                                    functools.partial(_dense_params, config))
     plan, runner, proposer = _make_runner(config, placed, _kv_budget([placed]), draft)
     if jax.process_count() > 1:
         runner = LeaderRunner(runner, config.multihost_keepalive_s)
@@ -289,25 +289,24 @@ def _attention_impl(config: EngineConfig, cfg: ModelConfig,
 
 
 def _make_runner(config: EngineConfig, placed: _Placed, free: int,
-                 draft: LoadedModel | None = None
-                 ) -> tuple[EnginePlan, ModelRunner, spec_build.DraftModelEngineProposer | None]:
-    """The plan, the runner and (`draft` given) the draft model's proposer, sized with it."""
+                 draft: spec_build.Drafter | None = None
+                 ) -> tuple[EnginePlan, ModelRunner, spec_build.Proposer | None]:
+    """The plan, the runner and (`draft`: a draft model or EAGLE-3 head) its proposer."""
     kv_dtype = kv_cache_dtype(config, placed.weights_quantized)
     attn_impl, kv_head_dim = _attention_impl(config, placed.run_cfg, kv_dtype)
-    d_attn, d_head = _attention_impl(config, draft.config, kv_dtype) if draft else (None, None)
+    d_cfg = spec_build.kv_config(draft)
+    d_attn, d_head = _attention_impl(config, d_cfg, kv_dtype) if d_cfg else (None, None)
     plan = plan_engine(config, placed.run_cfg, kv_dtype.itemsize, free, kv_head_dim,
-                       _KV_SCALE_BYTES if is_quantized_dtype(kv_dtype) else 0,
-                       None if draft is None else draft.config, d_head)
+                       _KV_SCALE_BYTES if is_quantized_dtype(kv_dtype) else 0, d_cfg, d_head)
     devices = placed.mesh.devices.flat if placed.mesh is not None else [placed.device]
     log.info("KV cache: %d pages of %d tokens (%.1f MiB, %s), attention=%s, devices=%s",
              plan.scheduler.num_pages - 1, plan.scheduler.page_size,
              plan.kv_budget_bytes / 2**20, kv_dtype.name, attn_impl, [d.id for d in devices])
     runner = ModelRunner(placed.run_cfg, placed.params, plan.batch_shape,
                          plan.scheduler.num_pages, kv_dtype, attn_impl, kv_head_dim, placed.mesh,
-                         placed.expert_parallel)
-    proposer = None if draft is None else spec_build.draft_proposer(
-        config, plan, draft, placed.run_cfg, kv_dtype, d_attn, d_head)  # type: ignore[arg-type]
-    return plan, runner, proposer
+                         placed.expert_parallel, spec_build.aux_layers(draft, placed.run_cfg))
+    return plan, runner, spec_build.proposer(config, plan, draft, placed.run_cfg,
+                                             placed.params, kv_dtype, d_attn, d_head)
 
 
 def warm_up(engines: list[Engine], progress: bool = True) -> None:

@@ -18,7 +18,8 @@ import pathlib
 
 import numpy as np
 import pytest
-from support.engine_fixtures import FEW_TOKEN_BUCKETS, VOCAB, rollout, tiny_engine, tiny_model
+from support.engine_fixtures import (FEW_TOKEN_BUCKETS, VOCAB, rollout, run_checked,
+                                     tiny_engine, tiny_model)
 from support.tiers import slow
 
 from jaxserve import SamplingParams
@@ -78,18 +79,9 @@ def prompts(n: int, length: int = 13) -> list[list[int]]:
 
 
 def run(eng: Engine, ps: list[list[int]], max_tokens: int) -> dict[str, list[int]]:
-    compiles = eng.runner.compiles_after_warmup
-    for i, p in enumerate(ps):
-        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0.0))
-    got = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                got[out.request_id] = list(out.outputs[0].token_ids)
-    alloc = eng.scheduler.allocator
-    assert alloc.num_free_pages == alloc.num_usable_pages, "KV pages leaked"
-    assert eng.runner.compiles_after_warmup == compiles, "compiled after warmup"
-    return got
+    finals = run_checked(eng, ps, [SamplingParams(max_tokens=max_tokens, temperature=0.0)]
+                         * len(ps))
+    return {rid: list(out.outputs[0].token_ids) for rid, out in finals.items()}
 
 
 def per_token(c) -> int:  # noqa: ANN001 - float32 KV bytes of one token, all layers
