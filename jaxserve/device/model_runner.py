@@ -79,6 +79,8 @@ def forward_step(params: ModelParams, kv_pages: KVPages, inputs: StepInputs, fee
                        attn_impl, mesh, expert_parallel, aux_layers=aux_layers)
     hidden, kv_pages = out[0], out[1]
     aux = out[2] if aux_layers else None  # type: ignore[misc]
+    if aux is not None and mesh is not None:  # the head runs replicated: one known layout
+        aux = jax.lax.with_sharding_constraint(aux, placement.replicated(mesh))
     return kv_pages, lm_logits(cfg, params, hidden[inputs.logits_indices]), hidden, aux
 
 

@@ -305,8 +305,8 @@ def _make_runner(config: EngineConfig, placed: _Placed, free: int,
     runner = ModelRunner(placed.run_cfg, placed.params, plan.batch_shape,
                          plan.scheduler.num_pages, kv_dtype, attn_impl, kv_head_dim, placed.mesh,
                          placed.expert_parallel, spec_build.aux_layers(draft, placed.run_cfg))
-    return plan, runner, spec_build.proposer(config, plan, draft, placed.run_cfg,
-                                             placed.params, kv_dtype, d_attn, d_head)
+    return plan, runner, spec_build.proposer(config, plan, draft, placed.run_cfg, placed.params,
+                                             kv_dtype, d_attn, d_head, placed.mesh)
 
 
 def warm_up(engines: list[Engine], progress: bool = True) -> None:

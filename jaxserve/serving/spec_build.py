@@ -19,10 +19,12 @@ the build sizes the KV pages with the head's one layer per page id (`kv_config`)
 `proposer(...)`: an `Eagle3Proposer` (rounds compiled per token bucket of the engine's: the
 aux rows index the target step's token axis) behind `eagle3_proposer.Eagle3EngineProposer`.
 
-Refused by name (ValueError): a draft model or head with tensor parallelism, several
-processes or data parallelism (the drafter runs unsharded on the first local device), and a
-target with KV groups (sliding-window layers: its sequences' pages are per group; the
-drafter reads one block table).
+Under tensor parallelism the drafter is not split: its params, pages and rounds are
+replicated over the target's mesh (every device runs the whole draft or head; the target
+step's aux output is made replicated too). Refused by name (ValueError): a draft model or
+head with several processes or data parallelism (the engine's proposer is one process's,
+beside one replica), and a target with KV groups (sliding-window layers: its sequences'
+pages are per group; the drafter reads one block table).
 """
 
 from __future__ import annotations
@@ -32,12 +34,14 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
 
 from jaxserve.config import EngineConfig
 from jaxserve.device.spec_draft import check_draft_config, round_buckets
 from jaxserve.device.spec_draft_model import DraftModelProposer
 from jaxserve.device.spec_eagle3 import Eagle3Proposer
 from jaxserve.engine.sizing import EnginePlan
+from jaxserve.models import placement
 from jaxserve.models.blocks import embed
 from jaxserve.models.config import ConfigError, ModelConfig
 from jaxserve.models.eagle3 import Eagle3Params, load_eagle3
@@ -77,13 +81,12 @@ def check_supported(config: EngineConfig) -> None:
     run one."""
     if not (wants_draft(config) or wants_head(config)):
         return
-    why = ("tensor_parallel_size > 1" if config.tensor_parallel_size > 1 else
-           "data_parallel_size > 1" if config.data_parallel_size > 1 else
+    why = ("data_parallel_size > 1" if config.data_parallel_size > 1 else
            "several processes (jax.distributed)" if jax.process_count() > 1 else None)
     if why is not None:
         method = config.speculative_config.method  # type: ignore[union-attr]
         raise ValueError(f"speculative_config method {method!r} is not supported with "
-                         f"{why}: the draft runs unsharded on one device")
+                         f"{why}: the draft runs beside one engine's devices in one process")
 
 
 def load_drafter(config: EngineConfig, target_model: LoadedModel, quant: WeightQuant,
@@ -129,13 +132,16 @@ def aux_layers(drafter: Drafter | None, target: ModelConfig) -> tuple[int, ...]:
 
 def proposer(config: EngineConfig, plan: EnginePlan, drafter: Drafter | None,
              target: ModelConfig, target_params: Any, kv_dtype: Any, attn_impl: str | None,
-             kv_head_dim: int | None) -> Proposer | None:
-    """The engine's proposer over `drafter` (KV pages: the target's count and page size);
+             kv_head_dim: int | None, mesh: Mesh | None = None) -> Proposer | None:
+    """The engine's proposer over `drafter` (KV pages: the target's count and page size;
+    `mesh`: the target's tensor-parallel mesh, which the drafter runs replicated over);
     None without one. `build.warm_up` compiles its rounds (`Engine.warmup_proposer`)."""
     if drafter is None or attn_impl is None:
         return None
+    sharding = None if mesh is None else placement.replicated(mesh)
     if isinstance(drafter, LoadedModel):
-        return draft_proposer(config, plan, drafter, target, kv_dtype, attn_impl, kv_head_dim)
+        return draft_proposer(config, plan, drafter, target, kv_dtype, attn_impl, kv_head_dim,
+                              sharding)
     k = config.speculative_config.num_speculative_tokens  # type: ignore[union-attr]
     shape = plan.batch_shape
     widest = {t: s for t, s in sorted(shape.buckets)}  # the seqs a round of t rows packs
@@ -145,7 +151,8 @@ def proposer(config: EngineConfig, plan: EnginePlan, drafter: Drafter | None,
     head = Eagle3Proposer(drafter.cfg, drafter.params, plan.scheduler.num_pages,
                           shape.page_size, kv_dtype, k, tuple(widest.items()),
                           shape.max_pages_per_seq, target_embed=target_params.embed,
-                          attn_impl=attn_impl, kv_head_dim=kv_head_dim, aux_dtype=aux_dtype)
+                          attn_impl=attn_impl, kv_head_dim=kv_head_dim, aux_dtype=aux_dtype,
+                          sharding=sharding)
     return Eagle3EngineProposer(head)
 
 
@@ -197,7 +204,8 @@ def draft_buckets(plan: EnginePlan, k: int) -> tuple[tuple[int, int], ...]:
 
 def draft_proposer(config: EngineConfig, plan: EnginePlan, draft: LoadedModel,
                    target: ModelConfig, kv_dtype: Any, attn_impl: str,
-                   kv_head_dim: int | None) -> DraftModelEngineProposer:
+                   kv_head_dim: int | None, sharding: NamedSharding | None = None
+                   ) -> DraftModelEngineProposer:
     """The engine's proposer over `draft` (KV pages: the target's count and page size);
     `build.warm_up` compiles its rounds (`Engine.warmup_proposer`) before arming the
     compile guard."""
@@ -206,5 +214,6 @@ def draft_proposer(config: EngineConfig, plan: EnginePlan, draft: LoadedModel,
     drafter = DraftModelProposer(draft.config, draft.params, plan.scheduler.num_pages,
                                  shape.page_size, kv_dtype, k, draft_buckets(plan, k),
                                  shape.max_pages_per_seq, attn_impl=attn_impl,
-                                 target_cfg=target, kv_head_dim=kv_head_dim)
+                                 target_cfg=target, kv_head_dim=kv_head_dim,
+                                 sharding=sharding)
     return DraftModelEngineProposer(drafter)

@@ -1,6 +1,8 @@
 """Runs in a subprocess with 2 virtual CPU devices (XLA_FLAGS set by the caller): speculative
 decoding (n-gram) on a tiny engine split over tensor_parallel_size=2 against the same engine
 on one device, printed as one JSON document for tests/device/test_speculation_tp.py.
+With the argument `drafters`: the same for a draft model and an EAGLE-3 head (random), which
+run replicated over the target's mesh.
 
 Greedy and seeded sampled requests on prompts that repeat themselves, twice per engine: with
 n-gram lookup (which the random model's output seldom rewards), then with a proposer that
@@ -12,10 +14,16 @@ compiles after warmup and the pages left held.
 from __future__ import annotations
 
 import json
+import pathlib
+import sys
+import tempfile
 
+from support.eagle3_oracle import HEAD_CONFIG, random_weights, write_head
 from support.engine_fixtures import FEW_TOKEN_BUCKETS, tiny_engine, tiny_model
 
 from jaxserve.config import SpeculativeConfig
+from jaxserve.models import tiny
+from jaxserve.models.hf_loader import save_hf_dir
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.speculation import OnTokens
 
@@ -74,6 +82,33 @@ def round_of(eng) -> dict:  # noqa: ANN001
             "leaked": alloc.num_usable_pages - alloc.num_free_pages}
 
 
+def drafters(tp: int, root: pathlib.Path) -> dict:
+    """A draft model (another random model of the same shape) and an EAGLE-3 head (random),
+    each run replicated over the TP mesh: one round of the requests each."""
+    model = tiny_model(num_heads=8, num_kv_heads=8, vocab_size=256)
+    draft_dir = root / "draft"
+    if not draft_dir.exists():
+        draft = tiny_model(seed=1, num_heads=8, num_kv_heads=8, vocab_size=256)
+        save_hf_dir(draft_dir, draft.config, draft.params)
+        tiny.save_word_tokenizer(draft_dir, 256)
+        head = HEAD_CONFIG | {"vocab_size": 256, "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}
+        write_head(root / "head", head, random_weights(head, seed=3))
+    out = {}
+    for method, path in (("draft_model", draft_dir), ("eagle3", root / "head")):
+        spec = SpeculativeConfig.from_dict({"method": method, "model": str(path),
+                                            "num_speculative_tokens": 3})
+        eng = tiny_engine(model, speculative_config=spec, tensor_parallel_size=tp,
+                          token_buckets=FEW_TOKEN_BUCKETS, max_model_len=96)
+        out[method] = round_of(eng)
+        eng.close()
+    return out
+
+
 if __name__ == "__main__":
-    one = run(1, None)
-    print(json.dumps({"tp1": one, "tp2": run(2, one["ngram"]["tokens"])}))
+    if sys.argv[1:] == ["drafters"]:
+        with tempfile.TemporaryDirectory() as d:
+            print(json.dumps({"tp1": drafters(1, pathlib.Path(d)),
+                              "tp2": drafters(2, pathlib.Path(d))}))
+    else:
+        one = run(1, None)
+        print(json.dumps({"tp1": one, "tp2": run(2, one["ngram"]["tokens"])}))
