@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+from jax.sharding import Sharding
 
 from jaxserve.device.spec_draft import (DraftRound, DraftSeq, check_draft_config,
                                         chain_step_metadata, empty_round, pack_round)
@@ -71,12 +71,13 @@ class DraftModelProposer:
                  kv_dtype: Any, k: int, buckets: Sequence[tuple[int, int]],
                  max_pages_per_seq: int, attn_impl: str = "reference",
                  target_cfg: ModelConfig | None = None, kv_head_dim: int | None = None,
-                 sharding: NamedSharding | None = None):
+                 sharding: Sharding | None = None):
         """`num_pages`, `page_size`, `max_pages_per_seq`, `buckets`: the target runner's
         (`BatchShape`); `k`: num_speculative_tokens; `kv_head_dim`: the attention
         implementation's page head dim (`selector.page_head_dim`), None: the model's;
-        `sharding`: replicated over the target's tensor-parallel mesh (the draft's params,
-        pages and rounds: every device runs the whole draft), None: the default device."""
+        `sharding`: replicated over the target's mesh (its tensor-parallel devices, or a
+        data-parallel replica's: every device runs the whole draft); None: the default
+        device."""
         if k < 1:
             raise ValueError(f"num_speculative_tokens={k} must be at least 1")
         check_draft_config(cfg, target_cfg)

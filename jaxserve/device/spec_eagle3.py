@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Sharding
 
 from jaxserve.device.spec_draft import (DraftRound, DraftSeq, chain_step_metadata,
                                         empty_round, pack_round)
@@ -83,13 +83,13 @@ class Eagle3Proposer:
                  kv_dtype: Any, k: int, buckets: Sequence[tuple[int, int]],
                  max_pages_per_seq: int, target_embed: Any = None,
                  attn_impl: str = "reference", kv_head_dim: int | None = None,
-                 aux_dtype: Any = jnp.float32, sharding: NamedSharding | None = None):
+                 aux_dtype: Any = jnp.float32, sharding: Sharding | None = None):
         """As `DraftModelProposer`; `target_embed`: the target's embedding (`params.embed`),
         used when the head has none (`load_eagle3` then gives `params.embed` None);
         `aux_dtype`: the dtype of the target step's aux output (the target's activations);
-        `sharding`: replicated over the target's tensor-parallel mesh (the head's params,
-        pages and rounds, and the target step's aux output, `model_runner.forward_step`),
-        None: the default device."""
+        `sharding`: replicated over the target's mesh (its tensor-parallel devices, or a
+        data-parallel replica's): the head's params, pages and rounds, and the target
+        step's aux output (`model_runner.forward_step`); None: the default device."""
         if k < 1:
             raise ValueError(f"num_speculative_tokens={k} must be at least 1")
         if params.embed is None and target_embed is None:

@@ -143,17 +143,18 @@ def build_engines(config: EngineConfig, model: LoadedModel | None = None,
         raise ValueError(f"data_parallel_size={dp} over {jax.process_count()} processes: data "
                          "parallelism is per host; across hosts run one job per replica")
     _apply_runtime(config)
-    spec_build.check_supported(config)
     # Given no model, each replica loads the checkpoint straight onto its own devices (a
     # memory-mapped re-read per replica) rather than staging one copy on device 0.
     placed = [_place(config, model, row)
               for row in replica_device_rows(dp, config.tensor_parallel_size)]
+    draft = spec_build.load_drafter(config, placed[0].model, _weight_quant(config),
+                                    functools.partial(_dense_params, config))
     free = _kv_budget(placed)
     engines = []
     for p in placed:
-        plan, runner, _ = _make_runner(config, p, free)
+        plan, runner, proposer = _make_runner(config, p, free, draft)
         engines.append(Engine(config, plan, with_faults(config, runner), p.model.tokenizer,
-                              p.model.config.eos_token_ids))
+                              p.model.config.eos_token_ids, proposer=proposer))
     if warmup:
         warm_up(engines, progress)
     return engines

@@ -21,10 +21,10 @@ aux rows index the target step's token axis) behind `eagle3_proposer.Eagle3Engin
 
 Under tensor parallelism the drafter is not split: its params, pages and rounds are
 replicated over the target's mesh (every device runs the whole draft or head; the target
-step's aux output is made replicated too). Refused by name (ValueError): a draft model or
-head with several processes or data parallelism (the engine's proposer is one process's,
-beside one replica), and a target with KV groups (sliding-window layers: its sequences'
-pages are per group; the drafter reads one block table).
+step's aux output is made replicated too); each data-parallel replica gets its own copy on
+its devices. Refused by name (ValueError): a draft model or head with several processes
+(the engine's proposer runs in one process), and a target with KV groups (sliding-window
+layers: its sequences' pages are per group; the drafter reads one block table).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, Sharding
 
 from jaxserve.config import EngineConfig
 from jaxserve.device.spec_draft import check_draft_config, round_buckets
@@ -81,12 +81,11 @@ def check_supported(config: EngineConfig) -> None:
     run one."""
     if not (wants_draft(config) or wants_head(config)):
         return
-    why = ("data_parallel_size > 1" if config.data_parallel_size > 1 else
-           "several processes (jax.distributed)" if jax.process_count() > 1 else None)
-    if why is not None:
+    if jax.process_count() > 1:
         method = config.speculative_config.method  # type: ignore[union-attr]
         raise ValueError(f"speculative_config method {method!r} is not supported with "
-                         f"{why}: the draft runs beside one engine's devices in one process")
+                         "several processes (jax.distributed): the draft runs in the "
+                         "engine's process, beside its devices")
 
 
 def load_drafter(config: EngineConfig, target_model: LoadedModel, quant: WeightQuant,
@@ -133,9 +132,10 @@ def aux_layers(drafter: Drafter | None, target: ModelConfig) -> tuple[int, ...]:
 def proposer(config: EngineConfig, plan: EnginePlan, drafter: Drafter | None,
              target: ModelConfig, target_params: Any, kv_dtype: Any, attn_impl: str | None,
              kv_head_dim: int | None, mesh: Mesh | None = None) -> Proposer | None:
-    """The engine's proposer over `drafter` (KV pages: the target's count and page size;
-    `mesh`: the target's tensor-parallel mesh, which the drafter runs replicated over);
-    None without one. `build.warm_up` compiles its rounds (`Engine.warmup_proposer`)."""
+    """The engine's proposer over `drafter` (KV pages: the target's count and page size),
+    placed beside the target: replicated over its `mesh` (tensor parallelism, and every
+    data-parallel replica, whose devices are a mesh), else on the default device; None
+    without a drafter. `build.warm_up` compiles its rounds (`Engine.warmup_proposer`)."""
     if drafter is None or attn_impl is None:
         return None
     sharding = None if mesh is None else placement.replicated(mesh)
@@ -204,7 +204,7 @@ def draft_buckets(plan: EnginePlan, k: int) -> tuple[tuple[int, int], ...]:
 
 def draft_proposer(config: EngineConfig, plan: EnginePlan, draft: LoadedModel,
                    target: ModelConfig, kv_dtype: Any, attn_impl: str,
-                   kv_head_dim: int | None, sharding: NamedSharding | None = None
+                   kv_head_dim: int | None, sharding: Sharding | None = None
                    ) -> DraftModelEngineProposer:
     """The engine's proposer over `draft` (KV pages: the target's count and page size);
     `build.warm_up` compiles its rounds (`Engine.warmup_proposer`) before arming the

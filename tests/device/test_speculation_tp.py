@@ -30,17 +30,18 @@ def test_tensor_parallel_speculation_equals_one_device() -> None:
     assert 0 < doc["tp1"]["replay"]["accepted"] < doc["tp1"]["replay"]["drafts"]
 
 
-@slow("four tiny engines with drafters compiled in a subprocess (~2 min); the drafters' "
+@slow("eight tiny engines with drafters compiled in a subprocess (~4 min); the drafters' "
       "rounds run on one device in tests/serving/test_spec_*_build.py")
 def test_tensor_parallel_drafters_equal_one_device() -> None:
-    """A draft model and an EAGLE-3 head, replicated over the TP mesh: the same tokens as
-    one device (greedy and seeded sampling), proposals made, nothing compiled after warmup
-    (the head reads the step's aux states in the layout warmup compiled for), no page
-    leaked."""
+    """A draft model and an EAGLE-3 head, replicated over the TP mesh, and beside each of two
+    data-parallel replicas (the second on device 1): the same tokens as one device (greedy
+    and seeded sampling), proposals made, nothing compiled after warmup (the head reads the
+    step's aux states in the layout warmup compiled for), no page leaked."""
     doc = run_device_worker("spec_tp_worker.py", num_devices=2, args=("drafters",))
     for name in ("draft_model", "eagle3"):
-        one, two = doc["tp1"][name], doc["tp2"][name]
-        assert two["tokens"] == one["tokens"], name
-        assert one["drafts"] > 0 and two["drafts"] > 0, name
-        assert one["compiles"] == two["compiles"] == 0, name
-        assert one["leaked"] == two["leaked"] == 0, name
+        (one,), runs = doc["tp1"][name], doc["tp2"][name] + doc["dp2"][name]
+        assert len(runs) == 3, name  # TP 2, then each of the two data-parallel replicas
+        for run in [one, *runs]:
+            assert run["tokens"] == one["tokens"], name
+            assert run["drafts"] > 0, name
+            assert run["compiles"] == 0 and run["leaked"] == 0, name

@@ -36,7 +36,6 @@ from jaxserve.config import EngineConfig, SpeculativeConfig
 from jaxserve.device.spec_draft import DraftSeq, pack_round
 from jaxserve.engine.engine import Engine
 from jaxserve.models import paged
-from jaxserve.serving import spec_build
 from jaxserve.serving.build import build_engine
 from jaxserve.serving.eagle3_proposer import Eagle3EngineProposer
 
@@ -218,10 +217,3 @@ def test_a_head_that_does_not_fit_is_refused_naming_it(tmp_path: pathlib.Path,
         build_engine(config, tiny_model(), warmup=False, progress=False)
     for w in words:
         assert w in str(e.value)
-
-
-def test_data_parallel_is_refused_by_name(head_dir: pathlib.Path) -> None:
-    config = EngineConfig(speculative_config=eagle_spec(head_dir, 2), max_model_len=64,
-                          attention_impl="reference", data_parallel_size=2)
-    with pytest.raises(ValueError, match="'eagle3' is not supported with data_parallel_size"):
-        spec_build.check_supported(config)

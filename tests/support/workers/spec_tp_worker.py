@@ -21,9 +21,10 @@ import tempfile
 from support.eagle3_oracle import HEAD_CONFIG, random_weights, write_head
 from support.engine_fixtures import FEW_TOKEN_BUCKETS, tiny_engine, tiny_model
 
-from jaxserve.config import SpeculativeConfig
+from jaxserve.config import EngineConfig, SpeculativeConfig
 from jaxserve.models import tiny
 from jaxserve.models.hf_loader import save_hf_dir
+from jaxserve.serving.build import build_engines
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.speculation import OnTokens
 
@@ -82,9 +83,10 @@ def round_of(eng) -> dict:  # noqa: ANN001
             "leaked": alloc.num_usable_pages - alloc.num_free_pages}
 
 
-def drafters(tp: int, root: pathlib.Path) -> dict:
+def drafters(tp: int, root: pathlib.Path, dp: int = 1) -> dict:
     """A draft model (another random model of the same shape) and an EAGLE-3 head (random),
-    each run replicated over the TP mesh: one round of the requests each."""
+    each run replicated over the TP mesh (or beside each of `dp` replicas): one round of the
+    requests on each engine."""
     model = tiny_model(num_heads=8, num_kv_heads=8, vocab_size=256)
     draft_dir = root / "draft"
     if not draft_dir.exists():
@@ -97,10 +99,17 @@ def drafters(tp: int, root: pathlib.Path) -> dict:
     for method, path in (("draft_model", draft_dir), ("eagle3", root / "head")):
         spec = SpeculativeConfig.from_dict({"method": method, "model": str(path),
                                             "num_speculative_tokens": 3})
-        eng = tiny_engine(model, speculative_config=spec, tensor_parallel_size=tp,
-                          token_buckets=FEW_TOKEN_BUCKETS, max_model_len=96)
-        out[method] = round_of(eng)
-        eng.close()
+        if dp == 1:
+            engines = [tiny_engine(model, speculative_config=spec, tensor_parallel_size=tp,
+                                   token_buckets=FEW_TOKEN_BUCKETS, max_model_len=96)]
+        else:  # tiny_engine's configuration, as data-parallel replicas
+            engines = build_engines(EngineConfig(
+                max_num_seqs=8, max_num_batched_tokens=64, page_size=8, max_model_len=96,
+                attention_impl="reference", token_buckets=FEW_TOKEN_BUCKETS,
+                speculative_config=spec, data_parallel_size=dp), model, progress=False)
+        out[method] = [round_of(eng) for eng in engines]
+        for eng in engines:
+            eng.close()
     return out
 
 
@@ -108,7 +117,8 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["drafters"]:
         with tempfile.TemporaryDirectory() as d:
             print(json.dumps({"tp1": drafters(1, pathlib.Path(d)),
-                              "tp2": drafters(2, pathlib.Path(d))}))
+                              "tp2": drafters(2, pathlib.Path(d)),
+                              "dp2": drafters(1, pathlib.Path(d), dp=2)}))
     else:
         one = run(1, None)
         print(json.dumps({"tp1": one, "tp2": run(2, one["ngram"]["tokens"])}))
