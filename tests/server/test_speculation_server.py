@@ -28,7 +28,7 @@ from jaxserve.models.hf_loader import save_hf_dir
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.client import Client, fold
 from jaxserve.server.config import ServerConfig
-from jaxserve.serving.build import ServedModel
+from jaxserve.serving.served import ServedModel
 
 CFG = dict(max_num_seqs=8, max_num_batched_tokens=64, page_size=4, max_model_len=96,
            token_buckets=FEW_TOKEN_BUCKETS)
