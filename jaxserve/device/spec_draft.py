@@ -84,6 +84,14 @@ class DraftSeq:
     aux_rows: Sequence[int] = ()
 
 
+def proposals_to_host(proposals: jax.Array) -> np.ndarray:
+    """A round's proposals i32[S, k] on the host. Over several processes the array is
+    replicated on every device of the global mesh: this process's copy is read."""
+    if proposals.is_fully_addressable:
+        return np.asarray(proposals)
+    return np.asarray(proposals.addressable_data(0))
+
+
 def round_buckets(buckets: Sequence[tuple[int, int]], k: int) -> tuple[tuple[int, int], ...]:
     """The engine's (tokens, seqs) buckets plus, for each of its seqs buckets s, s paired with
     every token bucket from s up to the first that holds s * (k + 1) rows (a decode round's

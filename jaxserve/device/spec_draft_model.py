@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Sharding
 
+from jaxserve.device.model_runner import place_inputs
 from jaxserve.device.spec_draft import (DraftRound, DraftSeq, check_draft_config,
                                         chain_step_metadata, empty_round, pack_round)
 from jaxserve.kernels_pallas import KVPages
@@ -81,12 +82,12 @@ class DraftModelProposer:
         if k < 1:
             raise ValueError(f"num_speculative_tokens={k} must be at least 1")
         check_draft_config(cfg, target_cfg)
-        self.cfg, self.params, self.k = cfg, jax.device_put(params, sharding), k
+        self.cfg, self.params, self.k = cfg, place_inputs(params, sharding), k
         self.sharding = sharding
         self.page_size, self.max_pages_per_seq = page_size, max_pages_per_seq
         self.buckets = tuple(sorted(buckets))
         self.attn_impl = attn_impl
-        self.kv_pages: KVPages = jax.device_put(
+        self.kv_pages: KVPages = place_inputs(
             init_kv_cache(cfg, num_pages, page_size, kv_dtype, kv_head_dim), sharding)
 
     def pack(self, seqs: Sequence[DraftSeq]) -> DraftRound:
@@ -97,7 +98,7 @@ class DraftModelProposer:
         """Run one round (queued, not waited for): -> proposals i32[S, k] on the device (row
         i: the i-th sequence packed); the KV pages are updated."""
         proposals, self.kv_pages = draft_model_round_jit(
-            self.params, self.kv_pages, jax.device_put(rnd, self.sharding), cfg=self.cfg,
+            self.params, self.kv_pages, place_inputs(rnd, self.sharding), cfg=self.cfg,
             k=self.k,
             attn_impl=self.attn_impl)
         return proposals
@@ -106,6 +107,6 @@ class DraftModelProposer:
         """Compile the round of every bucket (ahead of time, without running), with the
         arguments `propose` passes, so that serving compiles nothing."""
         for t, s in self.buckets:
-            rnd = jax.device_put(empty_round(t, s, self.max_pages_per_seq), self.sharding)
+            rnd = place_inputs(empty_round(t, s, self.max_pages_per_seq), self.sharding)
             draft_model_round_jit.lower(self.params, self.kv_pages, rnd, cfg=self.cfg,
                                         k=self.k, attn_impl=self.attn_impl).compile()

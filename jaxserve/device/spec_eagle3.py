@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding
 
+from jaxserve.device.model_runner import place_inputs
 from jaxserve.device.spec_draft import (DraftRound, DraftSeq, chain_step_metadata,
                                         empty_round, pack_round)
 from jaxserve.kernels_pallas import KVPages
@@ -95,14 +96,14 @@ class Eagle3Proposer:
         if params.embed is None and target_embed is None:
             raise ValueError("the EAGLE-3 head has no embed_tokens.weight: pass the target's "
                              "embedding as target_embed")
-        self.cfg, self.params, self.k = cfg, jax.device_put(params, sharding), k
+        self.cfg, self.params, self.k = cfg, place_inputs(params, sharding), k
         self.sharding = sharding
         self.target_embed = None if params.embed is not None else target_embed
         self.page_size, self.max_pages_per_seq = page_size, max_pages_per_seq
         self.buckets = tuple(sorted(buckets))
         self.attn_impl = attn_impl
         self.aux_dtype = aux_dtype
-        self.kv_pages: KVPages = jax.device_put(
+        self.kv_pages: KVPages = place_inputs(
             init_eagle3_kv(cfg, num_pages, page_size, kv_dtype, kv_head_dim), sharding)
 
     def pack(self, seqs: Sequence[DraftSeq], num_tokens: int) -> DraftRound:
@@ -119,7 +120,7 @@ class Eagle3Proposer:
             raise ValueError(f"aux has {aux.shape[0]} rows; the round was packed for the token "
                              f"bucket {rnd.token_ids.shape[0]}")
         proposals, self.kv_pages = eagle3_round_jit(
-            self.params, self.kv_pages, jax.device_put(rnd, self.sharding), aux, cfg=self.cfg,
+            self.params, self.kv_pages, place_inputs(rnd, self.sharding), aux, cfg=self.cfg,
             k=self.k,
             target_embed=self.target_embed, attn_impl=self.attn_impl,
             chain=np.bool_(chain))
@@ -129,8 +130,8 @@ class Eagle3Proposer:
         """Compile the round of every bucket ahead of time, as `propose` calls it."""
         width = NUM_AUX * self.cfg.target_hidden_size
         for t, s in self.buckets:
-            rnd = jax.device_put(empty_round(t, s, self.max_pages_per_seq, eagle3=True),
-                                 self.sharding)
+            rnd = place_inputs(empty_round(t, s, self.max_pages_per_seq, eagle3=True),
+                               self.sharding)
             aux = jax.ShapeDtypeStruct((t, width), self.aux_dtype, sharding=self.sharding)
             eagle3_round_jit.lower(self.params, self.kv_pages, rnd, aux, cfg=self.cfg,
                                    k=self.k, target_embed=self.target_embed,

@@ -28,7 +28,8 @@ from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig, RuntimeConfig, apply_runtime
 from jaxserve.device.model_runner import ModelRunner
-from jaxserve.device.multihost import LeaderRunner, agree_min
+from jaxserve.device.multihost import Follower, LeaderRunner, agree_min
+from jaxserve.device.multihost_spec import LeaderDrafter
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.fault_injection import with_faults
 from jaxserve.engine.sizing import (EnginePlan, available_host_memory, free_device_memory,
@@ -97,6 +98,8 @@ def build_engine(config: EngineConfig, model: LoadedModel | None = None,
     plan, runner, proposer = _make_runner(config, placed, _kv_budget([placed]), draft)
     if jax.process_count() > 1:
         runner = LeaderRunner(runner, config.multihost_keepalive_s)
+        if proposer is not None:  # its rounds are announced too
+            proposer.drafter = LeaderDrafter(proposer.drafter, runner)  # type: ignore
     engine = Engine(config, plan, with_faults(config, runner), placed.model.tokenizer,
                     placed.model.config.eos_token_ids, proposer=proposer)
     if warmup:
@@ -104,16 +107,19 @@ def build_engine(config: EngineConfig, model: LoadedModel | None = None,
     return engine
 
 
-def build_follower(config: EngineConfig) -> ModelRunner:
+def build_follower(config: EngineConfig) -> Follower:
     """A process > 0's share of a multi-host engine: the same runner process 0 builds (same
-    mesh, shapes and KV pages), driven by `multihost.follow`."""
+    mesh, shapes and KV pages) and speculative drafter, driven by `multihost.follow`."""
     if jax.process_count() == 1 or jax.process_index() == 0:
         raise ValueError(f"build_follower on process {jax.process_index()} of "
                          f"{jax.process_count()}: it is for processes > 0 of a "
                          "jax.distributed job")
     _apply_runtime(config)
     placed = _place(config, None, None)
-    return _make_runner(config, placed, _kv_budget([placed]))[1]
+    draft = spec_build.load_drafter(config, placed.model, _weight_quant(config),
+                                    functools.partial(_dense_params, config))
+    _, runner, proposer = _make_runner(config, placed, _kv_budget([placed]), draft)
+    return Follower(runner, None if proposer is None else proposer.drafter)
 
 
 def build_engines(config: EngineConfig, model: LoadedModel | None = None,

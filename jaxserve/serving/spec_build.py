@@ -22,9 +22,10 @@ aux rows index the target step's token axis) behind `eagle3_proposer.Eagle3Engin
 Under tensor parallelism the drafter is not split: its params, pages and rounds are
 replicated over the target's mesh (every device runs the whole draft or head; the target
 step's aux output is made replicated too); each data-parallel replica gets its own copy on
-its devices. Refused by name (ValueError): a draft model or head with several processes
-(the engine's proposer runs in one process), and a target with KV groups (sliding-window
-layers: its sequences' pages are per group; the drafter reads one block table).
+its devices; over several processes every process builds the same drafter
+(`build.build_follower`) and process 0 announces each round (`device/multihost_spec.py`).
+Refused by name (ValueError): a target with KV groups (sliding-window layers: its
+sequences' pages are per group; the drafter reads one block table).
 """
 
 from __future__ import annotations
@@ -76,16 +77,6 @@ def wants_head(config: EngineConfig) -> bool:
     return spec is not None and spec.method == "eagle3"
 
 
-def check_supported(config: EngineConfig) -> None:
-    """Refuse (ValueError naming the option) a draft model or head where the build cannot
-    run one."""
-    if not (wants_draft(config) or wants_head(config)):
-        return
-    if jax.process_count() > 1:
-        method = config.speculative_config.method  # type: ignore[union-attr]
-        raise ValueError(f"speculative_config method {method!r} is not supported with "
-                         "several processes (jax.distributed): the draft runs in the "
-                         "engine's process, beside its devices")
 
 
 def load_drafter(config: EngineConfig, target_model: LoadedModel, quant: WeightQuant,
@@ -160,7 +151,6 @@ def _target_checked(config: EngineConfig, target_model: LoadedModel
                     ) -> tuple[str, ModelConfig, str]:
     """(the drafter's path, the target's config, its name), once the build and the target
     are ones a drafter runs beside (ValueError naming the method otherwise)."""
-    check_supported(config)
     spec = config.speculative_config
     assert spec is not None and spec.model is not None
     target, target_name = target_model.config, str(target_model.source)
