@@ -229,31 +229,19 @@ class LeaderRunner:
         return send
 
     def dispatch(self, batch: StepBatch, late_mask: LateMask | None = None) -> ModelPending:
-        with self._lock:
-            try:
-                self._check()
-            except RuntimeError as e:
-                raise RunnerFailed(str(e), fatal=True) from e
-            try:
-                _send_batch(batch, late_mask is not None)
-                late = self._late(batch, late_mask)
-                pending = self.runner.dispatch(batch) if late is None else \
-                    self.runner.dispatch(batch, late_mask=late)
-            except BaseException as e:
-                # The followers may be inside this step's collectives: announcing anything
-                # more would hang both sides. The job is over; JAX's coordination service
-                # ends the others once this process exits.
-                self._broken = True
-                if isinstance(e, Exception):
-                    raise RunnerFailed(f"a multi-host step failed: {e}", fatal=True) from e
-                raise
-            self._last = time.monotonic()
-            return pending
+        with self.announcing("step"):
+            _send_batch(batch, late_mask is not None)
+            late = self._late(batch, late_mask)
+            return self.runner.dispatch(batch) if late is None else \
+                self.runner.dispatch(batch, late_mask=late)
 
     @contextlib.contextmanager
-    def announcing(self) -> Iterator[None]:
-        """Hold the lock that orders every announcement (a drafter's round: `LeaderDrafter`);
-        a failure inside breaks the job, as a failed step does."""
+    def announcing(self, what: str) -> Iterator[None]:
+        """Hold the lock that orders every announcement (a step, a drafter's round:
+        `multihost_spec.LeaderDrafter`) and run one. A failure inside ends the job
+        (RunnerFailed, fatal): the followers may be inside its collectives, so announcing
+        anything more would hang both sides; JAX's coordination service ends the others
+        once this process exits."""
         with self._lock:
             try:
                 self._check()
@@ -261,8 +249,10 @@ class LeaderRunner:
                 raise RunnerFailed(str(e), fatal=True) from e
             try:
                 yield
-            except BaseException:
+            except BaseException as e:
                 self._broken = True
+                if isinstance(e, Exception):
+                    raise RunnerFailed(f"a multi-host {what} failed: {e}", fatal=True) from e
                 raise
             self._last = time.monotonic()
 

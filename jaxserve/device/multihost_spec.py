@@ -64,12 +64,12 @@ class LeaderDrafter:
         self.drafter.warmup()
         eagle3 = isinstance(self.drafter, Eagle3Proposer)
         for t, s in self.drafter.buckets:
-            with self.leader.announcing():
+            with self.leader.announcing("proposal round"):
                 _send_round(empty_round(t, s, self.drafter.max_pages_per_seq, eagle3), True,
                             False)
 
     def propose(self, rnd: DraftRound, *args: object, chain: bool = True) -> jax.Array:
-        with self.leader.announcing():
+        with self.leader.announcing("proposal round"):
             _send_round(rnd, chain, True)
             if isinstance(self.drafter, Eagle3Proposer):
                 return self.drafter.propose(rnd, *args, chain=chain)  # type: ignore[arg-type]
