@@ -55,7 +55,10 @@ def eagle3_round(params: Eagle3Params, kv_pages: KVPages, rnd: DraftRound, aux: 
     out, kv_pages = eagle3_hidden(params, kv_pages, rnd.token_ids, hidden, rnd.positions,
                                   rnd.md, cfg, target_embed, attn_impl)
     h = out[rnd.last_rows]
-    proposals = jnp.zeros((S, k), jnp.int32).at[:, 0].set(propose(h))
+    # Catch-up only: no draft logits either (the lm_head over S rows is most of a small
+    # round's cost); an XLA conditional runs one branch.
+    first = jax.lax.cond(chain, propose, lambda h: jnp.zeros(S, jnp.int32), h)
+    proposals = jnp.zeros((S, k), jnp.int32).at[:, 0].set(first)
     pos0 = rnd.positions[rnd.last_rows] + 1
 
     def chain_step(j: jax.Array, carry: tuple[jax.Array, jax.Array, KVPages]

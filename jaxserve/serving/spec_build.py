@@ -135,12 +135,12 @@ def proposer(config: EngineConfig, plan: EnginePlan, drafter: Drafter | None,
                               sharding)
     k = config.speculative_config.num_speculative_tokens  # type: ignore[union-attr]
     shape = plan.batch_shape
-    widest = {t: s for t, s in sorted(shape.buckets)}  # the seqs a round of t rows packs
+    pairs = eagle3_buckets(plan, k)
     # The aux states' dtype is the step's activations': the embedding's output.
     aux_dtype = jax.eval_shape(lambda p: embed(p, jnp.zeros(1, jnp.int32), target.embed_scale),
                                target_params).dtype
     head = Eagle3Proposer(drafter.cfg, drafter.params, plan.scheduler.num_pages,
-                          shape.page_size, kv_dtype, k, tuple(widest.items()),
+                          shape.page_size, kv_dtype, k, pairs,
                           shape.max_pages_per_seq, target_embed=target_params.embed,
                           attn_impl=attn_impl, kv_head_dim=kv_head_dim, aux_dtype=aux_dtype,
                           sharding=sharding)
@@ -181,6 +181,27 @@ def load_draft(config: EngineConfig, target_model: LoadedModel, quant: WeightQua
         raise ValueError(f"speculative_config model={path!r} cannot draft for the target "
                          f"{target_name}: {e}") from e
     return dataclasses.replace(draft, params=prepare(draft.params))
+
+
+def eagle3_buckets(plan: EnginePlan, k: int) -> tuple[tuple[int, int], ...]:
+    """An EAGLE-3 round's (tokens, seqs) buckets: every token bucket of the target's step
+    (the aux rows index its token axis) with its own seqs bucket, plus, for each power of
+    two s below the back-off (`speculative_max_running`: more sequences never speculate),
+    s paired with the token buckets up to the first that holds s speculating rows of
+    k + 1 tokens: a round of a few speculating sequences then runs its chain and draft
+    logits over s rows, not over the step's widest seqs bucket (a step of one decode
+    verifying 3 proposals is a bucket of 8 rows, and the chain costs per row)."""
+    widest = dict(sorted(plan.batch_shape.buckets))  # token bucket -> its largest seqs
+    pairs = set(widest.items())
+    s = 1
+    while s < plan.speculative_max_running:
+        for t in sorted(widest):
+            if s < widest[t]:
+                pairs.add((t, s))
+            if t >= s * (k + 1):
+                break
+        s *= 2
+    return tuple(sorted(pairs))
 
 
 def draft_buckets(plan: EnginePlan, k: int) -> tuple[tuple[int, int], ...]:
