@@ -66,7 +66,10 @@ void run_item(const Problem& pb, const Item& it, float* partial_base) {
   }
   for (int64_t r = 0; r < R; ++r) { m[r] = kNegInf; l[r] = 0.0f; }
 
-  for (int64_t k0 = it.klo; k0 < it.khi; k0 += kBlockKeys) {
+  // Blocks at multiples of kBlockKeys, wherever the item's keys start (a sliding window's
+  // first key depends on the tile's first token): the online softmax then splits a row's
+  // keys the same way in every tile (keys before klo are masked).
+  for (int64_t k0 = it.klo / kBlockKeys * kBlockKeys; k0 < it.khi; k0 += kBlockKeys) {
     const int64_t nk = std::min<int64_t>(kBlockKeys, it.khi - k0);
     // Rows of the block's keys, page by page through the block table: the scores come
     // straight from the K rows in the pages; V is read in place (f32) or converted into a
@@ -114,11 +117,8 @@ void run_item(const Problem& pb, const Item& it, float* partial_base) {
       if (pb.window > 0) lo = std::max(lo, qpos - pb.window + 1);
       if (lo >= hi) continue;
       float* s = sc.data() + r * kBlockKeys;
-      if (pb.soft_cap > 0.0f) {
-        for (int64_t j = lo - k0; j < hi - k0; ++j) {
-          s[j] = pb.soft_cap * std::tanh(s[j] / pb.soft_cap);
-        }
-      }
+      // tile_math.h's soft cap (not std::tanh): the tall tiles' rounding (block_math.h).
+      if (pb.soft_cap > 0.0f) soft_cap_tile(s, kBlockKeys, pb.soft_cap);
       const float corr = softmax_block(s, static_cast<int>(lo - k0), static_cast<int>(hi - k0),
                                        &m[r], &l[r]);
       if (pb.scales != nullptr) {  // l has the unscaled weights; p @ v_q takes p * v_scale
