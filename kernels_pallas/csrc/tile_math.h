@@ -278,11 +278,11 @@ void run_tall_item(const Problem& pb, const Item& it, float* partial_base) {
   }
 
   if (it.partial >= 0) {  // split key range: (m, l, acc) row-major for merge_partials
-    float* dst = partial_base + it.partial * (kMaxRows * (Dq + 2));
-    std::memcpy(dst, m, R * sizeof(float));
-    std::memcpy(dst + kMaxRows, l, R * sizeof(float));
+    const PartialState st = partial_state(pb, it, partial_base);
+    std::memcpy(st.m, m, R * sizeof(float));
+    std::memcpy(st.l, l, R * sizeof(float));
     for (int64_t r = 0; r < R; ++r)
-      for (int64_t d = 0; d < Dq; ++d) dst[2 * kMaxRows + r * Dq + d] = acc[d * Rp + r];
+      for (int64_t d = 0; d < Dq; ++d) st.acc[r * Dq + d] = acc[d * Rp + r];
     return;
   }
   for (int64_t r = 0; r < R; ++r) {

@@ -23,7 +23,7 @@ from jaxserve.kernels_pallas import AttentionMetadata, cpu_build
 from jaxserve.kernels_pallas.cpu import ragged_paged_attention_cpu
 from support.kernel_cases import quantized_pages
 
-PS, PAGES = 16, 12  # page size; pages per sequence (up to 192 keys)
+PS, PAGES = 16, 72  # page size; pages per sequence (up to 1,152 keys)
 
 
 def _layout(seqs: list[tuple[int, int, int]], t_pad: int) -> AttentionMetadata:
@@ -50,21 +50,26 @@ def _placements(pos: int) -> list[tuple[str, list[tuple[int, int, int]], int, in
         ("verify 1 + 5 beside a decode", [(pos + 6, 6, mine), (40, 1, other)], 16, 0),
         ("prefill chunk of 30", [(pos + 20, 30, mine)], 32, 10),
         ("behind another sequence", [(90, 3, other), (pos + 1, 4, mine)], 8, 3 + 3),
+        ("beside a long one", [(pos + 1, 1, mine), (PAGES * PS - 5, 2, other)], 4, 0),
     ]
 
 
 @pytest.mark.parametrize("isa", [isa for isa, _ in cpu_build.attention_variants()])
-@pytest.mark.parametrize("dtype,hq,hkv,window,cap", [
-    ("float32", 9, 3, None, None),
-    ("bfloat16", 9, 3, None, None),
-    ("int8", 9, 3, None, None),
-    ("bfloat16", 8, 1, None, None),
-    ("float32", 4, 2, 37, 30.0),
+@pytest.mark.parametrize("dtype,hq,hkv,window,cap,pos", [
+    ("float32", 9, 3, None, None, 100),  # keys in four blocks of 32, a partial last one
+    ("bfloat16", 9, 3, None, None, 100),
+    ("int8", 9, 3, None, None, 100),
+    ("bfloat16", 8, 1, None, None, 100),
+    ("float32", 4, 2, 37, 30.0, 100),
+    # Past the kernel's key-range cut at 1,024 (attention_plan.h's kSplitKeys): 1,023 alone
+    # is one part, in a verification its tile's range crosses the cut; 1,100 is two parts.
+    ("float32", 9, 3, None, None, 1023),
+    ("bfloat16", 9, 3, None, None, 1100),
 ])
 def test_a_row_is_the_same_in_every_tile(dtype: str, hq: int, hkv: int, window: int | None,
-                                          cap: float | None, isa: str) -> None:
+                                          cap: float | None, pos: int, isa: str) -> None:
     rng = np.random.default_rng(7)
-    d, pos = 64, 100  # position 100: keys in four blocks of 32, a partial last one
+    d = 64
     num_pages = 1 + 2 * PAGES
     pages = jnp.asarray(rng.normal(size=(num_pages, 2 * hkv, PS, d)), jnp.float32)
     pages = (quantized_pages(pages, jnp.int8) if dtype == "int8"
