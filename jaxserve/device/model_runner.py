@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +79,8 @@ def forward_step(params: ModelParams, kv_pages: KVPages, inputs: StepInputs, fee
                        attn_impl, mesh, expert_parallel, aux_layers=aux_layers)
     hidden, kv_pages = out[0], out[1]
     aux = out[2] if aux_layers else None  # type: ignore[misc]
+    if aux is not None and mesh is not None:  # the head runs replicated: one known layout
+        aux = jax.lax.with_sharding_constraint(aux, placement.replicated(mesh))
     return kv_pages, lm_logits(cfg, params, hidden[inputs.logits_indices]), hidden, aux
 
 
@@ -120,8 +122,9 @@ def to_step_inputs(b: StepBatch) -> StepTree:
                       md=md, logits_indices=f.logits_indices), st, plp
 
 
-def place_inputs(tree: StepTree, sharding: NamedSharding | None) -> StepTree:
-    """The step's numpy inputs on device (replicated over the mesh when there is one).
+def place_inputs(tree: Any, sharding: NamedSharding | None) -> Any:
+    """The step's numpy inputs (any pytree of arrays: a drafter's params and rounds too) on
+    device (replicated over the mesh when there is one).
 
     Over several processes each process builds its own copies from its (identical) numpy
     arrays: `jax.device_put` would first compare every leaf across processes, one blocking

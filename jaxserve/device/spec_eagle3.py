@@ -24,7 +24,9 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Sharding
 
+from jaxserve.device.model_runner import place_inputs
 from jaxserve.device.spec_draft import (DraftRound, DraftSeq, chain_step_metadata,
                                         empty_round, pack_round)
 from jaxserve.kernels_pallas import KVPages
@@ -53,7 +55,10 @@ def eagle3_round(params: Eagle3Params, kv_pages: KVPages, rnd: DraftRound, aux: 
     out, kv_pages = eagle3_hidden(params, kv_pages, rnd.token_ids, hidden, rnd.positions,
                                   rnd.md, cfg, target_embed, attn_impl)
     h = out[rnd.last_rows]
-    proposals = jnp.zeros((S, k), jnp.int32).at[:, 0].set(propose(h))
+    # Catch-up only: no draft logits either (the lm_head over S rows is most of a small
+    # round's cost); an XLA conditional runs one branch.
+    first = jax.lax.cond(chain, propose, lambda h: jnp.zeros(S, jnp.int32), h)
+    proposals = jnp.zeros((S, k), jnp.int32).at[:, 0].set(first)
     pos0 = rnd.positions[rnd.last_rows] + 1
 
     def chain_step(j: jax.Array, carry: tuple[jax.Array, jax.Array, KVPages]
@@ -82,23 +87,27 @@ class Eagle3Proposer:
                  kv_dtype: Any, k: int, buckets: Sequence[tuple[int, int]],
                  max_pages_per_seq: int, target_embed: Any = None,
                  attn_impl: str = "reference", kv_head_dim: int | None = None,
-                 aux_dtype: Any = jnp.float32):
+                 aux_dtype: Any = jnp.float32, sharding: Sharding | None = None):
         """As `DraftModelProposer`; `target_embed`: the target's embedding (`params.embed`),
         used when the head has none (`load_eagle3` then gives `params.embed` None);
-        `aux_dtype`: the dtype of the target step's aux output (the target's activations)."""
+        `aux_dtype`: the dtype of the target step's aux output (the target's activations);
+        `sharding`: replicated over the target's mesh (its tensor-parallel devices, or a
+        data-parallel replica's): the head's params, pages and rounds, and the target
+        step's aux output (`model_runner.forward_step`); None: the default device."""
         if k < 1:
             raise ValueError(f"num_speculative_tokens={k} must be at least 1")
         if params.embed is None and target_embed is None:
             raise ValueError("the EAGLE-3 head has no embed_tokens.weight: pass the target's "
                              "embedding as target_embed")
-        self.cfg, self.params, self.k = cfg, params, k
+        self.cfg, self.params, self.k = cfg, place_inputs(params, sharding), k
+        self.sharding = sharding
         self.target_embed = None if params.embed is not None else target_embed
         self.page_size, self.max_pages_per_seq = page_size, max_pages_per_seq
         self.buckets = tuple(sorted(buckets))
         self.attn_impl = attn_impl
         self.aux_dtype = aux_dtype
-        self.kv_pages: KVPages = init_eagle3_kv(cfg, num_pages, page_size, kv_dtype,
-                                                kv_head_dim)
+        self.kv_pages: KVPages = place_inputs(
+            init_eagle3_kv(cfg, num_pages, page_size, kv_dtype, kv_head_dim), sharding)
 
     def pack(self, seqs: Sequence[DraftSeq], num_tokens: int) -> DraftRound:
         """Per-sequence rows (with their aux rows) -> numpy inputs in the token bucket
@@ -114,7 +123,8 @@ class Eagle3Proposer:
             raise ValueError(f"aux has {aux.shape[0]} rows; the round was packed for the token "
                              f"bucket {rnd.token_ids.shape[0]}")
         proposals, self.kv_pages = eagle3_round_jit(
-            self.params, self.kv_pages, jax.device_put(rnd), aux, cfg=self.cfg, k=self.k,
+            self.params, self.kv_pages, place_inputs(rnd, self.sharding), aux, cfg=self.cfg,
+            k=self.k,
             target_embed=self.target_embed, attn_impl=self.attn_impl,
             chain=np.bool_(chain))
         return proposals
@@ -123,8 +133,9 @@ class Eagle3Proposer:
         """Compile the round of every bucket ahead of time, as `propose` calls it."""
         width = NUM_AUX * self.cfg.target_hidden_size
         for t, s in self.buckets:
-            rnd = jax.device_put(empty_round(t, s, self.max_pages_per_seq, eagle3=True))
-            aux = jax.ShapeDtypeStruct((t, width), self.aux_dtype)
+            rnd = place_inputs(empty_round(t, s, self.max_pages_per_seq, eagle3=True),
+                               self.sharding)
+            aux = jax.ShapeDtypeStruct((t, width), self.aux_dtype, sharding=self.sharding)
             eagle3_round_jit.lower(self.params, self.kv_pages, rnd, aux, cfg=self.cfg,
                                    k=self.k, target_embed=self.target_embed,
                                    attn_impl=self.attn_impl, chain=np.bool_(True)).compile()

@@ -37,9 +37,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence as GenericSequence
 
-import numpy as np
-
-from jaxserve.device.spec_draft import DraftSeq
+from jaxserve.device.spec_draft import DraftSeq, proposals_to_host
 from jaxserve.device.spec_eagle3 import Eagle3Proposer
 from jaxserve.engine.scheduled import SchedulerOutput
 from jaxserve.engine.sequence import Sequence
@@ -118,7 +116,7 @@ class Eagle3EngineProposer:
         proposals = self.drafter.propose(rnd, step.aux, chain=bool(asked))
         self.num_rounds += 1
         if asked:
-            host = np.asarray(proposals)
+            host = proposals_to_host(proposals)
             for i, j in asked:
                 out[i] = host[j].tolist()
         return out

@@ -19,10 +19,13 @@ the build sizes the KV pages with the head's one layer per page id (`kv_config`)
 `proposer(...)`: an `Eagle3Proposer` (rounds compiled per token bucket of the engine's: the
 aux rows index the target step's token axis) behind `eagle3_proposer.Eagle3EngineProposer`.
 
-Refused by name (ValueError): a draft model or head with tensor parallelism, several
-processes or data parallelism (the drafter runs unsharded on the first local device), and a
-target with KV groups (sliding-window layers: its sequences' pages are per group; the
-drafter reads one block table).
+Under tensor parallelism the drafter is not split: its params, pages and rounds are
+replicated over the target's mesh (every device runs the whole draft or head; the target
+step's aux output is made replicated too); each data-parallel replica gets its own copy on
+its devices; over several processes every process builds the same drafter
+(`build.build_follower`) and process 0 announces each round (`device/multihost_spec.py`).
+Refused by name (ValueError): a target with KV groups (sliding-window layers: its
+sequences' pages are per group; the drafter reads one block table).
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, Sharding
 
 from jaxserve.config import EngineConfig
 from jaxserve.device.spec_draft import check_draft_config, round_buckets
 from jaxserve.device.spec_draft_model import DraftModelProposer
 from jaxserve.device.spec_eagle3 import Eagle3Proposer
 from jaxserve.engine.sizing import EnginePlan
+from jaxserve.models import placement
 from jaxserve.models.blocks import embed
 from jaxserve.models.config import ConfigError, ModelConfig
 from jaxserve.models.eagle3 import Eagle3Params, load_eagle3
@@ -72,18 +77,6 @@ def wants_head(config: EngineConfig) -> bool:
     return spec is not None and spec.method == "eagle3"
 
 
-def check_supported(config: EngineConfig) -> None:
-    """Refuse (ValueError naming the option) a draft model or head where the build cannot
-    run one."""
-    if not (wants_draft(config) or wants_head(config)):
-        return
-    why = ("tensor_parallel_size > 1" if config.tensor_parallel_size > 1 else
-           "data_parallel_size > 1" if config.data_parallel_size > 1 else
-           "several processes (jax.distributed)" if jax.process_count() > 1 else None)
-    if why is not None:
-        method = config.speculative_config.method  # type: ignore[union-attr]
-        raise ValueError(f"speculative_config method {method!r} is not supported with "
-                         f"{why}: the draft runs unsharded on one device")
 
 
 def load_drafter(config: EngineConfig, target_model: LoadedModel, quant: WeightQuant,
@@ -129,23 +122,28 @@ def aux_layers(drafter: Drafter | None, target: ModelConfig) -> tuple[int, ...]:
 
 def proposer(config: EngineConfig, plan: EnginePlan, drafter: Drafter | None,
              target: ModelConfig, target_params: Any, kv_dtype: Any, attn_impl: str | None,
-             kv_head_dim: int | None) -> Proposer | None:
-    """The engine's proposer over `drafter` (KV pages: the target's count and page size);
-    None without one. `build.warm_up` compiles its rounds (`Engine.warmup_proposer`)."""
+             kv_head_dim: int | None, mesh: Mesh | None = None) -> Proposer | None:
+    """The engine's proposer over `drafter` (KV pages: the target's count and page size),
+    placed beside the target: replicated over its `mesh` (tensor parallelism, and every
+    data-parallel replica, whose devices are a mesh), else on the default device; None
+    without a drafter. `build.warm_up` compiles its rounds (`Engine.warmup_proposer`)."""
     if drafter is None or attn_impl is None:
         return None
+    sharding = None if mesh is None else placement.replicated(mesh)
     if isinstance(drafter, LoadedModel):
-        return draft_proposer(config, plan, drafter, target, kv_dtype, attn_impl, kv_head_dim)
+        return draft_proposer(config, plan, drafter, target, kv_dtype, attn_impl, kv_head_dim,
+                              sharding)
     k = config.speculative_config.num_speculative_tokens  # type: ignore[union-attr]
     shape = plan.batch_shape
-    widest = {t: s for t, s in sorted(shape.buckets)}  # the seqs a round of t rows packs
+    pairs = eagle3_buckets(plan, k)
     # The aux states' dtype is the step's activations': the embedding's output.
     aux_dtype = jax.eval_shape(lambda p: embed(p, jnp.zeros(1, jnp.int32), target.embed_scale),
                                target_params).dtype
     head = Eagle3Proposer(drafter.cfg, drafter.params, plan.scheduler.num_pages,
-                          shape.page_size, kv_dtype, k, tuple(widest.items()),
+                          shape.page_size, kv_dtype, k, pairs,
                           shape.max_pages_per_seq, target_embed=target_params.embed,
-                          attn_impl=attn_impl, kv_head_dim=kv_head_dim, aux_dtype=aux_dtype)
+                          attn_impl=attn_impl, kv_head_dim=kv_head_dim, aux_dtype=aux_dtype,
+                          sharding=sharding)
     return Eagle3EngineProposer(head)
 
 
@@ -153,7 +151,6 @@ def _target_checked(config: EngineConfig, target_model: LoadedModel
                     ) -> tuple[str, ModelConfig, str]:
     """(the drafter's path, the target's config, its name), once the build and the target
     are ones a drafter runs beside (ValueError naming the method otherwise)."""
-    check_supported(config)
     spec = config.speculative_config
     assert spec is not None and spec.model is not None
     target, target_name = target_model.config, str(target_model.source)
@@ -186,6 +183,27 @@ def load_draft(config: EngineConfig, target_model: LoadedModel, quant: WeightQua
     return dataclasses.replace(draft, params=prepare(draft.params))
 
 
+def eagle3_buckets(plan: EnginePlan, k: int) -> tuple[tuple[int, int], ...]:
+    """An EAGLE-3 round's (tokens, seqs) buckets: every token bucket of the target's step
+    (the aux rows index its token axis) with its own seqs bucket, plus, for each power of
+    two s below the back-off (`speculative_max_running`: more sequences never speculate),
+    s paired with the token buckets up to the first that holds s speculating rows of
+    k + 1 tokens: a round of a few speculating sequences then runs its chain and draft
+    logits over s rows, not over the step's widest seqs bucket (a step of one decode
+    verifying 3 proposals is a bucket of 8 rows, and the chain costs per row)."""
+    widest = dict(sorted(plan.batch_shape.buckets))  # token bucket -> its largest seqs
+    pairs = set(widest.items())
+    s = 1
+    while s < plan.speculative_max_running:
+        for t in sorted(widest):
+            if s < widest[t]:
+                pairs.add((t, s))
+            if t >= s * (k + 1):
+                break
+        s *= 2
+    return tuple(sorted(pairs))
+
+
 def draft_buckets(plan: EnginePlan, k: int) -> tuple[tuple[int, int], ...]:
     """The rounds' (tokens, seqs) buckets: the engine's token buckets, each with at most as
     many sequences as may speculate in one step (the step's sampler rows are more), plus
@@ -197,7 +215,8 @@ def draft_buckets(plan: EnginePlan, k: int) -> tuple[tuple[int, int], ...]:
 
 def draft_proposer(config: EngineConfig, plan: EnginePlan, draft: LoadedModel,
                    target: ModelConfig, kv_dtype: Any, attn_impl: str,
-                   kv_head_dim: int | None) -> DraftModelEngineProposer:
+                   kv_head_dim: int | None, sharding: Sharding | None = None
+                   ) -> DraftModelEngineProposer:
     """The engine's proposer over `draft` (KV pages: the target's count and page size);
     `build.warm_up` compiles its rounds (`Engine.warmup_proposer`) before arming the
     compile guard."""
@@ -206,5 +225,6 @@ def draft_proposer(config: EngineConfig, plan: EnginePlan, draft: LoadedModel,
     drafter = DraftModelProposer(draft.config, draft.params, plan.scheduler.num_pages,
                                  shape.page_size, kv_dtype, k, draft_buckets(plan, k),
                                  shape.max_pages_per_seq, attn_impl=attn_impl,
-                                 target_cfg=target, kv_head_dim=kv_head_dim)
+                                 target_cfg=target, kv_head_dim=kv_head_dim,
+                                 sharding=sharding)
     return DraftModelEngineProposer(drafter)

@@ -201,13 +201,9 @@ def test_refuses_a_bad_path_and_another_vocabulary(dirs: dict[str, pathlib.Path]
                               attention_impl="reference")
         with pytest.raises(ValueError, match=match):
             build_engine(config, tiny_model(), warmup=False, progress=False)
-    with pytest.raises(ValueError, match="draft_model.*tensor_parallel_size=2"):
-        EngineConfig(speculative_config=draft_spec(dirs["same"]), tensor_parallel_size=2)
-    config = EngineConfig(speculative_config=draft_spec(dirs["same"]), max_model_len=64,
-                          data_parallel_size=2, attention_impl="reference")
-    with pytest.raises(ValueError, match="draft_model.*data_parallel_size"):
-        from jaxserve.serving.build import build_engines
-        build_engines(config, tiny_model(), warmup=False, progress=False)
+    split = dataclasses.replace(draft_spec(dirs["same"]), draft_tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size=2: the draft is not split"):
+        EngineConfig(speculative_config=split, tensor_parallel_size=2)
 
 
 def test_pages_cost_the_drafts_bytes_too() -> None:

@@ -19,6 +19,7 @@ Every run checks that no KV page leaked and nothing compiled after warmup.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import jax
@@ -35,7 +36,6 @@ from jaxserve.config import EngineConfig, SpeculativeConfig
 from jaxserve.device.spec_draft import DraftSeq, pack_round
 from jaxserve.engine.engine import Engine
 from jaxserve.models import paged
-from jaxserve.serving import spec_build
 from jaxserve.serving.build import build_engine
 from jaxserve.serving.eagle3_proposer import Eagle3EngineProposer
 
@@ -147,24 +147,53 @@ def _greedy(eng: Engine, max_tokens: list[int]) -> Recorded:
     return rec
 
 
-def test_greedy_equals_rollout_and_every_proposal_the_oracle(head_dir: pathlib.Path) -> None:
-    """k = 3, backing off above 2 running sequences: the first steps only catch up (4
-    requests), speculation starts as they finish (staggered max_tokens)."""
-    eng = tiny_engine(speculative_config=eagle_spec(head_dir, 3, disable_by_batch_size=3),
-                      **SHARED)
-    rec = _greedy(eng, [24, 12, 6, 18])
-    assert check_proposals(rec.made, head_weights()) >= len(rec.made)  # most chains start right
-
-
-@pytest.mark.parametrize("k", [pytest.param(1, marks=slow(
-    "k=1 on the default configuration: k=3 and k=5 (with preemption) run by default")), 5])
-def test_other_k_under_preemption(head_dir: pathlib.Path, k: int) -> None:
-    """Pages for ~2 sequences: preemption mid-speculation recomputes the head's rows too;
-    the synchronous core (no overlapped pipeline)."""
-    spec = eagle_spec(head_dir, k, disable_by_batch_size=17)
+def preempting(spec: SpeculativeConfig, **cfg: object) -> Engine:
+    """An engine of SHARED's with pages for ~2 of the test's sequences: they preempt each
+    other mid-speculation (the head's rows are recomputed with the target's)."""
     probe = tiny_engine(speculative_config=spec, warmup=False, **SHARED)
-    eng = tiny_engine(speculative_config=spec, async_scheduling=False, **(SHARED | dict(
-        kv_cache_memory=28 * probe.plan.kv_bytes_per_page)))
+    return tiny_engine(speculative_config=spec, **(SHARED | dict(
+        kv_cache_memory=28 * probe.plan.kv_bytes_per_page) | cfg))
+
+
+@pytest.fixture(scope="module")
+def k3(head_dir: pathlib.Path) -> Engine:
+    """k = 3, backing off at 3 running sequences, preempting."""
+    return preempting(eagle_spec(head_dir, 3, disable_by_batch_size=3))
+
+
+def test_greedy_equals_rollout_and_every_proposal_the_oracle(k3: Engine) -> None:
+    """The first steps only catch up (4 requests: backed off), speculation starts as they
+    finish (staggered max_tokens); sequences are preempted on the way."""
+    rec = _greedy(k3, [24, 12, 6, 18])
+    assert k3.stats().num_preemptions > 0
+    assert check_proposals(rec.made, head_weights()) >= len(rec.made)  # most chains start right
+    del rec.proposer.propose  # the recorder off: the class's method again
+
+
+def test_abort_mid_speculation_leaks_no_page(k3: Engine) -> None:
+    """Requests aborted while their verification steps are in flight: every page comes back
+    and the head's next round skips them."""
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i in range(2):
+        k3.add_request(f"a{i}", PROMPTS[i], sp)
+    drafts = k3.stats().spec_num_draft_tokens
+    while k3.stats().spec_num_draft_tokens == drafts:
+        k3.step()
+    for i in range(2):
+        k3.abort(f"a{i}")
+    while k3.has_unfinished():
+        k3.step()
+    alloc = k3.scheduler.allocator
+    assert alloc.num_free_pages == alloc.num_usable_pages
+    # The engine goes on serving: greedy still equals the rollout afterwards.
+    finals = run_checked(k3, [PROMPTS[2]], [dataclasses.replace(sp, max_tokens=8)])
+    assert finals["r0"].outputs[0].token_ids == rollout(tiny_model(), PROMPTS[2], 8)
+
+
+@pytest.mark.parametrize("k", [1, 5])
+@slow("another engine build per k: k = 3 (pipelined, preempting, backing off) runs by default")
+def test_other_k_on_the_synchronous_core(head_dir: pathlib.Path, k: int) -> None:
+    eng = preempting(eagle_spec(head_dir, k, disable_by_batch_size=17), async_scheduling=False)
     rec = _greedy(eng, [24, 12, 20, 18])
     assert eng.stats().num_preemptions > 0
     assert check_proposals(rec.made, head_weights()) >= len(rec.made)
@@ -188,11 +217,3 @@ def test_a_head_that_does_not_fit_is_refused_naming_it(tmp_path: pathlib.Path,
         build_engine(config, tiny_model(), warmup=False, progress=False)
     for w in words:
         assert w in str(e.value)
-
-
-@pytest.mark.parametrize("option", ["tensor_parallel_size", "data_parallel_size"])
-def test_sharded_targets_are_refused_by_name(head_dir: pathlib.Path, option: str) -> None:
-    config = EngineConfig(speculative_config=eagle_spec(head_dir, 2), max_model_len=64,
-                          attention_impl="reference", **{option: 2})
-    with pytest.raises(ValueError, match=f"'eagle3' is not supported with {option}"):
-        spec_build.check_supported(config)
