@@ -47,12 +47,34 @@ class AttnFn(Protocol):
 
 
 # ------------------------------------------------------------------------------------- norms
+def row_sum(v: jax.Array) -> jax.Array:
+    """sum over the last axis [..., n] -> [..., 1], in one fixed order whatever the leading
+    shape: zero-padded to a power of two, then halved (first half + second half) down to one.
+
+    Why not `jnp.sum`: XLA may order a reduction's adds by the whole array's shape, so a row's
+    sum could change in its last bit with the number of rows in the step's bucket (a decode
+    of one token vs a speculative verification of several, or with padding rows). Greedy
+    decoding must not depend on that: with int8 activations or bfloat16 K/V, one bit of
+    difference can flip a rounding and grow into another token. Elementwise adds of slices
+    are never reassociated, so each row is summed the same way in every shape."""
+    n = v.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, width - n)])
+    while width > 1:
+        width //= 2
+        v = v[..., :width] + v[..., width:]
+    return v
+
+
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float,
              offset: float = 0.0) -> jax.Array:
     """RMSNorm computed in float32 (as HF does), scaled by (offset + weight), in x's dtype;
-    weight None: no scale (Gemma 4's value norm)."""
+    weight None: no scale (Gemma 4's value norm). The mean of squares is `row_sum`'s: a row
+    normalises to the same bits whatever the other rows of the step."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    ms = row_sum(xf * xf) * jnp.float32(1.0 / x.shape[-1])
+    xf = xf * jax.lax.rsqrt(ms + eps)
     if weight is None:
         return xf.astype(x.dtype)
     w = weight.astype(jnp.float32)

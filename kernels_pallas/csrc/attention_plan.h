@@ -15,7 +15,11 @@
 namespace jaxserve_cpu_attention {
 
 constexpr int kMaxRows = 64;          // query rows per tile (tokens x heads of a group)
-constexpr int64_t kMinSplitKeys = 512;  // a split key range is at least this long
+// An item's key range is cut at every multiple of kSplitKeys it crosses: the parts run on
+// their own threads (a few long sequences still fill the pool) and their softmax states are
+// merged. The cut depends on the keys alone, never on the thread count or the batch, so a
+// query row is split, and rounded, alike in every call (batch invariance, block_math.h).
+constexpr int64_t kSplitKeys = 1024;
 
 
 // Static sizes and raw pointers of one call.
@@ -41,32 +45,44 @@ inline float inv_denominator(const Problem& pb, int64_t q_head, float m, float l
 }
 
 // One unit of work: query tokens [tok0, tok0 + ntok) of sequence `seq` at positions
-// pos0.., kv head `head`, keys [klo, khi). partial < 0: write out; else partial-state slot.
+// pos0.., kv head `head`, keys [klo, khi). partial < 0: write out; else the offset (floats)
+// of its partial state: m [R], l [R], acc [R][Dq] for its R = ntok * G rows.
 struct Item {
   int64_t seq, head, tok0, ntok, pos0, klo, khi, cost;
   int64_t partial;
 };
 
+// Where a split part's rows' state goes: m at [0, R), l at [R, 2R), acc rows from 2R.
+struct PartialState {
+  float *m, *l, *acc;
+};
+inline PartialState partial_state(const Problem& pb, const Item& it, float* base) {
+  const int64_t R = it.ntok * pb.G;
+  float* p = base + it.partial;
+  return {p, p + R, p + 2 * R};
+}
+
 // Merge the partial states of items [first, first + n) (same tile, disjoint key ranges).
 void merge_partials(const Problem& pb, const std::vector<Item>& items, size_t first, size_t n,
-                    const float* partial_base) {
+                    float* partial_base) {
   const Item& it = items[first];
-  const int64_t G = pb.G, Dq = pb.Dq, R = it.ntok * G, stride = kMaxRows * (Dq + 2);
+  const int64_t G = pb.G, Dq = pb.Dq, R = it.ntok * G;
   for (int64_t r = 0; r < R; ++r) {
     float mx = kNegInf;
     for (size_t i = 0; i < n; ++i) {
-      mx = std::max(mx, partial_base[items[first + i].partial * stride + r]);
+      mx = std::max(mx, partial_state(pb, items[first + i], partial_base).m[r]);
     }
     const int64_t t = r / G, g = r % G;
     float* dst = pb.out + ((it.tok0 + t) * pb.Hq + it.head * G + g) * Dq;
     std::fill(dst, dst + Dq, 0.0f);
     float l = 0.0f;
     for (size_t i = 0; i < n; ++i) {
-      const float* st = partial_base + items[first + i].partial * stride;
-      if (st[r] == kNegInf) continue;  // this part saw no key of row r
-      const float w = exp_nonpos(st[r] - mx);
-      l += w * st[kMaxRows + r];
-      const float* a = st + 2 * kMaxRows + r * Dq;
+      const PartialState st = partial_state(pb, items[first + i], partial_base);
+      if (st.m[r] == kNegInf) continue;  // this part saw no key of row r
+      // One live part: w = exp(0) = 1 exactly, so the row equals its unsplit result.
+      const float w = exp_nonpos(st.m[r] - mx);
+      l += w * st.l[r];
+      const float* a = st.acc + r * Dq;
       for (int64_t d = 0; d < Dq; ++d) dst[d] += w * a[d];
     }
     const float inv = inv_denominator(pb, it.head * G + g, mx, l);
@@ -74,12 +90,13 @@ void merge_partials(const Problem& pb, const std::vector<Item>& items, size_t fi
   }
 }
 
-// Plan the call's items: tiles of every live sequence and kv head, split by key range when
-// there are fewer tiles than 2 per thread. Returns the number of partial-state slots used.
+// Plan the call's items: tiles of every live sequence and kv head, each cut at the multiples
+// of kSplitKeys its key range crosses. Returns the floats of partial state the parts need.
 int64_t plan_items(const Problem& pb, const int32_t* kv_lens, const int32_t* cu, int64_t live,
-                   int64_t threads, std::vector<Item>* items) {
+                   std::vector<Item>* items) {
   const int64_t tile_tokens = std::max<int64_t>(1, kMaxRows / pb.G);
   const int64_t key_cap = pb.max_pages * pb.ps;
+  int64_t floats = 0;
   for (int64_t s = 0; s < live; ++s) {
     const int64_t start = std::clamp<int64_t>(cu[s], 0, pb.T);
     const int64_t end = std::clamp<int64_t>(cu[s + 1], start, pb.T);
@@ -92,31 +109,22 @@ int64_t plan_items(const Problem& pb, const int32_t* kv_lens, const int32_t* cu,
       const int64_t khi = std::min(pos0 + ntok, kv_len);
       const int64_t klo = pb.window > 0 ? std::max<int64_t>(0, pos0 - pb.window + 1) : 0;
       if (khi <= klo) continue;
+      const bool split = klo / kSplitKeys != (khi - 1) / kSplitKeys;
       for (int64_t h = 0; h < pb.Hkv; ++h) {
-        items->push_back({s, h, start + t0, ntok, pos0, klo, khi, (khi - klo) * ntok, -1});
+        if (!split) {
+          items->push_back({s, h, start + t0, ntok, pos0, klo, khi, (khi - klo) * ntok, -1});
+          continue;
+        }
+        for (int64_t lo = klo; lo < khi;) {
+          const int64_t hi = std::min(khi, (lo / kSplitKeys + 1) * kSplitKeys);
+          items->push_back({s, h, start + t0, ntok, pos0, lo, hi, (hi - lo) * ntok, floats});
+          floats += ntok * pb.G * (pb.Dq + 2);
+          lo = hi;
+        }
       }
     }
   }
-  const int64_t want = 2 * threads, n = static_cast<int64_t>(items->size());
-  int64_t slots = 0;
-  if (n == 0 || n >= want) return 0;
-  std::vector<Item> split;
-  for (const Item& it : *items) {
-    const int64_t keys = it.khi - it.klo;
-    const int64_t parts = std::clamp<int64_t>(keys / kMinSplitKeys, 1, (want + n - 1) / n);
-    if (parts == 1) { split.push_back(it); continue; }
-    const int64_t step = (keys + parts - 1) / parts;
-    for (int64_t lo = it.klo; lo < it.khi; lo += step) {
-      Item part = it;
-      part.klo = lo;
-      part.khi = std::min(it.khi, lo + step);
-      part.cost = (part.khi - part.klo) * it.ntok;
-      part.partial = slots++;
-      split.push_back(part);
-    }
-  }
-  items->swap(split);
-  return slots;
+  return floats;
 }
 
 }  // namespace jaxserve_cpu_attention

@@ -5,9 +5,21 @@
 // flight); elsewhere portable loops compute the same thing. Page values load as f32 from
 // f32, bf16, f16, int8 or float8_e4m3fn (kv_quant.h); quantized pages' scales are applied by
 // the caller (scores x K scale, weights x V scale).
+//
+// Batch invariance: a query row's result must not depend on the tile it is in (a decode's
+// one-token tile here, a speculative verification's or a prefill chunk's tall tile in
+// tile_math.h), or greedy decoding would change with speculation, padding or the batch.
+// So both paths round exactly alike, per (row, key) and per row: the score q . k is the sum
+// of 16 strided chains (lane i of `a`: d = i, 16 + i, ...; of `b`: d = 8 + i, 24 + i, ...;
+// each an FMA chain in d order), added a + b then summed as hsum8's tree, then the d past
+// the last 8 by FMA; the block's weight sum is 8 chains (keys j = i, i + 8, ...) in hsum8's
+// tree; l = fma(l, corr, sum); exp is exp_nonpos8's arithmetic (Simd::exp repeats it); PV
+// is acc * corr then one FMA per key in key order. tile_math.h computes those same
+// roundings with the rows as lanes (test_paged_attention_cpu's batch-invariance cases).
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -164,7 +176,7 @@ inline void qk_direct(const KV* const* krow, int64_t nk, const float* q, int64_t
         d += 8;
       }
       float s = hsum8(_mm256_add_ps(a, b));
-      for (; d < Dq; ++d) s += qr[d] * load(k, d);
+      for (; d < Dq; ++d) s = std::fma(qr[d], load(k, d), s);
       sc[r * kBlockKeys + j] = s;
     }
   }
@@ -192,9 +204,11 @@ inline float softmax_block(float* s, int jlo, int jhi, float* m, float* l) {
     _mm256_storeu_ps(s + 8 * b, p);
     sum = _mm256_add_ps(sum, p);
   }
-  const float corr = *m == kNegInf ? 0.0f : exp_nonpos(*m - mx);
+  // exp_nonpos8's rounding (the tall tiles' Simd::exp), not the scalar exp_nonpos's.
+  const float corr =
+      *m == kNegInf ? 0.0f : _mm256_cvtss_f32(exp_nonpos8(_mm256_set1_ps(*m - mx)));
   *m = mx;
-  *l = *l * corr + hsum8(sum);
+  *l = std::fma(*l, corr, hsum8(sum));
   return corr;
 }
 
@@ -222,7 +236,7 @@ inline void pv_row(float* acc, const float* p, const float* const* vrow, int64_t
   }
   for (; d0 < Dq; ++d0) {
     float a = acc[d0] * corr;
-    for (int64_t j = jlo; j < jhi; ++j) a += p[j] * vrow[j][d0];
+    for (int64_t j = jlo; j < jhi; ++j) a = std::fma(p[j], vrow[j][d0], a);
     acc[d0] = a;
   }
 }
@@ -232,28 +246,46 @@ inline void convert_row(const KV* src, int64_t n, float* dst) {
   for (int64_t d = 0; d < n; ++d) dst[d] = load(src, d);
 }
 
+// hsum8's tree over 8 partial sums.
+inline float tree8(const float* v) {
+  return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
+
+// The AVX2 path's roundings (see the header), one lane at a time.
 template <typename KV>
 inline void qk_direct(const KV* const* krow, int64_t nk, const float* q, int64_t R, int64_t Dq,
                       float* sc) {
+  const int64_t d16 = Dq / 16 * 16, d8 = Dq / 8 * 8;
   for (int64_t j = 0; j < nk; ++j) {
     for (int64_t r = 0; r < R; ++r) {
-      float s = 0.0f;
-      for (int64_t d = 0; d < Dq; ++d) s += q[r * Dq + d] * load(krow[j], d);
+      const float* qr = q + r * Dq;
+      float part[8];
+      for (int i = 0; i < 8; ++i) {
+        float a = 0.0f, b = 0.0f;
+        for (int64_t d = 0; d < d16; d += 16) {
+          a = std::fma(qr[d + i], load(krow[j], d + i), a);
+          b = std::fma(qr[d + 8 + i], load(krow[j], d + 8 + i), b);
+        }
+        if (d8 > d16) a = std::fma(qr[d16 + i], load(krow[j], d16 + i), a);
+        part[i] = a + b;
+      }
+      float s = tree8(part);
+      for (int64_t d = d8; d < Dq; ++d) s = std::fma(qr[d], load(krow[j], d), s);
       sc[r * kBlockKeys + j] = s;
     }
   }
 }
 
 inline float softmax_block(float* s, int jlo, int jhi, float* m, float* l) {
-  float mx = *m, sum = 0.0f;
+  float mx = *m, part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (int j = jlo; j < jhi; ++j) mx = std::max(mx, s[j]);
   for (int j = 0; j < kBlockKeys; ++j) {
     s[j] = j >= jlo && j < jhi ? exp_nonpos(s[j] - mx) : 0.0f;
-    sum += s[j];
+    part[j % 8] += s[j];
   }
   const float corr = *m == kNegInf ? 0.0f : exp_nonpos(*m - mx);
   *m = mx;
-  *l = *l * corr + sum;
+  *l = std::fma(*l, corr, tree8(part));
   return corr;
 }
 
@@ -261,7 +293,7 @@ inline void pv_row(float* acc, const float* p, const float* const* vrow, int64_t
                    int64_t jhi, int64_t Dq, float corr) {
   for (int64_t d = 0; d < Dq; ++d) acc[d] *= corr;
   for (int64_t j = jlo; j < jhi; ++j) {
-    for (int64_t d = 0; d < Dq; ++d) acc[d] += p[j] * vrow[j][d];
+    for (int64_t d = 0; d < Dq; ++d) acc[d] = std::fma(p[j], vrow[j][d], acc[d]);
   }
 }
 #endif

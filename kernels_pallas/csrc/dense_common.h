@@ -30,7 +30,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -51,6 +51,18 @@ constexpr int64_t kKBlock = 192;
 
 inline v8 load8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 inline v8 splat(float s) { return v8{s, s, s, s, s, s, s, s}; }
+// a * b + c rounded once where the ISA has FMA: spelled out rather than left to the
+// compiler's contraction, so every path that must round alike (dense_quant_cpu.cc's few-row
+// path and the float tile) does, whatever the compiler decides elsewhere.
+inline v8 fma8(v8 a, v8 b, v8 c) {
+#if defined(__FMA__)
+  return reinterpret_cast<v8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a),
+                                              reinterpret_cast<__m256>(b),
+                                              reinterpret_cast<__m256>(c)));
+#else
+  return a * b + c;
+#endif
+}
 
 // out[r, 0:16] (+)= sum_{k0 <= k < k1} x[r, k] * panel[k, 0:16] for r < R (x stride K, out
 // stride ldo); `add`: accumulate onto out (a later k block) rather than overwrite it.
@@ -68,8 +80,8 @@ void block(const float* x, int64_t K, int64_t k0, int64_t k1, const float* panel
     const v8 w0 = load8(pk), w1 = load8(pk + 8);
     for (int r = 0; r < R; ++r) {
       const v8 a = splat(x[r * K + k]);
-      acc[r][0] += a * w0;
-      acc[r][1] += a * w1;
+      acc[r][0] = fma8(a, w0, acc[r][0]);
+      acc[r][1] = fma8(a, w1, acc[r][1]);
     }
   }
   for (int r = 0; r < R; ++r) std::memcpy(out + r * ldo, acc[r], sizeof(float) * kPanel);

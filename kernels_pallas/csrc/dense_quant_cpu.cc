@@ -7,10 +7,11 @@
 //   int4: panels u8[(L,) P, K / 2, 16], row 2i in the low nibble of byte row i, 2i + 1 in the
 //         high one; W[k, j] = q * scale + zero (q in 0..15)
 // scales (and int4's zeros) f32[(L,) P, K / G, 16]: one per group of G consecutive k and
-// column (G = K: one per column). Per group the kernel accumulates x . q in registers and adds
-// part * scale (+ zero * sum of x over the group) into the result, so no float weight exists
-// anywhere: the weights stream from memory at 1 byte (int8, fp8) or half a byte (int4) per
-// value, which is what a decode step of a few rows is bound by.
+// column (G = K: one per column). A few rows (a decode) dequantize each weight in registers
+// and FMA it into every row, so no float weight is stored: the weights stream from memory at
+// 1 byte (int8, fp8) or half a byte (int4) per value, which is what a decode step of a few
+// rows is bound by. Both paths round alike (dequant8, then one FMA per row in k order), so a
+// row's result does not depend on how many rows its step has.
 //
 // fp8 e4m3fn -> f32 without a table: the byte's sign goes to bit 15 and its 7 exponent and
 // mantissa bits to bits 7..13 of an IEEE half, which is then the fp8 value * 2^-8 exactly
@@ -131,7 +132,18 @@ struct Fp8 {
   }
 };
 
-// out[r, 0:16] = sum_k x[r, k] * W[k, panel columns] for r < R (x stride K, out stride 16).
+// One stored weight row's 8 values as floats, as both paths form them: q * scale (+ zero,
+// one rounding with the FMA).
+template <bool kZeros>
+inline v8 dequant8(v8 q, v8 s, v8 z) {
+  return kZeros ? jaxserve_dense::fma8(q, s, z) : q * s;
+}
+
+// out[r, 0:16] = sum_k x[r, k] * W[k, panel columns] for r < R (x stride K, out stride 16):
+// each weight dequantized in registers (dequant8) and one FMA per row in k order, the float
+// tile's roundings over dequantize_panel's weights, so a row's result is the same bits
+// whichever path its step's row count picks (batch invariance: greedy decoding must not
+// change with the bucket or with speculation's verification rows).
 template <int R, class D, bool kZeros>
 void block(const float* x, int64_t K, int64_t G, const uint8_t* panel, const float* scales,
            const float* zeros, float* out) {
@@ -139,33 +151,22 @@ void block(const float* x, int64_t K, int64_t G, const uint8_t* panel, const flo
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = splat(0.0f);
   constexpr int64_t ahead = kPrefetchBytes / D::kBytes * D::kUnit;  // weight rows ahead
   for (int64_t g0 = 0, gi = 0; g0 < K; g0 += G, ++gi) {
-    v8 part[R][2];
-    float xsum[R];
-    for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = splat(0.0f), xsum[r] = 0.0f;
+    const v8 s0 = load8(scales + gi * kPanel) * D::kScale;
+    const v8 s1 = load8(scales + gi * kPanel + 8) * D::kScale;
+    const v8 z0 = kZeros ? load8(zeros + gi * kPanel) : splat(0.0f);
+    const v8 z1 = kZeros ? load8(zeros + gi * kPanel + 8) : splat(0.0f);
     for (int64_t k = g0; k < g0 + G; k += D::kUnit) {
       const uint8_t* pk = panel + k / D::kUnit * D::kBytes;
       if (k + ahead < K) __builtin_prefetch(pk + ahead / D::kUnit * D::kBytes);
       v8 w[D::kUnit][2];
       D::load(pk, w);
       for (int u = 0; u < D::kUnit; ++u) {
+        const v8 lo = dequant8<kZeros>(w[u][0], s0, z0), hi = dequant8<kZeros>(w[u][1], s1, z1);
         for (int r = 0; r < R; ++r) {
-          const float xv = x[r * K + k + u];
-          const v8 a = splat(xv);
-          part[r][0] += a * w[u][0];
-          part[r][1] += a * w[u][1];
-          if (kZeros) xsum[r] += xv;
+          const v8 a = splat(x[r * K + k + u]);
+          acc[r][0] = jaxserve_dense::fma8(a, lo, acc[r][0]);
+          acc[r][1] = jaxserve_dense::fma8(a, hi, acc[r][1]);
         }
-      }
-    }
-    const float* s = scales + gi * kPanel;
-    const v8 s0 = load8(s) * D::kScale, s1 = load8(s + 8) * D::kScale;
-    for (int r = 0; r < R; ++r) {
-      acc[r][0] += part[r][0] * s0;
-      acc[r][1] += part[r][1] * s1;
-      if (kZeros) {
-        const float* z = zeros + gi * kPanel;
-        acc[r][0] += splat(xsum[r]) * load8(z);
-        acc[r][1] += splat(xsum[r]) * load8(z + 8);
       }
     }
   }
@@ -199,8 +200,7 @@ void dequantize_panel(int64_t K, int64_t G, const uint8_t* panel, const float* s
       v8 w[D::kUnit][2];
       D::load(panel + k / D::kUnit * D::kBytes, w);
       for (int u = 0; u < D::kUnit; ++u) {
-        v8 lo = w[u][0] * s0, hi = w[u][1] * s1;
-        if (kZeros) lo += z0, hi += z1;
+        const v8 lo = dequant8<kZeros>(w[u][0], s0, z0), hi = dequant8<kZeros>(w[u][1], s1, z1);
         std::memcpy(out + (k + u) * kPanel, &lo, sizeof(lo));
         std::memcpy(out + (k + u) * kPanel + 8, &hi, sizeof(hi));
       }

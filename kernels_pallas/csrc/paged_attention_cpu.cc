@@ -15,9 +15,12 @@
 // the cache is copied beyond one block. Quantized pages: the block's scores are multiplied by
 // their keys' K scales and, after the softmax step, the weights by the V scales (the
 // denominator keeps the unscaled weights). QK, an f32 online softmax and PV are fused per
-// block. Items run on XLA's intra-op thread pool, largest first; when there are fewer items
-// than threads (few long sequences) their key ranges are split and the partial softmax
-// states merged at the end. Tokens outside every live sequence get zeros. The write
+// block. Items run on XLA's intra-op thread pool, largest first; key ranges are cut at every
+// multiple of kSplitKeys (attention_plan.h: fixed boundaries, so a row rounds alike in any
+// batch; few long sequences still fill the pool) and the parts' softmax states merged at
+// the end. Short and tall tiles round alike (block_math.h's header): a query row's output
+// is the same bits in a decode, a verification, a prefill chunk or beside any other rows.
+// Tokens outside every live sequence get zeros. The write
 // (kv_write.h) stores the step's K/V rows first, quantizing them for int8 / fp8 pages
 // (kv_quant.h).
 #include <algorithm>
@@ -66,7 +69,10 @@ void run_item(const Problem& pb, const Item& it, float* partial_base) {
   }
   for (int64_t r = 0; r < R; ++r) { m[r] = kNegInf; l[r] = 0.0f; }
 
-  for (int64_t k0 = it.klo; k0 < it.khi; k0 += kBlockKeys) {
+  // Blocks at multiples of kBlockKeys, wherever the item's keys start (a sliding window's
+  // first key depends on the tile's first token): the online softmax then splits a row's
+  // keys the same way in every tile (keys before klo are masked).
+  for (int64_t k0 = it.klo / kBlockKeys * kBlockKeys; k0 < it.khi; k0 += kBlockKeys) {
     const int64_t nk = std::min<int64_t>(kBlockKeys, it.khi - k0);
     // Rows of the block's keys, page by page through the block table: the scores come
     // straight from the K rows in the pages; V is read in place (f32) or converted into a
@@ -114,11 +120,8 @@ void run_item(const Problem& pb, const Item& it, float* partial_base) {
       if (pb.window > 0) lo = std::max(lo, qpos - pb.window + 1);
       if (lo >= hi) continue;
       float* s = sc.data() + r * kBlockKeys;
-      if (pb.soft_cap > 0.0f) {
-        for (int64_t j = lo - k0; j < hi - k0; ++j) {
-          s[j] = pb.soft_cap * std::tanh(s[j] / pb.soft_cap);
-        }
-      }
+      // tile_math.h's soft cap (not std::tanh): the tall tiles' rounding (block_math.h).
+      if (pb.soft_cap > 0.0f) soft_cap_tile(s, kBlockKeys, pb.soft_cap);
       const float corr = softmax_block(s, static_cast<int>(lo - k0), static_cast<int>(hi - k0),
                                        &m[r], &l[r]);
       if (pb.scales != nullptr) {  // l has the unscaled weights; p @ v_q takes p * v_scale
@@ -129,10 +132,10 @@ void run_item(const Problem& pb, const Item& it, float* partial_base) {
   }
 
   if (it.partial >= 0) {  // split key range: keep (m, l, acc) for the merge
-    float* dst = partial_base + it.partial * (kMaxRows * (Dq + 2));
-    std::memcpy(dst, m, R * sizeof(float));
-    std::memcpy(dst + kMaxRows, l, R * sizeof(float));
-    std::memcpy(dst + 2 * kMaxRows, acc.data(), R * Dq * sizeof(float));
+    const PartialState st = partial_state(pb, it, partial_base);
+    std::memcpy(st.m, m, R * sizeof(float));
+    std::memcpy(st.l, l, R * sizeof(float));
+    std::memcpy(st.acc, acc.data(), R * Dq * sizeof(float));
     return;
   }
   for (int64_t r = 0; r < R; ++r) {
@@ -149,7 +152,7 @@ struct Work {
   Problem pb;
   std::vector<Item> items;
   std::vector<size_t> order;  // items by decreasing cost
-  std::vector<float> partials;
+  std::unique_ptr<float[]> partials;  // split parts' states, written before they are read
   ffi::DataType dtype;
   std::atomic<size_t> next{0}, done{0};
 
@@ -157,11 +160,11 @@ struct Work {
     for (size_t i; (i = next.fetch_add(1)) < order.size();) {
       const Item& it = items[order[i]];
       switch (dtype) {
-        case ffi::DataType::F32: run_item<float>(pb, it, partials.data()); break;
-        case ffi::DataType::BF16: run_item<Bf16>(pb, it, partials.data()); break;
-        case ffi::DataType::S8: run_item<I8>(pb, it, partials.data()); break;
-        case ffi::DataType::F8E4M3FN: run_item<F8>(pb, it, partials.data()); break;
-        default: run_item<F16>(pb, it, partials.data()); break;
+        case ffi::DataType::F32: run_item<float>(pb, it, partials.get()); break;
+        case ffi::DataType::BF16: run_item<Bf16>(pb, it, partials.get()); break;
+        case ffi::DataType::S8: run_item<I8>(pb, it, partials.get()); break;
+        case ffi::DataType::F8E4M3FN: run_item<F8>(pb, it, partials.get()); break;
+        default: run_item<F16>(pb, it, partials.get()); break;
       }
       done.fetch_add(1, std::memory_order_release);
     }
@@ -205,9 +208,8 @@ ffi::Error attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
   std::fill(pb.out, pb.out + pb.T * pb.Hq * pb.Dq, 0.0f);  // padding tokens stay zero
   const int64_t live = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, pb.S);
   const int64_t pool_threads = pool.num_threads();
-  const int64_t threads = std::max<int64_t>(1, pool_threads);
-  const int64_t slots = plan_items(pb, kv_lens.typed_data(), cu_q_lens.typed_data(), live,
-                                   threads, &work->items);
+  const int64_t floats = plan_items(pb, kv_lens.typed_data(), cu_q_lens.typed_data(), live,
+                                    &work->items);
   // A page id outside the array would read out of bounds: refuse the call instead.
   for (const Item& it : work->items) {
     const int32_t* row = pb.block_tables + it.seq * pb.max_pages;
@@ -219,7 +221,7 @@ ffi::Error attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
     }
   }
   work->dtype = dt;
-  work->partials.resize(slots * kMaxRows * (pb.Dq + 2));
+  if (floats > 0) work->partials.reset(new float[floats]);
   work->order.resize(work->items.size());
   for (size_t i = 0; i < work->order.size(); ++i) work->order[i] = i;
   std::stable_sort(work->order.begin(), work->order.end(),
@@ -236,7 +238,7 @@ ffi::Error attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
     size_t n = 1;
     while (i + n < items.size() && items[i + n].partial >= 0 && items[i + n].seq == items[i].seq &&
            items[i + n].head == items[i].head && items[i + n].tok0 == items[i].tok0) ++n;
-    merge_partials(pb, items, i, n, work->partials.data());
+    merge_partials(pb, items, i, n, work->partials.get());
     i += n;
   }
   return ffi::Error::Success();

@@ -31,15 +31,18 @@
 
 namespace jaxserve_cpu_attention {
 
-// st[jj][c*W..] = kscale[jj] * sum_d krow[jj][d] * qt[d][c*W..] for NJ keys, CR row vectors.
+// st[jj][c*W..] = kscale[jj] * sum_d krow[jj][d] * qt[d][c*W..] for NJ keys, CR row vectors,
+// summed as the short tiles sum it (block_math.h's header): per (key, row) 16 strided FMA
+// chains (i = 0..7: a over d = i, 16 + i, ..., b over d = 8 + i, 24 + i, ...), a + b, hsum8's
+// tree over the 8, then the d past the last 8. Chain i runs for all the block's keys and
+// rows at once (2 x NJ x CR accumulators), and its a + b waits in `part` for the tree.
 template <int CR, int NJ>
 inline void qk_micro(const float* qt, int64_t Rp, const float* const* krow, int64_t Dq,
                      const float* kscale, float* st) {
   using S = Simd;
-  S::V a[NJ][CR];
-  for (int jj = 0; jj < NJ; ++jj)
-    for (int c = 0; c < CR; ++c) a[jj][c] = S::zero();
-  for (int64_t d = 0; d < Dq; ++d) {
+  const int64_t d16 = Dq / 16 * 16, d8 = Dq / 8 * 8;
+  S::V part[8][NJ][CR];
+  auto step = [&](S::V (*acc)[CR], int64_t d) {
     S::V q[CR];
     for (int c = 0; c < CR; ++c) {
       q[c] = S::load(qt + d * Rp + c * S::W);
@@ -47,25 +50,42 @@ inline void qk_micro(const float* qt, int64_t Rp, const float* const* krow, int6
     }
     for (int jj = 0; jj < NJ; ++jj) {
       const S::V b = S::set1(krow[jj][d]);
-      for (int c = 0; c < CR; ++c) a[jj][c] = S::fma(b, q[c], a[jj][c]);
+      for (int c = 0; c < CR; ++c) acc[jj][c] = S::fma(b, q[c], acc[jj][c]);
     }
+  };
+  for (int i = 0; i < 8; ++i) {
+    S::V a[NJ][CR], b[NJ][CR];
+    for (int jj = 0; jj < NJ; ++jj)
+      for (int c = 0; c < CR; ++c) a[jj][c] = b[jj][c] = S::zero();
+    for (int64_t d = 0; d < d16; d += 16) {
+      step(a, d + i);
+      step(b, d + 8 + i);
+    }
+    if (d8 > d16) step(a, d16 + i);
+    for (int jj = 0; jj < NJ; ++jj)
+      for (int c = 0; c < CR; ++c) part[i][jj][c] = S::add(a[jj][c], b[jj][c]);
   }
   for (int jj = 0; jj < NJ; ++jj) {
-    const S::V ks = S::set1(kscale != nullptr ? kscale[jj] : 1.0f);
-    for (int c = 0; c < CR; ++c) S::store(st + jj * Rp + c * S::W, S::mul(a[jj][c], ks));
+    for (int c = 0; c < CR; ++c) {
+      const S::V(&v)[8][NJ][CR] = part;
+      S::V t = S::add(S::add(S::add(v[0][jj][c], v[4][jj][c]), S::add(v[2][jj][c], v[6][jj][c])),
+                      S::add(S::add(v[1][jj][c], v[5][jj][c]), S::add(v[3][jj][c], v[7][jj][c])));
+      for (int64_t d = d8; d < Dq; ++d) {
+        t = S::fma(S::set1(krow[jj][d]), S::load(qt + d * Rp + c * S::W), t);
+      }
+      if (kscale != nullptr) t = S::mul(t, S::set1(kscale[jj]));
+      S::store(st + jj * Rp + c * S::W, t);
+    }
   }
 }
 
 template <int CR>
 inline void qk_rows(const float* qt, int64_t Rp, const float* const* krow, int64_t nk,
                     int64_t Dq, const float* kscale, float* st) {
-  constexpr int N = Simd::kCols;
+  constexpr int N = Simd::kQkCols;
   int64_t j = 0;
   for (; j + N <= nk; j += N) {
     qk_micro<CR, N>(qt, Rp, krow + j, Dq, kscale ? kscale + j : nullptr, st + j * Rp);
-  }
-  for (; j + 4 <= nk; j += 4) {
-    qk_micro<CR, 4>(qt, Rp, krow + j, Dq, kscale ? kscale + j : nullptr, st + j * Rp);
   }
   for (; j < nk; ++j) {
     qk_micro<CR, 1>(qt, Rp, krow + j, Dq, kscale ? kscale + j : nullptr, st + j * Rp);
@@ -168,14 +188,18 @@ inline void softmax_tile(float* st, int64_t RV, int64_t nk, int32_t k0, const in
       const S::M in = S::holds(lo + o, hi + o, k0 + static_cast<int32_t>(j));
       mx = S::max(mx, S::select(in, S::load(st + j * Rp + o), S::set1(kNegInf)));
     }
-    S::V sum = S::zero();
+    // The weights' sum as the short tiles add it: chain j % 8 in key order, then hsum8's tree.
+    S::V part[8];
+    for (int i = 0; i < 8; ++i) part[i] = S::zero();
     for (int64_t j = 0; j < nk; ++j) {
       float* s = st + j * Rp + o;
       const S::M in = S::holds(lo + o, hi + o, k0 + static_cast<int32_t>(j));
       const S::V p = S::select(in, S::exp(S::sub(S::load(s), mx)), S::zero());
-      sum = S::add(sum, p);
+      part[j % 8] = S::add(part[j % 8], p);
       S::store(s, vscale != nullptr ? S::mul(p, S::set1(vscale[j])) : p);
     }
+    const S::V sum = S::add(S::add(S::add(part[0], part[4]), S::add(part[2], part[6])),
+                            S::add(S::add(part[1], part[5]), S::add(part[3], part[7])));
     const S::V c = S::select(S::is_neginf(m_old), S::zero(), S::exp(S::sub(m_old, mx)));
     S::store(corr + o, c);
     S::store(l + o, S::fma(S::load(l + o), c, sum));
@@ -213,7 +237,10 @@ void run_tall_item(const Problem& pb, const Item& it, float* partial_base) {
     for (int64_t d = 0; d < Dq; ++d) qt[d * Rp + r] = src[d] * pb.sm_scale;
   }
 
-  for (int64_t k0 = it.klo; k0 < it.khi; k0 += kBlockKeys) {
+  // Blocks at multiples of kBlockKeys, wherever the item's keys start (a sliding window's
+  // first key depends on the tile's first token): the online softmax then splits a row's
+  // keys the same way in every tile (keys before klo are masked).
+  for (int64_t k0 = it.klo / kBlockKeys * kBlockKeys; k0 < it.khi; k0 += kBlockKeys) {
     const int64_t nk = std::min<int64_t>(kBlockKeys, it.khi - k0);
     for (int64_t j = 0; j < nk; ++j) {  // the block's K / V rows through the block table
       const int64_t k = k0 + j;
@@ -251,11 +278,11 @@ void run_tall_item(const Problem& pb, const Item& it, float* partial_base) {
   }
 
   if (it.partial >= 0) {  // split key range: (m, l, acc) row-major for merge_partials
-    float* dst = partial_base + it.partial * (kMaxRows * (Dq + 2));
-    std::memcpy(dst, m, R * sizeof(float));
-    std::memcpy(dst + kMaxRows, l, R * sizeof(float));
+    const PartialState st = partial_state(pb, it, partial_base);
+    std::memcpy(st.m, m, R * sizeof(float));
+    std::memcpy(st.l, l, R * sizeof(float));
     for (int64_t r = 0; r < R; ++r)
-      for (int64_t d = 0; d < Dq; ++d) dst[2 * kMaxRows + r * Dq + d] = acc[d * Rp + r];
+      for (int64_t d = 0; d < Dq; ++d) st.acc[r * Dq + d] = acc[d * Rp + r];
     return;
   }
   for (int64_t r = 0; r < R; ++r) {

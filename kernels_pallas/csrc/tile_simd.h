@@ -37,6 +37,8 @@ struct Simd {
   // (PV) of accumulators, plus kRowVecs operand registers and one broadcast.
   static constexpr int kRowVecs = 4;
   static constexpr int kCols = 6;
+  // QK keeps two accumulators per (key, row vector) (block_math.h's a and b chains).
+  static constexpr int kQkCols = 3;
   using V = __m512;
   using M = __mmask16;
   // Keeps v in a register: without it the compiler folds the load into every FMA using v,
@@ -74,7 +76,10 @@ struct Simd {
     V r = _mm512_fnmadd_ps(n, set1(0.693359375f), x);
     r = _mm512_fmadd_ps(n, set1(2.12194440e-4f), r);
     JAXSERVE_EXP_POLY(_mm512_fmadd_ps, _mm512_mul_ps, _mm512_add_ps, set1, r)
-    return _mm512_scalef_ps(p, n);
+    // p * 2^n as exp_nonpos8 forms it (the short tiles' exp): the same bits in every lane.
+    const __m512i e =
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
   }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -82,6 +87,7 @@ struct Simd {
   static constexpr int W = 8;
   static constexpr int kRowVecs = 2;  // 2 x kCols accumulators of the 16 ymm registers
   static constexpr int kCols = 6;
+  static constexpr int kQkCols = 3;  // 2 x 2 x 3 QK accumulators
   using V = __m256;
   using M = __m256;  // all-ones / all-zeros lanes
   static void pin(V& v) { asm("" : "+v"(v)); }  // as the AVX-512 one
@@ -116,6 +122,7 @@ struct Simd {
   static constexpr int W = 1;
   static constexpr int kRowVecs = 4;
   static constexpr int kCols = 4;
+  static constexpr int kQkCols = 4;
   using V = float;
   using M = bool;
   static void pin(V&) {}
@@ -123,7 +130,7 @@ struct Simd {
   static V set1(float x) { return x; }
   static V load(const float* p) { return *p; }
   static void store(float* p, V v) { *p = v; }
-  static V fma(V a, V b, V c) { return a * b + c; }
+  static V fma(V a, V b, V c) { return std::fma(a, b, c); }
   static V mul(V a, V b) { return a * b; }
   static V add(V a, V b) { return a + b; }
   static V sub(V a, V b) { return a - b; }

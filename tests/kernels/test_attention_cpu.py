@@ -3,7 +3,7 @@
 Kernel cases: the cases the Pallas kernels are tested on (support.kernel_cases.CASES: pure
 decode, pure prefill, mixed, lone q_len 1; page sizes 16/32/64; GQA 1/2/3/4/8; head dims
 64/128; float32/bfloat16; sliding window, soft cap) plus float16, long contexts (4k keys,
-small heads; a lone long decode whose key range the kernel splits over threads), live
+small heads; a lone long decode whose key range the kernel cuts into parts), live
 sequences with nothing to do (kv_len 0) and a head dim stored padded. The default tier runs
 the interpreters' default subset of the cases and three of the long/odd batches, the rest run
 with JAXSERVE_RUN_SLOW=1. Unowned pages, the trash
@@ -112,7 +112,7 @@ def test_matches_reference_on_long_and_odd_batches(name: str) -> None:
 # Long prefill chunks: tiles taller than 8 rows run the register-blocked micro-kernels
 # (csrc/tile_math.h: rows as lanes, 16 with AVX-512, 8 with AVX2), here with a chunk of 1,100
 # tokens (52 tiles of 21 tokens x 3 heads), a short chunk, decode rows and a lone long decode
-# whose key range is split over threads, on every instruction set this CPU runs (the library
+# whose key range is cut into parts (every 1,024 keys), on every instruction set this CPU runs (the library
 # rebuilt with that ISA's flags: AVX-512 and AVX2 on an AVX-512 host). Heads: SmolLM2's (9 / 3,
 # 64), and GQA 8 at head dim 80 (16 lanes of 8 tokens x 8 heads; 80 = 13 x 6 + 2 dims: every
 # remainder path of PV) with a window and a cap, in bf16; MHA at head dim 128.
