@@ -38,6 +38,14 @@ VOCAB = tiny.TEST_SHAPE["vocab_size"]  # 211
 FEW_TOKEN_BUCKETS = (8, 64)
 
 
+def few_token_buckets(budget: int) -> tuple[int, ...]:
+    """FEW_TOKEN_BUCKETS' rule at another step budget: a decode bucket of 8 and the whole
+    step (just the step when it is 8 tokens or fewer). For tests whose oracle (a model's
+    greedy, a family's logits) does not depend on the bucket set: each bucket is a whole-model
+    compile (~4 s of a tiny model's warmup on the 2-core CPU)."""
+    return (8, budget) if budget > 8 else (budget,)
+
+
 def tiny_model_config(**overrides: object) -> ModelConfig:
     """The test model's config: `tiny.tiny_config(**TEST_SHAPE)`, then `overrides`."""
     return tiny.tiny_config(**(tiny.TEST_SHAPE | overrides))
