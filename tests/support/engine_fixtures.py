@@ -118,12 +118,19 @@ def rollout(model: LoadedModel, prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt):]
 
 
+def device_count_flags(num_devices: int) -> str:
+    """XLA_FLAGS for a subprocess with `num_devices` virtual CPU devices: the session's flags
+    (conftest's) and the device count."""
+    return f"{os.environ.get('XLA_FLAGS', '')} " \
+        f"--xla_force_host_platform_device_count={num_devices}".strip()
+
+
 def run_device_worker(script: str, num_devices: int = 8, args: tuple[str, ...] = ()) -> dict:
     """Run tests/support/workers/SCRIPT (with `args`) in a subprocess with `num_devices`
     virtual CPU devices (the count is fixed when jax starts, so multi-device engines cannot
     run in the test process) and return the JSON document it prints."""
     tests_dir = pathlib.Path(__file__).resolve().parents[1]
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",
+    env = dict(os.environ, XLA_FLAGS=device_count_flags(num_devices),
                JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(tests_dir), os.environ.get(
                    "PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, str(tests_dir / "support" / "workers" / script),
