@@ -27,7 +27,8 @@ from jaxserve.models.loading import LoadedModel
 from jaxserve.serving import chat as chat_request
 from jaxserve.serving import tool_prompt
 from jaxserve.serving.admission import admit_input
-from jaxserve.serving.build import build_engine, build_offline_engine
+from jaxserve.serving.build import build_engine
+from jaxserve.serving.served import build_offline_engine
 from jaxserve.serving.prompt_forms import Prompt, is_one_prompt, prompt_of
 
 

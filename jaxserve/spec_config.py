@@ -16,8 +16,8 @@ Keys and meanings are vLLM's (vllm/config/speculative.py):
 - `model` (draft_model / eagle3: required; ngram: refused): the draft or head checkpoint.
 - `disable_by_batch_size`: a step with this many running sequences or more does not
   speculate (vLLM's `>=`; at least 2, as vLLM requires). None: always speculate.
-- `draft_tensor_parallel_size` (draft_model / eagle3): the draft runs on the target's devices,
-  so the only value honoured is the target's `tensor_parallel_size` (`check_target`).
+- `draft_tensor_parallel_size` (draft_model / eagle3): the draft is not split (it runs whole
+  on each of the target's devices), so the only value honoured is 1 (`check_target`).
 """
 
 from __future__ import annotations
@@ -160,17 +160,14 @@ class SpeculativeConfig:
                 raise ValueError(f"{name} is for method 'ngram', not {self.method!r}")
 
     def check_target(self, tensor_parallel_size: int) -> None:
-        """Refuse a draft_tensor_parallel_size other than the target's (the draft shares the
-        target's devices); called where the engine's tensor_parallel_size is known."""
+        """Refuse a draft_tensor_parallel_size other than 1: the draft (or head) is not
+        split, it runs whole on every device of the target's (replicated over its
+        tensor-parallel mesh); called where the engine's tensor_parallel_size is known."""
         d = self.draft_tensor_parallel_size
-        if d is not None and d != tensor_parallel_size:
-            raise ValueError(f"draft_tensor_parallel_size={d} must equal the engine's "
-                             f"tensor_parallel_size={tensor_parallel_size} (the draft runs on "
-                             "the target's devices)")
-        if self.method == "draft_model" and tensor_parallel_size > 1:
-            raise ValueError(f"speculative method 'draft_model' is not supported with "
-                             f"tensor_parallel_size={tensor_parallel_size}: the draft model "
-                             "runs unsharded on one device")
+        if d is not None and d != 1:
+            raise ValueError(f"draft_tensor_parallel_size={d}: the draft is not split; it runs "
+                             "whole on each of the target's devices (tensor_parallel_size="
+                             f"{tensor_parallel_size}), as with draft_tensor_parallel_size=1")
 
     # ------------------------------------------------------------------ parsing
     @classmethod

@@ -55,7 +55,7 @@ from jaxserve.server.openai_http import OpenAIHttpFront
 from jaxserve.server.servicer import SERVICE_NAME, GenerationServicer
 from jaxserve.serving.admission import Admission
 from jaxserve.serving.async_replica_pool import AsyncServing
-from jaxserve.serving.build import ServedModel, start_serving
+from jaxserve.serving.served import ServedModel, start_serving
 from jaxserve.serving.metrics import EngineMetrics, MetricsHttpServer
 
 log = logging.getLogger(__name__)

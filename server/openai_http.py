@@ -82,7 +82,7 @@ from jaxserve.server.inflight import InFlight
 from jaxserve.serving import admission
 from jaxserve.serving.async_engine import RequestStream
 from jaxserve.serving.async_replica_pool import AsyncServing
-from jaxserve.serving.build import ServedModel
+from jaxserve.serving.served import ServedModel
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health",)  # probes send no key

@@ -36,7 +36,7 @@ from jaxserve.server.inflight import InFlight
 from jaxserve.serving import admission
 from jaxserve.serving.async_engine import EngineStopped, QueueFull, StreamBufferFull
 from jaxserve.serving.async_replica_pool import AsyncServing
-from jaxserve.serving.build import ServedModel
+from jaxserve.serving.served import ServedModel
 
 log = logging.getLogger(__name__)
 _stubs = stubs.load()

@@ -41,14 +41,15 @@ def test_from_json_all_methods() -> None:
     assert (c.method, c.num_speculative_tokens, c.disable_by_batch_size) == ("eagle3", 5, 32)
     assert c.prompt_lookup_min is None and c.prompt_lookup_max is None
     c.check_target(1)
-    with pytest.raises(ValueError, match="draft_tensor_parallel_size=1 must equal.*=2"):
-        c.check_target(2)
+    c.check_target(2)  # 1: the head runs whole on each of the target's devices
     d = SpeculativeConfig.from_dict({"method": "draft_model", "model": "/m",
                                      "num_speculative_tokens": 1})
     assert d.model == "/m" and d.draft_tensor_parallel_size is None
-    d.check_target(1)  # None: the target's
-    with pytest.raises(ValueError, match="'draft_model' is not supported with tensor_parallel"):
-        d.check_target(4)  # the draft model runs unsharded (serving/spec_build.py)
+    d.check_target(1)
+    d.check_target(4)  # None: not split (replicated over the target's mesh)
+    split = SpeculativeConfig("draft_model", 1, model="/m", draft_tensor_parallel_size=4)
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size=4: the draft is not split"):
+        split.check_target(4)
     # Frozen, hashable, equal by value.
     assert d == SpeculativeConfig("draft_model", 1, model="/m") and hash(d)
     with pytest.raises(Exception):

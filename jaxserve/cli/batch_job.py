@@ -329,7 +329,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
                            fsync_interval=args.fsync_interval, progress=not args.no_progress)
     flags.join_or_follow(args, config)  # process 0 of several: join the job
 
-    from jaxserve.serving.build import build_offline_engine
+    from jaxserve.serving.served import build_offline_engine
 
     t0 = time.perf_counter()
     # The engine loads the model itself, straight onto its devices' shardings.

@@ -295,9 +295,9 @@ def join_or_follow(args: argparse.Namespace, cfg: EngineConfig) -> int | None:
         return None
     log.info("process %d of %d: following %s", dist.process_id, dist.num_processes,
              dist.coordinator)
-    runner = build_follower(cfg)
+    runner = build_follower(cfg)  # a multihost.Follower
     stats = multihost.follow(runner)
-    log.info("process %d: the leader stopped; ran steps=%d keepalives=%d "
-             "compiles_after_warmup=%d", dist.process_id, stats.steps, stats.keepalives,
-             runner.compiles_after_warmup)
+    log.info("process %d: the leader stopped; ran steps=%d rounds=%d keepalives=%d "
+             "compiles_after_warmup=%d", dist.process_id, stats.steps, stats.rounds,
+             stats.keepalives, runner.compiles_after_warmup)
     return 0

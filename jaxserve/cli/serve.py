@@ -212,7 +212,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _factory(cfg: EngineConfig, progress: bool) -> Any:
     def build() -> Any:
-        from jaxserve.serving.build import build_served
+        from jaxserve.serving.served import build_served
 
         # No model passed: the engine loads it straight onto its devices' shardings.
         return build_served(cfg, None, progress)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -66,16 +66,22 @@ class StepInputs:
 
 def forward_step(params: ModelParams, kv_pages: KVPages, inputs: StepInputs, feed: jax.Array,
                  cfg: ModelConfig, attn_impl: str, mesh: Mesh | None = None,
-                 expert_parallel: bool = False) -> tuple[KVPages, jax.Array, jax.Array]:
+                 expert_parallel: bool = False, aux_layers: tuple[int, ...] = ()
+                 ) -> tuple[KVPages, jax.Array, jax.Array, jax.Array | None]:
     """`feed` i32[max_num_seqs]: the previous step's sampled tokens. `kv_pages`: the float
     pages, or a QuantizedKV (pages and scales, both donated). -> (updated kv_pages,
     f32[S, vocab] logits of each sequence's sampling position, [T, hidden] every token's last
-    hidden state, for the prompt logprobs pass)."""
+    hidden state, for the prompt logprobs pass, and with `aux_layers` (an EAGLE-3 head's,
+    `paged.paged_hidden`) every token's auxiliary hidden states [T, n * hidden], else None)."""
     fed = feed[jnp.maximum(inputs.feed_rows, 0)]
     token_ids = jnp.where(inputs.feed_rows >= 0, fed, inputs.token_ids)
-    hidden, kv_pages = paged_hidden(params, kv_pages, token_ids, inputs.positions,
-                                    inputs.md, cfg, attn_impl, mesh, expert_parallel)
-    return kv_pages, lm_logits(cfg, params, hidden[inputs.logits_indices]), hidden
+    out = paged_hidden(params, kv_pages, token_ids, inputs.positions, inputs.md, cfg,
+                       attn_impl, mesh, expert_parallel, aux_layers=aux_layers)
+    hidden, kv_pages = out[0], out[1]
+    aux = out[2] if aux_layers else None  # type: ignore[misc]
+    if aux is not None and mesh is not None:  # the head runs replicated: one known layout
+        aux = jax.lax.with_sharding_constraint(aux, placement.replicated(mesh))
+    return kv_pages, lm_logits(cfg, params, hidden[inputs.logits_indices]), hidden, aux
 
 
 def sample_step(logits: jax.Array, st: SamplingTensors, apply_penalty: bool, feed_len: int
@@ -90,7 +96,8 @@ def sample_step(logits: jax.Array, st: SamplingTensors, apply_penalty: bool, fee
 # variant; public so that the export tests and the benchmarks (scripts/bench/bench_sampler.py,
 # ...) lower and time exactly what the engine runs.
 forward_jit = jax.jit(forward_step,
-                      static_argnames=("cfg", "attn_impl", "mesh", "expert_parallel"),
+                      static_argnames=("cfg", "attn_impl", "mesh", "expert_parallel",
+                                       "aux_layers"),
                       donate_argnames=("kv_pages",))
 sample_jit = jax.jit(sample_step, static_argnames=("apply_penalty", "feed_len"))
 prompt_logprobs_jit = jax.jit(prompt_logprobs, static_argnames=("cfg",))
@@ -115,8 +122,9 @@ def to_step_inputs(b: StepBatch) -> StepTree:
                       md=md, logits_indices=f.logits_indices), st, plp
 
 
-def place_inputs(tree: StepTree, sharding: NamedSharding | None) -> StepTree:
-    """The step's numpy inputs on device (replicated over the mesh when there is one).
+def place_inputs(tree: Any, sharding: NamedSharding | None) -> Any:
+    """The step's numpy inputs (any pytree of arrays: a drafter's params and rounds too) on
+    device (replicated over the mesh when there is one).
 
     Over several processes each process builds its own copies from its (identical) numpy
     arrays: `jax.device_put` would first compare every leaf across processes, one blocking
@@ -145,17 +153,21 @@ class ModelPending:
 
     out: SampleOutput
     scored: PromptLogprobsOutput | None
+    aux: jax.Array | None = None  # f[T, n * hidden] the step's auxiliary hidden states (an
+    #                               EAGLE-3 head's input, `aux_layers`), left on the device
 
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, params: ModelParams, shape: BatchShape,
                  num_pages: int, kv_dtype: jnp.dtype, attn_impl: str = "reference",
                  kv_head_dim: int | None = None, mesh: Mesh | None = None,
-                 expert_parallel: bool = False):
+                 expert_parallel: bool = False, aux_layers: tuple[int, ...] = ()):
         """`mesh`: tensor parallel over its "model" axis; `model_cfg` and `params` are then
         the sharded model's (`placement.tp_model_config`, `placement.place_params`);
         `expert_parallel`: the params' experts are split whole over that axis
-        (`place_params(..., expert_parallel=True)`) and the step runs them so."""
+        (`place_params(..., expert_parallel=True)`) and the step runs them so;
+        `aux_layers`: each step also keeps these layers' inputs on the device
+        (`ModelPending.aux`, what an EAGLE-3 head reads; `paged.paged_hidden`)."""
         if MAX_LOGPROBS > model_cfg.vocab_size:
             raise ValueError(f"vocab_size={model_cfg.vocab_size} < MAX_LOGPROBS={MAX_LOGPROBS}")
         self.model_cfg = model_cfg
@@ -164,6 +176,7 @@ class ModelRunner:
         self.attn_impl = attn_impl
         self.mesh = mesh
         self.expert_parallel = expert_parallel
+        self.aux_layers = aux_layers
         def zeros() -> KVPages:  # int8 / fp8: a QuantizedKV (pages + scales)
             return init_kv_cache(model_cfg, num_pages, shape.page_size, kv_dtype, kv_head_dim)
 
@@ -229,12 +242,13 @@ class ModelRunner:
         inputs, sampling, plp = self._place(batch)
         fwd = forward_jit.lower(self.params, self.kv_pages, inputs, self._feed,
                                 cfg=self.model_cfg, attn_impl=self.attn_impl, mesh=self.mesh,
-                                expert_parallel=self.expert_parallel)
+                                expert_parallel=self.expert_parallel,
+                                aux_layers=self.aux_layers)
         compiled = fwd.compile()
         # The forward's outputs as the sampler will receive them: placed by the mesh under
         # tensor parallelism, else uncommitted like everything else on one device (a
         # committed placeholder would key a different executable than serving calls).
-        _, logits, hidden = jax.tree.map(
+        _, logits, hidden, _ = jax.tree.map(
             lambda info, sharding: jax.ShapeDtypeStruct(
                 info.shape, info.dtype, sharding=None if self.mesh is None else sharding),
             fwd.out_info, compiled.output_shardings)
@@ -261,10 +275,10 @@ class ModelRunner:
         except Exception as e:  # noqa: BLE001 - classified for the engine
             raise self._failed("placing the step's inputs on the device", e) from e
         try:
-            self.kv_pages, logits, hidden = forward_jit(
+            self.kv_pages, logits, hidden, aux = forward_jit(
                 self.params, self.kv_pages, inputs, self._feed, cfg=self.model_cfg,
                 attn_impl=self.attn_impl, mesh=self.mesh,
-                expert_parallel=self.expert_parallel)
+                expert_parallel=self.expert_parallel, aux_layers=self.aux_layers)
             scored = None if plp is None else prompt_logprobs_jit(self.params, hidden, plp,
                                                                   cfg=self.model_cfg)
         except Exception as e:  # noqa: BLE001 - classified for the engine
@@ -285,7 +299,7 @@ class ModelRunner:
         # (a no-op where the sampler's output already has it).
         self._feed = feed if self.inputs_sharding is None else \
             jax.device_put(feed, self.inputs_sharding)
-        return ModelPending(out, scored)
+        return ModelPending(out, scored, aux)
 
     def _mask(self, sampling: SamplingTensors, bitmask: np.ndarray | None,
               constrained: np.ndarray) -> SamplingTensors:

@@ -21,8 +21,9 @@ detokenizer, gRPC / HTTP fronts) and makes the other processes mirror its device
              LeaderRunner.collect -> ModelRunner.collect (local: the followers' results
              are the same and stay with them)
   process i: follow(runner): receive the header; STEP -> receive the arrays (shapes from the
-             header) -> the same ModelRunner.execute; ARM -> arm the compile guard (warmup
-             done); STOP -> return.
+             header) -> the same ModelRunner.execute; ROUND -> a speculative drafter's round
+             (`multihost_spec.py`); ARM -> arm the compile guard (warmup done); STOP ->
+             return.
 
 Broadcasts use `jax.experimental.multihost_utils.broadcast_one_to_all` (a psum over all
 devices, compiled once per shape: the header's is fixed, the arrays' are the warmup buckets,
@@ -46,10 +47,12 @@ sides; the engine reports itself dead and the process exits.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
+from typing import Iterator
 
 import jax
 import numpy as np
@@ -57,13 +60,14 @@ from jax.experimental import multihost_utils
 
 from jaxserve.config import DistributedConfig
 from jaxserve.device.model_runner import ModelPending, ModelRunner, compile_buckets
+from jaxserve.device.multihost_spec import Drafter, follow_round
+from jaxserve.device.multihost_wire import ARM, KEEPALIVE, ROUND, STEP, STOP, broadcast
 from jaxserve.engine.batch import (StepBatch, bitmask_words, empty_batch, leaves, parts,
                                    present)
 from jaxserve.engine.runner import LateMask, RunnerFailed, StepResult
 
 log = logging.getLogger(__name__)
 
-STEP, ARM, STOP, KEEPALIVE = 1, 2, 3, 4
 # Each StepBatch part travels in the broadcast its WIRE names (`batch_parts.py`), its LATE
 # fields apart: "forward" (shapes from tokens x seqs), "sampler" (seqs x penalty history x
 # logit bias width) and "prompt_logprobs" (L, sent only when the part is present). One
@@ -103,14 +107,6 @@ def agree_min(value: int) -> int:
     return int(np.min(multihost_utils.process_allgather(np.array([value], np.int64))))
 
 
-def _broadcast(arrays: list[np.ndarray], is_source: bool) -> list[np.ndarray]:
-    # bool does not survive a psum: ship it as uint8.
-    wire = [a.astype(np.uint8) if a.dtype == np.bool_ else a for a in arrays]
-    out = multihost_utils.broadcast_one_to_all(wire, is_source=is_source)
-    return [np.asarray(o).astype(np.bool_) if a.dtype == np.bool_ else np.asarray(o)
-            for a, o in zip(arrays, out)]
-
-
 def _header(op: int, batch: StepBatch | None, is_source: bool, late: bool = False
             ) -> np.ndarray:
     h = np.zeros(7, np.int32)
@@ -120,13 +116,13 @@ def _header(op: int, batch: StepBatch | None, is_source: bool, late: bool = Fals
                 len(batch.prompt_logprobs.indices), late or batch.mask.bitmask is not None)
     else:
         h[0] = op
-    return _broadcast([h], is_source)[0]
+    return broadcast([h], is_source)[0]
 
 
 def _send_batch(batch: StepBatch, late: bool) -> None:
     _header(STEP, batch, True, late)
     for entries in _wire(batch).values():
-        _broadcast([array for _, _, array in entries], True)
+        broadcast([array for _, _, array in entries], True)
 
 
 def _mask_wire(num_seqs: int, vocab_size: int, bitmask: np.ndarray | None,
@@ -134,7 +130,7 @@ def _mask_wire(num_seqs: int, vocab_size: int, bitmask: np.ndarray | None,
     """Broadcast a step's grammar mask (None: zeros, which no constrained row reads)."""
     if bitmask is None:
         bitmask = np.zeros((num_seqs, bitmask_words(vocab_size)), np.int32)
-    got = _broadcast([bitmask, constrained], is_source)
+    got = broadcast([bitmask, constrained], is_source)
     return got[0], got[1]
 
 
@@ -151,7 +147,7 @@ def _receive_batch(runner: ModelRunner, num_tokens: int, num_seqs: int, history_
                            f"differs from this process's {ours}: engines built differently")
     got: dict[str, dict[str, np.ndarray]] = {}  # part -> field -> the leader's array
     for entries in _wire(mold).values():
-        arrays = _broadcast([array for _, _, array in entries], False)
+        arrays = broadcast([array for _, _, array in entries], False)
         for (name, field, _), array in zip(entries, arrays):
             got.setdefault(name, {})[field] = array
     return dataclasses.replace(mold, **{name: dataclasses.replace(getattr(mold, name), **fields)
@@ -162,6 +158,7 @@ def _receive_batch(runner: ModelRunner, num_tokens: int, num_seqs: int, history_
 class FollowStats:
     steps: int = 0  # steps run (warmup buckets included)
     keepalives: int = 0  # idle announcements received
+    rounds: int = 0  # drafter rounds run
 
 
 class LeaderRunner:
@@ -232,26 +229,32 @@ class LeaderRunner:
         return send
 
     def dispatch(self, batch: StepBatch, late_mask: LateMask | None = None) -> ModelPending:
+        with self.announcing("step"):
+            _send_batch(batch, late_mask is not None)
+            late = self._late(batch, late_mask)
+            return self.runner.dispatch(batch) if late is None else \
+                self.runner.dispatch(batch, late_mask=late)
+
+    @contextlib.contextmanager
+    def announcing(self, what: str) -> Iterator[None]:
+        """Hold the lock that orders every announcement (a step, a drafter's round:
+        `multihost_spec.LeaderDrafter`) and run one. A failure inside ends the job
+        (RunnerFailed, fatal): the followers may be inside its collectives, so announcing
+        anything more would hang both sides; JAX's coordination service ends the others
+        once this process exits."""
         with self._lock:
             try:
                 self._check()
             except RuntimeError as e:
                 raise RunnerFailed(str(e), fatal=True) from e
             try:
-                _send_batch(batch, late_mask is not None)
-                late = self._late(batch, late_mask)
-                pending = self.runner.dispatch(batch) if late is None else \
-                    self.runner.dispatch(batch, late_mask=late)
+                yield
             except BaseException as e:
-                # The followers may be inside this step's collectives: announcing anything
-                # more would hang both sides. The job is over; JAX's coordination service
-                # ends the others once this process exits.
                 self._broken = True
                 if isinstance(e, Exception):
-                    raise RunnerFailed(f"a multi-host step failed: {e}", fatal=True) from e
+                    raise RunnerFailed(f"a multi-host {what} failed: {e}", fatal=True) from e
                 raise
             self._last = time.monotonic()
-            return pending
 
     def close(self) -> None:
         """Release the followers (they return from `follow`); idempotent. After a failed
@@ -285,17 +288,43 @@ class LeaderRunner:
                 self._last = time.monotonic()
 
 
-def follow(runner: ModelRunner) -> FollowStats:
-    """Mirror the leader's device calls until it says STOP."""
+@dataclasses.dataclass
+class Follower:
+    """A process > 0's share of the engine (`serving.build.build_follower`): the step runner
+    and, when the engine speculates with a draft model or an EAGLE-3 head, the same drafter
+    (replicated over the global mesh), whose rounds process 0 announces."""
+
+    runner: ModelRunner
+    drafter: Drafter | None = None
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        return self.runner.compiles_after_warmup
+
+
+def follow(follower: Follower | ModelRunner) -> FollowStats:
+    """Mirror the leader's device calls until it says STOP. An EAGLE-3 head reads the aux
+    states of the step this process ran last, kept here."""
+    if isinstance(follower, ModelRunner):
+        follower = Follower(follower)
+    runner, drafter = follower.runner, follower.drafter
     stats = FollowStats()
+    if drafter is not None:
+        drafter.warmup()  # compiled before the leader's first round (and its ARM)
+    aux = None
     while True:
         op, t, s, p, b, lp, m = (int(x) for x in _header(0, None, False))
         if op == STEP:
             batch = _receive_batch(runner, t, s, p, b, lp)
             late = (lambda: _mask_wire(s, runner.shape.vocab_size, None,
                                        batch.mask.constrained, False)) if m else None
-            runner.collect(runner.dispatch(batch, late_mask=late))
+            pending = runner.dispatch(batch, late_mask=late)
+            runner.collect(pending)
+            aux = pending.aux
             stats.steps += 1
+        elif op == ROUND:  # t, s: the bucket; p: the chain flag; b: run it (0: warmup)
+            follow_round(drafter, t, s, bool(p), bool(b), aux)
+            stats.rounds += b
         elif op == KEEPALIVE:
             stats.keepalives += 1
         elif op == ARM:

@@ -84,6 +84,14 @@ class DraftSeq:
     aux_rows: Sequence[int] = ()
 
 
+def proposals_to_host(proposals: jax.Array) -> np.ndarray:
+    """A round's proposals i32[S, k] on the host. Over several processes the array is
+    replicated on every device of the global mesh: this process's copy is read."""
+    if proposals.is_fully_addressable:
+        return np.asarray(proposals)
+    return np.asarray(proposals.addressable_data(0))
+
+
 def round_buckets(buckets: Sequence[tuple[int, int]], k: int) -> tuple[tuple[int, int], ...]:
     """The engine's (tokens, seqs) buckets plus, for each of its seqs buckets s, s paired with
     every token bucket from s up to the first that holds s * (k + 1) rows (a decode round's
@@ -108,8 +116,8 @@ def pack_round(seqs: Sequence[DraftSeq], buckets: Sequence[tuple[int, int]], pag
                num_tokens: int | None = None) -> DraftRound:
     """The round's numpy inputs, padded to the smallest (tokens, seqs) bucket of `buckets`
     (sorted, as `BatchShape.buckets`) that holds them; `num_tokens`: that token bucket
-    exactly (EAGLE-3 passes the target step's, whose aux output the rows index), with the
-    bucket's seqs. Refuses (ValueError) an empty row list, a table wider than
+    exactly (EAGLE-3 passes the target step's, whose aux output the rows index), with its
+    smallest seqs bucket that holds the sequences. Refuses (ValueError) an empty row list, a table wider than
     `max_pages_per_seq` or not covering the rows, aux rows that do not match the tokens."""
     if not seqs:
         raise ValueError("a proposal round needs at least one sequence")
@@ -117,7 +125,8 @@ def pack_round(seqs: Sequence[DraftSeq], buckets: Sequence[tuple[int, int]], pag
     if num_tokens is None:
         T, S = bucket_for(n_rows, len(seqs), buckets)
     else:
-        T, S = num_tokens, max((s for t, s in buckets if t == num_tokens), default=0)
+        T, S = num_tokens, min((s for t, s in buckets if t == num_tokens and s >= len(seqs)),
+                               default=0)
         if S < len(seqs) or n_rows > T:
             raise ValueError(f"{n_rows} rows in {len(seqs)} sequences do not fit the token "
                              f"bucket {num_tokens} (buckets {list(buckets)})")

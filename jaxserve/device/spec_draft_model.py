@@ -11,8 +11,8 @@ proposal j + 1 -> (proposals i32[S, k], updated KV). Padding sequences' rows are
 `DraftModelProposer` holds the draft's params and KV pages (one run of `num_pages` per layer,
 `paged.init_kv_cache`: the target's page count, so the same page ids), compiles every bucket
 up front (`warmup`) and runs rounds (`propose`); the engine packs a round with
-`pack_round` (numpy, from per-sequence `DraftSeq`s). Tensor parallelism is not supported
-here yet (the draft runs unsharded on the default device).
+`pack_round` (numpy, from per-sequence `DraftSeq`s). The draft is not split: under a
+tensor-parallel target it runs replicated over the target's mesh (`sharding`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Sharding
 
+from jaxserve.device.model_runner import place_inputs
 from jaxserve.device.spec_draft import (DraftRound, DraftSeq, check_draft_config,
                                         chain_step_metadata, empty_round, pack_round)
 from jaxserve.kernels_pallas import KVPages
@@ -69,18 +71,24 @@ class DraftModelProposer:
     def __init__(self, cfg: ModelConfig, params: Any, num_pages: int, page_size: int,
                  kv_dtype: Any, k: int, buckets: Sequence[tuple[int, int]],
                  max_pages_per_seq: int, attn_impl: str = "reference",
-                 target_cfg: ModelConfig | None = None, kv_head_dim: int | None = None):
+                 target_cfg: ModelConfig | None = None, kv_head_dim: int | None = None,
+                 sharding: Sharding | None = None):
         """`num_pages`, `page_size`, `max_pages_per_seq`, `buckets`: the target runner's
         (`BatchShape`); `k`: num_speculative_tokens; `kv_head_dim`: the attention
-        implementation's page head dim (`selector.page_head_dim`), None: the model's."""
+        implementation's page head dim (`selector.page_head_dim`), None: the model's;
+        `sharding`: replicated over the target's mesh (its tensor-parallel devices, or a
+        data-parallel replica's: every device runs the whole draft); None: the default
+        device."""
         if k < 1:
             raise ValueError(f"num_speculative_tokens={k} must be at least 1")
         check_draft_config(cfg, target_cfg)
-        self.cfg, self.params, self.k = cfg, params, k
+        self.cfg, self.params, self.k = cfg, place_inputs(params, sharding), k
+        self.sharding = sharding
         self.page_size, self.max_pages_per_seq = page_size, max_pages_per_seq
         self.buckets = tuple(sorted(buckets))
         self.attn_impl = attn_impl
-        self.kv_pages: KVPages = init_kv_cache(cfg, num_pages, page_size, kv_dtype, kv_head_dim)
+        self.kv_pages: KVPages = place_inputs(
+            init_kv_cache(cfg, num_pages, page_size, kv_dtype, kv_head_dim), sharding)
 
     def pack(self, seqs: Sequence[DraftSeq]) -> DraftRound:
         """Per-sequence catch-up rows -> the round's numpy inputs (smallest bucket)."""
@@ -90,7 +98,8 @@ class DraftModelProposer:
         """Run one round (queued, not waited for): -> proposals i32[S, k] on the device (row
         i: the i-th sequence packed); the KV pages are updated."""
         proposals, self.kv_pages = draft_model_round_jit(
-            self.params, self.kv_pages, jax.device_put(rnd), cfg=self.cfg, k=self.k,
+            self.params, self.kv_pages, place_inputs(rnd, self.sharding), cfg=self.cfg,
+            k=self.k,
             attn_impl=self.attn_impl)
         return proposals
 
@@ -98,6 +107,6 @@ class DraftModelProposer:
         """Compile the round of every bucket (ahead of time, without running), with the
         arguments `propose` passes, so that serving compiles nothing."""
         for t, s in self.buckets:
-            rnd = jax.device_put(empty_round(t, s, self.max_pages_per_seq))
+            rnd = place_inputs(empty_round(t, s, self.max_pages_per_seq), self.sharding)
             draft_model_round_jit.lower(self.params, self.kv_pages, rnd, cfg=self.cfg,
                                         k=self.k, attn_impl=self.attn_impl).compile()

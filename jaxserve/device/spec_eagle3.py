@@ -23,7 +23,10 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Sharding
 
+from jaxserve.device.model_runner import place_inputs
 from jaxserve.device.spec_draft import (DraftRound, DraftSeq, chain_step_metadata,
                                         empty_round, pack_round)
 from jaxserve.kernels_pallas import KVPages
@@ -34,9 +37,12 @@ from jaxserve.models.eagle3_config import NUM_AUX, Eagle3Config
 
 def eagle3_round(params: Eagle3Params, kv_pages: KVPages, rnd: DraftRound, aux: jax.Array,
                  cfg: Eagle3Config, k: int, target_embed: Any = None,
-                 attn_impl: str = "reference") -> tuple[jax.Array, KVPages]:
+                 attn_impl: str = "reference", chain: jax.Array | bool = True
+                 ) -> tuple[jax.Array, KVPages]:
     """aux f[T_target, 3 * Ht] -> (proposals i32[S, k] target ids, updated kv_pages). Pure;
-    jit with cfg, k, attn_impl static."""
+    jit with cfg, k, attn_impl static. `chain` (bool[], traced): False runs the catch-up
+    only (the head's KV of the step's rows; proposals 2..k are then 0): what the engine runs
+    after a step no sequence will speculate after, so the head's pages stay complete."""
     page_size = kv_pages.shape[2]
     S = rnd.last_rows.shape[0]
     live = jnp.arange(S) < rnd.md.num_seqs[0]
@@ -49,11 +55,14 @@ def eagle3_round(params: Eagle3Params, kv_pages: KVPages, rnd: DraftRound, aux: 
     out, kv_pages = eagle3_hidden(params, kv_pages, rnd.token_ids, hidden, rnd.positions,
                                   rnd.md, cfg, target_embed, attn_impl)
     h = out[rnd.last_rows]
-    proposals = jnp.zeros((S, k), jnp.int32).at[:, 0].set(propose(h))
+    # Catch-up only: no draft logits either (the lm_head over S rows is most of a small
+    # round's cost); an XLA conditional runs one branch.
+    first = jax.lax.cond(chain, propose, lambda h: jnp.zeros(S, jnp.int32), h)
+    proposals = jnp.zeros((S, k), jnp.int32).at[:, 0].set(first)
     pos0 = rnd.positions[rnd.last_rows] + 1
 
-    def chain(j: jax.Array, carry: tuple[jax.Array, jax.Array, KVPages]
-              ) -> tuple[jax.Array, jax.Array, KVPages]:
+    def chain_step(j: jax.Array, carry: tuple[jax.Array, jax.Array, KVPages]
+                   ) -> tuple[jax.Array, jax.Array, KVPages]:
         proposals, h, kv = carry
         pos = pos0 + j - 1
         md = chain_step_metadata(rnd.md, pos, live, page_size)
@@ -62,7 +71,8 @@ def eagle3_round(params: Eagle3Params, kv_pages: KVPages, rnd: DraftRound, aux: 
         nxt = propose(h)
         return jax.lax.dynamic_update_index_in_dim(proposals, nxt, j, axis=1), h, kv
 
-    proposals, _, kv_pages = jax.lax.fori_loop(1, k, chain, (proposals, h, kv_pages))
+    steps = jnp.where(chain, k, 1)  # a traced bound: one executable for both
+    proposals, _, kv_pages = jax.lax.fori_loop(1, steps, chain_step, (proposals, h, kv_pages))
     return jnp.where(live[:, None], proposals, 0), kv_pages
 
 
@@ -77,23 +87,27 @@ class Eagle3Proposer:
                  kv_dtype: Any, k: int, buckets: Sequence[tuple[int, int]],
                  max_pages_per_seq: int, target_embed: Any = None,
                  attn_impl: str = "reference", kv_head_dim: int | None = None,
-                 aux_dtype: Any = jnp.float32):
+                 aux_dtype: Any = jnp.float32, sharding: Sharding | None = None):
         """As `DraftModelProposer`; `target_embed`: the target's embedding (`params.embed`),
         used when the head has none (`load_eagle3` then gives `params.embed` None);
-        `aux_dtype`: the dtype of the target step's aux output (the target's activations)."""
+        `aux_dtype`: the dtype of the target step's aux output (the target's activations);
+        `sharding`: replicated over the target's mesh (its tensor-parallel devices, or a
+        data-parallel replica's): the head's params, pages and rounds, and the target
+        step's aux output (`model_runner.forward_step`); None: the default device."""
         if k < 1:
             raise ValueError(f"num_speculative_tokens={k} must be at least 1")
         if params.embed is None and target_embed is None:
             raise ValueError("the EAGLE-3 head has no embed_tokens.weight: pass the target's "
                              "embedding as target_embed")
-        self.cfg, self.params, self.k = cfg, params, k
+        self.cfg, self.params, self.k = cfg, place_inputs(params, sharding), k
+        self.sharding = sharding
         self.target_embed = None if params.embed is not None else target_embed
         self.page_size, self.max_pages_per_seq = page_size, max_pages_per_seq
         self.buckets = tuple(sorted(buckets))
         self.attn_impl = attn_impl
         self.aux_dtype = aux_dtype
-        self.kv_pages: KVPages = init_eagle3_kv(cfg, num_pages, page_size, kv_dtype,
-                                                kv_head_dim)
+        self.kv_pages: KVPages = place_inputs(
+            init_eagle3_kv(cfg, num_pages, page_size, kv_dtype, kv_head_dim), sharding)
 
     def pack(self, seqs: Sequence[DraftSeq], num_tokens: int) -> DraftRound:
         """Per-sequence rows (with their aux rows) -> numpy inputs in the token bucket
@@ -101,23 +115,27 @@ class Eagle3Proposer:
         return pack_round(seqs, self.buckets, self.page_size, self.max_pages_per_seq,
                           eagle3=True, num_tokens=num_tokens)
 
-    def propose(self, rnd: DraftRound, aux: jax.Array) -> jax.Array:
+    def propose(self, rnd: DraftRound, aux: jax.Array, chain: bool = True) -> jax.Array:
         """Run one round (queued): aux f[T, 3 * Ht] the target step's aux output on the
-        device -> proposals i32[S, k] (target ids) on the device; the KV pages updated."""
+        device -> proposals i32[S, k] (target ids) on the device; the KV pages updated.
+        `chain` False: the catch-up only (`eagle3_round`)."""
         if aux.shape[0] != rnd.token_ids.shape[0]:
             raise ValueError(f"aux has {aux.shape[0]} rows; the round was packed for the token "
                              f"bucket {rnd.token_ids.shape[0]}")
         proposals, self.kv_pages = eagle3_round_jit(
-            self.params, self.kv_pages, jax.device_put(rnd), aux, cfg=self.cfg, k=self.k,
-            target_embed=self.target_embed, attn_impl=self.attn_impl)
+            self.params, self.kv_pages, place_inputs(rnd, self.sharding), aux, cfg=self.cfg,
+            k=self.k,
+            target_embed=self.target_embed, attn_impl=self.attn_impl,
+            chain=np.bool_(chain))
         return proposals
 
     def warmup(self) -> None:
         """Compile the round of every bucket ahead of time, as `propose` calls it."""
         width = NUM_AUX * self.cfg.target_hidden_size
         for t, s in self.buckets:
-            rnd = jax.device_put(empty_round(t, s, self.max_pages_per_seq, eagle3=True))
-            aux = jax.ShapeDtypeStruct((t, width), self.aux_dtype)
+            rnd = place_inputs(empty_round(t, s, self.max_pages_per_seq, eagle3=True),
+                               self.sharding)
+            aux = jax.ShapeDtypeStruct((t, width), self.aux_dtype, sharding=self.sharding)
             eagle3_round_jit.lower(self.params, self.kv_pages, rnd, aux, cfg=self.cfg,
                                    k=self.k, target_embed=self.target_embed,
-                                   attn_impl=self.attn_impl).compile()
+                                   attn_impl=self.attn_impl, chain=np.bool_(True)).compile()

@@ -58,17 +58,26 @@ class EnginePlan:
 # decode it replaces. Measured (scripts/bench/bench_spec.sh, k = 3, docs/serving/
 # speculative.md): concurrency 1 gains 1.2-1.5x, concurrency 8 loses up to a fifth on
 # open-ended text; 16 tokens keeps speculation to <= 4 running sequences at k = 3.
-# Accelerators, whose fixed part is hundreds of tokens, want a larger disable_by_batch_size.
 SPEC_WEIGHT_BOUND_TOKENS = 16
+# Accelerators (GPU, TPU; not measured here, a roofline estimate): a bf16 step reads each
+# weight's 2 bytes once and spends 2 FLOPs per token on it, so it stays weight-bound while
+# its tokens are fewer than the chip's peak FLOP/s per HBM byte/s: ~206 on an H200, ~295 on
+# an H100, ~240 on a TPU v5e, ~560 on a v6e (`jaxserve.cli.bench.perf_model`'s chips). Half
+# the smallest leaves room for the attention and KV reads that grow with the batch.
+SPEC_WEIGHT_BOUND_TOKENS_ACCELERATOR = 96
 
 
-def speculative_max_running(k: int, disable_by_batch_size: int | None) -> int:
+def speculative_max_running(k: int, disable_by_batch_size: int | None,
+                            platform: str = "cpu") -> int:
     """Running sequences at which a step stops speculating: the user's
     disable_by_batch_size, else the most whose k + 1 token queries fit the weight-bound
-    region (SPEC_WEIGHT_BOUND_TOKENS), at least 2 (one sequence always may)."""
+    region of the `platform` (jax's name: SPEC_WEIGHT_BOUND_TOKENS on "cpu",
+    SPEC_WEIGHT_BOUND_TOKENS_ACCELERATOR elsewhere), at least 2 (one sequence always may)."""
     if disable_by_batch_size is not None:
         return disable_by_batch_size
-    return max(2, SPEC_WEIGHT_BOUND_TOKENS // (k + 1) + 1)
+    bound = SPEC_WEIGHT_BOUND_TOKENS if platform == "cpu" else \
+        SPEC_WEIGHT_BOUND_TOKENS_ACCELERATOR
+    return max(2, bound // (k + 1) + 1)
 
 
 def free_device_memory(device: "jax.Device") -> int | None:
@@ -98,9 +107,10 @@ def kv_bytes_per_token(model: ModelConfig, kv_itemsize: int, kv_head_dim: int | 
 def plan_engine(cfg: EngineConfig, model: ModelConfig, kv_itemsize: int,
                 free_memory: int, kv_head_dim: int | None = None,
                 kv_scale_bytes: int = 0, draft: ModelConfig | None = None,
-                draft_kv_head_dim: int | None = None) -> EnginePlan:
+                draft_kv_head_dim: int | None = None, platform: str = "cpu") -> EnginePlan:
     """`draft`: a draft model's config (speculative method draft_model): its KV pages are
-    indexed by the target's page ids, so every page costs the draft's bytes too."""
+    indexed by the target's page ids, so every page costs the draft's bytes too.
+    `platform`: the devices' (jax's name), for speculation's default back-off."""
     max_model_len = cfg.max_model_len or min(model.max_position_embeddings,
                                              DEFAULT_MAX_MODEL_LEN_CAP)
     if max_model_len > model.max_position_embeddings:
@@ -152,7 +162,7 @@ def plan_engine(cfg: EngineConfig, model: ModelConfig, kv_itemsize: int,
     # verified position samples; at most max_running - 1 of them speculate).
     spec = cfg.speculative_config
     max_running = 0 if spec is None else speculative_max_running(
-        spec.num_speculative_tokens, spec.disable_by_batch_size)
+        spec.num_speculative_tokens, spec.disable_by_batch_size, platform)
     rows = cfg.max_num_seqs if spec is None else cfg.max_num_seqs + \
         spec.num_speculative_tokens * min(max_running - 1, cfg.max_num_seqs)
     if cfg.seq_buckets is None:

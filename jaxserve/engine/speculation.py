@@ -16,6 +16,9 @@ with a `speculative_config`. Data flow around one step:
     why it keeps the target's distribution).
 The proposals need the previous step's tokens on the host, so while speculation is active
 (`wants_host_tokens`) the overlapped pipeline applies each step before it schedules the next.
+An EAGLE-3 head (`serving/eagle3_proposer.py`, a `StepObserver`) reads every applied step
+(`observe`, from `StepCore.apply`: the step's rows and its hidden states on the device) and
+is asked every step, with no sequences while none speculates, so its own K/V stays complete.
 
 Backing off: a step with `max_running` or more running sequences does not speculate (vLLM's
 `disable_by_batch_size`; `engine.sizing.speculative_max_running` gives the default when the
@@ -33,7 +36,8 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from jaxserve.engine.scheduler import ScheduledSeq
+from jaxserve.engine.runner import PendingStep
+from jaxserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from jaxserve.engine.sequence import Sequence, SequenceStatus
 
 
@@ -47,6 +51,19 @@ class Proposer(Protocol):
 
     def propose(self, sequences: GenericSequence[Sequence]) -> list[list[int]]:
         """Up to k proposed tokens to follow each sequence's tokens (empty: none)."""
+
+
+class StepObserver(Protocol):
+    """A proposer that reads every applied step (an EAGLE-3 head reads the target step's
+    hidden states, which exist only on the device and only until the next step): its
+    `observes_every_step` is True; the Speculator calls `observe` with every applied step
+    and `propose` before every schedule, with no sequences when none may speculate (the
+    proposer still updates its own state), and asks the pipeline for each step's tokens."""
+
+    observes_every_step: bool
+
+    def observe(self, out: SchedulerOutput, pending: PendingStep) -> None:
+        """Step `out` was applied; `pending` is what the runner dispatched it as."""
 
 
 class TokenListProposer(Protocol):
@@ -77,6 +94,7 @@ class Speculator:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1 "
                              f"and max_running={max_running} >= 2")
         self.proposer = proposer
+        self.every_step = bool(getattr(proposer, "observes_every_step", False))
         self.reserve = reserve  # needed by a proposer with a lookahead
         self.k = num_speculative_tokens
         self.max_running = max_running  # steps with this many running sequences do not
@@ -97,20 +115,26 @@ class Speculator:
 
     def wants_host_tokens(self, running: GenericSequence[Sequence]) -> bool:
         """Whether the next step may speculate, so the step in flight must be applied
-        before it is scheduled (the proposals follow its tokens)."""
+        before it is scheduled (the proposals follow its tokens); always, with a proposer
+        that reads every step (`StepObserver`)."""
+        if self.every_step:
+            return bool(running)
         return self.active(running) and any(s.sampling_params.speculative for s in running)
+
+    def observe(self, out: SchedulerOutput, pending: PendingStep) -> None:
+        """Step `out` was applied (a `StepObserver` proposer reads it)."""
+        if self.every_step:
+            self.proposer.observe(out, pending)  # type: ignore[attr-defined]
 
     def propose(self, running: GenericSequence[Sequence]) -> None:
         """Fill `spec_token_ids` of the running sequences that may speculate this step."""
-        if not self.active(running):
-            return
-        seqs = [s for s in running if self.may_speculate(s)]
+        seqs = [s for s in running if self.may_speculate(s)] if self.active(running) else []
         ahead = getattr(self.proposer, "lookahead", 0)
-        if ahead:  # the proposer writes KV up to there now; the verify step would anyway
+        if ahead and seqs:  # the proposer writes KV up to there now; the verify step would
             if self.reserve is None:
                 raise ValueError("a proposer with a lookahead needs the Speculator's reserve")
             seqs = [s for s in seqs if self.reserve(s, s.num_tokens + ahead)]
-        if not seqs:
+        if not seqs and not self.every_step:
             return
         for seq, tokens in zip(seqs, self.proposer.propose(seqs)):
             seq.spec_token_ids = _grammar_prefix(seq, tokens[:self.k])

@@ -180,6 +180,8 @@ class StepCore:
         before = {id(s.sequence): s.sequence.num_output_tokens for s in out.seqs}
         errors: list[tuple[Sequence, Exception]] = []
         progressed = self.scheduler.update(out, sampled, errors)
+        if self.speculator is not None:  # an EAGLE-3 head reads every applied step
+            self.speculator.observe(out, step.pending)
         self._fail_now([(r, f"applying the step's result failed: {e!r}") for r, e in errors])
         first = {id(s.sequence): r for s, r in zip(out.seqs, rows)}
         for req in progressed:

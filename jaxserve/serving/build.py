@@ -11,11 +11,8 @@ all build their engines here. Data flow of `build_engines(config)`:
   -> `_make_runner`: `sizing.plan_engine` (pages, buckets) and the ModelRunner (KV pages on
     device; a draft's proposer) -> `Engine(config, plan, runner, tokenizer, eos ids)`
   -> `warm_up`: compile every bucket (and draft round) of every replica, then arm the guards.
-`build_served` adds what callers are told about the model (its name and format). Engines then
-run either in lockstep for offline use (`build_offline_engine`: one Engine, or a
-`ReplicaPool` over the replicas) or each on its own loop thread for the servers
-(`start_serving`: an `AsyncEngine` per replica with its Prometheus view, behind an
-`AsyncReplicaPool` when there are several).
+`served.py` runs the engines: in lockstep for offline use, or each on its own loop thread
+for the servers.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Callable, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +28,8 @@ from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig, RuntimeConfig, apply_runtime
 from jaxserve.device.model_runner import ModelRunner
-from jaxserve.device.multihost import LeaderRunner, agree_min
+from jaxserve.device.multihost import Follower, LeaderRunner, agree_min
+from jaxserve.device.multihost_spec import LeaderDrafter
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.fault_injection import with_faults
 from jaxserve.engine.sizing import (EnginePlan, available_host_memory, free_device_memory,
@@ -41,18 +39,12 @@ from jaxserve.kernels_pallas.cpu_build import dense_kernel_target
 from jaxserve.models import placement
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.families import ModelParams
-from jaxserve.models.loading import LoadedModel, detect_format, load_model, resolve_model_path
+from jaxserve.models.loading import LoadedModel, load_model
 from jaxserve.models.packing import can_pack, pack_experts_where_possible, pack_params
 from jaxserve.models.quant import QuantizedWeight, WeightQuant, weight_bytes, weight_quant
 from jaxserve.models.quantized_params import dequantized_params, quantize_params
 from jaxserve.models.paged import MODEL_AXIS
 from jaxserve.serving import spec_build
-from jaxserve.serving.async_engine import AsyncEngine
-from jaxserve.serving.async_replica_pool import AsyncReplicaPool, AsyncServing
-from jaxserve.serving.metrics import EngineMetrics
-from jaxserve.serving.request_stream import DEFAULT_MAX_STREAM_BUFFER_TOKENS
-from jaxserve.serving.replica_pool import ReplicaPool
-from jaxserve.serving.router import make_router
 
 log = logging.getLogger(__name__)
 
@@ -101,11 +93,13 @@ def build_engine(config: EngineConfig, model: LoadedModel | None = None,
                          "run multihost.follow(build_follower(config))")
     _apply_runtime(config)
     placed = _place(config, model, None)
-    draft = spec_build.load_draft(config, placed.model, _weight_quant(config),
-                                  functools.partial(_dense_params, config))
+    draft = spec_build.load_drafter(config, placed.model, _weight_quant(config),
+                                    functools.partial(_dense_params, config))
     plan, runner, proposer = _make_runner(config, placed, _kv_budget([placed]), draft)
     if jax.process_count() > 1:
         runner = LeaderRunner(runner, config.multihost_keepalive_s)
+        if proposer is not None:  # its rounds are announced too
+            proposer.drafter = LeaderDrafter(proposer.drafter, runner)  # type: ignore
     engine = Engine(config, plan, with_faults(config, runner), placed.model.tokenizer,
                     placed.model.config.eos_token_ids, proposer=proposer)
     if warmup:
@@ -113,16 +107,19 @@ def build_engine(config: EngineConfig, model: LoadedModel | None = None,
     return engine
 
 
-def build_follower(config: EngineConfig) -> ModelRunner:
+def build_follower(config: EngineConfig) -> Follower:
     """A process > 0's share of a multi-host engine: the same runner process 0 builds (same
-    mesh, shapes and KV pages), driven by `multihost.follow`."""
+    mesh, shapes and KV pages) and speculative drafter, driven by `multihost.follow`."""
     if jax.process_count() == 1 or jax.process_index() == 0:
         raise ValueError(f"build_follower on process {jax.process_index()} of "
                          f"{jax.process_count()}: it is for processes > 0 of a "
                          "jax.distributed job")
     _apply_runtime(config)
     placed = _place(config, None, None)
-    return _make_runner(config, placed, _kv_budget([placed]))[1]
+    draft = spec_build.load_drafter(config, placed.model, _weight_quant(config),
+                                    functools.partial(_dense_params, config))
+    _, runner, proposer = _make_runner(config, placed, _kv_budget([placed]), draft)
+    return Follower(runner, None if proposer is None else proposer.drafter)
 
 
 def build_engines(config: EngineConfig, model: LoadedModel | None = None,
@@ -143,17 +140,18 @@ def build_engines(config: EngineConfig, model: LoadedModel | None = None,
         raise ValueError(f"data_parallel_size={dp} over {jax.process_count()} processes: data "
                          "parallelism is per host; across hosts run one job per replica")
     _apply_runtime(config)
-    spec_build.check_supported(config)
     # Given no model, each replica loads the checkpoint straight onto its own devices (a
     # memory-mapped re-read per replica) rather than staging one copy on device 0.
     placed = [_place(config, model, row)
               for row in replica_device_rows(dp, config.tensor_parallel_size)]
+    draft = spec_build.load_drafter(config, placed[0].model, _weight_quant(config),
+                                    functools.partial(_dense_params, config))
     free = _kv_budget(placed)
     engines = []
     for p in placed:
-        plan, runner, _ = _make_runner(config, p, free)
+        plan, runner, proposer = _make_runner(config, p, free, draft)
         engines.append(Engine(config, plan, with_faults(config, runner), p.model.tokenizer,
-                              p.model.config.eos_token_ids))
+                              p.model.config.eos_token_ids, proposer=proposer))
     if warmup:
         warm_up(engines, progress)
     return engines
@@ -289,25 +287,25 @@ def _attention_impl(config: EngineConfig, cfg: ModelConfig,
 
 
 def _make_runner(config: EngineConfig, placed: _Placed, free: int,
-                 draft: LoadedModel | None = None
-                 ) -> tuple[EnginePlan, ModelRunner, spec_build.DraftModelEngineProposer | None]:
-    """The plan, the runner and (`draft` given) the draft model's proposer, sized with it."""
+                 draft: spec_build.Drafter | None = None
+                 ) -> tuple[EnginePlan, ModelRunner, spec_build.Proposer | None]:
+    """The plan, the runner and (`draft`: a draft model or EAGLE-3 head) its proposer."""
     kv_dtype = kv_cache_dtype(config, placed.weights_quantized)
     attn_impl, kv_head_dim = _attention_impl(config, placed.run_cfg, kv_dtype)
-    d_attn, d_head = _attention_impl(config, draft.config, kv_dtype) if draft else (None, None)
+    d_cfg = spec_build.kv_config(draft)
+    d_attn, d_head = _attention_impl(config, d_cfg, kv_dtype) if d_cfg else (None, None)
     plan = plan_engine(config, placed.run_cfg, kv_dtype.itemsize, free, kv_head_dim,
-                       _KV_SCALE_BYTES if is_quantized_dtype(kv_dtype) else 0,
-                       None if draft is None else draft.config, d_head)
+                       _KV_SCALE_BYTES if is_quantized_dtype(kv_dtype) else 0, d_cfg, d_head,
+                       placed.device.platform)
     devices = placed.mesh.devices.flat if placed.mesh is not None else [placed.device]
     log.info("KV cache: %d pages of %d tokens (%.1f MiB, %s), attention=%s, devices=%s",
              plan.scheduler.num_pages - 1, plan.scheduler.page_size,
              plan.kv_budget_bytes / 2**20, kv_dtype.name, attn_impl, [d.id for d in devices])
     runner = ModelRunner(placed.run_cfg, placed.params, plan.batch_shape,
                          plan.scheduler.num_pages, kv_dtype, attn_impl, kv_head_dim, placed.mesh,
-                         placed.expert_parallel)
-    proposer = None if draft is None else spec_build.draft_proposer(
-        config, plan, draft, placed.run_cfg, kv_dtype, d_attn, d_head)  # type: ignore[arg-type]
-    return plan, runner, proposer
+                         placed.expert_parallel, spec_build.aux_layers(draft, placed.run_cfg))
+    return plan, runner, spec_build.proposer(config, plan, draft, placed.run_cfg, placed.params,
+                                             kv_dtype, d_attn, d_head, placed.mesh)
 
 
 def warm_up(engines: list[Engine], progress: bool = True) -> None:
@@ -329,13 +327,6 @@ def warm_up(engines: list[Engine], progress: bool = True) -> None:
         raise
 
 
-def build_offline_engine(config: EngineConfig, model: LoadedModel | None = None,
-                         warmup: bool = True, progress: bool = True) -> Engine | ReplicaPool:
-    """One Engine, or a ReplicaPool over `data_parallel_size` of them (same calls)."""
-    engines = build_engines(config, model, warmup, progress)
-    return engines[0] if len(engines) == 1 else ReplicaPool(engines, make_router(engines))
-
-
 def replica_device_rows(dp: int, tp: int) -> list[list[jax.Device]]:
     """The rows of the (data, model) mesh: the devices of each data-parallel replica."""
     devices = jax.local_devices()
@@ -346,55 +337,3 @@ def replica_device_rows(dp: int, tp: int) -> list[list[jax.Device]]:
     # so each replica's tensor-parallel group sits on neighbouring chips.
     mesh = jax.make_mesh((dp, tp), (DATA_AXIS, MODEL_AXIS), devices=devices[:dp * tp])
     return [list(row) for row in mesh.devices]
-
-
-@dataclasses.dataclass(frozen=True)
-class ServedModel:
-    """A ready engine and how to describe it to callers."""
-
-    engine: Engine  # the (first) engine: config, plan and tokenizer are the same on all
-    name: str  # the --model value or "bundled"; also the metrics' model_name label
-    format: str = ""  # gguf | hf | orbax, when known
-    replicas: tuple[Engine, ...] = ()  # data parallel: every replica (engine is the first)
-
-    @property
-    def engines(self) -> tuple[Engine, ...]:
-        return self.replicas or (self.engine,)
-
-
-def model_name(config: EngineConfig, model: LoadedModel | None = None) -> str:
-    """What callers see as the model: the --model value, or "bundled:<file>"."""
-    source = model.source if model is not None else resolve_model_path(config.model)
-    return config.model or f"bundled:{source.name}"
-
-
-def build_served(config: EngineConfig, model: LoadedModel | None, progress: bool) -> ServedModel:
-    """Size, place and warm up an engine (data parallel: one per replica), ready to attach.
-    `model` None: each engine loads config.model straight onto its own devices."""
-    engines = build_engines(config, model, warmup=True, progress=progress)
-    fmt = model.format if model is not None else detect_format(resolve_model_path(config.model))
-    return ServedModel(engine=engines[0], name=model_name(config, model), format=fmt,
-                       replicas=tuple(engines) if len(engines) > 1 else ())
-
-
-def start_serving(served: ServedModel, max_waiting: int | None,
-                  on_failure: Callable[[BaseException], None] | None = None,
-                  max_stream_buffer_tokens: int | None = DEFAULT_MAX_STREAM_BUFFER_TOKENS
-                  ) -> tuple[AsyncServing, EngineMetrics]:
-    """Each replica's engine on its own loop thread (an AsyncEngine fed to its Prometheus
-    view), behind a router when there are several; started. The metrics' registry holds
-    every replica's series. `max_stream_buffer_tokens`: per stream, see `request_stream`."""
-    engines = served.engines
-    max_tokens = served.engine.config.max_num_batched_tokens
-    spec = served.engine.config.speculative_config  # its metrics exist only when on, as vLLM's
-    k = None if spec is None else spec.num_speculative_tokens
-    metrics = ([EngineMetrics(served.name, max_tokens, num_speculative_tokens=k)]
-               if len(engines) == 1 else EngineMetrics.for_replicas(
-                   served.name, max_tokens, len(engines), num_speculative_tokens=k))
-    replicas = [AsyncEngine(e, max_waiting, observers=[m], on_failure=on_failure,
-                            max_stream_buffer_tokens=max_stream_buffer_tokens)
-                for e, m in zip(engines, metrics)]
-    serving: AsyncServing = replicas[0] if len(replicas) == 1 else AsyncReplicaPool(
-        replicas, make_router(engines))
-    serving.start()
-    return serving, metrics[0]

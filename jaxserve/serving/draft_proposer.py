@@ -31,9 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence as GenericSequence
 
-import numpy as np
-
-from jaxserve.device.spec_draft import DraftSeq
+from jaxserve.device.spec_draft import DraftSeq, proposals_to_host
 from jaxserve.device.spec_draft_model import DraftModelProposer
 from jaxserve.engine.sequence import Sequence, SequenceStatus
 
@@ -79,7 +77,8 @@ class DraftModelEngineProposer:
             budget -= take
         if not rows:
             return out
-        proposals = np.asarray(self.drafter.propose(self.drafter.pack([r[2] for r in rows])))
+        rnd = self.drafter.pack([r[2] for r in rows])
+        proposals = proposals_to_host(self.drafter.propose(rnd))
         for j, (i, st, ds) in enumerate(rows):
             st.computed = ds.start + len(ds.token_ids)
             caught_up = st.computed == st.seq.num_tokens

@@ -113,7 +113,7 @@ def measure_matmul_gflops() -> float:
 
 def forward_only():  # noqa: ANN201
     """The runner's forward without the sampler, jitted as the runner jits it (KV pages
-    donated): `f(params, kv_pages, inputs, cfg=, attn_impl=, mesh=) -> (kv_pages, logits, hidden)`."""
+    donated): `f(params, kv_pages, inputs, cfg=, attn_impl=, mesh=) -> (kv_pages, logits, hidden, aux)`."""
     import jax
 
     from jaxserve.device.model_runner import forward_step
@@ -158,7 +158,7 @@ def bench_decode(llm, batch_sizes: list[int], ctx: int) -> list[dict]:
         times = []
         for _ in range(5):
             t = time.perf_counter()
-            r.kv_pages, logits, _ = forward(r.params, r.kv_pages, inputs, cfg=cfg,
+            r.kv_pages, logits, *_ = forward(r.params, r.kv_pages, inputs, cfg=cfg,
                                             attn_impl=r.attn_impl, mesh=r.mesh)
             logits.block_until_ready()
             times.append(time.perf_counter() - t)

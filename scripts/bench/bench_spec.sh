@@ -8,6 +8,13 @@
 #
 #   bash scripts/bench/bench_spec.sh                      # both servers, ~25 min
 #   CONCURRENCY=1 WORKLOADS=copy bash scripts/bench/bench_spec.sh
+#   ROUNDS=3 WORKLOADS=open bash scripts/bench/bench_spec.sh  # none, ngram, none, ngram, ...
+#   SERVERS="none eagle3" SPEC='{"method": "eagle3", "model": "DIR", ...}' bash ...
+#
+# Every server but `none` runs with $SPEC (its name labels the files). ROUNDS > 1 runs the
+# servers in turn that many times, each round into $OUT/r<i>, so each ratio is taken
+# within one round and the table gives the median over rounds with its spread (a shared
+# host's speed drifts by the minute: alternating rounds keep the drift out of the ratio).
 #
 # Results: $OUT/<server>_<workload>_c<C>.json (vLLM's result format) and the server's
 # /metrics after each run ($OUT/<server>_<workload>_c<C>.metrics: the spec_decode counters,
@@ -23,7 +30,8 @@ OUT=${OUT:-spec_bench}
 SERVERS=${SERVERS:-"none ngram"}
 WORKLOADS=${WORKLOADS:-"copy open"}
 CONCURRENCY=${CONCURRENCY:-"1 8 32"}
-SPEC=${SPEC:-'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'}
+SPEC=${SPEC:-'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'}
+ROUNDS=${ROUNDS:-1}
 JAXSERVE=${JAXSERVE:-jaxserve}
 PORT=8013
 mkdir -p "$OUT"
@@ -59,9 +67,13 @@ run() {  # $1 server, $2 workload, $3 concurrency
   echo "$1 $2 c$3 done"
 }
 
-for server in $SERVERS; do
-  start_server "$server"
-  for w in $WORKLOADS; do for c in $CONCURRENCY; do run "$server" "$w" "$c"; done; done
-  kill $PID; wait $PID 2>/dev/null || true
+ROOT=$OUT
+for round in $(seq 1 "$ROUNDS"); do
+  [ "$ROUNDS" = 1 ] || { OUT=$ROOT/r$round; mkdir -p "$OUT"; ln -sfn ../data "$OUT/data"; }
+  for server in $SERVERS; do
+    start_server "$server"
+    for w in $WORKLOADS; do for c in $CONCURRENCY; do run "$server" "$w" "$c"; done; done
+    kill $PID; wait $PID 2>/dev/null || true
+  done
 done
-python scripts/bench/spec_table.py "$OUT"
+python scripts/bench/spec_table.py "$ROOT"

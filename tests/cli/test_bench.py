@@ -329,7 +329,7 @@ def served():  # noqa: ANN201 - a BackgroundServer
 
     from jaxserve.server.background import BackgroundServer
     from jaxserve.server.config import ServerConfig
-    from jaxserve.serving.build import ServedModel
+    from jaxserve.serving.served import ServedModel
 
     srv = BackgroundServer(ServerConfig(port=0, http_port=0), lambda: ServedModel(
         tiny_engine(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=FEW_BUCKETS,

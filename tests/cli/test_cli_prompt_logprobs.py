@@ -17,7 +17,7 @@ from jaxserve import SamplingParams, cli
 from jaxserve.cli.prompt_logprobs import format_prompt_logprobs
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.config import ServerConfig
-from jaxserve.serving.build import ServedModel
+from jaxserve.serving.served import ServedModel
 
 # One token bucket, as FLAGS: the served engine's warmup compiles 5 executables, not 21.
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=8, max_model_len=64,

@@ -137,7 +137,7 @@ def test_two_processes_serve_tp4_and_stop_together(model_dir: pathlib.Path) -> N
         procs[0].proc.send_signal(signal.SIGTERM)
         rc0 = procs[0].wait_exit()
         follower = procs[1].wait_line(
-            r"ran steps=(\d+) keepalives=\d+ compiles_after_warmup=(\d+)")
+            r"ran steps=(\d+) rounds=0 keepalives=\d+ compiles_after_warmup=(\d+)")
         rc1 = procs[1].wait_exit()
     finally:
         for p in procs:
@@ -179,6 +179,59 @@ def test_two_processes_run_a_batch_job(model_dir: pathlib.Path, tmp_path: pathli
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in records] == ["q0", "q1", "q2"]
     assert [r["text"] for r in records] == [tok.decode(rollout(model, p, 8)) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+@pytest.mark.slow(reason="a two-process job per method; the drafters run on one process in "
+                  "tests/serving/test_spec_*_build.py, replicated over a mesh in "
+                  "tests/device/test_speculation_tp.py")
+def test_two_processes_speculate_with_a_drafter(model_dir: pathlib.Path,
+                                                tmp_path: pathlib.Path, method: str) -> None:
+    """`jaxserve serve` over the two-process TP 4 job with a draft model (another random
+    model of the same shape) or a random EAGLE-3 head: every process runs the drafter's
+    rounds (process 0 announces them); greedy equals the rollout, process 1 ran the rounds
+    and compiled nothing after warmup."""
+    if method == "draft_model":
+        path = tmp_path / "draft"
+        draft = tiny_model(seed=1, num_heads=8, num_kv_heads=2, head_dim=8, hidden_size=64,
+                           intermediate_size=128, vocab_size=VOCAB, eos_token_ids=(0,))
+        save_hf_dir(path, draft.config, draft.params)
+        train_bpe_tokenizer(path, VOCAB)
+    else:
+        from support.eagle3_oracle import HEAD_CONFIG, random_weights, write_head
+
+        head = HEAD_CONFIG | {"hidden_size": 64, "num_attention_heads": 4, "head_dim": 16,
+                              "intermediate_size": 96, "vocab_size": VOCAB,
+                              "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}
+        path = write_head(tmp_path / "head", head, random_weights(head, seed=3))
+    spec = json.dumps({"method": method, "model": str(path), "num_speculative_tokens": 3})
+    coordinator, port = free_port(), free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "JAXSERVE_COMPILATION_CACHE_DIR": ""}
+    procs = [Process([sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
+                      "--port", str(port), "--no-http", "--metrics-port", "0", *SERVE_FLAGS,
+                      "--speculative-config", spec,
+                      "--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2",
+                      "--process-id", str(i)], env) for i in range(2)]
+    try:
+        ready = procs[0].wait_line(r"ready: serving .* on (\S+:\d+) metrics=(\S+)")
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        with Client(ready.group(1)) as client:
+            got = [client.generate(p, params)[0] for p in PROMPTS]
+        procs[0].proc.send_signal(signal.SIGTERM)
+        rc0 = procs[0].wait_exit()
+        follower = procs[1].wait_line(
+            r"ran steps=(\d+) rounds=(\d+) keepalives=\d+ compiles_after_warmup=(\d+)")
+        rc1 = procs[1].wait_exit()
+    finally:
+        for p in procs:
+            p.proc.kill()
+    assert (rc0, rc1) == (0, 0), "".join(procs[0].log + procs[1].log)
+    model = mh_model()
+    assert [g.token_ids for g in got] == [rollout(model, p, 12) for p in PROMPTS]
+    assert sum(g.timing.spec_num_draft_tokens for g in got) > 0
+    assert int(follower.group(2)) > 0  # the drafter's rounds ran on process 1 too
+    assert int(follower.group(3)) == 0
 
 
 @pytest.mark.slow(reason="a third two-process job; the served one runs by default")

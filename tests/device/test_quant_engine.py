@@ -198,7 +198,7 @@ def test_batch_cli_and_grpc_server_serve_quantized(tmp_path: pathlib.Path,
     from jaxserve.server.background import BackgroundServer
     from jaxserve.server.client import Client
     from jaxserve.server.config import ServerConfig
-    from jaxserve.serving.build import ServedModel
+    from jaxserve.serving.served import ServedModel
 
     monkeypatch.setenv("JAXSERVE_COMPILATION_CACHE_DIR", "")
     model = tiny_model()

@@ -119,7 +119,8 @@ def _eagle3_oracle(weights: dict, rows: list[int], aux: np.ndarray, k: int) -> l
 
 
 @pytest.mark.parametrize("impl", [pytest.param("reference", marks=slow(
-    "eagle3 is not served yet (the engine refuses it): its round runs in the slow tier")),
+    "the engine runs the round against the dense head in the default tier "
+    "(tests/serving/test_spec_eagle3_build.py)")),
     pytest.param("auto", marks=slow(
         "a second compile of the round; the draft model's case runs the platform's attention"))])
 def test_eagle3_rounds_equal_dense_head(head, impl: str) -> None:  # noqa: ANN001

@@ -319,7 +319,7 @@ def test_real_runner_lost_kv_cache_is_fatal_and_health_says_so(real_engine) -> N
     from jaxserve.server.background import BackgroundServer
     from jaxserve.server.client import Client
     from jaxserve.server.config import ServerConfig
-    from jaxserve.serving.build import ServedModel
+    from jaxserve.serving.served import ServedModel
 
     engine = real_engine  # last user of the module's engine: this test kills it
     srv = BackgroundServer(ServerConfig(port=0, http_port=0),

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import pytest
 from support.arithmetic_workload import arithmetic, drive, engine_of, mixed_requests, summary
-from support.engine_fixtures import VOCAB
+from support.engine_fixtures import VOCAB, tiny_model_config
 
 from jaxserve import SamplingParams
-from jaxserve.config import SpeculativeConfig
+from jaxserve.config import EngineConfig, SpeculativeConfig
 from jaxserve.engine.fake_runner import ArithmeticRunner, arithmetic_next_token
+from jaxserve.engine.sizing import (SPEC_WEIGHT_BOUND_TOKENS, SPEC_WEIGHT_BOUND_TOKENS_ACCELERATOR,
+                                    plan_engine, speculative_max_running)
 
 
 def ngram(k: int, **kw: object) -> SpeculativeConfig:
@@ -166,3 +168,21 @@ def test_aborts_and_preemption_mid_speculation_leak_no_page() -> None:
         if rid in ("r2", "r4", "r1"):
             assert c.finish_reason.value == "abort"
         assert c.token_ids == arithmetic(p, len(c.token_ids)), rid
+
+
+def test_default_back_off_follows_the_platform() -> None:
+    """No disable_by_batch_size: the running sequences whose (k + 1)-token queries fit the
+    platform's weight-bound tokens (16 on CPU, 96 on accelerators), at least 2; the plan's
+    sampler rows grow by k for each sequence that may speculate."""
+    assert (SPEC_WEIGHT_BOUND_TOKENS, SPEC_WEIGHT_BOUND_TOKENS_ACCELERATOR) == (16, 96)
+    assert speculative_max_running(3, None) == speculative_max_running(3, None, "cpu") == 5
+    assert speculative_max_running(3, None, "gpu") == speculative_max_running(3, None,
+                                                                              "tpu") == 25
+    assert speculative_max_running(16, None) == 2  # one sequence may always speculate
+    assert speculative_max_running(3, 7, "gpu") == 7  # the user's disable_by_batch_size
+    spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
+    cfg = EngineConfig(speculative_config=spec, max_num_seqs=64, max_model_len=256)
+    for platform, running in (("cpu", 5), ("gpu", 25)):
+        plan = plan_engine(cfg, tiny_model_config(), 4, 1 << 30, platform=platform)
+        assert plan.speculative_max_running == running
+        assert max(s for _, s in plan.batch_shape.buckets) >= 64 + 3 * (running - 1)

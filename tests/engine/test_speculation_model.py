@@ -17,16 +17,16 @@ import dataclasses
 
 import numpy as np
 import pytest
-from support.engine_fixtures import FEW_TOKEN_BUCKETS, rollout, tiny_engine, tiny_model
+from support.engine_fixtures import (FEW_TOKEN_BUCKETS, rollout, run_checked, tiny_engine,
+                                     tiny_model)
 from support.tiers import run_slow, slow
 
 from jaxserve import SamplingParams
-from jaxserve.config import EngineConfig, SpeculativeConfig
+from jaxserve.config import SpeculativeConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.spec_ngram import NgramProposer
 from jaxserve.engine.sequence import FinishReason
 from jaxserve.engine.speculation import OnTokens
-from jaxserve.serving.build import build_engine
 
 
 def ngram(k: int, **kw: object) -> SpeculativeConfig:
@@ -98,21 +98,6 @@ def speculating(spec_engine: Engine):  # noqa: ANN201
     spec.proposer = ngram_proposer  # type: ignore[union-attr]
 
 
-def run(eng: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
-    compiles = eng.runner.compiles_after_warmup  # (an oracle may have compiled before)
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        eng.add_request(f"r{i}", p, sp)
-    finals = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                finals[out.request_id] = out
-    alloc = eng.scheduler.allocator
-    assert alloc.num_free_pages == alloc.num_usable_pages, "KV pages leaked"
-    assert eng.runner.compiles_after_warmup == compiles, "compiled after warmup"
-    return finals
-
-
 def test_ngram_greedy_equals_rollout_with_zero_compiles(speculating) -> None:  # noqa: ANN001
     eng = speculating(None)
     eng._core.speculator.proposer = OnTokens(NgramProposer.from_config(SPEC, 96))
@@ -144,7 +129,7 @@ def _ngram_greedy(eng: Engine) -> None:
     prompts = [base * 3 + base[:2 + i] for i in range(4)]
     drafts = eng.stats().spec_num_draft_tokens
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * len(prompts)
-    finals = run(eng, prompts, params)
+    finals = run_checked(eng, prompts, params)
     for i, p in enumerate(prompts):
         assert finals[f"r{i}"].outputs[0].token_ids == rollout(model, p, 24), f"prompt {i}"
     assert eng.stats().spec_num_draft_tokens > drafts
@@ -163,11 +148,11 @@ def test_seeded_sampling_token_for_token_with_every_transform(plain, speculating
                              repetition_penalty=1.3, frequency_penalty=0.4, ignore_eos=True),
               SamplingParams(temperature=1.2, seed=3, max_tokens=20, logit_bias={7: 3.0},
                              presence_penalty=0.5, logprobs=1, ignore_eos=True)]
-    base = run(plain, prompts, params)
+    base = run_checked(plain, prompts, params)
     reference = [p + base[f"r{i}"].outputs[0].token_ids for i, p in enumerate(prompts)]
     eng = speculating(ReplayProposer(reference, 3, tiny_model().config.vocab_size))
     before = eng.stats()
-    got = run(eng, prompts, params)
+    got = run_checked(eng, prompts, params)
     stats = eng.stats()
     accepted = stats.spec_num_accepted_tokens - before.spec_num_accepted_tokens
     assert 0 < accepted < stats.spec_num_draft_tokens - before.spec_num_draft_tokens
@@ -265,23 +250,12 @@ def test_stop_string_and_eos_inside_an_accepted_run(plain, speculating
              SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[out[5]],
                             ignore_eos=True),
              SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)]
-    base = run(plain, [prompt] * 3, cases)
+    base = run_checked(plain, [prompt] * 3, cases)
     eng = speculating(ReplayProposer([prompt + out], 3, model.config.vocab_size,
                                      good=lambda n: 3))
-    got = run(eng, [prompt] * 3, cases)
+    got = run_checked(eng, [prompt] * 3, cases)
     for rid in base:
         a, b = got[rid].outputs[0], base[rid].outputs[0]
         assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
     assert got["r2"].outputs[0].finish_reason is FinishReason.LENGTH
     assert len(got["r2"].outputs[0].token_ids) == 7
-
-
-def test_build_engine_refuses_a_method_without_its_proposer() -> None:
-    """eagle3 has no proposer in the build yet (draft_model's: tests/serving/
-    test_spec_draft_build.py)."""
-    spec = SpeculativeConfig.from_dict({"method": "eagle3", "model": "x",
-                                        "num_speculative_tokens": 2})
-    config = EngineConfig(speculative_config=spec, max_model_len=64,
-                          attention_impl="reference")
-    with pytest.raises(ValueError, match="eagle3"):
-        build_engine(config, tiny_model(), warmup=False, progress=False)

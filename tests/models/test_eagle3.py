@@ -97,8 +97,8 @@ def _inputs(cfg_dict: dict, seed: int = 7) -> dict[int, tuple[np.ndarray, np.nda
 
 
 @pytest.mark.parametrize("impl", [pytest.param("cpu", marks=slow(
-    "eagle3 is not served yet (the engine refuses it): the paged head against the dense "
-    "oracle runs in the slow tier")), pytest.param("reference", marks=slow(
+    "the served head is checked against this dense oracle in the default tier, through "
+    "the engine (tests/serving/test_spec_eagle3_build.py)")), pytest.param("reference", marks=slow(
     "the jnp reference attention compiles ~6x slower; the CPU kernel runs by default"))])
 def test_paged_head_matches_dense_torch(head, impl: str) -> None:  # noqa: ANN001
     """Chunks, single tokens, two sequences in a step, pages out of order: every token's

@@ -20,7 +20,7 @@ from support.openai_front import CONFIG, SDK_KEY
 from jaxserve import LLM
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.config import ServerConfig
-from jaxserve.serving.build import ServedModel
+from jaxserve.serving.served import ServedModel
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,7 @@ from jaxserve.server.app import serve
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.client import Client
 from jaxserve.server.config import ServerConfig
-from jaxserve.serving.build import ServedModel
+from jaxserve.serving.served import ServedModel
 
 DEADLINE_S = 30.0
 

@@ -41,7 +41,7 @@ from jaxserve.engine.sampling_params import FIELDS as SAMPLING_FIELDS
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.client import pb2
 from jaxserve.server.config import ServerConfig
-from jaxserve.serving.build import ServedModel
+from jaxserve.serving.served import ServedModel
 
 EXPLORE = bool(os.environ.get(FUZZ_ENV))  # N random cases instead of the fixed ones
 SETTINGS = settings(max_examples=fuzz_examples(40), derandomize=not EXPLORE,

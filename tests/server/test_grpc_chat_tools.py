@@ -22,7 +22,7 @@ from jaxserve.server.background import BackgroundServer
 from jaxserve.server.client import fill_chat, fold, pb2
 from jaxserve.server.config import ServerConfig
 from jaxserve.serving.admission import render_chat
-from jaxserve.serving.build import ServedModel
+from jaxserve.serving.served import ServedModel
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {

@@ -25,7 +25,7 @@ from jaxserve.server.background import BackgroundServer
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.openai_http import OpenAIHttpFront
 from jaxserve.serving.async_engine import EngineStopped, QueueFull
-from jaxserve.serving.build import ServedModel
+from jaxserve.serving.served import ServedModel
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ from jaxserve.server.client import Client
 from jaxserve.server.config import DEFAULT_HTTP_PORT, DEFAULT_PORT, ServerConfig
 from jaxserve.server.openai_http import OpenAIHttpFront
 from jaxserve.server.openai_stream import coalesce
-from jaxserve.serving.build import ServedModel
+from jaxserve.serving.served import ServedModel
 
 KEY = "sekrit"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -36,7 +36,7 @@ from jaxserve.server.background import BackgroundServer
 from jaxserve.server.config import ServerConfig
 from jaxserve.serving import tools as tool_checks
 from jaxserve.serving.admission import render_chat
-from jaxserve.serving.build import ServedModel
+from jaxserve.serving.served import ServedModel
 
 openai = pytest.importorskip("openai")
 

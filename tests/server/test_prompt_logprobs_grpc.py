@@ -20,7 +20,7 @@ from jaxserve.server.background import BackgroundServer
 from jaxserve.server.client import Client, fold, prompt_logprobs_of
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.proto_map import ResponseBuilder
-from jaxserve.serving.build import ServedModel
+from jaxserve.serving.served import ServedModel
 
 # Prompt tokens 5, 6, 7; top-2 per position; 6 is among its top-2, 7 is not (values exact
 # in float32, the wire type).

@@ -23,7 +23,7 @@ from support.openai_front import CONFIG
 from jaxserve import SamplingParams
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.config import ServerConfig
-from jaxserve.serving.build import ServedModel
+from jaxserve.serving.served import ServedModel
 
 pytest.importorskip("openai")
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"

@@ -22,7 +22,7 @@ from jaxserve import SamplingParams
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.client import AsyncClient, Client, fold
 from jaxserve.server.config import ServerConfig
-from jaxserve.serving.build import ServedModel
+from jaxserve.serving.served import ServedModel
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from jaxserve.models.hf_loader import save_hf_dir
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.client import Client, pb2
 from jaxserve.server.config import ServerConfig
-from jaxserve.serving.build import ServedModel
+from jaxserve.serving.served import ServedModel
 
 DEADLINE_S = 30.0
 START_DEADLINE_S = 180.0  # a cold subprocess imports jax and compiles its buckets

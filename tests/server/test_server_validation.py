@@ -21,7 +21,7 @@ from jaxserve.server import stubs
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.client import AsyncClient, Client, pb2
 from jaxserve.server.config import ServerConfig
-from jaxserve.serving.build import ServedModel
+from jaxserve.serving.served import ServedModel
 
 DEADLINE_S = 20.0
 KV_PAGES = 12  # 96 tokens of KV: less than one max_model_len (128) sequence

@@ -22,7 +22,7 @@ from jaxserve.cli.batch_job import BatchOptions, run_batch
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.client import Client
 from jaxserve.server.config import ServerConfig
-from jaxserve.serving.build import ServedModel
+from jaxserve.serving.served import ServedModel
 
 openai = pytest.importorskip("openai")
 SCHEMA = {"type": "object", "properties": {

@@ -28,7 +28,7 @@ from jaxserve.server.client import pb2
 from jaxserve.server.config import ServerConfig
 from jaxserve.engine.json_text import json_depth
 from jaxserve.server.http_body import MAX_JSON_DEPTH
-from jaxserve.serving.build import ServedModel
+from jaxserve.serving.served import ServedModel
 
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -24,7 +24,7 @@ from jaxserve.engine.limits import EngineStats, InvalidRequest
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.client import Client, pb2
 from jaxserve.server.config import ServerConfig
-from jaxserve.serving.build import ServedModel
+from jaxserve.serving.served import ServedModel
 from jaxserve.serving.replica_pool import ReplicaPool
 from jaxserve.serving.router import make_router
 

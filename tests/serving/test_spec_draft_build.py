@@ -18,7 +18,8 @@ import pathlib
 
 import numpy as np
 import pytest
-from support.engine_fixtures import FEW_TOKEN_BUCKETS, VOCAB, rollout, tiny_engine, tiny_model
+from support.engine_fixtures import (FEW_TOKEN_BUCKETS, VOCAB, rollout, run_checked,
+                                     tiny_engine, tiny_model)
 from support.tiers import slow
 
 from jaxserve import SamplingParams
@@ -78,18 +79,9 @@ def prompts(n: int, length: int = 13) -> list[list[int]]:
 
 
 def run(eng: Engine, ps: list[list[int]], max_tokens: int) -> dict[str, list[int]]:
-    compiles = eng.runner.compiles_after_warmup
-    for i, p in enumerate(ps):
-        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0.0))
-    got = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                got[out.request_id] = list(out.outputs[0].token_ids)
-    alloc = eng.scheduler.allocator
-    assert alloc.num_free_pages == alloc.num_usable_pages, "KV pages leaked"
-    assert eng.runner.compiles_after_warmup == compiles, "compiled after warmup"
-    return got
+    finals = run_checked(eng, ps, [SamplingParams(max_tokens=max_tokens, temperature=0.0)]
+                         * len(ps))
+    return {rid: list(out.outputs[0].token_ids) for rid, out in finals.items()}
 
 
 def per_token(c) -> int:  # noqa: ANN001 - float32 KV bytes of one token, all layers
@@ -209,13 +201,9 @@ def test_refuses_a_bad_path_and_another_vocabulary(dirs: dict[str, pathlib.Path]
                               attention_impl="reference")
         with pytest.raises(ValueError, match=match):
             build_engine(config, tiny_model(), warmup=False, progress=False)
-    with pytest.raises(ValueError, match="draft_model.*tensor_parallel_size=2"):
-        EngineConfig(speculative_config=draft_spec(dirs["same"]), tensor_parallel_size=2)
-    config = EngineConfig(speculative_config=draft_spec(dirs["same"]), max_model_len=64,
-                          data_parallel_size=2, attention_impl="reference")
-    with pytest.raises(ValueError, match="draft_model.*data_parallel_size"):
-        from jaxserve.serving.build import build_engines
-        build_engines(config, tiny_model(), warmup=False, progress=False)
+    split = dataclasses.replace(draft_spec(dirs["same"]), draft_tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size=2: the draft is not split"):
+        EngineConfig(speculative_config=split, tensor_parallel_size=2)
 
 
 def test_pages_cost_the_drafts_bytes_too() -> None:

@@ -35,7 +35,7 @@ from jaxserve.server.background import BackgroundServer
 from jaxserve.server.client import AsyncClient, Client
 from jaxserve.server.config import ServerConfig
 from jaxserve.serving.async_engine import AsyncEngine, StreamBufferFull
-from jaxserve.serving.build import ServedModel
+from jaxserve.serving.served import ServedModel
 
 DEADLINE_S = 60.0
 K = RequestOutputKind

@@ -22,6 +22,8 @@ from support.tiers import run_slow  # noqa: F401 - re-exported for the workers
 from jaxserve.config import EngineConfig
 from jaxserve.engine.batch import default_buckets
 from jaxserve.engine.engine import Engine
+from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.models import decoder, tiny
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loading import LoadedModel
@@ -103,6 +105,25 @@ def tiny_engine(model: LoadedModel | None = None, warmup: bool = True,
         base["token_buckets"] = default_buckets(budget, 1)
     config = EngineConfig(**base)  # type: ignore[arg-type]
     return build_engine(config, model or tiny_model(), warmup=warmup, progress=False)
+
+
+def run_checked(eng: Engine, prompts: list[list[int]], params: list[SamplingParams]
+                ) -> dict[str, RequestOutput]:
+    """Requests "r0", "r1", ... stepped to the end -> their final outputs; asserts that no KV
+    page leaked and nothing compiled after warmup (the guard counts the whole process's
+    compiles: run oracles after this, not before)."""
+    compiles = eng.runner.compiles_after_warmup
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", p, sp)
+    finals = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                finals[out.request_id] = out
+    alloc = eng.scheduler.allocator
+    assert alloc.num_free_pages == alloc.num_usable_pages, "KV pages leaked"
+    assert eng.runner.compiles_after_warmup == compiles, "compiled after warmup"
+    return finals
 
 
 def rollout(model: LoadedModel, prompt: list[int], n: int) -> list[int]:

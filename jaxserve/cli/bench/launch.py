@@ -24,7 +24,7 @@ async def local_server(config: EngineConfig, model: LoadedModel,
     """`async with local_server(cfg, model) as address:` -> "127.0.0.1:PORT", ready."""
     from jaxserve.server.app import GrpcServer
     from jaxserve.server.config import ServerConfig
-    from jaxserve.serving.build import build_served
+    from jaxserve.serving.served import build_served
 
     server = GrpcServer(ServerConfig(port=0, http_port=None, max_waiting=None),
                         lambda: build_served(config, model, progress))

@@ -26,7 +26,7 @@ from jaxserve.cli.bench.targets import GrpcTarget
 from jaxserve.cli.bench.workload import WorkloadSpec, build_requests
 from jaxserve.config import EngineConfig
 from jaxserve.models.loading import LoadedModel
-from jaxserve.serving.build import model_name
+from jaxserve.serving.served import model_name
 
 
 @dataclasses.dataclass(frozen=True)

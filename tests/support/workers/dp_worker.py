@@ -34,7 +34,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.sizing import available_host_memory
 from jaxserve.models import decoder
-from jaxserve.serving.build import build_offline_engine
+from jaxserve.serving.served import build_offline_engine
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 70)), [3, 1, 4, 1, 5, 9, 2, 6],
            list(range(100, 140)), [42]]
@@ -136,7 +136,7 @@ def serve_grpc(dp: int, tp: int) -> dict:
     from jaxserve.server.background import BackgroundServer
     from jaxserve.server.client import Client
     from jaxserve.server.config import ServerConfig
-    from jaxserve.serving.build import build_served
+    from jaxserve.serving.served import build_served
 
     model = model_of("kv_replicated")
     cfg = EngineConfig(**BASE, data_parallel_size=dp, tensor_parallel_size=tp)

@@ -1,6 +1,8 @@
 """Runs in a subprocess with 2 virtual CPU devices (XLA_FLAGS set by the caller): speculative
 decoding (n-gram) on a tiny engine split over tensor_parallel_size=2 against the same engine
 on one device, printed as one JSON document for tests/device/test_speculation_tp.py.
+With the argument `drafters`: the same for a draft model and an EAGLE-3 head (random), which
+run replicated over the target's mesh.
 
 Greedy and seeded sampled requests on prompts that repeat themselves, twice per engine: with
 n-gram lookup (which the random model's output seldom rewards), then with a proposer that
@@ -12,10 +14,17 @@ compiles after warmup and the pages left held.
 from __future__ import annotations
 
 import json
+import pathlib
+import sys
+import tempfile
 
+from support.eagle3_oracle import HEAD_CONFIG, random_weights, write_head
 from support.engine_fixtures import FEW_TOKEN_BUCKETS, tiny_engine, tiny_model
 
-from jaxserve.config import SpeculativeConfig
+from jaxserve.config import EngineConfig, SpeculativeConfig
+from jaxserve.models import tiny
+from jaxserve.models.hf_loader import save_hf_dir
+from jaxserve.serving.build import build_engines
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.speculation import OnTokens
 
@@ -74,6 +83,42 @@ def round_of(eng) -> dict:  # noqa: ANN001
             "leaked": alloc.num_usable_pages - alloc.num_free_pages}
 
 
+def drafters(tp: int, root: pathlib.Path, dp: int = 1) -> dict:
+    """A draft model (another random model of the same shape) and an EAGLE-3 head (random),
+    each run replicated over the TP mesh (or beside each of `dp` replicas): one round of the
+    requests on each engine."""
+    model = tiny_model(num_heads=8, num_kv_heads=8, vocab_size=256)
+    draft_dir = root / "draft"
+    if not draft_dir.exists():
+        draft = tiny_model(seed=1, num_heads=8, num_kv_heads=8, vocab_size=256)
+        save_hf_dir(draft_dir, draft.config, draft.params)
+        tiny.save_word_tokenizer(draft_dir, 256)
+        head = HEAD_CONFIG | {"vocab_size": 256, "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}
+        write_head(root / "head", head, random_weights(head, seed=3))
+    out = {}
+    for method, path in (("draft_model", draft_dir), ("eagle3", root / "head")):
+        spec = SpeculativeConfig.from_dict({"method": method, "model": str(path),
+                                            "num_speculative_tokens": 3})
+        if dp == 1:
+            engines = [tiny_engine(model, speculative_config=spec, tensor_parallel_size=tp,
+                                   token_buckets=FEW_TOKEN_BUCKETS, max_model_len=96)]
+        else:  # tiny_engine's configuration, as data-parallel replicas
+            engines = build_engines(EngineConfig(
+                max_num_seqs=8, max_num_batched_tokens=64, page_size=8, max_model_len=96,
+                attention_impl="reference", token_buckets=FEW_TOKEN_BUCKETS,
+                speculative_config=spec, data_parallel_size=dp), model, progress=False)
+        out[method] = [round_of(eng) for eng in engines]
+        for eng in engines:
+            eng.close()
+    return out
+
+
 if __name__ == "__main__":
-    one = run(1, None)
-    print(json.dumps({"tp1": one, "tp2": run(2, one["ngram"]["tokens"])}))
+    if sys.argv[1:] == ["drafters"]:
+        with tempfile.TemporaryDirectory() as d:
+            print(json.dumps({"tp1": drafters(1, pathlib.Path(d)),
+                              "tp2": drafters(2, pathlib.Path(d)),
+                              "dp2": drafters(1, pathlib.Path(d), dp=2)}))
+    else:
+        one = run(1, None)
+        print(json.dumps({"tp1": one, "tp2": run(2, one["ngram"]["tokens"])}))

@@ -157,7 +157,7 @@ def serve_grpc(kv_heads: int, tp: int) -> dict:
     from jaxserve.server.background import BackgroundServer
     from jaxserve.server.client import Client
     from jaxserve.server.config import ServerConfig
-    from jaxserve.serving.build import ServedModel
+    from jaxserve.serving.served import ServedModel
 
     model = model_of(kv_heads)
     factory = lambda: ServedModel(tiny_engine(model, tensor_parallel_size=tp,  # noqa: E731
