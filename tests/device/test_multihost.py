@@ -206,7 +206,7 @@ def test_two_processes_speculate_with_a_drafter(model_dir: pathlib.Path,
         path = write_head(tmp_path / "head", head, random_weights(head, seed=3))
     spec = json.dumps({"method": method, "model": str(path), "num_speculative_tokens": 3})
     coordinator, port = free_port(), free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    env = {**os.environ, "XLA_FLAGS": device_count_flags(2),
            "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "JAXSERVE_COMPILATION_CACHE_DIR": ""}
     procs = [Process([sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
                       "--port", str(port), "--no-http", "--metrics-port", "0", *SERVE_FLAGS,
