@@ -43,6 +43,9 @@ ENV_VARS = {
     "JAXSERVE_TEST_XLA_CACHE": "the test session's XLA compilation cache directory (default: "
         "a fresh temporary one; a lasting directory reuses compiles across runs; empty: "
         "none).",
+    "JAXSERVE_TEST_XLA_FLAGS": "XLA flags the test session adds to `XLA_FLAGS` (default on a "
+        "host without a GPU / TPU: `--xla_backend_optimization_level=0`, faster compiles of "
+        "the tiny test models; empty: XLA's defaults).",
     "JAXSERVE_ARGS": "`scripts/peer/side_by_side.sh`: extra `jaxserve serve` flags.",
     "JAXSERVE_TEST_WORKERS": "`scripts/test.sh`: pytest-xdist worker processes (default 2; "
         "`0` runs the tests in the pytest process itself).",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from support.engine_fixtures import run_device_worker, tiny_engine, tiny_model
+from support.engine_fixtures import FEW_TOKEN_BUCKETS, run_device_worker, tiny_engine, tiny_model
 
 from jaxserve import SamplingParams
 from jaxserve.cli.flags import add_engine_flags, engine_config_from_args
@@ -76,7 +76,10 @@ def float_choices(model, prompt: list[int], out: list[int]) -> list[int]:
 @pytest.mark.parametrize("impl", ["cpu", "reference"])
 def test_int8_engine_agrees_with_the_float_model(impl: str) -> None:
     model = tiny_model()
-    eng = tiny_engine(model, kv_cache_dtype="int8", attention_impl=impl)
+    # Two token buckets (a decode bucket, the whole step): the int8 pages are the subject,
+    # and each bucket is a whole-model compile.
+    eng = tiny_engine(model, kv_cache_dtype="int8", attention_impl=impl,
+                      token_buckets=FEW_TOKEN_BUCKETS)
     assert isinstance(eng.runner.kv_pages, QuantizedKV)
     rng = np.random.default_rng(0)
     prompts = [[int(x) for x in rng.integers(3, 211, int(rng.integers(5, 60)))]

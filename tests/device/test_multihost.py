@@ -32,7 +32,7 @@ import urllib.request
 
 import pytest
 import numpy as np
-from support.engine_fixtures import FEW_TOKEN_BUCKETS, rollout, tiny_model
+from support.engine_fixtures import FEW_TOKEN_BUCKETS, device_count_flags, rollout, tiny_model
 from support.bpe_tokenizer import train_bpe_tokenizer
 from support.oracles import oracle as prompt_logprobs_oracle
 from support.numerics import model_logprob_atol
@@ -119,7 +119,7 @@ def mh_model():  # noqa: ANN201 - LoadedModel
 
 def test_two_processes_serve_tp4_and_stop_together(model_dir: pathlib.Path) -> None:
     coordinator, port = free_port(), free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    env = {**os.environ, "XLA_FLAGS": device_count_flags(2),
            "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "JAXSERVE_COMPILATION_CACHE_DIR": ""}
     procs = [Process([sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
                       "--port", str(port), "--no-http", "--metrics-port", "0", *SERVE_FLAGS,
@@ -162,7 +162,7 @@ def test_two_processes_run_a_batch_job(model_dir: pathlib.Path, tmp_path: pathli
                                        "temperature": 0.0, "ignore_eos": True}) + "\n"
                            for i, p in enumerate(PROMPTS)))
     coordinator = free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    env = {**os.environ, "XLA_FLAGS": device_count_flags(2),
            "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "JAXSERVE_COMPILATION_CACHE_DIR": ""}
     procs = [Process([sys.executable, "-m", "jaxserve.cli", "batch", str(src), str(out),
                       "--model", str(model_dir), "--no-progress", *SERVE_FLAGS,
@@ -206,7 +206,7 @@ def test_two_processes_speculate_with_a_drafter(model_dir: pathlib.Path,
         path = write_head(tmp_path / "head", head, random_weights(head, seed=3))
     spec = json.dumps({"method": method, "model": str(path), "num_speculative_tokens": 3})
     coordinator, port = free_port(), free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    env = {**os.environ, "XLA_FLAGS": device_count_flags(2),
            "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "JAXSERVE_COMPILATION_CACHE_DIR": ""}
     procs = [Process([sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
                       "--port", str(port), "--no-http", "--metrics-port", "0", *SERVE_FLAGS,
@@ -239,7 +239,7 @@ def test_two_processes_offline_llm(model_dir: pathlib.Path) -> None:
     """The Python recipe of docs/scaling.md: LLM on process 0, multihost.follow on process 1, with an
     idle spell in between that process 0 bridges with keepalives."""
     coordinator = free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    env = {**os.environ, "XLA_FLAGS": device_count_flags(2),
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(
                [str(pathlib.Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
     script = pathlib.Path(__file__).parents[1] / "support" / "workers" / "multihost_llm_worker.py"

@@ -15,7 +15,8 @@ import functools
 
 import numpy as np
 import pytest
-from support.engine_fixtures import mixed_layer_model, rollout, tiny_engine, tiny_model
+from support.engine_fixtures import (few_token_buckets, mixed_layer_model, rollout, tiny_engine,
+                                     tiny_model)
 from support.hf_models import GEMMA_ARCHS, GEMMA_WINDOW
 from support.numerics import gamma
 from support.tiers import run_slow, slow, split_tiers
@@ -151,6 +152,8 @@ def gemma(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 # budget would hold every prompt at once and nothing would be preempted.
 # Default tier: Gemma 3 through the C++ kernel with prefix hits, and Gemma 4's shared-KV
 # model under preemption (its layers reading other layers' pages); the slow tier runs all.
+# Two token buckets (a decode bucket and the whole chunk): the family's numerics and the
+# paging are what is checked here, the bucket set in test_buckets and the rollout tests above.
 _GEMMA_DEFAULT_TIER = {("gemma3", "cpu"), ("gemma4_ple", "reference")}
 
 
@@ -171,7 +174,8 @@ def test_gemma_greedy_equals_transformers_generate(gemma, budget, page_size, cac
     assert min(map(len, prompts)) > 4 * GEMMA_WINDOW  # every prompt spans several windows
     n = 8
     kw = dict(max_num_batched_tokens=budget, max_num_seqs=4, page_size=page_size,
-              enable_prefix_caching=caching, max_model_len=128, attention_impl=impl)
+              enable_prefix_caching=caching, max_model_len=128, attention_impl=impl,
+              token_buckets=few_token_buckets(budget))
     eng = tiny_engine(model, warmup=kv_pages is None, **kw)
     if kv_pages is not None:
         # Just over what the longest sequence holds at once (a model with more KV groups,
@@ -236,7 +240,8 @@ def test_moe_greedy_equals_transformers_generate(moe_family, budget, page_size, 
     prompts = make_prompts(seed=5, count=5, shared_prefix=20)
     n = 8
     kw = dict(max_num_batched_tokens=budget, max_num_seqs=4, page_size=page_size,
-              enable_prefix_caching=caching, max_model_len=128, attention_impl=impl)
+              enable_prefix_caching=caching, max_model_len=128, attention_impl=impl,
+              token_buckets=few_token_buckets(budget))
     eng = tiny_engine(model, warmup=kv_pages is None, **kw)
     if kv_pages is not None:
         # Just over what the longest sequence holds at once (a model with more KV groups,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from support.engine_fixtures import tiny_engine
+from support.engine_fixtures import few_token_buckets, tiny_engine
 
 from jaxserve import SamplingParams
 
@@ -69,8 +69,11 @@ def test_gemma3_window_kv_equals_transformers(gemma3) -> None:  # noqa: ANN001
     prompts = {f"r{i}": [int(x) for x in rng.integers(3, 211, int(rng.integers(48, 90)))]
                for i in range(5)}
     n = 8
+    # One token bucket, the whole 8-token chunk (the windows and the paging are what is
+    # checked; each bucket is a whole-model compile).
     kw = dict(max_num_batched_tokens=8, max_num_seqs=3, page_size=PAGE,
-              enable_prefix_caching=True, max_model_len=128, attention_impl="reference")
+              enable_prefix_caching=True, max_model_len=128, attention_impl="reference",
+              token_buckets=few_token_buckets(8))
     probe = tiny_engine(model, warmup=False, **kw)
     groups = probe.plan.scheduler.kv_groups
     assert groups is not None and groups.windows == (None, WINDOW, WINDOW)

@@ -26,6 +26,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from support.engine_fixtures import few_token_buckets  # noqa: E402
 from support.hf_models import GEMMA4_ARCHS, GEMMA_WINDOW, build_gemma_model, hf_greedy  # noqa: E402
 from support.numerics import logits_atol  # noqa: E402
 
@@ -123,9 +124,11 @@ def test_greedy_through_llm_equals_transformers_generate(hf) -> None:  # noqa: A
     arch, d, model = hf
     n = 6
     sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    # Tiny pages and a small step budget: windows span pages, prompts prefill in chunks.
+    # Tiny pages and a small step budget: windows span pages, prompts prefill in chunks;
+    # one token bucket, the whole 8-token step (each bucket is a whole-model compile).
     with LLM(model=str(d), max_num_seqs=4, max_num_batched_tokens=8, page_size=4,
-             max_model_len=64, kv_cache_memory=1 << 20, enable_prefix_caching=True) as llm:
+             max_model_len=64, kv_cache_memory=1 << 20, enable_prefix_caching=True,
+             token_buckets=few_token_buckets(8)) as llm:
         outs = llm.generate(PROMPTS, sp, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, n)
                                                           for p in PROMPTS], arch

@@ -31,6 +31,7 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 from support import gemma4_bpe  # noqa: E402
+from support.engine_fixtures import few_token_buckets  # noqa: E402
 from support.gguf_files import Q, TINY, tiny_gguf_vocab, write_gemma4_gguf  # noqa: E402
 from support.hf_models import GEMMA4_ARCHS, build_gemma_model, hf_greedy  # noqa: E402
 from support.numerics import logits_atol  # noqa: E402
@@ -169,9 +170,11 @@ def test_greedy_through_llm_equals_transformers_generate(gguf_file) -> None:  # 
                     "Q8_0 file runs greedy): set JAXSERVE_RUN_SLOW=1 to run it")
     n = 6
     sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    # Tiny pages and a small step budget: windows span pages, prompts prefill in chunks.
+    # Tiny pages and a small step budget: windows span pages, prompts prefill in chunks;
+    # one token bucket, the whole 8-token step (each bucket is a whole-model compile).
     with LLM(model=str(path), max_num_seqs=4, max_num_batched_tokens=8, page_size=4,
-             max_model_len=64, kv_cache_memory=1 << 20, quantization=_QUANT.scheme) as llm:
+             max_model_len=64, kv_cache_memory=1 << 20, quantization=_QUANT.scheme,
+             token_buckets=few_token_buckets(8)) as llm:
         outs = llm.generate(PROMPTS, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(ref, p, n)
                                                       for p in PROMPTS], (arch, qname)

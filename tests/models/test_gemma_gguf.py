@@ -28,6 +28,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from support.engine_fixtures import few_token_buckets  # noqa: E402
 from support.gguf_files import Q, TINY, write_arch_gguf, write_gemma_gguf  # noqa: E402
 from support.numerics import gemma_logits_atol  # noqa: E402
 from support.spm_vocab import gemma_vocab  # noqa: E402
@@ -165,11 +166,13 @@ def test_greedy_through_llm_equals_transformers_generate(gguf_file) -> None:  # 
         return out[0, len(p):].tolist()
 
     sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    # Tiny pages and a small step budget: windows span pages, prompts prefill in chunks.
+    # Tiny pages and a small step budget: windows span pages, prompts prefill in chunks;
+    # one token bucket, the whole 8-token step (each bucket is a whole-model compile).
     # Float activations: the oracle is transformers' float model over the same weights, and
     # int8 activations (the CPU default for Q8_0 blocks) would round every layer's input.
     with LLM(model=str(path), max_num_seqs=4, max_num_batched_tokens=8, page_size=4,
-             max_model_len=64, kv_cache_memory=8 << 20, int8_activations="off") as llm:
+             max_model_len=64, kv_cache_memory=8 << 20, int8_activations="off",
+             token_buckets=few_token_buckets(8)) as llm:
         outs = llm.generate(PROMPTS, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(p) for p in PROMPTS], \
         (arch, qname)

@@ -30,15 +30,18 @@ BAD_LABELS = ("http:5", "grpc:UNKNOWN", "grpc:INTERNAL", "grpc:UNAVAILABLE", "er
 
 # 150 requests in the default tier (~30 cancelled, every kind several times over), 300 in the
 # slow tier. The server compiles into the session's XLA cache (conftest), like every process
-# the tests start.
+# the tests start: the tiny server's flags with two token buckets (a decode bucket and the
+# whole step) instead of the default set's 11, each a whole-model compile at warmup (what is
+# soaked is the server's bookkeeping, not the bucket set).
 REQUESTS = 300 if run_slow() else 150
+SERVER_ARGS = (*soak.TINY_SERVER_ARGS, "--token-buckets", "8,64")
 
 
 @pytest.fixture(scope="module")
 def result() -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cfg = soak.SoakConfig(requests=REQUESTS, concurrency=8, max_tokens=8, seed=1,
-                          progress=False, fault_token=FAULT_TOKEN)
+                          progress=False, fault_token=FAULT_TOKEN, server_args=SERVER_ARGS)
     return soak.soak(cfg, env)
 
 

@@ -133,11 +133,14 @@ def test_engine_failure_turns_health_not_serving() -> None:
 
 
 # --------------------------------------------------------------------------- subprocess
+# Two token buckets (a decode bucket and the whole step): the served process, its second
+# launch and the in-process oracle each warm up 7 executables instead of the powers of two's
+# ~20 (compiles are most of these tests' time); the bucket set is test_buckets' subject.
 SERVE_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--page-size", "8",
                "--max-model-len", "512", "--attention-impl", "reference",
-               "--kv-cache-memory", "1MiB"]
+               "--kv-cache-memory", "1MiB", "--token-buckets", "8,32"]
 ENGINE_CFG = dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=8, max_model_len=512,
-                  attention_impl="reference", kv_cache_memory=1 << 20)
+                  attention_impl="reference", kv_cache_memory=1 << 20, token_buckets=(8, 32))
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,14 @@ VOCAB = tiny.TEST_SHAPE["vocab_size"]  # 211
 FEW_TOKEN_BUCKETS = (8, 64)
 
 
+def few_token_buckets(budget: int) -> tuple[int, ...]:
+    """FEW_TOKEN_BUCKETS' rule at another step budget: a decode bucket of 8 and the whole
+    step (just the step when it is 8 tokens or fewer). For tests whose oracle (a model's
+    greedy, a family's logits) does not depend on the bucket set: each bucket is a whole-model
+    compile (~4 s of a tiny model's warmup on the 2-core CPU)."""
+    return (8, budget) if budget > 8 else (budget,)
+
+
 def tiny_model_config(**overrides: object) -> ModelConfig:
     """The test model's config: `tiny.tiny_config(**TEST_SHAPE)`, then `overrides`."""
     return tiny.tiny_config(**(tiny.TEST_SHAPE | overrides))
@@ -131,12 +139,19 @@ def rollout(model: LoadedModel, prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt):]
 
 
+def device_count_flags(num_devices: int) -> str:
+    """XLA_FLAGS for a subprocess with `num_devices` virtual CPU devices: the session's flags
+    (conftest's) and the device count."""
+    return f"{os.environ.get('XLA_FLAGS', '')} " \
+        f"--xla_force_host_platform_device_count={num_devices}".strip()
+
+
 def run_device_worker(script: str, num_devices: int = 8, args: tuple[str, ...] = ()) -> dict:
     """Run tests/support/workers/SCRIPT (with `args`) in a subprocess with `num_devices`
     virtual CPU devices (the count is fixed when jax starts, so multi-device engines cannot
     run in the test process) and return the JSON document it prints."""
     tests_dir = pathlib.Path(__file__).resolve().parents[1]
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",
+    env = dict(os.environ, XLA_FLAGS=device_count_flags(num_devices),
                JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(tests_dir), os.environ.get(
                    "PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, str(tests_dir / "support" / "workers" / script),
