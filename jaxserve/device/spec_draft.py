@@ -84,12 +84,12 @@ class DraftSeq:
     aux_rows: Sequence[int] = ()
 
 
-def proposals_to_host(proposals: jax.Array) -> np.ndarray:
+def proposals_to_host(proposals: jax.Array | np.ndarray) -> np.ndarray:
     """A round's proposals i32[S, k] on the host. Over several processes the array is
     replicated on every device of the global mesh: this process's copy is read."""
-    if proposals.is_fully_addressable:
-        return np.asarray(proposals)
-    return np.asarray(proposals.addressable_data(0))
+    if isinstance(proposals, jax.Array) and not proposals.is_fully_addressable:
+        return np.asarray(proposals.addressable_data(0))
+    return np.asarray(proposals)
 
 
 def round_buckets(buckets: Sequence[tuple[int, int]], k: int) -> tuple[tuple[int, int], ...]:
