@@ -113,6 +113,10 @@ class SchedulerConfig:
     # The model's KV groups (`models/kv_groups.py`): a block table per group, sliding ones
     # freeing pages that leave the window. None: one table for every layer.
     kv_groups: "KVGroups | None" = None
+    # Sampler rows one step may hold (speculative decoding: every verified position is a
+    # row; `engine.sizing` derives it): admission stops before a step's sequences plus its
+    # proposals would pass it. None: max_num_seqs (one row per sequence).
+    max_num_rows: int | None = None
 
     @property
     def kv_windows(self) -> tuple[int | None, ...]:

@@ -150,7 +150,12 @@ class Scheduler:
             (decodes if n - len(spec) == 1 and seq.samples else prefills).append(seq)
             budget -= n
 
-        while self._waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        # Sampler rows: a sequence's one, plus its proposals (each verified position samples);
+        # admission keeps them within the compiled seqs buckets (`max_num_rows`).
+        spec_rows = sum(len(s.spec_token_ids) for s in decodes)
+        max_rows = self.cfg.max_num_rows or self.cfg.max_num_seqs
+        while self._waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs \
+                and len(self.running) + spec_rows < max_rows:
             _, _, req = self._waiting[0]
             if req.status is not SequenceStatus.WAITING:  # aborted while waiting
                 heapq.heappop(self._waiting)

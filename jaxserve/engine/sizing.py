@@ -158,13 +158,18 @@ def plan_engine(cfg: EngineConfig, model: ModelConfig, kv_itemsize: int,
     if token_buckets[-1] < cfg.max_num_batched_tokens:
         raise ValueError(f"token_buckets end at {token_buckets[-1]} < max_num_batched_tokens="
                          f"{cfg.max_num_batched_tokens}")
-    # Sampler rows a step may need: one per sequence, plus k per speculating sequence (each
-    # verified position samples; at most max_running - 1 of them speculate).
+    # Sampler rows a step may need: one per sequence, k + 1 per speculating one (each
+    # verified position samples). A step speculates only below max_running running
+    # sequences, so its rows before admission are at most (max_running - 1)(k + 1), and the
+    # scheduler admits new sequences only while the rows stay within `rows`: with the
+    # default back-off that is max_num_seqs itself, and steps that do not speculate keep
+    # the seqs buckets they have without speculation.
     spec = cfg.speculative_config
     max_running = 0 if spec is None else speculative_max_running(
         spec.num_speculative_tokens, spec.disable_by_batch_size, platform)
-    rows = cfg.max_num_seqs if spec is None else cfg.max_num_seqs + \
-        spec.num_speculative_tokens * min(max_running - 1, cfg.max_num_seqs)
+    rows = cfg.max_num_seqs if spec is None else max(cfg.max_num_seqs, (
+        spec.num_speculative_tokens + 1) * min(max_running - 1, cfg.max_num_seqs))
+    sched = dataclasses.replace(sched, max_num_rows=rows)
     if cfg.seq_buckets is None:
         pairs = sorted({(t, min(t, rows)) for t in token_buckets})
     else:

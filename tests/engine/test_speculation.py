@@ -140,6 +140,25 @@ def test_opt_out_and_batch_backoff() -> None:
         assert got[rid].outputs[0].token_ids == arithmetic(p, params.max_tokens), rid
 
 
+def test_admission_keeps_sampler_rows_within_the_compiled_buckets() -> None:
+    """max_num_seqs 8, k 3, back-off at 3 running: the seqs buckets stay at 8 rows, which two
+    speculating sequences fill (2 x 4). Six requests arriving then are admitted only as the
+    rows allow (without the cap a step of 8 sequences and 6 proposals would exceed every
+    compiled bucket and fail); everything ends with the arithmetic output."""
+    reqs = {f"r{i}": ([3 + i, 4, 5], SamplingParams(max_tokens=24, ignore_eos=True))
+            for i in range(8)}
+    arrive = {f"r{i}": 0 if i < 2 else 6 for i in range(8)}
+    spec = ngram(3, disable_by_batch_size=3)
+    engine = engine_of(ArithmeticRunner(VOCAB), True, ArithmeticProposer(3, lambda n: 3),
+                       speculative_config=spec, max_num_seqs=8, max_num_batched_tokens=64)
+    assert engine.plan.scheduler.max_num_rows == 8
+    assert max(s for _, s in engine.plan.batch_shape.buckets) == 8
+    got = drive(engine, reqs, arrive)
+    for rid, (p, params) in reqs.items():
+        assert got[rid].outputs[0].token_ids == arithmetic(p, params.max_tokens), rid
+    assert got["r0"].metrics.spec_num_draft_tokens > 0
+
+
 def test_aborts_and_preemption_mid_speculation_leak_no_page() -> None:
     """Requests aborted at various steps while others speculate: every page comes back
     (`drive` checks), the aborted ones report ABORT, the others are untouched."""
@@ -172,8 +191,9 @@ def test_aborts_and_preemption_mid_speculation_leak_no_page() -> None:
 
 def test_default_back_off_follows_the_platform() -> None:
     """No disable_by_batch_size: the running sequences whose (k + 1)-token queries fit the
-    platform's weight-bound tokens (16 on CPU, 96 on accelerators), at least 2; the plan's
-    sampler rows grow by k for each sequence that may speculate."""
+    platform's weight-bound tokens (16 on CPU, 96 on accelerators), at least 2; a step's
+    sampler rows (the largest seqs bucket, and the scheduler's admission cap) are
+    max_num_seqs, or (k + 1) per sequence that may speculate when that is more."""
     assert (SPEC_WEIGHT_BOUND_TOKENS, SPEC_WEIGHT_BOUND_TOKENS_ACCELERATOR) == (16, 96)
     assert speculative_max_running(3, None) == speculative_max_running(3, None, "cpu") == 5
     assert speculative_max_running(3, None, "gpu") == speculative_max_running(3, None,
@@ -185,4 +205,6 @@ def test_default_back_off_follows_the_platform() -> None:
     for platform, running in (("cpu", 5), ("gpu", 25)):
         plan = plan_engine(cfg, tiny_model_config(), 4, 1 << 30, platform=platform)
         assert plan.speculative_max_running == running
-        assert max(s for _, s in plan.batch_shape.buckets) >= 64 + 3 * (running - 1)
+        rows = max(64, 4 * (running - 1))  # cpu: 64 (no wider than without), gpu: 96
+        assert max(s for _, s in plan.batch_shape.buckets) == rows
+        assert plan.scheduler.max_num_rows == rows
