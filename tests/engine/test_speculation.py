@@ -12,6 +12,8 @@ tests/serving/test_speculation_model.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from support.arithmetic_workload import arithmetic, drive, engine_of, mixed_requests, summary
 from support.engine_fixtures import VOCAB, tiny_model_config
@@ -208,3 +210,9 @@ def test_default_back_off_follows_the_platform() -> None:
         rows = max(64, 4 * (running - 1))  # cpu: 64 (no wider than without), gpu: 96
         assert max(s for _, s in plan.batch_shape.buckets) == rows
         assert plan.scheduler.max_num_rows == rows
+    # On CPU a step that does not speculate runs exactly the buckets it runs without a
+    # speculative config (what keeps backed-off concurrency at the plain engine's speed).
+    plain = plan_engine(dataclasses.replace(cfg, speculative_config=None), tiny_model_config(),
+                        4, 1 << 30)
+    spec_plan = plan_engine(cfg, tiny_model_config(), 4, 1 << 30)
+    assert spec_plan.batch_shape.buckets == plain.batch_shape.buckets
