@@ -181,9 +181,11 @@ def test_preemption_restarts_the_drafts_kv(dirs: dict[str, pathlib.Path]) -> Non
         assert got[f"r{i}"] == rollout(model, p, 30), i
 
 
-@slow(reason="another engine build (k=1: the chain is empty, the catch-up still writes)")
-def test_k1_equal_draft(dirs: dict[str, pathlib.Path]) -> None:
-    eng = tiny_engine(speculative_config=draft_spec(dirs["same"], k=1), **SHARED)
+@pytest.mark.parametrize("k", [1, 5])
+@slow(reason="another engine build per k (k=1: the chain is empty, the catch-up still "
+      "writes; k=5: a longer chain); k=3 runs by default")
+def test_other_k_equal_draft(dirs: dict[str, pathlib.Path], k: int) -> None:
+    eng = tiny_engine(speculative_config=draft_spec(dirs["same"], k=k), **SHARED)
     ps = prompts(4, 10)
     got = run(eng, ps, 12)
     drafted, accepted, _ = spec_counts(eng)
