@@ -111,7 +111,9 @@ def test_ngram_greedy_equals_rollout_with_zero_compiles(speculating) -> None:  #
         "k=5 on the default configuration: the fake runner's tests cover every k")),
 ])
 def test_ngram_greedy_other_k(k: int, cfg: dict) -> None:
-    spec = ngram(k, prompt_lookup_min=2, prompt_lookup_max=3)
+    # Every running sequence may speculate (the default back-off, 3 running at k = 5, would
+    # keep these 4 prompts from speculating at all).
+    spec = ngram(k, prompt_lookup_min=2, prompt_lookup_max=3, disable_by_batch_size=17)
     pages = cfg.pop("kv_cache_memory_pages", None)
     eng = engine(spec, max_model_len=96, **cfg)
     if pages is not None:
