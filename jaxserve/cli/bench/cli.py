@@ -59,7 +59,7 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
     w.add_argument("--vocab-size", type=int, default=None,
                    help="draw token ids below this (default: the server's vocabulary; 32000 "
                         "for HTTP targets, which do not say)")
-    w.add_argument("--num-requests", type=parse_int_list, default=(64,),
+    w.add_argument("--num-requests", type=parse_int_list, default=None,
                    help="measured requests per load point: one value, or one per point of "
                         "the sweep, e.g. 8,32,64 (default 64; tune: 48)")
     w.add_argument("--warmup", type=int, default=2,
@@ -71,12 +71,23 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
     w.add_argument("--request-rate", type=_floats, default=None,
                    help="open loop: Poisson arrivals at each of these rates (req/s; inf: all "
                         "at once)")
-    w.add_argument("--max-duration", type=float, default=600.0,
+    w.add_argument("--phase", action="append", default=None, metavar="KEY=VALUE,...",
+                   help="a phase of a phased workload (repeat: the phases run back to back "
+                        "on one server): name=NAME,duration=SECONDS, then rate=REQ_PER_S "
+                        "[,burstiness=B] (open loop; B=1 Poisson, as vLLM's --burstiness) or "
+                        "concurrency=N (closed loop), and optional input-len=DIST, "
+                        "output-len=DIST (default: --input-len / --output-len); e.g. "
+                        "name=chat,duration=180,rate=2,input-len=uniform:64-256,"
+                        "output-len=uniform:64-128. Figures per phase and for the whole run")
+    w.add_argument("--max-duration", type=float, default=None,
                    help="seconds one load point may run; then in-flight requests are cut off "
-                        "and counted as incomplete (default 600)")
-    w.add_argument("--ttft-slo", type=float, default=None, help="goodput: TTFT target (s)")
-    w.add_argument("--itl-slo", type=float, default=None,
-                   help="goodput: target for each request's p99 ITL (s)")
+                        "and counted as incomplete (default 600; with --phase: the whole "
+                        "run, default the phases' durations + 120)")
+    w.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="SLO targets in ms, as vLLM's --goodput: a request counts toward "
+                        "goodput when every one given holds for it. Keys: ttft, tpot, e2el "
+                        "(vLLM's), itl (the request's own p99 inter-token gap), e.g. "
+                        "--goodput ttft:2000 itl:250")
     w.add_argument("--output-json", default=None, help="write the result document here")
     w.add_argument("--plot-prefix", default=None,
                    help="write PREFIX_sweep.png and PREFIX_cdf.png (needs matplotlib)")
@@ -92,7 +103,7 @@ def workload_spec(args: argparse.Namespace) -> Any:
 
 
 def num_requests(args: argparse.Namespace, num_points: int) -> tuple[int, ...]:
-    n = tuple(args.num_requests)
+    n = tuple(args.num_requests or (64,))
     if len(n) == 1:
         return n * num_points
     if len(n) != num_points:
@@ -100,12 +111,30 @@ def num_requests(args: argparse.Namespace, num_points: int) -> tuple[int, ...]:
     return n
 
 
+def phase_specs(args: argparse.Namespace) -> list[Any]:
+    """The --phase list ([] without); refuses the flags that a phased run has no use for."""
+    from jaxserve.cli.bench.phases import parse_phases
+
+    if not args.phase:
+        return []
+    clash = [flag for flag, v in (("--concurrency", args.concurrency),
+                                  ("--request-rate", args.request_rate),
+                                  ("--num-requests", args.num_requests)) if v]
+    if clash:
+        raise ValueError(f"--phase gives each phase's load and length: drop {', '.join(clash)}")
+    if args.workload == "jsonl":
+        raise ValueError("--phase draws synthetic prompts per phase: it does not take "
+                         "--workload jsonl")
+    return parse_phases(args.phase)
+
+
 def load_specs(args: argparse.Namespace, default_concurrency: tuple[int, ...]) -> list[Any]:
     from jaxserve.cli.bench.load import LoadSpec
 
     if args.concurrency and args.request_rate:
         raise ValueError("give --concurrency or --request-rate, not both")
-    common = {"warmup": args.warmup, "max_duration_s": args.max_duration, "seed": args.seed}
+    common = {"warmup": args.warmup, "seed": args.seed,
+              "max_duration_s": 600.0 if args.max_duration is None else args.max_duration}
     if args.request_rate:
         return [LoadSpec(rate=r, **common) for r in args.request_rate]
     return [LoadSpec(concurrency=c, **common)
@@ -154,12 +183,17 @@ def add_tune_parser(sub: Any) -> None:
     from jaxserve.cli.flags import add_engine_flags, parse_int_list
 
     t = sub.add_parser(
-        "tune", help="pick max_num_batched_tokens / max_num_seqs from p99 SLOs",
+        "tune", help="pick max_num_batched_tokens / max_num_seqs from p99 SLOs or goodput",
         description="Sweep max_num_batched_tokens x max_num_seqs on a workload (in-process "
-                    "server, same requests each point) and print the setting with the most "
-                    "output tokens/s whose p99 TTFT and p99 ITL meet the targets.")
-    t.add_argument("--ttft-p99", type=float, required=True, help="p99 TTFT target (s)")
-    t.add_argument("--itl-p99", type=float, required=True, help="p99 ITL target (s)")
+                    "server, same requests each point; one --phase for a timed open-loop "
+                    "load) and print the setting with the most output tokens/s whose p99 "
+                    "TTFT and p99 ITL meet --ttft-p99 / --itl-p99, or, with --goodput, the "
+                    "one with the most goodput (among those meeting the p99 targets when "
+                    "given too).")
+    t.add_argument("--ttft-p99", type=float, default=None,
+                   help="p99 TTFT target (s): with --itl-p99, a setting qualifies when the "
+                        "p99 of all its requests' TTFTs and of all their gaps meet them")
+    t.add_argument("--itl-p99", type=float, default=None, help="p99 ITL target (s)")
     t.add_argument("--grid-batched-tokens", type=parse_int_list, default=(128, 256, 512, 1024),
                    help="max_num_batched_tokens values (default 128,256,512,1024)")
     t.add_argument("--grid-max-seqs", type=parse_int_list, default=(8, 32),
@@ -172,16 +206,19 @@ def add_tune_parser(sub: Any) -> None:
                         "tune) against these SLO targets")
     add_workload_flags(t)
     add_engine_flags(t)
-    t.set_defaults(num_requests=(48,))
 
 
 async def _bench(args: argparse.Namespace) -> dict:
-    from jaxserve.cli.bench.report import Slo
-    from jaxserve.cli.bench.sweep import run_sweep
+    from jaxserve.cli.bench.report import parse_goodput
+    from jaxserve.cli.bench.sweep import run_phased, run_sweep
     from jaxserve.cli.bench.targets import open_target
 
     workload = workload_spec(args)
-    slo = Slo(args.ttft_slo, args.itl_slo)
+    slo = parse_goodput(args.goodput)
+    phases = phase_specs(args)
+    if phases and args.scenario != "sweep":
+        raise ValueError(f"--phase is a workload of its own: it does not take --scenario "
+                         f"{args.scenario}")
     if args.endpoint is not None and not (args.target or "").startswith(("http://",
                                                                           "https://")):
         raise ValueError(f"--endpoint {args.endpoint} is an OpenAI HTTP endpoint: it needs "
@@ -192,18 +229,25 @@ async def _bench(args: argparse.Namespace) -> dict:
         if args.target:
             raise ValueError("--scenario chunked-prefill launches its own servers (two step "
                              "budgets); drop --target")
+        if slo.given:
+            raise ValueError("--scenario chunked-prefill reports chat ITL against long-prompt "
+                             "TTFT, not goodput: drop --goodput")
         spec = ChunkedPrefillSpec(long_len=args.long_len, num_long=args.num_long,
                                   small_budget=args.small_budget,
                                   chat_concurrency=args.chat_concurrency, seed=args.seed,
-                                  max_duration_s=args.max_duration)
+                                  max_duration_s=600.0 if args.max_duration is None
+                                  else args.max_duration)
         return await run_chunked_prefill(_engine_config(args), _load(args), spec)
-    loads = load_specs(args, (1, 4, 16, 64))
-    counts = num_requests(args, len(loads))
+    loads = [] if phases else load_specs(args, (1, 4, 16, 64))
+    counts = num_requests(args, len(loads)) if loads else []
     if args.target:
         target = open_target(args.target, args.model_name, args.api_key,
                              endpoint=args.endpoint)
         await target.open()
         try:
+            if phases:
+                return await run_phased(target, workload, phases, args.seed, slo,
+                                        args.warmup, args.max_duration, name=args.name)
             return await run_sweep(target, workload, loads, counts,
                                    args.seed, slo,
                                    name=args.name)
@@ -216,6 +260,10 @@ async def _bench(args: argparse.Namespace) -> dict:
         target = GrpcTarget(address)
         await target.open()
         try:
+            if phases:
+                return await run_phased(target, workload, phases, args.seed, slo,
+                                        args.warmup, args.max_duration,
+                                        name=args.name or "jaxserve (in-process)")
             return await run_sweep(target, workload, loads, counts,
                                    args.seed, slo,
                                    name=args.name or "jaxserve (in-process)")
@@ -268,15 +316,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from jaxserve.cli.bench import plots
+    from jaxserve.cli.bench.load import LoadSpec
+    from jaxserve.cli.bench.phases import DRAIN_S
+    from jaxserve.cli.bench.report import parse_goodput
     from jaxserve.cli.bench.tune import TuneSpec, repick, table, tune, verdict
 
+    phases = phase_specs(args)
+    if len(phases) > 1:
+        raise ValueError(f"tune runs one phase (the best static setting for that traffic); "
+                         f"got {len(phases)} --phase")
     spec = TuneSpec(ttft_p99_s=args.ttft_p99, itl_p99_s=args.itl_p99,
                     batched_tokens=args.grid_batched_tokens, max_seqs=args.grid_max_seqs,
-                    num_requests=args.num_requests[0], max_time_s=args.max_time)
+                    num_requests=(args.num_requests or (48,))[0], max_time_s=args.max_time,
+                    goodput=parse_goodput(args.goodput), phase=phases[0] if phases else None)
     if args.from_json:
         doc = repick(json.loads(pathlib.Path(args.from_json).read_text()), spec)
     else:
-        loads = load_specs(args, (16,))
+        if phases:  # the phase is the load; this LoadSpec carries its warmup, seed, bound
+            d = phases[0].duration_s
+            if args.max_duration is not None and args.max_duration < d:
+                raise ValueError(f"--max-duration {args.max_duration:g} is shorter than the "
+                                 f"phase's {d:g} s")
+            loads = [LoadSpec(concurrency=phases[0].concurrency, rate=phases[0].rate,
+                              warmup=args.warmup, seed=args.seed,
+                              max_duration_s=args.max_duration or d + DRAIN_S)]
+        else:
+            loads = load_specs(args, (16,))
         if len(loads) != 1:
             raise ValueError("tune runs one load: give one --concurrency or one "
                              "--request-rate")

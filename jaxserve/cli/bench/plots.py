@@ -94,9 +94,10 @@ def plot_cdfs(docs: Sequence[dict], path: str | pathlib.Path) -> list[pathlib.Pa
     return _save(plt, fig, path)
 
 
-def plot_grid(rows: Sequence[dict], path: str | pathlib.Path, ttft_slo_s: float,
-              itl_slo_s: float) -> list[pathlib.Path]:
-    """The tuner's grid: p99 ITL vs output tokens/s per point, SLO lines, feasible marked."""
+def plot_grid(rows: Sequence[dict], path: str | pathlib.Path, ttft_slo_s: float | None,
+              itl_slo_s: float | None) -> list[pathlib.Path]:
+    """The tuner's grid: p99 ITL vs output tokens/s per point, SLO lines, qualifying (and,
+    with goodput, best-ranked) points marked green."""
     plt = _pyplot()
     if plt is None:
         return []
@@ -111,9 +112,11 @@ def plot_grid(rows: Sequence[dict], path: str | pathlib.Path, ttft_slo_s: float,
         ax.annotate(f"{r['max_num_batched_tokens']}/{r['max_num_seqs']}",
                     (s["output_throughput"], s["itl_ms"]["p99"]), textcoords="offset points",
                     xytext=(4, 4), fontsize=8)
-    ax.axhline(itl_slo_s * 1e3, color="gray", linestyle="--", label="ITL p99 target")
+    if itl_slo_s is not None:
+        ax.axhline(itl_slo_s * 1e3, color="gray", linestyle="--", label="ITL p99 target")
+    green = (f"TTFT p99 <= {ttft_slo_s:g}s and ITL p99 <= {itl_slo_s:g}s"
+             if ttft_slo_s is not None and itl_slo_s is not None else "ran")
     _style(ax, "output tokens/s", "p99 inter-token latency (ms)",
-           f"tuner grid (labels: batched tokens/max seqs; green: TTFT p99 <= {ttft_slo_s:g}s "
-           f"and ITL p99 <= {itl_slo_s:g}s)", log_y=True)
+           f"tuner grid (labels: batched tokens/max seqs; green: {green})", log_y=True)
     ax.title.set_fontsize(9)
     return _save(plt, fig, path)

@@ -11,9 +11,14 @@ Definitions (the same as vLLM's `bench serve`, so figures compare):
   pooled); a server that streams k tokens per event shows one gap per event.
 - TPOT: (last token time - first token time) / (output tokens - 1), per request.
 - E2E: send -> end of the stream.
-- Goodput: completed requests per second whose TTFT <= the TTFT SLO and whose own 99th
-  percentile ITL <= the ITL SLO (the gaps a user of that stream felt).
-Throughput is over the measured window: first send to last completion.
+- Goodput (`--goodput KEY:MS ...`, vLLM's flag and semantics): completed requests per second
+  for which every given target holds: `ttft`, `tpot` (the request's own TPOT; 0 for a
+  one-token output, as vLLM counts it), `e2el` (end-to-end latency), and jaxserve's `itl` (the
+  request's own 99th-percentile gap: the stalls a user of that stream felt; vLLM has no ITL
+  key). SLO attainment: the share of all sent requests (failed and cut-off ones count as
+  misses) that met every target.
+Throughput is over the measured window: first send to last completion (a phased run gives
+each phase its scheduled window, `phases.py`).
 - Speculative decoding (jaxserve gRPC targets only: the server's per-sample Timing counts):
   draft and accepted tokens over the completed requests; acceptance rate = accepted / draft.
 """
@@ -79,18 +84,68 @@ class RequestRecord:
         return self.end - self.start
 
 
+GOODPUT_KEYS = ("ttft", "tpot", "itl", "e2el")  # --goodput KEY:MS; fields KEY_s
+
+
 @dataclasses.dataclass(frozen=True)
 class Slo:
+    """Per-request latency targets (seconds; None: no target)."""
+
     ttft_s: float | None = None
-    itl_s: float | None = None
+    itl_s: float | None = None  # the request's own p99 inter-token gap
+    tpot_s: float | None = None
+    e2el_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for key in GOODPUT_KEYS:
+            v = getattr(self, f"{key}_s")
+            if v is not None and not (isinstance(v, (int, float)) and 0 < v < math.inf):
+                raise ValueError(f"goodput {key} target {v!r} must be a positive number")
+
+    @property
+    def given(self) -> bool:
+        return any(getattr(self, f"{k}_s") is not None for k in GOODPUT_KEYS)
 
     def met_by(self, r: RequestRecord) -> bool:
+        """Every given target holds for this (completed) request."""
         if self.ttft_s is not None and r.ttft > self.ttft_s:
+            return False
+        if self.tpot_s is not None and (r.tpot or 0.0) > self.tpot_s:
+            return False
+        if self.e2el_s is not None and r.e2e > self.e2el_s:
             return False
         gaps = r.itls
         if self.itl_s is not None and gaps.size and np.percentile(gaps, 99) > self.itl_s:
             return False
         return True
+
+    def describe(self) -> str:
+        """`ttft:2000 itl:250` (ms), the --goodput form; '' without targets."""
+        return " ".join(f"{k}:{getattr(self, f'{k}_s') * 1e3:g}" for k in GOODPUT_KEYS
+                        if getattr(self, f"{k}_s") is not None)
+
+
+def parse_goodput(items: Sequence[str] | None) -> Slo:
+    """`--goodput ttft:2000 itl:250` (milliseconds, as vLLM's flag) -> Slo; errors name the
+    flag and the bad item."""
+    targets: dict[str, float] = {}
+    for item in items or ():
+        key, colon, value = item.strip().partition(":")
+        key = key.strip().lower()
+        if not colon or key not in GOODPUT_KEYS:
+            raise ValueError(f"--goodput {item!r}: expected KEY:MILLISECONDS with KEY one of "
+                             f"{', '.join(GOODPUT_KEYS)}")
+        if key in targets:
+            raise ValueError(f"--goodput gives {key} twice")
+        try:
+            ms = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput {item!r}: {value!r} is not a number of "
+                             "milliseconds") from None
+        if not 0 < ms < math.inf:
+            raise ValueError(f"--goodput {item!r}: the target must be > 0 ms")
+        targets[f"{key}_s"] = ms / 1e3
+    return Slo(**targets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +190,8 @@ class Summary:
     errors: tuple[str, ...]  # the first few distinct error messages
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # share of all sent requests (failed, cut off included) meeting the SLO; None without one
+    slo_attainment: float | None = None
 
     @property
     def spec_acceptance_rate(self) -> float | None:
@@ -166,14 +223,15 @@ def summarize(records: Sequence[RequestRecord], duration_s: float,
     in_tok = sum(r.prompt_tokens for r in ok)
     itls = np.concatenate([r.itls for r in ok]) if ok else np.zeros(0)
     tpots = [t for t in (r.tpot for r in ok) if t is not None]
-    has_slo = slo.ttft_s is not None or slo.itl_s is not None
-    good = sum(slo.met_by(r) for r in ok) / dur if has_slo else None
+    n_good = sum(slo.met_by(r) for r in ok) if slo.given else None
+    good = None if n_good is None else n_good / dur
+    attainment = n_good / len(records) if n_good is not None and records else None
     errors = tuple(dict.fromkeys(r.error for r in failed if r.error))[:5]
     return Summary(len(ok), len(failed), incomplete, duration_s, len(ok) / dur, out_tok / dur,
                    (in_tok + out_tok) / dur, in_tok, out_tok, Dist.of(r.ttft for r in ok),
                    Dist.of(itls.tolist()), Dist.of(tpots), Dist.of(r.e2e for r in ok), good,
                    slo, errors, sum(r.spec_draft_tokens for r in ok),
-                   sum(r.spec_accepted_tokens for r in ok))
+                   sum(r.spec_accepted_tokens for r in ok), attainment)
 
 
 def by_kind(records: Sequence[RequestRecord], duration_s: float,
@@ -188,15 +246,17 @@ def _fmt(x: float | None, digits: int = 1) -> str:
     return f"{x:.{digits}f}"
 
 
-_HEAD = ("run", "ok", "fail", "req/s", "out tok/s", "tot tok/s", "goodput", "TTFT p50",
-         "TTFT p90", "TTFT p99", "ITL p50", "ITL p90", "ITL p99", "TPOT p50", "TPOT p99",
+_HEAD = ("run", "ok", "fail", "req/s", "out tok/s", "tot tok/s", "goodput", "SLO met",
+         "TTFT p50", "TTFT p90", "TTFT p99", "ITL p50", "ITL p90", "ITL p99", "TPOT p50", "TPOT p99",
          "E2E p50", "E2E p99")
 
 
 def _cells(name: str, s: Summary) -> list[str]:
     return [name, str(s.completed), str(s.failed + s.incomplete),
             _fmt(s.request_throughput, 2), _fmt(s.output_throughput), _fmt(s.total_throughput),
-            _fmt(s.goodput, 2), _fmt(s.ttft_ms.p50, 0), _fmt(s.ttft_ms.p90, 0),
+            _fmt(s.goodput, 2),
+            "-" if s.slo_attainment is None else f"{100 * s.slo_attainment:.0f}%",
+            _fmt(s.ttft_ms.p50, 0), _fmt(s.ttft_ms.p90, 0),
             _fmt(s.ttft_ms.p99, 0), _fmt(s.itl_ms.p50, 0), _fmt(s.itl_ms.p90, 0),
             _fmt(s.itl_ms.p99, 0), _fmt(s.tpot_ms.p50, 0), _fmt(s.tpot_ms.p99, 0),
             _fmt(s.e2e_ms.p50, 0), _fmt(s.e2e_ms.p99, 0)]
@@ -209,8 +269,10 @@ def format_table(rows: Sequence[tuple[str, Summary]], title: str = "") -> str:
     out = [title] if title else []
     out.append("  ".join(h.rjust(w) for h, w in zip(_HEAD, widths)))
     out += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in lines]
-    out.append("(latencies in ms; fail = failed + cut off by the time bound; goodput: req/s "
-               "meeting the TTFT and ITL SLOs)")
+    slos = dict.fromkeys(s.slo.describe() for _, s in rows if s.slo.given)
+    meaning = f"req/s meeting {' / '.join(slos)} (ms)" if slos else "no --goodput targets"
+    out.append("(latencies in ms; fail = failed + cut off by the time bound; goodput: "
+               f"{meaning}; SLO met: share of sent requests)")
     spec = [(name, s) for name, s in rows if s.spec_draft_tokens]
     out += [f"speculation, {name}: {s.spec_accepted_tokens} of {s.spec_draft_tokens} draft "
             f"tokens accepted ({100 * (s.spec_acceptance_rate or 0):.1f}%)" for name, s in spec]

@@ -7,7 +7,8 @@ seed; vocabulary from the server when it says) ->
 `load.run_load` -> `report.summarize` (overall and per request kind) -> a point dict with the
 summary and the raw TTFT / ITL samples (for CDF plots) -> one document:
   {"target", "endpoint", "model", "workload", "points": [...], "machine": {...}}
-which `write_outputs` saves as JSON plus PNG plots and prints as a table.
+which `write_outputs` saves as JSON plus PNG plots and prints as a table. `run_phased` makes
+the same document of a phased workload (`phases.py`): one point per phase, then "all".
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Sequence
 
 from jaxserve.cli.bench import plots
 from jaxserve.cli.bench.load import LoadResult, LoadSpec, run_load
+from jaxserve.cli.bench.phases import PhaseSpec, describe, phase_points, run_phases
 from jaxserve.cli.bench.report import Slo, Summary, by_kind, format_table, summarize
 from jaxserve.cli.bench.targets import Target
 from jaxserve.cli.bench.workload import WorkloadSpec, build_requests
@@ -88,6 +90,23 @@ async def run_sweep(target: Target, workload: WorkloadSpec, loads: Sequence[Load
     return {"name": name or target.name, "target": target.name,
             "endpoint": target.endpoint, "model": target.model,
             "workload": workload.describe(), "num_requests": counts, "seed": seed,
+            "points": points, "machine": machine_facts(), "command": sys.argv}
+
+
+async def run_phased(target: Target, workload: WorkloadSpec, phases: Sequence[PhaseSpec],
+                     seed: int = 0, slo: Slo = Slo(), warmup: int = 2,
+                     max_duration_s: float | None = None, progress: bool = True,
+                     name: str = "") -> dict:
+    """A phased run (`phases.run_phases`) as a result document: one point per phase, then
+    "all"; the same shape as a sweep's, so tables, --compare and plots take it."""
+    workload = fit_workload(workload, target)
+    result = await run_phases(target, workload, phases, seed, warmup, max_duration_s,
+                              progress)
+    points = phase_points(result, slo)
+    return {"name": name or target.name, "target": target.name,
+            "endpoint": target.endpoint, "model": target.model,
+            "workload": describe(phases, workload), "phases": [p.to_json() for p in phases],
+            "drain_s": result.drain_s, "seed": seed, "goodput": slo.describe() or None,
             "points": points, "machine": machine_facts(), "command": sys.argv}
 
 
