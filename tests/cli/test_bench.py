@@ -367,6 +367,37 @@ def test_cli_bench_against_a_server_then_compare(tmp_path, served, capsys) -> No
     assert "GetModelInfo failed: UNAVAILABLE" in capsys.readouterr().err
 
 
+def test_cli_two_phase_bench_against_a_server(tmp_path, served, capsys) -> None:  # noqa: ANN001
+    """A phased run through the whole CLI (test_bench_phases.py tests its parts): goodput per
+    phase and overall in the table and the JSON; flags a phased run has no use for refused."""
+    from jaxserve.cli.main import main
+
+    target = f"grpc://{served.target}"
+    rc = main(["bench", "--target", target, "--goodput", "ttft:60000", "itl:60000",
+               "--phase", "name=chat,duration=0.4,concurrency=2,input-len=fixed:6,"
+               "output-len=fixed:3",
+               "--phase", "name=long,duration=0.4,rate=10,input-len=fixed:40,output-len=fixed:2",
+               "--output-json", str(tmp_path / "p.json")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^\s*chat\s", out, re.M) and re.search(r"^\s*all\s", out, re.M)
+    assert "ttft:60000 itl:60000" in out
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert [p["label"] for p in doc["points"]] == ["chat", "long", "all"]
+    chat, long_, total = (p["summary"] for p in doc["points"])
+    assert chat["completed"] > 0 and chat["prompt_tokens"] == 6 * chat["completed"]
+    assert long_["prompt_tokens"] == 40 * long_["completed"]
+    assert total["completed"] == chat["completed"] + long_["completed"]
+    assert total["slo_attainment"] == 1.0
+    assert math.isclose(total["goodput"], total["completed"] / 0.8)
+    for extra, flag in ((["--concurrency", "2"], "--concurrency"),
+                        (["--num-requests", "4"], "--num-requests"),
+                        (["--scenario", "chunked-prefill"], "--scenario")):
+        assert main(["bench", "--target", target, "--phase", "name=a,duration=1,rate=1",
+                     *extra]) == 2
+        assert flag in capsys.readouterr().err
+
+
 def test_cli_tune_end_to_end(tmp_path, tiny_checkpoint, capsys) -> None:  # noqa: ANN001
     from jaxserve.cli.main import main
 

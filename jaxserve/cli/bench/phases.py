@@ -102,7 +102,7 @@ def parse_phase(text: str, index: int = 0) -> PhaseSpec:
     inside a value (`lognormal:200,0.8`) are kept: only `,KEY=` starts a new item."""
     where = f"--phase {text!r}"
     items: dict[str, str] = {}
-    for part in re.split(r",(?=\s*[a-z][a-z-]*\s*=)", text.strip()):
+    for part in re.split(r",(?=\s*[A-Za-z][A-Za-z_-]*\s*=)", text.strip()):
         key, eq, value = part.partition("=")
         key = key.strip().lower().replace("_", "-")
         if not eq or not value.strip():

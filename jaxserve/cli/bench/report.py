@@ -135,7 +135,7 @@ def parse_goodput(items: Sequence[str] | None) -> Slo:
         if not colon or key not in GOODPUT_KEYS:
             raise ValueError(f"--goodput {item!r}: expected KEY:MILLISECONDS with KEY one of "
                              f"{', '.join(GOODPUT_KEYS)}")
-        if key in targets:
+        if f"{key}_s" in targets:
             raise ValueError(f"--goodput gives {key} twice")
         try:
             ms = float(value)
