@@ -4,9 +4,12 @@ Reads DIR/run_<leg>.json (`jaxserve bench --phase ... --output-json` documents) 
 DIR/tune_<phase>.json (the tuner's verdicts) and prints markdown: the best static setting the
 tuner found per phase, then one row per leg with, per phase and for the whole run, goodput
 (req/s meeting every SLO, over the phase's window) with the share of sent requests that met
-them, and p99 TTFT / p99 ITL. Legs that did not run are left out.
+them, and p99 TTFT / p99 ITL. Legs that did not run are left out. `--goodput KEY:MS ...`
+re-judges every saved run and tune under other targets (from the per-request samples the
+documents keep; no rerun).
 
     python scripts/bench/slo_table.py benchmarks/results/slo_2026-12-07
+    python scripts/bench/slo_table.py DIR --goodput ttft:3000 itl:250
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+
+from jaxserve.cli.bench.report import Slo, parse_goodput, rejudge
+from jaxserve.cli.bench.tune import TuneSpec, repick
 
 LEG_ORDER = ("chat-best", "long-best", "default", "adaptive")
 
@@ -32,10 +38,12 @@ def _lat(s: dict) -> str:
     return f"{ms(s['ttft_ms'])} / {ms(s['itl_ms'])}"
 
 
-def tune_lines(root: pathlib.Path) -> list[str]:
+def tune_lines(root: pathlib.Path, slo: Slo) -> list[str]:
     lines = []
     for path in sorted(root.glob("tune_*.json")):
         doc = json.loads(path.read_text())
+        if slo.given:
+            doc = repick(doc, TuneSpec(None, None, goodput=slo))
         best = doc["best"]
         setting = "none met the SLOs" if best is None else (
             f"max_num_batched_tokens={best['max_num_batched_tokens']}, "
@@ -50,10 +58,14 @@ def tune_lines(root: pathlib.Path) -> list[str]:
     return lines
 
 
-def run_table(root: pathlib.Path) -> list[str]:
+def run_table(root: pathlib.Path, slo: Slo) -> list[str]:
     docs = {}
     for path in root.glob("run_*.json"):
         doc = json.loads(path.read_text())
+        if slo.given:
+            doc["goodput"] = slo.describe()
+            doc["points"] = [dict(p, summary=rejudge(p["summary"], p["samples"]["requests"],
+                                                     slo)) for p in doc["points"]]
         docs[doc.get("name") or path.stem[4:]] = doc
     if not docs:
         return [f"(no run_*.json in {root})"]
@@ -81,8 +93,11 @@ def run_table(root: pathlib.Path) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dir", help="bench_slo.sh's $OUT")
-    root = pathlib.Path(ap.parse_args().dir)
-    print("\n".join(tune_lines(root) + [""] + run_table(root)))
+    ap.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                    help="re-judge under these targets (as jaxserve bench --goodput)")
+    args = ap.parse_args()
+    root, slo = pathlib.Path(args.dir), parse_goodput(args.goodput)
+    print("\n".join(tune_lines(root, slo) + [""] + run_table(root, slo)))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ from jaxserve.cli.bench import tune as tune_mod
 from jaxserve.cli.bench.load import LoadSpec
 from jaxserve.cli.bench.phases import (PhasedResult, PhaseSpec, arrival_offsets, parse_phase,
                                        parse_phases, phase_points, run_phases)
-from jaxserve.cli.bench.report import RequestRecord, Slo, parse_goodput, summarize
+from jaxserve.cli.bench.report import (RequestRecord, Slo, parse_goodput, rejudge, request_row,
+                                       summarize)
 from jaxserve.cli.bench.tune import TuneSpec, pick_best, repick, tune, verdict
 from jaxserve.cli.bench.workload import BenchRequest, LengthDist, WorkloadSpec
 
@@ -113,6 +114,14 @@ def test_goodput_counts_requests_meeting_every_target() -> None:
         assert math.isclose(s.slo_attainment, good / 6), slo  # over all sent requests
     s = summarize(recs, 4.0)
     assert s.goodput is None and s.slo_attainment is None
+    # re-judged from the saved per-request rows: the same as summarizing again
+    rows = [request_row(r) for r in recs if r.ok]
+    assert rows[3] == [pytest.approx(0.05), None, None, pytest.approx(0.05)]
+    for slo in cases:
+        again = rejudge(s.to_dict(), rows, slo)
+        fresh = summarize(recs, 4.0, slo)
+        assert math.isclose(again["goodput"], fresh.goodput)
+        assert math.isclose(again["slo_attainment"], fresh.slo_attainment)
 
 
 def test_phase_points_divide_by_each_phase_window() -> None:
@@ -240,8 +249,14 @@ def test_tune_runs_the_phase_at_every_point_and_ranks_by_goodput(monkeypatch) ->
     assert pick_best(rows[3:], spec) is None  # nothing met the goodput targets
     p99 = TuneSpec(1.0, 1.0)
     assert pick_best(rows, p99) is rows[3]  # without goodput: the most tokens/s
+    # other goodput targets re-judged from the rows' per-request samples, no rerun
+    strict = repick(doc, dataclasses.replace(spec, goodput=Slo(ttft_s=1e-9)))
+    assert strict["best"] is None and strict["goodput"] == "ttft:1e-06"
+    assert all(r["summary"]["goodput"] == 0 for r in strict["rows"])
+    assert repick(strict, spec)["best"] is not None
+    old = dict(doc, rows=[{k: v for k, v in r.items() if k != "requests"} for r in doc["rows"]])
     with pytest.raises(ValueError, match="rerun"):
-        repick(doc, dataclasses.replace(spec, goodput=Slo(ttft_s=1)))
+        repick(old, spec)
     for bad in (dict(ttft_p99_s=1.0, itl_p99_s=None), dict(ttft_p99_s=None, itl_p99_s=None)):
         with pytest.raises(ValueError, match="--ttft-p99"):
             TuneSpec(**bad)

@@ -348,7 +348,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         doc = asyncio.run(tune(_engine_config(args), _load(args), workload_spec(args),
                                loads[0], spec))
     print(f"tune: workload={doc['workload']} load={doc['load']} "
-          f"(elapsed {doc['elapsed_s']:.0f} s)\n{table(doc['rows'])}\n{verdict(doc)}")
+          f"(elapsed {doc['elapsed_s']:.0f} s)\n"
+          f"{table(doc['rows'], spec.ttft_p99_s is not None)}\n{verdict(doc)}")
     if args.output_json:
         pathlib.Path(args.output_json).write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {args.output_json}", file=sys.stderr)

@@ -34,7 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxserve.cli.bench.report import RequestRecord, Slo, by_kind, summarize
+from jaxserve.cli.bench.report import RequestRecord, Slo, by_kind, request_row, summarize
 from jaxserve.cli.bench.targets import Target
 from jaxserve.cli.bench.workload import (BenchRequest, LengthDist, WorkloadSpec, build_requests,
                                          parse_length_dist)
@@ -272,7 +272,8 @@ def _point(records: Sequence[RequestRecord], window_s: float, slo: Slo, label: s
             "phase": phase and phase.to_json(), "summary": s.to_dict(),
             "by_kind": {k: v.to_dict() for k, v in by_kind(records, window_s, slo).items()},
             "samples": {"ttft_s": [r.ttft for r in ok],
-                        "itl_s": [float(x) for r in ok for x in r.itls]}}
+                        "itl_s": [float(x) for r in ok for x in r.itls],
+                        "requests": [request_row(r) for r in ok]}}
 
 
 def phase_points(result: PhasedResult, slo: Slo) -> list[dict]:

@@ -108,21 +108,38 @@ class Slo:
 
     def met_by(self, r: RequestRecord) -> bool:
         """Every given target holds for this (completed) request."""
-        if self.ttft_s is not None and r.ttft > self.ttft_s:
-            return False
-        if self.tpot_s is not None and (r.tpot or 0.0) > self.tpot_s:
-            return False
-        if self.e2el_s is not None and r.e2e > self.e2el_s:
-            return False
-        gaps = r.itls
-        if self.itl_s is not None and gaps.size and np.percentile(gaps, 99) > self.itl_s:
-            return False
-        return True
+        return self.met(request_row(r))
+
+    def met(self, row: Sequence[float | None]) -> bool:
+        """The same for a `request_row` (a saved one: goodput re-judged without a rerun)."""
+        ttft, itl_p99, tpot, e2e = row
+        return not ((self.ttft_s is not None and ttft is not None and ttft > self.ttft_s)
+                    or (self.itl_s is not None and itl_p99 is not None
+                        and itl_p99 > self.itl_s)
+                    or (self.tpot_s is not None and (tpot or 0.0) > self.tpot_s)
+                    or (self.e2el_s is not None and e2e is not None and e2e > self.e2el_s))
 
     def describe(self) -> str:
         """`ttft:2000 itl:250` (ms), the --goodput form; '' without targets."""
         return " ".join(f"{k}:{getattr(self, f'{k}_s') * 1e3:g}" for k in GOODPUT_KEYS
                         if getattr(self, f"{k}_s") is not None)
+
+
+def request_row(r: RequestRecord) -> list[float | None]:
+    """What goodput needs of a completed request, in seconds: [TTFT, its own p99 gap (None
+    without gaps), TPOT (None below 2 tokens), E2E]; kept per point as samples.requests."""
+    gaps = r.itls
+    return [r.ttft, float(np.percentile(gaps, 99)) if gaps.size else None, r.tpot, r.e2e]
+
+
+def rejudge(summary: dict, rows: Sequence[Sequence[float | None]], slo: Slo) -> dict:
+    """A saved summary's goodput and attainment under other targets, from its completed
+    requests' rows (same rule and denominators as `summarize`)."""
+    good = sum(slo.met(r) for r in rows)
+    sent = summary["completed"] + summary["failed"] + summary["incomplete"]
+    return dict(summary, goodput=good / max(summary["duration_s"], 1e-9) if slo.given else None,
+                slo_attainment=good / sent if slo.given and sent else None,
+                slo=dataclasses.asdict(slo))
 
 
 def parse_goodput(items: Sequence[str] | None) -> Slo:

@@ -5,7 +5,8 @@ for load i: requests drawn with seed + i (fresh prompts per point, so a point ne
 prefix cache that an earlier point filled; the same prompts for every target given the same
 seed; vocabulary from the server when it says) ->
 `load.run_load` -> `report.summarize` (overall and per request kind) -> a point dict with the
-summary and the raw TTFT / ITL samples (for CDF plots) -> one document:
+summary and the raw samples (TTFT, ITL: CDF plots; per request [TTFT, own p99 ITL, TPOT,
+E2E]: goodput re-judged under other targets, `report.rejudge`) -> one document:
   {"target", "endpoint", "model", "workload", "points": [...], "machine": {...}}
 which `write_outputs` saves as JSON plus PNG plots and prints as a table. `run_phased` makes
 the same document of a phased workload (`phases.py`): one point per phase, then "all".
@@ -25,7 +26,8 @@ from typing import Sequence
 from jaxserve.cli.bench import plots
 from jaxserve.cli.bench.load import LoadResult, LoadSpec, run_load
 from jaxserve.cli.bench.phases import PhaseSpec, describe, phase_points, run_phases
-from jaxserve.cli.bench.report import Slo, Summary, by_kind, format_table, summarize
+from jaxserve.cli.bench.report import (Slo, Summary, by_kind, format_table, request_row,
+                                       summarize)
 from jaxserve.cli.bench.targets import Target
 from jaxserve.cli.bench.workload import WorkloadSpec, build_requests
 
@@ -44,7 +46,8 @@ def point_doc(result: LoadResult, slo: Slo, label: str | None = None) -> dict:
             "by_kind": {k: v.to_dict() for k, v in
                         by_kind(result.records, result.duration_s, slo).items()},
             "samples": {"ttft_s": [r.ttft for r in ok],
-                        "itl_s": [float(x) for r in ok for x in r.itls]}}
+                        "itl_s": [float(x) for r in ok for x in r.itls],
+                        "requests": [request_row(r) for r in ok]}}
 
 
 def summary_of(point: dict) -> Summary:

@@ -39,7 +39,7 @@ from typing import Sequence
 from jaxserve.cli.bench.launch import local_server
 from jaxserve.cli.bench.load import LoadSpec, run_load
 from jaxserve.cli.bench.phases import PhaseSpec, phase_points, run_phases
-from jaxserve.cli.bench.report import Slo
+from jaxserve.cli.bench.report import Slo, rejudge
 from jaxserve.cli.bench.sweep import fit_workload, machine_facts, point_doc
 from jaxserve.cli.bench.targets import GrpcTarget
 from jaxserve.cli.bench.workload import WorkloadSpec, build_requests
@@ -144,7 +144,7 @@ async def tune(base: EngineConfig, model: LoadedModel, workload: WorkloadSpec, l
             finally:
                 await target.close()
         row.update(summary=point["summary"], meets_slo=meets(point["summary"], spec),
-                   status="ok")
+                   status="ok", requests=point["samples"]["requests"])
         rows.append(row)
         if progress:
             s = point["summary"]
@@ -168,23 +168,29 @@ async def tune(base: EngineConfig, model: LoadedModel, workload: WorkloadSpec, l
 
 def repick(doc: dict, spec: TuneSpec) -> dict:
     """A saved tune document judged against other SLO targets (no rerun): the measured
-    points do not depend on the targets, only which of them meet them."""
-    if spec.goodput.given and spec.goodput.describe() != doc.get("goodput"):
-        raise ValueError(f"--goodput {spec.goodput.describe()}: goodput is counted per request "
-                         f"while running (this document has {doc.get('goodput') or 'none'}); "
-                         "rerun the tune to judge other goodput targets")
-    rows = [dict(r, meets_slo=r["summary"] is not None and meets(r["summary"], spec))
-            for r in doc["rows"]]
-    return dict(doc, rows=rows, best=pick_best(rows, spec),
-                slo={"ttft_p99_s": spec.ttft_p99_s, "itl_p99_s": spec.itl_p99_s})
+    points do not depend on the targets, only which of them meet them. Goodput targets are
+    re-judged from each row's per-request samples (documents older than those cannot)."""
+    rows = [dict(r) for r in doc["rows"]]
+    if spec.goodput.given:
+        if any(r["summary"] is not None and "requests" not in r for r in rows):
+            raise ValueError(f"--goodput {spec.goodput.describe()}: this document keeps no "
+                             "per-request samples; rerun the tune to judge goodput targets")
+        for r in rows:
+            if r["summary"] is not None:
+                r["summary"] = rejudge(r["summary"], r["requests"], spec.goodput)
+    for r in rows:
+        r["meets_slo"] = r["summary"] is not None and meets(r["summary"], spec)
+    return dict(doc, rows=rows, best=pick_best(rows, spec), goodput=spec.goodput.describe()
+                or None, slo={"ttft_p99_s": spec.ttft_p99_s, "itl_p99_s": spec.itl_p99_s})
 
 
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f}"
 
 
-def table(rows: Sequence[dict]) -> str:
-    """One line per grid point; "p99 SLO" says whether it qualifies (see `meets`)."""
+def table(rows: Sequence[dict], p99: bool = True) -> str:
+    """One line per grid point; "p99 SLO" says whether it meets the p99 targets (`meets`; "-"
+    without them, `p99` False)."""
     head = ("batched tokens", "max seqs", "out tok/s", "goodput", "SLO met", "TTFT p99 ms",
             "ITL p99 ms", "ok/fail", "p99 SLO")
     lines = []
@@ -201,7 +207,7 @@ def table(rows: Sequence[dict]) -> str:
                       "-" if att is None else f"{100 * att:.0f}%", _ms(s["ttft_ms"]["p99"]),
                       _ms(s["itl_ms"]["p99"]),
                       f"{s['completed']}/{s['failed'] + s['incomplete']}",
-                      "meets" if r["meets_slo"] else "misses"))
+                      ("meets" if r["meets_slo"] else "misses") if p99 else "-"))
     widths = [max(len(h), *(len(x[i]) for x in lines)) for i, h in enumerate(head)]
     out = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
     out += ["  ".join(c.rjust(w) for c, w in zip(x, widths)) for x in lines]
