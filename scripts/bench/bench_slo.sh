@@ -34,7 +34,7 @@ JAXSERVE=${JAXSERVE:-jaxserve}
 PY=${PY:-python}
 SMOKE=${SMOKE:-0}
 if [ "$SMOKE" = 1 ]; then
-  DUR=${DUR:-20}; TUNE_DUR=${TUNE_DUR:-15}; GRID_TOKENS=${GRID_TOKENS:-128,512}
+  DUR=${DUR:-20}; TUNE_DUR=${TUNE_DUR:-20}; GRID_TOKENS=${GRID_TOKENS:-128,512}
   OUT=${OUT:-/tmp/jaxserve_slo_smoke}
 else
   DUR=${DUR:-150}; TUNE_DUR=${TUNE_DUR:-60}; GRID_TOKENS=${GRID_TOKENS:-64,128,256,512,1024}
@@ -43,15 +43,15 @@ fi
 GRID_SEQS=${GRID_SEQS:-32}
 CHAT_DUR=${CHAT_DUR:-$DUR}
 LONG_DUR=${LONG_DUR:-$DUR}
-CHAT_RATE=${CHAT_RATE:-2}                  # requests / s (Poisson unless BURSTINESS != 1)
-LONG_RATE=${LONG_RATE:-0.3}
+CHAT_RATE=${CHAT_RATE:-1.2}                # requests / s (Poisson unless BURSTINESS != 1)
+LONG_RATE=${LONG_RATE:-0.15}
 BURSTINESS=${BURSTINESS:-1}
 CHAT_IN=${CHAT_IN:-uniform:64-256}         # prompt tokens
 CHAT_OUT=${CHAT_OUT:-uniform:64-128}       # new tokens
 LONG_IN=${LONG_IN:-uniform:1000-2000}
 LONG_OUT=${LONG_OUT:-uniform:16-64}
-TTFT_SLO=${TTFT_SLO:-2}                    # seconds
-ITL_SLO=${ITL_SLO:-0.2}                    # seconds
+TTFT_SLO=${TTFT_SLO:-3}                    # seconds
+ITL_SLO=${ITL_SLO:-0.25}                   # seconds
 SLO_ADMISSION=${SLO_ADMISSION:-queue}      # queue | reject
 ADAPTIVE_FLAGS=${ADAPTIVE_FLAGS:-}         # more `serve` flags for the adaptive leg
 LEGS=${LEGS:-"chat-best long-best adaptive"}

@@ -143,17 +143,22 @@ def test_phase_points_divide_by_each_phase_window() -> None:
     assert points[1]["window_s"] == 5.0 and points[2]["window_s"] == 15.0
     assert points[1]["phase"]["concurrency"] == 2 and points[2]["phase"] is None
     assert json.dumps(points)
+    # a phase that sent nothing: no goodput to speak of, no attainment
+    empty = phase_points(PhasedResult([chat], [[]], drain_s=0.0), slo)[0]["summary"]
+    assert empty["goodput"] == 0.0 and empty["slo_attainment"] is None
 
 
 def test_arrivals_are_seeded_inside_the_window_at_the_rate() -> None:
     p = PhaseSpec("a", 200.0, rate=5.0)
-    x = arrival_offsets(p, seed=3, index=0)
-    assert np.array_equal(x, arrival_offsets(p, seed=3, index=0))
-    assert not np.array_equal(x, arrival_offsets(p, seed=3, index=1))
+    x = arrival_offsets(p, seed=3)
+    assert np.array_equal(x, arrival_offsets(p, seed=3))
+    assert not np.array_equal(x, arrival_offsets(p, seed=4))
+    # seeded by the phase's name, not its place: a phase alone sends what it sends in a run
+    assert not np.array_equal(x, arrival_offsets(dataclasses.replace(p, name="b"), seed=3))
     assert x.min() > 0 and x.max() < 200 and np.all(np.diff(x) > 0)
     assert abs(len(x) - 1000) < 5 * math.sqrt(1000)  # Poisson count: mean 1000
     gaps = np.diff(x)
-    bursty = np.diff(arrival_offsets(dataclasses.replace(p, burstiness=0.25), 3, 0))
+    bursty = np.diff(arrival_offsets(dataclasses.replace(p, burstiness=0.25), 3))
     # gamma(shape k): coefficient of variation 1/sqrt(k): 1 (Poisson) vs 2
     assert 0.9 < gaps.std() / gaps.mean() < 1.1 and 1.7 < bursty.std() / bursty.mean() < 2.3
 
@@ -199,7 +204,7 @@ def test_phases_run_back_to_back_with_their_own_shapes() -> None:
     assert len(closed) > 2 and all(r.ok and r.output_tokens == 2 for r in closed)
     assert [r.kind for r in closed] == ["closed"] * len(closed)
     # the open phase sends exactly its drawn arrivals, each with the phase's lengths
-    assert len(open_) == len(arrival_offsets(phases[1], 1, 1)) > 0
+    assert len(open_) == len(arrival_offsets(phases[1], 1)) > 0
     assert all(r.ok and r.output_tokens == 3 and r.kind == "open" for r in open_)
     assert min(r.start for r in open_) >= max(r.start for r in closed) - 1e-3
     sent = [r for r in t.sent if r.kind == "open"]
@@ -207,6 +212,10 @@ def test_phases_run_back_to_back_with_their_own_shapes() -> None:
     again = InstantTarget()
     asyncio.run(run_phases(again, wl, phases, seed=1, warmup=2, progress=False))
     assert [r for r in again.sent if r.kind == "open"] == sent  # seeded
+    alone = InstantTarget()  # the open phase alone (what tune --phase runs): the same requests
+    asyncio.run(run_phases(alone, wl, phases[1:], seed=1, warmup=0, progress=False))
+    assert alone.sent == sent
+    assert not set(warm) & set(t.sent[2:])  # warmup prompts are never measured ones
     with pytest.raises(ValueError, match="--max-duration"):
         asyncio.run(run_phases(t, wl, phases, max_duration_s=0.5, progress=False))
 
@@ -237,8 +246,8 @@ def test_tune_runs_the_phase_at_every_point_and_ranks_by_goodput(monkeypatch) ->
     spec = TuneSpec(None, None, batched_tokens=(16, 32), max_seqs=(4,), goodput=Slo(ttft_s=60),
                     phase=phase)
     doc = asyncio.run(tune(EngineConfig(), None, WorkloadSpec(), LoadSpec(rate=30, warmup=0),
-                           spec, progress=False))
-    n = len(arrival_offsets(phase, 0, 0))
+                           spec, progress=True))
+    n = len(arrival_offsets(phase, 0))
     assert [r["summary"]["completed"] for r in doc["rows"]] == [n, n]
     assert doc["phase"]["name"] == "long" and doc["goodput"] == "ttft:60000"
     assert doc["best"] is not None and "goodput" in verdict(doc)

@@ -17,9 +17,10 @@ Data flow: `--phase name=chat,duration=180,rate=2,input-len=uniform:64-256,...` 
 -> one point per phase + one for the whole run (`phase_doc`), each over its scheduled window
 (phase: its duration; whole run: the sum), so every policy is divided by the same seconds and
 goodputs compare directly; `drain_s` says how long the last requests ran past the windows.
-Requests are drawn in blocks of `BLOCK` from a seed per (seed, phase, block): the same seed
-sends the same requests in the same order to any target (a closed loop may send more or fewer
-of them, as the server allows).
+Arrivals and requests (drawn in blocks of `BLOCK`) come from seeds of (seed, the phase's name,
+block): the same seed sends the same requests in the same order to any target (a closed loop
+may send more or fewer of them, as the server allows), and a phase run alone (`jaxserve tune
+--phase`) gets the very requests and arrivals it gets inside the phased run.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import math
 import re
 import sys
 import time
+import zlib
 from typing import Sequence
 
 import numpy as np
@@ -153,10 +155,15 @@ def parse_phases(texts: Sequence[str]) -> list[PhaseSpec]:
     return phases
 
 
-def arrival_offsets(phase: PhaseSpec, seed: int, index: int) -> np.ndarray:
+def _stream_key(name: str) -> int:
+    """A phase's own seed component: its name's, so it does not depend on the phase's place."""
+    return zlib.crc32(name.encode())
+
+
+def arrival_offsets(phase: PhaseSpec, seed: int) -> np.ndarray:
     """f64[n] send times (s from the phase start) of an open-loop phase, all < duration."""
     assert phase.rate is not None
-    rng = np.random.default_rng([seed, index, 1 << 20])
+    rng = np.random.default_rng([seed, _stream_key(phase.name), 1 << 20])
     shape = phase.burstiness  # gamma(shape, 1 / (rate * shape)): mean gap 1 / rate
     out: list[float] = []
     t = 0.0
@@ -172,10 +179,11 @@ def arrival_offsets(phase: PhaseSpec, seed: int, index: int) -> np.ndarray:
 class RequestStream:
     """A phase's requests, drawn `BLOCK` at a time and prepared by the target before use."""
 
-    def __init__(self, target: Target, workload: WorkloadSpec, seed: int, index: int,
-                 kind: str):
+    def __init__(self, target: Target, workload: WorkloadSpec, seed: int, kind: str,
+                 key: str | None = None):
+        # key: the seed component's name (default: kind, the phase's name)
         self._target, self._workload = target, workload
-        self._seed, self._index, self._kind = seed, index, kind
+        self._seed, self._key, self._kind = seed, _stream_key(key or kind), kind
         self._block = 0
         self._ready: list[BenchRequest] = []
         self._lock = asyncio.Lock()
@@ -183,7 +191,7 @@ class RequestStream:
     async def next(self) -> BenchRequest:
         async with self._lock:
             if not self._ready:
-                seed = int(np.random.SeedSequence([self._seed, self._index, self._block])
+                seed = int(np.random.SeedSequence([self._seed, self._key, self._block])
                            .generate_state(1)[0])
                 self._block += 1
                 drawn = build_requests(self._workload, BLOCK, seed)
@@ -208,7 +216,7 @@ async def _send(target: Target, req: BenchRequest, records: list[RequestRecord])
 
 
 async def _drive(target: Target, phase: PhaseSpec, stream: RequestStream, start: float,
-                 seed: int, index: int, records: list[RequestRecord]) -> None:
+                 seed: int, records: list[RequestRecord]) -> None:
     """Send one phase's traffic in [start, start + duration) (perf_counter clock)."""
     end = start + phase.duration_s
     await asyncio.sleep(max(0.0, start - time.perf_counter()))
@@ -220,7 +228,7 @@ async def _drive(target: Target, phase: PhaseSpec, stream: RequestStream, start:
         await asyncio.gather(*(worker() for _ in range(phase.concurrency)))
         return
     tasks = []
-    for at in arrival_offsets(phase, seed, index).tolist():
+    for at in arrival_offsets(phase, seed).tolist():
         req = await stream.next()
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         tasks.append(asyncio.ensure_future(_send(target, req, records)))
@@ -242,7 +250,9 @@ async def run_phases(target: Target, workload: WorkloadSpec, phases: Sequence[Ph
     if warmup:
         from jaxserve.cli.bench.load import run_closed
 
-        warm = RequestStream(target, phases[0].workload(workload), seed, len(phases), "warmup")
+        # "<warmup>" is no phase name: warmup prompts never repeat a measured one (which
+        # would then hit the prefix cache)
+        warm = RequestStream(target, phases[0].workload(workload), seed, "warmup", "<warmup>")
         await run_closed(target, [await warm.next() for _ in range(warmup)],
                          min(4, warmup), [], None)
     records: list[list[RequestRecord]] = [[] for _ in phases]
@@ -250,8 +260,8 @@ async def run_phases(target: Target, workload: WorkloadSpec, phases: Sequence[Ph
     starts = np.concatenate([[0.0], np.cumsum([p.duration_s for p in phases])[:-1]])
     jobs = []
     for i, (phase, start) in enumerate(zip(phases, starts.tolist())):
-        stream = RequestStream(target, phase.workload(workload), seed, i, phase.name)
-        jobs.append(_drive(target, phase, stream, t0 + start, seed, i, records[i]))
+        stream = RequestStream(target, phase.workload(workload), seed, phase.name)
+        jobs.append(_drive(target, phase, stream, t0 + start, seed, records[i]))
         if progress:
             print(f"[phases] {phase.describe(workload)} from t={start:g} s", file=sys.stderr)
     try:

@@ -149,7 +149,8 @@ async def tune(base: EngineConfig, model: LoadedModel, workload: WorkloadSpec, l
         if progress:
             s = point["summary"]
             good = "" if s["goodput"] is None else \
-                f"goodput {s['goodput']:.2f} req/s ({100 * s['slo_attainment']:.0f}%), "
+                f"goodput {s['goodput']:.2f} req/s ({100 * (s['slo_attainment'] or 0):.0f}% " \
+                f"of {s['completed'] + s['failed'] + s['incomplete']} sent), "
             print(f"[tune]   -> {s['output_throughput']:.1f} tok/s, {good}TTFT p99 "
                   f"{_ms(s['ttft_ms']['p99'])} ms, ITL p99 {_ms(s['itl_ms']['p99'])} ms"
                   + ("" if spec.ttft_p99_s is None else
