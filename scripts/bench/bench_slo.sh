@@ -13,7 +13,7 @@
 #   (c) `python scripts/bench/slo_table.py $OUT`: goodput per phase and overall per server.
 #
 #   bash scripts/bench/bench_slo.sh                   # ~35 min on the 2-core CPU host
-#   SMOKE=1 bash scripts/bench/bench_slo.sh           # ~20 s phases, 2-point grid: ~8 min
+#   SMOKE=1 bash scripts/bench/bench_slo.sh           # 20 s phases, 2-point grid: ~4 min
 #   CHAT_BEST=256/32 LONG_BEST=128/32 bash ...        # skip the tunes, reuse their verdicts
 #   LEGS="adaptive" bash ...                          # one leg only (others: chat-best,
 #                                                     # long-best, default = serve's defaults)
@@ -22,8 +22,18 @@
 # between tokens <= ITL_SLO; goodput = such requests per second of the phase's window; "SLO
 # met" = their share of the requests sent. The default targets make the trade real on this
 # host (docs/scheduling.md: a decode step at small batch ~20-60 ms, a 256-token prefill step
-# ~330 ms): a step budget large enough for quick first tokens stalls running streams past the
-# ITL target, a small one keeps ITL but queues prompts past the TTFT target under load.
+# ~330 ms): in the chat phase, budgets of 256 tokens and more stall running streams past the
+# ITL target (p99 gaps of 300-450 ms measured at 1.2 req/s) while 64-128 keep it; in the long
+# phase, 1,000-2,000-token prompts take several steps each: a small budget queues them past
+# the TTFT target, a large one stalls the streams running beside them.
+#
+# Time: a tune point costs about its phase's duration (+ ~5 s: compiles come from the
+# persistent cache), a leg its two phases + ~15 s (server start) + the drain: the default
+# 2 phases x 5 points x 90 s + 3 legs x 2 x 150 s is ~35 min. The tuner runs its servers in
+# its own process (client and engine share one interpreter), the legs run `jaxserve serve`
+# apart: compare legs with legs. A phase is seeded by its name, so each tune sees the very
+# requests and arrivals its phase gets in the legs. This shared host's speed drifts with
+# other work: rerun a leg (LEGS=...) before trusting a small difference.
 #
 # Results: $OUT/tune_<phase>.json (+ .log), $OUT/run_<leg>.json (+ .log, the server's
 # .server.log and /metrics after the run), $OUT/env.txt (the knobs, commit and host), and
@@ -37,7 +47,7 @@ if [ "$SMOKE" = 1 ]; then
   DUR=${DUR:-20}; TUNE_DUR=${TUNE_DUR:-20}; GRID_TOKENS=${GRID_TOKENS:-128,512}
   OUT=${OUT:-/tmp/jaxserve_slo_smoke}
 else
-  DUR=${DUR:-150}; TUNE_DUR=${TUNE_DUR:-60}; GRID_TOKENS=${GRID_TOKENS:-64,128,256,512,1024}
+  DUR=${DUR:-150}; TUNE_DUR=${TUNE_DUR:-90}; GRID_TOKENS=${GRID_TOKENS:-64,128,256,512,1024}
   OUT=${OUT:-benchmarks/results/slo_$(date +%Y-%m-%d)}
 fi
 GRID_SEQS=${GRID_SEQS:-32}
