@@ -36,6 +36,7 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxserve.cli.bench.load import run_closed
 from jaxserve.cli.bench.report import RequestRecord, Slo, by_kind, request_row, summarize
 from jaxserve.cli.bench.targets import Target
 from jaxserve.cli.bench.workload import (BenchRequest, LengthDist, WorkloadSpec, build_requests,
@@ -248,8 +249,6 @@ async def run_phases(target: Target, workload: WorkloadSpec, phases: Sequence[Ph
         raise ValueError(f"--max-duration {bound:g} is shorter than the phases' "
                          f"{total:g} s: it bounds the whole phased run")
     if warmup:
-        from jaxserve.cli.bench.load import run_closed
-
         # "<warmup>" is no phase name: warmup prompts never repeat a measured one (which
         # would then hit the prefix cache)
         warm = RequestStream(target, phases[0].workload(workload), seed, "warmup", "<warmup>")
