@@ -15,8 +15,8 @@ Policy (docs/scheduling.md "SLO-driven budget"):
   decodes leave. If the decodes alone miss it, no prefill runs that step (the overload is
   counted). A waiting sequence is admitted only while the decode step with it stays within
   the target (it decodes in every later step), unless nothing is decoding.
-- TTFT target only: the static budget, raised to the smallest budget whose prefill rate still
-  meets the earliest TTFT deadline of the queue (earliest-deadline rate).
+- TTFT target only: the static budget, raised to the smallest budget at whose prefill rate
+  every prompt in prefill or queued gets its first token by its deadline, with slack.
 - TTFT forecast (`predict_ttft`): a new prompt's tokens plus those queued ahead of it (its
   priority or better), over the prefill rate the current decode load leaves, plus one step.
   Above its level's target the request is counted (`ttft_unattainable`) and, with
@@ -40,6 +40,7 @@ log = logging.getLogger("jaxserve.slo")
 
 SAFETY_SIGMAS = 2.0  # margin: predicted * (1 + this x the model's recent relative error)
 MAX_MARGIN = 2.0
+TTFT_SLACK = 1.5  # TTFT target only: plan each prompt's first token by 1 / this of its time
 _PREFILL_LOOKAHEAD = 8  # waiting sequences whose chunks the budget's prediction places
 _LOG_EVERY_S = 1.0
 
@@ -96,18 +97,19 @@ class SloPolicy:
         # A decode verifies its proposals too (one token and row each), when it may.
         decodes = [(r, 1 + (0 if r.num_in_flight else len(r.spec_token_ids)))
                    for r, left in todo if left == 1]
-        prefills = [(r.num_scheduled_tokens, left) for r, left in todo if left > 1]
-        return self._slo_budget(cfg, decodes, prefills, waiting, static_budget)
+        prefilling = [r for r, left in todo if left > 1]
+        return self._slo_budget(cfg, decodes, prefilling, waiting, static_budget)
 
     def _slo_budget(self, cfg: SchedulerConfig, decodes: list[tuple[Sequence, int]],
-                    prefills: list[tuple[int, int]], waiting: list[tuple[int, int, Sequence]],
+                    prefilling: list[Sequence], waiting: list[tuple[int, int, Sequence]],
                     static_budget: int) -> int:
-        """`decodes`: each decoding sequence with its tokens this step; `prefills`: (start,
-        tokens left) of each running prefill."""
+        """`decodes`: each decoding sequence with its tokens this step; `prefilling`: the
+        running sequences still in their prompt."""
         now = self._clock()
         dec_tokens = sum(n for _, n in decodes)
         dec_keys = attention_keys((r.num_scheduled_tokens, n) for r, n in decodes)
-        chunks = prefills + [(r.num_computed_tokens, r.num_tokens - r.num_computed_tokens)
+        chunks = [(r.num_scheduled_tokens, r.num_tokens - r.num_scheduled_tokens)
+                  for r in prefilling] + [(r.num_computed_tokens, r.num_tokens - r.num_computed_tokens)
                              for _, _, r in heapq.nsmallest(_PREFILL_LOOKAHEAD, waiting)
                              if r.status is SequenceStatus.WAITING]
         itl = _strictest(cfg.itl_slo, (r for r, _ in decodes)) if cfg.itl_slo else None
@@ -123,8 +125,8 @@ class SloPolicy:
                     * self._margin > itl:
                 self.itl_overloads += 1
         elif cfg.ttft_slo is not None:
-            budget = self._ttft_budget(cfg, now, dec_tokens, candidates, cost,
-                                       sum(n for _, n in prefills), waiting, static_budget)
+            budget = self._ttft_budget(cfg, now, dec_tokens, candidates, cost, prefilling,
+                                       waiting, static_budget)
         else:
             budget = static_budget
         budget = max(budget, min(dec_tokens, cfg.max_num_batched_tokens))
@@ -180,26 +182,35 @@ class SloPolicy:
         return self.model.predict(self.features(tokens, rows, dec_keys + attention_keys(placed)))
 
     def _ttft_budget(self, cfg: SchedulerConfig, now: float, dec_tokens: int,
-                     candidates: list[int], cost: dict[int, float], running_prefill: int,
+                     candidates: list[int], cost: dict[int, float], prefilling: list[Sequence],
                      waiting: list[tuple[int, int, Sequence]], static_budget: int) -> int:
-        """The smallest budget >= the static one whose prefill rate meets every queued
-        request's TTFT deadline (the largest if none does). `running_prefill`: prompt tokens
-        of the running sequences, ahead of every waiting one."""
-        need, ahead = 0.0, running_prefill
-        for _, _, r in sorted(waiting, key=lambda e: e[:2]):
-            if r.status is not SequenceStatus.WAITING:
-                continue
+        """The smallest budget >= the static one at whose prefill rate every prompt still
+        in prefill (the running ones first, then the queue in its order) gets its first
+        token by its TTFT deadline, with slack (`TTFT_SLACK`): its tokens and those ahead of
+        it at that rate, plus the step in flight and the one that samples it. The largest
+        budget if none does (the misses are counted where the forecast is made)."""
+        deadlines, ahead = [], 0  # (prompt tokens up to and including it, seconds left)
+        queue = [r for _, _, r in sorted(waiting, key=lambda e: e[:2])
+                 if r.status is SequenceStatus.WAITING]
+        for r in prefilling + queue:
+            ahead += r.num_tokens - r.num_scheduled_tokens
             target = cfg.ttft_slo.for_priority(r.priority)  # type: ignore[union-attr]
-            ahead += r.num_tokens - r.num_computed_tokens
-            if target is None or r.metrics.first_token_time is not None:
-                continue
-            left = r.metrics.arrival_time + target - now
-            if left > 0:
-                need = max(need, ahead / left)
+            if target is not None and r.metrics.first_token_time is None:
+                left = r.metrics.arrival_time + target - now
+                if left > 0:  # (one already late is lost either way)
+                    deadlines.append((ahead, left))
+        if not deadlines:
+            return static_budget
         for b in candidates:
-            if b >= static_budget and cost[b] > 0 and (b - dec_tokens) / cost[b] >= need:
+            if b < static_budget or cost[b] <= 0:
+                continue
+            rate = (b - dec_tokens) / cost[b]
+            # Two steps: the one in flight, then the one that samples its first token; and
+            # slack, since more decode rows join as prompts finish (fewer prefill tokens).
+            if all((tokens / rate + 2 * cost[b]) * TTFT_SLACK <= left
+                   for tokens, left in deadlines):
                 return b
-        return candidates[-1] if candidates and need > 0 else static_budget
+        return candidates[-1] if candidates else static_budget
 
     # ----------------------------------------------------------------------- admission
     def predict_ttft(self, num_prompt_tokens: int, priority: int, running: list[Sequence],

@@ -218,3 +218,18 @@ def test_admission_stops_where_one_more_stream_would_break_itl() -> None:
     assert 1 < min(t for t in runner.step_tokens if t > 1) and most < 16 * 40
     late = [s for s in seqs if s.metrics.first_scheduled_time > 0.0]
     assert late, "every stream was admitted at once: the ITL gate did nothing"
+
+
+def test_a_ttft_target_alone_raises_the_static_budget_when_the_queue_needs_it(runs: dict
+                                                                               ) -> None:
+    """No ITL target: the static budget (a small decode budget here) is kept while the queue
+    meets its deadlines and raised to the prefill rate the earliest deadline needs."""
+    _, runner, seqs = _run(decode_token_budget=16, ttft_slo=TTFT)
+    late = [s.metrics.ttft for s in seqs if s.metrics.arrival_time >= SPLIT]
+    assert max(late) <= TTFT
+    _, small_runner, small = runs["small"]
+    assert np.percentile([s.metrics.ttft for s in small if s.metrics.arrival_time >= SPLIT],
+                         90) > TTFT
+    # Raised only where needed: most steps still carry at most the static budget's 16 tokens.
+    assert np.median(runner.step_tokens) <= 16
+    assert max(runner.step_tokens) > 16 + 16
