@@ -43,11 +43,11 @@ class SchedulerAdmin:
     async def update(self, changes: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """Apply `changes` on every replica or on none; (settings before, settings after).
         InvalidRequest (a ValueError) naming the field and the limit; EngineStopped."""
-        changes = dict(changes)
         with self._lock:
             before = self.settings()
-            for r in self.replicas:
+            for r in self.replicas:  # (the first refuses what is not a mapping at all)
                 r.engine.check_scheduler_update(changes)
+            changes = dict(changes)
             futures = [r.reconfigure(changes) for r in self.replicas]
         results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures),
                                        return_exceptions=True)
