@@ -50,6 +50,16 @@ def http(srv: BackgroundServer, method: str, body: object = None,
     return asyncio.run(go())
 
 
+def metrics_text(srv: BackgroundServer, key: str) -> str:
+    async def go() -> str:
+        url = f"http://127.0.0.1:{srv.server.http_port}/metrics"
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url, headers={"Authorization": f"Bearer {key}"}) as resp:
+                assert resp.status == 200
+                return await resp.text()
+    return asyncio.run(go())
+
+
 def grpc_code(srv: BackgroundServer, key: str | None, update: bool = False) -> grpc.StatusCode:
     with Client(srv.target, api_key=key) as client:
         try:
@@ -128,6 +138,11 @@ def test_change_is_seen_everywhere_and_logged(servers, caplog) -> None:  # noqa:
     lines = [r.getMessage() for r in caplog.records if "scheduler settings changed" in r.getMessage()]
     assert len(lines) == 1 and "HTTP client 127.0.0.1" in lines[0]
     assert "max_num_seqs 4 -> 2" in lines[0] and "decode_token_budget 64 -> None" in lines[0]
+    gauges = metrics_text(srv, KEY)  # read at the scrape: the live values
+    for setting, value in (("max_num_seqs", 2), ("max_num_batched_tokens", 64),
+                           ("decode_token_budget", 0)):
+        assert f'jaxserve:scheduler_setting{{model_name="fake",setting="{setting}"}} ' \
+               f'{value:.1f}' in gauges
     try:
         with Client(srv.target, api_key=KEY) as client:
             live = client.scheduler_settings()
