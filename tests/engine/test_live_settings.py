@@ -77,13 +77,13 @@ def test_settings_are_json_and_a_change_returns_them():
     assert engine.update_scheduler({"max_num_seqs": 4})["max_num_seqs"] == 4
 
 
-def _record_steps(engine):  # noqa: ANN001, ANN202 - each scheduled step's (seqs, tokens)
-    steps: list[tuple[int, int]] = []
+def _record_steps(engine):  # noqa: ANN001, ANN202 - each scheduled step's (ids, tokens)
+    steps: list[tuple[list[str], int]] = []
     schedule = engine.scheduler.schedule
 
     def spy():  # noqa: ANN202
         out = schedule()
-        steps.append((len(out.seqs), out.num_tokens))
+        steps.append(([s.sequence.request_id for s in out.seqs], out.num_tokens))
         return out
 
     engine.scheduler.schedule = spy
@@ -91,12 +91,13 @@ def _record_steps(engine):  # noqa: ANN001, ANN202 - each scheduled step's (seqs
 
 
 def _run(engine, prompts, max_tokens, change_after=None, changes=None):  # noqa: ANN001, ANN202
-    """Queue every prompt, step to the end; `changes` applied after `change_after` steps.
-    Returns (each request's tokens, the steps scheduled after the change)."""
+    """Queue every prompt (`max_tokens`: one for all, or one each), step to the end;
+    `changes` applied after `change_after` steps. Returns (each request's tokens, the
+    steps scheduled after the change: (request ids, tokens))."""
     steps = _record_steps(engine)
-    params = SamplingParams(max_tokens=max_tokens, **GREEDY)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
+    counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    for i, (p, n) in enumerate(zip(prompts, counts)):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=n, **GREEDY))
     done: dict[str, list[int]] = {}
     mark = 0
     while engine.has_unfinished():
@@ -111,22 +112,27 @@ def _run(engine, prompts, max_tokens, change_after=None, changes=None):  # noqa:
 
 
 PROMPTS = [[5 + i, 6, 7, 8] for i in range(6)]
+# r0..r3 run first and finish one after another; r4, r5 wait for a seat.
+MAX_TOKENS = [6, 10, 14, 18, 8, 8]
+FIRST, LATER = {"r0", "r1", "r2", "r3"}, {"r4", "r5"}
 
 
 def test_lower_max_num_seqs_limits_the_next_steps_and_spares_those_running():
     engine = fake_engine()
-    done, after = _run(engine, PROMPTS, 12, change_after=3, changes={"max_num_seqs": 2})
-    assert done == {f"r{i}": arithmetic(p, 12) for i, p in enumerate(PROMPTS)}
+    done, after = _run(engine, PROMPTS, MAX_TOKENS, change_after=3,
+                       changes={"max_num_seqs": 2})
+    assert done == {f"r{i}": arithmetic(p, n)
+                    for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS))}
     assert engine.stats().num_preemptions == 0  # nobody recomputed
-    # The 4 running when it changed keep running (4 rows) until they finish; nothing new
-    # is admitted until fewer than 2 run; from then on at most 2 per step.
-    assert after[0][0] == 4
-    first_two = next(i for i, (n, _) in enumerate(after) if n < 4)
-    assert all(n <= 2 for n, _ in after[first_two:])
-    assert max(n for n, _ in after[first_two:]) == 2  # the limit, not fewer
-    # Without the change the last two requests would have run beside the first four later.
-    _, steps = _run(fake_engine(), PROMPTS, 12)
-    assert max(n for n, _ in steps) == 4
+    # The 4 running when it changed keep running until they finish; r4 / r5 are admitted
+    # only once fewer than 2 run, and from then on no step holds more than 2.
+    assert set(after[0][0]) == FIRST
+    with_later = [ids for ids, _ in after if LATER & set(ids)]
+    assert with_later and all(len(ids) <= 2 for ids in with_later)
+    assert max(len(ids) for ids in with_later) == 2  # the limit, not fewer
+    # Without the change r4 takes r0's seat at once, beside three of the first four.
+    _, steps = _run(fake_engine(), PROMPTS, MAX_TOKENS)
+    assert any(LATER & set(ids) and len(FIRST & set(ids)) == 3 for ids, _ in steps)
 
 
 def test_lower_max_num_batched_tokens_bounds_every_next_step():
@@ -168,3 +174,32 @@ def test_fcfs_ranks_by_arrival_only(policy, first):
         sched.add_request(Sequence(rid, [1, 2], params, (999,), 0.0, priority=prio,
                                    max_tokens=2))
     assert [s.sequence.request_id for s in sched.schedule().seqs] == [first]
+
+
+def test_raise_within_the_compiled_buckets():
+    # Compiled up to 64 tokens, started at 16: the budget may rise to 64 live, not past it.
+    engine = fake_engine(max_num_batched_tokens=16, token_buckets=(8, 64))
+    assert engine.scheduler_settings()["max_num_batched_tokens"] == 16
+    with pytest.raises(InvalidRequest, match="at most 64"):
+        engine.update_scheduler({"max_num_batched_tokens": 72})
+    prompts = [[9 + i] * 50 for i in range(2)]
+    done, after = _run(engine, prompts, 4, change_after=1,
+                       changes={"max_num_batched_tokens": 64})
+    assert done == {f"r{i}": arithmetic(p, 4) for i, p in enumerate(prompts)}
+    assert 16 < max(t for _, t in after) <= 64
+
+
+def test_kv_check_sizes_sliding_chunks_by_the_largest_bucket():
+    """A request admitted now may still run after max_num_batched_tokens is raised to the
+    largest compiled bucket: a sliding-window group must hold two chunks of that size."""
+    from jaxserve.engine.limits import EngineLimits
+
+    base = dict(max_model_len=256, vocab_size=211, page_size=8, num_kv_pages=10,
+                max_num_seqs=4, max_num_batched_tokens=16, eos_token_ids=(2,),
+                kv_windows=(32,))
+    # window 32 + two chunks of 16: 9 pages fit in 10; two chunks of 64 need 21
+    assert EngineLimits(**base).check_fits(100, 100) == 100
+    with pytest.raises(InvalidRequest, match="need 21 KV pages but the cache holds only 10"):
+        EngineLimits(**base, max_step_tokens=64).check_fits(100, 100)
+    assert fake_engine(max_num_batched_tokens=16,
+                       token_buckets=(8, 64)).limits.max_step_tokens == 64
