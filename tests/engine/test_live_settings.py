@@ -203,3 +203,23 @@ def test_kv_check_sizes_sliding_chunks_by_the_largest_bucket():
         EngineLimits(**base, max_step_tokens=64).check_fits(100, 100)
     assert fake_engine(max_num_batched_tokens=16,
                        token_buckets=(8, 64)).limits.max_step_tokens == 64
+
+
+def test_speculation_bounds_max_num_seqs_by_the_rows_compiled():
+    """With speculation the buckets hold (k + 1) rows per speculating sequence: max_num_seqs
+    may rise to those rows (a step that full does not speculate), not past them."""
+    from jaxserve.spec_config import SpeculativeConfig
+
+    spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
+                                        "disable_by_batch_size": 3})
+    engine = fake_engine(speculative_config=spec)  # rows: max(4, 4 * min(3 - 1, 4)) = 8
+    assert engine.plan.scheduler.max_num_rows == 8
+    with pytest.raises(InvalidRequest, match=r"max_num_seqs=9 is over the limit: at most 8 "
+                                             r"\(the sampler rows"):
+        engine.update_scheduler({"max_num_seqs": 9})
+    engine.update_scheduler({"max_num_seqs": 8})
+    assert engine.scheduler.cfg.max_num_rows == 8  # the rows stay what was compiled
+    prompts = [[5 + i, 6, 7, 5 + i, 6, 7] for i in range(8)]
+    done, steps = _run(engine, prompts, 5)
+    assert done == {f"r{i}": arithmetic(p, 5) for i, p in enumerate(prompts)}
+    assert max(len(ids) for ids, _ in steps) == 8
