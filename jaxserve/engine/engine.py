@@ -33,7 +33,7 @@ import time
 from typing import Any, Callable, Mapping, Sequence as GenericSequence
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.errors import EngineDead, InvalidRequest
+from jaxserve.engine.errors import EngineDead, InvalidRequest, SloUnattainable
 from jaxserve.engine.grammar import grammar_compiler
 from jaxserve.engine.group import Group
 from jaxserve.engine.limits import (Admitted, EngineLimits, EngineStats, check_not_in_flight,
@@ -66,7 +66,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.clock = clock
-        self.scheduler = Scheduler(plan.scheduler, clock)
+        self.scheduler = Scheduler(plan.scheduler, clock, plan.batch_shape.buckets)
         self._groups: dict[str, Group] = {}
         self._seed_rng = random.Random(config.seed)
         sc = plan.scheduler
@@ -129,7 +129,7 @@ class Engine:
             num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
             last_step_tokens=self.last_step_tokens,
             compiles_after_warmup=self.runner.compiles_after_warmup,
-            **self._spec_stats())
+            slo=sched.budget.stats(), **self._spec_stats())
 
     def _spec_stats(self) -> dict:
         spec = self._core.speculator
@@ -167,6 +167,7 @@ class Engine:
                                  "admin endpoint, allows priorities)", "priority")
         req = prompt if isinstance(prompt, Admitted) else self.admit(prompt, params)
         params, ids = req.params, list(req.token_ids)
+        self._check_ttft(len(ids), priority)
         now = self.clock() if arrival_time is None else arrival_time
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         grammars = self._limits.grammars  # one matcher per sample, of the admitted grammar
@@ -181,6 +182,22 @@ class Engine:
         for i, seq in enumerate(seqs):  # cannot fail: checked, and fresh sequences
             self.scheduler.add_request(seq, fork_of=seqs[0] if i else None, checked=True)
         self._groups[request_id] = group
+
+    def _check_ttft(self, num_prompt_tokens: int, priority: int) -> None:
+        """Count (and with slo_admission="reject", refuse) a request whose predicted time to
+        first token already passes its level's TTFT target."""
+        sched = self.scheduler
+        cfg = sched.cfg
+        target = cfg.ttft_slo.for_priority(priority) if cfg.ttft_slo is not None else None
+        if target is None:
+            return
+        predicted = sched.budget.predict_ttft(num_prompt_tokens, priority, sched.running,
+                                              sched.waiting_heap)
+        if predicted <= target:
+            return
+        sched.budget.count_unattainable(priority)
+        if cfg.slo_admission == "reject":
+            raise SloUnattainable(predicted, target, priority)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request at any moment; its final output (ABORT) comes from the next step."""
@@ -254,6 +271,8 @@ class Engine:
                 outputs.append(output)
             if g.done_reported:
                 del self._groups[g.request_id]
+                for seq in g.seqs:  # SLO attainment, per priority level
+                    self.scheduler.budget.record_finished(self.scheduler.cfg, seq)
         return outputs
 
     def _output(self, g: Group) -> RequestOutput | None:

@@ -22,11 +22,14 @@ bad input reads the same everywhere.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from typing import TYPE_CHECKING, Callable, Container, Sequence
 
 from jaxserve.engine.errors import InvalidRequest
 from jaxserve.engine.sampling_params import (MAX_LOGPROBS, MAX_N, SamplingParams, check_text,
                                             show)
+from jaxserve.engine.slo_stats import SloStats
 from jaxserve.engine.token_filter import TokenFilter, compile_filter
 
 if TYPE_CHECKING:  # the grammar library loads with the engine that owns a compiler
@@ -302,11 +305,14 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_acceptance_counts: tuple[int, ...] = ()
+    slo: SloStats = SloStats()  # the SLO policy's decisions and attainment (slo_policy.py)
 
     @classmethod
     def total(cls, stats: Sequence["EngineStats"]) -> "EngineStats":
         """Several engines' stats added up (data-parallel replicas; tuples element-wise)."""
         def add(values: list) -> object:
+            if values and isinstance(values[0], SloStats):
+                return functools.reduce(operator.add, values)
             if values and isinstance(values[0], tuple):
                 width = max(len(v) for v in values)
                 return tuple(sum(v[i] for v in values if i < len(v)) for i in range(width))

@@ -1,0 +1,256 @@
+"""The SLO-driven token budget: how many tokens each step takes, from a fitted step-time model.
+
+Data flow per step (only while `SchedulerConfig.ttft_slo` or `itl_slo` is set; the targets are
+read from the live config every step, so the admin endpoint can change them):
+  `Scheduler.schedule` -> `SloPolicy.plan(cfg, todo, waiting)` -> the step's token
+  budget (a compiled bucket size, or only the decodes' tokens) and an admission allowance ->
+  `Scheduler` admits waiting sequences while `admit()` says the ITL target holds with them ->
+  the step runs -> `StepCore.apply` -> `observe(features, seconds)` refits the model
+  (`step_time_model.py`; always on, so a target set live finds a fitted model).
+
+Policy (docs/scheduling.md "SLO-driven budget"):
+- ITL target: a step that carries decoding streams is a gap in each of them, so the budget is
+  the largest one whose predicted step time, with a margin of the model's recent relative
+  error, meets the strictest ITL target among those streams; prefill chunks get what the
+  decodes leave. If the decodes alone miss it, no prefill runs that step (the overload is
+  counted). A waiting sequence is admitted only while the decode step with it stays within
+  the target (it decodes in every later step), unless nothing is decoding.
+- TTFT target only: the static budget, raised to the smallest budget whose prefill rate still
+  meets the earliest TTFT deadline of the queue (earliest-deadline rate).
+- TTFT forecast (`predict_ttft`): a new prompt's tokens plus those queued ahead of it (its
+  priority or better), over the prefill rate the current decode load leaves, plus one step.
+  Above its level's target the request is counted (`ttft_unattainable`) and, with
+  `slo_admission="reject"`, refused (`errors.SloUnattainable`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+from typing import Callable, Iterable, Sequence as GenericSequence
+
+from jaxserve.config import SchedulerConfig
+from jaxserve.engine.batch import bucket_for
+from jaxserve.engine.sequence import Sequence, SequenceStatus
+from jaxserve.engine.slo_stats import SloStats
+from jaxserve.engine.step_time_model import StepFeatures, StepTimeModel, attention_keys
+
+log = logging.getLogger("jaxserve.slo")
+
+SAFETY_SIGMAS = 2.0  # margin: predicted * (1 + this x the model's recent relative error)
+MAX_MARGIN = 2.0
+_PREFILL_LOOKAHEAD = 8  # waiting sequences whose chunks the budget's prediction places
+_LOG_EVERY_S = 1.0
+
+
+class SloPolicy:
+    def __init__(self, buckets: GenericSequence[tuple[int, int]] | None,
+                 clock: Callable[[], float], model: StepTimeModel | None = None):
+        """`buckets`: the compiled (tokens, seqs) pairs (None: steps are not padded)."""
+        self.model = model or StepTimeModel()
+        self._buckets = tuple(buckets) if buckets else None
+        self._clock = clock
+        self.last_budget = 0
+        self.itl_overloads = 0
+        self._levels: dict[int, list[int]] = {}  # priority -> the SloStats counters
+        self._last_log = -math.inf
+        # This step's plan, for `admit`: the decode rows (and their key reads) already in it,
+        # the ITL target (None: no gate) and the margin.
+        self._rows = 0
+        self._keys = 0
+        self._itl: float | None = None
+        self._prefilling = 0  # running sequences still in their prompt
+        self._margin = 1.0
+        self._prefill_rate = math.inf  # prompt tokens / s the last plan leaves for prefill
+
+    # ----------------------------------------------------------------------- model
+    def features(self, num_tokens: int, num_rows: int, keys: int) -> StepFeatures:
+        if self._buckets is None:
+            return StepFeatures(num_tokens, num_rows, keys)
+        top_t, top_s = self._buckets[-1]
+        t, s = bucket_for(min(num_tokens, top_t), min(num_rows, top_s), self._buckets)
+        return StepFeatures(t, s, keys)
+
+    def observe(self, features: StepFeatures, seconds: float) -> None:
+        self.model.observe(features, seconds)
+
+    def margin(self) -> float:
+        return min(MAX_MARGIN, 1.0 + SAFETY_SIGMAS * self.model.relative_error)
+
+    # ----------------------------------------------------------------------- per step
+    def plan(self, cfg: SchedulerConfig, todo: list[tuple[Sequence, int]],
+             waiting: list[tuple[int, int, Sequence]]) -> int:
+        """The step's token budget: the static policy's (`SchedulerConfig.step_budget`)
+        without targets, else the SLO policy's. `todo`: each running sequence with its tokens
+        left to schedule (1: a decode); `waiting`: the scheduler's waiting heap."""
+        established = any(left == 1 and r.num_output_tokens + r.num_in_flight >= 2
+                          for r, left in todo)
+        static_budget = cfg.step_budget(established)
+        self._itl = None
+        self._prefilling = sum(1 for _, left in todo if left > 1)
+        if not cfg.slo_enabled:
+            self.last_budget = static_budget
+            return static_budget
+        # A decode verifies its proposals too (one token and row each), when it may.
+        decodes = [(r, 1 + (0 if r.num_in_flight else len(r.spec_token_ids)))
+                   for r, left in todo if left == 1]
+        prefills = [(r.num_scheduled_tokens, left) for r, left in todo if left > 1]
+        return self._slo_budget(cfg, decodes, prefills, waiting, static_budget)
+
+    def _slo_budget(self, cfg: SchedulerConfig, decodes: list[tuple[Sequence, int]],
+                    prefills: list[tuple[int, int]], waiting: list[tuple[int, int, Sequence]],
+                    static_budget: int) -> int:
+        """`decodes`: each decoding sequence with its tokens this step; `prefills`: (start,
+        tokens left) of each running prefill."""
+        now = self._clock()
+        dec_tokens = sum(n for _, n in decodes)
+        dec_keys = attention_keys((r.num_scheduled_tokens, n) for r, n in decodes)
+        chunks = prefills + [(r.num_computed_tokens, r.num_tokens - r.num_computed_tokens)
+                             for _, _, r in heapq.nsmallest(_PREFILL_LOOKAHEAD, waiting)
+                             if r.status is SequenceStatus.WAITING]
+        itl = _strictest(cfg.itl_slo, (r for r, _ in decodes)) if cfg.itl_slo else None
+        self._margin = self.margin()
+        self._rows, self._keys, self._itl = len(decodes), dec_keys, itl
+        candidates = [b for b in self._budgets(cfg) if b > dec_tokens]
+        cost = {b: self._predict(dec_tokens, dec_keys, chunks, b)
+                for b in candidates}
+        if itl is not None:
+            fits = [b for b in candidates if cost[b] * self._margin <= itl]
+            budget = max(fits) if fits else dec_tokens
+            if not fits and self._predict(dec_tokens, dec_keys, [], dec_tokens) \
+                    * self._margin > itl:
+                self.itl_overloads += 1
+        elif cfg.ttft_slo is not None:
+            budget = self._ttft_budget(cfg, now, dec_tokens, candidates, cost,
+                                       sum(n for _, n in prefills), waiting, static_budget)
+        else:
+            budget = static_budget
+        budget = max(budget, min(dec_tokens, cfg.max_num_batched_tokens))
+        step_s = cost.get(budget) or self._predict(dec_tokens, dec_keys, chunks, budget)
+        self._prefill_rate = (budget - dec_tokens) / step_s if step_s > 0 else math.inf
+        self.last_budget = budget
+        if now - self._last_log >= _LOG_EVERY_S and log.isEnabledFor(logging.DEBUG):
+            self._last_log = now
+            log.debug("slo: budget=%d decode_tokens=%d prefill_chunks=%d itl_target=%s "
+                      "predicted=%.1fms margin=%.2f last step predicted/measured=%.1f/%.1fms "
+                      "coef=%s", budget, dec_tokens, len(chunks), itl, step_s * 1e3,
+                      self._margin, self.model.last_predicted * 1e3,
+                      self.model.last_measured * 1e3,
+                      ",".join(f"{c:.3g}" for c in self.model.coefficients))
+        return budget
+
+    def admit(self, req: Sequence) -> bool:
+        """Whether admitting `req` keeps the decode step within this step's ITL target once it
+        decodes (with the running prefills, which will decode too); counts it in when so."""
+        if self._itl is None:
+            return True
+        rows = self._rows + self._prefilling + 1
+        keys = self._keys + req.num_tokens
+        if self._rows + self._prefilling > 0 and \
+                self.model.predict(self.features(rows, rows, keys)) * self._margin > self._itl:
+            return False
+        self._rows += 1
+        self._keys += req.num_tokens
+        return True
+
+    def _budgets(self, cfg: SchedulerConfig) -> list[int]:
+        top = cfg.max_num_batched_tokens
+        sizes = [t for t, _ in self._buckets or () if t < top]
+        return sorted(set(sizes)) + [top]
+
+    def _predict(self, dec_tokens: int, dec_keys: int, chunks: list[tuple[int, int]],
+                 budget: int) -> float:
+        """Predicted seconds of a step of these decodes (a sampler row per token: proposals
+        are verified row by row) plus prefill chunks filling the rest of `budget`, in order
+        (a row each)."""
+        left, rows, placed = budget - dec_tokens, dec_tokens, []
+        for start, n in chunks:
+            if left <= 0:
+                break
+            placed.append((start, min(n, left)))
+            left -= placed[-1][1]
+            rows += 1
+        tokens = budget - max(left, 0)
+        return self.model.predict(self.features(tokens, rows, dec_keys + attention_keys(placed)))
+
+    def _ttft_budget(self, cfg: SchedulerConfig, now: float, dec_tokens: int,
+                     candidates: list[int], cost: dict[int, float], running_prefill: int,
+                     waiting: list[tuple[int, int, Sequence]], static_budget: int) -> int:
+        """The smallest budget >= the static one whose prefill rate meets every queued
+        request's TTFT deadline (the largest if none does). `running_prefill`: prompt tokens
+        of the running sequences, ahead of every waiting one."""
+        need, ahead = 0.0, running_prefill
+        for _, _, r in sorted(waiting, key=lambda e: e[:2]):
+            if r.status is not SequenceStatus.WAITING:
+                continue
+            target = cfg.ttft_slo.for_priority(r.priority)  # type: ignore[union-attr]
+            ahead += r.num_tokens - r.num_computed_tokens
+            if target is None or r.metrics.first_token_time is not None:
+                continue
+            left = r.metrics.arrival_time + target - now
+            if left > 0:
+                need = max(need, ahead / left)
+        for b in candidates:
+            if b >= static_budget and cost[b] > 0 and (b - dec_tokens) / cost[b] >= need:
+                return b
+        return candidates[-1] if candidates and need > 0 else static_budget
+
+    # ----------------------------------------------------------------------- admission
+    def predict_ttft(self, num_prompt_tokens: int, priority: int, running: list[Sequence],
+                     waiting: list[tuple[int, int, Sequence]]) -> float:
+        """Seconds until a new prompt's first token: its tokens and those ahead of it (the
+        running prompts, the waiting ones of its priority or better) at the prefill rate the
+        last plan left, plus one step (inf when decodes leave no room; 0 before the model
+        has anything to go on)."""
+        if not self.model.fitted:
+            return 0.0
+        tokens_ahead = sum(r.num_tokens - r.num_scheduled_tokens for r in running
+                           if r.num_scheduled_tokens < r.num_prompt_tokens)
+        tokens_ahead += sum(r.num_tokens - r.num_computed_tokens for p, _, r in waiting
+                            if p <= priority and r.status is SequenceStatus.WAITING)
+        step = self.model.predict(self.features(max(self.last_budget, 1), 1, 0))
+        if self._prefill_rate <= 0:
+            return math.inf
+        return (num_prompt_tokens + tokens_ahead) / self._prefill_rate + step
+
+    def count_unattainable(self, priority: int) -> None:
+        self._level(priority)[4] += 1
+
+    # ----------------------------------------------------------------------- attainment
+    def record_finished(self, cfg: SchedulerConfig, seq: Sequence) -> None:
+        """A finished sequence against its level's targets: TTFT, and ITL as the bench's
+        goodput judges it (its p99 gap)."""
+        m = seq.metrics
+        if m.first_token_time is None:
+            return
+        counts = None
+        if cfg.ttft_slo is not None and (t := cfg.ttft_slo.for_priority(seq.priority)):
+            counts = self._level(seq.priority)
+            counts[0 if m.first_token_time - m.arrival_time <= t else 1] += 1
+        if cfg.itl_slo is not None and m.inter_token_latencies and \
+                (t := cfg.itl_slo.for_priority(seq.priority)):
+            counts = counts or self._level(seq.priority)
+            counts[2 if _p99(m.inter_token_latencies) <= t else 3] += 1
+
+    def _level(self, priority: int) -> list[int]:
+        return self._levels.setdefault(priority, [0] * 5)
+
+    def stats(self) -> SloStats:
+        return SloStats(self.last_budget, self.model.last_predicted, self.model.last_measured,
+                        self.itl_overloads,
+                        tuple((p, *v) for p, v in sorted(self._levels.items())))
+
+
+def _strictest(targets, seqs: Iterable[Sequence]) -> float | None:  # noqa: ANN001
+    values = [t for r in seqs if (t := targets.for_priority(r.priority)) is not None]
+    return min(values) if values else None
+
+
+def _p99(gaps: GenericSequence[float]) -> float:
+    """The 99th percentile by linear interpolation (numpy's default, as the bench computes)."""
+    s = sorted(gaps)
+    pos = 0.99 * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
