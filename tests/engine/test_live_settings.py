@@ -223,3 +223,26 @@ def test_speculation_bounds_max_num_seqs_by_the_rows_compiled():
     done, steps = _run(engine, prompts, 5)
     assert done == {f"r{i}": arithmetic(p, 5) for i, p in enumerate(prompts)}
     assert max(len(ids) for ids, _ in steps) == 8
+
+
+def test_slo_targets_set_live_are_what_the_policy_judges_by():
+    engine = fake_engine()
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    engine.add_request("before", [5, 6, 7], params)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats().slo.by_priority == ()  # no targets: nothing judged
+    # Generous targets (an hour): every request meets both; level 2 gets its own row.
+    engine.update_scheduler({"ttft_slo": 3600, "itl_slo": "3600,2=3600"})
+    engine.add_request("p0", [5, 6, 8], params)
+    engine.add_request("p2", [5, 6, 9], params, priority=2)
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert done == {"p0": arithmetic([5, 6, 8], 4), "p2": arithmetic([5, 6, 9], 4)}
+    assert engine.stats().slo.by_priority == ((0, 1, 0, 1, 0, 0), (2, 1, 0, 1, 0, 0))
+    engine.update_scheduler({"ttft_slo": None, "itl_slo": None})
+    engine.add_request("after", [5, 6, 7], params)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats().slo.by_priority == ((0, 1, 0, 1, 0, 0), (2, 1, 0, 1, 0, 0))
