@@ -106,7 +106,8 @@ def test_auth_matrix(servers, name, key, status, code) -> None:  # noqa: ANN001
     ({"itl_slo": "fast"}, "itl_slo", "itl_slo='fast' is not a number of seconds"),
     ({"slo_admission": "reject"}, "slo_admission", "slo_admission='reject' needs a ttft_slo"),
 ])
-def test_refusals_name_the_field_and_limit(servers, changes, field, message) -> None:  # noqa: ANN001
+def test_refusals_name_the_field_and_limit(servers, changes, field,  # noqa: ANN001
+                                           message) -> None:
     srv = servers["open"]
     status, body = http(srv, "POST", changes)
     assert status == 400 and body["error"]["param"] == field, body
@@ -135,7 +136,8 @@ def test_change_is_seen_everywhere_and_logged(servers, caplog) -> None:  # noqa:
     want = {**START, "max_num_seqs": 2, "ttft_slo": {"default": 2.0, "0": 0.5},
             "decode_token_budget": None}
     assert new == want and http(srv, "GET", key=KEY)[1] == want
-    lines = [r.getMessage() for r in caplog.records if "scheduler settings changed" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records
+             if "scheduler settings changed" in r.getMessage()]
     assert len(lines) == 1 and "HTTP client 127.0.0.1" in lines[0]
     assert "max_num_seqs 4 -> 2" in lines[0] and "decode_token_budget 64 -> None" in lines[0]
     gauges = metrics_text(srv, KEY)  # read at the scrape: the live values
