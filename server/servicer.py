@@ -34,7 +34,7 @@ from jaxserve.engine.outputs import RequestOutputKind
 from jaxserve.server import proto_map, stubs
 from jaxserve.server.inflight import InFlight
 from jaxserve.serving import admission
-from jaxserve.serving.async_engine import EngineStopped, QueueFull, StreamBufferFull
+from jaxserve.serving.async_engine import EngineStopped, Overloaded, StreamBufferFull
 from jaxserve.serving.async_replica_pool import AsyncServing
 from jaxserve.serving.served import ServedModel
 
@@ -115,7 +115,7 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
                 admitted = await admit.admit(rid, parsed.prompt, params, request.priority)
                 stream = engine.submit(rid, admitted, params, request.priority, arrival,
                                        RequestOutputKind.DELTA)
-            except QueueFull as e:
+            except Overloaded as e:  # QueueFull
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except EngineStopped as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
@@ -133,7 +133,7 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
                                             f"request {rid!r} failed: {out.error}")
                     for response in builder.responses(out):
                         yield response
-            except StreamBufferFull as e:
+            except (StreamBufferFull, Overloaded) as e:  # Overloaded: SloUnattainable
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except EngineStopped as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))

@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping, Sequence as GenericSequence
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.errors import EngineDead, InvalidRequest, SloUnattainable
+from jaxserve.engine.batch import empty_batch
 from jaxserve.engine.grammar import grammar_compiler
 from jaxserve.engine.group import Group
 from jaxserve.engine.limits import (Admitted, EngineLimits, EngineStats, check_not_in_flight,
@@ -50,6 +51,7 @@ from jaxserve.engine.sizing import EnginePlan
 from jaxserve.engine.spec_ngram import NgramProposer
 from jaxserve.engine.speculation import OnTokens, Proposer, Speculator
 from jaxserve.engine.step_core import InFlight, StepCore
+from jaxserve.engine.step_time_model import StepFeatures
 from jaxserve.models.tokenizer import Tokenizer
 
 
@@ -234,6 +236,31 @@ class Engine:
         warmup = getattr(spec.proposer, "warmup", None) if spec is not None else None
         if warmup is not None:
             warmup()
+
+    def calibrate_step_time(self, force: bool = False) -> None:
+        """Seed the step-time model (`step_time_model.py`) with timed all-padding steps of a
+        few compiled buckets (the smallest, the largest and two between; each run twice, the
+        faster kept: the first run of an executable may pay for loading it), so the SLO
+        policy's first decisions rest on this machine's speed. Only with SLO targets set
+        (unless `force`): it costs the largest bucket's step twice at start-up; without
+        targets the model learns from the served steps alone. Call it after warmup, before
+        serving (`serving.build.warm_up` does)."""
+        if not (force or self.scheduler.cfg.slo_enabled):
+            return
+        shape = self.plan.batch_shape
+        buckets = shape.buckets
+        picks = sorted({buckets[i] for i in (0, len(buckets) // 3, 2 * len(buckets) // 3,
+                                             len(buckets) - 1)})
+        samples = []
+        for tokens, seqs in picks:
+            batch = empty_batch(shape, tokens, seqs, penalties=False)
+            times = []
+            for _ in range(2):
+                start = self.clock()
+                self.runner.execute(batch)
+                times.append(self.clock() - start)
+            samples.append((StepFeatures(tokens, seqs, 0), min(times)))
+        self.scheduler.budget.model.seed(samples)
 
     def has_unfinished(self) -> bool:
         return bool(self._groups) or self._in_flight is not None

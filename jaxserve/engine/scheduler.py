@@ -152,7 +152,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             start = req.num_scheduled_tokens
             total = req.num_tokens + req.num_in_flight
-            spec = self._spec_tokens(req, start, budget)
+            spec = req.take_proposals(start, budget, self.cfg.max_model_len)
             n = min(total - start, budget) + len(spec)
             if not self._reserve(req, start + n, preempted, may_self=True):
                 continue
@@ -199,18 +199,6 @@ class Scheduler:
             s.sequence.num_in_flight += s.samples
         return SchedulerOutput(seqs=seqs, num_tokens=sum(s.num_new_tokens for s in seqs),
                                preempted=preempted)
-
-    def _spec_tokens(self, req: Sequence, start: int, budget: int) -> tuple[int, ...]:
-        """The proposals `req`'s decode row verifies this step (consumed either way): only a
-        plain decode (its last token on the host, nothing in flight), cut to what the
-        budget, max_tokens and max_model_len leave (a row of 1 + j tokens emits up to
-        j + 1)."""
-        spec, req.spec_token_ids = req.spec_token_ids, []
-        if not spec or req.num_in_flight or start != req.num_tokens - 1:
-            return ()
-        j = min(len(spec), budget - 1, req.max_tokens - req.num_output_tokens - 1,
-                self.cfg.max_model_len - req.num_tokens - 1)
-        return tuple(spec[:j]) if j > 0 else ()
 
     def _to_schedule(self, req: Sequence) -> int:
         """How many of a running sequence's tokens are left to schedule: 0 while its only
@@ -319,12 +307,7 @@ class Scheduler:
             self.finish(req, FinishReason.LENGTH)
             return True
         req.append_token(int(token))
-        m = req.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-        else:
-            m.inter_token_latencies.append(now - (m.last_token_time or now))
-        m.last_token_time = now
+        req.metrics.token_arrived(now)
         reason = self._token_stop(req, int(token))
         if reason is not None:
             self.finish(req, reason)
@@ -341,12 +324,7 @@ class Scheduler:
         req = seq.sequence
         if not tokens:
             raise ValueError(f"sequence {req.seq_id}'s verification row emitted no token")
-        m = req.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-        else:  # one gap per step, as a stream sees it (the tokens arrive together)
-            m.inter_token_latencies.append(now - (m.last_token_time or now))
-        m.last_token_time = now
+        req.metrics.token_arrived(now)  # one gap per step, as a stream sees it
         reason = None
         for token in tokens:
             req.append_token(int(token))

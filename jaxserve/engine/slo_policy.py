@@ -30,7 +30,7 @@ import logging
 import math
 from typing import Callable, Iterable, Sequence as GenericSequence
 
-from jaxserve.config import SchedulerConfig
+from jaxserve.config import SchedulerConfig, SloTargets
 from jaxserve.engine.batch import bucket_for
 from jaxserve.engine.sequence import Sequence, SequenceStatus
 from jaxserve.engine.slo_stats import SloStats
@@ -60,6 +60,7 @@ class SloPolicy:
         self._rows = 0
         self._keys = 0
         self._itl: float | None = None
+        self._itl_slo: SloTargets | None = None  # the step's targets, for `admit`
         self._prefilling = 0  # running sequences still in their prompt
         self._margin = 1.0
         self._prefill_rate = math.inf  # prompt tokens / s the last plan leaves for prefill
@@ -87,7 +88,7 @@ class SloPolicy:
         established = any(left == 1 and r.num_output_tokens + r.num_in_flight >= 2
                           for r, left in todo)
         static_budget = cfg.step_budget(established)
-        self._itl = None
+        self._itl, self._itl_slo = None, cfg.itl_slo
         self._prefilling = sum(1 for _, left in todo if left > 1)
         if not cfg.slo_enabled:
             self.last_budget = static_budget
@@ -141,14 +142,18 @@ class SloPolicy:
         return budget
 
     def admit(self, req: Sequence) -> bool:
-        """Whether admitting `req` keeps the decode step within this step's ITL target once it
-        decodes (with the running prefills, which will decode too); counts it in when so."""
-        if self._itl is None:
+        """Whether admitting `req` keeps the decode step within the ITL target (the
+        strictest of the decoding streams' and its own) once it decodes, with the running
+        prefills, which will decode too; counts it in when so. The first stream is always
+        admitted."""
+        own = self._itl_slo.for_priority(req.priority) if self._itl_slo is not None else None
+        target = min((t for t in (self._itl, own) if t is not None), default=None)
+        if target is None:
             return True
         rows = self._rows + self._prefilling + 1
         keys = self._keys + req.num_tokens
         if self._rows + self._prefilling > 0 and \
-                self.model.predict(self.features(rows, rows, keys)) * self._margin > self._itl:
+                self.model.predict(self.features(rows, rows, keys)) * self._margin > target:
             return False
         self._rows += 1
         self._keys += req.num_tokens

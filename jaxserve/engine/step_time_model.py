@@ -55,7 +55,7 @@ def attention_keys(chunks: Iterable[tuple[int, int]]) -> int:
 
 
 class StepTimeModel:
-    def __init__(self, half_life: float = 64.0, prior_weight: float = 4.0):
+    def __init__(self, half_life: float = 64.0, prior_weight: float = 1e-3):
         """`half_life`: steps after which an observation weighs half; `prior_weight`: how
         many observations' worth the prior (ridge) term counts."""
         if not half_life > 0 or not prior_weight > 0:

@@ -45,6 +45,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
+from jaxserve.engine.errors import Overloaded  # noqa: F401 (re-exported: the fronts catch it)
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.limits import (Admitted, EngineStats, check_not_in_flight,
                                     check_request_id)
@@ -55,13 +56,13 @@ from jaxserve.serving.request_stream import (DEFAULT_MAX_STREAM_BUFFER_TOKENS, R
                                              RequestStream, StreamBufferFull, set_ready,
                                              wake)
 
-__all__ = ["AsyncEngine", "EngineStopped", "QueueFull", "RequestStream", "StreamBufferFull",
+__all__ = ["AsyncEngine", "EngineStopped", "Overloaded", "QueueFull", "RequestStream", "StreamBufferFull",
            "StepObserver"]
 
 log = logging.getLogger(__name__)
 
 
-class QueueFull(RuntimeError):
+class QueueFull(Overloaded):
     """Too many sequences are waiting; the caller should retry later (RESOURCE_EXHAUSTED)."""
 
 

@@ -23,6 +23,9 @@ were all accepted), and the acceptance length per draft (accepted + the target's
 `jaxserve:scheduler_setting{setting=...}`: the scheduler's live limits (max_num_seqs,
 max_num_batched_tokens, decode_token_budget), read from the engine at each scrape
 (`watch_settings`), since the admin endpoint may change them between steps.
+
+The SLO scheduler's series (`jaxserve:slo_*`: predicted vs measured step time, the budget per
+step, attainment per priority level) are `slo_metrics.py`'s.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from jaxserve.engine.limits import EngineStats
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
 from jaxserve.engine.sequence import FinishReason
+from jaxserve.serving.slo_metrics import SloFamilies, SloView
 
 PREFIX = "jaxserve:"
 # Bucket edges follow vLLM's, so dashboards built for it read these unchanged.
@@ -104,6 +108,7 @@ class MetricFamilies:
                                (*labels, "setting"), registry=r)
         self.spec: SpecFamilies | None = None if num_speculative_tokens is None else \
             SpecFamilies(r, labels, num_speculative_tokens)
+        self.slo = SloFamilies(r, PREFIX, labels, _token_buckets(max_num_batched_tokens))
 
 
 class SpecFamilies:
@@ -166,6 +171,7 @@ class EngineMetrics:
         self.queue = fam.queue.labels(*values)
         self.iteration_tokens = fam.iteration_tokens.labels(*values)
         self.spec = None if fam.spec is None else SpecView(fam.spec, values)
+        self.slo = SloView(fam.slo, values)
         # Loop-thread state: last seen engine totals and per-sample ITL cursors.
         self._last_preemptions = 0
         self._last_queries = 0
@@ -204,9 +210,11 @@ class EngineMetrics:
         self.prefix_queries.inc(st.prefix_cache_queries - self._last_queries)
         self.prefix_hits.inc(st.prefix_cache_hits - self._last_hits)
         self._last_queries, self._last_hits = st.prefix_cache_queries, st.prefix_cache_hits
-        if stepped and st.num_steps > self._last_step:
+        new_step = stepped and st.num_steps > self._last_step
+        if new_step:
             self.iteration_tokens.observe(st.last_step_tokens)
             self._last_step = st.num_steps
+        self.slo.on_step(st.slo, new_step)
         if self.spec is not None:
             self.spec.on_step(st)
         for out in outputs:

@@ -30,6 +30,10 @@ from jaxserve.serving.router import make_router
 def build_offline_engine(config: EngineConfig, model: LoadedModel | None = None,
                          warmup: bool = True, progress: bool = True) -> Engine | ReplicaPool:
     """One Engine, or a ReplicaPool over `data_parallel_size` of them (same calls)."""
+    if config.slo_admission == "reject":
+        raise ValueError("slo_admission='reject' refuses requests as they arrive at a server; "
+                         "the offline API (LLM, batch jobs) queues every prompt at once and "
+                         "runs them all: use 'queue' (misses are still counted)")
     engines = build_engines(config, model, warmup, progress)
     return engines[0] if len(engines) == 1 else ReplicaPool(engines, make_router(engines))
 
