@@ -159,6 +159,11 @@ class SchedulerConfig:
     def slo_enabled(self) -> bool:
         return self.ttft_slo is not None or self.itl_slo is not None
 
+    def level(self, priority: int) -> int:
+        """The level a request of `priority` is ranked at: its priority, or 0 for every
+        request under fcfs (arrival order only; the policy may change on a running server)."""
+        return 0 if self.scheduling_policy == "fcfs" else priority
+
     def step_budget(self, established_decodes: bool) -> int:
         """Tokens of a step: the whole budget, unless it carries a decode of a stream past
         its first token (then decode_token_budget: how long a prefill chunk may stall that

@@ -30,15 +30,16 @@ from __future__ import annotations
 import functools
 import random
 import time
-from typing import Callable, Sequence as GenericSequence
+from typing import Any, Callable, Mapping, Sequence as GenericSequence
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.errors import EngineDead, SloUnattainable
+from jaxserve.engine.errors import EngineDead, InvalidRequest, SloUnattainable
 from jaxserve.engine.batch import empty_batch
 from jaxserve.engine.grammar import grammar_compiler
 from jaxserve.engine.group import Group
 from jaxserve.engine.limits import (Admitted, EngineLimits, EngineStats, check_not_in_flight,
                                     check_priority, check_request_id)
+from jaxserve.engine.live_settings import LiveBounds, check_changes, settings_of
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.pipeline import Pipeline
 from jaxserve.engine.recovery import Recovery
@@ -71,10 +72,12 @@ class Engine:
         self._groups: dict[str, Group] = {}
         self._seed_rng = random.Random(config.seed)
         sc = plan.scheduler
+        self._live_bounds = LiveBounds.of(plan)
         self._limits = EngineLimits(
             max_model_len=sc.max_model_len, vocab_size=plan.batch_shape.vocab_size,
             page_size=sc.page_size, num_kv_pages=sc.num_pages - 1,
             max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
+            max_step_tokens=self._live_bounds.max_step_tokens,
             kv_windows=sc.kv_windows, eos_token_ids=self.eos_token_ids,
             max_token_bytes=tokenizer.max_token_bytes,
             grammars=grammar_compiler(tokenizer, plan.batch_shape.vocab_size),
@@ -160,6 +163,10 @@ class Engine:
         check_request_id(request_id)
         check_not_in_flight(request_id, self._groups)
         check_priority(priority)
+        if priority != 0 and self.scheduler.cfg.scheduling_policy == "fcfs":
+            raise InvalidRequest(f"priority={priority} must be 0: the scheduling policy is "
+                                 "fcfs (arrival order; --scheduling-policy priority, or the "
+                                 "admin endpoint, allows priorities)", "priority")
         req = prompt if isinstance(prompt, Admitted) else self.admit(prompt, params)
         params, ids = req.params, list(req.token_ids)
         self._check_ttft(len(ids), priority)
@@ -202,6 +209,25 @@ class Engine:
         self.scheduler.abort([s.seq_id for s in group.seqs])
         self._core.touch([group])  # its final ABORT output comes from the next step
         return True
+
+    # ----------------------------------------------------------------------- live settings
+    def scheduler_settings(self) -> dict[str, Any]:
+        """The live scheduler settings (`live_settings.settings_of`: JSON values named as
+        the flags). Safe from any thread: one read of the frozen config the scheduler holds."""
+        return settings_of(self.scheduler.cfg)
+
+    def check_scheduler_update(self, changes: Mapping[str, Any]) -> None:
+        """Raise InvalidRequest (naming the field and the limit) if `changes` cannot apply
+        now; changes nothing (any thread: it reads the frozen config once)."""
+        check_changes(self.scheduler.cfg, changes, self._live_bounds)
+
+    def update_scheduler(self, changes: Mapping[str, Any]) -> dict[str, Any]:
+        """Apply `changes` ({field: value} of `LIVE_SCHEDULER_FIELDS`) from the next step
+        on, all or none (every value is checked first: InvalidRequest naming the field and
+        the limit); returns the new settings. Call it between steps, from the thread that
+        drives the engine. Requests in flight keep running (`live_settings.py`)."""
+        self.scheduler.cfg = check_changes(self.scheduler.cfg, changes, self._live_bounds)
+        return settings_of(self.scheduler.cfg)
 
     def warmup_proposer(self) -> None:
         """Compile a device proposer's rounds (a draft model's), if it has any to compile;

@@ -139,6 +139,8 @@ class EngineLimits:
     vocab_size: int
     page_size: int
     num_kv_pages: int  # usable pages (the trash page is not counted)
+    # The scheduler settings at start-up (descriptive: the live ones, which the admin endpoint
+    # may change, are `Engine.scheduler_settings()`; no check reads these two).
     max_num_seqs: int
     max_num_batched_tokens: int
     eos_token_ids: tuple[int, ...]
@@ -149,6 +151,11 @@ class EngineLimits:
     # UTF-8 bytes one token covers at most (`Tokenizer.max_token_bytes`); None: unknown, the
     # prompt byte bound falls back to FALLBACK_TOKEN_BYTES per token.
     max_token_bytes: int | None = None
+    # The largest compiled token bucket: the longest prefill chunk any live setting allows
+    # (max_num_batched_tokens may be raised up to it on a running server). The KV check of
+    # sliding-window groups sizes two chunks by it, since a request admitted now may still
+    # run after such a raise (None: max_num_batched_tokens).
+    max_step_tokens: int | None = None
     # Compiles `structured_outputs` specs against the model's vocabulary (None: this engine's
     # tokenizer has no vocabulary llguidance can read, and such requests are refused).
     grammars: "GrammarCompiler | None" = dataclasses.field(default=None, compare=False,
@@ -205,7 +212,8 @@ class EngineLimits:
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
         return check_fits(num_prompt_tokens, max_tokens, self.max_model_len, self.page_size,
-                          self.num_kv_pages, self.kv_windows, self.max_num_batched_tokens)
+                          self.num_kv_pages, self.kv_windows,
+                          self.max_step_tokens or self.max_num_batched_tokens)
 
     def truncate(self, ids: Sequence[int], params: SamplingParams) -> Sequence[int]:
         """The prompt ids `params.truncate_prompt_tokens` keeps (vLLM's left truncation): the

@@ -114,7 +114,7 @@ class Scheduler:
 
     def _push_waiting(self, req: Sequence, front: bool) -> None:
         order = next(self._front) if front else self._arrival_order[req.seq_id]
-        heapq.heappush(self._waiting, (req.priority, order, req))
+        heapq.heappush(self._waiting, (self.cfg.level(req.priority), order, req))
         self._num_waiting += 1
 
     @property
@@ -221,7 +221,7 @@ class Scheduler:
                 req.num_in_flight -= seq.samples
 
     def _rank(self, req: Sequence) -> tuple[int, int]:
-        return req.priority, self._arrival_order[req.seq_id]
+        return self.cfg.level(req.priority), self._arrival_order[req.seq_id]
 
     def _reserve(self, req: Sequence, num_tokens: int, preempted: list[Sequence],
                  may_self: bool) -> bool:
@@ -239,7 +239,7 @@ class Scheduler:
                 elif not may_self:
                     self._prefix_cache.undo_match(req)
                 return False
-            if not may_self and victim.priority <= req.priority:
+            if not may_self and self.cfg.level(victim.priority) <= self.cfg.level(req.priority):
                 self._prefix_cache.undo_match(req)
                 return False
             self._preempt(victim, preempted)

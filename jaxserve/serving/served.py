@@ -81,6 +81,8 @@ def start_serving(served: ServedModel, max_waiting: int | None,
     metrics = ([EngineMetrics(served.name, max_tokens, num_speculative_tokens=k)]
                if len(engines) == 1 else EngineMetrics.for_replicas(
                    served.name, max_tokens, len(engines), num_speculative_tokens=k))
+    for e, m in zip(engines, metrics):
+        m.watch_settings(e.scheduler_settings)
     replicas = [AsyncEngine(e, max_waiting, observers=[m], on_failure=on_failure,
                             max_stream_buffer_tokens=max_stream_buffer_tokens)
                 for e, m in zip(engines, metrics)]

@@ -177,6 +177,9 @@ def add_tune_parser(sub: Any) -> None:
                    help="no run: judge a saved tune document (--output-json of an earlier "
                         "tune) against these SLO targets")
     add_workload_flags(t)
+    from jaxserve.cli.bench.apply import add_apply_flags
+
+    add_apply_flags(t)  # --apply grpc://HOST:PORT, --api-key
     # The tuner judges static settings: the engine's own SLO targets are not a tune axis.
     add_engine_flags(t, exclude=("ttft_slo", "itl_slo"))
     t.set_defaults(num_requests=(48,))
@@ -306,4 +309,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         for path in plots.plot_grid(doc["rows"], f"{args.plot_prefix}_grid.png",
                                     spec.ttft_p99_s, spec.itl_p99_s):
             print(f"wrote {path}", file=sys.stderr)
+    if args.apply:
+        from jaxserve.cli.bench.apply import apply_best
+
+        return apply_best(doc, args.apply, args.api_key)
     return 0
