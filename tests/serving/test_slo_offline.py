@@ -29,6 +29,20 @@ def test_llm_with_targets_serves_the_rollout_and_fits_its_model() -> None:
     assert model.num_observations == stats.num_steps > 0
     assert stats.slo.measured_step_s > 0 and stats.slo.last_budget > 0
     assert stats.slo.by_priority[0][0] == 0  # judged at level 0 (its TTFT target is 2 s)
+    # Live changes between generate calls, as the admin endpoint makes them.
+    got = llm.update_scheduler(max_num_seqs=2, itl_slo="0=0.25")
+    assert got["max_num_seqs"] == 2 and got["itl_slo"] == {"0": 0.25}
+    assert llm.scheduler_settings() == got
+    steps = llm.engine.stats().num_steps
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0,
+                                                ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [rollout(m, p, 6) for p in prompts]
+    assert llm.engine.stats().num_steps - steps >= 3 * 6  # two at a time: more steps
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        llm.update_scheduler(max_num_batched_tokens=4096)
+    with pytest.raises(ValueError, match="slo_admission='reject'"):
+        llm.update_scheduler(slo_admission="reject")
+    assert llm.scheduler_settings() == got
     llm.close()
 
 
