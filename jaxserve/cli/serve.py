@@ -185,6 +185,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_cfg = engine_config_from_args(args)
     # The lifecycle lines (listening, ready, draining, stopped) show even when quiet.
     log.setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    if args.verbose:  # the SLO policy's line a second (its decision, prediction, fit)
+        logging.getLogger("jaxserve.slo").setLevel(logging.DEBUG)
     rc = join_or_follow(args, engine_cfg)
     if rc is not None:
         return rc
