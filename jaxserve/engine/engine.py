@@ -334,6 +334,7 @@ def speculator(config: EngineConfig, plan: EnginePlan, proposer: Proposer | None
                              "(built with the runner by jaxserve.serving.build)")
         proposer = OnTokens(NgramProposer.from_config(spec, plan.scheduler.max_model_len))
     max_len = plan.scheduler.max_model_len
+    scheduler.budget.expect_proposals(spec.num_speculative_tokens)
 
     def reserve(seq: Sequence, num_tokens: int) -> bool:
         return scheduler.kv.reserve(seq, min(num_tokens, max_len))

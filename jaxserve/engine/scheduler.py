@@ -145,6 +145,7 @@ class Scheduler:
         todo = [(r, self._to_schedule(r)) for r in self.running]
         order = [r for r, left in todo if left == 1] + [r for r, left in todo if left > 1]
         budget = self.budget.plan(self.cfg, todo, self._waiting)
+        decodes_left = sum(1 for _, left in todo if left == 1)
         for req in order:
             if budget == 0:
                 break
@@ -152,7 +153,10 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             start = req.num_scheduled_tokens
             total = req.num_tokens + req.num_in_flight
-            spec = req.take_proposals(start, budget, self.cfg.max_model_len)
+            decodes_left -= total - start == 1
+            # Proposals take only what leaves a token for each decode after this one.
+            spec = req.take_proposals(start, budget - max(decodes_left, 0),
+                                      self.cfg.max_model_len)
             n = min(total - start, budget) + len(spec)
             if not self._reserve(req, start + n, preempted, may_self=True):
                 continue

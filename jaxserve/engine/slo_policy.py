@@ -41,6 +41,7 @@ log = logging.getLogger("jaxserve.slo")
 SAFETY_SIGMAS = 2.0  # margin: predicted * (1 + this x the model's recent relative error)
 MAX_MARGIN = 2.0
 TTFT_SLACK = 1.5  # TTFT target only: plan each prompt's first token by 1 / this of its time
+ROW_TOKENS_WEIGHT = 0.1  # EWMA weight of a step's tokens per decode row
 _PREFILL_LOOKAHEAD = 8  # waiting sequences whose chunks the budget's prediction places
 _LOG_EVERY_S = 1.0
 
@@ -63,6 +64,9 @@ class SloPolicy:
         self._itl: float | None = None
         self._itl_slo: SloTargets | None = None  # the step's targets, for `admit`
         self._prefilling = 0  # running sequences still in their prompt
+        # Tokens a decode row takes (1 + its proposals), averaged over recent steps, for
+        # `admit`; `expect_proposals` sets where it starts.
+        self._row_tokens = 1.0
         self._margin = 1.0
         self._prefill_rate = math.inf  # prompt tokens / s the last plan leaves for prefill
 
@@ -73,6 +77,11 @@ class SloPolicy:
         top_t, top_s = self._buckets[-1]
         t, s = bucket_for(min(num_tokens, top_t), min(num_rows, top_s), self._buckets)
         return StepFeatures(t, s, keys)
+
+    def expect_proposals(self, k: int) -> None:
+        """Speculative decoding with k proposals: decode rows start out counted as 1 + k
+        tokens in the admission gate (then as the steps show: backed off, rejected, cut)."""
+        self._row_tokens = 1.0 + k
 
     def observe(self, features: StepFeatures, seconds: float) -> None:
         self.model.observe(features, seconds)
@@ -115,23 +124,24 @@ class SloPolicy:
         itl = _strictest(cfg.itl_slo, (r for r, _ in decodes)) if cfg.itl_slo else None
         self._margin = self.margin()
         self._rows, self._keys, self._itl = len(decodes), dec_keys, itl
+        if decodes:  # a decode row's tokens in later steps (1 + its proposals), for `admit`
+            self._row_tokens += ROW_TOKENS_WEIGHT * (dec_tokens / len(decodes) -
+                                                     self._row_tokens)
         candidates = [b for b in self._budgets(cfg) if b > dec_tokens]
         cost = {b: self._predict(dec_tokens, dec_keys, chunks, b)
                 for b in candidates}
         if itl is not None:
             fits = [b for b in candidates if cost[b] * self._margin <= itl]
-            budget = max(fits) if fits else dec_tokens
-            if not fits and self._predict(dec_tokens, dec_keys, [], dec_tokens) \
-                    * self._margin > itl:
-                self.itl_overloads += 1
+            budget = max(fits) if fits else self._lean_budget(cfg, decodes, dec_keys, itl)
         elif cfg.ttft_slo is not None:
             budget = self._ttft_budget(cfg, now, dec_tokens, candidates, cost, prefilling,
                                        waiting, static_budget)
         else:
             budget = static_budget
-        budget = max(budget, min(dec_tokens, cfg.max_num_batched_tokens))
-        step_s = cost.get(budget) or self._predict(dec_tokens, dec_keys, chunks, budget)
-        self._prefill_rate = (budget - dec_tokens) / step_s if step_s > 0 else math.inf
+        budget = max(budget, min(len(decodes), cfg.max_num_batched_tokens))
+        step_s = cost.get(budget) or self._predict(min(dec_tokens, budget), dec_keys, chunks,
+                                                   budget)
+        self._prefill_rate = max(0, budget - dec_tokens) / step_s if step_s > 0 else math.inf
         self.last_budget = budget
         if now - self._last_log >= _LOG_EVERY_S and log.isEnabledFor(logging.DEBUG):
             self._last_log = now
@@ -153,13 +163,28 @@ class SloPolicy:
         if target is None:
             return True
         rows = self._rows + self._prefilling + 1
+        tokens = math.ceil(rows * self._row_tokens)  # (each a sampler row too)
         keys = self._keys + req.num_tokens
         if self._rows + self._prefilling > 0 and \
-                self.model.predict(self.features(rows, rows, keys)) * self._margin > target:
+                self.model.predict(self.features(tokens, tokens, keys)) * self._margin > target:
             return False
         self._rows += 1
         self._keys += req.num_tokens
         return True
+
+    def _lean_budget(self, cfg: SchedulerConfig, decodes: list[tuple[Sequence, int]],
+                     dec_keys: int, itl: float) -> int:
+        """No room for prefill: the decodes alone, with as many of their proposals as the
+        ITL target leaves (the scheduler cuts proposals to the budget, keeping a token for
+        every decode), down to one token a stream; that one missing too is an overload."""
+        rows = len(decodes)
+        top = sum(n for _, n in decodes)
+        lean = [b for b in self._budgets(cfg) + [top] if rows <= b <= top and
+                self._predict(b, dec_keys, [], b) * self._margin <= itl]
+        if lean:
+            return max(lean)
+        self.itl_overloads += 1
+        return rows
 
     def _budgets(self, cfg: SchedulerConfig) -> list[int]:
         top = cfg.max_num_batched_tokens

@@ -16,11 +16,14 @@ import math
 
 import numpy as np
 import pytest
+from support.arithmetic_workload import arithmetic
+from support.engine_fixtures import VOCAB
 from support.slo_sim import (Arrival, SimClock, StepLaw, phased_arrivals, run_workload,
                              timed_engine)
 
-from jaxserve.config import SchedulerConfig, SloTargets
+from jaxserve.config import SchedulerConfig, SloTargets, SpeculativeConfig
 from jaxserve.engine.errors import SloUnattainable
+from jaxserve.engine.fake_runner import arithmetic_next_token
 from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.slo_policy import SloPolicy
 from jaxserve.engine.step_time_model import StepFeatures, StepTimeModel
@@ -233,3 +236,50 @@ def test_a_ttft_target_alone_raises_the_static_budget_when_the_queue_needs_it(ru
     # Raised only where needed: most steps still carry at most the static budget's 16 tokens.
     assert np.median(runner.step_tokens) <= 16
     assert max(runner.step_tokens) > 16 + 16
+
+
+class _RightProposer:
+    """Proposes the arithmetic continuation (always accepted): k + 1 tokens a verification."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def propose(self, sequences):  # noqa: ANN001, ANN201 - the Proposer protocol
+        out = []
+        for tokens in sequences:
+            seq = list(tokens)
+            for _ in range(self.k):
+                seq.append(arithmetic_next_token(seq[-1], len(seq) - 1, VOCAB))
+            out.append(seq[len(tokens):])
+        return out
+
+
+def test_speculating_rows_are_budgeted_and_modelled() -> None:
+    """Verification rows (1 + k tokens, as many sampler rows) count in the step's budget and
+    the model's features: with every proposal accepted, 8 streams arriving together, and an
+    ITL target that 8 verifications of 1 + 3 tokens would miss, fewer run at once (the
+    admission gate counts a row as 1 + its proposals), every gap meets the target, no
+    proposal is cut by a budget that forgot them, the model predicts the verification steps
+    exactly, and the tokens are the arithmetic rollout's."""
+    k = 3
+    spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": k,
+                                        "disable_by_batch_size": 9})  # all 8 may speculate
+    clock = SimClock()
+    engine, runner = timed_engine(clock, LAW, _RightProposer(k), speculative_config=spec,
+                                  itl_slo=0.05)
+    engine.calibrate_step_time()
+    rng = np.random.default_rng(5)  # 8 at once: 8 x (1 + 3) tokens would take 58 ms a step
+    arrivals = [Arrival(0.0, rng.integers(3, VOCAB, int(n)).tolist(), 40)
+                for n in rng.integers(40, 100, 8)]
+    seqs = run_workload(engine, clock, arrivals)
+    for a, s in zip(arrivals, seqs):
+        assert s.output_token_ids == arithmetic(a.prompt, 40)
+    stats = engine.stats()
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
+    # The budget made room for every proposal: drafts of fewer than k are only each
+    # sequence's last (cut by max_tokens), not cut by a budget that forgot them.
+    assert len(stats.spec_acceptance_counts) == k + 1
+    assert sum(stats.spec_acceptance_counts[:k]) <= len(seqs)
+    gaps = np.concatenate([s.metrics.inter_token_latencies for s in seqs])
+    assert gaps.max() <= 0.05
+    assert engine.scheduler.budget.model.relative_error < 0.01  # 22 steps from the seed

@@ -21,6 +21,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.fake_runner import ArithmeticRunner, FakePending
 from jaxserve.engine.sizing import plan_engine
+from jaxserve.engine.speculation import OnTokens
 
 
 class SimClock:
@@ -83,14 +84,18 @@ class Arrival:
     priority: int = 0
 
 
-def timed_engine(clock: SimClock, law: StepLaw, **cfg: object) -> tuple[Engine, TimedRunner]:
+def timed_engine(clock: SimClock, law: StepLaw, proposer: object = None, **cfg: object
+                 ) -> tuple[Engine, TimedRunner]:
+    """`proposer`: a speculative proposer over token lists (`speculation.OnTokens` wraps it;
+    give `speculative_config` too)."""
     base = dict(max_num_seqs=16, max_num_batched_tokens=512, page_size=16, max_model_len=1024,
                 attention_impl="reference")
     base.update(cfg)
     config = EngineConfig(**base)  # type: ignore[arg-type]
     plan = plan_engine(config, tiny_model_config(max_position_embeddings=2048), 4, 1 << 30)
     runner = TimedRunner(clock, law)
-    return Engine(config, plan, runner, tiny_tokenizer(), (-1,), clock=clock), runner
+    return Engine(config, plan, runner, tiny_tokenizer(), (-1,), clock=clock,
+                  proposer=None if proposer is None else OnTokens(proposer)), runner
 
 
 def phased_arrivals(seed: int, phases: list[tuple[float, float, tuple[int, int], int]]
