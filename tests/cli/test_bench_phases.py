@@ -269,3 +269,19 @@ def test_tune_runs_the_phase_at_every_point_and_ranks_by_goodput(monkeypatch) ->
     for bad in (dict(ttft_p99_s=1.0, itl_p99_s=None), dict(ttft_p99_s=None, itl_p99_s=None)):
         with pytest.raises(ValueError, match="--ttft-p99"):
             TuneSpec(**bad)
+
+
+def test_goodput_flags_combine_and_refuse_a_target_given_twice() -> None:
+    import argparse
+
+    from jaxserve.cli.bench.workload_flags import goodput_slo
+
+    def ns(goodput: list[str] | None, ttft: float | None, itl: float | None) -> object:
+        return argparse.Namespace(goodput=goodput, ttft_slo=ttft, itl_slo=itl)
+
+    assert goodput_slo(ns(["tpot:50"], 3.0, 0.25)) == Slo(ttft_s=3.0, itl_s=0.25, tpot_s=0.05)
+    assert goodput_slo(ns(None, None, None)) == Slo()
+    with pytest.raises(ValueError, match="--itl-slo and --goodput itl"):
+        goodput_slo(ns(["itl:200"], None, 0.3))
+    with pytest.raises(ValueError, match="--ttft-slo -1.0 must be"):
+        goodput_slo(ns(None, -1.0, None))

@@ -1,10 +1,11 @@
 """`jaxserve bench` (load generator, chunked-prefill scenario, comparisons) and `jaxserve tune`.
 
-Data flow: argv -> WorkloadSpec + LoadSpecs (+ EngineConfig from the engine flags when the
-server is launched in-process) -> asyncio: open the target (`--target grpc://...` or
-`http://...` with `--endpoint completions|chat`, else an in-process jaxserve server over the
-loaded model) -> `sweep.run_sweep` / `scenario.run_chunked_prefill` / `tune.tune` -> a table
-on stdout, JSON (`--output-json`) and PNG plots (`--plot-prefix`).
+Data flow: argv -> (`workload_flags`) WorkloadSpec + LoadSpecs or phases + goodput targets
+(+ EngineConfig from the engine flags when the server is launched in-process) -> asyncio:
+open the target (`--target grpc://...` or `http://...` with `--endpoint completions|chat`,
+else an in-process jaxserve server over the loaded model) -> `sweep.run_sweep` /
+`sweep.run_phased` / `scenario.run_chunked_prefill` / `tune.tune` -> a table on stdout, JSON
+(`--output-json`) and PNG plots (`--plot-prefix`).
 """
 
 from __future__ import annotations
@@ -12,133 +13,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import pathlib
 import sys
 from typing import Any
 
+from jaxserve.cli.bench.workload_flags import (add_workload_flags, goodput_slo, load_specs,
+                                               num_requests, phase_specs, workload_spec)
 from jaxserve.config import EngineConfig
-
-_WORKLOAD_HELP = ("synthetic: random-token prompts of --input-len; longtail: the same plus "
-                  "--long-fraction of prompts of --long-input-len; shared-prefix: a common "
-                  "--prefix-len system prompt + --input-len distinct tokens; jsonl: --dataset")
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(math.inf if x.strip() == "inf" else float(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers")
-
-
-def add_workload_flags(p: argparse.ArgumentParser) -> None:
-    from jaxserve.cli.bench.workload import WORKLOADS, parse_length_dist
-    from jaxserve.cli.flags import parse_int_list
-
-    def dist(text: str) -> Any:
-        try:
-            return parse_length_dist(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e))
-
-    w = p.add_argument_group("workload")
-    w.add_argument("--workload", choices=WORKLOADS, default="synthetic", help=_WORKLOAD_HELP)
-    w.add_argument("--input-len", type=dist, default=dist("uniform:32-512"),
-                   help="prompt tokens: fixed:N | uniform:LO-HI | lognormal:MEDIAN,SIGMA "
-                        "(default uniform:32-512)")
-    w.add_argument("--output-len", type=dist, default=dist("fixed:128"),
-                   help="new tokens per request, same forms (default fixed:128)")
-    w.add_argument("--long-fraction", type=float, default=0.05,
-                   help="longtail: share of long prompts (default 0.05)")
-    w.add_argument("--long-input-len", type=dist, default=dist("uniform:3000-6000"),
-                   help="longtail: long prompt tokens (default uniform:3000-6000)")
-    w.add_argument("--prefix-len", type=int, default=1024,
-                   help="shared-prefix: tokens of the common prefix (default 1024)")
-    w.add_argument("--dataset", default=None,
-                   help='jsonl: file of {"prompt": text or ids, "max_tokens"?: n} lines')
-    w.add_argument("--vocab-size", type=int, default=None,
-                   help="draw token ids below this (default: the server's vocabulary; 32000 "
-                        "for HTTP targets, which do not say)")
-    w.add_argument("--num-requests", type=parse_int_list, default=None,
-                   help="measured requests per load point: one value, or one per point of "
-                        "the sweep, e.g. 8,32,64 (default 64; tune: 48)")
-    w.add_argument("--warmup", type=int, default=2,
-                   help="requests sent first and excluded from the figures (default 2)")
-    w.add_argument("--workload-seed", dest="seed", type=int, default=0,
-                   help="seed of the drawn requests and arrivals (default 0)")
-    w.add_argument("--concurrency", type=parse_int_list, default=None,
-                   help="closed loop at each of these concurrencies, e.g. 1,4,16,64")
-    w.add_argument("--request-rate", type=_floats, default=None,
-                   help="open loop: Poisson arrivals at each of these rates (req/s; inf: all "
-                        "at once)")
-    w.add_argument("--phase", action="append", default=None, metavar="KEY=VALUE,...",
-                   help="a phase of a phased workload (repeat: the phases run back to back "
-                        "on one server): name=NAME,duration=SECONDS, then rate=REQ_PER_S "
-                        "[,burstiness=B] (open loop; B=1 Poisson, as vLLM's --burstiness) or "
-                        "concurrency=N (closed loop), and optional input-len=DIST, "
-                        "output-len=DIST (default: --input-len / --output-len); e.g. "
-                        "name=chat,duration=180,rate=2,input-len=uniform:64-256,"
-                        "output-len=uniform:64-128. Figures per phase and for the whole run")
-    w.add_argument("--max-duration", type=float, default=None,
-                   help="seconds one load point may run; then in-flight requests are cut off "
-                        "and counted as incomplete (default 600; with --phase: the whole "
-                        "run, default the phases' durations + 120)")
-    w.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
-                   help="SLO targets in ms, as vLLM's --goodput: a request counts toward "
-                        "goodput when every one given holds for it. Keys: ttft, tpot, e2el "
-                        "(vLLM's), itl (the request's own p99 inter-token gap), e.g. "
-                        "--goodput ttft:2000 itl:250")
-    w.add_argument("--output-json", default=None, help="write the result document here")
-    w.add_argument("--plot-prefix", default=None,
-                   help="write PREFIX_sweep.png and PREFIX_cdf.png (needs matplotlib)")
-
-
-def workload_spec(args: argparse.Namespace) -> Any:
-    from jaxserve.cli.bench.workload import WorkloadSpec
-
-    return WorkloadSpec(kind=args.workload, input_len=args.input_len,
-                        output_len=args.output_len, long_fraction=args.long_fraction,
-                        long_input_len=args.long_input_len, prefix_len=args.prefix_len,
-                        dataset=args.dataset, vocab_size=args.vocab_size or 32000)
-
-
-def num_requests(args: argparse.Namespace, num_points: int) -> tuple[int, ...]:
-    n = tuple(args.num_requests or (64,))
-    if len(n) == 1:
-        return n * num_points
-    if len(n) != num_points:
-        raise ValueError(f"--num-requests has {len(n)} values for {num_points} load points")
-    return n
-
-
-def phase_specs(args: argparse.Namespace) -> list[Any]:
-    """The --phase list ([] without); refuses the flags that a phased run has no use for."""
-    from jaxserve.cli.bench.phases import parse_phases
-
-    if not args.phase:
-        return []
-    clash = [flag for flag, v in (("--concurrency", args.concurrency),
-                                  ("--request-rate", args.request_rate),
-                                  ("--num-requests", args.num_requests)) if v]
-    if clash:
-        raise ValueError(f"--phase gives each phase's load and length: drop {', '.join(clash)}")
-    if args.workload == "jsonl":
-        raise ValueError("--phase draws synthetic prompts per phase: it does not take "
-                         "--workload jsonl")
-    return parse_phases(args.phase)
-
-
-def load_specs(args: argparse.Namespace, default_concurrency: tuple[int, ...]) -> list[Any]:
-    from jaxserve.cli.bench.load import LoadSpec
-
-    if args.concurrency and args.request_rate:
-        raise ValueError("give --concurrency or --request-rate, not both")
-    common = {"warmup": args.warmup, "seed": args.seed,
-              "max_duration_s": 600.0 if args.max_duration is None else args.max_duration}
-    if args.request_rate:
-        return [LoadSpec(rate=r, **common) for r in args.request_rate]
-    return [LoadSpec(concurrency=c, **common)
-            for c in (args.concurrency or default_concurrency)]
 
 
 def add_bench_parser(sub: Any) -> None:
@@ -175,8 +56,14 @@ def add_bench_parser(sub: Any) -> None:
                    help="chunked-prefill: streaming chats (default 4)")
     b.add_argument("--compare", nargs="+", default=None, metavar="JSON",
                    help="no run: tabulate and plot saved result documents side by side")
+    b.add_argument("--slo-scheduling", action="store_true",
+                   help="in-process server: give the engine the goodput TTFT / ITL targets "
+                        "(--ttft-slo / --itl-slo, or --goodput ttft: / itl:) as its own (the "
+                        "SLO-driven token budget; without it they only judge goodput)")
     add_workload_flags(b)
-    add_engine_flags(b)
+    # --ttft-slo / --itl-slo are the goodput targets here (add_workload_flags); the engine's
+    # fields of those names take them with --slo-scheduling.
+    add_engine_flags(b, exclude=("ttft_slo", "itl_slo"))
 
 
 def add_tune_parser(sub: Any) -> None:
@@ -205,20 +92,26 @@ def add_tune_parser(sub: Any) -> None:
                    help="no run: judge a saved tune document (--output-json of an earlier "
                         "tune) against these SLO targets")
     add_workload_flags(t)
-    add_engine_flags(t)
+    from jaxserve.cli.bench.apply import add_apply_flags
+
+    add_apply_flags(t)  # --apply grpc://HOST:PORT, --api-key
+    # The tuner judges static settings: the engine's own SLO targets are not a tune axis.
+    add_engine_flags(t, exclude=("ttft_slo", "itl_slo"))
 
 
 async def _bench(args: argparse.Namespace) -> dict:
-    from jaxserve.cli.bench.report import parse_goodput
     from jaxserve.cli.bench.sweep import run_phased, run_sweep
     from jaxserve.cli.bench.targets import open_target
 
     workload = workload_spec(args)
-    slo = parse_goodput(args.goodput)
+    slo = goodput_slo(args)
     phases = phase_specs(args)
     if phases and args.scenario != "sweep":
         raise ValueError(f"--phase is a workload of its own: it does not take --scenario "
                          f"{args.scenario}")
+    if args.slo_scheduling and args.target:
+        raise ValueError("--slo-scheduling sets the in-process engine's targets; a --target "
+                         "server takes them from its own --ttft-slo / --itl-slo")
     if args.endpoint is not None and not (args.target or "").startswith(("http://",
                                                                           "https://")):
         raise ValueError(f"--endpoint {args.endpoint} is an OpenAI HTTP endpoint: it needs "
@@ -274,7 +167,13 @@ async def _bench(args: argparse.Namespace) -> dict:
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     from jaxserve.cli.flags import engine_config_from_args
 
-    return engine_config_from_args(args)
+    if not getattr(args, "slo_scheduling", False):
+        return engine_config_from_args(args)
+    slo = goodput_slo(args)  # the engine schedules for the TTFT / ITL targets it judges by
+    if slo.ttft_s is None and slo.itl_s is None:
+        raise ValueError("--slo-scheduling needs --ttft-slo and/or --itl-slo (or --goodput "
+                         "ttft:MS / itl:MS): the targets the engine schedules for")
+    return engine_config_from_args(args, ttft_slo=slo.ttft_s, itl_slo=slo.itl_s)
 
 
 def _load(args: argparse.Namespace) -> Any:
@@ -318,7 +217,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from jaxserve.cli.bench import plots
     from jaxserve.cli.bench.load import LoadSpec
     from jaxserve.cli.bench.phases import DRAIN_S
-    from jaxserve.cli.bench.report import parse_goodput
     from jaxserve.cli.bench.tune import TuneSpec, repick, table, tune, verdict
 
     phases = phase_specs(args)
@@ -328,7 +226,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     spec = TuneSpec(ttft_p99_s=args.ttft_p99, itl_p99_s=args.itl_p99,
                     batched_tokens=args.grid_batched_tokens, max_seqs=args.grid_max_seqs,
                     num_requests=(args.num_requests or (48,))[0], max_time_s=args.max_time,
-                    goodput=parse_goodput(args.goodput), phase=phases[0] if phases else None)
+                    goodput=goodput_slo(args), phase=phases[0] if phases else None)
     if args.from_json:
         doc = repick(json.loads(pathlib.Path(args.from_json).read_text()), spec)
     else:
@@ -357,4 +255,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         for path in plots.plot_grid(doc["rows"], f"{args.plot_prefix}_grid.png",
                                     spec.ttft_p99_s, spec.itl_p99_s):
             print(f"wrote {path}", file=sys.stderr)
+    if args.apply:
+        from jaxserve.cli.bench.apply import apply_best
+
+        return apply_best(doc, args.apply, args.api_key)
     return 0

@@ -63,7 +63,8 @@ class TuneSpec:
         if (self.ttft_p99_s is None) != (self.itl_p99_s is None):
             raise ValueError("give both --ttft-p99 and --itl-p99, or neither")
         if self.ttft_p99_s is None and not self.goodput.given:
-            raise ValueError("tune needs targets: --ttft-p99 and --itl-p99, or --goodput")
+            raise ValueError("tune needs targets: --ttft-p99 and --itl-p99, or --goodput (or its "
+                             "--ttft-slo / --itl-slo)")
         if self.ttft_p99_s is not None and not (self.ttft_p99_s > 0 and self.itl_p99_s > 0):
             raise ValueError(f"SLO targets must be > 0 s (ttft_p99={self.ttft_p99_s}, "
                              f"itl_p99={self.itl_p99_s})")
@@ -204,7 +205,7 @@ def table(rows: Sequence[dict], p99: bool = True) -> str:
         att = s.get("slo_attainment")
         lines.append((str(r["max_num_batched_tokens"]), str(r["max_num_seqs"]),
                       f"{s['output_throughput']:.1f}",
-                      "-" if s["goodput"] is None else f"{s['goodput']:.2f}",
+                      "-" if s.get("goodput") is None else f"{s['goodput']:.2f}",
                       "-" if att is None else f"{100 * att:.0f}%", _ms(s["ttft_ms"]["p99"]),
                       _ms(s["itl_ms"]["p99"]),
                       f"{s['completed']}/{s['failed'] + s['incomplete']}",
