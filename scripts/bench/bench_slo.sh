@@ -17,6 +17,7 @@
 #   CHAT_BEST=256/32 LONG_BEST=128/32 bash ...        # skip the tunes, reuse their verdicts
 #   LEGS="adaptive" bash ...                          # one leg only (others: chat-best,
 #                                                     # long-best, default = serve's defaults)
+#   ROUNDS=3 CHAT_BEST=128/32 LONG_BEST=512/32 bash ... # legs in turn 3 times: medians
 #
 # Goodput (vLLM's rule): a request counts when its TTFT <= TTFT_SLO and its own p99 gap
 # between tokens <= ITL_SLO; goodput = such requests per second of the phase's window; "SLO
@@ -36,7 +37,8 @@
 # its own process (client and engine share one interpreter), the legs run `jaxserve serve`
 # apart: compare legs with legs. A phase is seeded by its name, so each tune sees the very
 # requests and arrivals its phase gets in the legs. This shared host's speed drifts with
-# other work: rerun a leg (LEGS=...) before trusting a small difference.
+# other work, and two legs with the same setting differed by 2.7x in chat goodput in one
+# SMOKE run (20 s phases): judge differences over full-length phases and ROUNDS > 1.
 #
 # Results: $OUT/tune_<phase>.json (+ .log), $OUT/run_<leg>.json (+ .log, the server's
 # .server.log and /metrics after the run), $OUT/env.txt (the knobs, commit and host), and
@@ -68,6 +70,7 @@ ITL_SLO=${ITL_SLO:-0.15}                   # seconds
 SLO_ADMISSION=${SLO_ADMISSION:-queue}      # queue | reject
 ADAPTIVE_FLAGS=${ADAPTIVE_FLAGS:-}         # more `serve` flags for the adaptive leg
 LEGS=${LEGS:-"chat-best long-best adaptive"}
+ROUNDS=${ROUNDS:-1}                        # > 1: the legs in turn, that many times
 SEED=${SEED:-0}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-4096}
 GPORT=${GPORT:-50071}
@@ -87,7 +90,7 @@ COMMON=(--max-model-len "$MAX_MODEL_LEN")
 
 { for v in SMOKE DUR TUNE_DUR CHAT_DUR LONG_DUR CHAT_RATE LONG_RATE BURSTINESS CHAT_IN CHAT_OUT \
     LONG_IN LONG_OUT TTFT_SLO ITL_SLO SLO_ADMISSION ADAPTIVE_FLAGS GRID_TOKENS GRID_SEQS SEED \
-    LEGS; do echo "$v=${!v}"; done
+    LEGS ROUNDS; do echo "$v=${!v}"; done
   echo "commit=$(git rev-parse --short HEAD 2>/dev/null || echo '?')"
   grep -m1 "model name" /proc/cpuinfo || true; echo "cpus=$(nproc)"; } > "$OUT/env.txt"
 
@@ -120,45 +123,66 @@ for p in chat long; do
   echo "$p: best static setting ${!var}"
 done
 
-start_server() {  # $1 leg, rest: serve flags; sets PID
-  local leg=$1; shift
+start_server() {  # $1 file stem, rest: serve flags; sets PID
+  local stem=$1; shift
   $JAXSERVE serve --port "$GPORT" --http-port "$HPORT" "${COMMON[@]}" "$@" \
-    > "$OUT/run_$leg.server.log" 2>&1 &
+    > "$OUT/$stem.server.log" 2>&1 &
   PID=$!
   until curl -sf "http://127.0.0.1:$HPORT/health" > /dev/null; do
-    kill -0 $PID 2>/dev/null || { echo "$leg: server died; see $OUT/run_$leg.server.log"; exit 1; }
+    kill -0 $PID 2>/dev/null || { echo "$stem: server died; see $OUT/$stem.server.log"; exit 1; }
     sleep 1
   done
 }
 
-# (b) the two-phase workload against each server
-for leg in $LEGS; do
+# (b) the two-phase workload against each server; ROUNDS > 1 runs the legs in turn that many
+# times (run_<leg>_r<i>.json), so the table can give each leg's median and spread
+run_leg() {  # $1 leg, $2 file stem
+  local leg=$1 stem=$2 flags=()
   case $leg in
     chat-best|long-best)
       best=$CHAT_BEST; [ "$leg" = long-best ] && best=$LONG_BEST
       flags=(--max-num-batched-tokens "${best%/*}" --max-num-seqs "${best#*/}"
              --decode-token-budget none) ;;
     adaptive)
+      # shellcheck disable=SC2206  # ADAPTIVE_FLAGS is a list of words on purpose
+      flags=(--ttft-slo "$TTFT_SLO" --itl-slo "$ITL_SLO" --slo-admission "$SLO_ADMISSION"
+             $ADAPTIVE_FLAGS) ;;
+    default) ;;
+  esac
+  echo "[$(date +%T)] $stem: serve ${flags[*]} ..."
+  start_server "$stem" "${flags[@]}"
+  $JAXSERVE bench --target "grpc://127.0.0.1:$GPORT" --name "$leg" --workload-seed "$SEED" \
+    --phase "$(phase chat "$CHAT_DUR")" --phase "$(phase long "$LONG_DUR")" "${GOODPUT[@]}" \
+    --output-json "$OUT/$stem.json" > "$OUT/$stem.log" 2>&1 \
+    || { kill $PID; echo "$stem: bench failed; see $OUT/$stem.log"; exit 1; }
+  curl -sf "http://127.0.0.1:$HPORT/metrics" > "$OUT/$stem.metrics" || true
+  kill $PID; wait $PID 2>/dev/null || true
+  grep -B1 -A5 "^ *run " "$OUT/$stem.log" | grep -v "^\[" || true
+}
+
+legs=()
+for leg in $LEGS; do
+  case $leg in
+    chat-best|default) ;;
+    long-best)
+      if [ "$LONG_BEST" = "$CHAT_BEST" ] && [[ " $LEGS " == *" chat-best "* ]]; then
+        echo "long-best: the same setting as chat-best ($CHAT_BEST): not run twice"
+        continue
+      fi ;;
+    adaptive)
       if ! $JAXSERVE serve --help 2>/dev/null | grep -q -- "--ttft-slo"; then
         echo "adaptive: skipped: this jaxserve's serve has no --ttft-slo yet (the SLO policy" \
              "has not landed); rerun with LEGS=adaptive once it has"
         continue
-      fi
-      # shellcheck disable=SC2206  # ADAPTIVE_FLAGS is a list of words on purpose
-      flags=(--ttft-slo "$TTFT_SLO" --itl-slo "$ITL_SLO" --slo-admission "$SLO_ADMISSION"
-             $ADAPTIVE_FLAGS) ;;
-    default) flags=() ;;
+      fi ;;
     *) echo "LEGS: unknown leg '$leg' (chat-best, long-best, adaptive, default)"; exit 1 ;;
   esac
-  echo "[$(date +%T)] $leg: serve ${flags[*]} ..."
-  start_server "$leg" "${flags[@]}"
-  $JAXSERVE bench --target "grpc://127.0.0.1:$GPORT" --name "$leg" --workload-seed "$SEED" \
-    --phase "$(phase chat "$CHAT_DUR")" --phase "$(phase long "$LONG_DUR")" "${GOODPUT[@]}" \
-    --output-json "$OUT/run_$leg.json" > "$OUT/run_$leg.log" 2>&1 \
-    || { kill $PID; echo "$leg: bench failed; see $OUT/run_$leg.log"; exit 1; }
-  curl -sf "http://127.0.0.1:$HPORT/metrics" > "$OUT/run_$leg.metrics" || true
-  kill $PID; wait $PID 2>/dev/null || true
-  grep -B1 -A5 "^ *run " "$OUT/run_$leg.log" | grep -v "^\[" || true
+  legs+=("$leg")
+done
+for round in $(seq 1 "$ROUNDS"); do
+  for leg in "${legs[@]}"; do
+    if [ "$ROUNDS" = 1 ]; then run_leg "$leg" "run_$leg"; else run_leg "$leg" "run_${leg}_r$round"; fi
+  done
 done
 
 # (c) the table

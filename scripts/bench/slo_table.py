@@ -4,7 +4,8 @@ Reads DIR/run_<leg>.json (`jaxserve bench --phase ... --output-json` documents) 
 DIR/tune_<phase>.json (the tuner's verdicts) and prints markdown: the best static setting the
 tuner found per phase, then one row per leg with, per phase and for the whole run, goodput
 (req/s meeting every SLO, over the phase's window) with the share of sent requests that met
-them, and p99 TTFT / p99 ITL. Legs that did not run are left out. `--goodput KEY:MS ...`
+them, and p99 TTFT / p99 ITL; with several rounds (run_<leg>_r<i>.json), one row per round
+and each leg's median and range. Legs that did not run are left out. `--goodput KEY:MS ...`
 re-judges every saved run and tune under other targets (from the per-request samples the
 documents keep; no rerun).
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import statistics
 
 from jaxserve.cli.bench.report import Slo, parse_goodput, rejudge
 from jaxserve.cli.bench.tune import TuneSpec, repick
@@ -58,6 +60,31 @@ def tune_lines(root: pathlib.Path, slo: Slo) -> list[str]:
     return lines
 
 
+def _order(label: str) -> tuple:
+    leg, _, r = label.partition("_r")
+    return (LEG_ORDER.index(leg) if leg in LEG_ORDER else 99, leg, int(r or 0))
+
+
+def medians(docs: dict[str, dict], labels: list[str]) -> list[str]:
+    """Per leg over its rounds: median goodput per phase [min-max]."""
+    by_leg: dict[str, list[dict]] = {}
+    for name, doc in docs.items():
+        by_leg.setdefault(name.partition("_r")[0], []).append(doc)
+    if all(len(v) < 2 for v in by_leg.values()):
+        return []
+    head = ["server (rounds)"] + [f"{lb} goodput median [min-max]" for lb in labels]
+    lines = ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for leg in sorted(by_leg, key=_order):
+        cells = [f"{leg} ({len(by_leg[leg])})"]
+        for lb in labels:
+            v = sorted(p["summary"]["goodput"] or 0.0 for d in by_leg[leg]
+                       for p in d["points"] if p["label"] == lb)
+            cells.append("-" if not v else
+                         f"{statistics.median(v):.2f} [{v[0]:.2f}-{v[-1]:.2f}]")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def run_table(root: pathlib.Path, slo: Slo) -> list[str]:
     docs = {}
     for path in root.glob("run_*.json"):
@@ -66,10 +93,10 @@ def run_table(root: pathlib.Path, slo: Slo) -> list[str]:
             doc["goodput"] = slo.describe()
             doc["points"] = [dict(p, summary=rejudge(p["summary"], p["samples"]["requests"],
                                                      slo)) for p in doc["points"]]
-        docs[doc.get("name") or path.stem[4:]] = doc
+        docs[path.stem[4:]] = doc  # the leg, and _r<i> for a round
     if not docs:
         return [f"(no run_*.json in {root})"]
-    legs = sorted(docs, key=lambda n: (LEG_ORDER.index(n) if n in LEG_ORDER else 99, n))
+    legs = sorted(docs, key=_order)
     labels = [p["label"] for p in docs[legs[0]]["points"]]
     first = docs[legs[0]]
     lines = [f"workload: {first['workload']}; goodput targets (ms): {first.get('goodput')}",
@@ -82,6 +109,7 @@ def run_table(root: pathlib.Path, slo: Slo) -> list[str]:
         cells = [leg] + [_cell(pts[lb]) if lb in pts else "-" for lb in labels] + \
             [_lat(pts[lb]) if lb in pts else "-" for lb in labels if lb != "all"]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += medians(docs, labels)
     lines += ["", "goodput: requests/s meeting every target over the phase's window (all: the "
               "sum of windows); SLO met: share of the requests sent in that phase"]
     drains = {leg: docs[leg].get("drain_s") for leg in legs}
