@@ -249,8 +249,17 @@ class EngineConfig:
     # Speculative decoding (vLLM's --speculative-config; `spec_config.SpeculativeConfig`):
     # proposals verified in the ordinary step (docs/serving/speculative.md). None: off.
     speculative_config: SpeculativeConfig | None = None
+    # A request's token ids and logprobs bit-identical whatever else shares its steps, however
+    # its prompt is chunked, with or without prefix-cache hits, preemption or speculation
+    # (greedy and seeded; docs/batch-invariance.md): logprobs by a fixed summation order, and
+    # one fixed (tokens, seqs) shape for every step unless the step runs only row-invariant
+    # kernels (the CPU attention and C++ dense kernels); `serving/batch_invariant.py` applies
+    # it and refuses what cannot be invariant (the Pallas attention kernels, MoE models).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant={self.batch_invariant!r} must be true or false")
         spec = self.speculative_config
         if spec is not None:
             if not isinstance(spec, SpeculativeConfig):

@@ -91,6 +91,12 @@ _ENGINE_HELP = {
     "speculative_config": "speculative decoding (vLLM's flag): a JSON object such as "
                           "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5}'; methods "
                           "ngram, draft_model, eagle3 (docs/serving/speculative.md); default: off",
+    "batch_invariant": "a request's tokens and logprobs bit-identical whatever else is in its "
+                       "steps, however its prompt is chunked, with prefix-cache hits, "
+                       "preemption or speculation (greedy and seeded): invariant logprobs, "
+                       "and one fixed step shape unless the CPU attention and C++ dense "
+                       "kernels run the step (docs/batch-invariance.md); refuses the Pallas "
+                       "attention kernels and MoE models",
     "compilation_cache_dir": "JAX persistent compilation cache directory (default: "
                              "$JAXSERVE_COMPILATION_CACHE_DIR or ~/.cache/jaxserve/xla)",
 }
