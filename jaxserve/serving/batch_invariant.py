@@ -54,7 +54,11 @@ def check_model(config: EngineConfig, cfg: ModelConfig) -> None:
 
 
 def attention_impl(config: EngineConfig, picked: str) -> str:
-    """The attention implementation of the mode, given the one `select_impl` picked."""
+    """The attention implementation of the mode, given the one `select_impl` picked: the
+    reference as 'reference_invariant' (decodes in the prefill pass's tiles, so a token's
+    attention has one einsum shape however it is run), the CPU kernel as it is."""
+    if picked == "reference":
+        return "reference_invariant"
     if picked not in REFUSED_ATTENTION:
         return picked
     if config.attention_impl != "auto":
@@ -65,24 +69,12 @@ def attention_impl(config: EngineConfig, picked: str) -> str:
                          "'cpu' on a CPU host")
     log.info("batch_invariant: attention %s -> the jnp reference at one fixed step shape "
              "(the Pallas kernels are not checked batch invariant)", picked)
-    return "reference"
+    return "reference_invariant"
 
 
-def fixed_shapes(config: EngineConfig, attn_impl: str, params: ModelParams) -> bool:
+def fixed_shapes(attn_impl: str, params: ModelParams) -> bool:
     """Whether the mode must run every step at one shape: unless the attention and every
-    dense projection run the row-invariant CPU kernels (the params packed for them).
-
-    On that fixed-shape path a token's attention still depends on how it is run: the jnp
-    reference attends a one-token query (a decode) in a G-row tile and a prefill chunk's
-    tokens in taller tiles, another einsum shape. Speculation verifies proposals as such
-    chunks, so it is refused there (a ValueError naming speculative_config); a preempted
-    request's recompute is the one case left (docs/batch-invariance.md)."""
+    dense projection run the row-invariant CPU kernels (the params packed for them)."""
     packed = any(isinstance(leaf, PackedWeight) for leaf in jax.tree.leaves(
         params, is_leaf=lambda x: isinstance(x, PackedWeight)))
-    fixed = not (attn_impl in ROW_INVARIANT_ATTENTION and packed)
-    if fixed and config.speculative_config is not None:
-        raise ValueError(f"speculative_config with batch_invariant=True needs the CPU "
-                         f"attention and C++ dense kernels (here attention={attn_impl}, dense "
-                         f"{'C++' if packed else 'XLA'}): the reference attention verifies "
-                         "proposals in prefill tiles, which round otherwise than a decode")
-    return fixed
+    return not (attn_impl in ROW_INVARIANT_ATTENTION and packed)

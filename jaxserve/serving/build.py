@@ -300,7 +300,7 @@ def _make_runner(config: EngineConfig, placed: _Placed, free: int,
     plan = plan_engine(config, placed.run_cfg, kv_dtype.itemsize, free, kv_head_dim,
                        _KV_SCALE_BYTES if is_quantized_dtype(kv_dtype) else 0, d_cfg, d_head,
                        placed.device.platform, config.batch_invariant and
-                       batch_invariant.fixed_shapes(config, attn_impl, placed.params))
+                       batch_invariant.fixed_shapes(attn_impl, placed.params))
     devices = placed.mesh.devices.flat if placed.mesh is not None else [placed.device]
     log.info("KV cache: %d pages of %d tokens (%.1f MiB, %s), attention=%s, devices=%s",
              plan.scheduler.num_pages - 1, plan.scheduler.page_size,

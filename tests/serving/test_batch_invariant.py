@@ -8,7 +8,7 @@ engine whose step budget chunks every prompt at other boundaries than alone, who
 share a 24-token prefix (prefix-cache hits), and whose KV pages are too few for them all
 (preemption, then recompute); slow tier: with n-gram speculation (proposals verified as
 1 + k rows), and on the fixed-shape path the mode takes on accelerators (jnp reference
-attention and XLA's dot, one step shape) run on CPU, without preemption (its limit). Each run asserts that what it claims happened
+attention and XLA's dot, one step shape) run on CPU. Each run asserts that what it claims happened
 (chunks, hits, preemptions, drafts) did.
 
 Without the mode, on this CPU host the generated tokens and their logprobs already are
@@ -128,19 +128,30 @@ def test_ngram_speculation(alone: dict[int, Result]) -> None:
     _assert_same(alone, got)
 
 
-@slow(reason="two engines of another kernel path: ~20 s")
+@slow(reason="three engines of another kernel path: ~40 s")
 def test_fixed_shape_path() -> None:
     """The accelerators' path (no row-invariant kernels: jnp reference attention and XLA's
-    dot), run on CPU: the mode compiles one step shape, and the crowd (chunks, prefix hits)
-    matches alone. Not preemption: the recompute attends decoded tokens in prefill tiles
-    (the module docstring of serving/batch_invariant.py), so KV pages for all here."""
+    dot), run on CPU: the mode compiles one step shape and runs the reference as
+    'reference_invariant' (decodes in prefill tiles), and the crowd (chunks, prefix hits,
+    preemption) and n-gram speculation match alone."""
     eng = tiny_engine(tiny_model(), **(BASE | dict(
-        attention_impl="reference", dense_impl="xla", token_buckets=None,
-        kv_cache_memory=None)))
+        attention_impl="reference", dense_impl="xla", token_buckets=None)))
     try:
         assert eng.runner.shape.buckets == ((32, 4),)
+        assert eng.runner.attn_impl == "reference_invariant"
         got = _run(eng, list(range(N)), _prompts())
-        assert eng.stats().prefix_cache_hits > 0
+        stats = eng.stats()
+        assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0, stats
+    finally:
+        eng.close()
+    spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
+                                        "prompt_lookup_min": 1, "disable_by_batch_size": 5})
+    eng = tiny_engine(tiny_model(), **(BASE | dict(
+        attention_impl="reference", dense_impl="xla", token_buckets=None,
+        speculative_config=spec)))
+    try:
+        got_spec = _run(eng, list(range(N)), _prompts())
+        assert eng.stats().spec_num_drafts > 0
     finally:
         eng.close()
     # Another kernel path than the oracle's: its bits differ; alone on it is the oracle.
@@ -154,24 +165,29 @@ def test_fixed_shape_path() -> None:
     finally:
         eng.close()
     _assert_same(want, got)
+    _assert_same(want, got_spec)
 
 
 @slow(reason="one more engine (its sampler and prompt logprobs compiles); the default tier "
              "shows the prompt logprobs' difference at the function: tests/device/"
              "test_invariant_logprobs.py")
-def test_default_mode_tokens_invariant_on_cpu(alone: dict[int, Result]) -> None:
-    """Without the mode, the same crowd on the CPU kernels keeps the generated tokens and
-    their logprobs (the kernels are row invariant by default since issue #33): on this host
-    the mode changes the prompt logprobs' sum order (whose default order differs with the
+def test_default_mode_tokens_invariant_on_cpu() -> None:
+    """Without the mode, a crowd on the CPU kernels keeps the generated tokens and their
+    logprobs (the kernels are row invariant by default since issue #33): on this host the
+    mode changes the prompt logprobs' sum order (whose default order differs with the
     number of scored positions, shown in tests/device/test_invariant_logprobs.py) and what
-    it refuses or fixes on the other kernel paths."""
-    eng = tiny_engine(tiny_model(), **(BASE | dict(batch_invariant=False,
-                                                   enable_prefix_caching=False)))
+    it refuses or fixes on the other kernel paths. (Its logprobs' bits differ from the
+    mode's: another log_softmax.)"""
+    eng = tiny_engine(tiny_model(), **(BASE | dict(batch_invariant=False)))
     try:
-        got = _run(eng, list(range(N)), _prompts())
+        prompts = _prompts()
+        want: dict[int, Result] = {}
+        for i in range(N):
+            want |= _run(eng, [i], prompts)
+        got = _run(eng, list(range(N)), prompts)
     finally:
         eng.close()
-    assert all(got[i][:2] == alone[i][:2] for i in range(N))
+    assert all(got[i][:2] == want[i][:2] for i in range(N))
 
 
 @slow(reason="two more engines: the reference attention and XLA's dot at the default "
@@ -199,7 +215,8 @@ def test_refusals() -> None:
             batch_invariant.attention_impl(EngineConfig(attention_impl=impl,
                                                         batch_invariant=True), impl)
     auto = EngineConfig(batch_invariant=True)
-    assert batch_invariant.attention_impl(auto, "pallas_gpu") == "reference"
+    assert batch_invariant.attention_impl(auto, "pallas_gpu") == "reference_invariant"
+    assert batch_invariant.attention_impl(auto, "reference") == "reference_invariant"
     assert batch_invariant.attention_impl(auto, "cpu") == "cpu"
     moe = dataclasses.replace(tiny_model().config.uniform_spec(), moe=__import__(
         "jaxserve.models.config", fromlist=["MoESpec"]).MoESpec(4, 2, 16, True))
@@ -209,7 +226,4 @@ def test_refusals() -> None:
     with pytest.raises(ValueError, match="token_buckets"):
         tiny_engine(tiny_model(), warmup=False, **(BASE | dict(
             attention_impl="reference", dense_impl="xla")))
-    spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
-    with pytest.raises(ValueError, match="speculative_config"):
-        tiny_engine(tiny_model(), warmup=False, **(BASE | dict(
-            attention_impl="reference", token_buckets=None, speculative_config=spec)))
+
