@@ -252,8 +252,11 @@ def _dense_params(config: EngineConfig, params: ModelParams) -> ModelParams:
         if config.dense_impl == "cpu":
             log.warning("dense_impl=cpu: using XLA's dot instead, because %s", why)
         return pack_experts_where_possible(params, isa)
+    # Quantized weights with float activations: the decode path that is ~10% faster at one
+    # row but rounds otherwise than the many-row one, unless batch_invariant.
     return pack_params(params, isa=isa, int8_activations=config.int8_activations,
-                       int8_activation_group_size=config.int8_activation_group_size)
+                       int8_activation_group_size=config.int8_activation_group_size,
+                       fast_quant=not config.batch_invariant)
 
 
 def _kv_budget(placed: list[_Placed]) -> int:
