@@ -12,6 +12,8 @@ import os
 import pathlib
 from typing import TYPE_CHECKING, Mapping
 
+from jaxserve.slo_config import (SCHEDULING_POLICIES, SLO_ADMISSIONS,  # noqa: F401 (re-exported)
+                                 SloTargets)
 from jaxserve.spec_config import SpeculativeConfig  # noqa: F401  (re-exported: config layer)
 
 if TYPE_CHECKING:
@@ -117,6 +119,17 @@ class SchedulerConfig:
     # row; `engine.sizing` derives it): admission stops before a step's sequences plus its
     # proposals would pass it. None: max_num_seqs (one row per sequence).
     max_num_rows: int | None = None
+    # Latency targets (`slo_config.SloTargets`, seconds per priority level; None: none). With
+    # either set the step's token budget is chosen per step from a fitted step-time model
+    # (`engine/slo_policy.py`); without, the static budgets above are the policy.
+    ttft_slo: SloTargets | None = None
+    itl_slo: SloTargets | None = None
+    # "reject": a request whose TTFT target the predicted wait already misses is refused
+    # (`engine.errors.SloUnattainable`); "queue": it waits, and is counted.
+    slo_admission: str = "queue"
+    # "priority": (priority, arrival) order; "fcfs": arrival order (a request's priority must
+    # then be 0, vLLM's rule).
+    scheduling_policy: str = "priority"
 
     @property
     def kv_windows(self) -> tuple[int | None, ...]:
@@ -140,6 +153,16 @@ class SchedulerConfig:
             raise ValueError(f"decode_token_budget={d} must be in [max_num_seqs="
                              f"{self.max_num_seqs}, max_num_batched_tokens="
                              f"{self.max_num_batched_tokens}]")
+        check_slo_fields(self)
+
+    @property
+    def slo_enabled(self) -> bool:
+        return self.ttft_slo is not None or self.itl_slo is not None
+
+    def level(self, priority: int) -> int:
+        """The level a request of `priority` is ranked at: its priority, or 0 for every
+        request under fcfs (arrival order only; the policy may change on a running server)."""
+        return 0 if self.scheduling_policy == "fcfs" else priority
 
     def step_budget(self, established_decodes: bool) -> int:
         """Tokens of a step: the whole budget, unless it carries a decode of a stream past
@@ -153,6 +176,23 @@ class SchedulerConfig:
     @property
     def max_pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.page_size)
+
+
+def check_slo_fields(cfg: "SchedulerConfig | EngineConfig") -> None:
+    """The SLO and policy fields, as both configs hold them (one check, two owners)."""
+    for name in ("ttft_slo", "itl_slo"):
+        v = getattr(cfg, name)
+        if v is not None and not isinstance(v, SloTargets):
+            raise ValueError(f"{name} must be an SloTargets (SloTargets.parse), got "
+                             f"{type(v).__name__}")
+    if cfg.slo_admission not in SLO_ADMISSIONS:
+        raise ValueError(f"slo_admission={cfg.slo_admission!r} must be one of {SLO_ADMISSIONS}")
+    if cfg.slo_admission == "reject" and cfg.ttft_slo is None:
+        raise ValueError("slo_admission='reject' needs ttft_slo (requests are refused when "
+                         "their predicted time to first token passes it)")
+    if cfg.scheduling_policy not in SCHEDULING_POLICIES:
+        raise ValueError(f"scheduling_policy={cfg.scheduling_policy!r} must be one of "
+                         f"{SCHEDULING_POLICIES}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +289,15 @@ class EngineConfig:
     # Speculative decoding (vLLM's --speculative-config; `spec_config.SpeculativeConfig`):
     # proposals verified in the ordinary step (docs/serving/speculative.md). None: off.
     speculative_config: SpeculativeConfig | None = None
+    # Latency targets, seconds per priority level (`slo_config.SloTargets`: a number, or
+    # "0=0.5,1=2", or a mapping): with either, the scheduler chooses each step's token budget
+    # among the compiled buckets from a step-time model it fits online, so running streams
+    # meet ITL while waiting prompts are admitted as fast as that allows
+    # (docs/scheduling.md). None: the static budgets above.
+    ttft_slo: SloTargets | None = None
+    itl_slo: SloTargets | None = None
+    slo_admission: str = "queue"  # queue | reject (SchedulerConfig says what each does)
+    scheduling_policy: str = "priority"  # priority | fcfs (vLLM's --scheduling-policy)
     # A request's token ids and logprobs bit-identical whatever else shares its steps, however
     # its prompt is chunked, with or without prefix-cache hits, preemption or speculation
     # (greedy and seeded; docs/batch-invariance.md): logprobs by a fixed summation order, and
@@ -260,6 +309,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant={self.batch_invariant!r} must be true or false")
+        for name in ("ttft_slo", "itl_slo"):  # LLM(ttft_slo=0.5): accept what parse takes
+            object.__setattr__(self, name, SloTargets.parse(getattr(self, name), name))
+        check_slo_fields(self)
         spec = self.speculative_config
         if spec is not None:
             if not isinstance(spec, SpeculativeConfig):

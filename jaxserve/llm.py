@@ -49,6 +49,23 @@ class LLM:
         self.engine = build_offline_engine(self.config, loaded)
         self._ids = itertools.count()
 
+    def scheduler_settings(self) -> dict[str, Any]:
+        """The live scheduler settings (max_num_seqs, max_num_batched_tokens,
+        decode_token_budget, ttft_slo, itl_slo, slo_admission, scheduling_policy), named as
+        the flags, as the server's GET /admin/scheduler returns them."""
+        return self.engine.scheduler_settings()
+
+    def update_scheduler(self, **changes: Any) -> dict[str, Any]:
+        """Change scheduler settings for the following `generate` calls, within what was
+        compiled and allocated (ValueError naming the field and the limit otherwise; all or
+        nothing), as the server's POST /admin/scheduler does; returns the new settings.
+        slo_admission='reject' is refused, as at construction (`build_offline_engine`)."""
+        if changes.get("slo_admission") == "reject":
+            raise ValueError("slo_admission='reject' refuses requests as they arrive at a "
+                             "server; the offline API queues every prompt at once: use "
+                             "'queue'")
+        return self.engine.update_scheduler(changes)
+
     def close(self) -> None:
         """Release the engine (several hosts: the other processes stop following)."""
         self.engine.close()

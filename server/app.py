@@ -3,7 +3,8 @@ stop.
 
 Data flow:
   `start()`   with `port` set (not None): a grpc.aio server with the Generation servicer, the
-              standard health service (NOT_SERVING for now), reflection, the API-key
+              Admin servicer (live scheduler settings, `admin.py`), the standard health
+              service (NOT_SERVING for now), reflection, the API-key
               interceptor when keys are set, then `grpc_wire.WireGuardInterceptor`
               (undecodable bytes -> INVALID_ARGUMENT), bounded message sizes, idle-connection
               and keepalive limits; binds host:port (TLS when configured) and starts;
@@ -47,6 +48,7 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxserve.engine.errors import EngineDead
 from jaxserve.server import stubs
+from jaxserve.server import admin
 from jaxserve.server.auth import ApiKeyInterceptor, ApiKeys
 from jaxserve.server.config import GRPC_KEEPALIVE_TIMEOUT_S, ServerConfig
 from jaxserve.server.grpc_wire import WireGuardInterceptor
@@ -55,6 +57,7 @@ from jaxserve.server.openai_http import OpenAIHttpFront
 from jaxserve.server.servicer import SERVICE_NAME, GenerationServicer
 from jaxserve.serving.admission import Admission
 from jaxserve.serving.async_replica_pool import AsyncServing
+from jaxserve.serving.scheduler_admin import SchedulerAdmin
 from jaxserve.serving.served import ServedModel, start_serving
 from jaxserve.serving.metrics import EngineMetrics, MetricsHttpServer
 
@@ -105,6 +108,7 @@ class GrpcServer:
         self._factory = factory
         self.servicer = GenerationServicer(cfg.tokenizer_threads, cfg.stream_interval)
         self.health = health.aio.HealthServicer()
+        self.admin = admin.AdminServicer(bool(cfg.api_keys), cfg.enable_admin)
         self.engine: AsyncServing | None = None
         self.metrics: EngineMetrics | None = None
         self._metrics_http: MetricsHttpServer | None = None
@@ -115,7 +119,7 @@ class GrpcServer:
             cfg.api_keys, cfg.tokenizer_threads, cfg.max_message_bytes,
             cfg.http_keepalive_timeout, cfg.http_body_timeout,
             stream_interval=cfg.stream_interval, served_model_names=cfg.served_model_names,
-            open_metrics=cfg.metrics_no_auth)
+            open_metrics=cfg.metrics_no_auth, enable_admin=cfg.enable_admin)
         self.http_port: int | None = None
         self.failed = asyncio.Event()  # set on the loop when the engine fails for good
         self._started = False
@@ -148,8 +152,10 @@ class GrpcServer:
             await self.health.set(name, _NOT_SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         stubs.load().grpc.add_GenerationServicer_to_server(self.servicer, server)
+        stubs.load().grpc.add_AdminServicer_to_server(self.admin, server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            (SERVICE_NAME, admin.SERVICE_NAME,
+             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), server)
         bind = cfg.address
         try:
@@ -196,9 +202,11 @@ class GrpcServer:
                           cfg.tool_call_parser, cfg.max_tool_calls)
         log.debug("tool calls read as %s (--tool-call-parser %s)", admit.tool_format,
                   cfg.tool_call_parser)
+        scheduler = SchedulerAdmin(self.engine)  # the admin endpoint's, both fronts
         self.servicer.attach(self.engine, served, admit)
+        self.admin.attach(scheduler)
         if self.http is not None:
-            self.http.attach(self.engine, served, admit, self.metrics.registry)
+            self.http.attach(self.engine, served, admit, self.metrics.registry, scheduler)
         if cfg.metrics_port is not None:
             authorize = None if cfg.metrics_no_auth or not cfg.api_keys else \
                 ApiKeys(cfg.api_keys).allows

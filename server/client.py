@@ -27,6 +27,7 @@ from jaxserve.engine.sampling_params import FIELDS as SAMPLING_FIELDS
 from jaxserve.engine.sampling_params import SPECS as SAMPLING_SPECS
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.server import stubs
+from jaxserve.server.admin_wire import changes_from_proto, settings_to_proto
 
 _stubs = stubs.load()
 pb2 = _stubs.pb2
@@ -221,6 +222,7 @@ class Client(_Base):
         self.channel = grpc.secure_channel(target, creds, options) if creds else \
             grpc.insecure_channel(target, options)
         self.stub = _stubs.grpc.GenerationStub(self.channel)
+        self.admin = _stubs.grpc.AdminStub(self.channel)
 
     def generate(self, prompt: str | Sequence[int] | None = None,
                  params: SamplingParams | Mapping[str, Any] | None = None,
@@ -235,6 +237,19 @@ class Client(_Base):
 
     def model_info(self) -> Any:
         return self.stub.GetModelInfo(pb2.ModelInfoRequest(), **self._kw(None))
+
+    def scheduler_settings(self) -> dict[str, Any]:
+        """The server's live scheduler settings (the Admin service; needs the API key, or a
+        server run with --enable-admin), with None where the proto says none."""
+        return changes_from_proto(self.admin.GetSchedulerConfig(
+            pb2.GetSchedulerConfigRequest(), **self._kw(None)))
+
+    def update_scheduler(self, **changes: Any) -> dict[str, Any]:
+        """Change live scheduler settings (`max_num_seqs=16, ttft_slo=0.5, ...`; None: unset
+        a budget / SLO), all or none; the settings the server now runs with. A refusal is a
+        grpc.RpcError (INVALID_ARGUMENT naming the field and the limit)."""
+        return changes_from_proto(self.admin.UpdateSchedulerConfig(
+            settings_to_proto(changes), **self._kw(None)))
 
     def close(self) -> None:
         self.channel.close()

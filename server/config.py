@@ -61,6 +61,10 @@ class ServerConfig:
     grpc_keepalive_time: float = 60.0
     # /metrics asks for the API key when api_keys are set, unless this says otherwise.
     metrics_no_auth: bool = False
+    # The admin endpoint (live scheduler settings: HTTP /admin/scheduler, gRPC Admin) asks
+    # for the API key; with no api_keys it is refused (403 / PERMISSION_DENIED) unless this
+    # opens it to every caller (a trusted network only).
+    enable_admin: bool = False
     # The priorities callers of the fronts may set (lower runs first; the proto field is
     # int32). The default lets a client only lower its own; the offline API is not limited.
     client_priority_range: tuple[int, int] = DEFAULT_CLIENT_PRIORITY_RANGE

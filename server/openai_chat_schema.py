@@ -93,9 +93,10 @@ def parse_chat(body: object, max_tool_calls: int | None = None) -> ChatRequest:
     # chat's names of registry fields
     names = {**rename, **spec_names, "logprobs": "top_logprobs"}
     params = schema.sampling_params(body, budget, names, logprobs=wanted, **spec)
+    priority = schema.priority_of(body)  # (read before the refusal of unread fields)
     schema.refuse_unread(body)
     return ChatRequest(prompt, params, bool(body.get("stream")), include_usage, continuous,
-                       schema.priority_of(body), names, bool(body.get("echo")), request)
+                       priority, names, bool(body.get("echo")), request)
 
 
 def chat_input(body: dict[str, Any], max_tool_calls: int | None = None

@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP front (aiohttp.web): /v1/completions, /v1/chat/completions
-(`openai_chat`), /v1/models, /health, /metrics (Prometheus text), and vLLM's /version,
-/tokenize, /detokenize (`openai_extras`); the generation plumbing both completions endpoints
-share is `openai_stream`.
+(`openai_chat`), /v1/models, /health, /metrics (Prometheus text), vLLM's /version,
+/tokenize, /detokenize (`openai_extras`), and the live scheduler settings at /admin/scheduler
+(`admin`); the generation plumbing both completions endpoints share is `openai_stream`.
 
 It shares the gRPC server's asyncio loop, AsyncEngine and `Admission` (`jaxserve serve`
 listens on :8000 by default, `--http-port PORT` / `--no-http`; `app.GrpcServer` starts,
@@ -73,7 +73,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from jaxserve.server import openai_chat, openai_extras, openai_stream
+from jaxserve.server import admin, openai_chat, openai_extras, openai_stream
 from jaxserve.server import openai_choices as choices
 from jaxserve.server import openai_schema as schema
 from jaxserve.server.auth import ApiKeys
@@ -82,6 +82,7 @@ from jaxserve.server.inflight import InFlight
 from jaxserve.serving import admission
 from jaxserve.serving.async_engine import RequestStream
 from jaxserve.serving.async_replica_pool import AsyncServing
+from jaxserve.serving.scheduler_admin import SchedulerAdmin
 from jaxserve.serving.served import ServedModel
 
 log = logging.getLogger(__name__)
@@ -99,8 +100,12 @@ class OpenAIHttpFront:
     def __init__(self, api_keys: tuple[str, ...] = (), tokenizer_threads: int = 2,
                  max_body_bytes: int = 4 << 20, keepalive_timeout: float = 20.0,
                  body_timeout: float = 60.0, *, stream_interval: int = 1,
-                 served_model_names: tuple[str, ...] = (), open_metrics: bool = False):
+                 served_model_names: tuple[str, ...] = (), open_metrics: bool = False,
+                 enable_admin: bool = False):
         self._auth = ApiKeys(api_keys) if api_keys else None
+        # /admin/scheduler (`admin.py`): behind the key, or with none only when enabled.
+        self.requires_key, self.enable_admin = self._auth is not None, enable_admin
+        self.admin: SchedulerAdmin | None = None
         self._open_paths = OPEN_PATHS + ((METRICS_PATH,) if open_metrics else ())
         self.stream_interval = stream_interval  # tokens per SSE chunk after the first
         self._model_names = served_model_names
@@ -125,7 +130,8 @@ class OpenAIHttpFront:
             ("POST", "/v1/chat/completions", openai_chat.chat_completions),
             ("GET", "/version", openai_extras.version),
             ("POST", "/tokenize", openai_extras.tokenize),
-            ("POST", "/detokenize", openai_extras.detokenize)]
+            ("POST", "/detokenize", openai_extras.detokenize),
+            ("GET", admin.PATH, admin.get_scheduler), ("POST", admin.PATH, admin.post_scheduler)]
         self.app.router.add_post("/v1/completions", self.completions)
         for method, path, handler in routes:  # the endpoints in other modules
             self.app.router.add_route(method, path, functools.partial(handler, self))
@@ -161,11 +167,14 @@ class OpenAIHttpFront:
 
     def attach(self, engine: AsyncServing, served: ServedModel,
                admit: admission.Admission | None = None,
-               registry: CollectorRegistry | None = None) -> None:
+               registry: CollectorRegistry | None = None,
+               scheduler: SchedulerAdmin | None = None) -> None:
         """Serve `engine`; `admit`: the served model's admission, shared with the gRPC front
-        (None: one of its own). `stop` closes it. `registry`: its metrics, for /metrics."""
+        (None: one of its own). `stop` closes it. `registry`: its metrics, for /metrics.
+        `scheduler`: its live settings, for /admin/scheduler (None: one of its own)."""
         self._admission = admit or admission.Admission(
             served.engine.limits, served.engine.tokenizer, self._tokenizer_threads)
+        self.admin = scheduler or SchedulerAdmin(engine)
         self._engine, self._served, self._registry = engine, served, registry
 
     async def stop(self) -> None:

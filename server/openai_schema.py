@@ -44,13 +44,15 @@ class ApiError(Exception):
     """An error answered with OpenAI's error JSON and an HTTP status."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | int | None = None):
+                 type_: str = "invalid_request_error", code: str | int | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message = status, message
         self.body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+        self.headers = headers  # e.g. Retry-After on a 429
 
     def response(self) -> web.Response:
-        return web.json_response(self.body, status=self.status)
+        return web.json_response(self.body, status=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
@@ -228,9 +230,10 @@ def parse_completion(body: object) -> CompletionRequest:
     spec, names = structured(body)
     params = sampling_params(body, body.get("max_tokens", DEFAULT_MAX_TOKENS), names,
                              prompt_logprobs=_echo_prompt_logprobs(body), **spec)
+    priority = priority_of(body)  # (read before the refusal of unread fields)
     refuse_unread(body)
     return CompletionRequest(prompt, params, stream, include_usage, continuous,
-                             priority_of(body), bool(body.get("echo")),
+                             priority, bool(body.get("echo")),
                              body.get("prompt_logprobs"), names)
 
 

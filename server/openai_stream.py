@@ -1,8 +1,9 @@
 """The generation plumbing both OpenAI endpoints share (completions, chat completions).
 
 `start`: an admitted request -> the engine -> its stream and first RequestOutput, with the
-engine's refusals as OpenAI errors (QueueFull / StreamBufferFull -> 429, EngineStopped ->
-503, a ValueError -> 400 whose `param` is in the endpoint's names: `rename`). Then either
+engine's refusals as OpenAI errors (QueueFull / SloUnattainable / StreamBufferFull -> 429,
+the TTFT forecast's with Retry-After; EngineStopped -> 503, a ValueError -> 400 whose `param`
+is in the endpoint's names: `rename`). Then either
   `stream_sse`: DELTA outputs -> `coalesce` (with `--stream-interval` k > 1 a sample's
   tokens are held until k are pending; its first token and its end go at once, as on gRPC)
   -> server-sent events: the endpoint's `chunks(out)` maps each
@@ -20,16 +21,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
+from jaxserve.engine.errors import SloUnattainable
 from jaxserve.engine.outputs import (CompletionOutput, RequestOutput, RequestOutputKind,
                                      TokenLogprobs, merge_unread)
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.server import openai_schema as schema
 from jaxserve.serving import admission
-from jaxserve.serving.async_engine import (EngineStopped, QueueFull, RequestStream,
+from jaxserve.serving.async_engine import (EngineStopped, Overloaded, RequestStream,
                                            StreamBufferFull)
 from jaxserve.serving.async_replica_pool import AsyncServing
 
@@ -80,7 +83,12 @@ async def start(engine: AsyncServing, admit: admission.Admission, rid: str,
         stream = engine.submit(rid, admitted, params, priority, arrival, kind)
         on_stream(stream)
         first = await stream.__anext__()  # the engine's own refusal comes here
-    except QueueFull as e:
+    except SloUnattainable as e:  # the TTFT forecast (slo_admission reject): retry later
+        retry = None if math.isinf(e.predicted_s) else {"Retry-After": str(max(1, math.ceil(
+            e.predicted_s - e.target_s)))}
+        raise schema.ApiError(429, str(e), None, "rate_limit_error", "slo_unattainable",
+                              retry) from None
+    except Overloaded as e:  # QueueFull
         raise schema.ApiError(429, str(e), None, "rate_limit_error") from None
     except StreamBufferFull as e:  # a non-streaming request's first output cannot be
         raise schema.ApiError(  # unread for long; a stream's can, before this runs

@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import grpc
 
@@ -34,7 +34,7 @@ from jaxserve.engine.outputs import RequestOutputKind
 from jaxserve.server import proto_map, stubs
 from jaxserve.server.inflight import InFlight
 from jaxserve.serving import admission
-from jaxserve.serving.async_engine import EngineStopped, QueueFull, StreamBufferFull
+from jaxserve.serving.async_engine import EngineStopped, Overloaded, StreamBufferFull
 from jaxserve.serving.async_replica_pool import AsyncServing
 from jaxserve.serving.served import ServedModel
 
@@ -65,6 +65,7 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
         self._engine: AsyncServing | None = None
         self._admission: admission.Admission | None = None
         self._info: Any = None
+        self._live: Callable[[], dict[str, Any]] = dict
         self.calls = InFlight()  # in flight / draining: read by the server's drain
 
     # ----------------------------------------------------------------------- lifecycle
@@ -73,6 +74,7 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
         """Start serving calls on `engine` (after warmup); `admit`: the served model's
         admission shared with the other front (None: one of its own); `close` closes it."""
         self._info = model_info(served)
+        self._live = served.engine.scheduler_settings  # every replica holds the same
         self._admission = admit or admission.Admission(
             served.engine.limits, served.engine.tokenizer, self._tokenizer_threads)
         self._engine = engine
@@ -113,7 +115,7 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
                 admitted = await admit.admit(rid, parsed.prompt, params, request.priority)
                 stream = engine.submit(rid, admitted, params, request.priority, arrival,
                                        RequestOutputKind.DELTA)
-            except QueueFull as e:
+            except Overloaded as e:  # QueueFull
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except EngineStopped as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
@@ -131,7 +133,7 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
                                             f"request {rid!r} failed: {out.error}")
                     for response in builder.responses(out):
                         yield response
-            except StreamBufferFull as e:
+            except (StreamBufferFull, Overloaded) as e:  # Overloaded: SloUnattainable
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except EngineStopped as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
@@ -161,4 +163,10 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
 
     async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await self._admit(context)
-        return self._info
+        info = pb2.ModelInfo()
+        info.CopyFrom(self._info)
+        # The scheduler limits as they are now (the admin endpoint may have changed them).
+        live = self._live()
+        info.max_num_seqs = live["max_num_seqs"]
+        info.max_num_batched_tokens = live["max_num_batched_tokens"]
+        return info

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import re
 from typing import Any, Callable, Mapping, Sequence
 
 from jaxserve.config import (DENSE_IMPLS, DENSE_ISAS, DTYPES, FP8_ACTIVATIONS,
-                             IDLE_WINDOW_POLICIES, INT8_ACTIVATION_GROUP_SIZES, INT8_ACTIVATIONS, KV_CACHE_DTYPES, QUANTIZATIONS, DistributedConfig, EngineConfig)
+                             IDLE_WINDOW_POLICIES, INT8_ACTIVATION_GROUP_SIZES, INT8_ACTIVATIONS, KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, SLO_ADMISSIONS, DistributedConfig, EngineConfig, SloTargets)
 from jaxserve.engine import sampling_params
 from jaxserve.spec_config import SpeculativeConfig
 
@@ -91,6 +92,16 @@ _ENGINE_HELP = {
     "speculative_config": "speculative decoding (vLLM's flag): a JSON object such as "
                           "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5}'; methods "
                           "ngram, draft_model, eagle3 (docs/serving/speculative.md); default: off",
+    "ttft_slo": "time-to-first-token target in seconds: one for every priority level (2), "
+                "per level (0=0.5,1=2) or both (2,0=0.5); with it or --itl-slo the scheduler "
+                "picks each step's token budget from a step-time model it fits as it serves",
+    "itl_slo": "inter-token latency target in seconds (same forms as --ttft-slo): steps that "
+               "carry decodes are kept within it, prefill gets what is left",
+    "slo_admission": "queue: a request whose predicted TTFT misses --ttft-slo waits (and is "
+                     "counted); reject: it is refused (HTTP 429 / RESOURCE_EXHAUSTED with the "
+                     "predicted wait)",
+    "scheduling_policy": "priority: (priority, arrival) order; fcfs: arrival order (requests "
+                         "must then have priority 0)",
     "batch_invariant": "a request's tokens and logprobs bit-identical whatever else is in its "
                        "steps, however its prompt is chunked, with prefix-cache hits, "
                        "preemption or speculation (greedy and seeded): invariant logprobs, "
@@ -104,8 +115,9 @@ _CHOICES = {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "dense_impl": DE
             "dense_isa": DENSE_ISAS, "idle_batch_window_policy": IDLE_WINDOW_POLICIES,
             "quantization": QUANTIZATIONS, "fp8_activations": FP8_ACTIVATIONS,
             "int8_activations": INT8_ACTIVATIONS,
-            "int8_activation_group_size": INT8_ACTIVATION_GROUP_SIZES}
-_METAVARS = {"speculative_config": "JSON"}
+            "int8_activation_group_size": INT8_ACTIVATION_GROUP_SIZES,
+            "slo_admission": SLO_ADMISSIONS, "scheduling_policy": SCHEDULING_POLICIES}
+_METAVARS = {"speculative_config": "JSON", "ttft_slo": "SECONDS", "itl_slo": "SECONDS"}
 _UNITS = {"": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 
@@ -142,12 +154,21 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def parse_slo(text: str, name: str) -> SloTargets:
+    try:
+        return SloTargets.parse(text, name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _engine_flag_type(field: dataclasses.Field) -> Any:
     kind = str(field.type)
     if field.name == "kv_cache_memory":
         return parse_bytes
     if field.name == "speculative_config":
         return parse_speculative_config
+    if field.name in ("ttft_slo", "itl_slo"):
+        return functools.partial(parse_slo, name=field.name)
     if kind == "int | None":
         return parse_optional_int
     if kind.startswith("tuple"):

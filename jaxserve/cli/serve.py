@@ -111,6 +111,10 @@ def _add_connection_flags(n: Any) -> None:
     n.add_argument("--grpc-keepalive-time", type=float, default=d.grpc_keepalive_time,
                    help="gRPC: ping connections with calls this often (seconds) and drop "
                         f"those that do not answer (default {d.grpc_keepalive_time:g})")
+    n.add_argument("--enable-admin", action="store_true",
+                   help="serve the admin endpoint (live scheduler settings: HTTP "
+                        "/admin/scheduler, gRPC Admin) without an API key; with --api-key it "
+                        "is on anyway, behind the key (default: refused when there is no key)")
     n.add_argument("--metrics-no-auth", action="store_true",
                    help="serve /metrics to anyone even when API keys are set (default: "
                         "/metrics asks for the key like the API)")
@@ -168,6 +172,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         http_keepalive_timeout=args.http_keepalive_timeout,
         http_body_timeout=args.http_body_timeout, grpc_idle_timeout=args.grpc_idle_timeout,
         grpc_keepalive_time=args.grpc_keepalive_time, metrics_no_auth=args.metrics_no_auth,
+        enable_admin=args.enable_admin,
         client_priority_range=(args.client_priority_min, args.client_priority_max),
         trust_request_chat_template=args.trust_request_chat_template,
         tool_call_parser=args.tool_call_parser, max_tool_calls=args.max_tool_calls,
@@ -180,6 +185,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_cfg = engine_config_from_args(args)
     # The lifecycle lines (listening, ready, draining, stopped) show even when quiet.
     log.setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    if args.verbose:  # the SLO policy's line a second (its decision, prediction, fit)
+        logging.getLogger("jaxserve.slo").setLevel(logging.DEBUG)
     rc = join_or_follow(args, engine_cfg)
     if rc is not None:
         return rc

@@ -35,7 +35,7 @@ from jaxserve.engine.batch_parts import (BIAS_PAD_ID, ForwardInputs, LogitBiasRo
                                          pack_logit_bias, pack_penalties, pack_sampling,
                                          pad_bias, pad_rows, rng_key_data)
 from jaxserve.engine.prompt_logprobs import PromptLogprobRows, pack_prompt_logprobs
-from jaxserve.engine.scheduler import SchedulerOutput
+from jaxserve.engine.scheduled import SchedulerOutput
 from jaxserve.engine.token_filter import bitmask_words
 
 # Re-exported: where the rest of the engine and the tests have always found them.

@@ -24,7 +24,7 @@ from typing import ClassVar, Sequence as GenericSequence
 import numpy as np
 
 from jaxserve.engine.sequence import Sequence
-from jaxserve.engine.scheduler import SchedulerOutput
+from jaxserve.engine.scheduled import SchedulerOutput
 from jaxserve.engine.token_filter import bitmask_words
 
 

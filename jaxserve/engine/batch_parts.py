@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, ClassVar, Mapping
 import numpy as np
 
 from jaxserve.engine.sampling_params import MAX_LOGIT_BIAS, PAD_ROW
-from jaxserve.engine.scheduler import SchedulerOutput
+from jaxserve.engine.scheduled import SchedulerOutput
 
 if TYPE_CHECKING:
     from jaxserve.engine.batch import BatchShape

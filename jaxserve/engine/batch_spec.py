@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxserve.engine.batch_parts import rng_key_data
-from jaxserve.engine.scheduler import SchedulerOutput
+from jaxserve.engine.scheduled import SchedulerOutput
 
 if TYPE_CHECKING:
     from jaxserve.engine.batch import StepBatch

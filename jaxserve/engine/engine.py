@@ -30,14 +30,16 @@ from __future__ import annotations
 import functools
 import random
 import time
-from typing import Callable, Sequence as GenericSequence
+from typing import Any, Callable, Mapping, Sequence as GenericSequence
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.errors import EngineDead
+from jaxserve.engine.errors import EngineDead, InvalidRequest, SloUnattainable
+from jaxserve.engine.batch import empty_batch
 from jaxserve.engine.grammar import grammar_compiler
 from jaxserve.engine.group import Group
 from jaxserve.engine.limits import (Admitted, EngineLimits, EngineStats, check_not_in_flight,
                                     check_priority, check_request_id)
+from jaxserve.engine.live_settings import LiveBounds, check_changes, settings_of
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.pipeline import Pipeline
 from jaxserve.engine.recovery import Recovery
@@ -49,6 +51,7 @@ from jaxserve.engine.sizing import EnginePlan
 from jaxserve.engine.spec_ngram import NgramProposer
 from jaxserve.engine.speculation import OnTokens, Proposer, Speculator
 from jaxserve.engine.step_core import InFlight, StepCore
+from jaxserve.engine.step_time_model import StepFeatures
 from jaxserve.models.tokenizer import Tokenizer
 
 
@@ -65,14 +68,16 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.clock = clock
-        self.scheduler = Scheduler(plan.scheduler, clock)
+        self.scheduler = Scheduler(plan.scheduler, clock, plan.batch_shape.buckets)
         self._groups: dict[str, Group] = {}
         self._seed_rng = random.Random(config.seed)
         sc = plan.scheduler
+        self._live_bounds = LiveBounds.of(plan)
         self._limits = EngineLimits(
             max_model_len=sc.max_model_len, vocab_size=plan.batch_shape.vocab_size,
             page_size=sc.page_size, num_kv_pages=sc.num_pages - 1,
             max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
+            max_step_tokens=self._live_bounds.max_step_tokens,
             kv_windows=sc.kv_windows, eos_token_ids=self.eos_token_ids,
             max_token_bytes=tokenizer.max_token_bytes,
             grammars=grammar_compiler(tokenizer, plan.batch_shape.vocab_size),
@@ -126,7 +131,7 @@ class Engine:
             num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
             last_step_tokens=self.last_step_tokens,
             compiles_after_warmup=self.runner.compiles_after_warmup,
-            **self._spec_stats())
+            slo=sched.budget.stats(), **self._spec_stats())
 
     def _spec_stats(self) -> dict:
         spec = self._core.speculator
@@ -158,8 +163,13 @@ class Engine:
         check_request_id(request_id)
         check_not_in_flight(request_id, self._groups)
         check_priority(priority)
+        if priority != 0 and self.scheduler.cfg.scheduling_policy == "fcfs":
+            raise InvalidRequest(f"priority={priority} must be 0: the scheduling policy is "
+                                 "fcfs (arrival order; --scheduling-policy priority, or the "
+                                 "admin endpoint, allows priorities)", "priority")
         req = prompt if isinstance(prompt, Admitted) else self.admit(prompt, params)
         params, ids = req.params, list(req.token_ids)
+        self._check_ttft(len(ids), priority)
         now = self.clock() if arrival_time is None else arrival_time
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         grammars = self._limits.grammars  # one matcher per sample, of the admitted grammar
@@ -175,6 +185,22 @@ class Engine:
             self.scheduler.add_request(seq, fork_of=seqs[0] if i else None, checked=True)
         self._groups[request_id] = group
 
+    def _check_ttft(self, num_prompt_tokens: int, priority: int) -> None:
+        """Count (and with slo_admission="reject", refuse) a request whose predicted time to
+        first token already passes its level's TTFT target."""
+        sched = self.scheduler
+        cfg = sched.cfg
+        target = cfg.ttft_slo.for_priority(priority) if cfg.ttft_slo is not None else None
+        if target is None:
+            return
+        predicted = sched.budget.predict_ttft(num_prompt_tokens, priority, sched.running,
+                                              sched.waiting_heap)
+        if predicted <= target:
+            return
+        sched.budget.count_unattainable(priority)
+        if cfg.slo_admission == "reject":
+            raise SloUnattainable(predicted, target, priority)
+
     def abort(self, request_id: str) -> bool:
         """Abort a request at any moment; its final output (ABORT) comes from the next step."""
         group = self._groups.get(request_id)
@@ -184,6 +210,25 @@ class Engine:
         self._core.touch([group])  # its final ABORT output comes from the next step
         return True
 
+    # ----------------------------------------------------------------------- live settings
+    def scheduler_settings(self) -> dict[str, Any]:
+        """The live scheduler settings (`live_settings.settings_of`: JSON values named as
+        the flags). Safe from any thread: one read of the frozen config the scheduler holds."""
+        return settings_of(self.scheduler.cfg)
+
+    def check_scheduler_update(self, changes: Mapping[str, Any]) -> None:
+        """Raise InvalidRequest (naming the field and the limit) if `changes` cannot apply
+        now; changes nothing (any thread: it reads the frozen config once)."""
+        check_changes(self.scheduler.cfg, changes, self._live_bounds)
+
+    def update_scheduler(self, changes: Mapping[str, Any]) -> dict[str, Any]:
+        """Apply `changes` ({field: value} of `LIVE_SCHEDULER_FIELDS`) from the next step
+        on, all or none (every value is checked first: InvalidRequest naming the field and
+        the limit); returns the new settings. Call it between steps, from the thread that
+        drives the engine. Requests in flight keep running (`live_settings.py`)."""
+        self.scheduler.cfg = check_changes(self.scheduler.cfg, changes, self._live_bounds)
+        return settings_of(self.scheduler.cfg)
+
     def warmup_proposer(self) -> None:
         """Compile a device proposer's rounds (a draft model's), if it has any to compile;
         `serving.build.warm_up` calls it before arming the compile guard."""
@@ -191,6 +236,31 @@ class Engine:
         warmup = getattr(spec.proposer, "warmup", None) if spec is not None else None
         if warmup is not None:
             warmup()
+
+    def calibrate_step_time(self, force: bool = False) -> None:
+        """Seed the step-time model (`step_time_model.py`) with timed all-padding steps of a
+        few compiled buckets (the smallest, the largest and two between; each run twice, the
+        faster kept: the first run of an executable may pay for loading it), so the SLO
+        policy's first decisions rest on this machine's speed. Only with SLO targets set
+        (unless `force`): it costs the largest bucket's step twice at start-up; without
+        targets the model learns from the served steps alone. Call it after warmup, before
+        serving (`serving.build.warm_up` does)."""
+        if not (force or self.scheduler.cfg.slo_enabled):
+            return
+        shape = self.plan.batch_shape
+        buckets = shape.buckets
+        picks = sorted({buckets[i] for i in (0, len(buckets) // 3, 2 * len(buckets) // 3,
+                                             len(buckets) - 1)})
+        samples = []
+        for tokens, seqs in picks:
+            batch = empty_batch(shape, tokens, seqs, penalties=False)
+            times = []
+            for _ in range(2):
+                start = self.clock()
+                self.runner.execute(batch)
+                times.append(self.clock() - start)
+            samples.append((StepFeatures(tokens, seqs, 0), min(times)))
+        self.scheduler.budget.model.seed(samples)
 
     def has_unfinished(self) -> bool:
         return bool(self._groups) or self._in_flight is not None
@@ -228,6 +298,8 @@ class Engine:
                 outputs.append(output)
             if g.done_reported:
                 del self._groups[g.request_id]
+                for seq in g.seqs:  # SLO attainment, per priority level
+                    self.scheduler.budget.record_finished(self.scheduler.cfg, seq)
         return outputs
 
     def _output(self, g: Group) -> RequestOutput | None:
@@ -262,6 +334,7 @@ def speculator(config: EngineConfig, plan: EnginePlan, proposer: Proposer | None
                              "(built with the runner by jaxserve.serving.build)")
         proposer = OnTokens(NgramProposer.from_config(spec, plan.scheduler.max_model_len))
     max_len = plan.scheduler.max_model_len
+    scheduler.budget.expect_proposals(spec.num_speculative_tokens)
 
     def reserve(seq: Sequence, num_tokens: int) -> bool:
         return scheduler.kv.reserve(seq, min(num_tokens, max_len))

@@ -48,3 +48,24 @@ class EngineDead(RuntimeError):
     """The engine cannot step any more (a device / runtime failure, or state that could not
     be restored after a failed step); the message says why. Every request in flight is lost:
     the process should report it and exit so that a supervisor restarts it."""
+
+
+class Overloaded(RuntimeError):
+    """A request refused for load, not for what it asks (HTTP 429 / gRPC RESOURCE_EXHAUSTED):
+    retrying later may succeed."""
+
+
+class SloUnattainable(Overloaded):
+    """With `slo_admission="reject"`: the request's predicted time to first token at the
+    current load already passes its priority level's TTFT target (`slo_policy.SloPolicy.
+    predict_ttft`). `predicted_s` is that prediction (inf: running streams leave no room for
+    prefill under the ITL target)."""
+
+    def __init__(self, predicted_s: float, target_s: float, priority: int):
+        wait = "no prefill capacity under the ITL target" if predicted_s == float("inf") \
+            else f"{predicted_s:.3f} s predicted"
+        super().__init__(f"time to first token cannot meet the TTFT target of {target_s:g} s "
+                         f"for priority {priority} at the current load ({wait}); retry later")
+        self.predicted_s = predicted_s
+        self.target_s = target_s
+        self.priority = priority

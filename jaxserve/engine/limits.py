@@ -22,11 +22,14 @@ bad input reads the same everywhere.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from typing import TYPE_CHECKING, Callable, Container, Sequence
 
 from jaxserve.engine.errors import InvalidRequest
 from jaxserve.engine.sampling_params import (MAX_LOGPROBS, MAX_N, SamplingParams, check_text,
                                             show)
+from jaxserve.engine.slo_stats import SloStats
 from jaxserve.engine.token_filter import TokenFilter, compile_filter
 
 if TYPE_CHECKING:  # the grammar library loads with the engine that owns a compiler
@@ -136,6 +139,8 @@ class EngineLimits:
     vocab_size: int
     page_size: int
     num_kv_pages: int  # usable pages (the trash page is not counted)
+    # The scheduler settings at start-up (descriptive: the live ones, which the admin endpoint
+    # may change, are `Engine.scheduler_settings()`; no check reads these two).
     max_num_seqs: int
     max_num_batched_tokens: int
     eos_token_ids: tuple[int, ...]
@@ -146,6 +151,11 @@ class EngineLimits:
     # UTF-8 bytes one token covers at most (`Tokenizer.max_token_bytes`); None: unknown, the
     # prompt byte bound falls back to FALLBACK_TOKEN_BYTES per token.
     max_token_bytes: int | None = None
+    # The largest compiled token bucket: the longest prefill chunk any live setting allows
+    # (max_num_batched_tokens may be raised up to it on a running server). The KV check of
+    # sliding-window groups sizes two chunks by it, since a request admitted now may still
+    # run after such a raise (None: max_num_batched_tokens).
+    max_step_tokens: int | None = None
     # Compiles `structured_outputs` specs against the model's vocabulary (None: this engine's
     # tokenizer has no vocabulary llguidance can read, and such requests are refused).
     grammars: "GrammarCompiler | None" = dataclasses.field(default=None, compare=False,
@@ -202,7 +212,8 @@ class EngineLimits:
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
         return check_fits(num_prompt_tokens, max_tokens, self.max_model_len, self.page_size,
-                          self.num_kv_pages, self.kv_windows, self.max_num_batched_tokens)
+                          self.num_kv_pages, self.kv_windows,
+                          self.max_step_tokens or self.max_num_batched_tokens)
 
     def truncate(self, ids: Sequence[int], params: SamplingParams) -> Sequence[int]:
         """The prompt ids `params.truncate_prompt_tokens` keeps (vLLM's left truncation): the
@@ -294,11 +305,14 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_acceptance_counts: tuple[int, ...] = ()
+    slo: SloStats = SloStats()  # the SLO policy's decisions and attainment (slo_policy.py)
 
     @classmethod
     def total(cls, stats: Sequence["EngineStats"]) -> "EngineStats":
         """Several engines' stats added up (data-parallel replicas; tuples element-wise)."""
         def add(values: list) -> object:
+            if values and isinstance(values[0], SloStats):
+                return functools.reduce(operator.add, values)
             if values and isinstance(values[0], tuple):
                 width = max(len(v) for v in values)
                 return tuple(sum(v[i] for v in values if i < len(v)) for i in range(width))

@@ -23,7 +23,7 @@ the core's.
 from __future__ import annotations
 
 from jaxserve.engine.recovery import Staged
-from jaxserve.engine.scheduler import SchedulerOutput
+from jaxserve.engine.scheduled import SchedulerOutput
 from jaxserve.engine.step_core import InFlight, StepCore
 
 

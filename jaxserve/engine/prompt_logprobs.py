@@ -27,7 +27,7 @@ from typing import ClassVar, Sequence as GenericSequence
 
 import numpy as np
 
-from jaxserve.engine.scheduler import SchedulerOutput
+from jaxserve.engine.scheduled import SchedulerOutput
 
 
 @dataclasses.dataclass(frozen=True)

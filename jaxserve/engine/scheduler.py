@@ -2,8 +2,8 @@
 
 Plain Python (no jax). Data flow per step:
   `schedule()` -> SchedulerOutput (decodes first, then prefill chunks, under the step's token
-  budget (`max_num_batched_tokens`; `decode_token_budget` when it carries decodes,
-  `_step_budget`) and `max_num_seqs`; pages allocated as KV grows (a waiting sequence first
+  budget (`max_num_batched_tokens`; `decode_token_budget` when it carries decodes; with SLO
+  targets, chosen per step: `slo_policy.SloPolicy.plan`) and `max_num_seqs`; pages allocated as KV grows (a waiting sequence first
   matches the prefix cache, `prefix_cache.PrefixCache`); preemption when pages run out) -> the
   engine builds the device batch and runs it -> `update(output, sampled)` appends sampled
   tokens, advances `num_computed_tokens`, registers full pages in the prefix cache, releases
@@ -26,7 +26,7 @@ epoch`). A step that never ran is rolled back by `unschedule()`.
 Policy:
 - Running sequences are served in (priority, arrival) order, decodes before prefill chunks, so
   a long prompt never stalls the streams already generating; a prompt is spread over steps in
-  chunks of whatever is left of the step's budget (`_step_budget`).
+  chunks of whatever is left of the step's budget (`SloPolicy.plan`).
 - Waiting sequences are admitted in (priority, arrival) order while budget, seats and pages
   allow; a waiting sequence may preempt running ones of strictly lower priority for pages.
 - Out of pages: the lowest-priority, most recently arrived running sequence is preempted: its
@@ -57,15 +57,21 @@ from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.limits import check_fits
 from jaxserve.engine.prefix_cache import PrefixCache
 from jaxserve.engine.scheduled import ScheduledSeq, SchedulerOutput
+from jaxserve.engine.slo_policy import SloPolicy
 from jaxserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]  # (the step's rows: scheduled.py)
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, clock: Callable[[], float] = time.monotonic):
-        self.cfg = cfg
+    def __init__(self, cfg: SchedulerConfig, clock: Callable[[], float] = time.monotonic,
+                 buckets: GenericSequence[tuple[int, int]] | None = None):
+        """`buckets`: the compiled (tokens, seqs) pairs, which the step-time model sees as
+        the steps' sizes (None: steps are not padded)."""
+        self.cfg = cfg  # replaced whole by a live change between steps (`Engine`)
         self.clock = clock
+        # Each step's token budget (static, or from SLO targets and a fitted step-time model).
+        self.budget = SloPolicy(buckets, clock)
         self.allocator = BlockAllocator(cfg.num_pages, cfg.page_size, cfg.enable_prefix_caching)
         # The pages are the allocator's, the allocator the KV manager's (a sequence's pages
         # in every KV group), the manager the scheduler's: these two only call it.
@@ -108,12 +114,18 @@ class Scheduler:
 
     def _push_waiting(self, req: Sequence, front: bool) -> None:
         order = next(self._front) if front else self._arrival_order[req.seq_id]
-        heapq.heappush(self._waiting, (req.priority, order, req))
+        heapq.heappush(self._waiting, (self.cfg.level(req.priority), order, req))
         self._num_waiting += 1
 
     @property
     def num_waiting(self) -> int:
         return self._num_waiting + self._forks.num_held
+
+    @property
+    def waiting_heap(self) -> list[tuple[int, int, Sequence]]:
+        """The waiting queue as (priority, order, sequence) heap entries (read only; aborted
+        entries are skipped lazily: check the status)."""
+        return self._waiting
 
     @property
     def num_running(self) -> int:
@@ -132,7 +144,8 @@ class Scheduler:
         # Decodes (exactly one token left to compute) first, then running prefill chunks.
         todo = [(r, self._to_schedule(r)) for r in self.running]
         order = [r for r, left in todo if left == 1] + [r for r, left in todo if left > 1]
-        budget = self._step_budget(todo)
+        budget = self.budget.plan(self.cfg, todo, self._waiting)
+        decodes_left = sum(1 for _, left in todo if left == 1)
         for req in order:
             if budget == 0:
                 break
@@ -140,7 +153,10 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             start = req.num_scheduled_tokens
             total = req.num_tokens + req.num_in_flight
-            spec = self._spec_tokens(req, start, budget)
+            decodes_left -= total - start == 1
+            # Proposals take only what leaves a token for each decode after this one.
+            spec = req.take_proposals(start, budget - max(decodes_left, 0),
+                                      self.cfg.max_model_len)
             n = min(total - start, budget) + len(spec)
             if not self._reserve(req, start + n, preempted, may_self=True):
                 continue
@@ -162,6 +178,8 @@ class Scheduler:
                 continue
             if req in preempted:
                 break  # pages are contended: nothing behind it runs this step either
+            if not self.budget.admit(req):
+                break  # it would push the decode step past the ITL target
             if not req.pages:
                 self._prefix_cache.match(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -186,28 +204,6 @@ class Scheduler:
         return SchedulerOutput(seqs=seqs, num_tokens=sum(s.num_new_tokens for s in seqs),
                                preempted=preempted)
 
-    def _spec_tokens(self, req: Sequence, start: int, budget: int) -> tuple[int, ...]:
-        """The proposals `req`'s decode row verifies this step (consumed either way): only a
-        plain decode (its last token on the host, nothing in flight), cut to what the
-        budget, max_tokens and max_model_len leave (a row of 1 + j tokens emits up to
-        j + 1)."""
-        spec, req.spec_token_ids = req.spec_token_ids, []
-        if not spec or req.num_in_flight or start != req.num_tokens - 1:
-            return ()
-        j = min(len(spec), budget - 1, req.max_tokens - req.num_output_tokens - 1,
-                self.cfg.max_model_len - req.num_tokens - 1)
-        return tuple(spec[:j]) if j > 0 else ()
-
-    def _step_budget(self, todo: list[tuple[Sequence, int]]) -> int:
-        """The whole budget, unless the step carries a decode of a stream past its first
-        token: then `decode_token_budget` (how long a prefill chunk may stall it). A stream
-        that has only its first token may wait one big step more, so that prompts arriving
-        a moment apart are still prefilled together (and then decode in lockstep). `todo`:
-        each running sequence with its tokens left to schedule (`_to_schedule`); the budget
-        values are the config's (`SchedulerConfig.step_budget`)."""
-        return self.cfg.step_budget(any(
-            left == 1 and r.num_output_tokens + r.num_in_flight >= 2 for r, left in todo))
-
     def _to_schedule(self, req: Sequence) -> int:
         """How many of a running sequence's tokens are left to schedule: 0 while its only
         one is an in-flight token that will end it anyway (max_tokens / max_model_len; its
@@ -229,7 +225,7 @@ class Scheduler:
                 req.num_in_flight -= seq.samples
 
     def _rank(self, req: Sequence) -> tuple[int, int]:
-        return req.priority, self._arrival_order[req.seq_id]
+        return self.cfg.level(req.priority), self._arrival_order[req.seq_id]
 
     def _reserve(self, req: Sequence, num_tokens: int, preempted: list[Sequence],
                  may_self: bool) -> bool:
@@ -247,7 +243,7 @@ class Scheduler:
                 elif not may_self:
                     self._prefix_cache.undo_match(req)
                 return False
-            if not may_self and victim.priority <= req.priority:
+            if not may_self and self.cfg.level(victim.priority) <= self.cfg.level(req.priority):
                 self._prefix_cache.undo_match(req)
                 return False
             self._preempt(victim, preempted)
@@ -315,12 +311,7 @@ class Scheduler:
             self.finish(req, FinishReason.LENGTH)
             return True
         req.append_token(int(token))
-        m = req.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-        else:
-            m.inter_token_latencies.append(now - (m.last_token_time or now))
-        m.last_token_time = now
+        req.metrics.token_arrived(now)
         reason = self._token_stop(req, int(token))
         if reason is not None:
             self.finish(req, reason)
@@ -337,12 +328,7 @@ class Scheduler:
         req = seq.sequence
         if not tokens:
             raise ValueError(f"sequence {req.seq_id}'s verification row emitted no token")
-        m = req.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-        else:  # one gap per step, as a stream sees it (the tokens arrive together)
-            m.inter_token_latencies.append(now - (m.last_token_time or now))
-        m.last_token_time = now
+        req.metrics.token_arrived(now)  # one gap per step, as a stream sees it
         reason = None
         for token in tokens:
             req.append_token(int(token))

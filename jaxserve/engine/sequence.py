@@ -91,6 +91,15 @@ class RequestMetrics:
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
+    def token_arrived(self, now: float) -> None:
+        """Tokens reached the host at `now` (one step's: a verification's arrive together, one
+        gap as a stream sees it): the first token's time, or one more inter-token gap."""
+        if self.first_token_time is None:
+            self.first_token_time = now
+        else:
+            self.inter_token_latencies.append(now - (self.last_token_time or now))
+        self.last_token_time = now
+
 
 @dataclasses.dataclass(eq=False)
 class Sequence:
@@ -196,6 +205,18 @@ class Sequence:
         for tid, lp in zip(top_ids[:k], top_logprobs[:k]):
             entry.setdefault(int(tid), float(lp))
         self.output_logprobs.append((float(logprob), list(entry.items())))
+
+    def take_proposals(self, start: int, budget: int, max_model_len: int) -> tuple[int, ...]:
+        """The proposals this sequence's decode row verifies in a step that schedules it from
+        `start` with `budget` tokens left (consumed either way): only a plain decode (its last
+        token on the host, nothing in flight), cut to what the budget, max_tokens and
+        max_model_len leave (a row of 1 + j tokens emits up to j + 1)."""
+        spec, self.spec_token_ids = self.spec_token_ids, []
+        if not spec or self.num_in_flight or start != self.num_tokens - 1:
+            return ()
+        j = min(len(spec), budget - 1, self.max_tokens - self.num_output_tokens - 1,
+                max_model_len - self.num_tokens - 1)
+        return tuple(spec[:j]) if j > 0 else ()
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

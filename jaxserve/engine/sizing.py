@@ -153,7 +153,9 @@ def plan_engine(cfg: EngineConfig, model: ModelConfig, kv_itemsize: int,
                             decode_token_budget=decode_budget,
                             max_model_len=max_model_len, page_size=ps, num_pages=usable + 1,
                             enable_prefix_caching=cfg.enable_prefix_caching,
-                            kv_groups=groups)
+                            kv_groups=groups, ttft_slo=cfg.ttft_slo, itl_slo=cfg.itl_slo,
+                            slo_admission=cfg.slo_admission,
+                            scheduling_policy=cfg.scheduling_policy)
     # Token buckets: 1, 2, 4, 8, multiples of 8 to 64, then 4 per octave
     # (`batch.default_token_buckets`, where the measurements behind it are). The smallest is
     # 1: a lone stream pays for no padding rows (bundled model, 2-core CPU, decode step of

@@ -37,7 +37,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from jaxserve.engine.runner import PendingStep
-from jaxserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from jaxserve.engine.scheduled import ScheduledSeq, SchedulerOutput
 from jaxserve.engine.sequence import Sequence, SequenceStatus
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable, Mapping
 
 import numpy as np
@@ -40,6 +41,7 @@ from jaxserve.engine.sequence import FinishReason, Sequence
 from jaxserve.engine.runner import LateMask, PendingStep, Runner, RunnerFailed, StepResult
 from jaxserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxserve.engine.speculation import Speculator
+from jaxserve.engine.step_time_model import StepFeatures, attention_keys
 
 
 @dataclasses.dataclass
@@ -49,6 +51,8 @@ class InFlight:
     out: SchedulerOutput
     pending: PendingStep
     applied: bool = False  # by the next step's late mask (`pipeline.Pipeline`)
+    started: float = 0.0  # clock when its scheduling began (its step-time measurement)
+    bucket: tuple[int, int] = (0, 0)  # (T_b, S_b) it was padded to
 
     @functools.cached_property
     def sampled_rows(self) -> dict[int, int]:
@@ -68,8 +72,13 @@ class InFlight:
 class StepCore:
     def __init__(self, scheduler: Scheduler, runner: Runner, shape: BatchShape,
                  recovery: Recovery, group_of: Callable[[Sequence], Group | None],
-                 speculator: Speculator | None = None):
+                 speculator: Speculator | None = None,
+                 clock: Callable[[], float] | None = None):
+        """`clock`: what step times are measured with (the scheduler's by default)."""
         self.scheduler = scheduler
+        self.clock = clock or scheduler.clock
+        self._started = 0.0  # when the step being launched began scheduling
+        self._last_ready = -math.inf  # when the last applied step's results were ready
         self.speculator = speculator  # None: no speculative decoding
         self.runner = runner
         self.shape = shape
@@ -112,6 +121,7 @@ class StepCore:
             self.speculator.wants_host_tokens(self.scheduler.running)
 
     def schedule(self) -> SchedulerOutput:
+        self._started = self.clock()
         try:
             if self.speculator is not None:
                 self.speculator.propose(self.scheduler.running)
@@ -149,7 +159,9 @@ class StepCore:
             raise self.recovery.die("the model step failed", e) from e
         self.num_steps += 1
         self.last_step_tokens = out.num_tokens
-        return Staged(InFlight(out, pending), failures)
+        return Staged(InFlight(out, pending, started=self._started,
+                               bucket=(len(batch.forward.token_ids), batch.num_seqs_bucket)),
+                      failures)
 
     def fail(self, failures: Failures) -> None:
         """Finish the failed sequences with ERROR (`Recovery.fail`); their groups have news.
@@ -166,6 +178,7 @@ class StepCore:
             result = self.runner.collect(step.pending)
         except Exception as e:  # noqa: BLE001 - later steps may have read its outputs
             raise self.recovery.die("the model step failed", e) from e
+        self._measure(step)
         if result.prompt_logprob is not None:
             self._fail_now(self._take_prompt_logprobs(out, result))
         rows = batch_spec.first_rows(out) if out.num_rows > out.num_seqs else \
@@ -194,6 +207,17 @@ class StepCore:
                 self._take_tokens(req, group, result, first[id(req)], before[id(req)])
             except Exception as e:  # noqa: BLE001 - this request's tokens only
                 self._fail_now([(req, f"processing the sampled token failed: {e!r}")])
+
+    def _measure(self, step: InFlight) -> None:
+        """Hand the step-time model this step's time as its streams saw it: from the later
+        of its scheduling and the previous step's results to its own results (overlapped,
+        back-to-back steps: the gap between results; after an idle spell: host + device)."""
+        ready = self.clock()
+        seconds = ready - max(step.started, self._last_ready)
+        self._last_ready = ready
+        budget = self.scheduler.budget
+        keys = attention_keys((s.start, s.num_new_tokens) for s in step.out.seqs)
+        budget.observe(StepFeatures(*step.bucket, keys), seconds)
 
     def _row_tokens(self, row: ScheduledSeq, tokens: np.ndarray, first: int
                     ) -> int | list[int]:

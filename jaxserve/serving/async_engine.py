@@ -14,6 +14,8 @@ Data flow:
   When nothing is in flight the loop thread sleeps on a condition variable (no busy spin);
   woken from idle by a request, it may wait `idle_batch_window_ms` for others that arrive with
   it (`idle_window.py` decides: by default only when the previous wake-up had company).
+  A live scheduler change (`reconfigure`, from `scheduler_admin.py`) is a command too: the
+  loop thread applies it between two steps, in order with the adds around it.
 
 Admission errors come back through the same sink: a ValueError from `Engine.add_request`
 (naming the field) is raised by the stream's first `__anext__`. `QueueFull` is raised by
@@ -36,12 +38,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import threading
 import time
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
+from jaxserve.engine.errors import Overloaded  # noqa: F401 (re-exported: the fronts catch it)
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.limits import (Admitted, EngineStats, check_not_in_flight,
                                     check_request_id)
@@ -52,13 +56,13 @@ from jaxserve.serving.request_stream import (DEFAULT_MAX_STREAM_BUFFER_TOKENS, R
                                              RequestStream, StreamBufferFull, set_ready,
                                              wake)
 
-__all__ = ["AsyncEngine", "EngineStopped", "QueueFull", "RequestStream", "StreamBufferFull",
+__all__ = ["AsyncEngine", "EngineStopped", "Overloaded", "QueueFull", "RequestStream", "StreamBufferFull",
            "StepObserver"]
 
 log = logging.getLogger(__name__)
 
 
-class QueueFull(RuntimeError):
+class QueueFull(Overloaded):
     """Too many sequences are waiting; the caller should retry later (RESOURCE_EXHAUSTED)."""
 
 
@@ -89,6 +93,15 @@ class _Abort:
     request_id: str  # "" aborts every request in flight
 
 
+@dataclasses.dataclass(eq=False)
+class _Reconfigure:
+    """A live scheduler change (`Engine.update_scheduler`), applied between two steps."""
+
+    changes: Mapping[str, Any]
+    # The new settings, or the InvalidRequest naming the field and the limit.
+    done: "concurrent.futures.Future[dict[str, Any]]"
+
+
 class AsyncEngine:
     """Owns one thread that alone drives `engine`; see the module docstring."""
 
@@ -108,7 +121,7 @@ class AsyncEngine:
         self._on_failure = on_failure
         self._cond = threading.Condition()
         # Guarded by _cond: the command list and the admission bookkeeping.
-        self._commands: list[_Add | _Abort] = []
+        self._commands: list[_Add | _Abort | _Reconfigure] = []
         self._in_flight: set[str] = set()
         self._queued_seqs = 0  # sequences submitted but not yet added to the engine
         self._waiting_seqs = 0  # the scheduler's waiting count as of the last iteration
@@ -211,6 +224,24 @@ class AsyncEngine:
     def abort_all(self) -> None:
         self.abort("")
 
+    # ----------------------------------------------------------------------- live settings
+    def reconfigure(self, changes: Mapping[str, Any]
+                    ) -> "concurrent.futures.Future[dict[str, Any]]":
+        """Queue a scheduler change for the loop thread, which applies it between two steps
+        (any thread; returns at once). The future holds the new settings, or the
+        InvalidRequest / EngineStopped that refused it. Reads need no command:
+        `engine.scheduler_settings()` is one read of the config this swaps whole.
+        `serving.scheduler_admin` drives this for the fronts (one replica or all)."""
+        done: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        with self._cond:
+            if self._error is not None:
+                raise EngineStopped(f"the engine loop failed: {self._error!r}")
+            if self._stopping or self._thread is None:
+                raise EngineStopped("the engine is not running (shutting down or not started)")
+            self._commands.append(_Reconfigure(dict(changes), done))
+            self._cond.notify()
+        return done
+
     # ----------------------------------------------------------------------- loop thread
     def _run(self) -> None:
         busy = False
@@ -254,10 +285,16 @@ class AsyncEngine:
         while not self._stopping and (left := deadline - time.monotonic()) > 0:
             self._cond.wait(left)
 
-    def _apply(self, commands: list[_Add | _Abort]) -> None:
+    def _apply(self, commands: list[_Add | _Abort | _Reconfigure]) -> None:
         added = 0
         rejected: list[tuple[RequestSink, Exception]] = []
         for cmd in commands:
+            if isinstance(cmd, _Reconfigure):  # in order: adds before it see the old settings
+                try:
+                    cmd.done.set_result(self.engine.update_scheduler(cmd.changes))
+                except Exception as e:  # noqa: BLE001 - InvalidRequest: handed to the caller
+                    cmd.done.set_exception(e)
+                continue
             if isinstance(cmd, _Abort):
                 ids = [cmd.request_id] if cmd.request_id else list(self._sinks)
                 for rid in ids:
@@ -323,12 +360,14 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001 - metrics must never stop serving
                 log.exception("step observer %r failed", obs)
 
-    def _shutdown(self, commands: list[_Add | _Abort]) -> None:
-        """Refuse queued adds, abort what runs, step until the engine has delivered every
-        request's final (ABORT) output and freed its pages."""
+    def _shutdown(self, commands: list[_Add | _Abort | _Reconfigure]) -> None:
+        """Refuse queued adds and changes, abort what runs, step until the engine has
+        delivered every request's final (ABORT) output and freed its pages."""
         for cmd in commands:
             if isinstance(cmd, _Add):
                 self._send(cmd.sink, EngineStopped("the engine is shutting down"))
+            elif isinstance(cmd, _Reconfigure):
+                cmd.done.set_exception(EngineStopped("the engine is shutting down"))
         with self._cond:
             self._queued_seqs = 0
             for cmd in commands:
@@ -348,11 +387,14 @@ class AsyncEngine:
             self._error = error
             sinks = list(self._sinks.values())
             sinks += [c.sink for c in self._commands if isinstance(c, _Add)]
+            changes = [c.done for c in self._commands if isinstance(c, _Reconfigure)]
             self._commands = []
             self._in_flight.clear()
         self._sinks.clear()
         failure = EngineStopped(f"the engine loop failed: {error!r}")
         for sink in sinks:
             self._send(sink, failure)
+        for done in changes:
+            done.set_exception(failure)
         if self._on_failure is not None:
             self._on_failure(error)

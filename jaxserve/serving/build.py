@@ -327,6 +327,7 @@ def warm_up(engines: list[Engine], progress: bool = True) -> None:
                 log.info("compiling data-parallel replica %d/%d", i + 1, len(engines))
             eng.runner.warmup(progress)
             eng.warmup_proposer()  # a draft model's rounds (none: a no-op)
+            eng.calibrate_step_time()  # SLO targets: seed the step-time model (else a no-op)
         for eng in engines:
             eng.runner.arm()
     except BaseException:

@@ -19,6 +19,13 @@ tokens, vLLM's accepted-per-position counter (position j: drafts whose first j +
 were all accepted), and the acceptance length per draft (accepted + the target's own token,
 1..k+1) as a histogram with one bucket per length (vLLM has no such histogram; this one is
 `jaxserve:spec_decode_acceptance_length`).
+
+`jaxserve:scheduler_setting{setting=...}`: the scheduler's live limits (max_num_seqs,
+max_num_batched_tokens, decode_token_budget), read from the engine at each scrape
+(`watch_settings`), since the admin endpoint may change them between steps.
+
+The SLO scheduler's series (`jaxserve:slo_*`: predicted vs measured step time, the budget per
+step, attainment per priority level) are `slo_metrics.py`'s.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from jaxserve.engine.limits import EngineStats
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
 from jaxserve.engine.sequence import FinishReason
+from jaxserve.serving.slo_metrics import SloFamilies, SloView
 
 PREFIX = "jaxserve:"
 # Bucket edges follow vLLM's, so dashboards built for it read these unchanged.
@@ -44,6 +52,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _LABELS = ("model_name",)
+LIVE_LIMITS = ("max_num_seqs", "max_num_batched_tokens", "decode_token_budget")
 _COUNTED = -1  # a sample whose finish has been counted
 
 
@@ -93,8 +102,13 @@ class MetricFamilies:
                           LATENCY_BUCKETS)
         self.iteration_tokens = hist("iteration_tokens_total", "Tokens computed per step.",
                                      _token_buckets(max_num_batched_tokens))
+        # The live scheduler limits (the admin endpoint may change them), read at scrape time.
+        self.scheduler = Gauge(PREFIX + "scheduler_setting",
+                               "Live scheduler limit (decode_token_budget 0: none).",
+                               (*labels, "setting"), registry=r)
         self.spec: SpecFamilies | None = None if num_speculative_tokens is None else \
             SpecFamilies(r, labels, num_speculative_tokens)
+        self.slo = SloFamilies(r, PREFIX, labels, _token_buckets(max_num_batched_tokens))
 
 
 class SpecFamilies:
@@ -149,6 +163,7 @@ class EngineMetrics:
         self.prompt_tokens = fam.prompt_tokens.labels(*values)
         self.generation_tokens = fam.generation_tokens.labels(*values)
         self._success = fam.success
+        self._scheduler = fam.scheduler
         self.ttft = fam.ttft.labels(*values)
         self.itl = fam.itl.labels(*values)
         self.tpot = fam.tpot.labels(*values)
@@ -156,6 +171,7 @@ class EngineMetrics:
         self.queue = fam.queue.labels(*values)
         self.iteration_tokens = fam.iteration_tokens.labels(*values)
         self.spec = None if fam.spec is None else SpecView(fam.spec, values)
+        self.slo = SloView(fam.slo, values)
         # Loop-thread state: last seen engine totals and per-sample ITL cursors.
         self._last_preemptions = 0
         self._last_queries = 0
@@ -173,6 +189,13 @@ class EngineMetrics:
         return [cls(model_name, max_num_batched_tokens, families=fam, engine=i)
                 for i in range(num_replicas)]
 
+    def watch_settings(self, read: Callable[[], dict[str, Any]]) -> None:
+        """Expose the scheduler's numeric live settings (`read`: `Engine.scheduler_settings`,
+        called at each scrape, from the scraping thread: a snapshot read)."""
+        for name in LIVE_LIMITS:
+            self._scheduler.labels(*self._values, name).set_function(
+                lambda name=name: read()[name] or 0)
+
     def success(self, reason: FinishReason) -> Counter:
         return self._success.labels(*self._values, reason.value)
 
@@ -187,9 +210,11 @@ class EngineMetrics:
         self.prefix_queries.inc(st.prefix_cache_queries - self._last_queries)
         self.prefix_hits.inc(st.prefix_cache_hits - self._last_hits)
         self._last_queries, self._last_hits = st.prefix_cache_queries, st.prefix_cache_hits
-        if stepped and st.num_steps > self._last_step:
+        new_step = stepped and st.num_steps > self._last_step
+        if new_step:
             self.iteration_tokens.observe(st.last_step_tokens)
             self._last_step = st.num_steps
+        self.slo.on_step(st.slo, new_step)
         if self.spec is not None:
             self.spec.on_step(st)
         for out in outputs:

@@ -15,7 +15,7 @@ before it returns, and callers add and abort between steps.
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.limits import (Admitted, EngineLimits, EngineStats, check_not_in_flight,
@@ -112,6 +112,16 @@ class ReplicaPool:
             if out.finished:
                 self._owner.pop(out.request_id, None)
         return outputs
+
+    def scheduler_settings(self) -> dict[str, Any]:
+        return self.engines[0].scheduler_settings()  # every replica holds the same
+
+    def update_scheduler(self, changes: Mapping[str, Any]) -> dict[str, Any]:
+        """Every replica's, all or none: each checks first (the same check, the same start-up
+        bounds), then each applies (between steps: this pool steps them itself)."""
+        for e in self.engines:
+            e.check_scheduler_update(changes)
+        return [e.update_scheduler(changes) for e in self.engines][0]
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

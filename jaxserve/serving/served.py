@@ -30,6 +30,10 @@ from jaxserve.serving.router import make_router
 def build_offline_engine(config: EngineConfig, model: LoadedModel | None = None,
                          warmup: bool = True, progress: bool = True) -> Engine | ReplicaPool:
     """One Engine, or a ReplicaPool over `data_parallel_size` of them (same calls)."""
+    if config.slo_admission == "reject":
+        raise ValueError("slo_admission='reject' refuses requests as they arrive at a server; "
+                         "the offline API (LLM, batch jobs) queues every prompt at once and "
+                         "runs them all: use 'queue' (misses are still counted)")
     engines = build_engines(config, model, warmup, progress)
     return engines[0] if len(engines) == 1 else ReplicaPool(engines, make_router(engines))
 
@@ -77,6 +81,8 @@ def start_serving(served: ServedModel, max_waiting: int | None,
     metrics = ([EngineMetrics(served.name, max_tokens, num_speculative_tokens=k)]
                if len(engines) == 1 else EngineMetrics.for_replicas(
                    served.name, max_tokens, len(engines), num_speculative_tokens=k))
+    for e, m in zip(engines, metrics):
+        m.watch_settings(e.scheduler_settings)
     replicas = [AsyncEngine(e, max_waiting, observers=[m], on_failure=on_failure,
                             max_stream_buffer_tokens=max_stream_buffer_tokens)
                 for e, m in zip(engines, metrics)]

@@ -146,8 +146,14 @@ def add_bench_parser(sub: Any) -> None:
                    help="chunked-prefill: streaming chats (default 4)")
     b.add_argument("--compare", nargs="+", default=None, metavar="JSON",
                    help="no run: tabulate and plot saved result documents side by side")
+    b.add_argument("--slo-scheduling", action="store_true",
+                   help="in-process server: give the engine --ttft-slo / --itl-slo as its "
+                        "targets (the SLO-driven token budget; without it they only judge "
+                        "goodput)")
     add_workload_flags(b)
-    add_engine_flags(b)
+    # --ttft-slo / --itl-slo are the goodput targets here (add_workload_flags); the engine's
+    # fields of those names take them with --slo-scheduling.
+    add_engine_flags(b, exclude=("ttft_slo", "itl_slo"))
 
 
 def add_tune_parser(sub: Any) -> None:
@@ -171,7 +177,11 @@ def add_tune_parser(sub: Any) -> None:
                    help="no run: judge a saved tune document (--output-json of an earlier "
                         "tune) against these SLO targets")
     add_workload_flags(t)
-    add_engine_flags(t)
+    from jaxserve.cli.bench.apply import add_apply_flags
+
+    add_apply_flags(t)  # --apply grpc://HOST:PORT, --api-key
+    # The tuner judges static settings: the engine's own SLO targets are not a tune axis.
+    add_engine_flags(t, exclude=("ttft_slo", "itl_slo"))
     t.set_defaults(num_requests=(48,))
 
 
@@ -182,6 +192,9 @@ async def _bench(args: argparse.Namespace) -> dict:
 
     workload = workload_spec(args)
     slo = Slo(args.ttft_slo, args.itl_slo)
+    if args.slo_scheduling and args.target:
+        raise ValueError("--slo-scheduling sets the in-process engine's targets; a --target "
+                         "server takes them from its own --ttft-slo / --itl-slo")
     if args.endpoint is not None and not (args.target or "").startswith(("http://",
                                                                           "https://")):
         raise ValueError(f"--endpoint {args.endpoint} is an OpenAI HTTP endpoint: it needs "
@@ -226,7 +239,12 @@ async def _bench(args: argparse.Namespace) -> dict:
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     from jaxserve.cli.flags import engine_config_from_args
 
-    return engine_config_from_args(args)
+    if not getattr(args, "slo_scheduling", False):
+        return engine_config_from_args(args)
+    if args.ttft_slo is None and args.itl_slo is None:
+        raise ValueError("--slo-scheduling needs --ttft-slo and/or --itl-slo (the targets the "
+                         "engine schedules for)")
+    return engine_config_from_args(args, ttft_slo=args.ttft_slo, itl_slo=args.itl_slo)
 
 
 def _load(args: argparse.Namespace) -> Any:
@@ -291,4 +309,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         for path in plots.plot_grid(doc["rows"], f"{args.plot_prefix}_grid.png",
                                     spec.ttft_p99_s, spec.itl_p99_s):
             print(f"wrote {path}", file=sys.stderr)
+    if args.apply:
+        from jaxserve.cli.bench.apply import apply_best
+
+        return apply_best(doc, args.apply, args.api_key)
     return 0
