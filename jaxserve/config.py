@@ -298,8 +298,17 @@ class EngineConfig:
     itl_slo: SloTargets | None = None
     slo_admission: str = "queue"  # queue | reject (SchedulerConfig says what each does)
     scheduling_policy: str = "priority"  # priority | fcfs (vLLM's --scheduling-policy)
+    # A request's token ids and logprobs bit-identical whatever else shares its steps, however
+    # its prompt is chunked, with or without prefix-cache hits, preemption or speculation
+    # (greedy and seeded; docs/batch-invariance.md): logprobs by a fixed summation order, and
+    # one fixed (tokens, seqs) shape for every step unless the step runs only row-invariant
+    # kernels (the CPU attention and C++ dense kernels); `serving/batch_invariant.py` applies
+    # it and refuses what cannot be invariant (the Pallas attention kernels, MoE models).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant={self.batch_invariant!r} must be true or false")
         for name in ("ttft_slo", "itl_slo"):  # LLM(ttft_slo=0.5): accept what parse takes
             object.__setattr__(self, name, SloTargets.parse(getattr(self, name), name))
         check_slo_fields(self)

@@ -37,6 +37,9 @@ class QuantPanels:
     scales: jax.Array  # f32[(L,) P, K / G, 16]
     zeros: jax.Array | None  # f32[(L,) P, K / G, 16]: int4 only (W = q * scale + zero)
     scheme: str = dataclasses.field(metadata=dict(static=True))
+    # The few-row (decode) path's per-group sums (csrc/dense_quant_cpu.cc `kFast`): faster
+    # at a decode, but a row's bits then depend on its step's row count. False: row invariant.
+    fast: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def in_features(self) -> int:
@@ -53,8 +56,9 @@ def _panelize(a: np.ndarray) -> np.ndarray:
 
 
 def pack_quant(values: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None,
-               scheme: str) -> QuantPanels:
-    """Host arrays in the models' layout -> panels (numpy leaves; the caller places them)."""
+               scheme: str, fast: bool = False) -> QuantPanels:
+    """Host arrays in the models' layout -> panels (numpy leaves; the caller places them).
+    `fast`: `QuantPanels.fast`."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme={scheme!r} must be one of {SCHEMES}")
     if (zeros is None) != (scheme != "int4"):
@@ -66,7 +70,7 @@ def pack_quant(values: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None,
     s = np.asarray(scales, np.float32)
     return QuantPanels(_panelize(raw), _panelize(s),
                        None if zeros is None else _panelize(np.asarray(zeros, np.float32)),
-                       scheme)
+                       scheme, fast)
 
 
 def _check(x: jax.Array, w: QuantPanels, n: int) -> None:
@@ -152,5 +156,6 @@ def dense_quant_packed(x: jax.Array, w: QuantPanels, layer: jax.Array | None,
     x2 = x.reshape(-1, x.shape[-1])
     idx = jnp.zeros((), jnp.int32) if layer is None else jnp.reshape(layer, ()).astype(jnp.int32)
     args = (x2, w.values, w.scales) + (() if w.zeros is None else (w.zeros,)) + (idx,)
-    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))(*args)
+    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))(
+        *args, fast=w.fast)
     return y.reshape(*lead, n)

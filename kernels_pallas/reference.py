@@ -110,14 +110,18 @@ def _blocked_attention(q_tiles: jax.Array, info: jax.Array, kv_pages: KVPages,
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
-                                             "tile_tokens"))
+                                             "tile_tokens", "uniform_tiles"))
 def ragged_paged_attention_reference(q: jax.Array, kv_pages: KVPages, md: AttentionMetadata,
                                      *, sm_scale: float, sliding_window: int | None = None,
                                      soft_cap: float | None = None,
                                      tile_tokens: int | None = None,
-                                     sinks: jax.Array | None = None) -> jax.Array:
+                                     sinks: jax.Array | None = None,
+                                     uniform_tiles: bool = False) -> jax.Array:
     """out [T, Hq, Dq] of causal ragged paged attention (see module docstring); sinks
-    f32[Hq] or None (common.py: attention sinks)."""
+    f32[Hq] or None (common.py: attention sinks). `uniform_tiles` (the 'reference_invariant'
+    impl, batch-invariant mode): decodes too go through the prefill pass's tiles, so a token
+    is attended by the same einsum shapes whether it is decoded, verified, prefilled or
+    recomputed after a preemption (at one step shape: the tile height is the bucket's)."""
     (num_tokens, num_q_heads, q_head_dim, num_kv_heads, page_size, head_dim, group,
      num_seqs_max, max_pages) = check_attention_inputs(
         q, kv_pages, md, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
@@ -134,7 +138,7 @@ def ragged_paged_attention_reference(q: jax.Array, kv_pages: KVPages, md: Attent
         lambda rows: sink_rows(sinks, num_kv_heads, rows))
     starts, ends = md.cu_q_lens[:-1], md.cu_q_lens[1:]
     live = jnp.arange(num_seqs_max) < md.num_seqs[0]
-    is_decode = live & (ends - starts == 1)
+    is_decode = live & (ends - starts == 1) & (not uniform_tiles)
 
     # Decode sequences: one 1-token tile each (rows = G), all in one vectorised pass whose KV
     # loop stops at the longest decode context.
@@ -151,7 +155,7 @@ def ragged_paged_attention_reference(q: jax.Array, kv_pages: KVPages, md: Attent
     # own KV blocks only; empty tiles are skipped, so padding costs nothing.
     if tile_tokens is None:
         tile_tokens = min(_MAX_TILE_TOKENS, num_tokens)
-    n_prefill_max = min(num_seqs_max, num_tokens // 2)
+    n_prefill_max = min(num_seqs_max, num_tokens if uniform_tiles else num_tokens // 2)
     if n_prefill_max > 0:
         plan_p = plan_tiles(md, num_tokens, tile_tokens=tile_tokens, block_kv=page_size,
                             sliding_window=sliding_window, seq_mask=live & ~is_decode,

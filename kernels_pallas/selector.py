@@ -1,7 +1,8 @@
 """The one entry point the engine calls: pick an implementation, run it.
 
 ``select_impl`` maps a config value ('auto' or an implementation name) and the platform to
-'reference' | 'cpu' | 'pallas_tpu' | 'pallas_gpu'. 'auto' gives the TPU kernel on TPU, the
+'reference' | 'cpu' | 'pallas_tpu' | 'pallas_gpu' | 'reference_invariant' (the reference with
+every token, decodes too, in the prefill pass's tiles: batch-invariant mode's). 'auto' gives the TPU kernel on TPU, the
 Mosaic GPU kernel on NVIDIA Hopper GPUs (compute capability 9.x: it needs WGMMA), the
 C++ kernel on CPU (built on first use; cpu_build) and the jnp reference everywhere else (older
 or non-NVIDIA GPUs, or a CPU host where the C++ kernel cannot be built: 'cpu' then maps to
@@ -45,7 +46,7 @@ from .common import AttentionMetadata, KernelGeometry, kernel_geometry, padded_h
 from .cpu_build import cpu_kernel_target
 from .reference import ragged_paged_attention_reference
 
-IMPLEMENTATIONS = ("reference", "cpu", "pallas_tpu", "pallas_gpu")
+IMPLEMENTATIONS = ("reference", "cpu", "pallas_tpu", "pallas_gpu", "reference_invariant")
 # Each Pallas kernel's contract: why it cannot run a geometry, or None (the plan modules import
 # no Pallas, so asking costs no backend import).
 _REFUSALS = {"pallas_tpu": tpu_plan.kernel_refusal, "pallas_gpu": gpu_plan.kernel_refusal}
@@ -254,8 +255,9 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, md: AttentionMetad
     chosen = select_impl(impl, geometry=kernel_geometry(q, kv_pages) if impl == "auto" else None)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                   sinks=sinks, **tuning)
-    if chosen == "reference":
-        return ragged_paged_attention_reference(q, kv_pages, md, **kwargs)
+    if chosen in ("reference", "reference_invariant"):
+        return ragged_paged_attention_reference(
+            q, kv_pages, md, uniform_tiles=chosen == "reference_invariant", **kwargs)
     if chosen == "cpu":
         from .cpu import ragged_paged_attention_cpu
         return ragged_paged_attention_cpu(q, kv_pages, md, **kwargs)

@@ -67,6 +67,18 @@ def row_sum(v: jax.Array) -> jax.Array:
     return v
 
 
+def log_softmax(x: jax.Array, invariant: bool = False) -> jax.Array:
+    """log_softmax over the last axis; `invariant` (batch-invariant mode): the exponentials
+    summed by `row_sum`, so a row's logprobs keep their bits whatever the number of rows
+    (XLA:CPU fused jax.nn.log_softmax with the LM head into a reduction whose order changed
+    with the rows: 16 vs 64 prompt positions moved a logprob in its last bit). The max is
+    exact in any order; the rest is elementwise. Else jax.nn.log_softmax (one pass fewer)."""
+    if not invariant:
+        return jax.nn.log_softmax(x, axis=-1)
+    shifted = x - jax.lax.stop_gradient(x.max(axis=-1, keepdims=True))
+    return shifted - jnp.log(row_sum(jnp.exp(shifted)))
+
+
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float,
              offset: float = 0.0) -> jax.Array:
     """RMSNorm computed in float32 (as HF does), scaled by (offset + weight), in x's dtype;

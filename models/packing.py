@@ -118,12 +118,16 @@ def qdot_choice(w: QuantizedWeight, isa: str | None, int8_activations: str,
 
 
 def _pack(w: jax.Array | QuantizedWeight, transpose: bool = False,
-          isa: str | None = None, qdot_group: int | None = None) -> PackedWeight:
-    """`qdot_group`: pack for the integer dots with activation groups of up to that size."""
+          isa: str | None = None, qdot_group: int | None = None,
+          fast_quant: bool = False) -> PackedWeight:
+    """`qdot_group`: pack for the integer dots with activation groups of up to that size;
+    `fast_quant`: quantized weights with float activations take the few-row path's faster,
+    not row-invariant sums (`dense_quant_cpu.QuantPanels.fast`)."""
     if isinstance(w, QuantizedWeight):  # a quantized tied embedding is already transposed
         args = (np.asarray(w.values), np.asarray(w.scales),
                 None if w.zeros is None else np.asarray(w.zeros), w.scheme)
-        panels = pack_quant(*args) if qdot_group is None else pack_qdot(*args, qdot_group)
+        panels = pack_quant(*args, fast=fast_quant) if qdot_group is None else \
+            pack_qdot(*args, qdot_group)
         out_features, like = w.shape[-1], w.values
     else:
         host = np.asarray(w).T if transpose else np.asarray(w)
@@ -137,13 +141,15 @@ def _pack(w: jax.Array | QuantizedWeight, transpose: bool = False,
 
 
 def pack_params(params: ModelParams, isa: str | None = None, int8_activations: str = "off",
-                int8_activation_group_size: int = 32) -> ModelParams:
+                int8_activation_group_size: int = 32, fast_quant: bool = False) -> ModelParams:
     """Every linear weight of `params` (and the lm_head, or the tied embedding) packed, run by
     the kernel's `isa` variant (None: the best this CPU runs; cpu_build.dense_isas()).
 
     int8_activations (auto | on | off) and int8_activation_group_size: EngineConfig's; which
     int8 / int4 weights are packed for the integer dots (`qdot_choice`), their activations
-    quantized in groups of up to that size; 'on' with no such weight is a ValueError."""
+    quantized in groups of up to that size; 'on' with no such weight is a ValueError.
+    fast_quant: the other quantized weights (float activations) take the decode path that is
+    faster but not batch invariant (the engine's default mode; `_pack`)."""
     why = can_pack(params)
     if why is not None:
         raise ValueError(f"cannot pack the weights for the CPU dense kernel: {why}")
@@ -153,7 +159,8 @@ def pack_params(params: ModelParams, isa: str | None = None, int8_activations: s
             w, isa, int8_activations, int8_activation_group_size)
         chosen.append(qdot)
         return _pack(w, transpose=transpose, isa=isa,
-                     qdot_group=int8_activation_group_size if qdot else None)
+                     qdot_group=int8_activation_group_size if qdot else None,
+                     fast_quant=fast_quant)
 
     chosen: list[bool] = []
     layers = params.layers

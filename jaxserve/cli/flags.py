@@ -102,6 +102,12 @@ _ENGINE_HELP = {
                      "predicted wait)",
     "scheduling_policy": "priority: (priority, arrival) order; fcfs: arrival order (requests "
                          "must then have priority 0)",
+    "batch_invariant": "a request's tokens and logprobs bit-identical whatever else is in its "
+                       "steps, however its prompt is chunked, with prefix-cache hits, "
+                       "preemption or speculation (greedy and seeded): invariant logprobs, "
+                       "and one fixed step shape unless the CPU attention and C++ dense "
+                       "kernels run the step (docs/batch-invariance.md); refuses the Pallas "
+                       "attention kernels and MoE models",
     "compilation_cache_dir": "JAX persistent compilation cache directory (default: "
                              "$JAXSERVE_COMPILATION_CACHE_DIR or ~/.cache/jaxserve/xla)",
 }

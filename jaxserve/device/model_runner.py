@@ -84,11 +84,11 @@ def forward_step(params: ModelParams, kv_pages: KVPages, inputs: StepInputs, fee
     return kv_pages, lm_logits(cfg, params, hidden[inputs.logits_indices]), hidden, aux
 
 
-def sample_step(logits: jax.Array, st: SamplingTensors, apply_penalty: bool, feed_len: int
-                ) -> tuple[SampleOutput, jax.Array]:
+def sample_step(logits: jax.Array, st: SamplingTensors, apply_penalty: bool, feed_len: int,
+                invariant: bool = False) -> tuple[SampleOutput, jax.Array]:
     """The sampler, plus its tokens zero-padded to i32[feed_len]: the next step's `feed`, one
     shape whatever this step's bucket (so the forward never recompiles for it)."""
-    out = sample(logits, st, apply_penalty=apply_penalty)
+    out = sample(logits, st, apply_penalty=apply_penalty, invariant=invariant)
     return out, jnp.pad(out.tokens, (0, feed_len - out.tokens.shape[0]))  # a pad, no scatter
 
 
@@ -99,8 +99,8 @@ forward_jit = jax.jit(forward_step,
                       static_argnames=("cfg", "attn_impl", "mesh", "expert_parallel",
                                        "aux_layers"),
                       donate_argnames=("kv_pages",))
-sample_jit = jax.jit(sample_step, static_argnames=("apply_penalty", "feed_len"))
-prompt_logprobs_jit = jax.jit(prompt_logprobs, static_argnames=("cfg",))
+sample_jit = jax.jit(sample_step, static_argnames=("apply_penalty", "feed_len", "invariant"))
+prompt_logprobs_jit = jax.jit(prompt_logprobs, static_argnames=("cfg", "invariant"))
 
 
 StepTree = tuple[StepInputs, SamplingTensors, PromptLogprobsInputs | None]
@@ -161,13 +161,15 @@ class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, params: ModelParams, shape: BatchShape,
                  num_pages: int, kv_dtype: jnp.dtype, attn_impl: str = "reference",
                  kv_head_dim: int | None = None, mesh: Mesh | None = None,
-                 expert_parallel: bool = False, aux_layers: tuple[int, ...] = ()):
+                 expert_parallel: bool = False, aux_layers: tuple[int, ...] = (),
+                 batch_invariant: bool = False):
         """`mesh`: tensor parallel over its "model" axis; `model_cfg` and `params` are then
         the sharded model's (`placement.tp_model_config`, `placement.place_params`);
         `expert_parallel`: the params' experts are split whole over that axis
         (`place_params(..., expert_parallel=True)`) and the step runs them so;
         `aux_layers`: each step also keeps these layers' inputs on the device
-        (`ModelPending.aux`, what an EAGLE-3 head reads; `paged.paged_hidden`)."""
+        (`ModelPending.aux`, what an EAGLE-3 head reads; `paged.paged_hidden`);
+        `batch_invariant`: logprobs (sampled and prompt) by a fixed-order sum."""
         if MAX_LOGPROBS > model_cfg.vocab_size:
             raise ValueError(f"vocab_size={model_cfg.vocab_size} < MAX_LOGPROBS={MAX_LOGPROBS}")
         self.model_cfg = model_cfg
@@ -177,6 +179,7 @@ class ModelRunner:
         self.mesh = mesh
         self.expert_parallel = expert_parallel
         self.aux_layers = aux_layers
+        self.invariant = batch_invariant
         def zeros() -> KVPages:  # int8 / fp8: a QuantizedKV (pages + scales)
             return init_kv_cache(model_cfg, num_pages, shape.page_size, kv_dtype, kv_head_dim)
 
@@ -253,9 +256,10 @@ class ModelRunner:
                 info.shape, info.dtype, sharding=None if self.mesh is None else sharding),
             fwd.out_info, compiled.output_shardings)
         sample_jit.lower(logits, sampling, apply_penalty=batch.penalties.history.shape[1] > 0,
-                         feed_len=self.feed_len).compile()
+                         feed_len=self.feed_len, invariant=self.invariant).compile()
         if plp is not None:
-            prompt_logprobs_jit.lower(self.params, hidden, plp, cfg=self.model_cfg).compile()
+            prompt_logprobs_jit.lower(self.params, hidden, plp, cfg=self.model_cfg,
+                                      invariant=self.invariant).compile()
 
     def arm(self) -> None:
         self.guard.arm()
@@ -279,8 +283,8 @@ class ModelRunner:
                 self.params, self.kv_pages, inputs, self._feed, cfg=self.model_cfg,
                 attn_impl=self.attn_impl, mesh=self.mesh,
                 expert_parallel=self.expert_parallel, aux_layers=self.aux_layers)
-            scored = None if plp is None else prompt_logprobs_jit(self.params, hidden, plp,
-                                                                  cfg=self.model_cfg)
+            scored = None if plp is None else prompt_logprobs_jit(
+                self.params, hidden, plp, cfg=self.model_cfg, invariant=self.invariant)
         except Exception as e:  # noqa: BLE001 - classified for the engine
             raise self._failed("the compiled step", e) from e
         if late_mask is not None:
@@ -292,7 +296,7 @@ class ModelRunner:
         try:
             out, feed = sample_jit(logits, sampling,
                                    apply_penalty=batch.penalties.history.shape[1] > 0,
-                                   feed_len=self.feed_len)
+                                   feed_len=self.feed_len, invariant=self.invariant)
         except Exception as e:  # noqa: BLE001 - classified for the engine
             raise self._failed("the compiled step", e) from e
         # Committed to the inputs' placement: the forward is compiled for that one sharding

@@ -23,7 +23,7 @@ from flax import struct
 
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.blocks import lm_logits
+from jaxserve.models.blocks import lm_logits, log_softmax
 from jaxserve.models.families import ModelParams
 
 CHUNK = 128  # scored positions per LM-head pass: [CHUNK, vocab] f32 logits live at a time
@@ -44,8 +44,9 @@ class PromptLogprobsOutput:
 
 
 def prompt_logprobs(params: ModelParams, hidden: jax.Array, inputs: PromptLogprobsInputs,
-                    cfg: ModelConfig) -> PromptLogprobsOutput:
-    """Score `inputs.num[0]` positions of `hidden` ([T, hidden]). Pure; jit it."""
+                    cfg: ModelConfig, invariant: bool = False) -> PromptLogprobsOutput:
+    """Score `inputs.num[0]` positions of `hidden` ([T, hidden]). Pure; jit it. `invariant`
+    (static; batch-invariant mode): `blocks.log_softmax`'s fixed-order sum."""
     T = inputs.indices.shape[0]
     if T == 0:
         raise ValueError("prompt_logprobs: the batch has no prompt logprobs arrays (T_b = 0)")
@@ -64,7 +65,7 @@ def prompt_logprobs(params: ModelParams, hidden: jax.Array, inputs: PromptLogpro
         start = i * C
         rows = jax.lax.dynamic_slice(indices, (start,), (C,))
         tgt = jax.lax.dynamic_slice(targets, (start,), (C,))
-        logp = jax.nn.log_softmax(lm_logits(cfg, params, hidden[rows]), axis=-1)  # f32[C, V]
+        logp = log_softmax(lm_logits(cfg, params, hidden[rows]), invariant)  # f32[C, V]
         chosen = jnp.take_along_axis(logp, tgt[:, None], axis=1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(logp, K)
         return (jax.lax.dynamic_update_slice(lp, chosen, (start,)),

@@ -40,6 +40,7 @@ from jaxserve.device import nucleus
 from jaxserve.engine.batch_mask import TokenMaskRows
 from jaxserve.engine.batch_parts import LogitBiasRows, PenaltyRows, SamplingRows
 from jaxserve.engine.sampling_params import DEVICE_COLUMN, MAX_LOGPROBS, PAD_ROW
+from jaxserve.models.blocks import log_softmax
 
 
 # The engine's per-feature batch parts (`engine/batch_parts.py`, `engine/batch_mask.py`) are
@@ -236,8 +237,10 @@ def filter_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
                                  st.knob("top_p"), st.knob("min_p"))
 
 
-def sample(logits: jax.Array, st: SamplingTensors, apply_penalty: bool) -> SampleOutput:
-    """Draw one token per row. logits: f32[S, V]. `apply_penalty` is static.
+def sample(logits: jax.Array, st: SamplingTensors, apply_penalty: bool,
+           invariant: bool = False) -> SampleOutput:
+    """Draw one token per row. logits: f32[S, V]. `apply_penalty` is static, as `invariant`
+    (batch-invariant mode: logprobs by `blocks.log_softmax`'s fixed-order sum).
 
     Work no row asked for is skipped at run time (lax.cond): no random draw when every row
     is greedy, no logprob top-k when no row wants logprobs. On CPU, more than SAMPLE_BLOCK
@@ -246,10 +249,10 @@ def sample(logits: jax.Array, st: SamplingTensors, apply_penalty: bool) -> Sampl
     S = logits.shape[0]
     block = next((b for b in (SAMPLE_BLOCK, SAMPLE_BLOCK // 2) if S % b == 0), None)
     if block is None or S <= SAMPLE_BLOCK:
-        return sample_rows(logits, st, apply_penalty)
+        return sample_rows(logits, st, apply_penalty, invariant)
     return jax.lax.platform_dependent(
-        logits, st, cpu=lambda x, st: sample_blocks(x, st, apply_penalty, block),
-        default=lambda x, st: sample_rows(x, st, apply_penalty))
+        logits, st, cpu=lambda x, st: sample_blocks(x, st, apply_penalty, block, invariant),
+        default=lambda x, st: sample_rows(x, st, apply_penalty, invariant))
 
 
 # Rows per block of the CPU sampler. Every step of the sampler is row by row, but XLA:CPU
@@ -265,7 +268,7 @@ SAMPLE_BLOCK = 8
 
 
 def sample_blocks(logits: jax.Array, st: SamplingTensors, apply_penalty: bool,
-                  block: int) -> SampleOutput:
+                  block: int, invariant: bool = False) -> SampleOutput:
     """`sample_rows` over blocks of `block` rows (S a multiple of it), one after another
     (lax.map: one loop body, so one block's scratch)."""
     S = logits.shape[0]
@@ -274,12 +277,13 @@ def sample_blocks(logits: jax.Array, st: SamplingTensors, apply_penalty: bool,
     def split(a: jax.Array) -> jax.Array:
         return a.reshape(n, block, *a.shape[1:])
 
-    out = jax.lax.map(lambda args: sample_rows(args[0], args[1], apply_penalty),
+    out = jax.lax.map(lambda args: sample_rows(args[0], args[1], apply_penalty, invariant),
                       (split(logits), jax.tree.map(split, st)))
     return jax.tree.map(lambda a: a.reshape(S, *a.shape[2:]), out)
 
 
-def sample_rows(logits: jax.Array, st: SamplingTensors, apply_penalty: bool) -> SampleOutput:
+def sample_rows(logits: jax.Array, st: SamplingTensors, apply_penalty: bool,
+                invariant: bool = False) -> SampleOutput:
     """`sample` on all S rows at once."""
     raw = logits
     sampling = st.knob("temperature") > 0
@@ -305,7 +309,7 @@ def sample_rows(logits: jax.Array, st: SamplingTensors, apply_penalty: bool) -> 
         jnp.any(st.mask.constrained), lambda x: pick(x, True), lambda x: pick(x, False), logits)
 
     def logprobs(_: None) -> tuple[jax.Array, jax.Array, jax.Array]:
-        lp = jax.nn.log_softmax(raw, axis=-1)
+        lp = log_softmax(raw, invariant)
         top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
         chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
         return chosen, top_ids.astype(jnp.int32), top_lp

@@ -107,10 +107,14 @@ def kv_bytes_per_token(model: ModelConfig, kv_itemsize: int, kv_head_dim: int | 
 def plan_engine(cfg: EngineConfig, model: ModelConfig, kv_itemsize: int,
                 free_memory: int, kv_head_dim: int | None = None,
                 kv_scale_bytes: int = 0, draft: ModelConfig | None = None,
-                draft_kv_head_dim: int | None = None, platform: str = "cpu") -> EnginePlan:
+                draft_kv_head_dim: int | None = None, platform: str = "cpu",
+                fixed_shapes: bool = False) -> EnginePlan:
     """`draft`: a draft model's config (speculative method draft_model): its KV pages are
     indexed by the target's page ids, so every page costs the draft's bytes too.
-    `platform`: the devices' (jax's name), for speculation's default back-off."""
+    `platform`: the devices' (jax's name), for speculation's default back-off.
+    `fixed_shapes` (batch-invariant mode over kernels whose rows are not invariant): one
+    (max_num_batched_tokens, sampler rows) bucket, so every step's XLA dots and reductions
+    have the one shape; token_buckets / seq_buckets given with more is a ValueError."""
     max_model_len = cfg.max_model_len or min(model.max_position_embeddings,
                                              DEFAULT_MAX_MODEL_LEN_CAP)
     if max_model_len > model.max_position_embeddings:
@@ -156,7 +160,15 @@ def plan_engine(cfg: EngineConfig, model: ModelConfig, kv_itemsize: int,
     # (`batch.default_token_buckets`, where the measurements behind it are). The smallest is
     # 1: a lone stream pays for no padding rows (bundled model, 2-core CPU, decode step of
     # 1 sequence at context 256: 75-117 ms with the smallest bucket at 16, 31.8 ms at 1).
+    if fixed_shapes:
+        for name in ("token_buckets", "seq_buckets"):
+            if getattr(cfg, name) is not None and len(getattr(cfg, name)) > 1:
+                raise ValueError(f"{name}={getattr(cfg, name)!r}: batch_invariant=True on "
+                                 "this step (not the CPU attention and C++ dense kernels) "
+                                 "runs one fixed step shape; give one bucket or none")
     token_buckets = cfg.token_buckets or default_token_buckets(cfg.max_num_batched_tokens)
+    if fixed_shapes:
+        token_buckets = token_buckets[-1:]
     if token_buckets[-1] < cfg.max_num_batched_tokens:
         raise ValueError(f"token_buckets end at {token_buckets[-1]} < max_num_batched_tokens="
                          f"{cfg.max_num_batched_tokens}")
@@ -172,7 +184,9 @@ def plan_engine(cfg: EngineConfig, model: ModelConfig, kv_itemsize: int,
     rows = cfg.max_num_seqs if spec is None else max(cfg.max_num_seqs, (
         spec.num_speculative_tokens + 1) * min(max_running - 1, cfg.max_num_seqs))
     sched = dataclasses.replace(sched, max_num_rows=rows)
-    if cfg.seq_buckets is None:
+    if fixed_shapes and cfg.seq_buckets is None:
+        pairs = [(token_buckets[0], min(token_buckets[0], rows))]  # one shape for every step
+    elif cfg.seq_buckets is None:
         pairs = sorted({(t, min(t, rows)) for t in token_buckets})
     else:
         if cfg.seq_buckets[-1] < rows:

@@ -3,18 +3,20 @@
 Data flow per step (only while `SchedulerConfig.ttft_slo` or `itl_slo` is set; the targets are
 read from the live config every step, so the admin endpoint can change them):
   `Scheduler.schedule` -> `SloPolicy.plan(cfg, todo, waiting)` -> the step's token
-  budget (a compiled bucket size, or only the decodes' tokens) and an admission allowance ->
+  budget (a compiled bucket size, or the decodes' tokens) and an admission allowance ->
   `Scheduler` admits waiting sequences while `admit()` says the ITL target holds with them ->
   the step runs -> `StepCore.apply` -> `observe(features, seconds)` refits the model
   (`step_time_model.py`; always on, so a target set live finds a fitted model).
 
-Policy (docs/scheduling.md "SLO-driven budget"):
+Policy (docs/scheduling.md "SLO targets: the engine turns the knob"):
 - ITL target: a step that carries decoding streams is a gap in each of them, so the budget is
   the largest one whose predicted step time, with a margin of the model's recent relative
   error, meets the strictest ITL target among those streams; prefill chunks get what the
-  decodes leave. If the decodes alone miss it, no prefill runs that step (the overload is
-  counted). A waiting sequence is admitted only while the decode step with it stays within
-  the target (it decodes in every later step), unless nothing is decoding.
+  decodes leave. If the decodes alone miss it, no prefill runs that step and speculative
+  proposals are verified only as far as the target allows (down to one token a stream; below
+  that the overload is counted). A waiting sequence is admitted only while the decode step
+  with it (each row at its recent 1 + proposals tokens) stays within the strictest of the
+  streams' targets and its own, unless nothing else runs.
 - TTFT target only: the static budget, raised to the smallest budget at whose prefill rate
   every prompt in prefill or queued gets its first token by its deadline, with slack.
 - TTFT forecast (`predict_ttft`): a new prompt's tokens plus those queued ahead of it (its

@@ -7,11 +7,13 @@
 //   int4: panels u8[(L,) P, K / 2, 16], row 2i in the low nibble of byte row i, 2i + 1 in the
 //         high one; W[k, j] = q * scale + zero (q in 0..15)
 // scales (and int4's zeros) f32[(L,) P, K / G, 16]: one per group of G consecutive k and
-// column (G = K: one per column). A few rows (a decode) dequantize each weight in registers
-// and FMA it into every row, so no float weight is stored: the weights stream from memory at
-// 1 byte (int8, fp8) or half a byte (int4) per value, which is what a decode step of a few
-// rows is bound by. Both paths round alike (dequant8, then one FMA per row in k order), so a
-// row's result does not depend on how many rows its step has.
+// column (G = K: one per column). A few rows (a decode) read the quantized bytes directly, so
+// no float weight is stored: the weights stream from memory at 1 byte (int8, fp8) or half a
+// byte (int4) per value, which is what a decode step of a few rows is bound by. Row
+// invariant by default: each weight dequantized in registers and FMA'd into every row, as the
+// many-row path rounds, so a row's result does not depend on how many rows its step has; the
+// `fast` attribute (the engine's default mode; batch-invariant mode turns it off) sums
+// x . q per group first and scales once per group, other roundings and fewer multiplies.
 //
 // fp8 e4m3fn -> f32 without a table: the byte's sign goes to bit 15 and its 7 exponent and
 // mantissa bits to bits 7..13 of an IEEE half, which is then the fp8 value * 2^-8 exactly
@@ -139,12 +141,15 @@ inline v8 dequant8(v8 q, v8 s, v8 z) {
   return kZeros ? jaxserve_dense::fma8(q, s, z) : q * s;
 }
 
-// out[r, 0:16] = sum_k x[r, k] * W[k, panel columns] for r < R (x stride K, out stride 16):
-// each weight dequantized in registers (dequant8) and one FMA per row in k order, the float
-// tile's roundings over dequantize_panel's weights, so a row's result is the same bits
-// whichever path its step's row count picks (batch invariance: greedy decoding must not
-// change with the bucket or with speculation's verification rows).
-template <int R, class D, bool kZeros>
+// out[r, 0:16] = sum_k x[r, k] * W[k, panel columns] for r < R (x stride K, out stride 16).
+// Row invariant (kFast false, batch-invariant mode): each weight dequantized in registers
+// (dequant8) and one FMA per row in k order, the float tile's roundings over
+// dequantize_panel's weights, so a row's result is the same bits whichever path its step's
+// row count picks (greedy decoding must not change with the bucket or with speculation's
+// verification rows). kFast (the default mode): per group, x . q accumulated in registers,
+// then part * scale (+ zero * sum x) added: one multiply per weight and row fewer than
+// dequantizing every weight, and other roundings than the many-row path's.
+template <int R, class D, bool kZeros, bool kFast>
 void block(const float* x, int64_t K, int64_t G, const uint8_t* panel, const float* scales,
            const float* zeros, float* out) {
   v8 acc[R][2];
@@ -155,17 +160,43 @@ void block(const float* x, int64_t K, int64_t G, const uint8_t* panel, const flo
     const v8 s1 = load8(scales + gi * kPanel + 8) * D::kScale;
     const v8 z0 = kZeros ? load8(zeros + gi * kPanel) : splat(0.0f);
     const v8 z1 = kZeros ? load8(zeros + gi * kPanel + 8) : splat(0.0f);
+    v8 part[R][2];
+    float xsum[R];
+    if constexpr (kFast) {
+      for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = splat(0.0f), xsum[r] = 0.0f;
+    }
     for (int64_t k = g0; k < g0 + G; k += D::kUnit) {
       const uint8_t* pk = panel + k / D::kUnit * D::kBytes;
       if (k + ahead < K) __builtin_prefetch(pk + ahead / D::kUnit * D::kBytes);
       v8 w[D::kUnit][2];
       D::load(pk, w);
       for (int u = 0; u < D::kUnit; ++u) {
-        const v8 lo = dequant8<kZeros>(w[u][0], s0, z0), hi = dequant8<kZeros>(w[u][1], s1, z1);
-        for (int r = 0; r < R; ++r) {
-          const v8 a = splat(x[r * K + k + u]);
-          acc[r][0] = jaxserve_dense::fma8(a, lo, acc[r][0]);
-          acc[r][1] = jaxserve_dense::fma8(a, hi, acc[r][1]);
+        if constexpr (kFast) {
+          for (int r = 0; r < R; ++r) {
+            const float xv = x[r * K + k + u];
+            const v8 a = splat(xv);
+            part[r][0] += a * w[u][0];
+            part[r][1] += a * w[u][1];
+            if (kZeros) xsum[r] += xv;
+          }
+        } else {
+          const v8 lo = dequant8<kZeros>(w[u][0], s0, z0);
+          const v8 hi = dequant8<kZeros>(w[u][1], s1, z1);
+          for (int r = 0; r < R; ++r) {
+            const v8 a = splat(x[r * K + k + u]);
+            acc[r][0] = jaxserve_dense::fma8(a, lo, acc[r][0]);
+            acc[r][1] = jaxserve_dense::fma8(a, hi, acc[r][1]);
+          }
+        }
+      }
+    }
+    if constexpr (kFast) {
+      for (int r = 0; r < R; ++r) {
+        acc[r][0] += part[r][0] * s0;
+        acc[r][1] += part[r][1] * s1;
+        if (kZeros) {
+          acc[r][0] += splat(xsum[r]) * z0;
+          acc[r][1] += splat(xsum[r]) * z1;
         }
       }
     }
@@ -173,16 +204,16 @@ void block(const float* x, int64_t K, int64_t G, const uint8_t* panel, const flo
   std::memcpy(out, acc, sizeof(float) * R * kPanel);
 }
 
-template <class D, bool kZeros>
+template <class D, bool kZeros, bool kFast>
 void rows_block(int rows, const float* x, int64_t K, int64_t G, const uint8_t* panel,
                 const float* s, const float* z, float* out) {
   switch (rows) {
-    case 1: block<1, D, kZeros>(x, K, G, panel, s, z, out); break;
-    case 2: block<2, D, kZeros>(x, K, G, panel, s, z, out); break;
-    case 3: block<3, D, kZeros>(x, K, G, panel, s, z, out); break;
-    case 4: block<4, D, kZeros>(x, K, G, panel, s, z, out); break;
-    case 5: block<5, D, kZeros>(x, K, G, panel, s, z, out); break;
-    default: block<6, D, kZeros>(x, K, G, panel, s, z, out); break;
+    case 1: block<1, D, kZeros, kFast>(x, K, G, panel, s, z, out); break;
+    case 2: block<2, D, kZeros, kFast>(x, K, G, panel, s, z, out); break;
+    case 3: block<3, D, kZeros, kFast>(x, K, G, panel, s, z, out); break;
+    case 4: block<4, D, kZeros, kFast>(x, K, G, panel, s, z, out); break;
+    case 5: block<5, D, kZeros, kFast>(x, K, G, panel, s, z, out); break;
+    default: block<6, D, kZeros, kFast>(x, K, G, panel, s, z, out); break;
   }
 }
 
@@ -211,7 +242,7 @@ void dequantize_panel(int64_t K, int64_t G, const uint8_t* panel, const float* s
 template <class D, bool kZeros>
 ffi::Error DenseQuant(ffi::ThreadPool pool, ffi::AnyBuffer x_buf, ffi::AnyBuffer panels,
                       ffi::AnyBuffer scales, ffi::AnyBuffer zeros, ffi::AnyBuffer layer,
-                      ffi::Result<ffi::AnyBuffer> y_buf) {
+                      ffi::Result<ffi::AnyBuffer> y_buf, bool fast) {
   auto xd = x_buf.dimensions(), pd = panels.dimensions(), sd = scales.dimensions();
   auto yd = y_buf->dimensions();
   const size_t nd = pd.size();
@@ -251,8 +282,13 @@ ffi::Error DenseQuant(ffi::ThreadPool pool, ffi::AnyBuffer x_buf, ffi::AnyBuffer
         const int64_t j = j0 + p, cols = std::min(kPanel, N - j * kPanel);
         const float* z = kZeros ? zbase + j * scale_len : nullptr;
         const int rows = static_cast<int>(r1 - r0);
-        rows_block<D, kZeros>(rows, x + r0 * K, K, G, base + j * panel_bytes,
-                              sbase + j * scale_len, z, &out[0][0]);
+        if (fast) {
+          rows_block<D, kZeros, true>(rows, x + r0 * K, K, G, base + j * panel_bytes,
+                                      sbase + j * scale_len, z, &out[0][0]);
+        } else {
+          rows_block<D, kZeros, false>(rows, x + r0 * K, K, G, base + j * panel_bytes,
+                                       sbase + j * scale_len, z, &out[0][0]);
+        }
         for (int i = 0; i < rows; ++i) {
           std::memcpy(y + (r0 + i) * N + j * kPanel, out[i], sizeof(float) * cols);
         }
@@ -280,16 +316,17 @@ ffi::Error DenseQuant(ffi::ThreadPool pool, ffi::AnyBuffer x_buf, ffi::AnyBuffer
 }
 
 ffi::Error DenseInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer p, ffi::AnyBuffer s,
-                     ffi::AnyBuffer layer, ffi::Result<ffi::AnyBuffer> y) {
-  return DenseQuant<Int8, false>(pool, x, p, s, s, layer, y);
+                     ffi::AnyBuffer layer, ffi::Result<ffi::AnyBuffer> y, bool fast) {
+  return DenseQuant<Int8, false>(pool, x, p, s, s, layer, y, fast);
 }
 ffi::Error DenseFp8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer p, ffi::AnyBuffer s,
-                    ffi::AnyBuffer layer, ffi::Result<ffi::AnyBuffer> y) {
-  return DenseQuant<Fp8, false>(pool, x, p, s, s, layer, y);
+                    ffi::AnyBuffer layer, ffi::Result<ffi::AnyBuffer> y, bool fast) {
+  return DenseQuant<Fp8, false>(pool, x, p, s, s, layer, y, fast);
 }
 ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer p, ffi::AnyBuffer s,
-                     ffi::AnyBuffer z, ffi::AnyBuffer layer, ffi::Result<ffi::AnyBuffer> y) {
-  return DenseQuant<Int4, true>(pool, x, p, s, z, layer, y);
+                     ffi::AnyBuffer z, ffi::AnyBuffer layer, ffi::Result<ffi::AnyBuffer> y,
+                     bool fast) {
+  return DenseQuant<Int4, true>(pool, x, p, s, z, layer, y, fast);
 }
 
 }  // namespace
@@ -298,13 +335,15 @@ ffi::Error DenseInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer p, f
   ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>() \
       .Arg<ffi::AnyBuffer>()
 
-// x f32[M, K], panels, scales, [zeros,] layer s32[] -> y f32[M, N]
+// x f32[M, K], panels, scales, [zeros,] layer s32[] -> y f32[M, N]; attribute `fast`: the
+// few-row path's per-group sums (default mode) instead of the row-invariant FMAs.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDenseInt8Cpu, DenseInt8,
                               JAXSERVE_DENSE_QUANT_BIND.Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                                  .Ret<ffi::AnyBuffer>().Attr<bool>("fast"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDenseFp8Cpu, DenseFp8,
                               JAXSERVE_DENSE_QUANT_BIND.Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                                  .Ret<ffi::AnyBuffer>().Attr<bool>("fast"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDenseInt4Cpu, DenseInt4,
                               JAXSERVE_DENSE_QUANT_BIND.Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+                                  .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("fast"));

@@ -19,6 +19,9 @@ float32, XLA:CPU's own dot on the unpacked stack, isa "xla"); for each
 (shape, M) the variants run interleaved, --runs times each, so load from other processes
 on a shared host hits them alike; the best (and the median) per-layer time is reported.
 
+Quantized kinds also get an "<isa>+fast" row: the few-row path of the engine's default mode
+(QuantPanels.fast, per-group sums), against the row-invariant one batch-invariant mode runs.
+
 --baseline-src DIR adds "before" rows: DIR holds an older kernels_pallas/csrc (e.g.
 `git archive <commit> kernels_pallas/csrc | tar -x -C DIR`), built with the old flags into a
 library of its own whose dense targets are registered under baseline names and timed
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import pathlib
 import statistics
@@ -111,6 +115,8 @@ def call(target: str, x: jax.Array, w, layer: jax.Array, n: int) -> jax.Array:  
     args = (x, w) if not isinstance(w, (QuantPanels, QdotPanels)) else (
         (x, w.values, w.scales) + (() if w.zeros is None else (w.zeros,)))
     attrs = {"act_group": np.int64(w.act_group)} if isinstance(w, QdotPanels) else {}
+    if isinstance(w, QuantPanels) and not target.startswith("baseline_"):
+        attrs = {"fast": w.fast}  # the default mode's few-row path, or the row-invariant one
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
         *args, layer, **attrs)
 
@@ -198,6 +204,10 @@ def main() -> int:
                 for isa in isas:
                     variants[(kind, isa)] = timer(cpu_build.dense_target(base, isa), x,
                                                   weights[kind], layers, n)
+                if kind != "f32":  # the engine's default mode (not batch invariant)
+                    variants[(kind, f"{isas[0]}+fast")] = timer(
+                        cpu_build.dense_target(base, isas[0]), x,
+                        dataclasses.replace(weights[kind], fast=True), layers, n)
                 if kind in baseline:
                     variants[(kind, "before")] = timer(baseline[kind], x, weights[kind],
                                                        layers, n)

@@ -179,6 +179,30 @@ def test_cpu_kernel_row_is_the_same_bits_in_any_row_count(scheme: str, isa: str)
                 assert np.array_equal(got[i], want), (m, i, np.abs(got[i] - want).max())
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_cpu_kernel_fast_decode_path(scheme: str) -> None:
+    """The default mode's few-row path (`QuantPanels.fast`: per-group sums, then the scale):
+    within the float tolerance of numpy at 1..6 rows, and not the row-invariant path's bits
+    (a row alone differs from the same row among 7+, which the dequantized panels run), so
+    batch-invariant mode, which packs without it, has something to turn off."""
+    rng = np.random.default_rng(9)
+    k, n = 448, 40
+    q = quantize_weight(rng.normal(size=(1, k, n)).astype(np.float32), scheme,
+                        32 if scheme == "int4" else None)
+    w = numpy_dequantize(q)[0]
+    packed = jax.tree.map(jnp.asarray, pack_quant(np.asarray(q.values), q.scales, q.zeros,
+                                                  scheme, fast=True))
+    x = rng.normal(size=(13, k)).astype(np.float32)
+    kernel = jax.jit(dense_quant_packed, static_argnums=3)
+    for m in (1, 3, 6):
+        got = np.asarray(kernel(jnp.asarray(x[:m]), packed, jnp.int32(0), n))
+        assert np.all(np.abs(got - x[:m] @ w) <= matmul_atol(x[:m], w, sides=2, roundings=2))
+    alone = np.stack([np.asarray(kernel(jnp.asarray(x[i:i + 1]), packed, jnp.int32(0), n))[0]
+                      for i in range(13)])
+    many = np.asarray(kernel(jnp.asarray(x), packed, jnp.int32(0), n))
+    assert not np.array_equal(alone, many)
+
+
 def test_cpu_kernel_checks_name_the_bad_input() -> None:
     q = quantize_weight(np.ones((64, 32), np.float32), "int4", 32)
     packed = pack_quant(np.asarray(q.values), q.scales, q.zeros, "int4")
