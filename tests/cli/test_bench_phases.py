@@ -285,3 +285,18 @@ def test_goodput_flags_combine_and_refuse_a_target_given_twice() -> None:
         goodput_slo(ns(["itl:200"], None, 0.3))
     with pytest.raises(ValueError, match="--ttft-slo -1.0 must be"):
         goodput_slo(ns(None, -1.0, None))
+
+
+def test_slo_scheduling_gives_the_in_process_engine_the_goodput_targets() -> None:
+    from jaxserve.cli.bench.cli import _engine_config
+    from jaxserve.cli.main import build_parser
+
+    parse = build_parser().parse_args
+    cfg = _engine_config(parse(["bench", "--slo-scheduling", "--goodput", "ttft:1500",
+                                "itl:150", "tpot:40"]))
+    assert (str(cfg.ttft_slo), str(cfg.itl_slo)) == ("1.5", "0.15")
+    cfg = _engine_config(parse(["bench", "--slo-scheduling", "--itl-slo", "0.2"]))
+    assert cfg.ttft_slo is None and str(cfg.itl_slo) == "0.2"
+    assert _engine_config(parse(["bench", "--goodput", "ttft:1500"])).ttft_slo is None
+    with pytest.raises(ValueError, match="--slo-scheduling needs"):
+        _engine_config(parse(["bench", "--slo-scheduling", "--goodput", "tpot:40"]))
