@@ -10,13 +10,18 @@ read from the live config every step, so the admin endpoint can change them):
 
 Policy (docs/scheduling.md "SLO targets: the engine turns the knob"):
 - ITL target: a step that carries decoding streams is a gap in each of them, so the budget is
-  the largest one whose predicted step time, with a margin of the model's recent relative
-  error, meets the strictest ITL target among those streams; prefill chunks get what the
-  decodes leave. If the decodes alone miss it, no prefill runs that step and speculative
+  at most the largest one whose predicted step time, with a margin of the model's recent
+  relative error, meets the strictest ITL target among those streams; prefill chunks get
+  what the decodes leave. With a TTFT target too, the budget is the smallest of those at
+  which the prompts in prefill or queued meet their TTFT deadlines (as below): a step nearer
+  the ITL target buys no request anything and only risks the streams' gaps. If the decodes alone miss it, no prefill runs that step and speculative
   proposals are verified only as far as the target allows (down to one token a stream; below
   that the overload is counted). A waiting sequence is admitted only while the decode step
   with it (each row at its recent 1 + proposals tokens) stays within the strictest of the
-  streams' targets and its own, unless nothing else runs.
+  streams' targets and its own, unless nothing else runs. A stream whose first token missed
+  its TTFT target has missed its SLO for good: it no longer sets the bound (with only such
+  streams a step is sized as below, without an ITL target), so the steps serve the requests
+  that can still meet theirs.
 - TTFT target only: the static budget, raised to the smallest budget at whose prefill rate
   every prompt in prefill or queued gets its first token by its deadline, with slack.
 - TTFT forecast (`predict_ttft`): a new prompt's tokens plus those queued ahead of it (its
@@ -123,7 +128,12 @@ class SloPolicy:
                   for r in prefilling] + [(r.num_computed_tokens, r.num_tokens - r.num_computed_tokens)
                              for _, _, r in heapq.nsmallest(_PREFILL_LOOKAHEAD, waiting)
                              if r.status is SequenceStatus.WAITING]
-        itl = _strictest(cfg.itl_slo, (r for r, _ in decodes)) if cfg.itl_slo else None
+        # A stream whose first token came after its TTFT target has missed its SLO whatever
+        # comes next: it no longer holds the step to its ITL target (with only such streams
+        # the step is sized as without an ITL target), so steps go to the requests that can
+        # still meet theirs.
+        itl = _strictest(cfg.itl_slo, (r for r, _ in decodes if not _ttft_missed(cfg, r))) \
+            if cfg.itl_slo else None
         self._margin = self.margin()
         self._rows, self._keys, self._itl = len(decodes), dec_keys, itl
         if decodes:  # a decode row's tokens in later steps (1 + its proposals), for `admit`
@@ -132,18 +142,33 @@ class SloPolicy:
         candidates = [b for b in self._budgets(cfg) if b > dec_tokens]
         cost = {b: self._predict(dec_tokens, dec_keys, chunks, b)
                 for b in candidates}
+        capacity = candidates[-1] if candidates else None  # the most the policy would take
         if itl is not None:
             fits = [b for b in candidates if cost[b] * self._margin <= itl]
-            budget = max(fits) if fits else self._lean_budget(cfg, decodes, dec_keys, itl)
+            capacity = max(fits) if fits else None
+            if not fits:
+                budget = self._lean_budget(cfg, decodes, dec_keys, itl)
+            elif cfg.ttft_slo is not None:
+                # Both targets: no more than the queue's TTFT deadlines need (a step nearer
+                # the ITL target buys no request anything and only risks its gaps), at
+                # most the largest that meets ITL.
+                budget = self._ttft_budget(cfg, now, dec_tokens, fits, cost, prefilling,
+                                           waiting, fits[0], max(fits))
+            else:
+                budget = max(fits)
         elif cfg.ttft_slo is not None:
             budget = self._ttft_budget(cfg, now, dec_tokens, candidates, cost, prefilling,
-                                       waiting, static_budget)
+                                       waiting, static_budget, static_budget)
         else:
-            budget = static_budget
+            budget = capacity = static_budget
         budget = max(budget, min(len(decodes), cfg.max_num_batched_tokens))
         step_s = cost.get(budget) or self._predict(min(dec_tokens, budget), dec_keys, chunks,
                                                    budget)
-        self._prefill_rate = max(0, budget - dec_tokens) / step_s if step_s > 0 else math.inf
+        # The forecast's prefill rate: that of the largest budget the policy would take now
+        # (it raises the budget for deadlines), not of the one it took.
+        cap_s = cost.get(capacity, 0.0) if capacity is not None else 0.0
+        self._prefill_rate = 0.0 if capacity is None else \
+            (capacity - dec_tokens) / cap_s if cap_s > 0 else math.inf
         self.last_budget = budget
         if now - self._last_log >= _LOG_EVERY_S and log.isEnabledFor(logging.DEBUG):
             self._last_log = now
@@ -210,12 +235,14 @@ class SloPolicy:
 
     def _ttft_budget(self, cfg: SchedulerConfig, now: float, dec_tokens: int,
                      candidates: list[int], cost: dict[int, float], prefilling: list[Sequence],
-                     waiting: list[tuple[int, int, Sequence]], static_budget: int) -> int:
-        """The smallest budget >= the static one at whose prefill rate every prompt still
-        in prefill (the running ones first, then the queue in its order) gets its first
-        token by its TTFT deadline, with slack (`TTFT_SLACK`): its tokens and those ahead of
-        it at that rate, plus the step in flight and the one that samples it. The largest
-        budget if none does (the misses are counted where the forecast is made)."""
+                     waiting: list[tuple[int, int, Sequence]], floor: int,
+                     no_deadlines: int) -> int:
+        """The smallest budget >= `floor` at whose prefill rate every prompt still in
+        prefill (the running ones first, then the queue in its order) gets its first token
+        by its TTFT deadline, with slack (`TTFT_SLACK`): its tokens and those ahead of it at
+        that rate, plus the step in flight and the one that samples it. The largest
+        candidate if none does (the misses are counted where the forecast is made);
+        `no_deadlines` when no prompt has one."""
         deadlines, ahead = [], 0  # (prompt tokens up to and including it, seconds left)
         queue = [r for _, _, r in sorted(waiting, key=lambda e: e[:2])
                  if r.status is SequenceStatus.WAITING]
@@ -227,9 +254,9 @@ class SloPolicy:
                 if left > 0:  # (one already late is lost either way)
                     deadlines.append((ahead, left))
         if not deadlines:
-            return static_budget
+            return no_deadlines
         for b in candidates:
-            if b < static_budget or cost[b] <= 0:
+            if b < floor or cost[b] <= 0:
                 continue
             rate = (b - dec_tokens) / cost[b]
             # Two steps: the one in flight, then the one that samples its first token; and
@@ -237,7 +264,7 @@ class SloPolicy:
             if all((tokens / rate + 2 * cost[b]) * TTFT_SLACK <= left
                    for tokens, left in deadlines):
                 return b
-        return candidates[-1] if candidates else static_budget
+        return candidates[-1] if candidates else floor
 
     # ----------------------------------------------------------------------- admission
     def predict_ttft(self, num_prompt_tokens: int, priority: int, running: list[Sequence],
@@ -283,6 +310,14 @@ class SloPolicy:
         return SloStats(self.last_budget, self.model.last_predicted, self.model.last_measured,
                         self.itl_overloads,
                         tuple((p, *v) for p, v in sorted(self._levels.items())))
+
+
+def _ttft_missed(cfg: SchedulerConfig, seq: Sequence) -> bool:
+    """Whether `seq`'s first token came after its level's TTFT target (never, without one)."""
+    m = seq.metrics
+    target = cfg.ttft_slo.for_priority(seq.priority) if cfg.ttft_slo is not None else None
+    return target is not None and m.first_token_time is not None and \
+        m.first_token_time - m.arrival_time > target
 
 
 def _strictest(targets, seqs: Iterable[Sequence]) -> float | None:  # noqa: ANN001
