@@ -12,7 +12,7 @@ none, nobody (403 / PERMISSION_DENIED) unless the server runs with `--enable-adm
 
 Data flow of a change: the wire form -> {field: value} (`admin_wire.changes_from_proto` maps
 the proto's conventions; JSON is taken as it is: nothing is validated here) -> `serving.
-scheduler_admin.SchedulerAdmin.update` (the engine checks every field against what start-up
+admin_settings.SchedulerAdmin.update` (the engine checks every field against what start-up
 compiled: its InvalidRequest names the field and the limit -> 400 / INVALID_ARGUMENT with
 that message) -> one INFO log line naming the caller and each field's old -> new value ->
 the settings the next step runs with.
@@ -32,7 +32,7 @@ from jaxserve.server import stubs
 from jaxserve.server.admin_wire import changes_from_proto, settings_to_proto
 from jaxserve.server.http_body import read_json
 from jaxserve.serving.async_engine import EngineStopped
-from jaxserve.serving.scheduler_admin import SchedulerAdmin
+from jaxserve.serving.admin_settings import SchedulerAdmin
 
 if TYPE_CHECKING:
     from jaxserve.server.openai_http import OpenAIHttpFront

@@ -57,7 +57,7 @@ from jaxserve.server.openai_http import OpenAIHttpFront
 from jaxserve.server.servicer import SERVICE_NAME, GenerationServicer
 from jaxserve.serving.admission import Admission
 from jaxserve.serving.async_replica_pool import AsyncServing
-from jaxserve.serving.scheduler_admin import SchedulerAdmin
+from jaxserve.serving.admin_settings import SchedulerAdmin
 from jaxserve.serving.served import ServedModel, start_serving
 from jaxserve.serving.metrics import EngineMetrics, MetricsHttpServer
 

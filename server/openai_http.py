@@ -82,7 +82,7 @@ from jaxserve.server.inflight import InFlight
 from jaxserve.serving import admission
 from jaxserve.serving.async_engine import RequestStream
 from jaxserve.serving.async_replica_pool import AsyncServing
-from jaxserve.serving.scheduler_admin import SchedulerAdmin
+from jaxserve.serving.admin_settings import SchedulerAdmin
 from jaxserve.serving.served import ServedModel
 
 log = logging.getLogger(__name__)

@@ -127,11 +127,11 @@ def check_changes(cfg: SchedulerConfig, changes: Mapping[str, Any],
     if seqs > bounds.max_seqs:
         why = ("the sampler rows the compiled buckets were sized for, with speculative "
                "decoding" if bounds.speculative else "the largest compiled seqs bucket")
-        raise InvalidRequest(f"max_num_seqs={seqs} is over the limit: at most "
+        raise InvalidRequest(f"max_num_seqs={seqs} is past what start-up compiled: at most "
                              f"{bounds.max_seqs} ({why}; restart with a larger --max-num-seqs "
                              "to compile more)", "max_num_seqs")
     if tokens > bounds.max_step_tokens:
-        raise InvalidRequest(f"max_num_batched_tokens={tokens} is over the limit: at most "
+        raise InvalidRequest(f"max_num_batched_tokens={tokens} is past what start-up compiled: at most "
                              f"{bounds.max_step_tokens} (the largest compiled token bucket; "
                              "restart with larger --token-buckets to raise it)",
                              "max_num_batched_tokens")

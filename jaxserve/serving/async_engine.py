@@ -14,7 +14,7 @@ Data flow:
   When nothing is in flight the loop thread sleeps on a condition variable (no busy spin);
   woken from idle by a request, it may wait `idle_batch_window_ms` for others that arrive with
   it (`idle_window.py` decides: by default only when the previous wake-up had company).
-  A live scheduler change (`reconfigure`, from `scheduler_admin.py`) is a command too: the
+  A live scheduler change (`reconfigure`, from `admin_settings.py`) is a command too: the
   loop thread applies it between two steps, in order with the adds around it.
 
 Admission errors come back through the same sink: a ValueError from `Engine.add_request`
@@ -231,7 +231,7 @@ class AsyncEngine:
         (any thread; returns at once). The future holds the new settings, or the
         InvalidRequest / EngineStopped that refused it. Reads need no command:
         `engine.scheduler_settings()` is one read of the config this swaps whole.
-        `serving.scheduler_admin` drives this for the fronts (one replica or all)."""
+        `serving.admin_settings` drives this for the fronts (one replica or all)."""
         done: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
         with self._cond:
             if self._error is not None:

@@ -14,7 +14,7 @@ One replica's fatal failure (`EngineDead`) fails the whole pool (`error`): the f
 every call and report unavailable, and `jaxserve serve` exits non-zero to be restarted with
 every replica, rather than serving on at reduced capacity with a device in an unknown state.
 A per-request failure inside a replica's step stays that request's (finish reason ERROR).
-Live scheduler changes go to every replica or to none (`scheduler_admin.SchedulerAdmin`).
+Live scheduler changes go to every replica or to none (`admin_settings.SchedulerAdmin`).
 """
 
 from __future__ import annotations

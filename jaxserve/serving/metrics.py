@@ -103,7 +103,7 @@ class MetricFamilies:
         self.iteration_tokens = hist("iteration_tokens_total", "Tokens computed per step.",
                                      _token_buckets(max_num_batched_tokens))
         # The live scheduler limits (the admin endpoint may change them), read at scrape time.
-        self.scheduler = Gauge(PREFIX + "scheduler_setting",
+        self.scheduler_setting = Gauge(PREFIX + "scheduler_setting",
                                "Live scheduler limit (decode_token_budget 0: none).",
                                (*labels, "setting"), registry=r)
         self.spec: SpecFamilies | None = None if num_speculative_tokens is None else \
@@ -163,7 +163,7 @@ class EngineMetrics:
         self.prompt_tokens = fam.prompt_tokens.labels(*values)
         self.generation_tokens = fam.generation_tokens.labels(*values)
         self._success = fam.success
-        self._scheduler = fam.scheduler
+        self._scheduler = fam.scheduler_setting
         self.ttft = fam.ttft.labels(*values)
         self.itl = fam.itl.labels(*values)
         self.tpot = fam.tpot.labels(*values)

@@ -66,7 +66,7 @@ def test_apply_pushes_the_best_setting(tmp_path, server, capsys) -> None:  # noq
 @pytest.mark.parametrize("rows,key,message", [
     ([(32, 4, 100.0, 5000.0)], KEY, "nothing sent to 127.0.0.1:"),  # nothing feasible
     ([(128, 4, 100.0, 10.0)], KEY, "refused the setting: INVALID_ARGUMENT: "
-                                   "max_num_batched_tokens=128 is over the limit: at most 64"),
+                                   "max_num_batched_tokens=128 is past what start-up compiled: at most 64"),
     ([(16, 2, 100.0, 10.0)], None, "refused the setting: UNAUTHENTICATED"),
 ])
 def test_apply_refused_changes_nothing(tmp_path, server, capsys, rows, key, message

@@ -22,10 +22,10 @@ START = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "decode_token_budget":
          "scheduling_policy": "priority"}
 
 REFUSED = [
-    ({"max_num_seqs": 5}, "max_num_seqs", r"max_num_seqs=5 is over the limit: at most 4 "
+    ({"max_num_seqs": 5}, "max_num_seqs", r"max_num_seqs=5 is past what start-up compiled: at most 4 "
                                           r"\(the largest compiled seqs bucket"),
     ({"max_num_batched_tokens": 65}, "max_num_batched_tokens",
-     r"max_num_batched_tokens=65 is over the limit: at most 64 \(the largest compiled token "
+     r"max_num_batched_tokens=65 is past what start-up compiled: at most 64 \(the largest compiled token "
      r"bucket"),
     ({"max_num_batched_tokens": 3, "decode_token_budget": None}, "max_num_batched_tokens",
      r"max_num_batched_tokens=3 must be >= max_num_seqs=4"),
@@ -214,7 +214,7 @@ def test_speculation_bounds_max_num_seqs_by_the_rows_compiled():
                                         "disable_by_batch_size": 3})
     engine = fake_engine(speculative_config=spec)  # rows: max(4, 4 * min(3 - 1, 4)) = 8
     assert engine.plan.scheduler.max_num_rows == 8
-    with pytest.raises(InvalidRequest, match=r"max_num_seqs=9 is over the limit: at most 8 "
+    with pytest.raises(InvalidRequest, match=r"max_num_seqs=9 is past what start-up compiled: at most 8 "
                                              r"\(the sampler rows"):
         engine.update_scheduler({"max_num_seqs": 9})
     engine.update_scheduler({"max_num_seqs": 8})

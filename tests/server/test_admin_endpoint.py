@@ -99,9 +99,9 @@ def test_auth_matrix(servers, name, key, status, code) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("changes,field,message", [
-    ({"max_num_seqs": 9}, "max_num_seqs", "max_num_seqs=9 is over the limit: at most 4"),
+    ({"max_num_seqs": 9}, "max_num_seqs", "max_num_seqs=9 is past what start-up compiled: at most 4"),
     ({"max_num_batched_tokens": 128}, "max_num_batched_tokens",
-     "max_num_batched_tokens=128 is over the limit: at most 64 (the largest compiled token "
+     "max_num_batched_tokens=128 is past what start-up compiled: at most 64 (the largest compiled token "
      "bucket"),
     ({"itl_slo": "fast"}, "itl_slo", "itl_slo='fast' is not a number of seconds"),
     ({"slo_admission": "reject"}, "slo_admission", "slo_admission='reject' needs a ttft_slo"),

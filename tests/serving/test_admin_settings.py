@@ -1,4 +1,4 @@
-"""Live scheduler changes through the serving layer (`serving/scheduler_admin.py`): applied
+"""Live scheduler changes through the serving layer (`serving/admin_settings.py`): applied
 by each AsyncEngine's loop thread between two steps (a gated runner holds a step and the
 change waits for it), on every data-parallel replica or on none (replicas built with
 different compiled bounds: a change one of them refuses changes neither)."""
@@ -15,7 +15,7 @@ from jaxserve.engine.errors import InvalidRequest
 from jaxserve.serving.async_engine import AsyncEngine, EngineStopped
 from jaxserve.serving.async_replica_pool import AsyncReplicaPool
 from jaxserve.serving.router import make_router
-from jaxserve.serving.scheduler_admin import SchedulerAdmin
+from jaxserve.serving.admin_settings import SchedulerAdmin
 
 
 def test_change_is_applied_by_the_loop_thread_between_steps() -> None:
@@ -65,7 +65,7 @@ def test_every_replica_or_none() -> None:
     admin = SchedulerAdmin(pool)
 
     async def main() -> None:
-        with pytest.raises(InvalidRequest, match=r"max_num_seqs=3 is over the limit: at most "
+        with pytest.raises(InvalidRequest, match=r"max_num_seqs=3 is past what start-up compiled: at most "
                                                  r"2") as info:
             await admin.update({"max_num_seqs": 3, "itl_slo": 0.5})
         assert info.value.field == "max_num_seqs"
