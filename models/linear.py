@@ -19,6 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as PS
 
 from ..kernels_pallas.dense_cpu import PANEL, dense_packed
 from ..kernels_pallas.dense_qdot_cpu import QdotPanels, dense_qdot_packed, qdot_columns
@@ -91,6 +93,11 @@ class LoraWeight:
     b: jax.Array  # f[L, S, R, out] (the adapter's scaling folded in)
     slots: jax.Array  # i32[T]: each row's adapter slot (0: none)
     layer: jax.Array | None = None  # i32[]: the layer (set by scan_layers)
+    # Tensor parallelism: the mesh, its axis, and how the projection is split over it
+    # ("col": outputs, "row": inputs; the stacks are split alike, `models/lora.lora_specs`).
+    mesh: Mesh | None = struct.field(pytree_node=False, default=None)
+    axis: str = struct.field(pytree_node=False, default="model")
+    split: str = struct.field(pytree_node=False, default="rep")
 
     def delta(self, x: jax.Array) -> jax.Array:
         """[..., in] -> [..., out]: each row's own adapter's update (zero on slot 0)."""
@@ -100,8 +107,35 @@ class LoraWeight:
         if rows.shape[0] != self.slots.shape[0]:
             raise ValueError(f"LoRA slots give {self.slots.shape[0]} rows, x has "
                              f"{rows.shape[0]} ({tuple(x.shape)})")
-        y = lora_delta(rows, self.a, self.b, self.slots, self.layer)
+        if self.mesh is None or self.split == "rep":
+            y = lora_delta(rows, self.a, self.b, self.slots, self.layer)
+        else:
+            y = self._sharded(rows)
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def _sharded(self, rows: jax.Array) -> jax.Array:
+        """The delta under tensor parallelism, each device on its own slice as the base
+        projection is: a column-split one gives each device its outputs (x whole, b's
+        columns); a row-split one sums the devices' partial products (x's and a's slices of
+        the inputs; the sum of (x_d @ a_d) @ b over devices is (x @ a) @ b, b being linear).
+        The kernel runs per device (a custom call XLA could not split itself)."""
+        ax, rep = self.axis, PS()
+        if self.split == "col":
+            specs = (rep, rep, PS(None, None, None, ax), PS(None, ax))
+
+            def local(x: jax.Array, a: jax.Array, b: jax.Array, s: jax.Array,
+                      i: jax.Array) -> jax.Array:
+                return lora_delta(x, a, b, s, i)
+        else:
+            specs = (PS(None, ax), PS(None, None, ax, None), rep, rep)
+
+            def local(x: jax.Array, a: jax.Array, b: jax.Array, s: jax.Array,
+                      i: jax.Array) -> jax.Array:
+                return jax.lax.psum(lora_delta(x, a, b, s, i), ax)
+        x_spec, a_spec, b_spec, out_spec = specs
+        return jax.shard_map(local, mesh=self.mesh,
+                             in_specs=(x_spec, a_spec, b_spec, rep, rep), out_specs=out_spec,
+                             check_vma=False)(rows, self.a, self.b, self.slots, self.layer)
 
 
 def split_stacked(w: object) -> tuple[object, object | None]:

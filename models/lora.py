@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .config import ModelConfig
@@ -140,11 +141,15 @@ def write_slot(stacks: LoraStacks, slot: jax.Array, arrays: LoraStacks) -> LoraS
 write_slot_jit = jax.jit(write_slot, donate_argnums=0)
 
 
-def attach(layers: Any, stacks: LoraStacks, token_slots: jax.Array) -> Any:
+def attach(layers: Any, stacks: LoraStacks, token_slots: jax.Array, cfg: ModelConfig,
+           mesh: Mesh | None = None) -> Any:
     """The layer params with every target field a LoraWeight over `stacks` and the step's
     per-token slots i32[T] (`decoder.scan_layers` then slices the bases and hands the stacks
-    whole, with the layer set)."""
+    whole, with the layer set). `mesh`: tensor parallel; each delta then runs split as its
+    projection (the family's TP_LAYOUT)."""
+    layout = family(cfg).TP_LAYOUT
     wrapped = {f: LoraWeight(base=getattr(layers, f), a=stacks.a[f], b=stacks.b[f],
-                             slots=token_slots)
+                             slots=token_slots, mesh=mesh, axis=MODEL_AXIS,
+                             split=layout[f] if layout[f] in ("col", "row") else "rep")
                for f in stacks.a}
     return layers.replace(**wrapped)

@@ -83,7 +83,8 @@ def forward_step(params: ModelParams, kv_pages: KVPages, inputs: StepInputs, fee
     if lora is not None:
         if inputs.lora_slots is None:
             raise ValueError("forward_step: lora stacks given without inputs.lora_slots")
-        params = params.replace(layers=attach(params.layers, lora, inputs.lora_slots))
+        params = params.replace(layers=attach(params.layers, lora, inputs.lora_slots, cfg,
+                                              mesh))
     fed = feed[jnp.maximum(inputs.feed_rows, 0)]
     token_ids = jnp.where(inputs.feed_rows >= 0, fed, inputs.token_ids)
     out = paged_hidden(params, kv_pages, token_ids, inputs.positions, inputs.md, cfg,

@@ -76,7 +76,7 @@ def _step_logits(cfg, params, stacks, tokens, slots_of_seq):  # noqa: ANN001, AN
 
     @jax.jit
     def step(params, stacks, kv, ids, positions, md, token_slots):  # noqa: ANN001, ANN202
-        p = params.replace(layers=attach(params.layers, stacks, token_slots))
+        p = params.replace(layers=attach(params.layers, stacks, token_slots, cfg))
         return paged.paged_forward(p, kv, ids, positions, md,
                                    jnp.arange(ids.shape[0], dtype=jnp.int32), cfg=cfg,
                                    attn_impl="reference")[0]
