@@ -81,7 +81,7 @@ class Engine:
         lora = config.lora_config
         self.scheduler = Scheduler(plan.scheduler, clock, plan.batch_shape.buckets,
                                    max_loras=lora.max_loras if lora is not None else 0)
-        self._loras = engine_registry(lora, lora_loader, self.scheduler.lora.in_slot)
+        self._loras = engine_registry(lora, lora_loader, self.scheduler.lora)
         self._lora_counts = LoraCounters(lora.max_loras if lora is not None else 0)
         self._groups: dict[str, Group] = {}
         self._seed_rng = random.Random(config.seed)

@@ -30,6 +30,7 @@ from typing import Callable
 
 from jaxserve.engine.errors import InvalidRequest
 from jaxserve.engine.lora_request import LoraBinding, LoRARequest
+from jaxserve.engine.lora_slots import LoraSlots
 from jaxserve.lora_config import LoRAConfig
 
 LoraLoader = Callable[[LoRARequest], object]
@@ -96,11 +97,17 @@ class LoraRegistry:
 
     def remove(self, name: str) -> LoraBinding | None:
         """Unregister `name` (None: it was not registered). Its host copy goes unless a
-        device slot holds it (then it goes when the cache next needs room)."""
+        device slot holds it (then it goes when the slot lets it go: `unbound`)."""
         binding = self._by_name.pop(name, None)
         if binding is not None and not self._in_slot(binding.load_id):
             self._host.pop(binding.load_id, None)
         return binding
+
+    def unbound(self, load_id: int) -> None:
+        """A device slot let that registration go: an unregistered one leaves the host
+        cache too (a sequence still queued with it reads it again when it runs)."""
+        if all(b.load_id != load_id for b in self._by_name.values()):
+            self._host.pop(load_id, None)
 
     # ----------------------------------------------------------------------- host cache
     def adapter(self, binding: LoraBinding) -> object:
@@ -147,8 +154,9 @@ class LoraRegistry:
 
 
 def engine_registry(cfg: LoRAConfig | None, load: LoraLoader | None,
-                    in_slot: Callable[[int], bool]) -> LoraRegistry | None:
-    """The engine's registry (None: LoRA is off), with `cfg.lora_modules` registered and
+                    slots: LoraSlots) -> LoraRegistry | None:
+    """The engine's registry over the scheduler's `slots` (which tell it when a slot lets
+    an adapter go; None: LoRA is off), with `cfg.lora_modules` registered and
     loaded (lora_int_id 1, 2, ... in their order; a bad one is refused now, naming it).
     ValueError naming lora_loader when it is missing, or given with LoRA off."""
     if cfg is None:
@@ -159,7 +167,8 @@ def engine_registry(cfg: LoRAConfig | None, load: LoraLoader | None,
     if load is None:
         raise ValueError("lora_config needs a lora_loader (serving.build injects the PEFT "
                          "adapter loader)")
-    registry = LoraRegistry(cfg, load, in_slot)
+    registry = LoraRegistry(cfg, load, slots.in_slot)
+    slots.on_unbind = registry.unbound
     for i, (name, path) in enumerate(cfg.lora_modules, 1):
         registry.add(LoRARequest(name, i, path))
     return registry

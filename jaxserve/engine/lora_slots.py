@@ -35,7 +35,7 @@ finds every slot pinned or held waits.
 
 from __future__ import annotations
 
-from typing import Sequence as GenericSequence
+from typing import Callable, Sequence as GenericSequence
 
 from jaxserve.engine.lora_request import LoraBinding
 from jaxserve.engine.scheduled import ScheduledSeq, SchedulerOutput
@@ -57,6 +57,8 @@ class LoraSlots:
         self._pending: set[int] = set()  # slots whose binding the runner has not been given
         self._forgotten: set[int] = set()  # load ids to unbind once nothing uses them
         self.num_loads = 0  # loads handed to steps (cumulative)
+        # Told the load id a slot lets go (the registry drops an unloaded adapter's host copy).
+        self.on_unbind: Callable[[int], None] | None = None
 
     # ----------------------------------------------------------------------- reads
     def slot_of(self, load_id: int) -> int:
@@ -178,8 +180,10 @@ class LoraSlots:
 
     def _unbind(self, slot: int) -> None:
         old = self._binding[slot]
-        if old is not None:
-            del self._slot_of[old.load_id]
         self._binding[slot] = None
         self._idle.pop(slot, None)
         self._pending.discard(slot)
+        if old is not None:
+            del self._slot_of[old.load_id]
+            if self.on_unbind is not None:
+                self.on_unbind(old.load_id)
