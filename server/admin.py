@@ -4,6 +4,9 @@
         POST /admin/scheduler  {field: value, ...} -> the new settings
   gRPC  jaxserve.v1.Admin/GetSchedulerConfig, /UpdateSchedulerConfig (`SchedulerSettings`:
         decode_token_budget 0 and an SLO "" mean none, as JSON's null does)
+And the LoRA adapters (`serving.lora_adapters.LoraAdmin`; HTTP: vLLM's endpoints in
+`openai_lora.py`): gRPC Admin/LoadLoraAdapter, /UnloadLoraAdapter behind the same gate
+(ListLoraAdapters is open to every caller the server lets in, as /v1/models is).
 
 Who may call it: with API keys configured, any caller with a key (without one: 401 /
 UNAUTHENTICATED, answered by the fronts' own key checks before anything here runs); with
@@ -33,6 +36,8 @@ from jaxserve.server.admin_wire import changes_from_proto, settings_to_proto
 from jaxserve.server.http_body import read_json
 from jaxserve.serving.async_engine import EngineStopped
 from jaxserve.serving.admin_settings import SchedulerAdmin
+from jaxserve.serving.lora_adapters import LoraAdmin
+from jaxserve.serving.lora_requests import LoraNotFound
 
 if TYPE_CHECKING:
     from jaxserve.server.openai_http import OpenAIHttpFront
@@ -58,12 +63,14 @@ class AdminServicer(_stubs.grpc.AdminServicer):
         without one before this runs); without, callers are refused unless `enable_admin`."""
         self._allowed = requires_key or enable_admin
         self._admin: SchedulerAdmin | None = None
+        self._loras: LoraAdmin | None = None
 
-    def attach(self, admin: SchedulerAdmin) -> None:
-        self._admin = admin
+    def attach(self, admin: SchedulerAdmin, loras: LoraAdmin | None = None) -> None:
+        self._admin, self._loras = admin, loras
 
-    async def _ready(self, context: grpc.aio.ServicerContext) -> SchedulerAdmin:
-        if not self._allowed:
+    async def _ready(self, context: grpc.aio.ServicerContext, gated: bool = True
+                     ) -> SchedulerAdmin:
+        if gated and not self._allowed:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, REFUSED)
         if self._admin is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
@@ -86,6 +93,51 @@ class AdminServicer(_stubs.grpc.AdminServicer):
                                 str(InvalidRequest.of(e)))
         log_change(f"gRPC peer {context.peer()}", before, after)
         return settings_to_proto(after)
+
+    # ----------------------------------------------------------------------- LoRA
+    async def _lora_admin(self, context: grpc.aio.ServicerContext, gated: bool = True
+                          ) -> LoraAdmin:
+        await self._ready(context, gated)
+        if self._loras is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is loading")
+        assert self._loras is not None
+        return self._loras
+
+    async def _lora_call(self, context: grpc.aio.ServicerContext, call: Any) -> Any:
+        try:
+            return await call
+        except LoraNotFound as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except EngineStopped as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(InvalidRequest.of(e)))
+
+    async def LoadLoraAdapter(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        loras = await self._lora_admin(context)
+        lora_id = request.lora_int_id if request.HasField("lora_int_id") else None
+        added = await self._lora_call(context, loras.load(request.lora_name, request.lora_path,
+                                                          lora_id))
+        log.info("LoRA adapter %r (lora_int_id %d) loaded from %s by gRPC peer %s",
+                 added.lora_name, added.lora_int_id, added.lora_path, context.peer())
+        return lora_to_proto(added)
+
+    async def UnloadLoraAdapter(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        loras = await self._lora_admin(context)
+        lora_id = request.lora_int_id if request.HasField("lora_int_id") else None
+        gone = await self._lora_call(context, loras.unload(request.lora_name, lora_id))
+        log.info("LoRA adapter %r unloaded by gRPC peer %s", gone.lora_name, context.peer())
+        return lora_to_proto(gone)
+
+    async def ListLoraAdapters(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        loras = await self._lora_admin(context, gated=False)
+        return pb2.LoraAdapters(adapters=[lora_to_proto(r) for r in loras.list()])
+
+
+def lora_to_proto(r: Any) -> Any:
+    """A `LoRARequest` as the wire's LoraAdapter."""
+    return pb2.LoraAdapter(lora_name=r.lora_name, lora_int_id=r.lora_int_id,
+                           lora_path=r.lora_path)
 
 
 # --------------------------------------------------------------------------- HTTP

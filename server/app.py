@@ -14,7 +14,9 @@ Data flow:
   `load()`    runs the engine factory (model load + XLA warmup) on a daemon thread while the
               event loop keeps answering health checks -> the served model renamed to the
               first `served_model_names` entry, if any -> AsyncEngine (its own step thread)
-              with the Prometheus observer -> servicer and HTTP front attached (the front
+              with the Prometheus observer -> the LoRA adapters' admin (`serving.
+              lora_adapters`; a --lora-modules adapter named as the base model fails the
+              start-up) -> servicer and HTTP front attached (the front
               also serves the registry at GET /metrics) -> health SERVING -> the one "ready"
               log line naming every address. /metrics (on `metrics_port` and on the HTTP
               port) asks for the API key when keys are set, unless `metrics_no_auth`.
@@ -58,6 +60,7 @@ from jaxserve.server.servicer import SERVICE_NAME, GenerationServicer
 from jaxserve.serving.admission import Admission
 from jaxserve.serving.async_replica_pool import AsyncServing
 from jaxserve.serving.admin_settings import SchedulerAdmin
+from jaxserve.serving.lora_adapters import LoraAdmin
 from jaxserve.serving.served import ServedModel, start_serving
 from jaxserve.serving.metrics import EngineMetrics, MetricsHttpServer
 
@@ -203,10 +206,14 @@ class GrpcServer:
         log.debug("tool calls read as %s (--tool-call-parser %s)", admit.tool_format,
                   cfg.tool_call_parser)
         scheduler = SchedulerAdmin(self.engine)  # the admin endpoint's, both fronts
-        self.servicer.attach(self.engine, served, admit)
-        self.admin.attach(scheduler)
+        # The LoRA adapters (both fronts): the base model answers to its served names.
+        loras = LoraAdmin(self.engine, cfg.served_model_names or (served.name,))
+        loras.check_startup()
+        self.servicer.attach(self.engine, served, admit, loras)
+        self.admin.attach(scheduler, loras)
         if self.http is not None:
-            self.http.attach(self.engine, served, admit, self.metrics.registry, scheduler)
+            self.http.attach(self.engine, served, admit, self.metrics.registry, scheduler,
+                             loras)
         if cfg.metrics_port is not None:
             authorize = None if cfg.metrics_no_auth or not cfg.api_keys else \
                 ApiKeys(cfg.api_keys).allows

@@ -6,6 +6,8 @@ channel (TLS when `root_certificates` or `tls=True`; the API key as `authorizati
 metadata) -> GenerateResponse stream: `stream()` yields the messages as they arrive,
 `generate()` folds them into one `Completion` per sample (with `prompt_logprobs` asked for,
 each Completion carries the request's PromptLogprobs, as `prompt_logprobs_of` reads them).
+`lora_name=NAME` runs a request under a loaded LoRA adapter; `Client.load_lora_adapter` /
+`unload_lora_adapter` / `list_lora_adapters` manage them (the Admin service).
 
     from jaxserve.client import Client
     from jaxserve import SamplingParams
@@ -23,6 +25,7 @@ from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 import grpc
 
+from jaxserve.engine.lora_request import LoRARequest
 from jaxserve.engine.sampling_params import FIELDS as SAMPLING_FIELDS
 from jaxserve.engine.sampling_params import SPECS as SAMPLING_SPECS
 from jaxserve.engine.sampling_params import SamplingParams
@@ -135,9 +138,9 @@ def build_request(prompt: str | Sequence[int] | None = None,
                   messages: Sequence[Mapping[str, Any]] | None = None, request_id: str = "",
                   priority: int = 0, tools: Sequence[Mapping[str, Any]] | None = None,
                   tool_choice: str | Mapping[str, Any] | None = None,
-                  parallel_tool_calls: bool | None = None) -> Any:
+                  parallel_tool_calls: bool | None = None, lora_name: str = "") -> Any:
     """A GenerateRequest from text, token ids or chat `messages` (exactly one of them; a
-    chat may give tools, `fill_chat`)."""
+    chat may give tools, `fill_chat`); `lora_name`: a loaded LoRA adapter ("": none)."""
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt (text or token ids) and messages")
     if params is None:
@@ -145,7 +148,7 @@ def build_request(prompt: str | Sequence[int] | None = None,
     elif not isinstance(params, SamplingParams):
         params = SamplingParams(**params)
     req = pb2.GenerateRequest(request_id=request_id, sampling=sampling_to_proto(params),
-                              priority=priority)
+                              priority=priority, lora_name=lora_name)
     if messages is None and (tools or tool_choice is not None or
                              parallel_tool_calls is not None):
         raise ValueError("tools, tool_choice and parallel_tool_calls need messages")
@@ -202,12 +205,14 @@ class _Base:
     def stream(self, prompt: str | Sequence[int] | None = None,
                params: SamplingParams | Mapping[str, Any] | None = None, *,
                messages: Sequence[Mapping[str, Any]] | None = None, request_id: str = "",
-               priority: int = 0, timeout: float | None = None, **chat: Any) -> Any:
+               priority: int = 0, timeout: float | None = None, lora_name: str = "",
+               **chat: Any) -> Any:
         """The Generate call (sync: iterate it; asyncio: `async for msg in call`); either
         way `call.cancel()` aborts the request. `self.stub` is the subclass's. `chat`: a
-        chat's tools, tool_choice and parallel_tool_calls (`build_request`)."""
+        chat's tools, tool_choice and parallel_tool_calls (`build_request`). `lora_name`:
+        a loaded LoRA adapter to run under (a grpc.RpcError NOT_FOUND if none is)."""
         req = build_request(prompt, params, messages=messages, request_id=request_id,
-                            priority=priority, **chat)
+                            priority=priority, lora_name=lora_name, **chat)
         return self.stub.Generate(req, **self._kw(timeout))
 
 
@@ -250,6 +255,25 @@ class Client(_Base):
         grpc.RpcError (INVALID_ARGUMENT naming the field and the limit)."""
         return changes_from_proto(self.admin.UpdateSchedulerConfig(
             settings_to_proto(changes), **self._kw(None)))
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str,
+                          lora_int_id: int | None = None) -> LoRARequest:
+        """Load a PEFT adapter directory on the server as `lora_name` (the Admin gate, as
+        `update_scheduler`); INVALID_ARGUMENT naming the problem for a bad or duplicate one."""
+        return lora_of(self.admin.LoadLoraAdapter(pb2.LoadLoraAdapterRequest(
+            lora_name=lora_name, lora_path=lora_path, lora_int_id=lora_int_id),
+            **self._kw(None)))
+
+    def unload_lora_adapter(self, lora_name: str,
+                            lora_int_id: int | None = None) -> LoRARequest:
+        """Unload an adapter (NOT_FOUND: none of that name); the one unloaded."""
+        return lora_of(self.admin.UnloadLoraAdapter(pb2.UnloadLoraAdapterRequest(
+            lora_name=lora_name, lora_int_id=lora_int_id), **self._kw(None)))
+
+    def list_lora_adapters(self) -> list[LoRARequest]:
+        """The server's loaded adapters, in load order."""
+        return [lora_of(a) for a in self.admin.ListLoraAdapters(
+            pb2.ListLoraAdaptersRequest(), **self._kw(None)).adapters]
 
     def close(self) -> None:
         self.channel.close()
@@ -304,6 +328,11 @@ class AsyncClient(_Base):
 
     async def __aexit__(self, *_exc: object) -> None:
         await self.close()
+
+
+def lora_of(msg: Any) -> LoRARequest:
+    """A LoraAdapter message as the offline API's LoRARequest."""
+    return LoRARequest(msg.lora_name, msg.lora_int_id, msg.lora_path)
 
 
 def _tokenize_request(text: str | None, messages: Sequence[Mapping[str, str]] | None,

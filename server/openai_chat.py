@@ -45,19 +45,19 @@ if TYPE_CHECKING:
 
 async def chat_completions(front: "OpenAIHttpFront", request: web.Request
                            ) -> web.StreamResponse:
-    engine, served, admit = front.ready()
+    engine, _, admit = front.ready()
     arrival = time.monotonic()
     body = await read_json(request, front.max_body_bytes, front.body_timeout)
     req = chat_schema.parse_chat(body, admit.max_tool_calls)
-    front.check_model(body)
+    model, lora = front.check_model(body)
     front.calls.enter()
     streams: list[RequestStream] = []
     try:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         run = await openai_stream.start(engine, admit, rid, req.prompt, req.params,
                                         req.priority, arrival, req.stream, streams.append,
-                                        req.rename)
-        head = {"id": rid, "created": int(time.time()), "model": served.name}
+                                        req.rename, lora)
+        head = {"id": rid, "created": int(time.time()), "model": model}
         decode = openai_stream.decoder(admit)
         top = req.params.logprobs
         # Admitted: the messages are valid by now.

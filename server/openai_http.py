@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP front (aiohttp.web): /v1/completions, /v1/chat/completions
 (`openai_chat`), /v1/models, /health, /metrics (Prometheus text), vLLM's /version,
 /tokenize, /detokenize (`openai_extras`), and the live scheduler settings at /admin/scheduler
-(`admin`); the generation plumbing both completions endpoints share is `openai_stream`.
+(`admin`), vLLM's LoRA adapter endpoints (`openai_lora`); the generation plumbing both
+completions endpoints share is `openai_stream`.
 
 It shares the gRPC server's asyncio loop, AsyncEngine and `Admission` (`jaxserve serve`
 listens on :8000 by default, `--http-port PORT` / `--no-http`; `app.GrpcServer` starts,
@@ -11,7 +12,9 @@ Model names (vLLM's --served-model-name): with `served_model_names` set, /v1/mod
 each, responses name the first, and a body whose `model` is another name gets a 404
 (`NotFoundError`, param "model"), on every endpoint that takes a body; an absent or null
 `model` means the served model. Without them the front answers to any `model` string (it
-serves one model) and reports the model's own name.
+serves one model) and reports the model's own name, unless LoRA is on: then the base model
+answers to the model's own name only. A loaded LoRA adapter's name runs that adapter and is
+the responses' `model` (`openai_lora`).
 
 Connections (aiohttp's protocol, configured in `start`): a request head must arrive complete
 within `keepalive_timeout` seconds of the connection opening or of the previous response, and
@@ -27,7 +30,7 @@ Data flow of `POST /v1/completions`:
   UTF-8, nesting depth and JSON syntax -> 400)
   -> `openai_schema.parse_completion` (prompt: text, token ids, or a list of one of those;
   every sampling field -> `SamplingParams`, whose ValueError names the field -> 400)
-  -> the `model` name (404 unless served, see above)
+  -> the `model` name (404 unless served or a loaded adapter, see above)
   -> `Admission.admit` (tokenization on a small thread pool, never on the event loop; every
   request check, 400 with `param` naming the field) -> `AsyncEngine.submit` (QueueFull -> 429,
   EngineStopped -> 503) -> the stream's first RequestOutput -> either
@@ -73,7 +76,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from jaxserve.server import admin, openai_chat, openai_extras, openai_stream
+from jaxserve.engine.lora_request import LoRARequest
+from jaxserve.server import admin, openai_chat, openai_extras, openai_lora, openai_stream
 from jaxserve.server import openai_choices as choices
 from jaxserve.server import openai_schema as schema
 from jaxserve.server.auth import ApiKeys
@@ -83,6 +87,7 @@ from jaxserve.serving import admission
 from jaxserve.serving.async_engine import RequestStream
 from jaxserve.serving.async_replica_pool import AsyncServing
 from jaxserve.serving.admin_settings import SchedulerAdmin
+from jaxserve.serving.lora_adapters import LoraAdmin
 from jaxserve.serving.served import ServedModel
 
 log = logging.getLogger(__name__)
@@ -106,6 +111,7 @@ class OpenAIHttpFront:
         # /admin/scheduler (`admin.py`): behind the key, or with none only when enabled.
         self.requires_key, self.enable_admin = self._auth is not None, enable_admin
         self.admin: SchedulerAdmin | None = None
+        self.loras: LoraAdmin | None = None  # the adapters (`openai_lora`)
         self._open_paths = OPEN_PATHS + ((METRICS_PATH,) if open_metrics else ())
         self.stream_interval = stream_interval  # tokens per SSE chunk after the first
         self._model_names = served_model_names
@@ -131,7 +137,9 @@ class OpenAIHttpFront:
             ("GET", "/version", openai_extras.version),
             ("POST", "/tokenize", openai_extras.tokenize),
             ("POST", "/detokenize", openai_extras.detokenize),
-            ("GET", admin.PATH, admin.get_scheduler), ("POST", admin.PATH, admin.post_scheduler)]
+            ("GET", admin.PATH, admin.get_scheduler), ("POST", admin.PATH, admin.post_scheduler),
+            ("POST", openai_lora.LOAD_PATH, openai_lora.load_adapter),
+            ("POST", openai_lora.UNLOAD_PATH, openai_lora.unload_adapter)]
         self.app.router.add_post("/v1/completions", self.completions)
         for method, path, handler in routes:  # the endpoints in other modules
             self.app.router.add_route(method, path, functools.partial(handler, self))
@@ -168,13 +176,15 @@ class OpenAIHttpFront:
     def attach(self, engine: AsyncServing, served: ServedModel,
                admit: admission.Admission | None = None,
                registry: CollectorRegistry | None = None,
-               scheduler: SchedulerAdmin | None = None) -> None:
+               scheduler: SchedulerAdmin | None = None,
+               loras: LoraAdmin | None = None) -> None:
         """Serve `engine`; `admit`: the served model's admission, shared with the gRPC front
         (None: one of its own). `stop` closes it. `registry`: its metrics, for /metrics.
-        `scheduler`: its live settings, for /admin/scheduler (None: one of its own)."""
+        `scheduler`, `loras`: its live settings and its LoRA adapters (None: its own)."""
         self._admission = admit or admission.Admission(
             served.engine.limits, served.engine.tokenizer, self._tokenizer_threads)
         self.admin = scheduler or SchedulerAdmin(engine)
+        self.loras = loras or LoraAdmin(engine, self._model_names or (served.name,))
         self._engine, self._served, self._registry = engine, served, registry
 
     async def stop(self) -> None:
@@ -218,13 +228,13 @@ class OpenAIHttpFront:
             raise schema.unavailable(f"the engine failed: {engine.error!r}")
         return engine, served, admit
 
-    def check_model(self, body: dict[str, Any]) -> None:
-        """404 when served names are set and the body's `model` (a string by now) is none
-        of them; an absent / null `model` is the served model."""
-        name = body.get("model")
-        if self._model_names and name is not None and name not in self._model_names:
-            raise schema.ApiError(404, f"The model `{name}` does not exist.", "model",
-                                  "NotFoundError", 404)
+    def check_model(self, body: dict[str, Any]) -> tuple[str, LoRARequest | None]:
+        """(the responses' `model`, the adapter to run under or None) of the body's `model`
+        (a string or absent by now); 404 for an unknown name (module docstring)."""
+        _, served, _ = self.ready()
+        assert self.loras is not None
+        lora = openai_lora.resolve(self.loras, body, strict=bool(self._model_names))
+        return (served.name, None) if lora is None else (lora.lora_name, lora)
 
     # ----------------------------------------------------------------------- endpoints
     async def health(self, request: web.Request) -> web.Response:
@@ -237,10 +247,11 @@ class OpenAIHttpFront:
 
     async def models(self, request: web.Request) -> web.Response:
         _, served, admit = self.ready()
-        return web.json_response({"object": "list", "data": [{
-            "id": name, "object": "model", "created": 0, "owned_by": "jaxserve",
-            "root": served.name, "max_model_len": admit.limits.max_model_len}
-            for name in self._model_names or (served.name,)]})
+        assert self.loras is not None
+        return web.json_response({"object": "list", "data": openai_lora.model_cards(
+            self.loras, [{"id": name, "object": "model", "created": 0, "owned_by": "jaxserve",
+                          "root": served.name, "max_model_len": admit.limits.max_model_len}
+                         for name in self._model_names or (served.name,)])})
 
     async def metrics(self, request: web.Request) -> web.Response:
         registry = self._registry
@@ -251,20 +262,20 @@ class OpenAIHttpFront:
         return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        engine, served, admit = self.ready()
+        engine, _, admit = self.ready()
         arrival = time.monotonic()
         body = await read_json(request, self.max_body_bytes, self.body_timeout)
         req = schema.parse_completion(body)
-        self.check_model(body)
+        model, lora = self.check_model(body)
         self.calls.enter()
         streams: list[RequestStream] = []
         try:
             rid = f"cmpl-{uuid.uuid4().hex}"
             run = await openai_stream.start(engine, admit, rid, req.prompt, req.params,
                                             req.priority, arrival, req.stream, streams.append,
-                                            req.rename)
+                                            req.rename, lora)
             head = {"id": rid, "object": "text_completion", "created": int(time.time()),
-                    "model": served.name}
+                    "model": model}
             decode = openai_stream.decoder(admit)
             # The echoed prompt: the client's text, or the text of the token ids admitted
             # (its token ids, or what truncate_prompt_tokens kept).

@@ -27,6 +27,7 @@ from typing import Any, AsyncIterator, Callable
 from aiohttp import web
 
 from jaxserve.engine.errors import SloUnattainable
+from jaxserve.engine.lora_request import LoRARequest
 from jaxserve.engine.outputs import (CompletionOutput, RequestOutput, RequestOutputKind,
                                      TokenLogprobs, merge_unread)
 from jaxserve.engine.sampling_params import SamplingParams
@@ -35,6 +36,7 @@ from jaxserve.serving import admission
 from jaxserve.serving.async_engine import (EngineStopped, Overloaded, RequestStream,
                                            StreamBufferFull)
 from jaxserve.serving.async_replica_pool import AsyncServing
+from jaxserve.serving.lora_requests import LoraNotFound
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +75,16 @@ class Started:
 async def start(engine: AsyncServing, admit: admission.Admission, rid: str,
                 prompt: admission.PromptInput, params: SamplingParams, priority: int,
                 arrival: float, streaming: bool, on_stream: Callable[[RequestStream], None],
-                rename: dict[str, str] | None = None) -> Started:
+                rename: dict[str, str] | None = None,
+                lora: LoRARequest | None = None) -> Started:
     """Admit and submit; `on_stream` gets the stream as soon as it exists (the caller aborts
     it in its `finally`, whatever happens next). `rename`: the endpoint's own names of
-    registry fields (chat's max_completion_tokens), for a refusal's `param`."""
+    registry fields (chat's max_completion_tokens), for a refusal's `param`. `lora`: the
+    adapter the body's model named (unloaded meanwhile: 404, as an unknown model)."""
     try:
         admitted = await admit.admit(rid, prompt, params, priority)
         kind = RequestOutputKind.DELTA if streaming else RequestOutputKind.FINAL_ONLY
-        stream = engine.submit(rid, admitted, params, priority, arrival, kind)
+        stream = engine.submit(rid, admitted, params, priority, arrival, kind, lora)
         on_stream(stream)
         first = await stream.__anext__()  # the engine's own refusal comes here
     except SloUnattainable as e:  # the TTFT forecast (slo_admission reject): retry later
@@ -95,6 +99,8 @@ async def start(engine: AsyncServing, admit: admission.Admission, rid: str,
             429, str(e), None, "rate_limit_error", "stream_buffer_full") from None
     except EngineStopped as e:
         raise schema.unavailable(str(e)) from None
+    except LoraNotFound as e:
+        raise schema.ApiError(404, str(e), "model", "NotFoundError", 404) from None
     except ValueError as e:
         raise schema.invalid(e, rename) from None
     log.debug("http request admitted request_id=%s prompt_tokens=%d", rid,

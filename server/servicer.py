@@ -10,6 +10,10 @@ However the call ends (finished, client cancel, disconnect, deadline: grpc.aio c
 handler), the `finally` aborts the request in the engine, which frees its pages on its next
 iteration.
 
+LoRA: `lora_name` names a loaded adapter (`serving.lora_requests.resolve_model`: empty or
+the base model's name is none); an unknown one is NOT_FOUND (HTTP's 404 for an unknown
+model), also when the adapter is unloaded between the check and the engine queueing it.
+
 Status codes: INVALID_ARGUMENT for any bad field (message names it in this service's words,
 `proto_map.error_message`, and its range; a duplicate in-flight request_id too),
 RESOURCE_EXHAUSTED when the waiting queue is full or when the client left more than
@@ -32,10 +36,13 @@ import grpc
 
 from jaxserve.engine.outputs import RequestOutputKind
 from jaxserve.server import proto_map, stubs
+from jaxserve.server.admin import lora_to_proto
 from jaxserve.server.inflight import InFlight
 from jaxserve.serving import admission
 from jaxserve.serving.async_engine import EngineStopped, Overloaded, StreamBufferFull
 from jaxserve.serving.async_replica_pool import AsyncServing
+from jaxserve.serving.lora_adapters import LoraAdmin
+from jaxserve.serving.lora_requests import LoraNotFound
 from jaxserve.serving.served import ServedModel
 
 log = logging.getLogger(__name__)
@@ -66,14 +73,18 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
         self._admission: admission.Admission | None = None
         self._info: Any = None
         self._live: Callable[[], dict[str, Any]] = dict
+        self._loras: LoraAdmin | None = None
         self.calls = InFlight()  # in flight / draining: read by the server's drain
 
     # ----------------------------------------------------------------------- lifecycle
     def attach(self, engine: AsyncServing, served: ServedModel,
-               admit: admission.Admission | None = None) -> None:
+               admit: admission.Admission | None = None, loras: LoraAdmin | None = None
+               ) -> None:
         """Start serving calls on `engine` (after warmup); `admit`: the served model's
-        admission shared with the other front (None: one of its own); `close` closes it."""
+        admission shared with the other front (None: one of its own); `close` closes it.
+        `loras`: its LoRA adapters (None: its own, the base model named `served.name`)."""
         self._info = model_info(served)
+        self._loras = loras or LoraAdmin(engine, (served.name,))
         self._live = served.engine.scheduler_settings  # every replica holds the same
         self._admission = admit or admission.Admission(
             served.engine.limits, served.engine.tokenizer, self._tokenizer_threads)
@@ -112,13 +123,17 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
             try:
                 parsed = proto_map.parse_request(request, admit.max_tool_calls)
                 params = parsed.params
+                assert self._loras is not None
+                lora = self._loras.resolve(request.lora_name or None)
                 admitted = await admit.admit(rid, parsed.prompt, params, request.priority)
                 stream = engine.submit(rid, admitted, params, request.priority, arrival,
-                                       RequestOutputKind.DELTA)
+                                       RequestOutputKind.DELTA, lora)
             except Overloaded as e:  # QueueFull
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except EngineStopped as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            except LoraNotFound as e:
+                await context.abort(grpc.StatusCode.NOT_FOUND, _lora_missing(e))
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, proto_map.error_message(e))
             assert stream is not None
@@ -137,6 +152,8 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except EngineStopped as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            except LoraNotFound as e:  # unloaded between the check and the engine
+                await context.abort(grpc.StatusCode.NOT_FOUND, _lora_missing(e))
             except ValueError as e:  # refused by the engine itself
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, proto_map.error_message(e))
         except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):
@@ -169,4 +186,10 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
         live = self._live()
         info.max_num_seqs = live["max_num_seqs"]
         info.max_num_batched_tokens = live["max_num_batched_tokens"]
+        if self._loras is not None:
+            info.lora_adapters.extend(lora_to_proto(r) for r in self._loras.list())
         return info
+
+
+def _lora_missing(e: LoraNotFound) -> str:
+    return f"lora_name {e.name!r}: no LoRA adapter of that name is loaded"

@@ -2,9 +2,10 @@
 
 Plain Python (no jax, no model): everything here is tested without running an engine.
 
-- `parse_line`: one input line -> a `LineRequest` (id, prompt or chat messages, SamplingParams)
-  or a `LineError` naming what is wrong (invalid JSON, missing/bad id, unknown key, both or
-  neither of prompt/messages, a bad prompt, a sampling value SamplingParams rejects).
+- `parse_line`: one input line -> a `LineRequest` (id, prompt or chat messages, the model it
+  names, SamplingParams) or a `LineError` naming what is wrong (invalid JSON, missing/bad id,
+  unknown key, both or neither of prompt/messages, a bad prompt, a model that is not a string,
+  a sampling value SamplingParams rejects).
 - `recover_output`: the resume scan of an existing OUT file. A trailing line that is cut short
   (no newline) or is not a JSON object was being written when the last run died: the file is
   truncated to the end of the last good line and that line is redone. Every good record counts
@@ -34,7 +35,7 @@ from jaxserve.engine.sampling_params import SamplingParams
 log = logging.getLogger("jaxserve.batch")
 
 SAMPLING_KEYS = frozenset(f.name for f in SAMPLING_FIELDS)
-REQUEST_KEYS = frozenset(("id", "prompt", "messages"))
+REQUEST_KEYS = frozenset(("id", "prompt", "messages", "model"))
 RequestId = str | int
 
 
@@ -47,6 +48,7 @@ class LineRequest:
     prompt: str | list[int] | None
     messages: list[dict[str, Any]] | None
     params: SamplingParams
+    model: str | None = None  # a LoRA adapter's name, or the base model's (None: the base)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +96,8 @@ def parse_line(text: str, line: int,
     if unknown:
         return LineError(line, rid, f"unknown key{'s' if len(unknown) > 1 else ''} "
                                     f"{', '.join(map(repr, unknown))}: a line holds 'id', "
-                                    "'prompt' or 'messages', and SamplingParams fields")
+                                    "'prompt' or 'messages', 'model', and SamplingParams "
+                                    "fields")
     prompt = obj.get("prompt")
     messages = obj.get("messages")
     if (prompt is None) == (messages is None):
@@ -109,6 +112,10 @@ def parse_line(text: str, line: int,
             isinstance(m, dict) for m in messages)):
         return LineError(line, rid, "messages must be a list of {\"role\", \"content\"} "
                                     "objects")
+    model = obj.get("model")
+    if model is not None and not isinstance(model, str):
+        return LineError(line, rid, f"model={model!r:.60} must be a string (the base model's "
+                                    "name or a LoRA adapter's)")
     kwargs = dict(defaults or {})
     kwargs.update({k: v for k, v in obj.items() if k in SAMPLING_KEYS})
     try:
@@ -118,7 +125,7 @@ def parse_line(text: str, line: int,
     except TypeError as e:  # e.g. "stop": 5 (not a list)
         given = sorted(k for k in obj if k in SAMPLING_KEYS)
         return LineError(line, rid, f"bad sampling parameter among {', '.join(given)}: {e}")
-    return LineRequest(line, rid, prompt, messages, params)
+    return LineRequest(line, rid, prompt, messages, params, model)
 
 
 def read_lines(path: pathlib.Path) -> Iterator[tuple[int, str | None, str | None]]:

@@ -3,7 +3,9 @@
 Input: one JSON object per line:
     {"id": "q1", "prompt": "text" | [token ids], ...sampling}   or
     {"id": "q2", "messages": [{"role": "user", "content": "..."}], ...sampling}
-where sampling keys are `jaxserve.SamplingParams` fields ("max_tokens": 64, "temperature": 0.7,
+and optionally "model": a LoRA adapter's name (--enable-lora --lora-modules NAME=PATH) or the
+base model's (the --model value; absent: the base model), as vLLM's batch lines name one;
+sampling keys are `jaxserve.SamplingParams` fields ("max_tokens": 64, "temperature": 0.7,
 "stop": [...], "n": 2, ...). The sampling flags (--max-tokens, --temperature, ...; one per
 field but "seed", as --seed is the engine's) apply where a line gives none; keys absent from
 both take SamplingParams' defaults. Blank lines are ignored.
@@ -26,8 +28,9 @@ A request a failed engine step finished (finish reason "error") becomes an error
 Data flow:
   IN --read_lines--> windows of --window lines --batch_io.parse_line--> LineRequest | LineError
   -> skip what OUT already holds (resume) -> `admit_line` (chat template for messages, then
-  the engine's admission: tokenization and every request check; a refusal, e.g. a prompt too
-  long for max_model_len, becomes an error line) -> sort the window's requests by prompt
+  the engine's admission: tokenization and every request check; the line's "model" resolved
+  to its adapter; a refusal, e.g. a prompt too long for max_model_len or a model name that is
+  neither the base model nor a --lora-modules adapter, becomes an error line) -> sort the window's requests by prompt
   length, longest first -> engine.add_request (FINAL_ONLY: one output per request, at
   its end) -> engine.step() until finished
   -> result records -> OrderedSink (buffers finished results, writes the contiguous prefix in
@@ -67,6 +70,7 @@ from jaxserve.engine.limits import Admitted
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.serving.admission import render_chat
+from jaxserve.serving.lora_requests import LoraNotFound, resolve_model
 
 log = logging.getLogger("jaxserve.batch")
 
@@ -80,6 +84,7 @@ class BatchOptions:
     retry_errors: bool = False
     fsync_interval: float = 5.0  # seconds between fsyncs of OUT (and one at the end)
     progress: bool = True
+    model_names: tuple[str, ...] = ()  # what a line's "model" may call the base model
 
     def __post_init__(self) -> None:
         if not isinstance(self.window, int) or self.window < 1:
@@ -116,6 +121,20 @@ def admit_line(req: LineRequest, engine: Any) -> Admitted:
         return engine.admit(render_chat(req.messages, engine.tokenizer, True, engine.limits),
                             req.params)
     return engine.admit(req.prompt if req.prompt is not None else [], req.params)
+
+
+def line_lora(req: LineRequest, engine: Any, model_names: tuple[str, ...]) -> Any:
+    """The LoRARequest a line's "model" names (None: the base model); ValueError naming the
+    model when it is neither the base model nor a registered adapter."""
+    try:
+        return resolve_model(engine, req.model, model_names)
+    except LoraNotFound:
+        adapters = [r.lora_name for r in engine.list_loras()] \
+            if engine.config.lora_config is not None else []
+        known = ", ".join(map(repr, adapters)) or "none: --enable-lora --lora-modules NAME=PATH"
+        raise ValueError(f"model {req.model!r:.80} is neither the base model "
+                         f"({', '.join(map(repr, model_names))}) nor a LoRA adapter "
+                         f"({known})") from None
 
 
 def result_record(rid: Any, out: RequestOutput, params: SamplingParams,
@@ -190,7 +209,7 @@ def run_batch(engine: Any, in_path: pathlib.Path, out_path: pathlib.Path,
     def read_window() -> bool:
         """Read, validate and queue up to one window of lines; False at the end of IN."""
         nonlocal last_line
-        queued: list[tuple[int, LineRequest, Admitted]] = []
+        queued: list[tuple[int, LineRequest, Admitted, Any]] = []
         more = True
         for _ in range(opts.window):
             item = next(lines, None)
@@ -225,7 +244,8 @@ def run_batch(engine: Any, in_path: pathlib.Path, out_path: pathlib.Path,
                                                      "appears on an earlier line")
             if isinstance(parsed, LineRequest):
                 try:
-                    queued.append((line, parsed, admit_line(parsed, engine)))
+                    lora = line_lora(parsed, engine, opts.model_names)
+                    queued.append((line, parsed, admit_line(parsed, engine), lora))
                     continue
                 except ValueError as e:
                     parsed = LineError(line, parsed.id, str(e))
@@ -236,10 +256,11 @@ def run_batch(engine: Any, in_path: pathlib.Path, out_path: pathlib.Path,
         # ones fill the seats they free, so the batch stays full until the window's end instead
         # of ending on a few long stragglers; and a prompt that cannot fit fails at once.
         queued.sort(key=lambda q: -len(q[2].token_ids))
-        for line, req, admitted in queued:
+        for line, req, admitted, lora in queued:
             rid = f"batch-{line}"
             # Checked by admit_line; one output per request, at its end (FINAL_ONLY).
-            engine.add_request(rid, admitted, output_kind=RequestOutputKind.FINAL_ONLY)
+            engine.add_request(rid, admitted, output_kind=RequestOutputKind.FINAL_ONLY,
+                               lora_request=lora)
             summary.prompt_tokens += len(admitted.token_ids)
             inflight[rid] = (line, req.id, req.params)
         return more
@@ -329,7 +350,9 @@ def cmd_batch(args: argparse.Namespace) -> int:
                            fsync_interval=args.fsync_interval, progress=not args.no_progress)
     flags.join_or_follow(args, config)  # process 0 of several: join the job
 
-    from jaxserve.serving.served import build_offline_engine
+    from jaxserve.serving.served import build_offline_engine, model_name
+
+    options = dataclasses.replace(options, model_names=(model_name(config),))
 
     t0 = time.perf_counter()
     # The engine loads the model itself, straight onto its devices' shardings.
@@ -366,4 +389,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = ["BatchOptions", "BatchSummary", "run_batch", "add_batch_parser", "cmd_batch",
-           "main", "admit_line", "result_record"]
+           "main", "admit_line", "line_lora", "result_record"]

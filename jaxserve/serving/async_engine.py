@@ -3,35 +3,31 @@
 Data flow:
   caller (any asyncio loop) -> `submit()` checks duplicates and the waiting bound, appends an
   `_Add` command to a lock-guarded list and wakes the loop thread -> the loop thread (the only
-  thread that ever touches the Engine) drains the commands (add_request / abort) each
-  iteration, runs `engine.step()`, and hands each RequestOutput to its request's
-  `RequestSink` (`request_stream.py`: one pending output, later ones folded into it while
-  the reader is behind; past `max_stream_buffer_tokens` unread tokens the request is aborted
-  and the reader gets `StreamBufferFull`), waking the readers with one
-  `loop.call_soon_threadsafe` per asyncio loop per step -> `RequestStream` (an async
-  iterator) yields them; leaving it early aborts the request. Requests are added with the
-  caller's `RequestOutputKind` (DELTA by default: outputs carry only what is new).
-  When nothing is in flight the loop thread sleeps on a condition variable (no busy spin);
-  woken from idle by a request, it may wait `idle_batch_window_ms` for others that arrive with
-  it (`idle_window.py` decides: by default only when the previous wake-up had company).
-  A live scheduler change (`reconfigure`, from `admin_settings.py`) is a command too: the
-  loop thread applies it between two steps, in order with the adds around it.
+  thread that ever touches the Engine) drains the commands each iteration, runs
+  `engine.step()`, and hands each RequestOutput to its request's `RequestSink`
+  (`request_stream.py`: later outputs folded into a pending one while the reader is behind;
+  past `max_stream_buffer_tokens` unread tokens the request is aborted and the reader gets
+  `StreamBufferFull`), waking the readers with one `loop.call_soon_threadsafe` per asyncio
+  loop per step -> `RequestStream` (an async iterator; leaving it early aborts the request).
+  Outputs are of the caller's `RequestOutputKind` (DELTA by default: only what is new).
+  Idle, the loop thread sleeps on a condition variable; woken by a request, it may wait
+  `idle_batch_window_ms` for others arriving with it (`idle_window.py` decides).
+  A live change is a command too (`call`: `admin_settings.py`'s scheduler changes,
+  `lora_adapters.py`'s adapter loads), run between two steps in order with the adds around
+  it; an add naming an adapter is bound then (`lora_requests.bind_registered`).
 
-Admission errors come back through the same sink: a ValueError from `Engine.add_request`
-(naming the field) is raised by the stream's first `__anext__`. `QueueFull` is raised by
-`submit()` itself, at once, when more than `max_waiting` sequences would be waiting.
-
-Tokenization and the request checks are the caller's job (pass the `Admitted` request from
-`serving.admission`, or token ids) so that they run on the caller's threads, not between
-steps; the Engine detokenizes incrementally inside `step()`.
+A ValueError from `Engine.add_request` (naming the field) is raised by the stream's first
+`__anext__`; `QueueFull` by `submit()` at once, when more than `max_waiting` sequences would
+wait. Tokenization and the request checks are the caller's (an `Admitted` request from
+`serving.admission`), on its threads, not between steps.
 
 A step failure the Engine isolates reaches only its requests (their final output has
 finish_reason ERROR and `error`). Only a fatal one (`EngineDead`, or anything else out of
 `step`) fails the loop: every stream gets EngineStopped, `error` is set (the fronts' health
 reports it) and `on_failure` runs (the server then exits non-zero).
 
-Observers (e.g. `jaxserve.serving.metrics.EngineMetrics`) are called on the loop thread after every
-iteration with the engine and that iteration's outputs; their errors are logged, never fatal.
+Observers (`serving.metrics.EngineMetrics`) are called on the loop thread after every
+iteration with its stats and outputs; their errors are logged, never fatal.
 """
 
 from __future__ import annotations
@@ -47,11 +43,13 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from jaxserve.engine.errors import Overloaded  # noqa: F401 (re-exported: the fronts catch it)
 from jaxserve.engine.engine import Engine
+from jaxserve.engine.lora_request import LoRARequest
 from jaxserve.engine.limits import (Admitted, EngineStats, check_not_in_flight,
                                     check_request_id)
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.serving.idle_window import IdleWindow
+from jaxserve.serving.lora_requests import bind_registered
 from jaxserve.serving.request_stream import (DEFAULT_MAX_STREAM_BUFFER_TOKENS, RequestSink,
                                              RequestStream, StreamBufferFull, set_ready,
                                              wake)
@@ -73,8 +71,7 @@ class EngineStopped(RuntimeError):
 class StepObserver(Protocol):
     def on_step(self, stats: EngineStats, outputs: Sequence[RequestOutput],
                 stepped: bool) -> None:
-        """Called on the loop thread after each iteration with the engine's snapshot then
-        (`stepped`: a model step ran)."""
+        """On the loop thread after each iteration (`stepped`: a model step ran)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -86,6 +83,7 @@ class _Add:
     arrival_time: float
     output_kind: RequestOutputKind
     queued_at: float  # time.monotonic() at submit (the idle window's clock)
+    lora: LoRARequest | None = None  # the registered adapter it runs under (None: base)
 
 
 @dataclasses.dataclass(eq=False)
@@ -94,12 +92,11 @@ class _Abort:
 
 
 @dataclasses.dataclass(eq=False)
-class _Reconfigure:
-    """A live scheduler change (`Engine.update_scheduler`), applied between two steps."""
+class _Call:
+    """`fn(engine)` run by the loop thread between two steps (a live change)."""
 
-    changes: Mapping[str, Any]
-    # The new settings, or the InvalidRequest naming the field and the limit.
-    done: "concurrent.futures.Future[dict[str, Any]]"
+    fn: Callable[[Engine], Any]
+    done: "concurrent.futures.Future[Any]"  # fn's result, or what it raised
 
 
 class AsyncEngine:
@@ -121,7 +118,7 @@ class AsyncEngine:
         self._on_failure = on_failure
         self._cond = threading.Condition()
         # Guarded by _cond: the command list and the admission bookkeeping.
-        self._commands: list[_Add | _Abort | _Reconfigure] = []
+        self._commands: list[_Add | _Abort | _Call] = []
         self._in_flight: set[str] = set()
         self._queued_seqs = 0  # sequences submitted but not yet added to the engine
         self._waiting_seqs = 0  # the scheduler's waiting count as of the last iteration
@@ -142,15 +139,13 @@ class AsyncEngine:
         self._thread.start()
 
     def request_stop(self) -> None:
-        """Begin stopping without waiting: no new requests; the loop thread aborts what is in
-        flight after its current step."""
+        """Stop taking requests; the loop thread aborts what is in flight after its step."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
 
     def stop(self, timeout: float | None = 30.0) -> None:
-        """Abort everything in flight (each stream gets its final ABORT output), then end
-        the loop thread."""
+        """Abort everything in flight (each stream gets its final ABORT output), end the loop."""
         self.request_stop()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -181,10 +176,11 @@ class AsyncEngine:
     def submit(self, request_id: str, prompt: str | list[int] | Admitted,
                params: SamplingParams, priority: int = 0,
                arrival_time: float | None = None,
-               output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> RequestStream:
+               output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+               lora: LoRARequest | None = None) -> RequestStream:
         """Queue a request from inside a running asyncio loop; returns its stream.
-        `output_kind`: what its outputs carry (DELTA: only what is new; FINAL_ONLY: one
-        output at the end; CUMULATIVE: copies of everything so far, every step).
+        `output_kind`: what its outputs carry (DELTA, FINAL_ONLY or CUMULATIVE). `lora`: a
+        registered adapter (`LoraNotFound` from the stream if it is unloaded before it runs).
 
         Raises InvalidRequest (a bad or duplicate id), QueueFull or EngineStopped at once; the
         engine's own validation errors are raised by the stream's first `__anext__` (none for
@@ -211,7 +207,7 @@ class AsyncEngine:
             self._in_flight.add(request_id)
             self._queued_seqs += params.n
             self._commands.append(_Add(sink, prompt, params, priority, arrival, output_kind,
-                                       now))
+                                       now, lora))
             self._cond.notify()
         return RequestStream(self, sink)
 
@@ -227,18 +223,22 @@ class AsyncEngine:
     # ----------------------------------------------------------------------- live settings
     def reconfigure(self, changes: Mapping[str, Any]
                     ) -> "concurrent.futures.Future[dict[str, Any]]":
-        """Queue a scheduler change for the loop thread, which applies it between two steps
-        (any thread; returns at once). The future holds the new settings, or the
-        InvalidRequest / EngineStopped that refused it. Reads need no command:
-        `engine.scheduler_settings()` is one read of the config this swaps whole.
-        `serving.admin_settings` drives this for the fronts (one replica or all)."""
-        done: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        """`call` of a scheduler change: the new settings, or the InvalidRequest naming the
+        field (reads need none: `engine.scheduler_settings()` is one consistent read)."""
+        changes = dict(changes)
+        return self.call(lambda engine: engine.update_scheduler(changes))
+
+    def call(self, fn: Callable[[Engine], Any]) -> "concurrent.futures.Future[Any]":
+        """Queue `fn(engine)` for the loop thread, which runs it between two steps, in order
+        with the adds around it (any thread; returns at once). The future holds its result,
+        or what it raised (EngineStopped when the loop stops first)."""
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._cond:
             if self._error is not None:
                 raise EngineStopped(f"the engine loop failed: {self._error!r}")
             if self._stopping or self._thread is None:
                 raise EngineStopped("the engine is not running (shutting down or not started)")
-            self._commands.append(_Reconfigure(dict(changes), done))
+            self._commands.append(_Call(fn, done))
             self._cond.notify()
         return done
 
@@ -273,9 +273,8 @@ class AsyncEngine:
 
     def _gather_arrivals(self) -> None:
         """Idle until a request came: wait the idle window's time more (under `_cond`) so that
-        requests arriving together (a client's burst, a batch) are all in the first step,
-        prefilled together, and then decode in lockstep; one a moment late would trail the
-        others by a step for good, its prefill stalling their streams at every turn."""
+        requests arriving together are all in the first step and decode in lockstep (one a
+        moment late would trail them by a step for good, stalling their streams each turn)."""
         wait_s = self._idle_window.wait_s()
         queued = [cmd.queued_at for cmd in self._commands if isinstance(cmd, _Add)]
         if not queued:  # woken by an abort or a stop: nothing to gather
@@ -285,13 +284,13 @@ class AsyncEngine:
         while not self._stopping and (left := deadline - time.monotonic()) > 0:
             self._cond.wait(left)
 
-    def _apply(self, commands: list[_Add | _Abort | _Reconfigure]) -> None:
+    def _apply(self, commands: list[_Add | _Abort | _Call]) -> None:
         added = 0
         rejected: list[tuple[RequestSink, Exception]] = []
         for cmd in commands:
-            if isinstance(cmd, _Reconfigure):  # in order: adds before it see the old settings
+            if isinstance(cmd, _Call):  # in order: adds before it see the old settings
                 try:
-                    cmd.done.set_result(self.engine.update_scheduler(cmd.changes))
+                    cmd.done.set_result(cmd.fn(self.engine))
                 except Exception as e:  # noqa: BLE001 - InvalidRequest: handed to the caller
                     cmd.done.set_exception(e)
                 continue
@@ -306,7 +305,8 @@ class AsyncEngine:
             try:
                 self.engine.add_request(rid, cmd.prompt, cmd.params, priority=cmd.priority,
                                         arrival_time=cmd.arrival_time,
-                                        output_kind=cmd.output_kind)
+                                        output_kind=cmd.output_kind,
+                                        lora_request=bind_registered(self.engine, cmd.lora))
             except Exception as e:  # noqa: BLE001 - ValueError: bad input; others: reported
                 rejected.append((cmd.sink, e))
                 continue
@@ -360,19 +360,19 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001 - metrics must never stop serving
                 log.exception("step observer %r failed", obs)
 
-    def _shutdown(self, commands: list[_Add | _Abort | _Reconfigure]) -> None:
+    def _shutdown(self, commands: list[_Add | _Abort | _Call]) -> None:
         """Refuse queued adds and changes, abort what runs, step until the engine has
         delivered every request's final (ABORT) output and freed its pages."""
-        for cmd in commands:
-            if isinstance(cmd, _Add):
-                self._send(cmd.sink, EngineStopped("the engine is shutting down"))
-            elif isinstance(cmd, _Reconfigure):
-                cmd.done.set_exception(EngineStopped("the engine is shutting down"))
+        stopped = EngineStopped("the engine is shutting down")
         with self._cond:
             self._queued_seqs = 0
-            for cmd in commands:
-                if isinstance(cmd, _Add):
-                    self._in_flight.discard(cmd.sink.request_id)
+            self._in_flight.difference_update(c.sink.request_id for c in commands
+                                              if isinstance(c, _Add))
+        for cmd in commands:
+            if isinstance(cmd, _Add):
+                self._send(cmd.sink, stopped)
+            elif isinstance(cmd, _Call):
+                cmd.done.set_exception(stopped)
         for rid in list(self._sinks):
             self.engine.abort(rid)
         steps = 0
@@ -387,7 +387,7 @@ class AsyncEngine:
             self._error = error
             sinks = list(self._sinks.values())
             sinks += [c.sink for c in self._commands if isinstance(c, _Add)]
-            changes = [c.done for c in self._commands if isinstance(c, _Reconfigure)]
+            changes = [c.done for c in self._commands if isinstance(c, _Call)]
             self._commands = []
             self._in_flight.clear()
         self._sinks.clear()

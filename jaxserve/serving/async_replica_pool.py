@@ -14,7 +14,9 @@ One replica's fatal failure (`EngineDead`) fails the whole pool (`error`): the f
 every call and report unavailable, and `jaxserve serve` exits non-zero to be restarted with
 every replica, rather than serving on at reduced capacity with a device in an unknown state.
 A per-request failure inside a replica's step stays that request's (finish reason ERROR).
-Live scheduler changes go to every replica or to none (`admin_settings.SchedulerAdmin`).
+Live scheduler changes and LoRA adapter loads go to every replica or to none
+(`admin_settings.SchedulerAdmin`, `lora_adapters.LoraAdmin`), so a request naming an adapter
+runs on whichever replica the router picks.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 from typing import Protocol, Sequence
 
 from jaxserve.engine.limits import Admitted, check_not_in_flight
+from jaxserve.engine.lora_request import LoRARequest
 from jaxserve.engine.outputs import RequestOutputKind
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.serving.async_engine import AsyncEngine, QueueFull, RequestStream
@@ -51,7 +54,8 @@ class AsyncServing(Protocol):
     def submit(self, request_id: str, prompt: str | list[int] | Admitted,
                params: SamplingParams, priority: int = 0,
                arrival_time: float | None = None,
-               output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> RequestStream: ...
+               output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+               lora: LoRARequest | None = None) -> RequestStream: ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -110,7 +114,8 @@ class AsyncReplicaPool:
     def submit(self, request_id: str, prompt: str | list[int] | Admitted,
                params: SamplingParams, priority: int = 0,
                arrival_time: float | None = None,
-               output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> RequestStream:
+               output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+               lora: LoRARequest | None = None) -> RequestStream:
         """Route, then `AsyncEngine.submit` on that replica (same errors)."""
         ids = prompt.token_ids if isinstance(prompt, Admitted) else prompt
         # Hashing a long prompt takes a while: not under the lock.
@@ -127,7 +132,7 @@ class AsyncReplicaPool:
             for i in (route.replica, *others):
                 try:
                     stream = self.replicas[i].submit(request_id, prompt, params, priority,
-                                                     arrival_time, output_kind)
+                                                     arrival_time, output_kind, lora)
                 except QueueFull as e:
                     error = e
                     continue

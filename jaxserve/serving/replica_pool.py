@@ -10,6 +10,10 @@ never delays another's stream.
 
 Each Engine is still touched by one thread at a time: `step()` joins every replica's step
 before it returns, and callers add and abort between steps.
+
+LoRA: `add_lora` / `remove_lora` register and unregister an adapter on every replica (all or
+none); a request's `lora_request` goes with it to its replica, which registers an adapter it
+does not know yet there (vLLM's offline rule, as one Engine does).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any, Mapping, Sequence
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.limits import (Admitted, EngineLimits, EngineStats, check_not_in_flight,
                                     check_request_id)
+from jaxserve.engine.lora_request import LoRARequest
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.serving.router import ReplicaRouter
@@ -80,7 +85,8 @@ class ReplicaPool:
     def add_request(self, request_id: str, prompt: str | Sequence[int] | Admitted,
                     params: SamplingParams | None = None, priority: int = 0,
                     arrival_time: float | None = None,
-                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                    lora_request: LoRARequest | None = None) -> None:
         check_request_id(request_id)
         check_not_in_flight(request_id, self._owner)
         # Checked (and tokenized) once, here; the replica queues it as it is.
@@ -89,7 +95,8 @@ class ReplicaPool:
         route = self._router.choose(loads, self._router.page_hashes(admitted.token_ids))
         engine = self.engines[route.replica]
         engine.add_request(request_id, admitted, priority=priority, arrival_time=arrival_time,
-                           output_kind=output_kind)  # ValueError: nothing was recorded
+                           output_kind=output_kind,  # ValueError: nothing was recorded
+                           lora_request=lora_request)
         self._router.record(route, route.replica)
         self._owner[request_id] = engine
 
@@ -122,6 +129,29 @@ class ReplicaPool:
         for e in self.engines:
             e.check_scheduler_update(changes)
         return [e.update_scheduler(changes) for e in self.engines][0]
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Register and load an adapter on every replica, or on none (the first refusal:
+        InvalidRequest naming the field; those that took it let it go again)."""
+        done: list[Engine] = []
+        try:
+            for e in self.engines:
+                e.add_lora(lora_request)
+                done.append(e)
+        except BaseException:
+            for e in done:
+                e.remove_lora(lora_request.lora_name)
+            raise
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Unregister an adapter on every replica (False: no such name)."""
+        return any([e.remove_lora(lora_name) for e in self.engines])
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.engines[0].list_loras()  # every replica registers the same
+
+    def resolve_lora(self, lora_name: str) -> LoRARequest | None:
+        return self.engines[0].resolve_lora(lora_name)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
