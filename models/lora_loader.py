@@ -8,7 +8,8 @@ memory-mapped) -> each tensor name parsed into (layer i, module path, A or B); t
 target field (wq wk wv wo w_gate w_up w_down) and layer, the family's own map from a layer's
 checkpoint tensor to the stacked per-layer leaf (`HF_LAYER_NAMES`, and `hf_layer_part` where
 layers differ in shape: Gemma 4's narrower heads, its K-as-V layers, MoE models' dense-only
-layers) says which module's LoRA that layer's field takes and its expected [out, in] shape.
+layers) says which module's LoRA that layer's field takes and its expected [out, in] shape (a
+Gemma 4 K-as-V layer's wv takes k_proj's, as its base wv is k_proj's weight).
 The module's A [r, in] and B [out, r] are checked against it, transposed to a [in, r] and
 b [r, out] (times PEFT's scaling), and laid onto the stacked layout: run on an index probe,
 the family's map tells which checkpoint row / column each stacked entry comes from (or that it

@@ -13,7 +13,7 @@ full module copies (modules_to_save), trainable token rows, layer replication, p
 targets, activated / quantization-aware / block-diagonal / routed variants. Training-only
 options (dropout, the initialisation schemes, Megatron's layer classes) change nothing in the
 saved weights' meaning and are accepted. A key this table does not know is accepted only
-while it is unset (null, false, empty): a future PEFT option that is switched on is refused
+while it is unset (null, false, 0, empty): a future PEFT option that is switched on is refused
 instead of being silently ignored.
 """
 
@@ -38,7 +38,7 @@ def short(value: object, limit: int = _LIMIT) -> str:
 
 
 # Options that, when set, make the adapter compute something a low-rank delta beside the base
-# linear does not: key -> why (null, false or empty means unset).
+# linear does not: key -> why (`_unset` values mean off).
 _REFUSED = {
     "use_dora": "DoRA rescales each weight column by a trained magnitude, which a delta "
                 "added beside the base projection cannot express",
@@ -69,7 +69,10 @@ _NEUTRAL = {
 
 
 def _unset(value: object) -> bool:
-    return value is None or value is False or value == [] or value == {} or value == ()
+    """null, false, 0, "" or empty: how PEFT writes an option that is off."""
+    if isinstance(value, bool):
+        return not value
+    return value is None or value in (0, "", "none") or value == [] or value == {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +159,7 @@ def parse_peft_config(d: Mapping[str, object], source: str) -> PeftLoraConfig:
                             f"{short(value, 80)}, which this loader does not know; refusing "
                             "rather than ignoring it")
     bias = d.get("bias", "none")
-    if bias != "none":
+    if bias not in ("none", None):
         raise LoraError(f"{source}: adapter_config.json bias={short(bias)}: trained base "
                         "biases are not served (only bias='none')")
     rslora = d.get("use_rslora", False)

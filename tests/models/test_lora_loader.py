@@ -91,9 +91,11 @@ def _all(n: int, fields: tuple[str, ...] = TARGET_FIELDS) -> dict[str, set[int]]
 
 
 FAMILY_CASES = {
-    # GQA, every target, one module of lower rank, one alpha of its own
+    # GQA, every target, q_proj of lower ranks (overlapping patterns: the first match wins,
+    # layer 1's q 3, layer 0's q 2), o_proj an alpha of its own
     "llama_patterns": ("llama3_gqa_rope_scaling", dict(
-        rank_pattern={"layers.1.self_attn.q_proj": 3}, alpha_pattern={"o_proj": 5}), _all(2)),
+        rank_pattern={"layers.1.self_attn.q_proj": 3, "q_proj": 2},
+        alpha_pattern={"o_proj": 5}), _all(2)),
     "qwen3_rslora": ("qwen3_qknorm", dict(use_rslora=True, alpha=24), _all(2)),
     # narrower sliding layers padded to the global heads, KV shared into the last two
     # layers (no k/v there), double-wide MLPs, a subset of layers
@@ -133,10 +135,11 @@ def test_loaded_delta_equals_peft_merge(case: str, tmp_path: pathlib.Path) -> No
     assert lora.target_fields == tuple(f for f in TARGET_FIELDS if touched.get(f))
     assert lora.rank == rank and lora.path == str(adapter)
     assert lora.nbytes == sum(a.nbytes + b.nbytes for a, b in lora.weights.values())
-    if case == "llama_patterns":  # the lower-rank module is zero-padded to the field's rank
+    if case == "llama_patterns":  # a lower-rank layer is zero-padded to the field's rank
         a, b = lora.weights["wq"]
-        assert a.shape[2] == 4 and not a[1, :, 3:].any() and not b[1, 3:].any()
-        assert a[1, :, :3].all() and a[0].all()
+        assert a.shape[2] == b.shape[1] == 3
+        assert a[1].all() and b[1].all() and a[0, :, :2].all() and b[0, :2].all()
+        assert not a[0, :, 2:].any() and not b[0, 2:].any()
 
 
 @pytest.fixture(scope="module")
@@ -361,6 +364,15 @@ def test_file_refusals(case: str, tmp_path: pathlib.Path) -> None:
     with pytest.raises(LoraError) as e:
         load_peft_adapter(d, CFG, max_rank=8)
     _assert_message(str(e.value), d, words)
+
+
+def test_unset_options_accepted(tmp_path: pathlib.Path) -> None:
+    """Options PEFT writes switched off (null, false, 0, empty), known or not, are no reason
+    to refuse; the same option switched on is (test_refusals: unknown_option)."""
+    config = _config(bias=None, use_dora=False, new_peft_trick=None, other_new_option=0,
+                     third={}, megatron_config=None, init_lora_weights="gaussian")
+    lora = load_peft_adapter(_write(tmp_path / "a", config), CFG, max_rank=4)
+    assert lora.target_fields == ("wq", "wv", "w_down")
 
 
 def test_safetensors_only_no_pickle_read(tmp_path: pathlib.Path) -> None:
