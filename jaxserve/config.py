@@ -1,6 +1,6 @@
 """Frozen configuration built once at the edge (CLI / API) and passed down.
 
-Environment variables are read at the edge only: here (`RuntimeConfig.from_env`) and in the
+Environment variables are read at the edge only: `runtime_config.RuntimeConfig.from_env` and the
 `jaxserve` command (`jaxserve.cli`). Every section is a frozen dataclass whose
 `__post_init__` validates its own fields and raises ValueError naming the bad one.
 """
@@ -8,10 +8,11 @@ Environment variables are read at the edge only: here (`RuntimeConfig.from_env`)
 from __future__ import annotations
 
 import dataclasses
-import os
-import pathlib
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
+from jaxserve.lora_config import LoRAConfig
+from jaxserve.runtime_config import (DistributedConfig, RuntimeConfig,  # noqa: F401 (re-exported)
+                                     apply_runtime)
 from jaxserve.slo_config import (SCHEDULING_POLICIES, SLO_ADMISSIONS,  # noqa: F401 (re-exported)
                                  SloTargets)
 from jaxserve.spec_config import SpeculativeConfig  # noqa: F401  (re-exported: config layer)
@@ -35,67 +36,6 @@ FP8_ACTIVATIONS = ("auto", "on", "off")
 INT8_ACTIVATIONS = ("auto", "on", "off")
 INT8_ACTIVATION_GROUP_SIZES = (8, 16, 32)
 IDLE_WINDOW_POLICIES = ("adaptive", "always")  # serving/idle_window.py
-
-
-@dataclasses.dataclass(frozen=True)
-class RuntimeConfig:
-    """Process-wide JAX settings applied once by `apply_runtime`."""
-
-    # JAX persistent compilation cache: a second start skips XLA compiles. None disables it.
-    compilation_cache_dir: str | None = None
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "RuntimeConfig":
-        env = os.environ if env is None else env
-        value = env.get("JAXSERVE_COMPILATION_CACHE_DIR")
-        if value is None:
-            value = str(pathlib.Path.home() / ".cache" / "jaxserve" / "xla")
-        return cls(compilation_cache_dir=value or None)
-
-
-def apply_runtime(cfg: RuntimeConfig) -> None:
-    """Configure JAX from `cfg`; call once at program start, before the first compile."""
-    import jax
-
-    if cfg.compilation_cache_dir:
-        pathlib.Path(cfg.compilation_cache_dir).mkdir(parents=True, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
-        # Cache even quick compiles: on a CPU host every step function is worth keeping.
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-@dataclasses.dataclass(frozen=True)
-class DistributedConfig:
-    """Several processes (hosts) running one engine: `jax.distributed` settings.
-
-    Process 0 runs the scheduler and the fronts; every process runs the same compiled step
-    over the devices of all of them (jaxserve.device.multihost). `coordinator` None: one process.
-    """
-
-    coordinator: str | None = None  # host:port of process 0's coordination service
-    num_processes: int = 1
-    process_id: int = 0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.num_processes, int) or self.num_processes < 1:
-            raise ValueError(f"num_processes={self.num_processes!r} must be >= 1")
-        if not isinstance(self.process_id, int) or not 0 <= self.process_id < self.num_processes:
-            raise ValueError(f"process_id={self.process_id!r} must be in [0, num_processes="
-                             f"{self.num_processes})")
-        if self.num_processes > 1:
-            host, _, port = (self.coordinator or "").rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"coordinator={self.coordinator!r} must be host:port (the "
-                                 "address process 0 listens on) when num_processes > 1")
-
-    @property
-    def enabled(self) -> bool:
-        return self.num_processes > 1
-
-    @property
-    def is_leader(self) -> bool:
-        return self.process_id == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,8 +245,15 @@ class EngineConfig:
     # kernels (the CPU attention and C++ dense kernels); `serving/batch_invariant.py` applies
     # it and refuses what cannot be invariant (the Pallas attention kernels, MoE models).
     batch_invariant: bool = False
+    # Multi-LoRA (vLLM's --enable-lora and its options; `lora_config.LoRAConfig`): adapters
+    # served beside the base model, one per request, mixed in a step (docs/serving/lora.md).
+    # None: off.
+    lora_config: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.lora_config is not None and not isinstance(self.lora_config, LoRAConfig):
+            raise ValueError("lora_config must be a LoRAConfig (LoRAConfig.from_options builds "
+                             f"it from vLLM's option names), got {type(self.lora_config).__name__}")
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant={self.batch_invariant!r} must be true or false")
         for name in ("ttft_slo", "itl_slo"):  # LLM(ttft_slo=0.5): accept what parse takes

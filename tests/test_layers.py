@@ -14,7 +14,8 @@ Layers, top to bottom (imports point down; a layer may skip the ones between):
     models          jaxserve.models (models/): functional models, loaders, tokenizer
     kernels_pallas  jaxserve.kernels_pallas (kernels_pallas/): imports nothing else of jaxserve
 
-`jaxserve.config` (frozen configuration; `jaxserve.spec_config` and `jaxserve.slo_config` are part of it) sits beside models:
+`jaxserve.config` (frozen configuration; `jaxserve.spec_config`, `jaxserve.slo_config`,
+`jaxserve.lora_config` and `jaxserve.runtime_config` are part of it) sits beside models:
 every layer above may read it, it imports nothing of engine / device / serving / server / llm /
 cli.
 
@@ -58,6 +59,8 @@ LAYER_PREFIXES = {
     "jaxserve.config": "config",
     "jaxserve.spec_config": "config",
     "jaxserve.slo_config": "config",
+    "jaxserve.lora_config": "config",
+    "jaxserve.runtime_config": "config",
     "jaxserve.engine": "engine",
     "jaxserve.device": "device",
     "jaxserve.serving": "serving",
