@@ -14,8 +14,8 @@ The module's A [r, in] and B [out, r] are checked against it, transposed to a [i
 b [r, out] (times PEFT's scaling), and laid onto the stacked layout: run on an index probe,
 the family's map tells which checkpoint row / column each stacked entry comes from (or that it
 is padding: zero), so a padded or repeated head gets exactly what the base weight got.
-Fields ranks differ per module (rank_pattern) are zero-padded to the field's largest; layers
-the adapter leaves alone are zero.
+A field whose modules' ranks differ (rank_pattern) is zero-padded to its largest; layers the
+adapter leaves alone are zero.
 
 Every problem is a `LoraError` naming the adapter directory and what is wrong: missing files,
 bad JSON, unsupported options (`peft_config`), a rank over `max_rank`, modules the model lacks
