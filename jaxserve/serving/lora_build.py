@@ -24,6 +24,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.device.lora_slots import DeviceLoraSlots, kv_replication
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.lora import stacks_nbytes
+from jaxserve.models.lora_loader import load_peft_adapter
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,6 @@ def adapter_loader(config: EngineConfig, cfg: ModelConfig) -> Callable[..., Any]
     lora = config.lora_config
     if lora is None:
         return None
-    from jaxserve.models.lora_loader import load_peft_adapter  # TODO(lead): top-level once merged
-
     return functools.partial(load_peft_adapter, cfg=cfg, max_rank=lora.max_lora_rank)
 
 
