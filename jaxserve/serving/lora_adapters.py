@@ -91,7 +91,10 @@ class LoraAdmin:
         InvalidRequest naming the field, or LoraDisabled) for a bad or duplicate one;
         EngineStopped when the engine stops first."""
         self._check_on()
-        name = check_lora_name(lora_name, "lora_name")
+        try:
+            name = check_lora_name(lora_name, "lora_name")
+        except ValueError as e:
+            raise InvalidRequest(str(e), "lora_name") from None
         if name in self.base_names:
             raise InvalidRequest(f"lora_name {name!r} is the base model's name: an adapter "
                                  "needs a name of its own", "lora_name")
