@@ -207,7 +207,7 @@ class GrpcServer:
                   cfg.tool_call_parser)
         scheduler = SchedulerAdmin(self.engine)  # the admin endpoint's, both fronts
         # The LoRA adapters (both fronts): the base model answers to its served names.
-        loras = LoraAdmin(self.engine, cfg.served_model_names or (served.name,))
+        loras = LoraAdmin(self.engine, served.engine, cfg.served_model_names or (served.name,))
         loras.check_startup()
         self.servicer.attach(self.engine, served, admit, loras)
         self.admin.attach(scheduler, loras)

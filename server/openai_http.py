@@ -184,7 +184,8 @@ class OpenAIHttpFront:
         self._admission = admit or admission.Admission(
             served.engine.limits, served.engine.tokenizer, self._tokenizer_threads)
         self.admin = scheduler or SchedulerAdmin(engine)
-        self.loras = loras or LoraAdmin(engine, self._model_names or (served.name,))
+        self.loras = loras or LoraAdmin(engine, served.engine,
+                                        self._model_names or (served.name,))
         self._engine, self._served, self._registry = engine, served, registry
 
     async def stop(self) -> None:

@@ -84,7 +84,7 @@ class GenerationServicer(_stubs.grpc.GenerationServicer):
         admission shared with the other front (None: one of its own); `close` closes it.
         `loras`: its LoRA adapters (None: its own, the base model named `served.name`)."""
         self._info = model_info(served)
-        self._loras = loras or LoraAdmin(engine, (served.name,))
+        self._loras = loras or LoraAdmin(engine, served.engine, (served.name,))
         self._live = served.engine.scheduler_settings  # every replica holds the same
         self._admission = admit or admission.Admission(
             served.engine.limits, served.engine.tokenizer, self._tokenizer_threads)

@@ -52,17 +52,27 @@ def _register(engine: Engine, request: LoRARequest) -> None:
 
 
 class LoraAdmin:
-    """The adapters of `serving` (one AsyncEngine or a pool of replicas); `base_names`: what
-    callers may name the base model (the served names, else the model's own name)."""
+    """The adapters of `serving` (one AsyncEngine or a pool of replicas), whose first
+    replica's Engine is `engine` (read: every replica registers the same adapters);
+    `base_names`: what callers may name the base model (the served names, else the model's
+    own name)."""
 
-    def __init__(self, serving: AsyncServing, base_names: Sequence[str]):
-        self.replicas: Sequence[AsyncEngine] = serving.replicas \
-            if isinstance(serving, AsyncReplicaPool) else (serving,)  # type: ignore[assignment]
+    def __init__(self, serving: AsyncServing, engine: Engine, base_names: Sequence[str]):
+        self._serving = serving
         self.base_names = tuple(base_names)
-        self._engine = self.replicas[0].engine  # every replica registers the same adapters
-        self.enabled = self._engine.config.lora_config is not None
+        self._engine = engine
         self._lock = threading.Lock()  # one change queued at a time, on every replica
         self._last_id = 0  # the last lora_int_id handed out
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the engine serves adapters (--enable-lora)."""
+        return self._engine.config.lora_config is not None
+
+    @property
+    def replicas(self) -> Sequence[AsyncEngine]:
+        s = self._serving
+        return s.replicas if isinstance(s, AsyncReplicaPool) else (s,)  # type: ignore
 
     def check_startup(self) -> None:
         """ValueError naming a start-up adapter (--lora-modules) named as the base model."""

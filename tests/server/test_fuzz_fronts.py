@@ -49,8 +49,9 @@ SETTINGS = settings(max_examples=fuzz_examples(40), derandomize=not EXPLORE,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 DEADLINE_S = 60.0
 OK_HTTP = {"prompt": "w5 w6", "max_tokens": 2}
+# NOT_FOUND: a GenerateRequest.lora_name that names no loaded LoRA adapter.
 GRPC_OK = (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
-           grpc.StatusCode.RESOURCE_EXHAUSTED)
+           grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND)
 GENERATE = "/jaxserve.v1.Generation/Generate"
 
 

@@ -69,16 +69,18 @@ class PeftCheckedLoader:
 
 
 def lora_fake_engine(modules: tuple[tuple[str, str], ...] = (), max_loras: int = 2,
-                     max_lora_rank: int = 8, **cfg: object) -> Engine:
-    """An engine over the arithmetic fake runner with LoRA on (`modules`: --lora-modules)."""
+                     max_lora_rank: int = 8, runner: ArithmeticRunner | None = None,
+                     loader: PeftCheckedLoader | None = None, **cfg: object) -> Engine:
+    """An engine over the arithmetic fake runner (`runner`: a subclass) with LoRA on
+    (`modules`: --lora-modules; `loader`: default a PeftCheckedLoader)."""
     base = dict(max_num_seqs=4, max_num_batched_tokens=64, page_size=8, max_model_len=128,
                 attention_impl="reference")
     base.update(cfg)
     config = EngineConfig(**base, lora_config=LoRAConfig(  # type: ignore[arg-type]
         max_loras=max_loras, max_lora_rank=max_lora_rank, lora_modules=modules))
     plan = plan_engine(config, tiny_model_config(), 4, 1 << 30)
-    return Engine(config, plan, ArithmeticRunner(VOCAB), tiny_tokenizer(), (EOS,),
-                  lora_loader=PeftCheckedLoader(max_lora_rank))
+    return Engine(config, plan, runner or ArithmeticRunner(VOCAB), tiny_tokenizer(), (EOS,),
+                  lora_loader=loader or PeftCheckedLoader(max_lora_rank))
 
 
 def lora_oracle(prompt: list[int], max_tokens: int, offset: int = 0) -> list[int]:

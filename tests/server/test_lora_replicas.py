@@ -1,0 +1,108 @@
+"""The serving layer's LoRA adapters (`serving/lora_adapters.py`, `lora_requests.py`) under
+the fronts: loads and unloads run on each replica's loop thread between two steps, on every
+data-parallel replica or on none; an unload lets requests already running under the adapter
+finish under it, and refuses new ones (`LoraNotFound`). Fake-runner engines with real PEFT
+checks (`support.lora_fakes`); the oracle is the arithmetic shifted by the adapter's offset."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+
+import pytest
+from support.fake_engines import GatedRunner, wait_until
+from support.lora_fakes import PeftCheckedLoader, lora_fake_engine, lora_oracle, write_peft_dir
+
+from jaxserve import SamplingParams
+from jaxserve.engine.errors import InvalidRequest
+from jaxserve.serving.async_engine import AsyncEngine
+from jaxserve.serving.async_replica_pool import AsyncReplicaPool
+from jaxserve.serving.lora_adapters import LoraAdmin
+from jaxserve.serving.lora_requests import LoraNotFound
+from jaxserve.serving.router import make_router
+
+PROMPT = [11, 12, 13, 14]
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+async def tokens(stream) -> list[int]:  # noqa: ANN001
+    outs = [out async for out in stream]
+    assert outs[-1].finished
+    return [t for out in outs for t in out.outputs[0].delta_token_ids]
+
+
+class Refusing(PeftCheckedLoader):
+    """Refuses one path (a replica whose disk lacks the adapter)."""
+
+    def __init__(self, max_rank: int, refused: str):
+        super().__init__(max_rank)
+        self.refused = refused
+
+    def __call__(self, req):  # noqa: ANN001, ANN204
+        if req.lora_path == self.refused:
+            raise FileNotFoundError(f"{req.lora_path}: not on this replica's disk")
+        return super().__call__(req)
+
+
+def test_every_replica_or_none(tmp_path: pathlib.Path) -> None:
+    a = write_peft_dir(tmp_path / "a", 5, seed=1)
+    b = write_peft_dir(tmp_path / "b", 9, seed=2)
+    engines = [lora_fake_engine(), lora_fake_engine(loader=Refusing(8, str(b)))]
+    replicas = [AsyncEngine(e) for e in engines]
+    pool = AsyncReplicaPool(replicas, make_router(engines))
+    pool.start()
+    loras = LoraAdmin(pool, engines[0], ("base",))
+
+    async def main() -> None:
+        added = await loras.load("a", str(a))
+        assert [e.list_loras() for e in engines] == [[added], [added]]
+        # Requests under it on both replicas (several at once: the router spreads them).
+        streams = [pool.submit(f"r{i}", PROMPT, SamplingParams(max_tokens=6, **GREEDY),
+                               lora=loras.resolve("a")) for i in range(6)]
+        for s in streams:
+            assert await tokens(s) == lora_oracle(PROMPT, 6, 5)
+        with pytest.raises(InvalidRequest, match="not on this replica's disk") as info:
+            await loras.load("b", str(b))
+        assert info.value.field == "lora_path"
+        assert [[r.lora_name for r in e.list_loras()] for e in engines] == [["a"], ["a"]]
+        await loras.unload("a")
+        assert [e.list_loras() for e in engines] == [[], []]
+        with pytest.raises(LoraNotFound):
+            loras.resolve("a")
+
+    try:
+        asyncio.run(main())
+    finally:
+        pool.stop()
+
+
+def test_unload_lets_a_running_request_finish_under_it(tmp_path: pathlib.Path) -> None:
+    a = write_peft_dir(tmp_path / "a", 5, seed=1)
+    runner = GatedRunner()
+    engine = lora_fake_engine((("a", str(a)),), runner=runner)
+    ae = AsyncEngine(engine)
+    ae.start()
+    loras = LoraAdmin(ae, engine, ("base",))
+
+    async def main() -> None:
+        lora = loras.resolve("a")
+        stream = ae.submit("r", PROMPT, SamplingParams(max_tokens=8, **GREEDY), lora=lora)
+        await asyncio.get_running_loop().run_in_executor(
+            None, wait_until, runner.blocked.is_set, "the first step to wait for its permit")
+        unload = asyncio.ensure_future(loras.unload("a"))
+        await asyncio.sleep(0)  # let it queue its command
+        assert not unload.done() and engine.resolve_lora("a") == lora  # a step is running
+        runner.allow(100)
+        assert (await unload) == lora
+        assert await tokens(stream) == lora_oracle(PROMPT, 8, 5)  # finished under it
+        # Resolved before the unload, queued after it: refused, never re-registered.
+        late = ae.submit("late", PROMPT, SamplingParams(max_tokens=2, **GREEDY), lora=lora)
+        with pytest.raises(LoraNotFound):
+            await late.__anext__()
+        assert engine.list_loras() == []
+
+    try:
+        asyncio.run(main())
+    finally:
+        runner.allow(100)
+        ae.stop()
