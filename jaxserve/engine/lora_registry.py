@@ -172,3 +172,12 @@ def engine_registry(cfg: LoRAConfig | None, load: LoraLoader | None,
     for i, (name, path) in enumerate(cfg.lora_modules, 1):
         registry.add(LoRARequest(name, i, path))
     return registry
+
+
+def lora_on(registry: LoraRegistry | None, request: object) -> LoraRegistry:
+    """`registry`, or InvalidRequest naming lora_request when the engine has none (LoRA is
+    off: a request naming an adapter is refused, never run on the base model)."""
+    if registry is None:
+        raise InvalidRequest(f"lora_request {getattr(request, 'lora_name', request)!r:.60}: "
+                             "LoRA is off (enable_lora=True, --enable-lora)", "lora_request")
+    return registry
