@@ -71,7 +71,7 @@ class Engine:
                  proposer: Proposer | None = None, lora_loader: LoraLoader | None = None):
         """`proposer`: what proposes tokens for a `speculative_config` whose method needs a
         model on the device (draft_model, eagle3: built with the runner by serving.build);
-        n-gram's is built here. `lora_loader`: `load(LoRARequest) -> adapter` (what
+        n-gram's is built here. `lora_loader`: `load(lora_path) -> adapter` (what
         `runner.load_lora` takes), required with a `lora_config` and refused without."""
         self.config = config
         self.plan = plan

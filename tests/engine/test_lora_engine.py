@@ -32,11 +32,11 @@ class Loader:
         self.reads: list[str] = []
         self.broken: set[str] = set()  # paths that fail from now on
 
-    def __call__(self, req: LoRARequest) -> FakeLora:
-        self.reads.append(req.lora_path)
-        if req.lora_path.startswith("/bad") or req.lora_path in self.broken:
-            raise FileNotFoundError(f"no adapter_config.json under {req.lora_path}")
-        return FakeLora(int(req.lora_path.rsplit("/", 1)[1]))
+    def __call__(self, path: str) -> FakeLora:
+        self.reads.append(path)
+        if path.startswith("/bad") or path in self.broken:
+            raise FileNotFoundError(f"no adapter_config.json under {path}")
+        return FakeLora(int(path.rsplit("/", 1)[1]))
 
 
 class CheckingRunner(ArithmeticRunner):
