@@ -119,3 +119,14 @@ def test_no_lora_families_without_lora() -> None:
         outputs = engine.step()
         metrics.on_step(engine.stats(), outputs, True)
     assert not [m for m in registry.collect() if "lora" in m.name]
+
+
+def test_the_fault_injecting_wrapper_forwards_loads() -> None:
+    from support.engine_fixtures import VOCAB
+
+    from jaxserve.engine.fake_runner import ArithmeticRunner, FakeLora
+    from jaxserve.engine.fault_injection import FaultInjectingRunner, InjectedFault
+
+    inner = ArithmeticRunner(VOCAB)
+    FaultInjectingRunner(inner, InjectedFault(97)).load_lora(1, FakeLora(3))
+    assert inner.loras == {1: FakeLora(3)}
