@@ -46,7 +46,7 @@ from jaxserve.engine.group import Group
 from jaxserve.engine.limits import (Admitted, EngineLimits, EngineStats, check_not_in_flight,
                                     check_priority, check_request_id)
 from jaxserve.engine.live_settings import LiveBounds, check_changes, settings_of
-from jaxserve.engine.lora_registry import LoraLoader, engine_registry
+from jaxserve.engine.lora_registry import LoraLoader, engine_registry, lora_on
 from jaxserve.engine.lora_request import LoRARequest
 from jaxserve.engine.lora_stats import LoraCounters
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
@@ -71,7 +71,7 @@ class Engine:
                  proposer: Proposer | None = None, lora_loader: LoraLoader | None = None):
         """`proposer`: what proposes tokens for a `speculative_config` whose method needs a
         model on the device (draft_model, eagle3: built with the runner by serving.build);
-        n-gram's is built here. `lora_loader`: `load(LoRARequest) -> adapter` (what
+        n-gram's is built here. `lora_loader`: `load(lora_path) -> adapter` (what
         `runner.load_lora` takes), required with a `lora_config` and refused without."""
         self.config = config
         self.plan = plan
@@ -191,13 +191,9 @@ class Engine:
         req = prompt if isinstance(prompt, Admitted) else self.admit(prompt, params)
         params, ids = req.params, list(req.token_ids)
         self._check_ttft(len(ids), priority)
-        lora = None
-        if lora_request is not None:
-            if self._loras is None:
-                raise InvalidRequest(f"lora_request {getattr(lora_request, 'lora_name', '')!r}"
-                                     ": LoRA is off (enable_lora=True, --enable-lora)",
-                                     "lora_request")
-            lora = self._loras.bind(lora_request)
+        lora = None if lora_request is None else \
+            lora_on(self._loras, lora_request).bind(lora_request)
+        if lora is not None:
             self._lora_counts.on_request(lora.name)
         now = self.clock() if arrival_time is None else arrival_time
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -243,10 +239,7 @@ class Engine:
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Register an adapter and load it now (runtime load; InvalidRequest naming
         lora_name / lora_int_id / lora_path when it cannot be; the engine's thread)."""
-        if self._loras is None:
-            raise InvalidRequest("lora_request: LoRA is off (enable_lora=True, --enable-lora)",
-                                 "lora_request")
-        self._loras.add(lora_request)
+        lora_on(self._loras, lora_request).add(lora_request)
 
     def remove_lora(self, lora_name: str) -> bool:
         """Unregister an adapter (False: no such name). Requests already queued with it

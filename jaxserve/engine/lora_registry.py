@@ -1,8 +1,9 @@
 """The engine's registered LoRA adapters and the host cache of the loaded ones.
 
 Plain Python (no jax); adapters are opaque here. The engine owns one `LoraRegistry`, built
-with the loader serving.build injects (`load(LoRARequest) -> adapter`: the PEFT loader, whose
-adapters the runner's `load_lora` takes; a fake one in tests), and the scheduler's slot table
+with the loader serving.build injects (`load(lora_path) -> adapter`: the PEFT loader,
+`serving.lora_build.adapter_loader`, whose adapters the runner's `load_lora` takes; a fake
+one in tests), and the scheduler's slot table
 (`lora_slots.LoraSlots`) to ask which adapters sit in a device slot.
 
 Data flow:
@@ -33,7 +34,7 @@ from jaxserve.engine.lora_request import LoraBinding, LoRARequest
 from jaxserve.engine.lora_slots import LoraSlots
 from jaxserve.lora_config import LoRAConfig
 
-LoraLoader = Callable[[LoRARequest], object]
+LoraLoader = Callable[[str], object]  # lora_path -> the loaded adapter (raises when bad)
 
 
 class LoraRegistry:
@@ -127,7 +128,7 @@ class LoraRegistry:
 
     def _read(self, request: LoRARequest) -> object:
         try:
-            adapter = self._load(request)
+            adapter = self._load(request.lora_path)
         except Exception as e:  # noqa: BLE001 - any loader failure is the adapter's fault
             raise InvalidRequest(f"lora_path {request.lora_path!r} (LoRA adapter "
                                  f"{request.lora_name!r}) could not be loaded: {e}",
@@ -171,4 +172,13 @@ def engine_registry(cfg: LoRAConfig | None, load: LoraLoader | None,
     slots.on_unbind = registry.unbound
     for i, (name, path) in enumerate(cfg.lora_modules, 1):
         registry.add(LoRARequest(name, i, path))
+    return registry
+
+
+def lora_on(registry: LoraRegistry | None, request: object) -> LoraRegistry:
+    """`registry`, or InvalidRequest naming lora_request when the engine has none (LoRA is
+    off: a request naming an adapter is refused, never run on the base model)."""
+    if registry is None:
+        raise InvalidRequest(f"lora_request {getattr(request, 'lora_name', request)!r:.60}: "
+                             "LoRA is off (enable_lora=True, --enable-lora)", "lora_request")
     return registry

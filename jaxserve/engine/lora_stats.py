@@ -64,6 +64,9 @@ class LoraCounters:
                 self._seen.pop(key, None)
 
     def stats(self, running: Iterable[Sequence], waiting: Iterable[Sequence]) -> LoraStats:
+        """The snapshot (`waiting` is only walked with LoRA on: it may be long)."""
+        if not self.max_loras:
+            return LoraStats()
         return LoraStats(
             self.max_loras,
             tuple(sorted({s.lora.name for s in running if s.lora is not None})),

@@ -32,11 +32,11 @@ class Loader:
         self.reads: list[str] = []
         self.broken: set[str] = set()  # paths that fail from now on
 
-    def __call__(self, req: LoRARequest) -> FakeLora:
-        self.reads.append(req.lora_path)
-        if req.lora_path.startswith("/bad") or req.lora_path in self.broken:
-            raise FileNotFoundError(f"no adapter_config.json under {req.lora_path}")
-        return FakeLora(int(req.lora_path.rsplit("/", 1)[1]))
+    def __call__(self, path: str) -> FakeLora:
+        self.reads.append(path)
+        if path.startswith("/bad") or path in self.broken:
+            raise FileNotFoundError(f"no adapter_config.json under {path}")
+        return FakeLora(int(path.rsplit("/", 1)[1]))
 
 
 class CheckingRunner(ArithmeticRunner):
@@ -61,7 +61,7 @@ class CheckingRunner(ArithmeticRunner):
 
 def lora_engine(max_loras: int = 2, overlap: bool = True, max_cpu_loras: int | None = None,
                 modules: tuple = (), loader: Loader | None = None, lora: bool = True,
-                **cfg: object) -> Engine:
+                proposer: object = None, **cfg: object) -> Engine:
     base = dict(max_num_seqs=8, max_num_batched_tokens=64, page_size=4, max_model_len=128,
                 attention_impl="reference", async_scheduling=overlap)
     base.update(cfg)
@@ -70,8 +70,8 @@ def lora_engine(max_loras: int = 2, overlap: bool = True, max_cpu_loras: int | N
     config = EngineConfig(**base, lora_config=lc)  # type: ignore[arg-type]
     plan = plan_engine(config, tiny_model_config(), 4, 1 << 30)
     runner = CheckingRunner()
-    engine = Engine(config, plan, runner, tiny_tokenizer(), (EOS,),
-                    lora_loader=(loader or Loader()) if lora else None)
+    engine = Engine(config, plan, runner, tiny_tokenizer(), (EOS,),  # type: ignore[arg-type]
+                    proposer=proposer, lora_loader=(loader or Loader()) if lora else None)
     runner.engine = engine
     return engine
 
@@ -302,3 +302,41 @@ def test_an_adapter_that_cannot_be_read_any_more_fails_only_its_requests() -> No
     assert "lora_path '/fake/8'" in finals["bad"].outputs[0].error
     assert finals["good"].outputs[0].token_ids == oracle(PROMPT, 4, 13)
     assert finals["base"].outputs[0].token_ids == oracle(PROMPT, 4)
+
+
+class OffsetProposer:
+    """Proposes each sequence's arithmetic continuation under the offset its prompt's first
+    token names: right for 2 tokens, then off by one (rejected)."""
+
+    def __init__(self, offsets: dict[int, int]):
+        self.offsets = offsets
+
+    def propose(self, sequences):  # noqa: ANN001, ANN201 - the Proposer protocol
+        out = []
+        for tokens in sequences:
+            seq, props = list(tokens), []
+            for i in range(3):
+                t = arithmetic_next_token(seq[-1], len(seq) - 1, VOCAB, self.offsets[seq[0]])
+                props.append(t if i < 2 else (t + 1) % VOCAB)
+                seq.append(t)
+            out.append(props)
+        return out
+
+
+def test_verification_rows_read_their_adapter_on_every_position() -> None:
+    """A decode row verifying proposals is a multi-token query; each of its tokens carries
+    the row's slot, so every verified position runs under its adapter: proposals of the
+    adapter's own continuation are accepted, and the outputs are the adapter's."""
+    from jaxserve.config import SpeculativeConfig
+    from jaxserve.engine.speculation import OnTokens
+
+    offsets = {40: 0, 41: 8, 42: 13}
+    engine = lora_engine(max_loras=2, speculative_config=SpeculativeConfig("ngram", 3),
+                         proposer=OnTokens(OffsetProposer(offsets)))
+    for first, lora in ((40, None), (41, adapter(1)), (42, adapter(2))):
+        engine.add_request(str(first), [first, 6, 7], greedy(12), lora_request=lora)
+    finals = run(engine)
+    st = engine.stats()
+    assert st.spec_num_drafts > 0 and st.spec_num_accepted_tokens >= st.spec_num_drafts
+    for first, offset in offsets.items():
+        assert finals[str(first)].outputs[0].token_ids == oracle([first, 6, 7], 12, offset)
