@@ -58,7 +58,8 @@ def add_serve_parser(sub: Any) -> None:
     n.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model's name(s) on the API (default: the --model value): "
                         "responses and /v1/models report the first, /v1/models lists each, "
-                        "and an HTTP request naming another model gets a 404")
+                        "and an HTTP request naming another model (nor a loaded LoRA adapter) "
+                        "gets a 404")
     n.add_argument("--metrics-port", type=int, default=None,
                    help="also serve Prometheus /metrics on a port of its own (same host; the "
                         "HTTP front serves it too); default: off")

@@ -38,10 +38,10 @@ class Refusing(PeftCheckedLoader):
         super().__init__(max_rank)
         self.refused = refused
 
-    def __call__(self, req):  # noqa: ANN001, ANN204
-        if req.lora_path == self.refused:
-            raise FileNotFoundError(f"{req.lora_path}: not on this replica's disk")
-        return super().__call__(req)
+    def __call__(self, path: str):  # noqa: ANN204
+        if path == self.refused:
+            raise FileNotFoundError(f"{path}: not on this replica's disk")
+        return super().__call__(path)
 
 
 def test_every_replica_or_none(tmp_path: pathlib.Path) -> None:

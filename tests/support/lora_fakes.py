@@ -21,7 +21,6 @@ from support.engine_fixtures import VOCAB, tiny_model_config, tiny_tokenizer
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.fake_runner import ArithmeticRunner, FakeLora, arithmetic_next_token
-from jaxserve.engine.lora_request import LoRARequest
 from jaxserve.engine.sizing import plan_engine
 from jaxserve.lora_config import LoRAConfig
 from jaxserve.models.lora_loader import load_peft_adapter
@@ -55,17 +54,16 @@ def write_peft_dir(out: pathlib.Path, offset: int, rank: int = 4, seed: int = 0
 
 
 class PeftCheckedLoader:
-    """The engine's `load(LoRARequest)`: the real PEFT checks, then a FakeLora."""
+    """The engine's `load(lora_path)`: the real PEFT checks, then a FakeLora."""
 
     def __init__(self, max_rank: int):
         self.max_rank = max_rank
         self.reads: list[str] = []
 
-    def __call__(self, req: LoRARequest) -> FakeLora:
-        self.reads.append(req.lora_path)
-        load_peft_adapter(req.lora_path, tiny_model_config(), self.max_rank)
-        offset = int((pathlib.Path(req.lora_path) / OFFSET_FILE).read_text())
-        return FakeLora(offset)
+    def __call__(self, path: str) -> FakeLora:
+        self.reads.append(path)
+        load_peft_adapter(path, tiny_model_config(), self.max_rank)
+        return FakeLora(int((pathlib.Path(path) / OFFSET_FILE).read_text()))
 
 
 def lora_fake_engine(modules: tuple[tuple[str, str], ...] = (), max_loras: int = 2,
