@@ -19,6 +19,7 @@ from jaxserve.serving.async_engine import AsyncEngine
 from jaxserve.serving.async_replica_pool import AsyncReplicaPool
 from jaxserve.serving.lora_adapters import LoraAdmin
 from jaxserve.serving.lora_requests import LoraNotFound
+from jaxserve.serving.replica_pool import ReplicaPool
 from jaxserve.serving.router import make_router
 
 PROMPT = [11, 12, 13, 14]
@@ -106,3 +107,30 @@ def test_unload_lets_a_running_request_finish_under_it(tmp_path: pathlib.Path) -
     finally:
         runner.allow(100)
         ae.stop()
+
+
+def test_offline_replica_pool_adds_everywhere_or_nowhere(tmp_path: pathlib.Path) -> None:
+    from jaxserve import LoRARequest
+
+    a = write_peft_dir(tmp_path / "a", 5, seed=1)
+    b = write_peft_dir(tmp_path / "b", 9, seed=2)
+    engines = [lora_fake_engine(), lora_fake_engine(loader=Refusing(8, str(b)))]
+    pool = ReplicaPool(engines, make_router(engines))
+    try:
+        pool.add_lora(LoRARequest("a", 1, str(a)))
+        assert [e.resolve_lora("a") for e in engines] == [pool.resolve_lora("a")] * 2
+        with pytest.raises(InvalidRequest, match="not on this replica's disk"):
+            pool.add_lora(LoRARequest("b", 2, str(b)))
+        assert [[r.lora_name for r in e.list_loras()] for e in engines] == [["a"], ["a"]]
+        for i in range(4):  # spread over both replicas by load
+            pool.add_request(f"r{i}", PROMPT, SamplingParams(max_tokens=5, **GREEDY),
+                             lora_request=pool.resolve_lora("a"))
+        finals = {}
+        while pool.has_unfinished():
+            finals.update({o.request_id: o for o in pool.step() if o.finished})
+        assert {rid: list(o.outputs[0].token_ids) for rid, o in finals.items()} == {
+            f"r{i}": lora_oracle(PROMPT, 5, 5) for i in range(4)}
+        assert pool.remove_lora("a") and not pool.remove_lora("a")
+        assert pool.list_loras() == [] == engines[1].list_loras()
+    finally:
+        pool.close()

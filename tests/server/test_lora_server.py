@@ -8,6 +8,7 @@ server without --enable-lora, and the gRPC equivalents."""
 from __future__ import annotations
 
 import asyncio
+import json
 import pathlib
 
 import aiohttp
@@ -109,6 +110,18 @@ def test_chat_and_stream_under_an_adapter(srv) -> None:  # noqa: ANN001
     status, base = asyncio.run(call(url(srv), "/v1/chat/completions",
                                     {**body, "model": "fake"}, AUTH))
     assert got["choices"][0]["message"]["content"] != base["choices"][0]["message"]["content"]
+
+    async def stream() -> list[dict]:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url(srv) + "/v1/completions", headers=AUTH, json={
+                    "model": "sql", "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0,
+                    "ignore_eos": True, "stream": True}) as r:
+                raw = (await r.read()).decode()
+        return [json.loads(e[len("data: "):]) for e in raw.split("\n\n")[:-2]]
+    events = asyncio.run(stream())
+    assert {e["model"] for e in events} == {"sql"}
+    assert "".join(e["choices"][0]["text"] for e in events) == oracle_text(PROMPT, TOKENS,
+                                                                           SQL_OFFSET)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
