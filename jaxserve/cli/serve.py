@@ -142,6 +142,8 @@ def add_client_parser(sub: Any) -> None:
     c.add_argument("prompt", metavar="PROMPT", help="the prompt text")
     c.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}", help="server host:port")
     c.add_argument("--chat", action="store_true", help="send PROMPT as a user chat message")
+    c.add_argument("--lora-name", default="", metavar="NAME",
+                   help="run under the server's loaded LoRA adapter NAME (default: none)")
     add_sampling_flags(c, {"max_tokens": 64, "temperature": 0.0},
                        exclude=("n", "logprobs"))  # it prints one text
     c.add_argument("--api-key", default=None, help=f"API key (default: ${API_KEY_ENV})")
@@ -243,7 +245,8 @@ def cmd_client(args: argparse.Namespace) -> int:
         messages = [{"role": "user", "content": args.prompt}] if args.chat else None
         scored = None  # the PromptLogprobs message, printed after the text
         try:
-            for msg in client.stream(prompt, params, messages=messages):
+            for msg in client.stream(prompt, params, messages=messages,
+                                     lora_name=args.lora_name):
                 if msg.HasField("prompt_logprobs"):
                     scored = msg.prompt_logprobs
                 elif msg.HasField("chunk"):

@@ -15,6 +15,7 @@ import aiohttp
 import grpc
 import pytest
 from support.fake_engines import fake_engine
+from support.engine_fixtures import tiny_tokenizer
 from support.http_clients import call
 from support.lora_fakes import lora_fake_engine, lora_oracle, oracle_text, write_peft_dir
 
@@ -264,3 +265,16 @@ def test_served_model_name_and_startup_refusals(dirs) -> None:  # noqa: ANN001
                 served_model_names=("sql",)).start()
     with pytest.raises(ValueError, match="'bad'.*over the maximum"):
         _server(lambda: lora_fake_engine((("bad", str(dirs["big"])),))).start()
+
+
+def test_cli_client_lora_name(srv, capsys) -> None:  # noqa: ANN001
+    from jaxserve import cli
+
+    token_args = ["--max-tokens", str(TOKENS), "--ignore-eos", "--api-key", KEY]
+    prompt = tiny_tokenizer().decode(PROMPT)
+    assert cli.main(["client", prompt, "--target", srv.target, "--lora-name", "sql",
+                     *token_args]) == 0
+    assert capsys.readouterr().out.strip() == oracle_text(PROMPT, TOKENS, SQL_OFFSET).strip()
+    assert cli.main(["client", prompt, "--target", srv.target, "--lora-name", "nope",
+                     *token_args]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
