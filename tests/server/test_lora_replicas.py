@@ -13,7 +13,7 @@ import pytest
 from support.fake_engines import GatedRunner, wait_until
 from support.lora_fakes import PeftCheckedLoader, lora_fake_engine, lora_oracle, write_peft_dir
 
-from jaxserve import SamplingParams
+from jaxserve import LoRARequest, SamplingParams
 from jaxserve.engine.errors import InvalidRequest
 from jaxserve.serving.async_engine import AsyncEngine
 from jaxserve.serving.async_replica_pool import AsyncReplicaPool
@@ -48,7 +48,10 @@ class Refusing(PeftCheckedLoader):
 def test_every_replica_or_none(tmp_path: pathlib.Path) -> None:
     a = write_peft_dir(tmp_path / "a", 5, seed=1)
     b = write_peft_dir(tmp_path / "b", 9, seed=2)
-    engines = [lora_fake_engine(), lora_fake_engine(loader=Refusing(8, str(b)))]
+    engines = [lora_fake_engine(), lora_fake_engine()]
+    # Replica 1 alone holds an adapter of lora_int_id 7 (registered behind the pool's back):
+    # a load with that id succeeds on replica 0 and is refused on replica 1.
+    engines[1].add_lora(LoRARequest("other", 7, str(a)))
     replicas = [AsyncEngine(e) for e in engines]
     pool = AsyncReplicaPool(replicas, make_router(engines))
     pool.start()
@@ -56,18 +59,19 @@ def test_every_replica_or_none(tmp_path: pathlib.Path) -> None:
 
     async def main() -> None:
         added = await loras.load("a", str(a))
-        assert [e.list_loras() for e in engines] == [[added], [added]]
+        assert [e.list_loras()[-1] for e in engines] == [added, added]
         # Requests under it on both replicas (several at once: the router spreads them).
         streams = [pool.submit(f"r{i}", PROMPT, SamplingParams(max_tokens=6, **GREEDY),
                                lora=loras.resolve("a")) for i in range(6)]
         for s in streams:
             assert await tokens(s) == lora_oracle(PROMPT, 6, 5)
-        with pytest.raises(InvalidRequest, match="not on this replica's disk") as info:
-            await loras.load("b", str(b))
-        assert info.value.field == "lora_path"
-        assert [[r.lora_name for r in e.list_loras()] for e in engines] == [["a"], ["a"]]
+        with pytest.raises(InvalidRequest, match="lora_int_id 7") as info:
+            await loras.load("b", str(b), 7)
+        assert info.value.field == "lora_int_id"
+        assert [[r.lora_name for r in e.list_loras()] for e in engines] == [
+            ["a"], ["other", "a"]]  # replica 0 let "b" go again
         await loras.unload("a")
-        assert [e.list_loras() for e in engines] == [[], []]
+        assert [[r.lora_name for r in e.list_loras()] for e in engines] == [[], ["other"]]
         with pytest.raises(LoraNotFound):
             loras.resolve("a")
 
@@ -110,8 +114,6 @@ def test_unload_lets_a_running_request_finish_under_it(tmp_path: pathlib.Path) -
 
 
 def test_offline_replica_pool_adds_everywhere_or_nowhere(tmp_path: pathlib.Path) -> None:
-    from jaxserve import LoRARequest
-
     a = write_peft_dir(tmp_path / "a", 5, seed=1)
     b = write_peft_dir(tmp_path / "b", 9, seed=2)
     engines = [lora_fake_engine(), lora_fake_engine(loader=Refusing(8, str(b)))]
