@@ -29,9 +29,10 @@ OFFSET_FILE = "fake_offset"  # beside the PEFT files: the FakeLora offset of thi
 EOS = 2
 
 
-def write_peft_dir(out: pathlib.Path, offset: int, rank: int = 4, seed: int = 0
-                   ) -> pathlib.Path:
-    """A PEFT LoRA directory (q_proj and v_proj of every layer of the test model) at `out`."""
+def write_peft_dir(out: pathlib.Path, offset: int, rank: int = 4, seed: int = 0,
+                   std: float = 0.1) -> pathlib.Path:
+    """A PEFT LoRA directory (q_proj and v_proj of every layer of the test model) at `out`,
+    A and B entries ~ N(0, std^2) (a real engine's greedy tokens change at std 0.5)."""
     cfg = tiny_model_config()
     rng = np.random.default_rng(seed)
     shapes = {"q_proj": (cfg.hidden_size, cfg.num_heads * cfg.head_dim),
@@ -40,9 +41,9 @@ def write_peft_dir(out: pathlib.Path, offset: int, rank: int = 4, seed: int = 0
     for layer in range(cfg.num_layers):
         for mod, (fan_in, fan_out) in shapes.items():
             stem = f"base_model.model.model.layers.{layer}.self_attn.{mod}"
-            tensors[f"{stem}.lora_A.weight"] = rng.normal(0, 0.1, (rank, fan_in)).astype(
+            tensors[f"{stem}.lora_A.weight"] = rng.normal(0, std, (rank, fan_in)).astype(
                 np.float32)
-            tensors[f"{stem}.lora_B.weight"] = rng.normal(0, 0.1, (fan_out, rank)).astype(
+            tensors[f"{stem}.lora_B.weight"] = rng.normal(0, std, (fan_out, rank)).astype(
                 np.float32)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"))
