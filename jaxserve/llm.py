@@ -7,7 +7,9 @@ reads vLLM's prompt forms (`serving.prompt_forms`: a text, token ids, {"prompt":
 {"prompt_token_ids": [...]}) and admits every prompt (`Engine.admit`: the request checks
 both servers run, same error text); `chat` builds each conversation as the chat fronts do
 (`serving.chat`: tools checked and rendered, a forced call as the structured output) and
-admits it (`admission.admit_input`), then reads each sample's text for tool calls. Both add
+admits it (`admission.admit_input`), then reads each sample's text for tool calls. With
+`enable_lora`, each prompt's `lora_request` (vLLM's `LoRARequest`) is registered and loaded
+first (`_register`: a bad adapter raises before anything is queued). Both add
 the requests to the engine (FINAL_ONLY outputs: one per request, when it finishes) and step
 it until all are finished, returning RequestOutputs in input order.
 """
@@ -106,6 +108,7 @@ class LLM:
         loras = self._per_prompt_lora(len(texts), lora_request)
         # Every prompt through admission first: a bad one raises before any is queued.
         admitted = [self.engine.admit(p, sp) for p, sp in zip(texts, params)]
+        self._register(loras)
         return self._run(self._submit(admitted, prio, loras), use_tqdm)
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
@@ -141,6 +144,7 @@ class LLM:
                 continue_final_message=continue_final_message)
             admitted.append(admit_input(inp, chat_request.guided(sp, request),
                                         self.engine.limits, self.tokenizer, fmt))
+        self._register(loras)
         outputs = self._run(self._submit(admitted, prio, loras), use_tqdm)
         for out in outputs:
             for c in out.outputs:
@@ -186,6 +190,19 @@ class LLM:
                 raise ValueError(f"lora_request[{i}] must be a LoRARequest or None, got "
                                  f"{type(r).__name__}")
         return loras
+
+    def _register(self, loras: list[LoRARequest | None]) -> None:
+        """Register (and load) every adapter the engine has not seen, before any prompt is
+        queued: a bad adapter, or a name registered with another id or path, raises with
+        nothing queued (vLLM's offline rule: a LoRARequest registers itself)."""
+        for r in dict.fromkeys(r for r in loras if r is not None):
+            known = self.engine.resolve_lora(r.lora_name)
+            if known is None:
+                self.engine.add_lora(r)
+            elif known != r:
+                raise ValueError(f"lora_request {r.lora_name!r:.60} is registered with "
+                                 f"lora_int_id={known.lora_int_id} and lora_path="
+                                 f"{known.lora_path!r:.120}; give the same, or another name")
 
     def _submit(self, admitted: list[Admitted], prio: list[int],
                 loras: list[LoRARequest | None]) -> list[str]:

@@ -60,11 +60,17 @@ def _requests(dirs: dict[str, pathlib.Path]) -> dict[str, LoRARequest]:
             for i, (name, path) in enumerate(sorted(dirs.items()))}
 
 
-def test_mixed_adapters_equal_merged_hf(case: dict) -> None:
+@pytest.fixture(scope="module")
+def llm(case: dict):  # noqa: ANN201
     llm = LLM(str(case["base"]), enable_lora=True, max_loras=2, max_lora_rank=8,
               max_cpu_loras=2, max_num_seqs=8, max_num_batched_tokens=64, page_size=8,
               max_model_len=128, kv_cache_memory=1 << 20, token_buckets=(8, 64),
               attention_impl="reference")
+    yield llm
+    llm.close()
+
+
+def test_mixed_adapters_equal_merged_hf(case: dict, llm: LLM) -> None:
     reqs = _requests(case["dirs"])
     compiles = llm.engine.runner.compiles_after_warmup  # type: ignore[union-attr]
     sp = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True)
@@ -82,7 +88,25 @@ def test_mixed_adapters_equal_merged_hf(case: dict) -> None:
     want_c = [upto_eos(hf_greedy(merged_model_cached(case, "c"), p, N_NEW)) for p in PROMPTS[:3]]
     assert [upto_eos(o.outputs[0].token_ids) for o in again] == want_c
     assert llm.engine.runner.compiles_after_warmup == compiles  # type: ignore[union-attr]
-    llm.close()
+
+
+def test_bad_adapters_are_refused_before_anything_is_queued(case: dict, llm: LLM,
+                                                           tmp_path: pathlib.Path) -> None:
+    """A prompt's adapter that cannot load, or a known name given another id, raises naming
+    it, and no prompt of the call was queued."""
+    reqs = _requests(case["dirs"])
+    sp = SamplingParams(max_tokens=2)
+    missing = LoRARequest("missing", 9, str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="nowhere"):
+        llm.generate(PROMPTS[:2], sp, use_tqdm=False, lora_request=[reqs["a"], missing])
+    assert not llm.engine.has_unfinished()
+    other = LoRARequest("a", 7, reqs["a"].lora_path)
+    with pytest.raises(ValueError, match="lora_int_id=1"):
+        llm.generate(PROMPTS[:2], sp, use_tqdm=False, lora_request=[None, other])
+    assert not llm.engine.has_unfinished()
+    with pytest.raises(ValueError, match="2 lora_requests for 3 prompts"):
+        llm.generate(PROMPTS[:3], sp, use_tqdm=False, lora_request=[None, None])
+    assert llm.engine.resolve_lora("missing") is None
 
 
 _MERGED: dict = {}
