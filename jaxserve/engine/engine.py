@@ -236,10 +236,17 @@ class Engine:
         return True
 
     # ----------------------------------------------------------------------- LoRA adapters
-    def add_lora(self, lora_request: LoRARequest) -> None:
+    def add_lora(self, lora_request: LoRARequest, adapter: object | None = None) -> None:
         """Register an adapter and load it now (runtime load; InvalidRequest naming
-        lora_name / lora_int_id / lora_path when it cannot be; the engine's thread)."""
-        lora_on(self._loras, lora_request).add(lora_request)
+        lora_name / lora_int_id / lora_path when it cannot be; the engine's thread).
+        `adapter`: read beforehand by `read_lora` (None: read here)."""
+        lora_on(self._loras, lora_request).add(lora_request, adapter)
+
+    def read_lora(self, lora_request: LoRARequest) -> object:
+        """Read an adapter through the injected loader without registering it, for
+        `add_lora(adapter=...)`: any thread (a server reads off the engine's thread);
+        InvalidRequest naming lora_path when it cannot be read."""
+        return lora_on(self._loras, lora_request).read(lora_request)
 
     def remove_lora(self, lora_name: str) -> bool:
         """Unregister an adapter (False: no such name). Requests already queued with it

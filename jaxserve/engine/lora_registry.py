@@ -57,8 +57,9 @@ class LoraRegistry:
         """The registered adapters' requests, in registration order."""
         return [b.request for b in list(self._by_name.values())]
 
-    def add(self, request: LoRARequest) -> LoraBinding:
-        """Register `request` and load it into the host cache now. InvalidRequest naming
+    def add(self, request: LoRARequest, adapter: object | None = None) -> LoraBinding:
+        """Register `request` and load it into the host cache now (`adapter`: already read
+        by `read`, off the engine's thread; None: read here). InvalidRequest naming
         lora_name (the name is taken), lora_int_id (taken by another name) or lora_path
         (the loader refused it); nothing is registered then."""
         if not isinstance(request, LoRARequest):
@@ -72,7 +73,10 @@ class LoraRegistry:
                 raise InvalidRequest(f"lora_int_id {request.lora_int_id} of LoRA adapter "
                                      f"{request.lora_name!r} is already the id of "
                                      f"{other.name!r}", "lora_int_id")
-        adapter = self._read(request)
+        if adapter is None:
+            adapter = self._read(request)
+        else:
+            self.num_host_loads += 1  # read from disk once, by `read`
         binding = LoraBinding(request, self._next_load_id)
         self._next_load_id += 1
         self._by_name[request.lora_name] = binding
@@ -127,6 +131,13 @@ class LoraRegistry:
         return list(self._host)
 
     def _read(self, request: LoRARequest) -> object:
+        adapter = self.read(request)
+        self.num_host_loads += 1
+        return adapter
+
+    def read(self, request: LoRARequest) -> object:
+        """`request`'s adapter through the loader, registering nothing: any thread (it
+        touches no state here). InvalidRequest naming lora_path when it cannot be read."""
         try:
             adapter = self._load(request.lora_path)
         except Exception as e:  # noqa: BLE001 - any loader failure is the adapter's fault
@@ -137,7 +148,6 @@ class LoraRegistry:
             raise InvalidRequest(f"lora_path {request.lora_path!r} (LoRA adapter "
                                  f"{request.lora_name!r}): the loader returned nothing",
                                  "lora_path")
-        self.num_host_loads += 1
         return adapter
 
     def _keep(self, load_id: int, adapter: object) -> None:

@@ -6,19 +6,17 @@ LoadLoraAdapter`): (lora_name, lora_path, lora_int_id?) -> `LoraAdmin.load` -> c
 first (LoRA on, a valid name that is not the base model's nor already loaded, an id: the one
 given or the next free one) -> under one lock, `AsyncEngine.call` queues `Engine.add_lora` on
 every replica in the same order -> each replica's loop thread runs it between two of its
-steps: the engine's loader reads the PEFT directory and checks it against the model and
-`max_lora_rank` (its InvalidRequest names lora_path and the problem), then the name
-resolves -> should any replica refuse, those that took it unload it again and the refusal is
+steps. The adapter is read before that, once, on a worker thread (off the event loop and
+off every loop thread: `Engine.read_lora`, the engine's loader: the PEFT directory checked
+against the model and `max_lora_rank`, its InvalidRequest naming lora_path and the problem),
+and every replica registers that copy (host arrays; each runner copies it into a device
+slot when a step first needs it) -> should any replica refuse, those that took it unload it again and the refusal is
 raised, so the replicas always register the same adapters.
 
 An unload (`remove_lora` on every replica) unregisters the name at once: requests naming it
 afterwards are refused (`lora_requests.LoraNotFound`, 404); requests already queued with it
 finish under it, and its device slot is let go only when none of them runs any more (the
 engine's slot table), so an adapter in use is never evicted.
-
-Known limit (engine API): `Engine.add_lora` reads the adapter from disk itself, on the loop
-thread, so a load stalls that replica's steps for the read. Once the engine takes an adapter
-read beforehand, `_register` reads it on a worker thread first (the one place to change).
 
 The `--lora-modules` of the command line are registered by the engine itself when it is built
 (`Engine.__init__`: a bad one fails the start-up with an error naming it and the problem);
@@ -46,9 +44,9 @@ class LoraDisabled(ValueError):
     """An adapter load or unload on a server without --enable-lora (HTTP 400)."""
 
 
-def _register(engine: Engine, request: LoRARequest) -> None:
-    """On the loop thread, between steps: register and load (see the module's known limit)."""
-    engine.add_lora(request)
+def _register(engine: Engine, request: LoRARequest, adapter: object) -> None:
+    """On the loop thread, between steps: register the adapter read beforehand."""
+    engine.add_lora(request, adapter)
 
 
 class LoraAdmin:
@@ -122,7 +120,12 @@ class LoraAdmin:
             except ValueError as e:
                 raise InvalidRequest(str(e), "lora_int_id") from None
             self._last_id = max(self._last_id, request.lora_int_id)
-            futures = [r.call(lambda e: _register(e, request)) for r in self.replicas]
+        # The read (disk, checks, numpy) on a worker thread: no step waits for it.
+        adapter = await asyncio.get_running_loop().run_in_executor(
+            None, self._engine.read_lora, request)
+        with self._lock:
+            futures = [r.call(lambda e: _register(e, request, adapter))
+                       for r in self.replicas]
         results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures),
                                        return_exceptions=True)
         errors = [e for e in results if isinstance(e, BaseException)]

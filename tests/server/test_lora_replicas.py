@@ -1,5 +1,6 @@
 """The serving layer's LoRA adapters (`serving/lora_adapters.py`, `lora_requests.py`) under
-the fronts: loads and unloads run on each replica's loop thread between two steps, on every
+the fronts: a load reads the adapter on a worker thread while a step runs, then registers it
+on each replica's loop thread between two steps; loads and unloads go to every
 data-parallel replica or on none; an unload lets requests already running under the adapter
 finish under it, and refuses new ones (`LoraNotFound`). Fake-runner engines with real PEFT
 checks (`support.lora_fakes`); the oracle is the arithmetic shifted by the adapter's offset."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
+import threading
 
 import pytest
 from support.fake_engines import GatedRunner, wait_until
@@ -136,3 +138,45 @@ def test_offline_replica_pool_adds_everywhere_or_nowhere(tmp_path: pathlib.Path)
         assert pool.list_loras() == [] == engines[1].list_loras()
     finally:
         pool.close()
+
+
+class Recording(PeftCheckedLoader):
+    """Records the thread of every read."""
+
+    def __init__(self, max_rank: int):
+        super().__init__(max_rank)
+        self.threads: list[str] = []
+
+    def __call__(self, path: str):  # noqa: ANN204
+        self.threads.append(threading.current_thread().name)
+        return super().__call__(path)
+
+
+def test_load_reads_off_the_loop_thread_while_a_step_runs(tmp_path: pathlib.Path) -> None:
+    a = write_peft_dir(tmp_path / "a", 5, seed=1)
+    runner, loader = GatedRunner(), Recording(8)
+    engine = lora_fake_engine(runner=runner, loader=loader)
+    ae = AsyncEngine(engine)
+    ae.start()
+    loras = LoraAdmin(ae, engine, ("base",))
+
+    async def main() -> None:
+        stream = ae.submit("r", PROMPT, SamplingParams(max_tokens=3, **GREEDY))
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, wait_until, runner.blocked.is_set,
+                                   "the first step to wait for its permit")
+        load = asyncio.ensure_future(loras.load("a", str(a)))
+        # The read completes while the loop thread is held inside a step.
+        await loop.run_in_executor(None, wait_until, lambda: loader.threads, "the read")
+        assert loader.threads[0] != "jaxserve-engine"
+        assert not load.done() and engine.resolve_lora("a") is None  # registered between steps
+        runner.allow(100)
+        added = await load
+        assert engine.resolve_lora("a") == added and len(loader.threads) == 1
+        assert await tokens(stream) == lora_oracle(PROMPT, 3)
+
+    try:
+        asyncio.run(main())
+    finally:
+        runner.allow(100)
+        ae.stop()
