@@ -148,7 +148,13 @@ def engine_section() -> str:
     add_engine_flags(p)
     actions = {a.dest[len("engine_"):]: a for a in p._actions if a.dest.startswith("engine_")}
     rows = []
+    lora_flags = [a for a in p._actions if a.dest.startswith("lora_")]
     for f in dataclasses.fields(EngineConfig):
+        if f.name == "lora_config":  # vLLM's flags, one row each (`flags.add_lora_flags`)
+            rows += [[_code(f"lora_config.{a.dest[len('lora_'):]}"), _flags(a),
+                      _code("LoRAConfig"), _code(_default(a.default)), _esc(_strip_default(a))]
+                     for a in lora_flags]
+            continue
         a = actions.get(f.name)
         if a is None:
             log.warning("EngineConfig.%s has no CLI flag in add_engine_flags", f.name)
@@ -177,7 +183,9 @@ def commands_engine_differences() -> str:
         given = {a.dest[len("engine_"):]: a for a in sp._actions if a.dest.startswith("engine_")}
         if not given:
             continue
-        missing = [n for n in defaults if n not in given]
+        has_lora = any(a.dest == "lora_enable_lora" for a in sp._actions)  # add_lora_flags
+        missing = [n for n in defaults
+                   if n not in given and not (n == "lora_config" and has_lora)]
         changed = [f"{_code('--' + n.replace('_', '-'))} = {_code(_default(a.default))}"
                    for n, a in given.items() if a.default != defaults[n]]
         rows.append([_code(f"jaxserve {name}"), ", ".join(changed) or "-",

@@ -11,7 +11,10 @@ The stacked weights are read in place: one group scans them as `lax.scan` xs; se
 index layer i of the loop-invariant stack inside each scan (`lax.dynamic_index_in_dim`, the
 same per-layer read a scan's xs make), so no group slices the stack (a slice would copy the
 group's weights every step). A `PackedWeight` / `PackedExperts` field is never sliced: the
-body gets the whole stack with `layer` set (the CPU kernel reads that layer's panels). Everything is a pure
+body gets the whole stack with `layer` set (the CPU kernel reads that layer's panels); a
+`LoraWeight` (a step's adapter slots beside a projection, `models/lora.py`) has its base
+sliced or handed whole by the base's own kind and its LoRA stacks always handed whole
+(`linear.split_stacked` / `join_stacked`). Everything is a pure
 function of the params pytree; the config is a static argument. `forward` is the
 full-sequence correctness oracle; `models/paged.py` is the engine's step on the same layers.
 """
@@ -27,7 +30,7 @@ import jax.numpy as jnp
 from .blocks import AttnFn, attention, causal_mask, embed, gated_mlp, lm_logits
 from .blocks import masked_attention, per_layer_input_block, per_layer_inputs, rms_norm
 from .config import LayerGroup, LayerSpec, ModelConfig, MoESpec
-from .linear import PACKED_STACKS
+from .linear import PACKED_STACKS, join_stacked, split_stacked
 from .moe import moe_mlp
 
 # body(spec, carry, (one layer's params, layer index i32[], xs slice)) -> (carry, ys slice)
@@ -78,17 +81,16 @@ def scan_layers(body: LayerBody, carry: object, layers: Any,
                 groups: tuple[LayerGroup, ...], xs: object = None) -> tuple[object, object]:
     """`lax.scan` of body over the layers, one scan per group; `xs` ([L, ...] leaves) is
     scanned alongside and the ys of the groups are concatenated in layer order."""
-    names = [f.name for f in dataclasses.fields(layers)
-             if isinstance(getattr(layers, f.name), PACKED_STACKS)]
-    packed = {f: getattr(layers, f) for f in names}
-    stacked = layers.replace(**{f: None for f in names})
+    parts = {f.name: split_stacked(getattr(layers, f.name)) for f in dataclasses.fields(layers)}
+    whole = {f: w for f, (_, w) in parts.items() if w is not None}
+    stacked = layers.replace(**{f: parts[f][0] for f in whole})
     num_layers = _num_layers(stacked)
     if groups[-1].stop != num_layers or groups[0].start != 0:
         raise ValueError(f"layer groups cover [{groups[0].start}, {groups[-1].stop}); the "
                          f"params hold {num_layers} layers")
 
     def with_packed(lp: Any, i: jax.Array) -> Any:
-        return lp.replace(**{f: w.replace(layer=i) for f, w in packed.items()})
+        return lp.replace(**{f: join_stacked(getattr(lp, f), w, i) for f, w in whole.items()})
 
     if len(groups) == 1:
         spec = groups[0].spec

@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 from jaxserve.config import (DENSE_IMPLS, DENSE_ISAS, DTYPES, FP8_ACTIVATIONS,
                              IDLE_WINDOW_POLICIES, INT8_ACTIVATION_GROUP_SIZES, INT8_ACTIVATIONS, KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, SLO_ADMISSIONS, DistributedConfig, EngineConfig, SloTargets)
 from jaxserve.engine import sampling_params
+from jaxserve.lora_config import OPTION_NAMES as LORA_OPTION_NAMES, LoRAConfig
 from jaxserve.spec_config import SpeculativeConfig
 
 # The serve command raises this logger to INFO: the follower lines show like the lifecycle ones.
@@ -192,6 +193,9 @@ def add_engine_flags(p: argparse.ArgumentParser, defaults: Mapping[str, Any] | N
     for f in dataclasses.fields(EngineConfig):
         if f.name in exclude:
             continue
+        if f.name == "lora_config":  # vLLM's five flags, not one (`add_lora_flags`)
+            add_lora_flags(g)
+            continue
         flag = "--" + f.name.replace("_", "-")
         help_ = _ENGINE_HELP.get(f.name, f.name.replace("_", " "))
         default = defaults.get(f.name, f.default)
@@ -207,11 +211,32 @@ def add_engine_flags(p: argparse.ArgumentParser, defaults: Mapping[str, Any] | N
                        help=help_ + shown)
 
 
+def add_lora_flags(g: Any) -> None:
+    """vLLM's LoRA flags (`lora_config.LoRAConfig`), dest `lora_<option>`."""
+    g.add_argument("--enable-lora", dest="lora_enable_lora", action=argparse.BooleanOptionalAction,
+                   default=False, help="serve LoRA adapters beside the base model: a request "
+                   "names one as its model (docs/serving/lora.md)")
+    g.add_argument("--lora-modules", dest="lora_lora_modules", nargs="+", metavar="NAME=PATH",
+                   default=None, help="PEFT adapter directories registered at start-up, as "
+                   "NAME=PATH (or vLLM's JSON '{\"name\": .., \"path\": ..}')")
+    g.add_argument("--max-loras", dest="lora_max_loras", type=int, default=None,
+                   metavar="N", help="adapters on the device at once (default: 1)")
+    g.add_argument("--max-lora-rank", dest="lora_max_lora_rank", type=int, default=None,
+                   metavar="R", help="largest adapter rank; every slot is padded to it "
+                   "(default: 16)")
+    g.add_argument("--max-cpu-loras", dest="lora_max_cpu_loras", type=int, default=None,
+                   metavar="M", help="adapters kept loaded in host memory (default: "
+                   "--max-loras)")
+
+
 def engine_config_from_args(args: argparse.Namespace, **fixed: Any) -> EngineConfig:
     """The EngineConfig of `add_engine_flags`' flags; `fixed` gives the excluded fields."""
-    return EngineConfig(**{f.name: getattr(args, f"engine_{f.name}")
-                           for f in dataclasses.fields(EngineConfig)
-                           if hasattr(args, f"engine_{f.name}")}, **fixed)
+    values = {f.name: getattr(args, f"engine_{f.name}") for f in dataclasses.fields(EngineConfig)
+              if hasattr(args, f"engine_{f.name}")}
+    if hasattr(args, "lora_enable_lora") and "lora_config" not in fixed:
+        values["lora_config"] = LoRAConfig.from_options(
+            {name: getattr(args, f"lora_{name}") for name in LORA_OPTION_NAMES})
+    return EngineConfig(**values, **fixed)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, defaults: Mapping[str, Any] | None = None,

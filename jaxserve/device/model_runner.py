@@ -39,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 from jaxserve.device.compile_guard import CompileGuard
+from jaxserve.device.lora_slots import DeviceLoraSlots
 from jaxserve.device.prompt_logprobs import (PromptLogprobsInputs, PromptLogprobsOutput,
                                            prompt_logprobs)
 from jaxserve.device.sampler import SampleOutput, SamplingTensors, sample
@@ -50,6 +51,7 @@ from jaxserve.models import placement
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.blocks import lm_logits
 from jaxserve.models.families import ModelParams
+from jaxserve.models.lora import LoraStacks, attach
 from jaxserve.models.paged import init_kv_cache, paged_hidden
 
 log = logging.getLogger(__name__)
@@ -62,17 +64,27 @@ class StepInputs:
     positions: jax.Array  # i32[T]
     md: AttentionMetadata
     logits_indices: jax.Array  # i32[S]
+    lora_slots: jax.Array | None = None  # i32[T] each token's adapter slot (0: none); None
+    #                                     without LoRA (the step then has no LoRA at all)
 
 
 def forward_step(params: ModelParams, kv_pages: KVPages, inputs: StepInputs, feed: jax.Array,
                  cfg: ModelConfig, attn_impl: str, mesh: Mesh | None = None,
-                 expert_parallel: bool = False, aux_layers: tuple[int, ...] = ()
+                 expert_parallel: bool = False, aux_layers: tuple[int, ...] = (),
+                 lora: LoraStacks | None = None
                  ) -> tuple[KVPages, jax.Array, jax.Array, jax.Array | None]:
     """`feed` i32[max_num_seqs]: the previous step's sampled tokens. `kv_pages`: the float
     pages, or a QuantizedKV (pages and scales, both donated). -> (updated kv_pages,
     f32[S, vocab] logits of each sequence's sampling position, [T, hidden] every token's last
     hidden state, for the prompt logprobs pass, and with `aux_layers` (an EAGLE-3 head's,
-    `paged.paged_hidden`) every token's auxiliary hidden states [T, n * hidden], else None)."""
+    `paged.paged_hidden`) every token's auxiliary hidden states [T, n * hidden], else None).
+    `lora`: the adapter slots' stacks (`device.lora_slots`), each token's projections adding
+    its slot's delta (`inputs.lora_slots`); None: no LoRA in the step."""
+    if lora is not None:
+        if inputs.lora_slots is None:
+            raise ValueError("forward_step: lora stacks given without inputs.lora_slots")
+        params = params.replace(layers=attach(params.layers, lora, inputs.lora_slots, cfg,
+                                              mesh))
     fed = feed[jnp.maximum(inputs.feed_rows, 0)]
     token_ids = jnp.where(inputs.feed_rows >= 0, fed, inputs.token_ids)
     out = paged_hidden(params, kv_pages, token_ids, inputs.positions, inputs.md, cfg,
@@ -106,10 +118,11 @@ prompt_logprobs_jit = jax.jit(prompt_logprobs, static_argnames=("cfg", "invarian
 StepTree = tuple[StepInputs, SamplingTensors, PromptLogprobsInputs | None]
 
 
-def to_step_inputs(b: StepBatch) -> StepTree:
+def to_step_inputs(b: StepBatch, lora: bool = False) -> StepTree:
     """The batch's parts as the device pytrees: the forward's inputs, the sampler's (kept
     apart so the penalties history, which only the sampler reads, never changes the forward's
-    input shapes) and, on a step that scores prompt tokens, the prompt logprobs pass's."""
+    input shapes) and, on a step that scores prompt tokens, the prompt logprobs pass's.
+    `lora`: the step reads adapter slots (the forward then takes the tokens' slots)."""
     f = b.forward
     md = AttentionMetadata(slot_mapping=f.slot_mapping, block_tables=f.block_tables,
                            kv_lens=f.kv_lens, cu_q_lens=f.cu_q_lens, num_seqs=f.num_seqs)
@@ -119,7 +132,8 @@ def to_step_inputs(b: StepBatch) -> StepTree:
     plp = PromptLogprobsInputs(indices=lp.indices, targets=lp.targets, num=lp.num) \
         if lp.present else None
     return StepInputs(token_ids=f.token_ids, feed_rows=f.feed_rows, positions=f.positions,
-                      md=md, logits_indices=f.logits_indices), st, plp
+                      md=md, logits_indices=f.logits_indices,
+                      lora_slots=b.lora.token_slots if lora else None), st, plp
 
 
 def place_inputs(tree: Any, sharding: NamedSharding | None) -> Any:
@@ -162,14 +176,15 @@ class ModelRunner:
                  num_pages: int, kv_dtype: jnp.dtype, attn_impl: str = "reference",
                  kv_head_dim: int | None = None, mesh: Mesh | None = None,
                  expert_parallel: bool = False, aux_layers: tuple[int, ...] = (),
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, lora: DeviceLoraSlots | None = None):
         """`mesh`: tensor parallel over its "model" axis; `model_cfg` and `params` are then
         the sharded model's (`placement.tp_model_config`, `placement.place_params`);
         `expert_parallel`: the params' experts are split whole over that axis
         (`place_params(..., expert_parallel=True)`) and the step runs them so;
         `aux_layers`: each step also keeps these layers' inputs on the device
         (`ModelPending.aux`, what an EAGLE-3 head reads; `paged.paged_hidden`);
-        `batch_invariant`: logprobs (sampled and prompt) by a fixed-order sum."""
+        `batch_invariant`: logprobs (sampled and prompt) by a fixed-order sum;
+        `lora`: the adapter slots every step reads (`load_lora` fills them)."""
         if MAX_LOGPROBS > model_cfg.vocab_size:
             raise ValueError(f"vocab_size={model_cfg.vocab_size} < MAX_LOGPROBS={MAX_LOGPROBS}")
         self.model_cfg = model_cfg
@@ -180,6 +195,7 @@ class ModelRunner:
         self.expert_parallel = expert_parallel
         self.aux_layers = aux_layers
         self.invariant = batch_invariant
+        self.lora = lora
         def zeros() -> KVPages:  # int8 / fp8: a QuantizedKV (pages + scales)
             return init_kv_cache(model_cfg, num_pages, shape.page_size, kv_dtype, kv_head_dim)
 
@@ -218,12 +234,31 @@ class ModelRunner:
     def warmup(self, progress: bool = True) -> None:
         """Compile every bucket. The caller then calls `arm()`, once every engine of the
         process has compiled (the compile guard counts the whole process's compiles)."""
+        if self.lora is not None:
+            self.lora.warmup()
         compile_buckets(self, self.compile_step, progress)
+
+    def load_lora(self, slot: int, adapter: Any) -> None:
+        """Write `adapter` (a `models.lora_loader.LoraAdapter`) into device slot `slot`,
+        queued after every step already dispatched (`device/lora_slots.py`)."""
+        if self.lora is None:
+            raise ValueError("load_lora: this runner was built without LoRA (enable_lora)")
+        try:
+            self.lora.load(slot, adapter.weights)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - classified for the engine
+            raise self._failed(f"loading a LoRA adapter into slot {slot}", e) from e
+
+    @property
+    def _lora_stacks(self) -> LoraStacks | None:
+        return None if self.lora is None else self.lora.stacks
 
     def _place(self, batch: StepBatch) -> StepTree:
         """The batch's inputs on device; a batch without a grammar mask gets this bucket's
         device-resident one (never sent: `constrained` is all False, so it is not read)."""
-        inputs, sampling, plp = place_inputs(to_step_inputs(batch), self.inputs_sharding)
+        inputs, sampling, plp = place_inputs(to_step_inputs(batch, self.lora is not None),
+                                             self.inputs_sharding)
         if sampling.mask.bitmask is None:
             sampling = sampling.with_mask(self._no_mask_of(batch.num_seqs_bucket))
         return inputs, sampling, plp
@@ -246,7 +281,7 @@ class ModelRunner:
         fwd = forward_jit.lower(self.params, self.kv_pages, inputs, self._feed,
                                 cfg=self.model_cfg, attn_impl=self.attn_impl, mesh=self.mesh,
                                 expert_parallel=self.expert_parallel,
-                                aux_layers=self.aux_layers)
+                                aux_layers=self.aux_layers, lora=self._lora_stacks)
         compiled = fwd.compile()
         # The forward's outputs as the sampler will receive them: placed by the mesh under
         # tensor parallelism, else uncommitted like everything else on one device (a
@@ -282,7 +317,8 @@ class ModelRunner:
             self.kv_pages, logits, hidden, aux = forward_jit(
                 self.params, self.kv_pages, inputs, self._feed, cfg=self.model_cfg,
                 attn_impl=self.attn_impl, mesh=self.mesh,
-                expert_parallel=self.expert_parallel, aux_layers=self.aux_layers)
+                expert_parallel=self.expert_parallel, aux_layers=self.aux_layers,
+                lora=self._lora_stacks)
             scored = None if plp is None else prompt_logprobs_jit(
                 self.params, hidden, plp, cfg=self.model_cfg, invariant=self.invariant)
         except Exception as e:  # noqa: BLE001 - classified for the engine

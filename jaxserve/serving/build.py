@@ -44,7 +44,8 @@ from jaxserve.models.packing import can_pack, pack_experts_where_possible, pack_
 from jaxserve.models.quant import QuantizedWeight, WeightQuant, weight_bytes, weight_quant
 from jaxserve.models.quantized_params import dequantized_params, quantize_params
 from jaxserve.models.paged import MODEL_AXIS
-from jaxserve.serving import batch_invariant, spec_build
+from jaxserve.device.lora_slots import DeviceLoraSlots
+from jaxserve.serving import batch_invariant, lora_build, spec_build
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +169,7 @@ class _Placed:
     expert_parallel: bool  # MoE experts split whole over the mesh (models/moe_parallel.py)
     device: jax.Device  # where free memory is read
     weights_quantized: bool  # any weight stored quantized (the KV pages' "auto" dtype)
+    lora: DeviceLoraSlots | None = None  # the adapter stacks (created before KV is sized)
 
 
 def _apply_runtime(config: EngineConfig) -> None:
@@ -182,6 +184,7 @@ def _place(config: EngineConfig, model: LoadedModel | None,
     """Load (unless given) and place the weights on `devices` (None: the first tp devices of
     all processes, or the first local device)."""
     tp = config.tensor_parallel_size
+    lora_build.check_supported(config)
     if jax.process_count() > 1 and tp != jax.device_count():
         # A mesh of some processes' devices would leave the others following a step they
         # have no part in.
@@ -207,12 +210,15 @@ def _place(config: EngineConfig, model: LoadedModel | None,
         params = _dense_params(config, model.params)
         if loaded_here:  # nothing else holds the unpacked weights: let them go
             model = dataclasses.replace(model, params=params)
-        return _Placed(model, model.config, params, None, False, jax.local_devices()[0],
-                       quantized)
-    return _Placed(model, placement.tp_model_config(model.config, tp),
-                   placement.place_params(model.params, model.config, mesh, ep), mesh, ep,
-                   next(d for d in mesh.devices.flat if d.process_index == jax.process_index()),
-                   quantized)
+        run_cfg, device = model.config, jax.local_devices()[0]
+    else:
+        run_cfg = placement.tp_model_config(model.config, tp)
+        params = placement.place_params(model.params, model.config, mesh, ep)
+        device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+    lora = lora_build.device_slots(config, model.config, run_cfg, mesh,
+                                   lora_build.stacks_dtype(config.dtype))
+    return _Placed(model, run_cfg, params, mesh, ep and mesh is not None, device, quantized,
+                   lora)
 
 
 def _requantize(params: ModelParams, quant: WeightQuant, config: EngineConfig) -> ModelParams:
@@ -311,7 +317,7 @@ def _make_runner(config: EngineConfig, placed: _Placed, free: int,
     runner = ModelRunner(placed.run_cfg, placed.params, plan.batch_shape,
                          plan.scheduler.num_pages, kv_dtype, attn_impl, kv_head_dim, placed.mesh,
                          placed.expert_parallel, spec_build.aux_layers(draft, placed.run_cfg),
-                         config.batch_invariant)
+                         config.batch_invariant, placed.lora)
     return plan, runner, spec_build.proposer(config, plan, draft, placed.run_cfg, placed.params,
                                              kv_dtype, d_attn, d_head, placed.mesh)
 
