@@ -94,7 +94,7 @@ inline void store(float* p, const V& v) { std::memcpy(p, &v, sizeof v); }
 template <class V>
 inline V splat(float s) { return V{} + s; }
 
-// a * b + c rounded once (spelled out: -std=c++17 turns the compiler's contraction off).
+// a * b + c rounded once, spelled out rather than left to the compiler's contraction.
 inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
 inline v8 fma(v8 a, v8 b, v8 c) {
 #if defined(__FMA__)

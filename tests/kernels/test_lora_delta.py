@@ -14,7 +14,8 @@ slot's adapter or a dropped row is off by O(|y|), far past it.
 Cases: ragged mixes with slot-0 rows, every row slot 0, one slot for all rows (over the
 kernel's 16-row jobs), every row its own slot, one row, T not a multiple of any tile, rank 8
 / 3 / 64 and widths that leave vector tails (the kernel's narrower vectors and scalar
-columns), a slot outside [0, S) (zero, as the masked path). Plus: a layer of the stack read
+columns), enough work for the kernel to use the thread pool, a slot outside [0, S) (zero,
+as the masked path); the bundled model's shapes in the slow tier. Plus: a layer of the stack read
 inside a scan, bfloat16 rows, the fallback where the C++ library cannot be built, the
 trace-time refusals naming the operand, the per-backend choice (`grouped_pays`) and
 `lora_delta` lowered for TPU and CUDA from this host (jax.export).
@@ -55,6 +56,7 @@ CASES = {
     "rank8-tails": (21, 13, 8, 100, 4, 2),         # K % 4 != 0; 64 + 16 + 16 + 4 columns
     "rank64": (20, 64, 64, 130, 4, 3),
     "rank3-scalar": (11, 24, 3, 7, 3, 4),          # R and out narrower than any vector
+    "threaded": (70, 256, 16, 520, 6, 5),          # past the kernel's serial-work cut-off
 }
 L_STACK = 3  # layers in every stack; the cases read layer 1
 
@@ -124,6 +126,20 @@ def test_cpu_kernel_equals_definition(case: str, isa: str, dtype: str) -> None:
     got = _run(functools.partial(lora_delta_cpu, isa=isa), x, a, b, slots)
     assert got.dtype == jnp.float32
     _assert_close(got, x, a, b, slots)
+
+
+@needs_kernel
+@slow(reason="the bundled model's shapes (512 rows, 576 -> 1536, 9 slots): the default "
+      "tier's cases cover the same code paths on small shapes")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_kernel_on_the_bundled_model_shapes(dtype: str) -> None:
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((512, 576)).astype(np.float32)
+    a = np.asarray(jnp.asarray(rng.standard_normal((2, 9, 576, 16)) * 0.05, dtype))
+    b = np.asarray(jnp.asarray(rng.standard_normal((2, 9, 16, 1536)) * 0.05, dtype))
+    slots = rng.integers(0, 9, 512).astype(np.int32)
+    slots[:200] = 4  # one long group beside the ragged rest
+    _assert_close(_run(lora_delta_cpu, x, a, b, slots), x, a, b, slots)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
