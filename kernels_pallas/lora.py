@@ -140,9 +140,10 @@ def lora_delta_grouped(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Arra
 
 # Estimates (datasheet figures, not measurements) for `grouped_pays`: dense bf16 FLOP/s,
 # HBM bytes/s, the grouped path's fixed cost in seconds (its extra XLA ops and launches),
-# and the matmul unit's width (a product narrower than this costs as much as this wide).
-_ACCEL = {"tpu": (197e12, 819e9, 10e-6, 128),   # v5e: MXU 128 x 128
-          "cuda": (989e12, 3.35e12, 25e-6, 16)}  # H100 SXM: wgmma n >= 8, k = 16
+# the matmul unit's width (a product narrower than this costs as much as this wide) and the
+# grouped kernel's largest row tile (a tile a group boundary cuts is visited once per group).
+_ACCEL = {"tpu": (197e12, 819e9, 10e-6, 128, 128),  # v5e: MXU 128 x 128
+          "cuda": (989e12, 3.35e12, 25e-6, 16, 64)}  # H100 SXM: wgmma n >= 8, k = 16
 
 
 def grouped_pays(backend: str, t: int, s: int, r: int, k: int, n: int, itemsize: int
@@ -152,13 +153,14 @@ def grouped_pays(backend: str, t: int, s: int, r: int, k: int, n: int, itemsize:
     time is the larger of its bytes over bandwidth and its FLOPs over peak (products
     narrower than the unit padded to it), the grouped path's plus its fixed cost. Static:
     the shapes decide, never the data."""
-    peak, bandwidth, fixed, width = _ACCEL[backend]
+    peak, bandwidth, fixed, width, tile = _ACCEL[backend]
     adapter = r * (k + n)  # one slot's A and B, elements
     masked = max(s * adapter * itemsize / bandwidth,
                  2 * t * -(-s * r // width) * width * (k + n) / peak)
     used = min(t, s - 1)  # at most one adapter per row, slot 0 never read
+    rows = t + (used - 1) * min(t, tile)  # each group boundary: one more tile visit
     grouped = fixed + max(used * adapter * itemsize / bandwidth,
-                          2 * (t + used * 16) * max(r, width) * (k + n) / peak)
+                          2 * rows * -(-r // width) * width * (k + n) / peak)
     return grouped < masked
 
 
