@@ -11,6 +11,12 @@ Where the C++ library cannot be built (cpu_build logs why once), or for stacks o
 dtype (float16, or a and b of different dtypes), ``lora_delta_cpu`` computes the same with
 ``lora_delta_masked`` (XLA). ``isa=`` forces an instruction set (cpu_build.dense_isas()),
 as the dense kernels' wrappers do; the plain call runs the best this CPU has.
+
+Measured (scripts/bench/bench_lora_delta.py, 2-vCPU EPYC shared with other jobs, load ~2-4,
+AVX-512; per layer, medians of per-round ratios; the bundled model's 576 x 1536 projection,
+9 slots of rank 16): 32 decode rows over 8 adapters 0.15x the base projection's time
+(bfloat16 stacks 0.11x), against the masked path's 0.60x (3.5x the kernel); 512 prefill rows
+on 2 adapters 0.07x against 0.35x (5.0x); 32 rows all on slot 0 0.02x (the output's zeros).
 """
 
 from __future__ import annotations
