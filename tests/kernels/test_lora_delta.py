@@ -258,31 +258,52 @@ def test_trace_time_refusals_name_the_operand() -> None:
 
 _BUNDLED = (32, 9, 16, 576, 1536)         # T, S, R, in, out: 32 decode rows, 8 adapters
 _LARGE = (512, 65, 64, 4096, 14336)       # an 8B model's gate, 64 adapters of rank 64
+_RANK8 = (8192, 65, 8, 4096, 14336)       # grouped pays, but R = 8 is under Triton's dot
 _CALLS = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
+_KERNELS = {"tpu": grouped_matmul_tpu, "cuda": grouped_matmul_gpu}
 
 
-@pytest.mark.parametrize("platform", sorted(_CALLS))
-@pytest.mark.parametrize("shape,grouped", [(_BUNDLED, False), (_LARGE, True)],
-                         ids=["bundled-masked", "large-grouped"])
-def test_lora_delta_lowers_for_accelerators(platform: str, shape: tuple[int, ...],
-                                            grouped: bool) -> None:
-    """`lora_delta` exported for TPU / CUDA from this host: the bundled model's shapes take
-    the masked path (two dots, no kernel), a large adapter stack the grouped one (the two
-    Pallas calls, shrink and expand), as `grouped_pays` estimates."""
+def _export(fn, platform: str, shape: tuple[int, ...]) -> jax.export.Exported:  # noqa: ANN001
     t, s, r, k, n = shape
-    assert grouped_pays(platform, t, s, r, k, n, 2) is grouped
     sds = jax.ShapeDtypeStruct
-    exported = jax.export.export(
-        jax.jit(lora_delta), platforms=[platform],
+    return jax.export.export(
+        jax.jit(fn), platforms=[platform],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(_CALLS[platform])])(
         sds((t, k), jnp.bfloat16), sds((2, s, k, r), jnp.bfloat16),
         sds((2, s, r, n), jnp.bfloat16), sds((t,), jnp.int32), sds((), jnp.int32))
+
+
+@pytest.mark.parametrize("platform", sorted(_CALLS))
+@pytest.mark.parametrize("shape,grouped", [
+    (_BUNDLED, {"tpu": False, "cuda": False}), (_LARGE, {"tpu": True, "cuda": True}),
+    (_RANK8, {"tpu": True, "cuda": False})], ids=["bundled", "large", "rank8-long-prefill"])
+def test_lora_delta_lowers_for_accelerators(platform: str, shape: tuple[int, ...],
+                                            grouped: dict[str, bool]) -> None:
+    """`lora_delta` exported for TPU / CUDA from this host: the bundled model's shapes take
+    the masked path (two dots, no kernel), a large adapter stack the grouped one (the two
+    Pallas calls, shrink and expand), as `grouped_pays` estimates; rank 8 the masked path
+    on CUDA whatever the estimate (the Triton kernel's tiles are 16 at least)."""
+    t, s, r, k, n = shape
+    assert grouped_pays(platform, t, s, r, k, n, 2) is (shape != _BUNDLED)
+    grouped = grouped[platform]
+    exported = _export(lora_delta, platform, shape)
     text = exported.mlir_module()
     calls = re.findall(r"custom_call @([\w$.]+)", text)
     assert calls == ([_CALLS[platform]] * 2 if grouped else [])
     assert len(re.findall(r"stablehlo\.dot_general", text)) == (0 if grouped else 2)
     assert exported.out_avals[0].shape == (t, n)
     assert exported.out_avals[0].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("platform", sorted(_CALLS))
+def test_grouped_path_lowers_at_the_bundled_shapes(platform: str) -> None:
+    """The grouped path forced at the bundled model's shapes (in = 576: no 128-multiple k
+    tile, so the TPU kernel's block is the whole width; R = 16 one tile) lowers through
+    Mosaic / Triton too, should the estimate pick it."""
+    mm = _KERNELS[platform]
+    exported = _export(lambda *z: lora_delta_grouped(*z, matmul=mm), platform, _BUNDLED)
+    assert re.findall(r"custom_call @([\w$.]+)", exported.mlir_module()) == \
+        [_CALLS[platform]] * 2
 
 
 def test_bound_catches_a_wrong_adapter() -> None:
