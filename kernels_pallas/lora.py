@@ -32,20 +32,20 @@ host gets that platform's):
 TPU / CUDA: grouped or masked? (not measured: no TPU or GPU was at hand; `grouped_pays`
 is the estimate, each backend's figures in _ACCEL). The masked path's cost is every slot's
 weights, S * R * (in + out) elements, and T * S * R * (in + out) multiply-adds; the grouped
-path reads only the slots its rows use and does T * R * (in + out) of them, but adds
-its own fixed cost: a sort, two gathers, a scatter, the tile metadata of both calls and two
+path reads only the slots its rows use and does T * R * (in + out) of them, but adds its
+own fixed cost: a sort, two gathers, a scatter, the tile metadata of both calls and two
 kernel launches (the bundled model's shapes lowered, bf16: 465 StableHLO ops for TPU, 415
-for CUDA, against the masked path's 38 with its 2 dots), tens of microseconds where every
-launch counts (GPU), ~10 us on TPU (both guesses). And
-its products are narrow: the shrink's N and the expand's K are R (16), while a TPU MXU
-works in 128-wide passes, so up to S * R = 128 the masked path's wide matmul costs no more
-MXU passes than the grouped one's narrow ones; tensor cores are 16 wide. For the bundled
-model (in 576, out 1536, 9 slots of rank 16: 0.6 MB of bf16 adapters per projection and
-layer, under a microsecond of HBM time) the fixed cost dominates: masked on both. The
-grouped path pays where the slots' weights are large (64 slots of rank 64 on an 8B model's
-gate projection: 153 MB per layer, 2.4 MB an adapter, of which a prefill of a few prompts
-reads a few) or prefill makes S times the FLOPs count. The GPU kernel's power-of-two tiles also need in,
-R and out multiples of 16 (Triton's dot), else masked.
+for CUDA, against the masked path's 38 with its 2 dots), guessed at ~25 us on a GPU, where
+every launch counts, and ~10 us on TPU. Its products are also narrow: the shrink's N and
+the expand's K are R (16), while a TPU MXU works in 128-wide passes, so up to S * R = 128
+the masked path's wide matmul costs no more MXU passes than the grouped one's narrow ones
+(tensor cores are 16 wide). For the bundled model (in 576, out 1536, 9 slots of rank 16:
+0.6 MB of bf16 adapters per projection and layer, under a microsecond of HBM time) the
+fixed cost dominates: masked on both. The grouped path pays where the slots' weights are
+large (64 slots of rank 64 on an 8B model's gate projection: 153 MB per layer, 2.4 MB an
+adapter, of which a prefill of a few prompts reads a few) or prefill makes S times the
+FLOPs count. The GPU kernel's power-of-two tiles also need in, R and out multiples of 16
+(Triton's dot), else masked.
 """
 
 from __future__ import annotations
