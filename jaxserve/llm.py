@@ -7,7 +7,9 @@ reads vLLM's prompt forms (`serving.prompt_forms`: a text, token ids, {"prompt":
 {"prompt_token_ids": [...]}) and admits every prompt (`Engine.admit`: the request checks
 both servers run, same error text); `chat` builds each conversation as the chat fronts do
 (`serving.chat`: tools checked and rendered, a forced call as the structured output) and
-admits it (`admission.admit_input`), then reads each sample's text for tool calls. Both add
+admits it (`admission.admit_input`), then reads each sample's text for tool calls. With
+`enable_lora`, each prompt's `lora_request` (vLLM's `LoRARequest`) is registered and loaded
+first (`_register`: a bad adapter raises before anything is queued). Both add
 the requests to the engine (FINAL_ONLY outputs: one per request, when it finishes) and step
 it until all are finished, returning RequestOutputs in input order.
 """
@@ -19,7 +21,9 @@ from typing import Any, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
-from jaxserve.config import EngineConfig, SpeculativeConfig
+from jaxserve.config import EngineConfig, LoRAConfig, SpeculativeConfig
+from jaxserve.engine.lora_request import LoRARequest
+from jaxserve.lora_config import OPTION_NAMES as LORA_OPTION_NAMES
 from jaxserve.engine.limits import Admitted, check_priority
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.sampling_params import SamplingParams
@@ -45,6 +49,11 @@ class LLM:
             raise ValueError(f"give model={model!r} or loaded=..., not both")
         if kwargs.get("speculative_config") is not None:
             kwargs["speculative_config"] = speculative_config_of(kwargs["speculative_config"])
+        lora_options = {k: kwargs.pop(k) for k in LORA_OPTION_NAMES if k in kwargs}
+        if lora_options:  # vLLM's keywords (enable_lora=True, max_loras=4, ...)
+            if kwargs.get("lora_config") is not None:
+                raise ValueError(f"give {sorted(lora_options)[0]} or lora_config, not both")
+            kwargs["lora_config"] = LoRAConfig.from_options(lora_options)
         self.config = EngineConfig(model=model, **kwargs)  # type: ignore[arg-type]
         self.engine = build_offline_engine(self.config, loaded)
         self._ids = itertools.count()
@@ -82,11 +91,13 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
         """Generate for each prompt (a text, token ids, or vLLM's {"prompt": text} /
         {"prompt_token_ids": ids}; another key, e.g. multi_modal_data, is a ValueError
-        naming it); outputs in input order.
+        naming it); outputs in input order. `lora_request`: the adapter of every prompt, or
+        one per prompt (None: the base model), as vLLM takes it (needs enable_lora=True).
 
         A request a failed engine step finished comes back like vLLM's: its samples have
         finish_reason ERROR and `error` (also on the RequestOutput) saying why; every other
@@ -94,9 +105,11 @@ class LLM:
         many = [prompts] if is_one_prompt(prompts) else list(prompts)  # type: ignore[arg-type]
         texts = [prompt_of(p, f"prompts[{i}]") for i, p in enumerate(many)]
         params, prio = self._per_prompt(len(texts), sampling_params, priority)
+        loras = self._per_prompt_lora(len(texts), lora_request)
         # Every prompt through admission first: a bad one raises before any is queued.
         admitted = [self.engine.admit(p, sp) for p, sp in zip(texts, params)]
-        return self._run(self._submit(admitted, prio), use_tqdm)
+        self._register(loras)
+        return self._run(self._submit(admitted, prio, loras), use_tqdm)
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -105,16 +118,20 @@ class LLM:
              chat_template_kwargs: Mapping[str, Any] | None = None,
              continue_final_message: bool = False, tools: Sequence[Mapping[str, Any]] | None = None,
              tool_choice: str | Mapping[str, Any] | None = None,
-             parallel_tool_calls: bool | None = None) -> list[RequestOutput]:
+             parallel_tool_calls: bool | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template (or `chat_template`, with
         `chat_template_kwargs`), then generate, as /v1/chat/completions does: `tools` (OpenAI
         tool objects) are rendered with the messages; `tool_choice` "required" or a named
         function forces a call (a grammar), "auto" (the default with tools) lets the model
         choose. With tools, each sample's `tool_calls` and `content` hold its text read for
-        calls in the model's format (OpenAI's shapes); `text` stays the raw text."""
+        calls in the model's format (OpenAI's shapes); `text` stays the raw text.
+        `lora_request`: as `generate` takes it."""
         convs = [messages] if messages and isinstance(messages[0], Mapping) else \
             list(messages)  # type: ignore[arg-type]
         params, prio = self._per_prompt(len(convs), sampling_params, None)
+        loras = self._per_prompt_lora(len(convs), lora_request)
         fmt = tool_prompt.resolve_format(tool_prompt.AUTO, self.tokenizer.chat_template)
         admitted = []
         request = None
@@ -127,7 +144,8 @@ class LLM:
                 continue_final_message=continue_final_message)
             admitted.append(admit_input(inp, chat_request.guided(sp, request),
                                         self.engine.limits, self.tokenizer, fmt))
-        outputs = self._run(self._submit(admitted, prio), use_tqdm)
+        self._register(loras)
+        outputs = self._run(self._submit(admitted, prio, loras), use_tqdm)
         for out in outputs:
             for c in out.outputs:
                 read = chat_request.message_of(request, fmt, c.text)
@@ -155,12 +173,45 @@ class LLM:
             check_priority(p)
         return params, prio
 
-    def _submit(self, admitted: list[Admitted], prio: list[int]) -> list[str]:
+    @staticmethod
+    def _per_prompt_lora(n: int, lora_request: LoRARequest | Sequence[LoRARequest | None] | None
+                         ) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt; a wrong type or count is a ValueError."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * n
+        if isinstance(lora_request, (str, bytes, Mapping)):
+            raise ValueError("lora_request must be a LoRARequest or a list of them (one per "
+                             f"prompt), got {type(lora_request).__name__}")
+        loras = list(lora_request)
+        if len(loras) != n:
+            raise ValueError(f"got {len(loras)} lora_requests for {n} prompts")
+        for i, r in enumerate(loras):
+            if r is not None and not isinstance(r, LoRARequest):
+                raise ValueError(f"lora_request[{i}] must be a LoRARequest or None, got "
+                                 f"{type(r).__name__}")
+        return loras
+
+    def _register(self, loras: list[LoRARequest | None]) -> None:
+        """Register (and load) every adapter the engine has not seen, before any prompt is
+        queued: a bad adapter, or a name registered with another id or path, raises with
+        nothing queued (vLLM's offline rule: a LoRARequest registers itself)."""
+        for r in dict.fromkeys(r for r in loras if r is not None):
+            known = self.engine.resolve_lora(r.lora_name)
+            if known is None:
+                self.engine.add_lora(r)
+            elif known != r:
+                raise ValueError(f"lora_request {r.lora_name!r:.60} is registered with "
+                                 f"lora_int_id={known.lora_int_id} and lora_path="
+                                 f"{known.lora_path!r:.120}; give the same, or another name")
+
+    def _submit(self, admitted: list[Admitted], prio: list[int],
+                loras: list[LoRARequest | None]) -> list[str]:
         ids = [f"llm-{next(self._ids)}" for _ in admitted]
-        for rid, req, pr in zip(ids, admitted, prio):
+        for rid, req, pr, lora in zip(ids, admitted, prio, loras):
             # One output per request, at its end: nothing is copied per step.
             self.engine.add_request(rid, req, priority=pr,
-                                    output_kind=RequestOutputKind.FINAL_ONLY)
+                                    output_kind=RequestOutputKind.FINAL_ONLY,
+                                    **({} if lora is None else {"lora_request": lora}))
         return ids
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true",
                    help="wrap PROMPT as a user message with the model's chat template")
     g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    g.add_argument("--lora", metavar="NAME", default=None,
+                   help="complete with this LoRA adapter (a --lora-modules name)")
     # One prompt: a one-sequence engine by default.
     flags.add_engine_flags(g, {"max_num_seqs": 1}, exclude=(
         "seed", "data_parallel_size", "multihost_keepalive_s"))
@@ -73,6 +75,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = flags.sampling_params_from_args(args)  # bad values fail before the model loads
     config = flags.engine_config_from_args(args, seed=args.seed)
+    if args.lora is not None and (config.lora_config is None or args.lora not in dict(
+            config.lora_config.lora_modules)):
+        raise ValueError(f"--lora {args.lora!r:.60} must name one of --lora-modules (with "
+                         "--enable-lora)")
     t0 = time.perf_counter()
     # Only the buckets this prompt touches compile (a full warmup would compile every bucket
     # for a single request). build_engine loads the checkpoint itself, as `LLM` and the
@@ -85,7 +91,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True)
     else:
         prompt = args.prompt
-    engine.add_request("cli", prompt, params)
+    lora = None if args.lora is None else engine.resolve_lora(args.lora)
+    engine.add_request("cli", prompt, params, lora_request=lora)
     t1 = time.perf_counter()
     text = ""
     n = 0

@@ -11,5 +11,8 @@ per feature: `batch_parts`, `batch_mask`) -> a `runner.Runner` (the device one l
 culprit requests, or the engine). `sampling_params` is the one registry of per-request
 sampling fields; `sizing` derives pages and buckets from the config; `limits` holds the
 engine's read-only limits, the request checks against them (each written once) and the
-`stats()` snapshot type.
+`stats()` snapshot type. Multi-LoRA: `lora_request.LoRARequest` names a request's adapter,
+`lora_registry` holds the registered adapters and the host cache of loaded ones,
+`lora_slots` the device slots the scheduler fills (loads ride on the step:
+`Runner.load_lora`), `lora_stats` the per-adapter figures.
 """

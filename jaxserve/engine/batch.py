@@ -7,6 +7,7 @@ feature, each packed from the scheduled rows by its own packer (`batch_parts.py`
 arrays and their shapes are described):
   forward          ForwardInputs      token ids, fed rows, positions, KV slots and block
                                       tables, kv / query lengths, logits indices
+  lora             LoraRows           each token's LoRA adapter slot i32[T_b] (0: none)
   sampling         SamplingRows       knob matrix f32[S_b, K], per-row rng keys
   penalties        PenaltyRows        token history i32[S_b, Ph] (Ph = 0: no row penalised)
   bias             LogitBiasRows      logit_bias entries [S_b, B] (B = 0: no row biased)
@@ -31,9 +32,10 @@ from jaxserve.engine import batch_spec
 from jaxserve.engine.batch_mask import (TokenMaskRows, fill_bitmask, late_bitmask,
                                         pack_token_mask)
 from jaxserve.engine.batch_parts import (BIAS_PAD_ID, ForwardInputs, LogitBiasRows,
-                                         PenaltyRows, SamplingRows, bias_width, pack_forward,
-                                         pack_logit_bias, pack_penalties, pack_sampling,
-                                         pad_bias, pad_rows, rng_key_data)
+                                         LoraRows, PenaltyRows, SamplingRows, bias_width,
+                                         pack_forward, pack_logit_bias, pack_lora,
+                                         pack_penalties, pack_sampling, pad_bias, pad_rows,
+                                         rng_key_data)
 from jaxserve.engine.prompt_logprobs import PromptLogprobRows, pack_prompt_logprobs
 from jaxserve.engine.scheduled import SchedulerOutput
 from jaxserve.engine.token_filter import bitmask_words
@@ -106,6 +108,7 @@ class StepBatch:
     """One step's inputs, one part per feature (`batch_parts.py` has each part's arrays)."""
 
     forward: ForwardInputs
+    lora: LoraRows
     sampling: SamplingRows
     penalties: PenaltyRows
     bias: LogitBiasRows
@@ -160,7 +163,8 @@ def build_batch(out: SchedulerOutput, shape: BatchShape,
     gets their mask late (`late_bitmask`, once the previous step's tokens are in)."""
     T, S = bucket_for(out.num_tokens, out.num_rows, shape.buckets)
     forward = pack_forward(out, shape, T, S, prev_rows)
-    batch = StepBatch(forward=forward, sampling=pack_sampling(out, S),
+    batch = StepBatch(forward=forward, lora=pack_lora(out, T, forward.cu_q_lens),
+                      sampling=pack_sampling(out, S),
                       penalties=pack_penalties(out, S, shape.history_len),
                       bias=pack_logit_bias(out, S),
                       mask=pack_token_mask(out, S, shape.vocab_size, fill_grammars),
@@ -177,6 +181,7 @@ def empty_batch(shape: BatchShape, num_tokens: int, num_seqs: int, penalties: bo
     arrays of a step that uses them."""
     S = num_seqs
     return StepBatch(forward=ForwardInputs.padding(shape, num_tokens, S),
+                     lora=LoraRows.padding(num_tokens),
                      sampling=SamplingRows.padding(S),
                      penalties=PenaltyRows.padding(S, shape.history_len if penalties else 0),
                      bias=LogitBiasRows.padding(S, bias), mask=TokenMaskRows.padding(S),

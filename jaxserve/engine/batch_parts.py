@@ -17,8 +17,9 @@ Class attributes every part declares (read by the walkers and the multi-host bro
   LATE   fields that do not travel with the step (the grammar bitmask: sent once the
          previous step's tokens are in)
 
-Parts here: `ForwardInputs` (the model's ragged inputs), `SamplingRows`, `PenaltyRows`,
-`LogitBiasRows`; the token mask (`batch_mask.TokenMaskRows`) and prompt logprobs
+Parts here: `ForwardInputs` (the model's ragged inputs), `LoraRows` (each token's adapter
+slot), `SamplingRows`, `PenaltyRows`, `LogitBiasRows`; the token mask
+(`batch_mask.TokenMaskRows`) and prompt logprobs
 (`prompt_logprobs.PromptLogprobRows`) live with the rest of their feature.
 """
 
@@ -152,6 +153,35 @@ def pack_forward(out: SchedulerOutput, shape: "BatchShape", num_tokens: int, num
     logits_indices = np.maximum(cu_q_lens[1:] - 1, 0).astype(np.int32)
     return ForwardInputs(token_ids, feed_rows, positions, slot_mapping, block_tables, kv_lens,
                          cu_q_lens, np.array([num], np.int32), logits_indices)
+
+
+@dataclasses.dataclass
+class LoraRows:
+    """Each token's LoRA adapter slot (`lora_slots.LoraSlots`), the row index into the
+    device's adapter stacks of every LoRA-targeted projection. Slot 0 is "no adapter" (all
+    zeros): base-model rows, padding, and every token when LoRA is off (the device then
+    ignores the part). Data, never a static argument: mixing adapters never recompiles."""
+
+    WIRE: ClassVar[str] = "forward"  # its shape varies with T only, as the forward's do
+    LATE: ClassVar[tuple[str, ...]] = ()
+    token_slots: np.ndarray  # i32[T] slot of the sequence each token belongs to
+
+    @classmethod
+    def padding(cls, num_tokens: int) -> "LoraRows":
+        return cls(np.zeros(num_tokens, np.int32))
+
+
+def pack_lora(out: SchedulerOutput, num_tokens: int, cu_q_lens: np.ndarray) -> LoraRows:
+    """Each row's `ScheduledSeq.lora_slot` over its query tokens (`cu_q_lens`: the forward's
+    i32[S + 1] query offsets)."""
+    part = LoraRows.padding(num_tokens)
+    num = out.num_seqs
+    slots = [s.lora_slot for s in out.seqs]
+    if any(slots):
+        t = int(cu_q_lens[num])
+        q_lens = np.diff(cu_q_lens[:num + 1])
+        part.token_slots[:t] = np.repeat(np.asarray(slots, np.int32), q_lens)
+    return part
 
 
 _PAD_ROW = np.asarray(PAD_ROW, np.float32)  # f32[K]

@@ -19,6 +19,12 @@ Identity: the client's request id names a group (one per user request, the dupli
 is on it whatever `n` is); each of its n sequences gets an integer `seq_id` from the
 scheduler, the only key below this class. A request is queued whole or not at all.
 
+LoRA (`config.lora_config`): the engine owns the adapter registry and host cache
+(`lora_registry.LoraRegistry`, loading through the injected `lora_loader`), the scheduler the
+device slot table (`lora_slots.LoraSlots`); a request's `LoRARequest` is bound to its
+registration (`Sequence.lora`), and `add_lora` / `remove_lora` / `list_loras` /
+`resolve_lora` serve the fronts' runtime load, unload and model listing.
+
 When a step fails, the requests it cost finish with FinishReason.ERROR and the engine carries
 on, unless the device or host state is unknown: then `EngineDead`, raised by that and every
 later `step` / `add_request`. Which failure costs what, and how: `recovery.py`; the
@@ -40,10 +46,13 @@ from jaxserve.engine.group import Group
 from jaxserve.engine.limits import (Admitted, EngineLimits, EngineStats, check_not_in_flight,
                                     check_priority, check_request_id)
 from jaxserve.engine.live_settings import LiveBounds, check_changes, settings_of
+from jaxserve.engine.lora_registry import LoraLoader, engine_registry, lora_on
+from jaxserve.engine.lora_request import LoRARequest
+from jaxserve.engine.lora_stats import LoraCounters
 from jaxserve.engine.outputs import RequestOutput, RequestOutputKind
 from jaxserve.engine.pipeline import Pipeline
 from jaxserve.engine.recovery import Recovery
-from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.sequence import Sequence, SequenceStatus
 from jaxserve.engine.runner import Runner
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
@@ -59,16 +68,21 @@ class Engine:
     def __init__(self, config: EngineConfig, plan: EnginePlan, runner: Runner,
                  tokenizer: Tokenizer, eos_token_ids: GenericSequence[int],
                  clock: Callable[[], float] = time.monotonic,
-                 proposer: Proposer | None = None):
+                 proposer: Proposer | None = None, lora_loader: LoraLoader | None = None):
         """`proposer`: what proposes tokens for a `speculative_config` whose method needs a
         model on the device (draft_model, eagle3: built with the runner by serving.build);
-        n-gram's is built here."""
+        n-gram's is built here. `lora_loader`: `load(lora_path) -> adapter` (what
+        `runner.load_lora` takes), required with a `lora_config` and refused without."""
         self.config = config
         self.plan = plan
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.clock = clock
-        self.scheduler = Scheduler(plan.scheduler, clock, plan.batch_shape.buckets)
+        lora = config.lora_config
+        self.scheduler = Scheduler(plan.scheduler, clock, plan.batch_shape.buckets,
+                                   max_loras=lora.max_loras if lora is not None else 0)
+        self._loras = engine_registry(lora, lora_loader, self.scheduler.lora)
+        self._lora_counts = LoraCounters(lora.max_loras if lora is not None else 0)
         self._groups: dict[str, Group] = {}
         self._seed_rng = random.Random(config.seed)
         sc = plan.scheduler
@@ -86,7 +100,8 @@ class Engine:
         self._recovery = Recovery(self.scheduler, self._group_of)
         self._core = StepCore(self.scheduler, runner, plan.batch_shape, self._recovery,
                               self._group_of,
-                              speculator(config, plan, proposer, self.scheduler))
+                              speculator(config, plan, proposer, self.scheduler),
+                              lora_adapter=self._loras.adapter if self._loras else None)
         self._steps: StepCore | Pipeline = \
             Pipeline(self._core) if config.async_scheduling else self._core
 
@@ -131,7 +146,10 @@ class Engine:
             num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
             last_step_tokens=self.last_step_tokens,
             compiles_after_warmup=self.runner.compiles_after_warmup,
-            slo=sched.budget.stats(), **self._spec_stats())
+            slo=sched.budget.stats(), lora=self._lora_counts.stats(
+                sched.running, (s for _, _, s in sched.waiting_heap
+                                if s.status is SequenceStatus.WAITING)),
+            **self._spec_stats())
 
     def _spec_stats(self) -> dict:
         spec = self._core.speculator
@@ -154,11 +172,14 @@ class Engine:
     def add_request(self, request_id: str, prompt: str | GenericSequence[int] | Admitted,
                     params: SamplingParams | None = None, priority: int = 0,
                     arrival_time: float | None = None,
-                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request; ValueError (an InvalidRequest naming the field) for anything that
         cannot run. An `Admitted` prompt (from `admit`) carries its params and is not checked
         again. Every check runs before anything is queued. `output_kind`: what its outputs
-        carry (see `outputs.RequestOutputKind`)."""
+        carry (see `outputs.RequestOutputKind`). `lora_request`: the adapter it runs under
+        (vLLM's offline rule: one the engine does not know is registered and loaded now; a
+        known name with another path or id is refused, naming lora_name)."""
         self._recovery.check_alive()
         check_request_id(request_id)
         check_not_in_flight(request_id, self._groups)
@@ -170,6 +191,10 @@ class Engine:
         req = prompt if isinstance(prompt, Admitted) else self.admit(prompt, params)
         params, ids = req.params, list(req.token_ids)
         self._check_ttft(len(ids), priority)
+        lora = None if lora_request is None else \
+            lora_on(self._loras, lora_request).bind(lora_request)
+        if lora is not None:
+            self._lora_counts.on_request(lora.name)
         now = self.clock() if arrival_time is None else arrival_time
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         grammars = self._limits.grammars  # one matcher per sample, of the admitted grammar
@@ -177,7 +202,7 @@ class Engine:
                         priority=priority, sample_index=i, max_tokens=req.max_tokens,
                         seed=(base_seed + i) % (1 << 64), grammar=None if req.grammar is None
                         else grammars.matcher(req.grammar),  # type: ignore[union-attr]
-                        token_filter=req.token_filter)
+                        token_filter=req.token_filter, lora=lora)
                 for i in range(params.n)]
         group = Group.create(request_id, req.prompt, ids, params, seqs, self.tokenizer.backend,
                              output_kind)
@@ -209,6 +234,29 @@ class Engine:
         self.scheduler.abort([s.seq_id for s in group.seqs])
         self._core.touch([group])  # its final ABORT output comes from the next step
         return True
+
+    # ----------------------------------------------------------------------- LoRA adapters
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Register an adapter and load it now (runtime load; InvalidRequest naming
+        lora_name / lora_int_id / lora_path when it cannot be; the engine's thread)."""
+        lora_on(self._loras, lora_request).add(lora_request)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Unregister an adapter (False: no such name). Requests already queued with it
+        finish normally; its device slot frees once they are done (the engine's thread)."""
+        binding = self._loras.remove(lora_name) if self._loras is not None else None
+        if binding is not None:
+            self.scheduler.lora.forget(binding.load_id)
+        return binding is not None
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The registered adapters (for /v1/models), in registration order."""
+        return self._loras.list() if self._loras is not None else []
+
+    def resolve_lora(self, lora_name: str) -> LoRARequest | None:
+        """The registered adapter of that name (None: none; any thread: one dict read)."""
+        binding = self._loras.resolve(lora_name) if self._loras is not None else None
+        return binding.request if binding is not None else None
 
     # ----------------------------------------------------------------------- live settings
     def scheduler_settings(self) -> dict[str, Any]:
@@ -296,6 +344,8 @@ class Engine:
             output = self._output(g)
             if output is not None:
                 outputs.append(output)
+            if g.seqs[0].lora is not None:  # per-adapter generated tokens
+                self._lora_counts.on_tokens(g.seqs, g.done_reported)
             if g.done_reported:
                 del self._groups[g.request_id]
                 for seq in g.seqs:  # SLO attainment, per priority level

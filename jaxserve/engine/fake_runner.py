@@ -11,6 +11,11 @@ same arithmetic.
 ends (or after its dispatch, if later), `collect` waits until then, and `host_gaps` records
 how long the simulated device sat idle before each step (the host-gap benchmark's measure).
 
+LoRA: `load_lora(slot, adapter)` records the adapter of each slot; a sampler row's token is
+then shifted by its token's slot's adapter's `offset` (`FakeLora`), so a test sees that each
+row ran with its own adapter. Loading a slot that a dispatched, uncollected step reads, or
+reading a slot never loaded, raises: the engine must never do either.
+
 A step's grammar bitmask is honoured (`allowed_tokens`): a constrained row whose arithmetic
 token is forbidden takes the next allowed one, so structured outputs run on it too.
 
@@ -35,14 +40,25 @@ from jaxserve.engine.runner import LateMask, StepResult
 from jaxserve.engine.sampling_params import MAX_LOGPROBS
 
 
-def arithmetic_next_token(last_token: int, position: int, vocab_size: int) -> int:
-    return (last_token * 31 + position * 7 + 1) % vocab_size
+def arithmetic_next_token(last_token: int, position: int, vocab_size: int,
+                          offset: int = 0) -> int:
+    return (last_token * 31 + position * 7 + 1 + offset) % vocab_size
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class FakeLora:
+    """A fake adapter: shifts the arithmetic next token of its rows by `offset`."""
+
+    offset: int
+    rank: int = 8
+    nbytes: int = 1024
+
+
+@dataclasses.dataclass(eq=False)
 class FakePending:
     result: StepResult
     ready_at: float  # when the simulated device finishes the step (monotonic seconds)
+    lora_slots: frozenset[int] = frozenset()  # the adapter slots its tokens read
 
 
 class ArithmeticRunner:
@@ -56,6 +72,9 @@ class ArithmeticRunner:
         self.host_gaps: list[float] = []  # simulated device idle time before each step (s)
         self._busy_until: float | None = None
         self._prev_tokens = np.zeros(0, np.int32)  # i32[S_b] of the last dispatched step
+        self.loras: dict[int, object] = {}  # slot -> adapter loaded there
+        self.lora_loads: list[tuple[int, object]] = []  # every load_lora call, in order
+        self._uncollected: list[FakePending] = []
 
     @property
     def compiles_after_warmup(self) -> int:
@@ -73,6 +92,16 @@ class ArithmeticRunner:
     def execute(self, batch: StepBatch) -> StepResult:
         return self.collect(self.dispatch(batch))
 
+    def load_lora(self, slot: int, adapter: object) -> None:
+        if slot < 1:
+            raise ValueError(f"LoRA slot {slot} must be >= 1 (0 is the base model)")
+        for p in self._uncollected:
+            if slot in p.lora_slots:
+                raise AssertionError(f"LoRA slot {slot} reloaded while a dispatched step "
+                                     "still reads it")
+        self.loras[slot] = adapter
+        self.lora_loads.append((slot, adapter))
+
     def dispatch(self, batch: StepBatch, late_mask: LateMask | None = None) -> FakePending:
         if self._injector is not None:
             self._injector.check(batch)
@@ -85,9 +114,13 @@ class ArithmeticRunner:
         if self._busy_until is not None:
             self.host_gaps.append(start - self._busy_until)
         self._busy_until = start + self.device_time_s
-        return FakePending(result, self._busy_until)
+        pending = FakePending(result, self._busy_until,
+                              frozenset(np.unique(batch.lora.token_slots).tolist()) - {0})
+        self._uncollected.append(pending)
+        return pending
 
     def collect(self, pending: FakePending) -> StepResult:
+        self._uncollected = [p for p in self._uncollected if p is not pending]
         wait = pending.ready_at - time.monotonic()
         if wait > 0:
             time.sleep(wait)  # the simulated device is still running the step
@@ -99,8 +132,8 @@ class ArithmeticRunner:
         token_ids = f.token_ids.copy()
         token_ids[fed] = self._prev_tokens[f.feed_rows[fed]]
         last = f.logits_indices  # each sampler row's position (several per verifying row)
-        tokens = (token_ids[last].astype(np.int64) * 31 + f.positions[last] * 7 + 1) \
-            % self.vocab_size
+        tokens = (token_ids[last].astype(np.int64) * 31 + f.positions[last] * 7 + 1
+                  + self._offsets(batch.lora.token_slots[last])) % self.vocab_size
         if mask.bitmask is not None:
             tokens = allowed_tokens(tokens, mask.bitmask, mask.constrained, self.vocab_size)
         self._prev_tokens = tokens.astype(np.int32)
@@ -113,6 +146,17 @@ class ArithmeticRunner:
             result.prompt_logprob, result.prompt_top_ids, result.prompt_top_logprobs = \
                 arithmetic_prompt_logprobs(token_ids[lp.indices], lp.targets, self.vocab_size)
         return result
+
+
+    def _offsets(self, slots: np.ndarray) -> np.ndarray:
+        """i64[R]: each sampler row's adapter offset (0 for slot 0, the base model)."""
+        out = np.zeros(len(slots), np.int64)
+        for i, slot in enumerate(slots.tolist()):
+            if slot:
+                if slot not in self.loras:
+                    raise AssertionError(f"a row reads LoRA slot {slot}, never loaded")
+                out[i] = getattr(self.loras[slot], "offset", 0)
+        return out
 
 
 def allowed_tokens(tokens: np.ndarray, bitmask: np.ndarray, constrained: np.ndarray,

@@ -98,6 +98,9 @@ class FaultInjectingRunner:
     def collect(self, pending: PendingStep) -> StepResult:
         return self.inner.collect(pending)
 
+    def load_lora(self, slot: int, adapter: object) -> None:
+        self.inner.load_lora(slot, adapter)
+
 
 def with_faults(config: EngineConfig, runner: Runner) -> Runner:
     """The runner, wrapped to fail on purpose when fault injection is on (testing only;

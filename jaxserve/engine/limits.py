@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Callable, Container, Sequence
 from jaxserve.engine.errors import InvalidRequest
 from jaxserve.engine.sampling_params import (MAX_LOGPROBS, MAX_N, SamplingParams, check_text,
                                             show)
+from jaxserve.engine.lora_stats import LoraStats
 from jaxserve.engine.slo_stats import SloStats
 from jaxserve.engine.token_filter import TokenFilter, compile_filter
 
@@ -306,12 +307,13 @@ class EngineStats:
     spec_num_accepted_tokens: int = 0
     spec_acceptance_counts: tuple[int, ...] = ()
     slo: SloStats = SloStats()  # the SLO policy's decisions and attainment (slo_policy.py)
+    lora: LoraStats = LoraStats()  # adapters in use and per-adapter counts (lora_stats.py)
 
     @classmethod
     def total(cls, stats: Sequence["EngineStats"]) -> "EngineStats":
         """Several engines' stats added up (data-parallel replicas; tuples element-wise)."""
         def add(values: list) -> object:
-            if values and isinstance(values[0], SloStats):
+            if values and isinstance(values[0], (SloStats, LoraStats)):
                 return functools.reduce(operator.add, values)
             if values and isinstance(values[0], tuple):
                 width = max(len(v) for v in values)

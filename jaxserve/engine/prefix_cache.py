@@ -4,7 +4,8 @@ Plain Python (no jax). The scheduler owns one `PrefixCache` and is its only call
 
 Data flow:
   admission: a waiting sequence that holds no pages -> `match(req)` hashes its full pages
-    (chained over every token before them, memoised on `Sequence.page_hashes`) and takes a
+    (chained over every token before them, and salted with its LoRA adapter's load id,
+    `lora_request.LoraBinding.salt`; memoised on `Sequence.page_hashes`) and takes a
     reference on the longest cached run (`BlockAllocator.match_prefix`); the sequence starts
     with those pages as its block table (`Sequence.pages`) and `num_computed_tokens` past
     them.
@@ -76,5 +77,9 @@ class PrefixCache:
         want = num_tokens // ps
         if want > have:
             parent = req.page_hashes[-1] if have else b""
-            req.page_hashes.extend(hash_pages(req.all_token_ids[have * ps: want * ps], ps, parent))
+            # A LoRA sequence's chain is salted with its adapter's load id: KV computed under
+            # one adapter (or the base model, unsalted) never serves another.
+            salt = req.lora.salt if req.lora is not None else b""
+            req.page_hashes.extend(hash_pages(req.all_token_ids[have * ps: want * ps], ps, parent,
+                                              salt))
         return req.page_hashes[:want]

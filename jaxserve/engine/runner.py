@@ -13,6 +13,11 @@ token mask) is dispatched with `late_mask`: the runner queues the step's forward
 device runs the forward) and queues the sampler with the (bitmask, constrained) it returns in
 place of the batch's. So grammar-constrained steps keep the device busy too.
 
+LoRA: `load_lora(slot, adapter)` puts an adapter (opaque to the engine: what the loader
+serving.build injects returned) into a device slot before the step that first reads it;
+the engine calls it only for a slot that no dispatched, uncollected step reads
+(`lora_slots.py`), and the step's `StepBatch.lora` names each token's slot.
+
 Implementations: `model_runner.ModelRunner` (the model on a device), `multihost.LeaderRunner`
 (the same on several hosts) and `fake_runner.ArithmeticRunner` (arithmetic outputs, for
 scheduler tests and host benchmarks).
@@ -86,6 +91,11 @@ class Runner(Protocol):
 
     def execute(self, batch: StepBatch) -> StepResult:
         """`collect(dispatch(batch))`."""
+
+    def load_lora(self, slot: int, adapter: object) -> None:
+        """Load `adapter` into LoRA slot `slot` (1..max_loras), replacing what it held, for
+        the steps dispatched after; RunnerFailed (not fatal) when this adapter cannot be
+        loaded (the engine fails the requests using it)."""
 
     @property
     def compiles_after_warmup(self) -> int: ...

@@ -3,13 +3,15 @@
 Plain Python (no jax). A `ScheduledSeq` is one sequence's share of a step (a prefill chunk, a
 decode, or a decode that verifies proposed tokens); a `SchedulerOutput` is the whole step.
 The batch builder packs them (`batch.py`), the step core applies their results through
-`Scheduler.update`.
+`Scheduler.update`. LoRA (`lora_slots.py`): each row's adapter slot, the slots the step's rows
+use (held until the step is collected) and the slot loads the runner gets before the step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.engine.lora_request import LoraBinding
 from jaxserve.engine.sequence import Sequence
 
 
@@ -26,6 +28,7 @@ class ScheduledSeq:
     # Speculative decoding: the proposed tokens this decode row verifies (its query is the
     # last token then these, num_new_tokens = 1 + len; the step samples every position).
     spec_token_ids: tuple[int, ...] = ()
+    lora_slot: int = 0  # the device slot of its adapter this step (0: the base model)
 
 
 @dataclasses.dataclass
@@ -33,6 +36,10 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq]  # batch row order: decodes first, then prefill chunks
     num_tokens: int
     preempted: list[Sequence]
+    # (slot, adapter) pairs the runner loads before this step (`Runner.load_lora`), and the
+    # slots its rows use, held against refills until the step is collected (`lora_slots.py`).
+    lora_loads: list[tuple[int, LoraBinding]] = dataclasses.field(default_factory=list)
+    lora_slots: tuple[int, ...] = ()
 
     @property
     def num_seqs(self) -> int:

@@ -29,6 +29,8 @@ Policy:
   chunks of whatever is left of the step's budget (`SloPolicy.plan`).
 - Waiting sequences are admitted in (priority, arrival) order while budget, seats and pages
   allow; a waiting sequence may preempt running ones of strictly lower priority for pages.
+  One whose LoRA adapter has no device slot free (`lora_slots.LoraSlots`) is skipped: it
+  keeps its place and the sequences behind it go on; adapters in use are never evicted.
 - Out of pages: the lowest-priority, most recently arrived running sequence is preempted: its
   pages are freed and it goes back to the front of its priority level; it recomputes its tokens
   later (mostly from the prefix cache when that is on).
@@ -55,6 +57,7 @@ from jaxserve.engine.block_allocator import BlockAllocator
 from jaxserve.engine.forks import Forks
 from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.limits import check_fits
+from jaxserve.engine.lora_slots import LoraSlots
 from jaxserve.engine.prefix_cache import PrefixCache
 from jaxserve.engine.scheduled import ScheduledSeq, SchedulerOutput
 from jaxserve.engine.slo_policy import SloPolicy
@@ -65,9 +68,9 @@ __all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]  # (the step's rows: 
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, clock: Callable[[], float] = time.monotonic,
-                 buckets: GenericSequence[tuple[int, int]] | None = None):
+                 buckets: GenericSequence[tuple[int, int]] | None = None, max_loras: int = 0):
         """`buckets`: the compiled (tokens, seqs) pairs, which the step-time model sees as
-        the steps' sizes (None: steps are not padded)."""
+        the steps' sizes (None: steps are not padded). `max_loras`: LoRA device slots."""
         self.cfg = cfg  # replaced whole by a live change between steps (`Engine`)
         self.clock = clock
         # Each step's token budget (static, or from SLO targets and a fitted step-time model).
@@ -78,6 +81,7 @@ class Scheduler:
         self.kv = KVManager(self.allocator, cfg.kv_groups)
         self._prefix_cache = PrefixCache(self.kv, cfg.page_size, cfg.enable_prefix_caching)
         self._forks = Forks(self.kv, cfg.page_size)  # n > 1 samples held for a prompt
+        self.lora = LoraSlots(max_loras)  # which adapter each device slot holds
         self.running: list[Sequence] = []
         self._waiting: list[tuple[int, int, Sequence]] = []  # heap of (priority, order, req)
         self._num_waiting = 0
@@ -170,6 +174,7 @@ class Scheduler:
         # admission keeps them within the compiled seqs buckets (`max_num_rows`).
         spec_rows = sum(len(s.spec_token_ids) for s in decodes)
         max_rows = self.cfg.max_num_rows or self.cfg.max_num_seqs
+        skipped = []  # heap entries whose adapter has no slot this step: pushed back below
         while self._waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs \
                 and len(self.running) + spec_rows < max_rows:
             _, _, req = self._waiting[0]
@@ -178,12 +183,17 @@ class Scheduler:
                 continue
             if req in preempted:
                 break  # pages are contended: nothing behind it runs this step either
+            if req.lora is not None and not self.lora.can_acquire(req.lora):
+                skipped.append(heapq.heappop(self._waiting))  # (still counted as waiting)
+                continue
             if not self.budget.admit(req):
                 break  # it would push the decode step past the ITL target
             if not req.pages:
                 self._prefix_cache.match(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            self.lora.acquire(req)  # before `_reserve`, whose preemptions may unpin its slot
             if not self._reserve(req, req.num_computed_tokens + n, preempted, may_self=False):
+                self.lora.release(req)
                 break  # (a waiting sequence has nothing in flight: scheduled == computed)
             heapq.heappop(self._waiting)
             self._num_waiting -= 1
@@ -195,14 +205,17 @@ class Scheduler:
                                          samples=req.num_computed_tokens + n == req.num_tokens,
                                          epoch=req.epoch))
             budget -= n
+        for entry in skipped:
+            heapq.heappush(self._waiting, entry)
         # A sequence scheduled early in this step may have been preempted by a later one.
         gone = {id(r) for r in preempted}
         seqs = [s for s in decodes + prefills if id(s.sequence) not in gone]
         for s in seqs:
             s.sequence.num_scheduled_tokens = s.start + s.num_new_tokens
             s.sequence.num_in_flight += s.samples
+        loads, slots = self.lora.take_step(seqs)
         return SchedulerOutput(seqs=seqs, num_tokens=sum(s.num_new_tokens for s in seqs),
-                               preempted=preempted)
+                               preempted=preempted, lora_loads=loads, lora_slots=slots)
 
     def _to_schedule(self, req: Sequence) -> int:
         """How many of a running sequence's tokens are left to schedule: 0 while its only
@@ -253,6 +266,7 @@ class Scheduler:
 
     def _preempt(self, req: Sequence, preempted: list[Sequence]) -> None:
         self.running.remove(req)
+        self.lora.release(req)
         self.kv.free(req)
         req.num_computed_tokens = req.num_scheduled_tokens = req.num_in_flight = 0
         req.num_registered_pages = 0
@@ -361,6 +375,7 @@ class Scheduler:
             return
         if req.status is SequenceStatus.RUNNING:
             self.running.remove(req)
+            self.lora.release(req)
         elif req.status is SequenceStatus.WAITING and not self._forks.drop(req):
             self._num_waiting -= 1  # lazy deletion: its heap entry is skipped at the top
         self.kv.free(req)

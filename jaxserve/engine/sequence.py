@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxserve.engine.lora_request import LoraBinding
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.token_filter import TokenFilter
 
@@ -146,6 +147,10 @@ class Sequence:
     # the proposer right before a step is scheduled and consumed by that step's schedule
     # (`speculation.Speculator`); the step verifies them (a (1 + k)-token query).
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # Its LoRA adapter (None: the base model; shared by the n samples of a request) and, while
+    # RUNNING, the device slot it pins (`lora_slots.LoraSlots`; 0 otherwise).
+    lora: LoraBinding | None = None
+    lora_slot: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -2,9 +2,10 @@
 
 Plain Python (no jax). Data flow of one `StepCore.step()`:
   `schedule()` (scheduler.schedule(): a SchedulerOutput, rows in batch order) ->
-  `launch(out)`: `Recovery.build` (batch.build_batch(): numpy, bucketed) then
+  `launch(out)`: `Recovery.build` (batch.build_batch(): numpy, bucketed), the step's LoRA
+    slot loads (`runner.load_lora`, adapters from the engine's host cache) then
     runner.dispatch() (one compiled device step, queued) -> an `InFlight` step, or None when
-    the build or a non-fatal dispatch failed (its rows rolled back) ->
+    the build, an adapter load or a non-fatal dispatch failed (its rows rolled back) ->
   `fail(failures)`: the sequences a stage failed finish with ERROR (`recovery.py`) ->
   `apply(step)`: runner.collect() (one device->host copy) -> scheduler.update() (tokens
     appended, token stop rules, pages freed) -> per sequence: prompt logprobs, logprobs,
@@ -36,6 +37,7 @@ import numpy as np
 from jaxserve.engine import batch_spec, prompt_logprobs
 from jaxserve.engine.batch import BatchShape, late_bitmask
 from jaxserve.engine.group import Group
+from jaxserve.engine.lora_request import LoraBinding
 from jaxserve.engine.recovery import Failures, Recovery, Staged
 from jaxserve.engine.sequence import FinishReason, Sequence
 from jaxserve.engine.runner import LateMask, PendingStep, Runner, RunnerFailed, StepResult
@@ -73,8 +75,10 @@ class StepCore:
     def __init__(self, scheduler: Scheduler, runner: Runner, shape: BatchShape,
                  recovery: Recovery, group_of: Callable[[Sequence], Group | None],
                  speculator: Speculator | None = None,
-                 clock: Callable[[], float] | None = None):
-        """`clock`: what step times are measured with (the scheduler's by default)."""
+                 clock: Callable[[], float] | None = None,
+                 lora_adapter: Callable[[LoraBinding], object] | None = None):
+        """`clock`: what step times are measured with (the scheduler's by default).
+        `lora_adapter`: a registered adapter's loaded weights (`LoraRegistry.adapter`)."""
         self.scheduler = scheduler
         self.clock = clock or scheduler.clock
         self._started = 0.0  # when the step being launched began scheduling
@@ -84,6 +88,7 @@ class StepCore:
         self.shape = shape
         self.recovery = recovery
         self._group_of = group_of
+        self._lora_adapter = lora_adapter
         self.num_steps = 0
         self.last_step_tokens = 0
         self.news: dict[str, Group] = {}  # request_id -> group with news for the outputs
@@ -138,8 +143,16 @@ class StepCore:
         `before_mask()` (the pipeline applying the step before) has run."""
         built = self.recovery.build(out, self.shape, feeds, late=before_mask is not None)
         batch = built.value
+        lora = self.scheduler.lora
         if batch is None:
+            lora.loads_lost(out)
+            lora.step_done(out)
             return Staged(None, built.failures)
+        lost = self._load_loras(out)
+        if lost:  # rows read a slot whose adapter is missing: the step cannot run as built
+            self.scheduler.unschedule(out.seqs)
+            lora.step_done(out)
+            return Staged(None, lost)
         # The late mask is filled inside `dispatch` (the runner calls it between the forward
         # and the sampler): the rows it cannot mask are collected here, part of this result.
         failures: Failures = []
@@ -154,6 +167,7 @@ class StepCore:
                 self.runner.dispatch(batch)
         except RunnerFailed as e:
             failures += self.recovery.step_lost(out, e)  # EngineDead when it is fatal
+            lora.step_done(out)  # (its loads reached the runner: they stand)
             return Staged(None, failures)
         except Exception as e:  # noqa: BLE001 - the device state is unknown
             raise self.recovery.die("the model step failed", e) from e
@@ -178,6 +192,7 @@ class StepCore:
             result = self.runner.collect(step.pending)
         except Exception as e:  # noqa: BLE001 - later steps may have read its outputs
             raise self.recovery.die("the model step failed", e) from e
+        self.scheduler.lora.step_done(out)  # its adapter slots may be refilled now
         self._measure(step)
         if result.prompt_logprob is not None:
             self._fail_now(self._take_prompt_logprobs(out, result))
@@ -229,6 +244,31 @@ class StepCore:
         return self.speculator.verify(row, tokens[first:first + 1 + len(row.spec_token_ids)])
 
     # ----------------------------------------------------------------------- helpers
+    def _load_loras(self, out: SchedulerOutput) -> Failures:
+        """Hand the runner each adapter the step loads into a slot (`SchedulerOutput.
+        lora_loads`; no step in flight reads those slots: `lora_slots.py`). An adapter that
+        cannot be read from its path any more, or that the runner refuses (a non-fatal
+        RunnerFailed), fails the running sequences pinning its slot, which is emptied."""
+        failures: Failures = []
+        loads, out.lora_loads = out.lora_loads, []
+        for slot, binding in loads:
+            try:
+                if self._lora_adapter is None:
+                    raise ValueError("the engine has no LoRA adapters")
+                self.runner.load_lora(slot, self._lora_adapter(binding))
+                continue
+            except RunnerFailed as e:
+                if e.fatal:
+                    raise self.recovery.die("loading a LoRA adapter failed", e) from e
+                why = f"loading LoRA adapter {binding.name!r} failed: {e}"
+            except ValueError as e:  # the host copy (InvalidRequest naming lora_path)
+                why = str(e)
+            except Exception as e:  # noqa: BLE001 - the device state is unknown
+                raise self.recovery.die("loading a LoRA adapter failed", e) from e
+            failures += [(r, why) for r in self.scheduler.running if r.lora_slot == slot]
+            self.scheduler.lora.clear(slot)
+        return failures
+
     def _fail_now(self, failures: Failures) -> None:
         """`Recovery.fail` without the finished filter: a sequence this very step finished
         (e.g. its last token) still takes the blame."""

@@ -102,7 +102,8 @@ def build_engine(config: EngineConfig, model: LoadedModel | None = None,
         if proposer is not None:  # its rounds are announced too
             proposer.drafter = LeaderDrafter(proposer.drafter, runner)  # type: ignore
     engine = Engine(config, plan, with_faults(config, runner), placed.model.tokenizer,
-                    placed.model.config.eos_token_ids, proposer=proposer)
+                    placed.model.config.eos_token_ids, proposer=proposer,
+                    lora_loader=lora_build.adapter_loader(config, placed.model.config))
     if warmup:
         warm_up([engine], progress)
     return engine
@@ -152,7 +153,8 @@ def build_engines(config: EngineConfig, model: LoadedModel | None = None,
     for p in placed:
         plan, runner, proposer = _make_runner(config, p, free, draft)
         engines.append(Engine(config, plan, with_faults(config, runner), p.model.tokenizer,
-                              p.model.config.eos_token_ids, proposer=proposer))
+                              p.model.config.eos_token_ids, proposer=proposer,
+                              lora_loader=lora_build.adapter_loader(config, p.model.config)))
     if warmup:
         warm_up(engines, progress)
     return engines

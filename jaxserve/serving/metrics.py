@@ -25,7 +25,8 @@ max_num_batched_tokens, decode_token_budget), read from the engine at each scrap
 (`watch_settings`), since the admin endpoint may change them between steps.
 
 The SLO scheduler's series (`jaxserve:slo_*`: predicted vs measured step time, the budget per
-step, attainment per priority level) are `slo_metrics.py`'s.
+step, attainment per priority level) are `slo_metrics.py`'s; multi-LoRA's (vLLM's
+`lora_requests_info` gauge, per-adapter requests and generated tokens) `lora_metrics.py`'s.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from jaxserve.engine.limits import EngineStats
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
 from jaxserve.engine.sequence import FinishReason
+from jaxserve.serving.lora_metrics import LazyLoraFamilies, LoraView
 from jaxserve.serving.slo_metrics import SloFamilies, SloView
 
 PREFIX = "jaxserve:"
@@ -109,6 +111,7 @@ class MetricFamilies:
         self.spec: SpecFamilies | None = None if num_speculative_tokens is None else \
             SpecFamilies(r, labels, num_speculative_tokens)
         self.slo = SloFamilies(r, PREFIX, labels, _token_buckets(max_num_batched_tokens))
+        self.lora = LazyLoraFamilies(r, PREFIX, labels)  # registered by the first LoRA engine
 
 
 class SpecFamilies:
@@ -172,6 +175,7 @@ class EngineMetrics:
         self.iteration_tokens = fam.iteration_tokens.labels(*values)
         self.spec = None if fam.spec is None else SpecView(fam.spec, values)
         self.slo = SloView(fam.slo, values)
+        self.lora = LoraView(fam.lora, values)
         # Loop-thread state: last seen engine totals and per-sample ITL cursors.
         self._last_preemptions = 0
         self._last_queries = 0
@@ -215,6 +219,7 @@ class EngineMetrics:
             self.iteration_tokens.observe(st.last_step_tokens)
             self._last_step = st.num_steps
         self.slo.on_step(st.slo, new_step)
+        self.lora.on_step(st.lora)
         if self.spec is not None:
             self.spec.on_step(st)
         for out in outputs:

@@ -276,10 +276,10 @@ def test_real_runner_input_failure_is_per_request(real_engine, monkeypatch) -> N
 
     original = model_runner.to_step_inputs
 
-    def to_step_inputs(batch):  # noqa: ANN001, ANN202
+    def to_step_inputs(batch, *args):  # noqa: ANN001, ANN002, ANN202
         if MARK in batch.forward.token_ids.tolist():
             raise ValueError("unconvertible step input")
-        return original(batch)
+        return original(batch, *args)
 
     monkeypatch.setattr(model_runner, "to_step_inputs", to_step_inputs)
     engine, model = real_engine, tiny_model()

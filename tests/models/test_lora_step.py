@@ -23,6 +23,8 @@ from jaxserve.models import decoder, paged, tiny
 from jaxserve.models.lora import (LORA_FIELDS, attach, init_lora_stacks, lora_targets,
                                   slot_arrays, write_slot_jit)
 from jaxserve.models.packing import pack_params
+from jaxserve.models.quant import WeightQuant
+from jaxserve.models.quantized_params import dequantized_params, quantize_params
 
 RANK = 8
 PAGE = 4
@@ -85,8 +87,14 @@ def _step_logits(cfg, params, stacks, tokens, slots_of_seq):  # noqa: ANN001, AN
     return np.split(logits, np.cumsum(lengths)[:-1])
 
 
-def _check(model, pack: bool) -> None:  # noqa: ANN001
+def _check(model, pack: bool, quant: str | None = None) -> None:  # noqa: ANN001
+    """`quant`: the base weights stored quantized (the oracle merges the adapters into their
+    dequantized values: the delta runs beside the quantized matmul, in float)."""
     cfg, params = model.config, model.params
+    run_params = params
+    if quant is not None:
+        run_params = jax.tree.map(jnp.asarray, quantize_params(params, WeightQuant(quant)))
+        params = dequantized_params(run_params, jnp.float32)
     adapters = {1: random_adapter(cfg, ("wq", "wv", "w_down"), 4, seed=1),
                 2: random_adapter(cfg, LORA_FIELDS, RANK, seed=2)}
     stacks = init_lora_stacks(cfg, 3, RANK, jnp.float32)
@@ -95,7 +103,7 @@ def _check(model, pack: bool) -> None:  # noqa: ANN001
     rng = np.random.default_rng(0)
     tokens = [rng.integers(3, cfg.vocab_size, n) for n in (5, 7, 6, 3)]
     slots = [1, 0, 2, 2]
-    run_params = pack_params(params) if pack else params
+    run_params = pack_params(run_params) if pack else run_params
     got = _step_logits(cfg, run_params, stacks, tokens, slots)
     for toks, slot, logits in zip(tokens, slots, got):
         oracle = params if slot == 0 else merged(params, adapters[slot])
@@ -111,6 +119,12 @@ def _check(model, pack: bool) -> None:  # noqa: ANN001
 @pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
 def test_each_row_gets_its_own_adapter(pack: bool) -> None:
     _check(tiny_model(), pack)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_adapters_beside_quantized_packed_weights(quant: str) -> None:
+    """Quantized base weights in the CPU kernel's quantized panels, the delta beside them."""
+    _check(tiny_model(), pack=True, quant=quant)
 
 
 def test_adapters_over_several_layer_groups() -> None:
