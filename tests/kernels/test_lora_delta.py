@@ -9,16 +9,17 @@ Tolerance (`_bound`): each implementation sums in float32 in its own order, so t
 u = x @ A (K terms) errs by at most gamma_K * |x| @ |A| and the expand (R terms; the masked
 path adds the other slots' exact zeros, same bound) by gamma_R * (|u| + du) @ |B| plus the
 shrink's error carried through |B| (support.numerics: Higham's gamma_n); a row given another
-slot's adapter or a dropped row is off by O(|y|), far past it.
+slot's adapter or a dropped row is off by O(|y|), far past it (`test_bound_catches_a_wrong_
+adapter`). Where u and y are stored in bfloat16 (bfloat16 rows), their rounding joins it.
 
 Cases: ragged mixes with slot-0 rows, every row slot 0, one slot for all rows (over the
 kernel's 16-row jobs), every row its own slot, one row, T not a multiple of any tile, rank 8
 / 3 / 64 and widths that leave vector tails (the kernel's narrower vectors and scalar
 columns), enough work for the kernel to use the thread pool, a slot outside [0, S) (zero,
-as the masked path); the bundled model's shapes in the slow tier. Plus: a layer of the stack read
-inside a scan, bfloat16 rows, the fallback where the C++ library cannot be built, the
-trace-time refusals naming the operand, the per-backend choice (`grouped_pays`) and
-`lora_delta` lowered for TPU and CUDA from this host (jax.export).
+as the masked path); the bundled model's shapes in the slow tier. Plus: a layer of the
+stack read inside a scan, bfloat16 rows, the fallback where the C++ library cannot be
+built, the trace-time refusals naming the operand, the per-backend choice (`grouped_pays`)
+and `lora_delta` lowered for TPU and CUDA from this host (jax.export).
 """
 
 from __future__ import annotations
