@@ -21,7 +21,8 @@ $JAXSERVE_KERNEL_CACHE_DIR, default ~/.cache/jaxserve/kernels). A missing librar
 into a temporary file in the cache dir and renamed onto its name (atomic: processes building at
 once each rename identical bytes). ctypes loads it and ``jax.ffi.register_ffi_target`` registers
 its handlers (attention; write_kv + attention; both again for quantized pages; the cut-offs;
-dense, float and quantized; the MoE grouped expert MLP) for the CPU platform, once per process (lru_cache). Where anything fails -- no
+dense, float and quantized; the MoE grouped expert MLP; the multi-LoRA delta) for the CPU
+platform, once per process (lru_cache). Where anything fails -- no
 compiler, a compile error, a load error -- ``cpu_kernel_target`` logs one warning saying why
 and returns None, and callers use the jnp reference (``dense_kernel_target`` likewise).
 """
@@ -62,6 +63,10 @@ QUANTIZE_ROWS_TARGET = "jaxserve_quantize_rows_cpu"  # its activation quantizati
 # (csrc/moe_grouped_cpu.cc), built into the dense libraries (one per ISA).
 MOE_GROUPED_TARGETS = {"float32": "jaxserve_moe_grouped_f32_cpu",
                        "bfloat16": "jaxserve_moe_grouped_bf16_cpu"}
+# The multi-LoRA delta over whole adapter stacks, by stack dtype (csrc/lora_cpu.cc), built into
+# the dense libraries (one per ISA).
+LORA_TARGETS = {"float32": "jaxserve_lora_delta_f32_cpu",
+                "bfloat16": "jaxserve_lora_delta_bf16_cpu"}
 CSRC = pathlib.Path(__file__).parent / "csrc"
 # The sampler's top-k / top-p cut-offs (csrc/nucleus_cpu.cc), built into the attention library.
 NUCLEUS_TARGET = "jaxserve_nucleus_cutoffs_cpu"
@@ -71,7 +76,8 @@ SOURCES = tuple(CSRC / name for name in ("paged_attention_cpu.cc", "cpu_features
 # AVX2 tiles on an AVX-512 host; the engine runs the -march=native build.
 ATTENTION_SOURCES = (CSRC / "paged_attention_cpu.cc",)
 DENSE_SOURCES = tuple(CSRC / name for name in ("dense_cpu.cc", "dense_quant_cpu.cc",
-                                               "dense_qdot_cpu.cc", "moe_grouped_cpu.cc"))
+                                               "dense_qdot_cpu.cc", "moe_grouped_cpu.cc",
+                                               "lora_cpu.cc"))
 CACHE_ENV = "JAXSERVE_KERNEL_CACHE_DIR"
 # Built on the machine that runs it, so -march=native is safe (the key holds the CPU flags).
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
@@ -198,7 +204,9 @@ _DENSE_SYMBOLS = {DENSE_TARGET: "JaxserveDenseCpu",
                   DENSE_QDOT_TARGETS["int4"]: "JaxserveDenseQdotInt4Cpu",
                   QUANTIZE_ROWS_TARGET: "JaxserveQuantizeRowsCpu",
                   MOE_GROUPED_TARGETS["float32"]: "JaxserveMoeGroupedF32Cpu",
-                  MOE_GROUPED_TARGETS["bfloat16"]: "JaxserveMoeGroupedBf16Cpu"}
+                  MOE_GROUPED_TARGETS["bfloat16"]: "JaxserveMoeGroupedBf16Cpu",
+                  LORA_TARGETS["float32"]: "JaxserveLoraDeltaF32Cpu",
+                  LORA_TARGETS["bfloat16"]: "JaxserveLoraDeltaBf16Cpu"}
 
 
 _ATTENTION_SYMBOLS = {TARGET: "JaxservePagedAttentionCpu",
