@@ -17,6 +17,7 @@ What each field sizes (docs/serving/lora.md):
   None: as many as `max_loras`. Registered adapters beyond it are read from disk again when
   next needed.
 - `lora_modules`: adapters registered at start-up, `(name, path)` pairs.
+- `lora_dtype`: the stacks' dtype (`LORA_DTYPES`; auto: the model's).
 """
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ from typing import Any, Iterable, Mapping
 MAX_LORA_RANK_LIMIT = 512
 MAX_LORA_NAME_CHARS = 128  # an adapter name is a model id on the wire: kept short
 # The offline / CLI option names `from_options` reads (vLLM's).
-OPTION_NAMES = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_modules")
+OPTION_NAMES = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_modules",
+                "lora_dtype")
+# vLLM's --lora-dtype: the adapter stacks' dtype; auto: the model's. On CPU, bfloat16 halves
+# the bytes a decode step reads for the adapters (the kernel accumulates in float32).
+LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def check_lora_name(name: object, what: str = "lora_name") -> str:
@@ -58,8 +63,11 @@ class LoRAConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_modules: tuple[tuple[str, str], ...] = ()
+    lora_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype={self.lora_dtype!r:.40} must be one of {LORA_DTYPES}")
         _positive("max_loras", self.max_loras)
         _positive("max_lora_rank", self.max_lora_rank, MAX_LORA_RANK_LIMIT)
         if self.max_cpu_loras is not None:
@@ -101,7 +109,8 @@ class LoRAConfig:
                 raise ValueError(f"{given[0]} is a LoRA option: it needs enable_lora=True "
                                  "(--enable-lora)")
             return None
-        kwargs = {k: options[k] for k in OPTION_NAMES[1:4] if options.get(k) is not None}
+        kwargs = {k: options[k] for k in (*OPTION_NAMES[1:4], "lora_dtype")
+                  if options.get(k) is not None}
         return LoRAConfig(lora_modules=parse_lora_modules(options.get("lora_modules") or ()),
                           **kwargs)
 

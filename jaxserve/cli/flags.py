@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 from jaxserve.config import (DENSE_IMPLS, DENSE_ISAS, DTYPES, FP8_ACTIVATIONS,
                              IDLE_WINDOW_POLICIES, INT8_ACTIVATION_GROUP_SIZES, INT8_ACTIVATIONS, KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, SLO_ADMISSIONS, DistributedConfig, EngineConfig, SloTargets)
 from jaxserve.engine import sampling_params
-from jaxserve.lora_config import OPTION_NAMES as LORA_OPTION_NAMES, LoRAConfig
+from jaxserve.lora_config import LORA_DTYPES, OPTION_NAMES as LORA_OPTION_NAMES, LoRAConfig
 from jaxserve.spec_config import SpeculativeConfig
 
 # The serve command raises this logger to INFO: the follower lines show like the lifecycle ones.
@@ -227,6 +227,9 @@ def add_lora_flags(g: Any) -> None:
     g.add_argument("--max-cpu-loras", dest="lora_max_cpu_loras", type=int, default=None,
                    metavar="M", help="adapters kept loaded in host memory (default: "
                    "--max-loras)")
+    g.add_argument("--lora-dtype", dest="lora_lora_dtype", default=None, choices=LORA_DTYPES,
+                   help="the adapters' dtype on the device (default: auto, the model's; "
+                   "bfloat16 halves what a decode step reads for them)")
 
 
 def engine_config_from_args(args: argparse.Namespace, **fixed: Any) -> EngineConfig:

@@ -63,6 +63,8 @@ def adapter_loader(config: EngineConfig, cfg: ModelConfig) -> Callable[..., Any]
     return functools.partial(load_peft_adapter, cfg=cfg, max_rank=lora.max_lora_rank)
 
 
-def stacks_dtype(dtype_name: str) -> Any:
-    """The stacks' dtype: the model's (an adapter runs in the dtype of what it modifies)."""
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[dtype_name]
+def stacks_dtype(config: EngineConfig) -> Any:
+    """The stacks' dtype: `lora_dtype`, or with auto the model's (vLLM's rule)."""
+    lora = config.lora_config
+    name = config.dtype if lora is None or lora.lora_dtype == "auto" else lora.lora_dtype
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]

@@ -2,7 +2,8 @@
 # Multi-LoRA's benchmark: jaxserve on the bundled SmolLM2-135M serving 8 random rank-16
 # adapters (every attention and MLP projection; scripts/bench/make_lora_adapters.py) with
 # every request on an adapter, round-robin (at concurrency 32 each step mixes all 8), against
-# the same server without LoRA on the same requests; both driven by vLLM's own client
+# the same server without LoRA on the same requests ($SERVERS: none, lora (the stacks in the
+# model's float32), lora_bf16 (--lora-dtype bfloat16)); all driven by vLLM's own client
 # (`vllm bench serve`), random prompts of $INPUT_LEN tokens, $OUTPUT_LEN new tokens each
 # (--ignore-eos: every request the same length on both servers). Only same-run ratios count;
 # ROUNDS > 1 alternates the servers (a shared host's speed drifts by the minute).
@@ -23,6 +24,7 @@ HF_DIR=${HF_DIR:-/tmp/smollm2-hf}
 OUT=${OUT:-lora_bench}
 ADAPTERS=${ADAPTERS:-$OUT/adapters}
 CONCURRENCY=${CONCURRENCY:-32}
+SERVERS=${SERVERS:-"none lora lora_bf16"}
 ROUNDS=${ROUNDS:-1}
 INPUT_LEN=${INPUT_LEN:-128}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
@@ -35,10 +37,11 @@ mkdir -p "$OUT"
 [ -f "$ADAPTERS/lora7/adapter_config.json" ] || \
   python scripts/bench/make_lora_adapters.py "$HF_DIR" "$ADAPTERS" --num 8 --rank 16 > /dev/null
 
-start_server() {  # $1: none | lora; sets PID
+start_server() {  # $1: none | lora | lora_bf16; sets PID
   local extra=()
-  if [ "$1" = lora ]; then
-    extra=(--enable-lora --max-loras 8 --max-lora-rank 16 --max-cpu-loras 9 --enable-admin
+  [ "$1" != lora_bf16 ] || extra=(--lora-dtype bfloat16)
+  if [ "$1" != none ]; then
+    extra+=(--enable-lora --max-loras 8 --max-lora-rank 16 --max-cpu-loras 9 --enable-admin
            --lora-modules)
     for i in 0 1 2 3 4 5 6 7; do extra+=("l$i=$ADAPTERS/lora$i"); done
   fi
@@ -82,10 +85,10 @@ ROOT=$OUT
 rm -f "$ROOT/load_times.txt" 2>/dev/null || true
 for round in $(seq 1 "$ROUNDS"); do
   [ "$ROUNDS" = 1 ] || { OUT=$ROOT/r$round; mkdir -p "$OUT"; }
-  for server in none lora; do
+  for server in $SERVERS; do
     start_server "$server"
     for c in $CONCURRENCY; do run "$server" "$c"; done
-    [ "$server" = none ] || [ "$round" != 1 ] || load_times "$ROOT"
+    [ "$server" != lora ] || [ "$round" != 1 ] || load_times "$ROOT"
     kill $PID; wait $PID 2>/dev/null || true
   done
 done

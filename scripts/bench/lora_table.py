@@ -31,25 +31,28 @@ def table(root: pathlib.Path) -> str:
     runs = _runs(root)
     cs = sorted({int(m.group(1)) for d in runs for p in d.glob("*_c*.json")
                  if (m := re.search(r"_c(\d+)\.json$", p.name))})
-    lines = ["| concurrency | round | no LoRA tok/s | 8 adapters tok/s | ratio | TPOT p50 ms "
-             "(none / LoRA) | TTFT p50 ms (none / LoRA) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for c in cs:
-        ratios = []
-        for i, d in enumerate(runs, 1):
-            none, lora = _doc(d, "none", c), _doc(d, "lora", c)
-            if none is None or lora is None:
-                continue
-            r = lora["output_throughput"] / none["output_throughput"]
-            ratios.append(r)
-            lines.append(
-                f"| {c} | {i} | {none['output_throughput']:.1f} | "
-                f"{lora['output_throughput']:.1f} | {r:.2f} | {none['median_tpot_ms']:.1f} / "
-                f"{lora['median_tpot_ms']:.1f} | {none['median_ttft_ms']:.0f} / "
-                f"{lora['median_ttft_ms']:.0f} |")
-        if len(ratios) > 1:
-            lines.append(f"| {c} | median | | | {statistics.median(ratios):.2f} "
-                         f"({min(ratios):.2f}-{max(ratios):.2f}) | | |")
+    servers = sorted({p.name.split("_c")[0] for d in runs for p in d.glob("*_c*.json")}
+                     - {"none"})
+    lines = ["| server | concurrency | round | no LoRA tok/s | 8 adapters tok/s | ratio | "
+             "TPOT p50 ms (none / LoRA) | TTFT p50 ms (none / LoRA) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for server in servers:
+        for c in cs:
+            ratios = []
+            for i, d in enumerate(runs, 1):
+                none, lora = _doc(d, "none", c), _doc(d, server, c)
+                if none is None or lora is None:
+                    continue
+                r = lora["output_throughput"] / none["output_throughput"]
+                ratios.append(r)
+                lines.append(
+                    f"| {server} | {c} | {i} | {none['output_throughput']:.1f} | "
+                    f"{lora['output_throughput']:.1f} | {r:.2f} | "
+                    f"{none['median_tpot_ms']:.1f} / {lora['median_tpot_ms']:.1f} | "
+                    f"{none['median_ttft_ms']:.0f} / {lora['median_ttft_ms']:.0f} |")
+            if len(ratios) > 1:
+                lines.append(f"| {server} | {c} | median | | | {statistics.median(ratios):.2f} "
+                             f"({min(ratios):.2f}-{max(ratios):.2f}) | | |")
     loads = root / "load_times.txt"
     if loads.exists():
         t = [float(x) for x in loads.read_text().split()]

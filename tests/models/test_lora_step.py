@@ -87,9 +87,11 @@ def _step_logits(cfg, params, stacks, tokens, slots_of_seq):  # noqa: ANN001, AN
     return np.split(logits, np.cumsum(lengths)[:-1])
 
 
-def _check(model, pack: bool, quant: str | None = None) -> None:  # noqa: ANN001
+def _check(model, pack: bool, quant: str | None = None,  # noqa: ANN001
+           dtype: object = jnp.float32) -> None:
     """`quant`: the base weights stored quantized (the oracle merges the adapters into their
-    dequantized values: the delta runs beside the quantized matmul, in float)."""
+    dequantized values: the delta runs beside the quantized matmul, in float). `dtype`: the
+    stacks' (bfloat16: the oracle merges the adapters' bfloat16-rounded values)."""
     cfg, params = model.config, model.params
     run_params = params
     if quant is not None:
@@ -97,7 +99,10 @@ def _check(model, pack: bool, quant: str | None = None) -> None:  # noqa: ANN001
         params = dequantized_params(run_params, jnp.float32)
     adapters = {1: random_adapter(cfg, ("wq", "wv", "w_down"), 4, seed=1),
                 2: random_adapter(cfg, LORA_FIELDS, RANK, seed=2)}
-    stacks = init_lora_stacks(cfg, 3, RANK, jnp.float32)
+    stacks = init_lora_stacks(cfg, 3, RANK, dtype)
+    adapters = {slot: {f: tuple(np.asarray(jnp.asarray(m, dtype).astype(jnp.float32))
+                                for m in ab) for f, ab in w.items()}
+                for slot, w in adapters.items()}
     for slot, w in adapters.items():
         stacks = write_slot_jit(stacks, np.int32(slot), slot_arrays(cfg, w, RANK))
     rng = np.random.default_rng(0)
@@ -125,6 +130,12 @@ def test_each_row_gets_its_own_adapter(pack: bool) -> None:
 def test_adapters_beside_quantized_packed_weights(quant: str) -> None:
     """Quantized base weights in the CPU kernel's quantized panels, the delta beside them."""
     _check(tiny_model(), pack=True, quant=quant)
+
+
+def test_bfloat16_stacks() -> None:
+    """--lora-dtype bfloat16: the stacks stored in bfloat16 (the CPU kernel reads them in
+    place and accumulates in float32)."""
+    _check(tiny_model(), pack=True, dtype=jnp.bfloat16)
 
 
 def test_adapters_over_several_layer_groups() -> None:
