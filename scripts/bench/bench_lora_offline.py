@@ -26,9 +26,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seqs", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--quantization", default="auto",
+                   help="the base weights (auto: the bundled GGUF's own Q4_1 blocks; none: "
+                   "float32)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    common = dict(max_num_seqs=args.seqs, max_num_batched_tokens=512, max_model_len=1024)
+    common = dict(max_num_seqs=args.seqs, max_num_batched_tokens=512, max_model_len=1024,
+                  quantization=args.quantization)
     lora = dict(enable_lora=True, max_loras=8, max_lora_rank=16)
     engines = {"none": LLM(**common), "lora": LLM(**common, **lora),
                "lora_bf16": LLM(**common, **lora, lora_dtype="bfloat16")}
@@ -58,7 +62,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rounds": rounds, "median_ratio": summary, "seqs": args.seqs,
-                       "max_tokens": args.max_tokens}, f, indent=1)
+                       "max_tokens": args.max_tokens, "quantization": args.quantization},
+                      f, indent=1)
 
 
 if __name__ == "__main__":
