@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractMesh, NamedSharding
 
+from support.tiers import grid
+
 from jaxserve.config import EngineConfig
 from jaxserve.device import model_runner as mr
 from jaxserve.engine.sizing import plan_engine
@@ -45,8 +47,9 @@ def abstract_stacks(cfg, sharding=None) -> LoraStacks:  # noqa: ANN001
                         stacks, lora_specs(cfg))
 
 
-@pytest.mark.parametrize("tp", [1, 8])
-@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("platform,tp", grid(
+    [[("tpu", "tpu"), ("cuda", "cuda")], [("tp1", 1), ("tp8", 8)]], {"tpu-tp1", "cuda-tp8"},
+    "each platform at the other TP size too"))
 def test_lora_step_lowers_for_platform(platform: str, tp: int) -> None:
     cfg = shapes.llama3_8b()
     impl = select_impl("auto", platform)

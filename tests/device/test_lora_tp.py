@@ -18,6 +18,8 @@ def _check(doc: dict) -> None:
         assert run["compiles"] == 0 and run["leaked"] == 0, name
 
 
+@slow("two engines compiled in a subprocess with torch and peft (~30 s); the sharded delta's "
+      "lowering over 8 devices runs by default in test_export_lora.py")
 def test_lora_tp2_equals_one_device() -> None:
     """Column-split projections (q/k/v, gate/up: b split by outputs) and row-split ones
     (o, down: x and a split by inputs, partial deltas summed) over 2 devices."""

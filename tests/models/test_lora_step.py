@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from support.engine_fixtures import tiny_model, tiny_model_config, tiny_tokenizer
+from support.tiers import slow
 
 from jaxserve.kernels_pallas import AttentionMetadata
 from jaxserve.models import decoder, paged, tiny
@@ -126,7 +127,8 @@ def test_each_row_gets_its_own_adapter(pack: bool) -> None:
     _check(tiny_model(), pack)
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("quant", ["int4", pytest.param("int8", marks=slow(
+    "the same panels' path as int4 with another scheme"))])
 def test_adapters_beside_quantized_packed_weights(quant: str) -> None:
     """Quantized base weights in the CPU kernel's quantized panels, the delta beside them."""
     _check(tiny_model(), pack=True, quant=quant)
