@@ -48,6 +48,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "pool_items.h"
 
 namespace ffi = xla::ffi;
 
@@ -216,27 +217,7 @@ void expand(int rows, const float* u, int64_t R, const W* B, int64_t N, int64_t 
   for (; c < c1; ++c) expand_rows<float, kExpandRows, 1, W>(rows, u, R, B, N, c, yr);
 }
 
-// Runs item(i) for i < n on the pool and the calling thread; returns when all ran.
-template <class Item>
-void run_items(ffi::ThreadPool& pool, int64_t n, bool parallel, Item item) {
-  struct State {
-    Item item;
-    int64_t n;
-    std::atomic<int64_t> next{0}, done{0};
-    State(Item it, int64_t count) : item(std::move(it)), n(count) {}
-    void drain() {
-      for (int64_t i; (i = next.fetch_add(1)) < n;) {
-        item(i);
-        done.fetch_add(1, std::memory_order_release);
-      }
-    }
-  };
-  auto state = std::make_shared<State>(std::move(item), n);
-  const int64_t helpers = parallel ? std::min<int64_t>(pool.num_threads(), n) - 1 : 0;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([state] { state->drain(); });
-  state->drain();
-  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
-}
+using jaxserve_cpu::run_items;  // pool_items.h
 
 struct Job {  // sorted rows [i0, i1) of slot s
   int64_t s, i0, i1;

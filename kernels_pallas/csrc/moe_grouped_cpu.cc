@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "pool_items.h"
 
 namespace ffi = xla::ffi;
 
@@ -135,27 +136,7 @@ void chunk(int64_t rows, const float* x, int64_t ldx, int64_t K, const W* const*
   }
 }
 
-// Runs item(i) for i < n on the pool and the calling thread; returns when all ran.
-template <class Item>
-void run_items(ffi::ThreadPool& pool, int64_t n, bool parallel, Item item) {
-  struct State {
-    Item item;
-    int64_t n;
-    std::atomic<int64_t> next{0}, done{0};
-    State(Item it, int64_t count) : item(std::move(it)), n(count) {}
-    void drain() {
-      for (int64_t i; (i = next.fetch_add(1)) < n;) {
-        item(i);
-        done.fetch_add(1, std::memory_order_release);
-      }
-    }
-  };
-  auto state = std::make_shared<State>(std::move(item), n);
-  const int64_t helpers = parallel ? std::min<int64_t>(pool.num_threads(), n) - 1 : 0;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([state] { state->drain(); });
-  state->drain();
-  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
-}
+using jaxserve_cpu::run_items;  // pool_items.h
 
 struct Job {  // rows [r0, r1) of expert e
   int64_t e, r0, r1;
