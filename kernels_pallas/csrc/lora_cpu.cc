@@ -71,7 +71,7 @@ constexpr int kExpandRows = 6;   // 6 x 2 ymm = 12 accumulators (the dense AVX2 
 constexpr int kExpandVecs = 2;
 #endif
 constexpr int kShrinkRows = 8;
-constexpr int kShrinkStreams = 4;      // FMA latency x ports: ~8 chains keep the units busy
+constexpr int kShrinkStreams = 8;      // FMA latency x ports: ~8 chains keep the units busy
 constexpr int64_t kJobRows = 16;       // rows per job: A / B read once per 16 rows of a slot
 constexpr int64_t kColBlock = 256;     // columns of y per phase-2 item
 constexpr int64_t kParallelWork = int64_t{1} << 18;
