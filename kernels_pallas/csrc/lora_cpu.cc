@@ -11,16 +11,29 @@
 // Grouping (Punica's SGMV on a CPU): the rows are counting-sorted by slot, and each slot's
 // rows are cut into jobs of up to kJobRows rows, so an adapter's A and B are read once per
 // job (a decode step of 32 rows on 8 adapters: once per step) instead of once per row.
-//   phase 1 (shrink), one item per job: u[rows, R] = x[rows] @ A  (A [K, R]: row k is R
-//     contiguous values, so a k step is one R-wide vector per row: R = 16 is one zmm);
-//   phase 2 (expand), items (job, block of kColBlock columns of y): y[rows, cols] =
-//     u[rows] @ B[:, cols]  (B [R, N]: row r is contiguous over the columns, the vectors).
-// Items go to XLA's intra-op pool from one atomic counter (the dense kernels' scheme,
-// dense_common.h); the calling thread works too and waits for phase 1 before phase 2 reads
-// u. A call whose work (active rows x R x (K + N) FMAs) is under kParallelWork runs on the
-// calling thread alone, as the dense kernels' small products do (waking a helper costs
-// microseconds). Whether two threads pay at decode sizes is not settled: the 2-vCPU host was
-// shared by other jobs throughout, and a serial build ran within the noise of this one.
+// A job is a shrink, u[rows, R] = x[rows] @ A (A [K, R]: row k is R contiguous values, so a
+// k step is one R-wide vector per row: R = 16 is one zmm), then an expand, y[rows, cols] =
+// u[rows] @ B[:, cols] (B [R, N]: row r is contiguous over the columns, the vectors).
+//
+// Memory, not FMAs, sets a decode step's pace: 4 rows an adapter make 4 FMAs per weight, and
+// the 8 adapters' stacks of a bundled-model step (156 MB float32, 78 MB bfloat16; the L3 is
+// 32 MB) come from DRAM every step. A job therefore fetches ahead (`Ahead`): the shrink
+// prefetches A kPrefetchBytes ahead, and each job spreads over its inner loops the fetch of
+// its own B (when nothing fetched it) and of the A and B of the job its worker runs next.
+// Measured on 32 decode rows x 8 adapters, the bundled model's 7 projections x 30 layers
+// (scripts/bench/bench_lora_step.py, interleaved in one process): 8.4 -> 6.7 ms a step with
+// float32 stacks, 6.3 -> 4.2 ms with bfloat16, against shrink / expand as two barrier-
+// separated phases without fetching ahead (this kernel before).
+//
+// Threads (XLA's intra-op pool, the calling thread working too; pool_items.h):
+//   - a call whose work (active rows x R x (K + N) FMAs) is under kParallelWork runs its
+//     jobs on the calling thread, in order (each fetching the next; waking a helper costs
+//     microseconds);
+//   - jobs that share evenly (a multiple of the threads, or at least 4 a thread): one item a
+//     job (run_items_ahead: a worker claims its next job before running the current one, so
+//     it knows what to fetch);
+//   - else (few, uneven jobs): the shrinks a job an item, then the expands split by blocks
+//     of kColBlock columns, so one adapter's 20 rows still use both threads.
 //
 // Register tiles (vectors: zmm with AVX-512, ymm with AVX2; R or N not a multiple of the
 // vector width falls to narrower vectors and then a scalar tail, toy shapes only):
@@ -43,7 +56,7 @@
 #include <thread>
 #include <vector>
 
-#if defined(__FMA__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -71,6 +84,7 @@ constexpr int kExpandRows = 6;   // 6 x 2 ymm = 12 accumulators (the dense AVX2 
 constexpr int kExpandVecs = 2;
 #endif
 constexpr int kShrinkRows = 8;
+constexpr int64_t kPrefetchBytes = 4096;   // A ahead in the shrink: ~1 us of DRAM latency
 constexpr int kShrinkStreams = 8;      // FMA latency x ports: ~8 chains keep the units busy
 constexpr int64_t kJobRows = 16;       // rows per job: A / B read once per 16 rows of a slot
 constexpr int64_t kColBlock = 256;     // columns of y per phase-2 item
@@ -93,14 +107,33 @@ inline void load(v8& v, const uint16_t* p) {
   v = (v8)(__builtin_convertvector(h, u8v) << 16);
 }
 inline void load(v16& v, const uint16_t* p) {
+#if defined(__AVX512F__)
+  // One widening load and a shift: the generic convert below goes through two ymm halves.
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  v = (v16)_mm512_slli_epi32(w, 16);
+#else
   h16 h;
   std::memcpy(&h, p, sizeof h);
   v = (v16)(__builtin_convertvector(h, u16v) << 16);
+#endif
 }
 template <class V>
 inline void store(float* p, const V& v) { std::memcpy(p, &v, sizeof v); }
+// A broadcast. Generic vectors spell it V{} + s, which compilers emit as an add to zero
+// before the broadcast: x86 gets the broadcast itself (a memory operand folds into the FMA).
 template <class V>
 inline V splat(float s) { return V{} + s; }
+template <>
+inline float splat<float>(float s) { return s; }
+#if defined(__AVX__)
+template <>
+inline v8 splat<v8>(float s) { return (v8)_mm256_set1_ps(s); }
+#endif
+#if defined(__AVX512F__)
+template <>
+inline v16 splat<v16>(float s) { return (v16)_mm512_set1_ps(s); }
+#endif
+
 
 // a * b + c rounded once, spelled out rather than left to the compiler's contraction.
 inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
@@ -117,18 +150,56 @@ inline v16 fma(v16 a, v16 b, v16 c) {
 }
 #endif
 
+// Memory to fetch while a job computes, a few lines per inner-loop step: the job's own B
+// (when nothing fetched it before) and the next job's A and B, so that a worker streams the
+// stacks from DRAM while it multiplies instead of stalling at each new adapter's first
+// lines (a job reads short runs: A is K rows of R, B R rows of N columns, which the hardware
+// prefetcher picks up late and a small N never).
+struct Ahead {
+  struct Run {
+    const char* p;
+    int64_t lines;
+  };
+  Run runs[3] = {};
+  int count = 0;
+  int64_t per = 0;  // lines a step
+  template <class W>
+  void add(const W* p, int64_t elems) {
+    runs[count++] = {reinterpret_cast<const char*>(p),
+                     (elems * static_cast<int64_t>(sizeof(W)) + 63) / 64};
+  }
+  int64_t lines() const {
+    int64_t n = 0;
+    for (int i = 0; i < count; ++i) n += runs[i].lines;
+    return n;
+  }
+  __attribute__((always_inline)) void step() {
+    if (per == 0) return;
+    int64_t left = per;
+    for (int i = 0; i < count && left > 0; ++i) {
+      for (; left > 0 && runs[i].lines > 0; --left, --runs[i].lines, runs[i].p += 64) {
+        __builtin_prefetch(runs[i].p, 0, 2);  // to L2: its miss queue is deeper than L1's
+      }
+    }
+  }
+};
+
 // u[r, c : c + lanes] = x[r] @ A[:, c : c + lanes] for r < RT (A [K, R] row stride R; u
 // row stride R), K split into U interleaved streams summed at the end.
 template <class V, int RT, int U, class W>
 void shrink_tile(const float* const* xr, int64_t K, const W* A, int64_t R, int64_t c,
-                 float* u) {
+                 float* u, Ahead& next) {
   V acc[RT][U];
   for (int r = 0; r < RT; ++r) {
     for (int s = 0; s < U; ++s) acc[r][s] = V{};
   }
   int64_t k = 0;
+  constexpr int64_t ahead = kPrefetchBytes / sizeof(W);  // elements of A ahead
+  Ahead fetch = next;  // a local copy the compiler can keep in registers beside acc
   for (; k + U <= K; k += U) {
+    fetch.step();
     for (int s = 0; s < U; ++s) {
+      __builtin_prefetch(A + (k + s) * R + c + ahead);
       V w;
       load(w, A + (k + s) * R + c);
       for (int r = 0; r < RT; ++r) acc[r][s] = fma(splat<V>(xr[r][k + s]), w, acc[r][s]);
@@ -139,6 +210,7 @@ void shrink_tile(const float* const* xr, int64_t K, const W* A, int64_t R, int64
     load(w, A + k * R + c);
     for (int r = 0; r < RT; ++r) acc[r][0] = fma(splat<V>(xr[r][k]), w, acc[r][0]);
   }
+  next = fetch;
   for (int r = 0; r < RT; ++r) {
     V sum = acc[r][0];
     for (int s = 1; s < U; ++s) sum += acc[r][s];
@@ -149,46 +221,50 @@ void shrink_tile(const float* const* xr, int64_t K, const W* A, int64_t R, int64
 // shrink_tile for 1 <= rows <= RT, with more K streams the fewer the rows.
 template <class V, int RT, class W>
 void shrink_rows(int rows, const float* const* xr, int64_t K, const W* A, int64_t R, int64_t c,
-                 float* u) {
+                 float* u, Ahead& next) {
   if constexpr (RT > 1) {
-    if (rows < RT) return shrink_rows<V, RT - 1, W>(rows, xr, K, A, R, c, u);
+    if (rows < RT) return shrink_rows<V, RT - 1, W>(rows, xr, K, A, R, c, u, next);
   }
   constexpr int U = RT >= kShrinkStreams ? 1 : kShrinkStreams / RT;
-  shrink_tile<V, RT, U, W>(xr, K, A, R, c, u);
+  shrink_tile<V, RT, U, W>(xr, K, A, R, c, u, next);
 }
 
 // u[rows, 0:R] = x[rows] @ A for rows <= kShrinkRows: R in native vectors, then 8-lane
 // ones (R = 8 with AVX-512), then one column at a time.
 template <class W>
-void shrink(int rows, const float* const* xr, int64_t K, const W* A, int64_t R, float* u) {
+void shrink(int rows, const float* const* xr, int64_t K, const W* A, int64_t R, float* u,
+            Ahead& next) {
   int64_t c = 0;
   for (; c + lanes<vw>() <= R; c += lanes<vw>()) {
-    shrink_rows<vw, kShrinkRows, W>(rows, xr, K, A, R, c, u);
+    shrink_rows<vw, kShrinkRows, W>(rows, xr, K, A, R, c, u, next);
   }
   if constexpr (lanes<vw>() > 8) {
-    for (; c + 8 <= R; c += 8) shrink_rows<v8, kShrinkRows, W>(rows, xr, K, A, R, c, u);
+    for (; c + 8 <= R; c += 8) shrink_rows<v8, kShrinkRows, W>(rows, xr, K, A, R, c, u, next);
   }
-  for (; c < R; ++c) shrink_rows<float, kShrinkRows, W>(rows, xr, K, A, R, c, u);
+  for (; c < R; ++c) shrink_rows<float, kShrinkRows, W>(rows, xr, K, A, R, c, u, next);
 }
 
 // y[t, c : c + NV lanes] = u[t] @ B[:, c : ...] for t < RT (u row stride R; B [R, N] row
 // stride N; y rows by pointer).
 template <class V, int RT, int NV, class W>
 void expand_tile(const float* u, int64_t R, const W* B, int64_t N, int64_t c,
-                 float* const* yr) {
+                 float* const* yr, Ahead& next) {
   constexpr int L = lanes<V>();
   V acc[RT][NV];
   for (int t = 0; t < RT; ++t) {
     for (int j = 0; j < NV; ++j) acc[t][j] = V{};
   }
+  Ahead fetch = next;  // a local copy the compiler can keep in registers beside acc
   for (int64_t r = 0; r < R; ++r) {
     V w[NV];
+    fetch.step();
     for (int j = 0; j < NV; ++j) load(w[j], B + r * N + c + j * L);
     for (int t = 0; t < RT; ++t) {
       const V a = splat<V>(u[t * R + r]);
       for (int j = 0; j < NV; ++j) acc[t][j] = fma(a, w[j], acc[t][j]);
     }
   }
+  next = fetch;
   for (int t = 0; t < RT; ++t) {
     for (int j = 0; j < NV; ++j) store(yr[t] + c + j * L, acc[t][j]);
   }
@@ -196,28 +272,31 @@ void expand_tile(const float* u, int64_t R, const W* B, int64_t N, int64_t c,
 
 template <class V, int RT, int NV, class W>
 void expand_rows(int rows, const float* u, int64_t R, const W* B, int64_t N, int64_t c,
-                 float* const* yr) {
+                 float* const* yr, Ahead& next) {
   if constexpr (RT > 1) {
-    if (rows < RT) return expand_rows<V, RT - 1, NV, W>(rows, u, R, B, N, c, yr);
+    if (rows < RT) return expand_rows<V, RT - 1, NV, W>(rows, u, R, B, N, c, yr, next);
   }
-  expand_tile<V, RT, NV, W>(u, R, B, N, c, yr);
+  expand_tile<V, RT, NV, W>(u, R, B, N, c, yr, next);
 }
 
 // y[rows, c0:c1] = u[rows] @ B[:, c0:c1] for rows <= kExpandRows: whole tiles of
 // kExpandVecs vectors, then single vectors, then single columns.
 template <class W>
 void expand(int rows, const float* u, int64_t R, const W* B, int64_t N, int64_t c0, int64_t c1,
-            float* const* yr) {
+            float* const* yr, Ahead& next) {
   constexpr int64_t L = lanes<vw>(), wide = L * kExpandVecs;
   int64_t c = c0;
   for (; c + wide <= c1; c += wide) {
-    expand_rows<vw, kExpandRows, kExpandVecs, W>(rows, u, R, B, N, c, yr);
+    expand_rows<vw, kExpandRows, kExpandVecs, W>(rows, u, R, B, N, c, yr, next);
   }
-  for (; c + L <= c1; c += L) expand_rows<vw, kExpandRows, 1, W>(rows, u, R, B, N, c, yr);
-  for (; c < c1; ++c) expand_rows<float, kExpandRows, 1, W>(rows, u, R, B, N, c, yr);
+  for (; c + L <= c1; c += L) expand_rows<vw, kExpandRows, 1, W>(rows, u, R, B, N, c, yr, next);
+  for (; c < c1; ++c) expand_rows<float, kExpandRows, 1, W>(rows, u, R, B, N, c, yr, next);
 }
 
 using jaxserve_cpu::run_items;  // pool_items.h
+using jaxserve_cpu::run_items_ahead;
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 struct Job {  // sorted rows [i0, i1) of slot s
   int64_t s, i0, i1;
@@ -288,25 +367,77 @@ ffi::Error LoraDelta(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   float* const* yr = yrow.data();
   const bool parallel = active * R * (K + N) >= kParallelWork;
 
+  // One job whole: shrink then expand, fetching (Ahead) the job's B when nothing fetched it
+  // (`first`) and the `following` job's A and B (-1: none) while it computes.
+  auto run_job = [=](int64_t i, int64_t following, bool first) {
+    const Job& j = jb[i];
+    const W* A = abase + j.s * a_slot;
+    const W* B = bbase + j.s * b_slot;
+    const int64_t rows = j.i1 - j.i0;
+    Ahead next;
+    if (first) {  // A's first lines now (the shrink fetches the rest ahead itself)
+      const char* a0 = reinterpret_cast<const char*>(A);
+      const int64_t bytes = std::min<int64_t>(kPrefetchBytes, a_slot * sizeof(W));
+      for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(a0 + o);
+      next.add(B, b_slot);
+    }
+    if (following >= 0) {
+      next.add(abase + jb[following].s * a_slot, a_slot);
+      next.add(bbase + jb[following].s * b_slot, b_slot);
+    }
+    // The job's inner-loop steps (shrink: K / streams a tile; expand: R a tile), over
+    // which the lines are spread.
+    const int64_t streams = std::max<int64_t>(1, kShrinkStreams / std::min<int64_t>(rows, kShrinkRows));
+    const int64_t vecs = lanes<vw>() * kExpandVecs;
+    const int64_t steps = ceil_div(rows, kShrinkRows) * ceil_div(R, lanes<vw>()) *
+                              (K / streams + 1) +
+                          ceil_div(rows, kExpandRows) * ceil_div(N, vecs) * R;
+    next.per = ceil_div(next.lines(), std::max<int64_t>(steps, 1));
+    for (int64_t r = j.i0; r < j.i1; r += kShrinkRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kShrinkRows, j.i1 - r));
+      shrink<W>(n, xr + r, K, A, R, u + r * R, next);
+    }
+    for (int64_t r = j.i0; r < j.i1; r += kExpandRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kExpandRows, j.i1 - r));
+      expand<W>(n, u + r * R, R, B, N, 0, N, yr + r, next);
+    }
+  };
+  const int64_t njobs = static_cast<int64_t>(jobs.size());
+  if (!parallel) {
+    for (int64_t i = 0; i < njobs; ++i) run_job(i, i + 1 < njobs ? i + 1 : -1, i == 0);
+    return ffi::Error::Success();
+  }
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  if (njobs % threads == 0 || njobs >= 4 * threads) {
+    // Jobs enough to share evenly (a decode step's: one per adapter on 2 threads): one item
+    // a job, no barrier between shrink and expand.
+    run_items_ahead(pool, njobs, run_job);
+    return ffi::Error::Success();
+  }
+
+  // Few jobs, unevenly many (one adapter's 20 rows: 2 jobs of 16 and 4 on 2 threads): the
+  // shrink a job an item, then the expand split by columns as well.
   // Phase 1: u[rows] = x[rows] @ A[slot], one job per item.
-  run_items(pool, static_cast<int64_t>(jobs.size()), parallel, [=](int64_t i) {
+  run_items(pool, njobs, true, [=](int64_t i) {
     const Job& j = jb[i];
     const W* A = abase + j.s * a_slot;
     for (int64_t r = j.i0; r < j.i1; r += kShrinkRows) {
       const int n = static_cast<int>(std::min<int64_t>(kShrinkRows, j.i1 - r));
-      shrink<W>(n, xr + r, K, A, R, u + r * R);
+      Ahead none;
+      shrink<W>(n, xr + r, K, A, R, u + r * R, none);
     }
   });
 
   // Phase 2: y[rows, block] = u[rows] @ B[slot][:, block].
   const int64_t blocks = (N + kColBlock - 1) / kColBlock;
-  run_items(pool, static_cast<int64_t>(jobs.size()) * blocks, parallel, [=](int64_t i) {
+  run_items(pool, njobs * blocks, true, [=](int64_t i) {
     const Job& j = jb[i / blocks];
     const int64_t c0 = (i % blocks) * kColBlock, c1 = std::min(N, c0 + kColBlock);
     const W* B = bbase + j.s * b_slot;
     for (int64_t r = j.i0; r < j.i1; r += kExpandRows) {
       const int n = static_cast<int>(std::min<int64_t>(kExpandRows, j.i1 - r));
-      expand<W>(n, u + r * R, R, B, N, c0, c1, yr + r);
+      Ahead none;
+      expand<W>(n, u + r * R, R, B, N, c0, c1, yr + r, none);
     }
   });
   return ffi::Error::Success();

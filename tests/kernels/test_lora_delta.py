@@ -15,7 +15,9 @@ adapter`). Where u and y are stored in bfloat16 (bfloat16 rows), their rounding 
 Cases: ragged mixes with slot-0 rows, every row slot 0, one slot for all rows (over the
 kernel's 16-row jobs), every row its own slot, one row, T not a multiple of any tile, rank 8
 / 3 / 64 and widths that leave vector tails (the kernel's narrower vectors and scalar
-columns), enough work for the kernel to use the thread pool, a slot outside [0, S) (zero,
+columns), enough work for the kernel to use the thread pool (few uneven jobs: shrink then a
+column-split expand; even or many jobs: a job an item, the next one claimed ahead), a slot
+outside [0, S) (zero,
 as the masked path); the bundled model's shapes in the slow tier. Plus: a layer of the
 stack read inside a scan, bfloat16 rows, the fallback where the C++ library cannot be
 built, the trace-time refusals naming the operand, the per-backend choice (`grouped_pays`)
@@ -58,6 +60,10 @@ CASES = {
     "rank64": (20, 64, 64, 130, 4, 3),
     "rank3-scalar": (11, 24, 3, 7, 3, 4),          # R and out narrower than any vector
     "threaded": (70, 256, 16, 520, 6, 5),          # past the kernel's serial-work cut-off
+    # A decode step's mix on the thread pool: 8 adapters x 4 rows, one job each, claimed a
+    # job ahead; and many jobs (3 adapters x 100 rows) the same way.
+    "threaded-decode": (32, 256, 16, 520, 9, [1 + t % 8 for t in range(32)]),
+    "threaded-many": (300, 64, 16, 200, 4, [1 + t % 3 for t in range(300)]),
 }
 L_STACK = 3  # layers in every stack; the cases read layer 1
 
