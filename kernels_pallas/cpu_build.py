@@ -132,6 +132,13 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def cpu_has_avx512_bf16() -> bool:
+    """Whether this CPU has AVX512_BF16's dot products (Linux's flags), which the avx512_vnni
+    build's LoRA kernel uses for bfloat16 stacks where the CPU has them (csrc/lora_bf16_dot.h
+    checks with cpuid itself): the tests' tolerance follows."""
+    return "avx512_bf16" in _cpu_flags().split()
+
+
 def dense_variants() -> tuple[tuple[str, tuple[str, ...]], ...]:
     """(isa name, its extra flags) for the dense kernels on this machine, best first."""
     return _X86_ISAS if platform.machine().lower() in ("x86_64", "amd64") else _NATIVE_ISAS

@@ -54,6 +54,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX__)
@@ -62,6 +63,7 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "pool_items.h"
+#include "lora_bf16_dot.h"
 
 namespace ffi = xla::ffi;
 
@@ -367,6 +369,39 @@ ffi::Error LoraDelta(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   float* const* yr = yrow.data();
   const bool parallel = active * R * (K + N) >= kParallelWork;
 
+#if defined(JAXSERVE_BF16_DOT)
+  // bfloat16 stacks as bfloat16 dot products where the CPU has them (lora_bf16_dot.h).
+  const bool dot = std::is_same_v<W, uint16_t> && R % 16 == 0 &&
+                   jaxserve_lora_bf16::cpu_has_bf16_dot();
+  auto dot_job = [=](const Job& j, const W* A, const W* B, Ahead& next) {
+    namespace bd = jaxserve_lora_bf16;
+    const int64_t rows = j.i1 - j.i0, kp = (K + 1) / 2, rp = R / 2;
+    std::unique_ptr<uint32_t[]> pairs(new uint32_t[rows * (kp + rp)]);
+    const uint32_t* xp[kJobRows];
+    const uint32_t* up[kJobRows];
+    for (int64_t t = 0; t < rows; ++t) {
+      uint32_t* xt = pairs.get() + t * kp;
+      bd::to_pairs(xr[j.i0 + t], K, xt);
+      xp[t] = xt;
+    }
+    const uint16_t* a16 = reinterpret_cast<const uint16_t*>(A);
+    const uint16_t* b16 = reinterpret_cast<const uint16_t*>(B);
+    for (int64_t t = 0; t < rows; t += kShrinkRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kShrinkRows, rows - t));
+      bd::shrink_rows<kShrinkRows>(n, xp + t, K, a16, R, u + (j.i0 + t) * R, next);
+    }
+    for (int64_t t = 0; t < rows; ++t) {
+      uint32_t* ut = pairs.get() + rows * kp + t * rp;
+      bd::to_pairs(u + (j.i0 + t) * R, R, ut);
+      up[t] = ut;
+    }
+    for (int64_t t = 0; t < rows; t += 4) {
+      const int n = static_cast<int>(std::min<int64_t>(4, rows - t));
+      const int64_t done = bd::expand(n, up + t, R, b16, N, yr + j.i0 + t, next);
+      if (done < N) expand<W>(n, u + (j.i0 + t) * R, R, B, N, done, N, yr + j.i0 + t, next);
+    }
+  };
+#endif
   // One job whole: shrink then expand, fetching (Ahead) the job's B when nothing fetched it
   // (`first`) and the `following` job's A and B (-1: none) while it computes.
   auto run_job = [=](int64_t i, int64_t following, bool first) {
@@ -393,6 +428,16 @@ ffi::Error LoraDelta(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
                               (K / streams + 1) +
                           ceil_div(rows, kExpandRows) * ceil_div(N, vecs) * R;
     next.per = ceil_div(next.lines(), std::max<int64_t>(steps, 1));
+#if defined(JAXSERVE_BF16_DOT)
+    if constexpr (std::is_same_v<W, uint16_t>) {
+      if (dot) {  // its steps: shrink pairs of k, expand pairs of r (lora_bf16_dot.h)
+        const int64_t dot_steps = ceil_div(rows, kShrinkRows) * (R / 16) * (K / 2 / streams + 1) +
+                                  ceil_div(rows, 4) * ceil_div(N, 64) * (R / 2);
+        next.per = ceil_div(next.lines(), std::max<int64_t>(dot_steps, 1));
+        return dot_job(j, A, B, next);
+      }
+    }
+#endif
     for (int64_t r = j.i0; r < j.i1; r += kShrinkRows) {
       const int n = static_cast<int>(std::min<int64_t>(kShrinkRows, j.i1 - r));
       shrink<W>(n, xr + r, K, A, R, u + r * R, next);
