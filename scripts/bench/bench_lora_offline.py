@@ -1,5 +1,6 @@
 """Multi-LoRA's throughput cost, offline and interleaved: output tokens/s of one engine
-without LoRA and engines with 8 adapters (float32 and bfloat16 stacks) over the same 32
+without LoRA and engines with 8 adapters (stacks of the default dtype, `--lora-dtype auto`,
+and of float32 and bfloat16 named) over the same 32
 prompts, every prompt on an adapter (round-robin), rounds alternating between the engines in
 one process so that a shared host's drift falls on all of them alike; prints each round's
 ratios and their median, writes JSON.
@@ -35,7 +36,9 @@ def main() -> None:
                   quantization=args.quantization)
     lora = dict(enable_lora=True, max_loras=8, max_lora_rank=16)
     engines = {"none": LLM(**common), "lora": LLM(**common, **lora),
+               "lora_f32": LLM(**common, **lora, lora_dtype="float32"),
                "lora_bf16": LLM(**common, **lora, lora_dtype="bfloat16")}
+    variants = [k for k in engines if k != "none"]
     reqs = [LoRARequest(f"l{i}", i + 1, f"{args.adapters}/lora{i}") for i in range(8)]
     prompts = [f"Tell me a story about the number {i} and a cat called Tom." for i in
                range(args.seqs)]
@@ -54,10 +57,9 @@ def main() -> None:
         tps = {name: run(name) for name in engines}
         rounds.append(tps)
         print(f"round {r + 1}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in tps.items())
-              + f"; ratios lora {tps['lora'] / tps['none']:.3f}, lora_bf16 "
-              f"{tps['lora_bf16'] / tps['none']:.3f}", flush=True)
-    summary = {k: statistics.median(r[k] / r["none"] for r in rounds)
-               for k in ("lora", "lora_bf16")}
+              + "; ratios " + ", ".join(f"{k} {tps[k] / tps['none']:.3f}" for k in variants),
+              flush=True)
+    summary = {k: statistics.median(r[k] / r["none"] for r in rounds) for k in variants}
     print("median ratio to no LoRA: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()))
     if args.json:
         with open(args.json, "w") as f:
