@@ -17,7 +17,8 @@ What each field sizes (docs/serving/lora.md):
   None: as many as `max_loras`. Registered adapters beyond it are read from disk again when
   next needed.
 - `lora_modules`: adapters registered at start-up, `(name, path)` pairs.
-- `lora_dtype`: the stacks' dtype (`LORA_DTYPES`; auto: the model's).
+- `lora_dtype`: the stacks' dtype (`LORA_DTYPES`; auto: the model's, bfloat16 for a float32
+  model with quantized weights: `serving.lora_build.stacks_dtype`).
 """
 
 from __future__ import annotations

@@ -228,8 +228,9 @@ def add_lora_flags(g: Any) -> None:
                    metavar="M", help="adapters kept loaded in host memory (default: "
                    "--max-loras)")
     g.add_argument("--lora-dtype", dest="lora_lora_dtype", default=None, choices=LORA_DTYPES,
-                   help="the adapters' dtype on the device (default: auto, the model's; "
-                   "bfloat16 halves what a decode step reads for them)")
+                   help="the adapters' dtype on the device (default: auto, the model's, or "
+                   "bfloat16 for a float32 model with quantized weights; bfloat16 halves "
+                   "what a decode step reads for them)")
 
 
 def engine_config_from_args(args: argparse.Namespace, **fixed: Any) -> EngineConfig:

@@ -218,7 +218,7 @@ def _place(config: EngineConfig, model: LoadedModel | None,
         params = placement.place_params(model.params, model.config, mesh, ep)
         device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
     lora = lora_build.device_slots(config, model.config, run_cfg, mesh,
-                                   lora_build.stacks_dtype(config))
+                                   lora_build.stacks_dtype(config, quantized))
     return _Placed(model, run_cfg, params, mesh, ep and mesh is not None, device, quantized,
                    lora)
 

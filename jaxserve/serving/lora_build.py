@@ -63,8 +63,16 @@ def adapter_loader(config: EngineConfig, cfg: ModelConfig) -> Callable[..., Any]
     return functools.partial(load_peft_adapter, cfg=cfg, max_rank=lora.max_lora_rank)
 
 
-def stacks_dtype(config: EngineConfig) -> Any:
-    """The stacks' dtype: `lora_dtype`, or with auto the model's (vLLM's rule)."""
+def stacks_dtype(config: EngineConfig, quantized: bool) -> Any:
+    """The stacks' dtype: `lora_dtype`; auto: the model's (vLLM's rule), except bfloat16 for
+    a float32 model whose weights are stored quantized (`quantized`: the bundled Q4_1 GGUF).
+    Such a model has no float weights to match; its 4-8-bit base errs far more than the
+    adapters' bfloat16 rounding (2^-8), while float32 stacks would double what each decode
+    step reads for them and, on CPU, forgo the bfloat16 dot products (csrc/lora_bf16_dot.h):
+    8 rank-16 adapters cost the bundled model ~22% of its decode throughput in float32
+    (docs/benchmarks)."""
     lora = config.lora_config
-    name = config.dtype if lora is None or lora.lora_dtype == "auto" else lora.lora_dtype
+    name = config.dtype if lora is None else lora.lora_dtype
+    if name == "auto":
+        name = "bfloat16" if quantized and config.dtype == "float32" else config.dtype
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
