@@ -2,8 +2,9 @@
 # Multi-LoRA's benchmark: jaxserve on the bundled SmolLM2-135M serving 8 random rank-16
 # adapters (every attention and MLP projection; scripts/bench/make_lora_adapters.py) with
 # every request on an adapter, round-robin (at concurrency 32 each step mixes all 8), against
-# the same server without LoRA on the same requests ($SERVERS: none, lora (the stacks in the
-# model's float32), lora_bf16 (--lora-dtype bfloat16)); all driven by vLLM's own client
+# the same server without LoRA on the same requests ($SERVERS: none, lora (the default
+# --lora-dtype auto: bfloat16 stacks for this quantized float32 model), lora_f32 (--lora-dtype
+# float32), lora_bf16 (--lora-dtype bfloat16)); all driven by vLLM's own client
 # (`vllm bench serve`), random prompts of $INPUT_LEN tokens, $OUTPUT_LEN new tokens each
 # (--ignore-eos: every request the same length on both servers). Only same-run ratios count;
 # ROUNDS > 1 alternates the servers (a shared host's speed drifts by the minute).
@@ -24,7 +25,7 @@ HF_DIR=${HF_DIR:-/tmp/smollm2-hf}
 OUT=${OUT:-lora_bench}
 ADAPTERS=${ADAPTERS:-$OUT/adapters}
 CONCURRENCY=${CONCURRENCY:-32}
-SERVERS=${SERVERS:-"none lora lora_bf16"}
+SERVERS=${SERVERS:-"none lora lora_f32"}
 ROUNDS=${ROUNDS:-1}
 INPUT_LEN=${INPUT_LEN:-128}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
@@ -37,9 +38,10 @@ mkdir -p "$OUT"
 [ -f "$ADAPTERS/lora7/adapter_config.json" ] || \
   python scripts/bench/make_lora_adapters.py "$HF_DIR" "$ADAPTERS" --num 8 --rank 16 > /dev/null
 
-start_server() {  # $1: none | lora | lora_bf16; sets PID
+start_server() {  # $1: none | lora | lora_f32 | lora_bf16; sets PID
   local extra=()
   [ "$1" != lora_bf16 ] || extra=(--lora-dtype bfloat16)
+  [ "$1" != lora_f32 ] || extra=(--lora-dtype float32)
   if [ "$1" != none ]; then
     extra+=(--enable-lora --max-loras 8 --max-lora-rank 16 --max-cpu-loras 9 --enable-admin
            --lora-modules)
