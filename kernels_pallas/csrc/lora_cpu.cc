@@ -25,6 +25,10 @@
 // float32 stacks, 6.3 -> 4.2 ms with bfloat16, against shrink / expand as two barrier-
 // separated phases without fetching ahead (this kernel before).
 //
+// bfloat16 stacks on a CPU with AVX512_BF16 (this file's avx512_vnni build) go through
+// lora_bf16_dot.h: bfloat16 dot products, half the instructions (x and u rounded to bfloat16
+// first). The job structure, its fetching and the column tail (N % 32) stay this file's.
+//
 // Threads (XLA's intra-op pool, the calling thread working too; pool_items.h):
 //   - a call whose work (active rows x R x (K + N) FMAs) is under kParallelWork runs its
 //     jobs on the calling thread, in order (each fetching the next; waking a helper costs
