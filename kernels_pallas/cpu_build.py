@@ -86,8 +86,9 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-er
 # every AVX-512 extension off, since -mno-avx512f disables those built on it). -Bsymbolic:
 # the library's calls bind to its own functions.
 # avx512_vnni differs from avx512 only in the integer dots of csrc/dense_qdot_cpu.cc
-# (vpdpbusd); avx512 turns VNNI off, so an AVX-512 host without it (Skylake-X) runs that build
-# and a VNNI host can run both paths.
+# (vpdpbusd) and in the LoRA kernel's bfloat16 dots (csrc/lora_bf16_dot.h: compiled for
+# AVX512_BF16 by function attribute, run only where cpuid has it); avx512 turns VNNI off, so
+# an AVX-512 host without it (Skylake-X) runs that build and a VNNI host can run both paths.
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma", "-mf16c")
 _X86_ISAS = (("avx512_vnni", (*_AVX512, "-mavx512vnni")),
              ("avx512", (*_AVX512, "-mno-avx512vnni")),
@@ -146,7 +147,7 @@ def dense_variants() -> tuple[tuple[str, tuple[str, ...]], ...]:
 
 def attention_variants() -> tuple[tuple[str, tuple[str, ...]], ...]:
     """The dense_variants() whose attention builds differ: its tiles are AVX-512 or AVX2
-    (csrc/tile_simd.h), and avx512_vnni adds only the dense kernels' integer dots."""
+    (csrc/tile_simd.h), and avx512_vnni adds only the dense and LoRA kernels' dots."""
     return tuple(v for v in dense_variants() if v[0] != "avx512_vnni")
 
 
