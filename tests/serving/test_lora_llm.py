@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import pathlib
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 pytest.importorskip("transformers")
@@ -125,3 +127,22 @@ def merged_model_cached(case: dict, name: str):  # noqa: ANN201
 def test_lora_request_needs_enable_lora(case: dict) -> None:
     with pytest.raises(ValueError, match="enable_lora"):
         LLM(str(case["base"]), max_loras=2)
+
+
+def test_quantized_base_gets_bfloat16_stacks_by_default(case: dict) -> None:
+    """Through the one build path: `lora_dtype` auto on a float32 model stored quantized
+    (`quantization="int8"`) makes bfloat16 stacks (`serving.lora_build.stacks_dtype`), and
+    the adapter still changes the greedy output."""
+    llm = LLM(str(case["base"]), enable_lora=True, max_loras=1, max_lora_rank=8,
+              quantization="int8", max_num_seqs=2, max_num_batched_tokens=16, page_size=8,
+              max_model_len=64, kv_cache_memory=1 << 20, token_buckets=(16,),
+              attention_impl="reference")
+    try:
+        dtypes = {leaf.dtype for leaf in jax.tree.leaves(llm.engine.runner.lora.stacks)}
+        assert dtypes == {jnp.dtype(jnp.bfloat16)}
+        sp = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True)
+        a = _requests(case["dirs"])["a"]
+        base, tuned = llm.generate([PROMPTS[0]] * 2, sp, use_tqdm=False, lora_request=[None, a])
+        assert base.outputs[0].token_ids != tuned.outputs[0].token_ids
+    finally:
+        llm.close()
